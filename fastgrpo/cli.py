@@ -1,0 +1,92 @@
+"""The `fastgrpo` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from fastgrpo.config import Config, ConfigError, load_config
+
+DEFAULT_CONFIG = "configs/tiny_cpu.yaml"
+
+
+def _config(args: argparse.Namespace) -> Config:
+    path = args.config
+    if path is None and Path(DEFAULT_CONFIG).is_file():
+        path = DEFAULT_CONFIG
+    return load_config(path, args.overrides)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from fastgrpo.grpo.loop import train
+
+    train(_config(args), resume=args.resume)
+
+
+def cmd_sft(args: argparse.Namespace) -> None:
+    from fastgrpo.models.sft import build_policy
+
+    cfg = _config(args)
+    if args.if_missing and (Path(cfg.model.path) / "config.json").is_file():
+        print(f"policy already at {cfg.model.path}; skipping SFT")
+        return
+    build_policy(cfg)
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from fastgrpo.engine.engine import EmbeddedEngine
+    from fastgrpo.grpo.evaluate import evaluate
+    from fastgrpo.models.policy import load_policy
+    from fastgrpo.models.tokenizer import load_tokenizer
+    from fastgrpo.tasks.source import encode_problems, load_task
+
+    cfg = _config(args)
+    path = Path(args.checkpoint) if args.checkpoint else Path(cfg.model.path)
+    policy_dir = path / "policy" if (path / "policy" / "config.json").is_file() else path
+    policy, tokenizer = load_policy(policy_dir), load_tokenizer(policy_dir)
+    engine = EmbeddedEngine(policy.config, cfg.rollout.max_batch, cfg.model.max_context,
+                            eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+    engine.update_weights(policy.state_dict().items(), version=0)
+    _, evals = load_task(cfg.task, cfg.seed)
+    result = evaluate(engine, tokenizer, encode_problems(evals, tokenizer, cfg.model.max_context, "eval"),
+                      cfg.eval.samples, cfg.rollout.temperature, cfg.rollout.max_new_tokens,
+                      cfg.task.reward_timeout_s, seed=cfg.seed)
+    print(json.dumps({"checkpoint": str(policy_dir), "problems": len(evals)} | result, indent=2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fastgrpo", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, fn, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        p.add_argument("--config", help=f"YAML config (default: {DEFAULT_CONFIG} if present)")
+        p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. grpo.steps=4")
+        p.set_defaults(fn=fn)
+        return p
+
+    add("train", cmd_train, "GRPO training").add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in run_dir")
+    add("sft", cmd_sft, "build the tokenizer and warm-start the policy on worked solutions").add_argument(
+        "--if-missing", action="store_true", help="do nothing if model.path already holds a policy")
+    add("eval", cmd_eval, "accuracy of a checkpoint on the eval split").add_argument(
+        "--checkpoint", help="checkpoint or HF policy directory (default: model.path)")
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        args.fn(args)
+    except ConfigError as e:
+        print(f"fastgrpo: config error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as e:
+        print(f"fastgrpo: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""The run configuration: typed sections, YAML loading, `key=value` overrides, validation.
+
+Everything is checked before any work starts, and every error names the offending key, so a typo
+in a 70B launch fails in a second instead of after an hour of model loading.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message names the key."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "artifacts/policy-bench"  # Hugging Face directory of the policy (and its tokenizer)
+    size: str = "bench"  # recipe used by `fastgrpo sft` when building the policy: "test" or "bench"
+    max_context: int = 512  # prompt + response tokens
+
+
+@dataclass
+class TaskConfig:
+    source: str = "arithmetic"  # "arithmetic" (synthetic) or a path to a .jsonl / .parquet file
+    eval_source: str = ""  # eval file for file sources; empty = hold out eval_size rows of `source`
+    train_size: int = 20000
+    eval_size: int = 200
+    min_steps: int = 1
+    max_steps: int = 24
+    tail: float = 0.75  # P(k steps) ~ tail**(k-1): a long tail of long answers
+    reward_timeout_s: float = 2.0
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 8
+    group_size: int = 8  # G samples per prompt
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_batch: int = 64  # engine slots (concurrent sequences)
+
+
+@dataclass
+class GRPOConfig:
+    steps: int = 20
+    eps_low: float = 0.2
+    eps_high: float = 0.28  # clip-higher: eps_high > eps_low lets rare good tokens grow
+    scale_by_std: bool = True  # A = (r - mean) / (std + eps); False: A = r - mean
+    loss_aggregation: str = "token_mean"  # or "seq_mean"
+    kl_coef: float = 0.0  # k3 KL to the initial policy; 0 skips the reference forward
+    drop_equal_reward_groups: bool = True  # groups whose rewards are all equal carry no signal
+    epochs: int = 1  # optimisation passes over one rollout batch
+    minibatches: int = 1  # optimiser steps per epoch
+    micro_batch_size: int = 16  # sequences per forward/backward (memory, not maths)
+    tis_cap: float = 2.0  # truncated importance sampling: weight min(pi_trainer/pi_engine, cap); 0 = off
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0  # 0 = off
+    warmup_steps: int = 0
+
+
+@dataclass
+class SFTConfig:
+    examples: int = 60000
+    batch_size: int = 32
+    lr: float = 1e-3
+    warmup_steps: int = 100
+    max_minutes: float = 15.0  # wall-clock cap; SFT stops early and saves
+    log_every: int = 50
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    uri: str = ""  # empty: sqlite:///<run_dir>/mlflow.db
+    experiment: str = "fastgrpo"
+    run_name: str = ""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 10  # steps; a checkpoint is also written at the end
+    keep_last: int = 2
+
+
+@dataclass
+class EvalConfig:
+    samples: int = 4  # G samples per eval prompt for mean accuracy and pass@G
+    every: int = 0  # steps between evals during training; 0 = only before and after
+
+
+@dataclass
+class Config:
+    run_dir: str = "runs/default"
+    seed: int = 0
+    threads: int = 0  # torch intra-op threads; 0 = all cores
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Schema defaults <- YAML file <- `key=value` overrides, then validation."""
+    try:
+        cfg = OmegaConf.structured(Config)
+        if path is not None:
+            path = Path(path)
+            if not path.is_file():
+                raise ConfigError(f"config file not found: {path}")
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+        if overrides:
+            for item in overrides:
+                if "=" not in item:
+                    raise ConfigError(f"override {item!r} is not of the form key=value")
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        msg = str(e.msg).splitlines()[0]
+        raise ConfigError(f"config key {key!r}: {msg}" if key else msg) from None
+    validate(config)
+    return config
+
+
+def _check(ok: bool, key: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{key} {rule}, got {value!r}")
+
+
+def validate(c: Config) -> None:
+    """Range and consistency checks that types alone cannot express."""
+    r, g, o, t, s = c.rollout, c.grpo, c.optim, c.task, c.sft
+    _check(c.threads >= 0, "threads", "must be >= 0", c.threads)
+    _check(c.model.size in ("test", "bench"), "model.size", "must be 'test' or 'bench'", c.model.size)
+    _check(c.model.max_context >= 8, "model.max_context", "must be >= 8", c.model.max_context)
+    _check(t.train_size >= 1, "task.train_size", "must be >= 1", t.train_size)
+    _check(t.eval_size >= 1, "task.eval_size", "must be >= 1", t.eval_size)
+    _check(1 <= t.min_steps <= t.max_steps, "task.min_steps", "must be in 1..task.max_steps", t.min_steps)
+    _check(0 < t.tail <= 1, "task.tail", "must be in (0, 1]", t.tail)
+    _check(t.reward_timeout_s > 0, "task.reward_timeout_s", "must be > 0", t.reward_timeout_s)
+    _check(r.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1", r.prompts_per_step)
+    _check(r.group_size >= 2, "rollout.group_size", "must be >= 2 (advantages compare samples)", r.group_size)
+    _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", r.max_new_tokens)
+    _check(r.max_new_tokens < c.model.max_context, "rollout.max_new_tokens", "must be < model.max_context", r.max_new_tokens)
+    _check(math.isfinite(r.temperature) and r.temperature >= 0, "rollout.temperature", "must be >= 0", r.temperature)
+    _check(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]", r.top_p)
+    _check(r.top_k >= 0, "rollout.top_k", "must be >= 0", r.top_k)
+    _check(r.max_batch >= 1, "rollout.max_batch", "must be >= 1", r.max_batch)
+    _check(g.steps >= 0, "grpo.steps", "must be >= 0", g.steps)
+    _check(0 <= g.eps_low < 1, "grpo.eps_low", "must be in [0, 1)", g.eps_low)
+    _check(g.eps_high >= 0, "grpo.eps_high", "must be >= 0", g.eps_high)
+    _check(g.loss_aggregation in ("token_mean", "seq_mean"), "grpo.loss_aggregation",
+           "must be 'token_mean' or 'seq_mean'", g.loss_aggregation)
+    _check(g.kl_coef >= 0, "grpo.kl_coef", "must be >= 0", g.kl_coef)
+    _check(g.epochs >= 1, "grpo.epochs", "must be >= 1", g.epochs)
+    _check(g.minibatches >= 1, "grpo.minibatches", "must be >= 1", g.minibatches)
+    _check(g.micro_batch_size >= 1, "grpo.micro_batch_size", "must be >= 1", g.micro_batch_size)
+    _check(g.tis_cap == 0 or g.tis_cap >= 1, "grpo.tis_cap", "must be 0 (off) or >= 1", g.tis_cap)
+    _check(o.lr > 0, "optim.lr", "must be > 0", o.lr)
+    _check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0", o.weight_decay)
+    _check(all(0 <= b < 1 for b in o.betas), "optim.betas", "must be in [0, 1)", o.betas)
+    _check(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0", o.grad_clip)
+    _check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0", o.warmup_steps)
+    _check(s.examples >= 1, "sft.examples", "must be >= 1", s.examples)
+    _check(s.batch_size >= 1, "sft.batch_size", "must be >= 1", s.batch_size)
+    _check(s.lr > 0, "sft.lr", "must be > 0", s.lr)
+    _check(s.max_minutes > 0, "sft.max_minutes", "must be > 0", s.max_minutes)
+    _check(c.checkpoint.every >= 1, "checkpoint.every", "must be >= 1", c.checkpoint.every)
+    _check(c.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", c.checkpoint.keep_last)
+    _check(c.eval.samples >= 1, "eval.samples", "must be >= 1", c.eval.samples)
+    _check(c.eval.every >= 0, "eval.every", "must be >= 0", c.eval.every)
+
+
+def to_yaml(c: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(c))
+
+
+def flatten(c: Config) -> dict[str, Any]:
+    """Dotted keys (`grpo.eps_low`) for MLflow params."""
+    out: dict[str, Any] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            out[prefix] = node
+
+    walk("", OmegaConf.to_container(OmegaConf.structured(c)))
+    return out

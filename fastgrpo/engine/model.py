@@ -1,0 +1,175 @@
+"""Inference forward of a Llama-architecture policy over a static, slot-based KV cache.
+
+Why not `transformers` here: its dynamic cache re-copies on every step and cannot take per-sequence
+lengths or tree-shaped attention, which speculative verification needs. This module reads the same
+Hugging Face weights (by their HF names) and computes the same function; a test holds its logits
+to a full HF forward.
+
+Cache layout: rows are sequences, kept contiguous (rows 0..B-1 are the running batch), so a decode
+step attends over plain views of the cache with no gather. Each row has its own length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import LlamaConfig
+
+
+class KVCache:
+    def __init__(self, cfg: LlamaConfig, rows: int, max_len: int, dtype: torch.dtype = torch.float32):
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        shape = (cfg.num_hidden_layers, rows, max_len, cfg.num_key_value_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.lengths = torch.zeros(rows, dtype=torch.long)  # tokens cached per row
+        self.max_len = max_len
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[1]
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy one sequence's cached tokens to another row (compaction when a sequence leaves)."""
+        n = int(self.lengths[src])
+        self.k[:, dst, :n] = self.k[:, src, :n]
+        self.v[:, dst, :n] = self.v[:, src, :n]
+        self.lengths[dst] = n
+
+
+def _rope_tables(cfg: LlamaConfig, max_len: int) -> tuple[Tensor, Tensor]:
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    theta = getattr(cfg, "rope_theta", None) or (cfg.rope_parameters or {}).get("rope_theta", 10000.0)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class InferenceModel:
+    """Weights in fused layouts (qkv, gate+up) for fewer, larger matmuls; HF names map to views."""
+
+    def __init__(self, cfg: LlamaConfig, max_len: int, dtype: torch.dtype = torch.float32):
+        if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+            raise ValueError("biased attention/MLP projections are not supported by the embedded engine")
+        self.cfg = cfg
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        h, q, kv, ff = cfg.hidden_size, cfg.hidden_size, self.n_kv * self.head_dim, cfg.intermediate_size
+        z = lambda *s: torch.zeros(*s, dtype=dtype)  # noqa: E731
+        self.embed = z(cfg.vocab_size, h)
+        self.norm = z(h)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else z(cfg.vocab_size, h)
+        self.layers = [
+            dict(wqkv=z(q + 2 * kv, h), wo=z(h, q), w_gate_up=z(2 * ff, h), w_down=z(h, ff), attn_norm=z(h), mlp_norm=z(h))
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        self.views: dict[str, Tensor] = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
+        if not cfg.tie_word_embeddings:
+            self.views["lm_head.weight"] = self.lm_head
+        for i, L in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            self.views |= {
+                p + "self_attn.q_proj.weight": L["wqkv"][:q],
+                p + "self_attn.k_proj.weight": L["wqkv"][q : q + kv],
+                p + "self_attn.v_proj.weight": L["wqkv"][q + kv :],
+                p + "self_attn.o_proj.weight": L["wo"],
+                p + "mlp.gate_proj.weight": L["w_gate_up"][:ff],
+                p + "mlp.up_proj.weight": L["w_gate_up"][ff:],
+                p + "mlp.down_proj.weight": L["w_down"],
+                p + "input_layernorm.weight": L["attn_norm"],
+                p + "post_attention_layernorm.weight": L["mlp_norm"],
+            }
+        self.cos, self.sin = _rope_tables(cfg, max_len)
+
+    def load(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
+        """Copy HF-named tensors into place; unknown names and shape mismatches are errors."""
+        n = 0
+        for name, t in named_tensors:
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue  # tied: the embedding is the head
+            if name not in self.views:
+                raise KeyError(f"weight {name!r} is not part of this {self.cfg.model_type} model")
+            dst = self.views[name]
+            if dst.shape != t.shape:
+                raise ValueError(f"weight {name!r}: shape {tuple(t.shape)} does not match {tuple(dst.shape)}")
+            dst.copy_(t)
+            n += 1
+        return n
+
+    def named_weights(self) -> Iterable[tuple[str, Tensor]]:
+        return self.views.items()
+
+    def _norm(self, x: Tensor, w: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: Tensor,
+        cache: KVCache,
+        rows: slice,
+        positions: Tensor | None = None,
+        new_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Run `tokens` [B, n] for cache rows `rows`, appending their keys/values after each row's length.
+
+        positions [B, n]: RoPE positions (default: consecutive after the cached length; a tree gives
+        each node its depth). new_mask [B, n, n] bool: which new tokens each new token sees (default
+        causal; a tree gives ancestors). The cache lengths are NOT advanced: the caller decides how
+        many of the new tokens to keep (all for plain decoding, the accepted path for speculation).
+        Returns logits [B, n, V] and final hidden states [B, n, H] (post-norm: the draft's input).
+        """
+        B, n = tokens.shape
+        start = cache.lengths[rows]
+        offs = torch.arange(n)
+        slots = start[:, None] + offs  # where the new keys/values are written
+        if positions is None:
+            positions = slots
+        ctx = int(slots.max()) + 1
+        if ctx > cache.max_len:
+            raise ValueError(f"sequence would exceed the cache length {cache.max_len}")
+        kpos = torch.arange(ctx)
+        if new_mask is None:  # causal: key j is visible to new token i iff j <= start + i
+            mask = kpos[None, None, :] <= slots[:, :, None]
+        else:
+            rel = kpos[None, None, :] - start[:, None, None]  # key position relative to the block
+            in_block = (rel >= 0) & (rel < n)
+            seen = torch.gather(new_mask, 2, rel.clamp(0, n - 1).expand(B, n, ctx))
+            mask = (rel < 0) | (in_block & seen)
+        mask = mask[:, None]  # [B, 1, n, ctx]
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, n, D]
+        row_idx = torch.arange(rows.start, rows.stop)[:, None]
+        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+
+        x = F.embedding(tokens, self.embed)
+        for li, L in enumerate(self.layers):
+            h = self._norm(x, L["attn_norm"])
+            qkv = h @ L["wqkv"].T
+            q = qkv[..., : H * D].view(B, n, H, D).transpose(1, 2)
+            k = qkv[..., H * D : (H + KV) * D].view(B, n, KV, D).transpose(1, 2)
+            v = qkv[..., (H + KV) * D :].view(B, n, KV, D)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            ck, cv = cache.k[li], cache.v[li]
+            ck[row_idx, slots] = k.transpose(1, 2)
+            cv[row_idx, slots] = v
+            keys = ck[rows, :ctx].transpose(1, 2)
+            values = cv[rows, :ctx].transpose(1, 2)
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=KV != H)
+            x = x + attn.transpose(1, 2).reshape(B, n, H * D) @ L["wo"].T
+            h = self._norm(x, L["mlp_norm"])
+            gate, up = (h @ L["w_gate_up"].T).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ L["w_down"].T
+        hidden = self._norm(x, self.norm)
+        return hidden @ self.lm_head.T, hidden

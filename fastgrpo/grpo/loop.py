@@ -1,0 +1,209 @@
+"""The GRPO training loop: sample prompts, roll out, score, compute advantages, train the policy,
+sync weights, log, checkpoint."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from fastgrpo.backends.protocols import Completion, Request
+from fastgrpo.backends.torch_trainer import TorchPolicyTrainer
+from fastgrpo.bridge import WeightBridge
+from fastgrpo.checkpoint import CheckpointManager
+from fastgrpo.config import Config, flatten, to_yaml
+from fastgrpo.engine.engine import EmbeddedEngine
+from fastgrpo.engine.sampling import SamplingParams
+from fastgrpo.grpo.advantages import group_advantages, informative_groups
+from fastgrpo.grpo.batch import RolloutBatch, build_batch
+from fastgrpo.grpo.evaluate import evaluate
+from fastgrpo.models.policy import load_policy
+from fastgrpo.models.tokenizer import decode_response, load_tokenizer
+from fastgrpo.tasks.rewards import score
+from fastgrpo.tasks.source import EncodedProblem, PromptSource, encode_problems, load_task
+from fastgrpo.tracking import Tracker, default_tracking_uri
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    cfg: Config
+    tokenizer: PreTrainedTokenizerBase
+    trainer: TorchPolicyTrainer
+    engine: EmbeddedEngine
+    bridge: WeightBridge
+    data: PromptSource
+    eval_problems: list[EncodedProblem]
+    tracker: Tracker
+    checkpoints: CheckpointManager
+    step: int = 0
+
+
+def train(cfg: Config, resume: bool = False) -> dict[str, float]:
+    run = setup_run(cfg, resume)
+    if run.step == 0:
+        log_eval(run, step=0)
+    for step in range(run.step, cfg.grpo.steps):
+        t_step = time.perf_counter()
+        problems = run.data.next_batch(cfg.rollout.prompts_per_step)
+
+        t0 = time.perf_counter()
+        completions = rollout(run, problems, seed=cfg.seed * 1_000_003 + step)
+        rollout_s = time.perf_counter() - t0
+
+        rewards = score_completions(run, problems, completions)
+        batch, kept_groups = training_batch(run, problems, completions, rewards)
+
+        t0 = time.perf_counter()
+        train_metrics = run.trainer.train_step(batch) if batch is not None else {"updates": 0.0}
+        train_s = time.perf_counter() - t0
+
+        sync = run.bridge.push(run.trainer.export_weights(), version=step + 1)
+
+        run.step = step + 1
+        metrics = step_metrics(completions, rewards, run.engine.stats(), kept_groups) | train_metrics
+        metrics |= {"rollout_s": rollout_s, "train_s": train_s, "weight_sync_s": sync.seconds,
+                    "step_s": time.perf_counter() - t_step}
+        run.tracker.log_metrics(metrics, step=run.step)
+        print_step(run.step, cfg.grpo.steps, metrics)
+
+        if cfg.eval.every and run.step % cfg.eval.every == 0 and run.step < cfg.grpo.steps:
+            log_eval(run, run.step)
+        if run.step % cfg.checkpoint.every == 0 or run.step == cfg.grpo.steps:
+            save_checkpoint(run)
+    final = log_eval(run, run.step)
+    run.tracker.end()
+    return final
+
+
+def setup_run(cfg: Config, resume: bool) -> Run:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    run_dir = Path(cfg.run_dir)
+    checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last)
+    latest = checkpoints.latest() if resume else None
+    if resume and latest is None:
+        log.warning("--resume: no checkpoint in %s, starting from step 0", checkpoints.root)
+
+    tokenizer = load_tokenizer(cfg.model.path)
+    policy = load_policy(latest / "policy" if latest else cfg.model.path)
+    reference = load_policy(cfg.model.path) if cfg.grpo.kl_coef > 0 else None
+    trainer = TorchPolicyTrainer(policy, cfg.grpo, cfg.optim, cfg.rollout.temperature, reference)
+    engine = EmbeddedEngine(policy.config, cfg.rollout.max_batch, cfg.model.max_context,
+                            eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+    bridge = WeightBridge([engine])
+
+    train_problems, eval_problems = load_task(cfg.task, cfg.seed)
+    data = PromptSource(encode_problems(train_problems, tokenizer, cfg.model.max_context, "train"), cfg.seed)
+    evals = encode_problems(eval_problems, tokenizer, cfg.model.max_context, "eval")
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tracker = Tracker(cfg.tracking.uri or default_tracking_uri(run_dir), cfg.tracking.experiment,
+                      run_dir / "mlartifacts", enabled=cfg.tracking.enabled)
+    run = Run(cfg, tokenizer, trainer, engine, bridge, data, evals, tracker, checkpoints)
+    run_id = None
+    if latest is not None:
+        run_id = restore_checkpoint(run, latest)
+        print(f"resumed from {latest} at step {run.step}")
+    tracker.start(cfg.tracking.run_name or run_dir.name, flatten(cfg), to_yaml(cfg), run_id=run_id)
+    bridge.push(trainer.export_weights(), version=run.step)
+    return run
+
+
+def rollout(run: Run, problems: list[EncodedProblem], seed: int) -> list[Completion]:
+    """G samples of every prompt, grouped: completions[i * G + j] answers problems[i]."""
+    r = run.cfg.rollout
+    sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
+    requests = [Request(p.prompt_ids) for p in problems for _ in range(r.group_size)]
+    return run.engine.generate(requests, sampling, seed=seed)
+
+
+def score_completions(run: Run, problems: list[EncodedProblem], completions: list[Completion]) -> torch.Tensor:
+    G = run.cfg.rollout.group_size
+    rewards = [score(decode_response(run.tokenizer, c.token_ids), problems[i // G].problem.answer,
+                     run.cfg.task.reward_timeout_s) for i, c in enumerate(completions)]
+    return torch.tensor(rewards, dtype=torch.float32).view(len(problems), G)
+
+
+def training_batch(run: Run, problems: list[EncodedProblem], completions: list[Completion],
+                   rewards: torch.Tensor) -> tuple[RolloutBatch | None, int]:
+    """Advantages per group; groups with all-equal rewards are dropped (they would add zero gradient)."""
+    g = run.cfg.grpo
+    G = run.cfg.rollout.group_size
+    advantages = group_advantages(rewards, g.scale_by_std)
+    keep = informative_groups(rewards) if g.drop_equal_reward_groups else torch.ones(len(problems), dtype=torch.bool)
+    rows = [i * G + j for i in range(len(problems)) if keep[i] for j in range(G)]
+    if not rows:
+        return None, 0
+    batch = build_batch([problems[i // G].prompt_ids for i in rows], [completions[i].token_ids for i in rows],
+                        [completions[i].logprobs for i in rows], advantages.flatten()[rows],
+                        pad_id=run.tokenizer.pad_token_id)
+    return batch, int(keep.sum())
+
+
+def step_metrics(completions: list[Completion], rewards: torch.Tensor, engine_stats: dict, kept_groups: int) -> dict[str, float]:
+    lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
+    return {
+        "reward_mean": rewards.mean().item(),
+        "reward_std": rewards.std().item(),
+        "accuracy": (rewards >= 1.0).float().mean().item(),
+        "response_len_mean": lengths.mean().item(),
+        "response_len_max": lengths.max().item(),
+        "truncated_fraction": sum(c.finish_reason != "stop" for c in completions) / len(completions),
+        "gen_tokens_per_s": engine_stats.get("tokens_per_s", 0.0),
+        "groups_kept": float(kept_groups),
+    }
+
+
+def print_step(step: int, total: int, m: dict[str, float]) -> None:
+    print(f"step {step}/{total} | reward {m['reward_mean']:.3f}±{m['reward_std']:.3f} | "
+          f"len {m['response_len_mean']:.0f}/{m['response_len_max']:.0f} | "
+          f"rollout {m['rollout_s']:.1f}s ({m['gen_tokens_per_s']:.0f} tok/s) | train {m['train_s']:.1f}s | "
+          f"sync {m['weight_sync_s']:.2f}s | loss {m.get('loss', 0.0):.4f} | "
+          f"clip {m.get('clip_fraction', 0.0):.3f} | entropy {m.get('entropy', 0.0):.3f}", flush=True)
+
+
+def log_eval(run: Run, step: int) -> dict[str, float]:
+    c = run.cfg
+    t0 = time.perf_counter()
+    result = evaluate(run.engine, run.tokenizer, run.eval_problems, c.eval.samples, c.rollout.temperature,
+                      c.rollout.max_new_tokens, c.task.reward_timeout_s, seed=c.seed)
+    result = {f"eval/{k}": v for k, v in result.items()}
+    run.tracker.log_metrics(result, step=step)
+    print(f"eval at step {step}: " + ", ".join(f"{k[5:]} {v:.3f}" for k, v in result.items())
+          + f" ({time.perf_counter() - t0:.0f}s)", flush=True)
+    return result
+
+
+def save_checkpoint(run: Run) -> Path:
+    def write(d: Path) -> None:
+        run.trainer.save(d)
+        run.tokenizer.save_pretrained(d / "policy")
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, d / "rng.pt")
+        state = {"step": run.step, "data": run.data.state_dict(), "mlflow_run_id": run.tracker.run_id,
+                 "weights_version": run.bridge.version}
+        (d / "state.json").write_text(json.dumps(state, indent=2))
+
+    path = run.checkpoints.save(run.step, write)
+    print(f"checkpoint: {path}", flush=True)
+    return path
+
+
+def restore_checkpoint(run: Run, path: Path) -> str | None:
+    state = json.loads((path / "state.json").read_text())
+    run.trainer.load(path)
+    rng = torch.load(path / "rng.pt", weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    run.data.load_state_dict(state["data"])
+    run.step = int(state["step"])
+    return state.get("mlflow_run_id")

@@ -1,0 +1,52 @@
+"""The tiny-policy recipe and Hugging Face loading/saving.
+
+Policies are plain `LlamaForCausalLM` checkpoints: whatever trains here loads in any HF tool, and
+whatever HF loads can be trained here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+# test: trains in seconds; bench: ~20M parameters, the size the benchmarks and `make train` use.
+SIZES: dict[str, dict[str, int]] = {
+    "test": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128),
+    "bench": dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8,
+                  intermediate_size=1536),
+}
+
+
+def policy_config(size: str, vocab_size: int, max_context: int, bos_id: int, eos_id: int, pad_id: int) -> LlamaConfig:
+    if size not in SIZES:
+        raise ValueError(f"unknown policy size {size!r}; choose one of {sorted(SIZES)}")
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        max_position_embeddings=max_context,
+        tie_word_embeddings=True,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        attention_dropout=0.0,
+        **SIZES[size],
+    )
+
+
+def new_policy(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).float()
+
+
+def load_policy(path: str | Path) -> PreTrainedModel:
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no Hugging Face policy at {path} (config.json missing); build one with `fastgrpo sft`")
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
+    return model
+
+
+def num_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

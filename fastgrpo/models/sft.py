@@ -1,0 +1,117 @@
+"""The tiny-policy recipe: a tokenizer and a Llama policy warm-started on the task's worked solutions.
+
+RL needs a policy that already answers in the right format and is sometimes right; supervised
+training on worked solutions gets it there in minutes on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from fastgrpo.config import Config
+from fastgrpo.engine.engine import EmbeddedEngine
+from fastgrpo.grpo.evaluate import evaluate
+from fastgrpo.models.policy import new_policy, num_parameters, policy_config
+from fastgrpo.models.tokenizer import encode_prompt, encode_response, train_tokenizer
+from fastgrpo.tasks.source import encode_problems, load_task
+
+
+def _batches(examples: list[tuple[list[int], list[int]]], batch_size: int, rng: random.Random):
+    """Endless batches of similar length (less padding on a long-tailed length distribution)."""
+    pool = batch_size * 16
+    while True:
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        for i in range(0, len(order), pool):
+            chunk = sorted(order[i : i + pool], key=lambda j: sum(map(len, examples[j])))
+            groups = [chunk[k : k + batch_size] for k in range(0, len(chunk), batch_size)]
+            rng.shuffle(groups)
+            yield from ([examples[j] for j in g] for g in groups)
+
+
+def _collate(batch: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    width = max(len(p) + len(r) for p, r in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    attn = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, (p, r) in enumerate(batch):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        labels[i, len(p) : len(p) + len(r)] = torch.tensor(r)  # loss on the answer only
+        attn[i, : len(p) + len(r)] = 1
+    return ids, labels, attn
+
+
+def build_policy(cfg: Config, out_dir: str | Path | None = None) -> dict[str, float]:
+    """Train tokenizer + policy on the task's worked solutions and save both in HF format."""
+    out = Path(out_dir or cfg.model.path)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    train, evals = load_task(cfg.task, cfg.seed)
+    if any(p.solution is None for p in train):
+        raise ValueError(f"task.source {cfg.task.source!r} has no worked solutions; SFT needs the synthetic task")
+    tokenizer = train_tokenizer(p.prompt + "\n" + p.solution for p in train)  # type: ignore[operator]
+    examples = [(encode_prompt(tokenizer, p.prompt), encode_response(tokenizer, p.solution)) for p in train]  # type: ignore[arg-type]
+    examples = [e for e in examples if len(e[0]) + len(e[1]) <= cfg.model.max_context]
+    if not examples:
+        raise ValueError(f"no training example fits in model.max_context={cfg.model.max_context}")
+    config = policy_config(cfg.model.size, len(tokenizer), cfg.model.max_context,
+                           tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    model = new_policy(config, cfg.seed)
+    s = cfg.sft
+    steps = max(1, s.examples // s.batch_size)
+    print(f"SFT: {cfg.model.size} policy, {num_parameters(model) / 1e6:.1f}M parameters, vocab {len(tokenizer)}, "
+          f"{steps} steps of {s.batch_size} (cap {s.max_minutes:g} min)", flush=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    batches = _batches(examples, s.batch_size, random.Random(cfg.seed))
+    t0 = time.perf_counter()
+    model.train()
+    bar = tqdm(range(steps), desc="sft", mininterval=2.0)
+    loss_avg = float("nan")
+    for step in bar:
+        # cosine decay over whichever ends first, the step budget or the time budget
+        progress = max(step / steps, (time.perf_counter() - t0) / (60 * s.max_minutes))
+        if progress >= 1.0:
+            print(f"SFT: time budget reached after {step} steps", flush=True)
+            break
+        warm = min(1.0, (step + 1) / max(s.warmup_steps, 1))
+        for group in opt.param_groups:
+            group["lr"] = s.lr * warm * 0.5 * (1 + math.cos(math.pi * progress))
+        ids, labels, attn = _collate(next(batches), tokenizer.pad_token_id)
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        loss_avg = loss.item() if math.isnan(loss_avg) else 0.95 * loss_avg + 0.05 * loss.item()
+        if step % s.log_every == 0:
+            bar.set_postfix(loss=f"{loss_avg:.3f}")
+    bar.close()
+    model.eval()
+    minutes = (time.perf_counter() - t0) / 60
+
+    engine = EmbeddedEngine(config, max_batch=64, max_context=cfg.model.max_context, eos_id=tokenizer.eos_token_id,
+                            pad_id=tokenizer.pad_token_id)
+    engine.update_weights(model.state_dict().items(), version=0)
+    accuracy = evaluate(engine, tokenizer, encode_problems(evals, tokenizer, cfg.model.max_context, "eval"),
+                        cfg.eval.samples, cfg.rollout.temperature, cfg.rollout.max_new_tokens,
+                        cfg.task.reward_timeout_s, seed=cfg.seed)
+    report = {"train_loss": loss_avg, "minutes": minutes, "parameters": num_parameters(model)} | accuracy
+    print("SFT done: " + ", ".join(f"{k} {v:.4g}" for k, v in report.items()), flush=True)
+
+    tmp = out.with_name(out.name + ".tmp")  # write whole, then rename: never a half-written policy
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "sft_report.json").write_text(json.dumps(report, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    print(f"saved policy to {out}", flush=True)
+    return report

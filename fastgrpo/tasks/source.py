@@ -1,0 +1,85 @@
+"""Where training prompts come from: the task's problems, tokenized, in a resumable seeded order."""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from fastgrpo.config import TaskConfig
+from fastgrpo.models.tokenizer import encode_prompt
+from fastgrpo.tasks.arithmetic import arithmetic_splits
+from fastgrpo.tasks.datasets import DatasetError, load_problems
+from fastgrpo.tasks.problems import Problem
+
+log = logging.getLogger(__name__)
+
+
+def load_task(cfg: TaskConfig, seed: int) -> tuple[list[Problem], list[Problem]]:
+    """(train, eval) problems of the configured source."""
+    if cfg.source == "arithmetic":
+        return arithmetic_splits(cfg.train_size, cfg.eval_size, seed,
+                                 min_steps=cfg.min_steps, max_steps=cfg.max_steps, tail=cfg.tail)
+    train, _ = load_problems(cfg.source)
+    if cfg.eval_source:
+        evals, _ = load_problems(cfg.eval_source)
+        return train, evals
+    if len(train) < 2:
+        raise DatasetError(f"{cfg.source}: need at least 2 usable rows to hold out an eval split")
+    rows = list(train)
+    random.Random(seed).shuffle(rows)
+    n_eval = min(cfg.eval_size, len(rows) // 2)
+    return rows[n_eval:], rows[:n_eval]
+
+
+@dataclass
+class EncodedProblem:
+    problem: Problem
+    prompt_ids: list[int]
+
+
+def encode_problems(problems: list[Problem], tokenizer: PreTrainedTokenizerBase, max_context: int,
+                    what: str = "train") -> list[EncodedProblem]:
+    """Tokenized problems; prompts that leave no room to answer within the context are skipped and counted."""
+    kept = [EncodedProblem(p, encode_prompt(tokenizer, p.prompt)) for p in problems]
+    usable = [e for e in kept if len(e.prompt_ids) < max_context]
+    skipped = len(kept) - len(usable)
+    if skipped:
+        log.warning("%s: skipped %d of %d prompts longer than the context of %d tokens",
+                    what, skipped, len(kept), max_context)
+    if not usable:
+        raise DatasetError(f"{what}: no prompt fits in the context of {max_context} tokens "
+                           f"({skipped} skipped as too long)")
+    return usable
+
+
+class PromptSource:
+    """An endless, seeded stream of training problems: a fresh shuffle each epoch; `position` resumes it."""
+
+    def __init__(self, problems: list[EncodedProblem], seed: int):
+        self.problems = problems
+        self.seed = seed
+        self.position = 0  # problems handed out so far
+        self._epoch = -1
+        self._order: list[int] = []
+
+    def _index(self, i: int) -> int:
+        epoch, offset = divmod(i, len(self.problems))
+        if epoch != self._epoch:
+            self._order = list(range(len(self.problems)))
+            random.Random(self.seed * 7919 + epoch).shuffle(self._order)
+            self._epoch = epoch
+        return self._order[offset]
+
+    def next_batch(self, k: int) -> list[EncodedProblem]:
+        batch = [self.problems[self._index(self.position + j)] for j in range(k)]
+        self.position += k
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = int(state["position"])

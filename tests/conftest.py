@@ -1,0 +1,38 @@
+"""Shared fixtures: a test-size policy built once per session by the real SFT recipe."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastgrpo.config import Config, load_config
+
+torch.set_num_threads(2)
+
+
+def tiny_config(tmp: Path, policy: Path | None = None, **sections) -> Config:
+    """A run that takes seconds: test-size policy, short answers, small batches."""
+    overrides = [
+        f"run_dir={tmp / 'run'}",
+        f"model.path={policy or tmp / 'policy'}",
+        "model.size=test", "model.max_context=160",
+        "task.train_size=400", "task.eval_size=8", "task.max_steps=6",
+        "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=48", "rollout.max_batch=8",
+        "grpo.steps=4", "grpo.micro_batch_size=8", "optim.lr=1e-3",
+        "sft.examples=1600", "sft.batch_size=32", "sft.lr=3e-3", "sft.warmup_steps=5",
+        "eval.samples=2", "checkpoint.every=2",
+    ]
+    overrides += [f"{k}={v}" for k, v in sections.items()]
+    return load_config(None, overrides)
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(tmp_path_factory) -> Path:
+    from fastgrpo.models.sft import build_policy
+
+    tmp = tmp_path_factory.mktemp("policy")
+    cfg = tiny_config(tmp)
+    build_policy(cfg)
+    return Path(cfg.model.path)

@@ -1,0 +1,54 @@
+import pytest
+
+from fastgrpo.cli import main
+from fastgrpo.config import ConfigError, flatten, load_config
+
+
+def test_defaults_and_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("grpo:\n  steps: 7\nrollout:\n  group_size: 4\n")
+    c = load_config(f, ["rollout.temperature=0.5", "optim.betas=[0.8,0.9]"])
+    assert c.grpo.steps == 7 and c.rollout.group_size == 4
+    assert c.rollout.temperature == 0.5 and c.optim.betas == (0.8, 0.9)
+    assert c.rollout.prompts_per_step == 8  # schema default survives
+    assert flatten(c)["grpo.steps"] == 7
+
+
+@pytest.mark.parametrize("override, key", [
+    ("rollout.group_size=1", "rollout.group_size"),
+    ("rollout.max_new_tokens=-5", "rollout.max_new_tokens"),
+    ("rollout.top_p=0", "rollout.top_p"),
+    ("rollout.top_p=1.5", "rollout.top_p"),
+    ("rollout.temperature=-0.1", "rollout.temperature"),
+    ("grpo.loss_aggregation=mean", "grpo.loss_aggregation"),
+    ("grpo.nonsense=1", "grpo.nonsense"),
+    ("rollout.max_batch=abc", "rollout.max_batch"),
+    ("model.size=huge", "model.size"),
+])
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_unknown_key_in_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("rollout:\n  gruop_size: 4\n")
+    with pytest.raises(ConfigError, match="gruop_size"):
+        load_config(f)
+
+
+def test_missing_file_and_malformed_override():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("does/not/exist.yaml")
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["grpo.steps"])
+
+
+def test_cli_reports_config_error_before_work(tmp_path, capsys):
+    rc = main(["train", "--config", str(tmp_path / "missing.yaml")])
+    assert rc == 2
+    assert "config file not found" in capsys.readouterr().err
+    rc = main(["train", "rollout.group_size=1", f"run_dir={tmp_path}"])
+    assert rc == 2
+    assert "rollout.group_size" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # failed before creating anything

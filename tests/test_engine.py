@@ -1,0 +1,116 @@
+"""The embedded engine against Hugging Face: same logits, same log-probabilities, same greedy text."""
+
+import pytest
+import torch
+
+from fastgrpo.backends.protocols import Request
+from fastgrpo.backends.torch_trainer import token_logprobs
+from fastgrpo.engine.engine import EmbeddedEngine
+from fastgrpo.engine.model import InferenceModel, KVCache
+from fastgrpo.engine.sampling import SamplingParams, sampling_logprobs
+from fastgrpo.grpo.batch import build_batch
+from fastgrpo.models.policy import new_policy, policy_config
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return new_policy(policy_config("test", VOCAB, 128, bos_id=1, eos_id=2, pad_id=0), seed=3).eval()
+
+
+def make_engine(policy, max_batch):
+    e = EmbeddedEngine(policy.config, max_batch=max_batch, max_context=128, eos_id=2, pad_id=0)
+    e.update_weights(policy.state_dict().items(), version=0)
+    return e
+
+
+def prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def test_kv_cache_logits_equal_full_forward(policy):
+    ids = torch.randint(3, VOCAB, (3, 24))
+    with torch.no_grad():
+        ref = policy(ids).logits
+    model = InferenceModel(policy.config, 128)
+    model.load(policy.state_dict().items())
+    cache = KVCache(policy.config, 4, 128)
+    rows = slice(1, 4)  # not the first rows: rows are independent
+    chunks = []
+    for a, b in [(0, 10), (10, 11), (11, 17), (17, 24)]:  # prefill, decode, a block, a block
+        logits, _ = model.forward(ids[:, a:b], cache, rows)
+        cache.lengths[rows] += b - a
+        chunks.append(logits)
+    assert torch.allclose(torch.cat(chunks, 1), ref, atol=1e-4)
+
+
+def test_engine_logprobs_equal_trainer_logprobs(policy):
+    engine = make_engine(policy, max_batch=4)
+    ps = prompts(6)
+    out = engine.generate([Request(p) for p in ps], SamplingParams(temperature=0.7, max_new_tokens=20), seed=5)
+    batch = build_batch(ps, [o.token_ids for o in out], [o.logprobs for o in out], torch.zeros(6), pad_id=0)
+    with torch.no_grad():
+        lp, _ = token_logprobs(policy, batch, temperature=0.7)
+    m = batch.response_mask
+    assert m.sum() == sum(len(o.token_ids) for o in out)
+    assert (lp[m] - batch.engine_logprobs[m]).abs().max() < 1e-4
+
+
+def test_continuous_batching_is_invisible(policy):
+    """Sequences joining and leaving (rows moved) must not change any sequence's greedy output."""
+    ps = prompts(9, seed=1)
+    reqs = [Request(p, max_new_tokens=4 + 5 * (i % 4)) for i, p in enumerate(ps)]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=30)
+    alone = [make_engine(policy, 1).generate([r], greedy)[0].token_ids for r in reqs]
+    for max_batch in (2, 3, 9):
+        together = make_engine(policy, max_batch).generate(reqs, greedy)
+        assert [c.token_ids for c in together] == alone
+    for o, r in zip(together, reqs):
+        assert len(o.token_ids) <= r.max_new_tokens
+        assert o.finish_reason in ("stop", "length")
+
+
+def test_greedy_matches_hf_generate(policy):
+    p = prompts(1, seed=2)[0]
+    ours = make_engine(policy, 1).generate([Request(p)], SamplingParams(temperature=0.0, max_new_tokens=16))[0]
+    hf = policy.generate(torch.tensor([p]), max_new_tokens=len(ours.token_ids), do_sample=False,
+                         eos_token_id=2, pad_token_id=0)
+    assert hf[0, len(p):].tolist() == ours.token_ids
+
+
+def test_context_limit_and_bad_requests(policy):
+    engine = make_engine(policy, 2)
+    long_prompt = [3 + i % 90 for i in range(120)]
+    out = engine.generate([Request(long_prompt)], SamplingParams(temperature=0.0, max_new_tokens=50))[0]
+    assert len(out.token_ids) == 8 and out.finish_reason in ("context", "stop")  # 120 + 8 = 128
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.generate([Request([])], SamplingParams())
+    with pytest.raises(ValueError, match="no room"):
+        engine.generate([Request(long_prompt * 2)], SamplingParams())
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.generate([Request([5, VOCAB])], SamplingParams())
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+
+
+def test_top_k_top_p_restrict_the_distribution():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
+    lp = sampling_logprobs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.isfinite(lp).sum() == 2 and lp.exp().sum().item() == pytest.approx(1.0)
+    probs = torch.softmax(logits, -1)[0]  # 0.636, 0.234, 0.086, ...
+    lp = sampling_logprobs(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    assert torch.isfinite(lp).sum() == 2  # 0.636 < 0.8 <= 0.636 + 0.234
+    assert lp[0, 0].exp().item() == pytest.approx((probs[0] / probs[:2].sum()).item(), rel=1e-5)
+    lp = sampling_logprobs(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    assert torch.isfinite(lp).sum() == 1
+
+
+def test_update_weights_rejects_mismatch(policy):
+    engine = make_engine(policy, 1)
+    with pytest.raises(KeyError, match="not part of"):
+        engine.update_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(1))], version=1)
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights([("model.norm.weight", torch.zeros(3))], version=1)
