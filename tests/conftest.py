@@ -21,7 +21,7 @@ def tiny_config(tmp: Path, policy: Path | None = None, **sections) -> Config:
         "task.train_size=400", "task.eval_size=8", "task.max_steps=6",
         "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=48", "rollout.max_batch=8",
         "grpo.steps=4", "grpo.micro_batch_size=8", "optim.lr=1e-3",
-        "sft.examples=1600", "sft.batch_size=32", "sft.lr=3e-3", "sft.warmup_steps=5",
+        "sft.examples=8000", "sft.batch_size=32", "sft.lr=3e-3", "sft.warmup_steps=5",
         "eval.samples=2", "checkpoint.every=2",
     ]
     overrides += [f"{k}={v}" for k, v in sections.items()]

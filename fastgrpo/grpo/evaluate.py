@@ -1,4 +1,7 @@
-"""Accuracy of a policy on held-out problems: greedy pass@1, mean accuracy over G samples, pass@G."""
+"""Accuracy of a policy on held-out problems: greedy pass@1, mean accuracy over G samples, pass@G.
+
+(MLflow metric names cannot hold "@", hence pass1_greedy and pass_at_G.)
+"""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ def evaluate(engine: Engine, tokenizer: PreTrainedTokenizerBase, problems: list[
     sampled = correct(SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens), samples)
     n = len(problems)
     return {
-        "pass@1_greedy": sum(g[0] for g in greedy) / n,
-        f"mean@{samples}": sum(sum(s) / samples for s in sampled) / n,
-        f"pass@{samples}": sum(max(s) for s in sampled) / n,
+        "pass1_greedy": sum(g[0] for g in greedy) / n,  # pass@1 of greedy decoding
+        "mean_accuracy": sum(sum(s) / samples for s in sampled) / n,  # mean over G samples
+        f"pass_at_{samples}": sum(max(s) for s in sampled) / n,  # any of G samples right
     }

@@ -1,0 +1,57 @@
+"""Seeded multi-step arithmetic with worked solutions and a long tail of step counts."""
+
+from __future__ import annotations
+
+import random
+
+from fastgrpo.tasks.problems import Problem
+
+
+def _problem(rng: random.Random, steps: int) -> Problem:
+    value = rng.randint(1, 99)
+    terms, lines = [str(value)], []
+    for _ in range(steps):
+        ops = [op for op, ok in (("+", value <= 998), ("-", value >= 1), ("*", 1 <= value <= 499)) if ok]
+        op = rng.choice(ops)
+        if op == "+":
+            operand = rng.randint(1, min(99, 999 - value))
+            new = value + operand
+        elif op == "-":
+            operand = rng.randint(1, min(99, value))
+            new = value - operand
+        else:
+            operand = rng.randint(2, min(9, 999 // value))
+            new = value * operand
+        lines.append(f"{value} {op} {operand} = {new}")
+        terms.append(f"{op} {operand}")
+        value = new
+    solution = "\n".join(lines) + f"\nThe answer is \\boxed{{{value}}}."
+    return Problem("Compute left to right: " + " ".join(terms), str(value), solution)
+
+
+def _steps(rng: random.Random, min_steps: int, max_steps: int, tail: float) -> int:
+    ks = list(range(min_steps, max_steps + 1))
+    return rng.choices(ks, weights=[tail ** (k - 1) for k in ks])[0]
+
+
+def generate_problems(n: int, seed: int, *, min_steps: int = 1, max_steps: int = 24, tail: float = 0.75) -> list[Problem]:
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if not 1 <= min_steps <= max_steps:
+        raise ValueError(f"min_steps must be in 1..max_steps, got {min_steps}")
+    if not 0 < tail <= 1:
+        raise ValueError(f"tail must be in (0, 1], got {tail}")
+    rng = random.Random(seed)
+    return [_problem(rng, _steps(rng, min_steps, max_steps, tail)) for _ in range(n)]
+
+
+def arithmetic_splits(train_size: int, eval_size: int, seed: int, **kwargs) -> tuple[list[Problem], list[Problem]]:
+    evals = generate_problems(eval_size, seed * 2 + 1, **kwargs)
+    held_out = {p.prompt for p in evals}
+    train: list[Problem] = []
+    rng_seed = seed * 2
+    while len(train) < train_size:
+        batch = generate_problems(train_size - len(train), rng_seed, **kwargs)
+        train += [p for p in batch if p.prompt not in held_out]
+        rng_seed += 1_000_003
+    return train, evals

@@ -1,0 +1,108 @@
+"""GRPO end to end on the test-size policy: metrics land in MLflow, resume is exact."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+
+from fastgrpo.cli import main
+from fastgrpo.grpo.loop import train
+from fastgrpo.tracking import default_tracking_uri
+from tests.conftest import tiny_config
+
+STEP_METRICS = ["reward_mean", "reward_std", "accuracy", "response_len_mean", "response_len_max", "rollout_s",
+                "train_s", "weight_sync_s", "gen_tokens_per_s", "kl_engine_trainer", "clip_fraction", "entropy",
+                "grad_norm", "loss"]
+
+
+def history(run_dir, key):
+    client = MlflowClient(default_tracking_uri(run_dir))
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(runs) == 1, "resume must log into the same MLflow run"
+    return {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, key)}
+
+
+def test_sft_policy_loads_with_auto_classes(tiny_policy):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy)
+    tok = AutoTokenizer.from_pretrained(tiny_policy)
+    ids = tok("Compute left to right: 3 + 4\n", return_tensors="pt").input_ids
+    assert model(ids).logits.shape[-1] == len(tok)
+    report = json.loads((tiny_policy / "sft_report.json").read_text())
+    assert report["train_loss"] < 2.0  # it learned something of the format
+
+
+def test_grpo_steps_log_to_mlflow_and_resume_is_exact(tmp_path, tiny_policy):
+    # drop_equal_reward_groups off so that every step trains even when a tiny policy gets all wrong
+    full = tiny_config(tmp_path / "full", tiny_policy, **{"grpo.drop_equal_reward_groups": "false"})
+    train(full)
+    run_dir = tmp_path / "full" / "run"
+    for key in STEP_METRICS:
+        h = history(run_dir, key)
+        assert sorted(h) == [1, 2, 3, 4], key
+    assert history(run_dir, "eval/pass1_greedy").keys() == {0, 4}
+    assert all(v > 0 for v in history(run_dir, "response_len_mean").values())
+
+    split = tiny_config(tmp_path / "split", tiny_policy,
+                        **{"grpo.drop_equal_reward_groups": "false", "grpo.steps": 2})
+    train(split)
+    resumed = tiny_config(tmp_path / "split", tiny_policy, **{"grpo.drop_equal_reward_groups": "false"})
+    train(resumed, resume=True)
+    split_dir = tmp_path / "split" / "run"
+    for key in ["loss", "reward_mean", "response_len_mean", "grad_norm"]:
+        assert history(split_dir, key) == history(run_dir, key), key
+    a = load_file(run_dir / "checkpoints" / "step_00000004" / "policy" / "model.safetensors")
+    b = load_file(split_dir / "checkpoints" / "step_00000004" / "policy" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # keep_last=2: steps 2 and 4 kept
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+
+
+def test_eval_command_on_a_checkpoint(tmp_path, tiny_policy, capsys):
+    cfg_args = [f"model.path={tiny_policy}", "model.size=test", "model.max_context=160", "task.eval_size=4",
+                "task.max_steps=6", "eval.samples=2", "rollout.max_new_tokens=48"]
+    assert main(["eval", *cfg_args]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["problems"] == 4 and 0 <= out["pass1_greedy"] <= 1 and "mean_accuracy" in out and "pass_at_2" in out
+
+
+def test_nan_step_is_skipped_and_training_goes_on(tmp_path, tiny_policy, monkeypatch):
+    import fastgrpo.grpo.loop as loop
+
+    real = loop.group_advantages
+    monkeypatch.setattr(loop, "group_advantages", lambda r, s: real(r, s) * float("nan"))
+    cfg = tiny_config(tmp_path, tiny_policy, **{"grpo.drop_equal_reward_groups": "false", "grpo.steps": 1})
+    before = load_file(tiny_policy / "model.safetensors")
+    train(cfg)
+    assert history(tmp_path / "run", "skipped_updates") == {1: 1.0}
+    after = load_file(tmp_path / "run" / "checkpoints" / "step_00000001" / "policy" / "model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in after)
+
+
+def test_file_dataset_with_too_long_prompts(tmp_path, tiny_policy, caplog):
+    rows = [{"prompt": "Compute left to right: 3 + 4", "answer": "7"},
+            {"prompt": "Compute left to right: " + " + 1" * 200, "answer": "201"},
+            {"prompt": "Compute left to right: 5 * 2", "answer": 10},
+            {"question": "no prompt field"}]
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text(json.dumps(rows[0]) + "\n")
+    cfg = tiny_config(tmp_path, tiny_policy, **{"task.source": str(data), "task.eval_source": str(evals),
+                                                 "grpo.steps": 1})
+    with caplog.at_level("WARNING"):
+        train(cfg)
+    text = caplog.text
+    assert "skipped 1 of" in text and "longer than the context" in text
+    assert "malformed" in text.lower()
+
+
+def test_missing_dataset_is_a_clear_error(tmp_path, tiny_policy, capsys):
+    rc = main(["train", f"model.path={tiny_policy}", "model.size=test", f"run_dir={tmp_path / 'r'}",
+               f"task.source={tmp_path / 'nope.jsonl'}"])
+    assert rc == 1
+    assert "dataset file not found" in capsys.readouterr().err
