@@ -36,6 +36,17 @@ def cmd_sft(args: argparse.Namespace) -> None:
     build_policy(cfg)
 
 
+def cmd_draft_pretrain(args: argparse.Namespace) -> None:
+    from fastgrpo.draft_learning.pretrain import draft_dir, pretrain_draft
+    from fastgrpo.speculation.draft import DRAFT_WEIGHTS
+
+    cfg = _config(args)
+    if args.if_missing and (draft_dir(cfg) / DRAFT_WEIGHTS).is_file():
+        print(f"draft already at {draft_dir(cfg)}; skipping")
+        return
+    pretrain_draft(cfg)
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     from fastgrpo.engine.engine import EmbeddedEngine
     from fastgrpo.grpo.evaluate import evaluate
@@ -72,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         "--resume", action="store_true", help="continue from the latest checkpoint in run_dir")
     add("sft", cmd_sft, "build the tokenizer and warm-start the policy on worked solutions").add_argument(
         "--if-missing", action="store_true", help="do nothing if model.path already holds a policy")
+    add("draft-pretrain", cmd_draft_pretrain, "warm-start the draft on the policy's states over the SFT corpus"
+        ).add_argument("--if-missing", action="store_true", help="do nothing if the draft already exists")
     add("eval", cmd_eval, "accuracy of a checkpoint on the eval split").add_argument(
         "--checkpoint", help="checkpoint or HF policy directory (default: model.path)")
 

@@ -50,6 +50,24 @@ class RolloutConfig:
 
 
 @dataclass
+class SpeculationConfig:
+    policy: str = "off"  # off | static | fastgrpo | aware
+    depth: int = 4  # static: draft levels
+    topk: int = 4  # static: children per expanded node
+    num_verify: int = 12  # static: tokens verified per sequence (root included)
+
+
+@dataclass
+class DraftConfig:
+    path: str = ""  # directory of draft.safetensors; empty: model.path
+    lr: float = 1e-3
+    batch_size: int = 16
+    pretrain_steps: int = 2000
+    pretrain_minutes: float = 5.0  # wall-clock cap of `fastgrpo draft-pretrain`
+    buffer_tokens: int = 200_000  # online buffer cap; the oldest states are dropped
+
+
+@dataclass
 class GRPOConfig:
     steps: int = 20
     eps_low: float = 0.2
@@ -80,6 +98,7 @@ class SFTConfig:
     lr: float = 1e-3
     warmup_steps: int = 100
     max_minutes: float = 15.0  # wall-clock cap; SFT stops early and saves
+    max_problem_steps: int = 8  # SFT on problems of at most this many steps: more, shorter examples per minute
     log_every: int = 50
 
 
@@ -111,6 +130,8 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -166,6 +187,18 @@ def validate(c: Config) -> None:
     _check(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]", r.top_p)
     _check(r.top_k >= 0, "rollout.top_k", "must be >= 0", r.top_k)
     _check(r.max_batch >= 1, "rollout.max_batch", "must be >= 1", r.max_batch)
+    sp, d = c.speculation, c.draft
+    _check(sp.policy in ("off", "static", "fastgrpo", "aware"), "speculation.policy",
+           "must be one of off, static, fastgrpo, aware", sp.policy)
+    _check(sp.depth >= 1, "speculation.depth", "must be >= 1", sp.depth)
+    _check(sp.topk >= 1, "speculation.topk", "must be >= 1", sp.topk)
+    _check(2 <= sp.num_verify <= 1 + sp.topk + (sp.depth - 1) * sp.topk**2, "speculation.num_verify",
+           "must be in 2..1 + topk + (depth - 1) * topk^2 (the tree's size)", sp.num_verify)
+    _check(d.lr > 0, "draft.lr", "must be > 0", d.lr)
+    _check(d.batch_size >= 1, "draft.batch_size", "must be >= 1", d.batch_size)
+    _check(d.pretrain_steps >= 0, "draft.pretrain_steps", "must be >= 0", d.pretrain_steps)
+    _check(d.pretrain_minutes > 0, "draft.pretrain_minutes", "must be > 0", d.pretrain_minutes)
+    _check(d.buffer_tokens >= 1, "draft.buffer_tokens", "must be >= 1", d.buffer_tokens)
     _check(g.steps >= 0, "grpo.steps", "must be >= 0", g.steps)
     _check(0 <= g.eps_low < 1, "grpo.eps_low", "must be in [0, 1)", g.eps_low)
     _check(g.eps_high >= 0, "grpo.eps_high", "must be >= 0", g.eps_high)
@@ -185,6 +218,7 @@ def validate(c: Config) -> None:
     _check(s.batch_size >= 1, "sft.batch_size", "must be >= 1", s.batch_size)
     _check(s.lr > 0, "sft.lr", "must be > 0", s.lr)
     _check(s.max_minutes > 0, "sft.max_minutes", "must be > 0", s.max_minutes)
+    _check(s.max_problem_steps >= 1, "sft.max_problem_steps", "must be >= 1", s.max_problem_steps)
     _check(c.checkpoint.every >= 1, "checkpoint.every", "must be >= 1", c.checkpoint.every)
     _check(c.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", c.checkpoint.keep_last)
     _check(c.eval.samples >= 1, "eval.samples", "must be >= 1", c.eval.samples)

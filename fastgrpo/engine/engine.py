@@ -1,15 +1,18 @@
-"""The embedded rollout engine: continuous batching over a static slot KV cache.
+"""The embedded rollout engine: continuous batching over a static slot KV cache, with speculation.
 
 Requests wait in a queue; whenever rows are free, waiting prompts are prefilled together and join
-the running batch; every step decodes one token for all running sequences; a finished sequence
+the running batch. Every other step advances all running sequences at once: either a plain decode
+step (one token each) or, when the speculation policy says so, a speculative step (draft a tree per
+sequence, verify all trees in one target forward, keep each accepted path). A finished sequence
 leaves at once and the last running row is moved into its place, so the running batch is always
-rows 0..B-1 of the cache.
+rows 0..B-1 of the caches.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,8 +22,14 @@ from torch import Tensor
 from transformers import LlamaConfig
 
 from fastgrpo.backends.protocols import Completion, Request
-from fastgrpo.engine.model import InferenceModel, KVCache
+from fastgrpo.engine.model import InferenceModel, KVCache, block_mask, cache_kv
 from fastgrpo.engine.sampling import SamplingParams, sample, sampling_logprobs
+from fastgrpo.speculation.draft import DraftHead
+from fastgrpo.speculation.policy import Off, SpeculationPolicy
+from fastgrpo.speculation.tree import SpecConfig, draft_tree, verify_tree
+
+log = logging.getLogger(__name__)
+TREE_SLACK = 256  # cache room past the context for tree tokens that are verified and then dropped
 
 
 @dataclass
@@ -28,14 +37,21 @@ class _Sequence:
     index: int  # position in the caller's request list
     prompt_len: int
     max_new: int
-    pending: int = -1  # last sampled token, not yet in the cache
+    pending: int = -1  # last sampled token, not yet in the target cache
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str | None = None
+    # target states the draft has not consumed yet: hidden at positions [draft_len, target_len) and
+    # the token that follows each of them
+    draft_hidden: list[Tensor] = field(default_factory=list)
+    draft_tokens: list[int] = field(default_factory=list)
+    spec_steps: int = 0
+    spec_emitted: int = 0
 
 
 class EmbeddedEngine:
-    def __init__(self, cfg: LlamaConfig, max_batch: int, max_context: int, eos_id: int, pad_id: int = 0):
+    def __init__(self, cfg: LlamaConfig, max_batch: int, max_context: int, eos_id: int, pad_id: int = 0,
+                 policy: SpeculationPolicy | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.cfg = cfg
@@ -43,9 +59,13 @@ class EmbeddedEngine:
         self.max_context = max_context
         self.eos_id = eos_id
         self.pad_id = pad_id
-        self.model = InferenceModel(cfg, max_context)
-        self.cache = KVCache(cfg, max_batch, max_context)
+        self.model = InferenceModel(cfg, max_context + TREE_SLACK)
+        self.cache = KVCache(cfg, max_batch, max_context + TREE_SLACK)
+        self.draft: DraftHead | None = None
+        self.draft_cache: KVCache | None = None
+        self.policy: SpeculationPolicy = policy or Off()
         self.weights_version = -1
+        self.draft_version = -1
         self._stats: dict[str, Any] = {}
 
     # -- weights --------------------------------------------------------------------------
@@ -54,7 +74,17 @@ class EmbeddedEngine:
         self.weights_version = version
 
     def update_draft(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        raise NotImplementedError("the embedded engine has no draft model yet")
+        """Install or replace the draft. Called between generate() calls, never inside a step."""
+        if self.draft is None:
+            self.draft = DraftHead(self.cfg, self.max_context + TREE_SLACK)
+            self.draft.requires_grad_(False)
+            self.draft_cache = KVCache(self.cfg, self.max_batch, self.max_context + TREE_SLACK, layers=1)
+        self.draft.load_named(named_tensors)
+        self.draft.bind_target(self.model.embed, self.model.lm_head)
+        self.draft_version = version
+
+    def set_policy(self, policy: SpeculationPolicy) -> None:
+        self.policy = policy
 
     def release_memory(self) -> None:
         """No-op on CPU: the KV cache stays allocated (SGLang frees GPU memory here for the trainer)."""
@@ -65,8 +95,40 @@ class EmbeddedEngine:
     def stats(self) -> dict[str, Any]:
         return dict(self._stats)
 
+    @property
+    def speculating(self) -> bool:
+        return self.draft is not None and self.policy.name != "off"
+
     # -- generation -----------------------------------------------------------------------
     def generate(self, requests: list[Request], sampling: SamplingParams, seed: int = 0) -> list[Completion]:
+        self._check(requests)
+        self.cache.lengths.zero_()
+        if self.draft_cache is not None:
+            self.draft_cache.lengths.zero_()
+        gen = torch.Generator().manual_seed(seed)
+        t0 = time.perf_counter()
+        waiting = deque(range(len(requests)))
+        running: list[_Sequence] = []
+        done: dict[int, _Sequence] = {}
+        self._counts: Counter = Counter()
+        self._by_config: dict[str, Counter] = {}
+        while waiting or running:
+            if waiting and len(running) < self.max_batch:
+                joined = [waiting.popleft() for _ in range(min(len(waiting), self.max_batch - len(running)))]
+                running += self._prefill(requests, joined, len(running), sampling, gen)
+            else:
+                config = self.policy.choose(len(running)) if self.speculating else None
+                t = time.perf_counter()
+                emitted = self._speculate(running, config, sampling, gen) if config else self._decode(running, sampling, gen)
+                self.policy.observe(config, len(running), emitted, time.perf_counter() - t)
+                self._count_step(config, len(running), emitted)
+            self._retire(running, done)
+        out = [done[i] for i in range(len(requests))]
+        self._finish_stats(out, time.perf_counter() - t0)
+        return [Completion(s.tokens, s.logprobs, s.finish or "length",
+                           {"spec_steps": s.spec_steps, "spec_emitted": s.spec_emitted}) for s in out]
+
+    def _check(self, requests: list[Request]) -> None:
         for i, r in enumerate(requests):
             if not r.prompt_ids:
                 raise ValueError(f"request {i}: empty prompt")
@@ -77,31 +139,6 @@ class EmbeddedEngine:
                 raise ValueError(f"request {i}: token ids outside the vocabulary of {self.cfg.vocab_size}")
             if r.max_new_tokens is not None and r.max_new_tokens < 1:
                 raise ValueError(f"request {i}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
-        self.cache.lengths.zero_()
-        gen = torch.Generator().manual_seed(seed)
-        t0 = time.perf_counter()
-        waiting = deque(range(len(requests)))
-        running: list[_Sequence] = []
-        done: dict[int, _Sequence] = {}
-        forwards = decode_steps = batch_sum = 0
-        while waiting or running:
-            if waiting and len(running) < self.max_batch:
-                joined = [waiting.popleft() for _ in range(min(len(waiting), self.max_batch - len(running)))]
-                running += self._prefill(requests, joined, len(running), sampling, gen)
-                forwards += 1
-            else:
-                self._decode(running, sampling, gen)
-                forwards += 1
-                decode_steps += 1
-                batch_sum += len(running)
-            self._retire(running, done)
-        seconds = time.perf_counter() - t0
-        out = [done[i] for i in range(len(requests))]
-        tokens = sum(len(s.tokens) for s in out)
-        self._stats = dict(sequences=len(out), tokens=tokens, seconds=seconds, forwards=forwards,
-                           decode_steps=decode_steps, tokens_per_s=tokens / max(seconds, 1e-9),
-                           mean_running=batch_sum / max(decode_steps, 1))
-        return [Completion(s.tokens, s.logprobs, s.finish or "length") for s in out]
 
     def _prefill(self, requests: list[Request], joined: list[int], first_row: int,
                  sampling: SamplingParams, gen: torch.Generator) -> list[_Sequence]:
@@ -114,28 +151,44 @@ class EmbeddedEngine:
         rows = slice(first_row, first_row + len(prompts))
         lens = torch.tensor([len(p) for p in prompts])
         self.cache.lengths[rows] = 0
-        logits, _ = self.model.forward(tokens, self.cache, rows)
+        logits, hidden = self.model.forward(tokens, self.cache, rows)
         self.cache.lengths[rows] = lens  # padding keys beyond a prompt's length are never visible
-        last = logits[torch.arange(len(prompts)), lens - 1]
-        seqs = []
-        for i, p in zip(joined, prompts):
-            limit = requests[i].max_new_tokens or sampling.max_new_tokens
-            seqs.append(_Sequence(index=i, prompt_len=len(p), max_new=limit))
-        self._emit(seqs, last, sampling, gen)
+        seqs = [_Sequence(index=i, prompt_len=len(p), max_new=requests[i].max_new_tokens or sampling.max_new_tokens)
+                for i, p in zip(joined, prompts)]
+        first = self._sample_one(seqs, logits[torch.arange(len(prompts)), lens - 1], sampling, gen)
+        if self.speculating:
+            assert self.draft_cache is not None
+            self.draft_cache.lengths[rows] = 0
+            for s, p, h, t in zip(seqs, prompts, hidden, first):
+                s.draft_hidden.append(h[: len(p)])
+                s.draft_tokens += p[1:] + [t]
         return seqs
 
-    def _decode(self, running: list[_Sequence], sampling: SamplingParams, gen: torch.Generator) -> None:
+    def _decode(self, running: list[_Sequence], sampling: SamplingParams, gen: torch.Generator) -> int:
         rows = slice(0, len(running))
         tokens = torch.tensor([[s.pending] for s in running])
-        logits, _ = self.model.forward(tokens, self.cache, rows)
+        logits, hidden = self.model.forward(tokens, self.cache, rows)
         self.cache.lengths[rows] += 1
-        self._emit(running, logits[:, 0], sampling, gen)
+        new = self._sample_one(running, logits[:, 0], sampling, gen)
+        if self.speculating:
+            for s, h, t in zip(running, hidden, new):
+                s.draft_hidden.append(h)
+                s.draft_tokens.append(t)
+        return len(running)
 
-    def _emit(self, seqs: list[_Sequence], logits: Tensor, sampling: SamplingParams, gen: torch.Generator) -> None:
+    def _sample_one(self, seqs: list[_Sequence], logits: Tensor, sampling: SamplingParams,
+                    gen: torch.Generator) -> list[int]:
         logprobs = sampling_logprobs(logits, sampling)
         chosen = sample(logprobs, sampling, gen)
         chosen_lp = logprobs.gather(-1, chosen[:, None])[:, 0]
-        for s, tok, lp in zip(seqs, chosen.tolist(), chosen_lp.tolist()):
+        toks = chosen.tolist()
+        for s, tok, lp in zip(seqs, toks, chosen_lp.tolist()):
+            self._append(s, [tok], [lp])
+        return toks
+
+    def _append(self, s: _Sequence, tokens: list[int], logprobs: list[float]) -> None:
+        """Add emitted tokens, stopping at EOS, the token limit or the context."""
+        for tok, lp in zip(tokens, logprobs):
             s.tokens.append(tok)
             s.logprobs.append(lp)
             s.pending = tok
@@ -145,7 +198,80 @@ class EmbeddedEngine:
                 s.finish = "length"
             elif s.prompt_len + len(s.tokens) >= self.max_context:
                 s.finish = "context"
+            if s.finish:
+                return
 
+    # -- speculation ----------------------------------------------------------------------
+    def _speculate(self, running: list[_Sequence], config: SpecConfig, sampling: SamplingParams,
+                   gen: torch.Generator) -> int:
+        assert self.draft is not None and self.draft_cache is not None
+        B = len(running)
+        rows = slice(0, B)
+        root_features = self._draft_catch_up(running)
+        if not torch.isfinite(root_features).all():
+            log.warning("non-finite draft state: plain decoding for this step")
+            return self._decode(running, sampling, gen)
+        pending = torch.tensor([s.pending for s in running])
+        tree = draft_tree(self.draft, self.draft_cache, rows, root_features, pending, config)
+        start = self.cache.lengths[rows].clone()
+        logits, hidden = self.model.forward(tree.tokens, self.cache, rows, positions=start[:, None] + tree.depth,
+                                            new_mask=tree.mask)
+        result = verify_tree(sampling_logprobs(logits, sampling), tree, sampling, gen)
+        self._keep_path(rows, start, result.path, result.accepted)
+        self.cache.lengths[rows] = start + result.accepted + 1
+        emitted = 0
+        for b, s in enumerate(running):
+            a = int(result.accepted[b])
+            before = len(s.tokens)
+            self._append(s, result.tokens[b, : a + 1].tolist(), result.logprobs[b, : a + 1].tolist())
+            emitted += len(s.tokens) - before
+            s.spec_steps += 1
+            s.spec_emitted += a + 1
+            nodes = [0] + result.path[b, :a].tolist()
+            s.draft_hidden.append(hidden[b, nodes])
+            s.draft_tokens += result.tokens[b, : a + 1].tolist()
+        return emitted
+
+    def _draft_catch_up(self, running: list[_Sequence]) -> Tensor:
+        """Feed the draft the target states it has not seen (accepted paths, decoded and prefilled
+        tokens) in one forward; its output at the last one is its prediction at the pending token."""
+        assert self.draft is not None and self.draft_cache is not None
+        B = len(running)
+        rows = slice(0, B)
+        counts = torch.tensor([len(s.draft_tokens) for s in running])
+        width = int(counts.max())
+        hidden = torch.zeros(B, width, self.cfg.hidden_size)
+        tokens = torch.zeros(B, width, dtype=torch.long)
+        for b, s in enumerate(running):
+            hidden[b, : counts[b]] = torch.cat(s.draft_hidden) if len(s.draft_hidden) > 1 else s.draft_hidden[0]
+            tokens[b, : counts[b]] = torch.tensor(s.draft_tokens)
+            s.draft_hidden, s.draft_tokens = [], []
+        start = self.draft_cache.lengths[rows]
+        end = start + counts  # = the target length of each row
+        # rows with fewer new states pad; padding writes to the row's first free slot and is never read
+        slots = torch.minimum(start[:, None] + torch.arange(width), end[:, None])
+        ctx = int(end.max()) + 1
+        with torch.inference_mode():
+            feats = self.draft.features(hidden, tokens, slots, block_mask(start, width, ctx, None),
+                                        cache_kv(self.draft_cache, 0, rows, slots, ctx))
+        self.draft_cache.lengths[rows] = end
+        return feats[torch.arange(B), counts - 1]
+
+    def _keep_path(self, rows: slice, start: Tensor, path: Tensor, accepted: Tensor) -> None:
+        """Move the accepted nodes' keys/values to the positions right after the root (only those
+        entries are copied; the rest of the tree is left beyond the length and overwritten later)."""
+        D = int(accepted.max())
+        if D == 0:
+            return
+        k = torch.arange(1, D + 1)
+        valid = k[None] <= accepted[:, None]
+        src = start[:, None] + torch.where(valid, path[:, :D], 0)
+        dst = start[:, None] + torch.where(valid, k[None], 0)
+        r = torch.arange(rows.start, rows.stop)[:, None]
+        for c in (self.cache.k, self.cache.v):
+            c[:, r, dst] = c[:, r, src]
+
+    # -- bookkeeping ----------------------------------------------------------------------
     def _retire(self, running: list[_Sequence], done: dict[int, _Sequence]) -> None:
         """Remove finished sequences, moving the last running row into each freed row."""
         row = 0
@@ -157,5 +283,39 @@ class EmbeddedEngine:
             last = len(running) - 1
             if row != last:
                 self.cache.move_row(last, row)
+                if self.draft_cache is not None:
+                    self.draft_cache.move_row(last, row)
                 running[row] = running[last]
             running.pop()
+
+    def _count_step(self, config: SpecConfig | None, running: int, emitted: int) -> None:
+        c = self._counts
+        c["decode_steps"] += 1
+        c["running_sum"] += running
+        c["emitted"] += emitted
+        if config is not None:
+            c["spec_steps"] += 1
+            c["spec_seq_steps"] += running
+            c["spec_emitted"] += emitted
+        bucket = _bucket(running)
+        name = "off" if config is None else f"d{config.depth}k{config.topk}n{config.num_verify}"
+        self._by_config.setdefault(bucket, Counter())[name] += 1
+
+    def _finish_stats(self, out: list[_Sequence], seconds: float) -> None:
+        c = self._counts
+        tokens = sum(len(s.tokens) for s in out)
+        self._stats = dict(
+            sequences=len(out), tokens=tokens, seconds=seconds, tokens_per_s=tokens / max(seconds, 1e-9),
+            decode_steps=c["decode_steps"], mean_running=c["running_sum"] / max(c["decode_steps"], 1),
+            spec_steps=c["spec_steps"],
+            # tokens emitted per sequence per verify forward (accepted draft tokens + 1)
+            accept_len=c["spec_emitted"] / c["spec_seq_steps"] if c["spec_seq_steps"] else 0.0,
+            config_by_concurrency={b: dict(v) for b, v in sorted(self._by_config.items())},
+        )
+
+
+def _bucket(running: int) -> str:
+    for hi in (1, 2, 4, 8, 16, 32, 64, 128):
+        if running <= hi:
+            return f"<={hi}"
+    return ">128"

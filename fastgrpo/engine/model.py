@@ -11,7 +11,7 @@ step attends over plain views of the cache with no gather. Each row has its own 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +20,10 @@ from transformers import LlamaConfig
 
 
 class KVCache:
-    def __init__(self, cfg: LlamaConfig, rows: int, max_len: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, cfg: LlamaConfig, rows: int, max_len: int, dtype: torch.dtype = torch.float32,
+                 layers: int | None = None):
         head_dim = cfg.hidden_size // cfg.num_attention_heads
-        shape = (cfg.num_hidden_layers, rows, max_len, cfg.num_key_value_heads, head_dim)
+        shape = (layers or cfg.num_hidden_layers, rows, max_len, cfg.num_key_value_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
         self.lengths = torch.zeros(rows, dtype=torch.long)  # tokens cached per row
@@ -40,7 +41,7 @@ class KVCache:
         self.lengths[dst] = n
 
 
-def _rope_tables(cfg: LlamaConfig, max_len: int) -> tuple[Tensor, Tensor]:
+def rope_tables(cfg: LlamaConfig, max_len: int) -> tuple[Tensor, Tensor]:
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     theta = getattr(cfg, "rope_theta", None) or (cfg.rope_parameters or {}).get("rope_theta", 10000.0)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
@@ -53,6 +54,73 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def block_mask(start: Tensor, n: int, ctx: int, new_mask: Tensor | None) -> Tensor:
+    """[B, 1, n, ctx] bool for n query tokens whose block of keys begins at `start` [B].
+
+    Cached keys (< start) are visible to all queries. Within the block, `new_mask` [B, n, E] decides
+    (E block keys: the queries themselves, or a draft tree's earlier levels plus the queries); None
+    means causal over the n queries.
+    """
+    kpos = torch.arange(ctx)
+    if new_mask is None:
+        mask = kpos[None, None, :] <= (start[:, None] + torch.arange(n))[:, :, None]
+    else:
+        B, E = start.shape[0], new_mask.shape[-1]
+        rel = kpos[None, None, :] - start[:, None, None]  # key position relative to the block
+        in_block = (rel >= 0) & (rel < E)
+        seen = torch.gather(new_mask.expand(B, n, E), 2, rel.clamp(0, E - 1).expand(B, n, ctx))
+        mask = (rel < 0) | (in_block & seen)
+    return mask[:, None]
+
+
+KVFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+def decoder_layer(x: Tensor, L: dict[str, Tensor], n_heads: int, n_kv: int, eps: float,
+                  cos: Tensor, sin: Tensor, mask: Tensor | None, kv: KVFn) -> Tensor:
+    """One Llama decoder layer. `kv(k, v)` turns this block's keys/values [B, KV, n, D] into the keys/values
+    to attend over: the cache after appending them (inference), or themselves (training)."""
+    B, n, _ = x.shape
+    H, KV, D = n_heads, n_kv, cos.shape[-1]
+    h = rms_norm(x, L["attn_norm"], eps)
+    qkv = h @ L["wqkv"].T
+    q = qkv[..., : H * D].view(B, n, H, D).transpose(1, 2)
+    k = qkv[..., H * D : (H + KV) * D].view(B, n, KV, D).transpose(1, 2)
+    v = qkv[..., (H + KV) * D :].view(B, n, KV, D).transpose(1, 2)
+    keys, values = kv(_rotate(k, cos, sin), v)
+    q = _rotate(q, cos, sin)
+    attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
+                                          enable_gqa=KV != H)
+    x = x + attn.transpose(1, 2).reshape(B, n, H * D) @ L["wo"].T
+    h = rms_norm(x, L["mlp_norm"], eps)
+    gate, up = (h @ L["w_gate_up"].T).chunk(2, dim=-1)
+    return x + (F.silu(gate) * up) @ L["w_down"].T
+
+
+def cache_kv(cache: KVCache, layer: int, rows: slice, slots: Tensor, ctx: int) -> KVFn:
+    """Append a block's keys/values at `slots` [B, n] of `rows`, attend over the first `ctx` positions."""
+    row_idx = torch.arange(rows.start, rows.stop)[:, None]
+    ck, cv = cache.k[layer], cache.v[layer]
+
+    def kv(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        ck[row_idx, slots] = k.transpose(1, 2)
+        cv[row_idx, slots] = v.transpose(1, 2)
+        return ck[rows, :ctx].transpose(1, 2), cv[rows, :ctx].transpose(1, 2)
+
+    return kv
+
+
+def layer_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Fused weight layouts (qkv, gate+up): fewer, larger matmuls."""
+    h, kv = cfg.hidden_size, cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    ff = cfg.intermediate_size
+    return dict(wqkv=(h + 2 * kv, h), wo=(h, h), w_gate_up=(2 * ff, h), w_down=(h, ff), attn_norm=(h,), mlp_norm=(h,))
 
 
 class InferenceModel:
@@ -71,10 +139,7 @@ class InferenceModel:
         self.embed = z(cfg.vocab_size, h)
         self.norm = z(h)
         self.lm_head = self.embed if cfg.tie_word_embeddings else z(cfg.vocab_size, h)
-        self.layers = [
-            dict(wqkv=z(q + 2 * kv, h), wo=z(h, q), w_gate_up=z(2 * ff, h), w_down=z(h, ff), attn_norm=z(h), mlp_norm=z(h))
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        self.layers = [{k: z(*shape) for k, shape in layer_shapes(cfg).items()} for _ in range(cfg.num_hidden_layers)]
         self.views: dict[str, Tensor] = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
         if not cfg.tie_word_embeddings:
             self.views["lm_head.weight"] = self.lm_head
@@ -91,7 +156,7 @@ class InferenceModel:
                 p + "input_layernorm.weight": L["attn_norm"],
                 p + "post_attention_layernorm.weight": L["mlp_norm"],
             }
-        self.cos, self.sin = _rope_tables(cfg, max_len)
+        self.cos, self.sin = rope_tables(cfg, max_len)
 
     def load(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
         """Copy HF-named tensors into place; unknown names and shape mismatches are errors."""
@@ -110,9 +175,6 @@ class InferenceModel:
 
     def named_weights(self) -> Iterable[tuple[str, Tensor]]:
         return self.views.items()
-
-    def _norm(self, x: Tensor, w: Tensor) -> Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
 
     @torch.inference_mode()
     def forward(
@@ -133,43 +195,16 @@ class InferenceModel:
         """
         B, n = tokens.shape
         start = cache.lengths[rows]
-        offs = torch.arange(n)
-        slots = start[:, None] + offs  # where the new keys/values are written
-        if positions is None:
-            positions = slots
+        slots = start[:, None] + torch.arange(n)  # where the new keys/values are written
         ctx = int(slots.max()) + 1
         if ctx > cache.max_len:
             raise ValueError(f"sequence would exceed the cache length {cache.max_len}")
-        kpos = torch.arange(ctx)
-        if new_mask is None:  # causal: key j is visible to new token i iff j <= start + i
-            mask = kpos[None, None, :] <= slots[:, :, None]
-        else:
-            rel = kpos[None, None, :] - start[:, None, None]  # key position relative to the block
-            in_block = (rel >= 0) & (rel < n)
-            seen = torch.gather(new_mask, 2, rel.clamp(0, n - 1).expand(B, n, ctx))
-            mask = (rel < 0) | (in_block & seen)
-        mask = mask[:, None]  # [B, 1, n, ctx]
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, n, D]
-        row_idx = torch.arange(rows.start, rows.stop)[:, None]
-        H, KV, D = self.n_heads, self.n_kv, self.head_dim
-
+        mask = block_mask(start, n, ctx, new_mask)
+        pos = slots if positions is None else positions
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, n, D]
         x = F.embedding(tokens, self.embed)
         for li, L in enumerate(self.layers):
-            h = self._norm(x, L["attn_norm"])
-            qkv = h @ L["wqkv"].T
-            q = qkv[..., : H * D].view(B, n, H, D).transpose(1, 2)
-            k = qkv[..., H * D : (H + KV) * D].view(B, n, KV, D).transpose(1, 2)
-            v = qkv[..., (H + KV) * D :].view(B, n, KV, D)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            ck, cv = cache.k[li], cache.v[li]
-            ck[row_idx, slots] = k.transpose(1, 2)
-            cv[row_idx, slots] = v
-            keys = ck[rows, :ctx].transpose(1, 2)
-            values = cv[rows, :ctx].transpose(1, 2)
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=KV != H)
-            x = x + attn.transpose(1, 2).reshape(B, n, H * D) @ L["wo"].T
-            h = self._norm(x, L["mlp_norm"])
-            gate, up = (h @ L["w_gate_up"].T).chunk(2, dim=-1)
-            x = x + (F.silu(gate) * up) @ L["w_down"].T
-        hidden = self._norm(x, self.norm)
+            x = decoder_layer(x, L, self.n_heads, self.n_kv, self.eps, cos, sin, mask,
+                              cache_kv(cache, li, rows, slots, ctx))
+        hidden = rms_norm(x, self.norm, self.eps)
         return hidden @ self.lm_head.T, hidden

@@ -58,7 +58,8 @@ def build_policy(cfg: Config, out_dir: str | Path | None = None) -> dict[str, fl
     if any(p.solution is None for p in train):
         raise ValueError(f"task.source {cfg.task.source!r} has no worked solutions; SFT needs the synthetic task")
     tokenizer = train_tokenizer(p.prompt + "\n" + p.solution for p in train)  # type: ignore[operator]
-    examples = [(encode_prompt(tokenizer, p.prompt), encode_response(tokenizer, p.solution)) for p in train]  # type: ignore[arg-type]
+    short = [p for p in train if p.solution.count("\n") <= cfg.sft.max_problem_steps]  # type: ignore[union-attr]
+    examples = [(encode_prompt(tokenizer, p.prompt), encode_response(tokenizer, p.solution)) for p in short]  # type: ignore[arg-type]
     examples = [e for e in examples if len(e[0]) + len(e[1]) <= cfg.model.max_context]
     if not examples:
         raise ValueError(f"no training example fits in model.max_context={cfg.model.max_context}")

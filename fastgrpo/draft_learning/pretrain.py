@@ -1,0 +1,77 @@
+"""Offline warm start of the draft on the target's hidden states over a text corpus of the task's
+domain (the SFT corpus), the way static speculative systems get their drafts."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from fastgrpo.config import Config
+from fastgrpo.draft_learning.trainer import DraftTrainer
+from fastgrpo.models.policy import load_policy
+from fastgrpo.models.tokenizer import encode_prompt, encode_response, load_tokenizer
+from fastgrpo.speculation.draft import DraftHead, draft_loss
+from fastgrpo.tasks.source import load_task
+
+
+def target_states(policy, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's final (post-norm) hidden states over right-padded sequences: [B, T, H], tokens, mask."""
+    width = max(map(len, sequences))
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    mask = torch.zeros(len(sequences), width, dtype=torch.bool)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), True
+    with torch.no_grad():
+        hidden = policy.model(input_ids=ids, attention_mask=mask.long()).last_hidden_state.float()
+    return hidden, ids, mask
+
+
+def draft_dir(cfg: Config) -> Path:
+    return Path(cfg.draft.path or cfg.model.path)
+
+
+def pretrain_draft(cfg: Config) -> dict[str, float]:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    policy, tokenizer = load_policy(cfg.model.path), load_tokenizer(cfg.model.path)
+    policy.requires_grad_(False)
+    train, evals = load_task(cfg.task, cfg.seed)
+
+    def text(p) -> list[int]:
+        response = p.solution if p.solution is not None else p.answer
+        return (encode_prompt(tokenizer, p.prompt) + encode_response(tokenizer, response))[: cfg.model.max_context]
+
+    corpus, held_out = [text(p) for p in train], [text(p) for p in evals]
+    draft = DraftHead(policy.config, cfg.model.max_context)
+    draft.bind_target(policy.model.embed_tokens.weight, policy.lm_head.weight)
+    d = cfg.draft
+    trainer = DraftTrainer(draft, lr=d.lr, batch_size=d.batch_size, seed=cfg.seed)
+    rng = random.Random(cfg.seed)
+    t0 = time.perf_counter()
+    bar = tqdm(range(d.pretrain_steps), desc="draft-pretrain", mininterval=2.0)
+    metrics: dict[str, float] = {}
+    for step in bar:
+        if time.perf_counter() - t0 > 60 * d.pretrain_minutes:
+            print(f"draft-pretrain: time budget reached after {step} steps", flush=True)
+            break
+        metrics = trainer.step(*target_states(policy, rng.sample(corpus, min(d.batch_size, len(corpus)))))
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{metrics['draft_loss']:.3f}", top1=f"{metrics['draft_top1']:.3f}")
+    bar.close()
+    draft.eval()
+    with torch.no_grad():
+        _, held = draft_loss(draft, *target_states(policy, held_out[:64]))
+    report = {"steps": float(trainer.steps), "minutes": (time.perf_counter() - t0) / 60,
+              "eval_top1": held["draft_top1"], "eval_loss": held["draft_loss"]}
+    out = draft_dir(cfg)
+    draft.save(out, extra={"pretrain": report})
+    print("draft-pretrain done: " + ", ".join(f"{k} {v:.4g}" for k, v in report.items()) + f"; saved to {out}", flush=True)
+    return report
+
+
+def load_draft_weights(cfg: Config, target_cfg) -> DraftHead:
+    return DraftHead.load(draft_dir(cfg), target_cfg, cfg.model.max_context)

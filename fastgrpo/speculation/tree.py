@@ -1,0 +1,153 @@
+"""Dynamic draft trees (EAGLE-2) and lossless verification by sampling (DESIGN.md 5.2).
+
+Drafting: the draft proposes the top-k tokens after the root; then, level by level, it expands the k
+most probable frontier nodes (by cumulative draft log-probability) into their top-k children. Of all
+nodes proposed, the `num_verify - 1` most probable are kept: since a child's cumulative probability
+never exceeds its parent's, the kept set is a tree (every kept node's ancestors are kept).
+
+Verification: the target scores every tree node in one forward. Then, starting at the root, a token x
+is sampled from the target's sampling distribution at the current node; if x is one of the node's
+children, we move there and sample again; otherwise x is emitted and the step ends. Every emitted
+token is an ordinary sample from the target given all tokens before it, whatever the draft proposed,
+so the output distribution is exactly the target's. The draft only decides how often we get to
+continue, i.e. how many tokens one target forward yields. Greedy decoding is the argmax special case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fastgrpo.engine.model import KVCache, block_mask, cache_kv
+from fastgrpo.engine.sampling import SamplingParams, sample
+from fastgrpo.speculation.draft import DraftHead
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    depth: int  # draft levels (longest path that can be accepted)
+    topk: int  # children per expanded node, and nodes expanded per level
+    num_verify: int  # tokens per sequence in the verify forward, root included
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.topk < 1 or self.num_verify < 2:
+            raise ValueError(f"invalid speculation config {self}")
+        if self.num_verify - 1 > self.topk + (self.depth - 1) * self.topk**2:
+            raise ValueError(f"{self}: the tree has fewer nodes than num_verify - 1")
+
+
+@dataclass
+class Tree:
+    tokens: Tensor  # [B, N] root first, then nodes ordered by depth
+    parents: Tensor  # [B, N] index of each node's parent (root: 0)
+    depth: Tensor  # [B, N] root 0
+    mask: Tensor  # [B, N, N] ancestors (self included)
+
+
+@torch.inference_mode()
+def draft_tree(draft: DraftHead, cache: KVCache, rows: slice, root_features: Tensor, root_tokens: Tensor,
+               cfg: SpecConfig) -> Tree:
+    """Propose a tree per sequence. root_features [B, H]: the draft's predicted state at the root
+    (the pending token), from which the first level is read. Expansion keys/values go to the draft
+    cache after each row's length and are discarded (the length does not move)."""
+    B, k = root_tokens.shape[0], cfg.topk
+    start = cache.lengths[rows]
+    E = (cfg.depth - 1) * k  # expansion entries per sequence
+    bidx = torch.arange(B)[:, None]
+
+    logp = torch.log_softmax(draft.logits(root_features).float(), dim=-1)
+    score, tok = logp.topk(k, dim=-1)  # level 1
+    feat = root_features[:, None].expand(B, k, -1)  # state each level-1 node is expanded from
+    anc = torch.zeros(B, k, max(E, 1), dtype=torch.bool)  # expansion entries each node descends from
+    gid = torch.arange(k).expand(B, k)
+    all_tok, all_score, all_parent, all_depth = [tok], [score], [torch.full((B, k), -1)], [torch.ones(B, k, dtype=torch.long)]
+    n_nodes = k
+    for d in range(1, cfg.depth):
+        sel = score.topk(k, dim=-1).indices  # expand the k most probable nodes of this level
+        tok, feat, anc, gid, score = tok[bidx, sel], feat[bidx, sel], anc[bidx, sel].clone(), gid[bidx, sel], score[bidx, sel]
+        offs = (d - 1) * k + torch.arange(k)
+        anc[:, torch.arange(k), offs] = True
+        slots = start[:, None] + offs
+        ctx = int(start.max()) + d * k
+        mask = block_mask(start, k, ctx, anc[:, :, : d * k])
+        feat = draft.features(feat, tok, (start[:, None] + d - 1).expand(B, k), mask,
+                              cache_kv(cache, 0, rows, slots, ctx))
+        child_logp = torch.log_softmax(draft.logits(feat).float(), dim=-1)
+        cs, ct = child_logp.topk(k, dim=-1)  # [B, k, k]
+        tok = ct.flatten(1)
+        score = (score[:, :, None] + cs).flatten(1)
+        feat = feat.repeat_interleave(k, dim=1)
+        anc = anc.repeat_interleave(k, dim=1)
+        parent = gid.repeat_interleave(k, dim=1)
+        gid = n_nodes + torch.arange(k * k).expand(B, -1)
+        n_nodes += k * k
+        all_tok.append(tok), all_score.append(score), all_parent.append(parent)
+        all_depth.append(torch.full((B, k * k), d + 1))
+
+    tok, score = torch.cat(all_tok, 1), torch.cat(all_score, 1)
+    parent, depth = torch.cat(all_parent, 1), torch.cat(all_depth, 1)
+    # keep the most probable nodes; break exact ties toward shallower nodes so that parents win
+    keep = (score - 1e-6 * depth).topk(cfg.num_verify - 1, dim=-1).indices
+    order = torch.sort(depth[bidx, keep] * (n_nodes + 1) + keep, dim=-1).indices  # parents before children
+    keep = keep[bidx, order]
+    N = cfg.num_verify
+    position = torch.full((B, n_nodes), -1)
+    position[bidx, keep] = torch.arange(1, N).expand(B, -1)
+    p = parent[bidx, keep]
+    parents = torch.cat([torch.zeros(B, 1, dtype=torch.long), torch.where(p < 0, 0, position[bidx, p.clamp(min=0)])], 1)
+    if (parents[:, 1:] < 0).any():
+        raise RuntimeError("draft tree is not ancestor-closed (non-finite draft scores?)")
+    tree_depth = torch.cat([torch.zeros(B, 1, dtype=torch.long), depth[bidx, keep]], 1)
+    tokens = torch.cat([root_tokens[:, None], tok[bidx, keep]], 1)
+    return Tree(tokens, parents, tree_depth, ancestor_mask(parents, tree_depth))
+
+
+def ancestor_mask(parents: Tensor, depth: Tensor) -> Tensor:
+    B, N = parents.shape
+    eye = torch.eye(N, dtype=torch.bool).expand(B, N, N)
+    mask = eye.clone()
+    for d in range(1, int(depth.max()) + 1):
+        inherited = torch.gather(mask, 1, parents[:, :, None].expand(B, N, N)) | eye
+        mask = torch.where((depth == d)[:, :, None], inherited, mask)
+    return mask
+
+
+@dataclass
+class Verified:
+    tokens: Tensor  # [B, D + 1] emitted tokens (first `accepted + 1` of each row are valid)
+    logprobs: Tensor  # [B, D + 1] their sampling log-probabilities
+    path: Tensor  # [B, D] tree indices of the accepted nodes (first `accepted` valid)
+    accepted: Tensor  # [B] draft tokens accepted; accepted + 1 tokens are emitted
+
+
+def verify_tree(logprobs: Tensor, tree: Tree, sampling: SamplingParams, generator: torch.Generator | None) -> Verified:
+    """logprobs [B, N, V]: the target's sampling distribution after each tree node."""
+    B, N = tree.tokens.shape
+    D = int(tree.depth.max())
+    rows = torch.arange(B)
+    cur = torch.zeros(B, dtype=torch.long)
+    done = torch.zeros(B, dtype=torch.bool)
+    accepted = torch.zeros(B, dtype=torch.long)
+    tokens = torch.zeros(B, D + 1, dtype=torch.long)
+    token_lp = torch.zeros(B, D + 1)
+    path = torch.zeros(B, D, dtype=torch.long)
+    not_root = torch.arange(N) > 0
+    for step in range(D + 1):
+        lp = logprobs[rows, cur]
+        x = sample(lp, sampling, generator)  # a fresh target sample at the current node
+        live = ~done
+        tokens[live, step] = x[live]
+        token_lp[live, step] = lp[rows, x][live]
+        match = (tree.parents == cur[:, None]) & (tree.tokens == x[:, None]) & not_root
+        moved = match.any(-1) & live
+        if step < D:
+            child = match.to(torch.int8).argmax(-1)
+            path[moved, step] = child[moved]
+            cur = torch.where(moved, child, cur)
+        accepted += moved.long()
+        done |= ~moved
+        if done.all():
+            break
+    return Verified(tokens, token_lp, path, accepted)
