@@ -26,7 +26,7 @@ from fastgrpo.engine.model import InferenceModel, KVCache, block_mask, cache_kv
 from fastgrpo.engine.sampling import SamplingParams, sample, sampling_logprobs
 from fastgrpo.speculation.draft import DraftHead
 from fastgrpo.speculation.policy import Off, SpeculationPolicy
-from fastgrpo.speculation.tree import SpecConfig, draft_tree, verify_tree
+from fastgrpo.speculation.tree import NonFiniteDraft, SpecConfig, draft_tree, verify_tree
 
 log = logging.getLogger(__name__)
 TREE_SLACK = 256  # cache room past the context for tree tokens that are verified and then dropped
@@ -208,11 +208,12 @@ class EmbeddedEngine:
         B = len(running)
         rows = slice(0, B)
         root_features = self._draft_catch_up(running)
-        if not torch.isfinite(root_features).all():
-            log.warning("non-finite draft state: plain decoding for this step")
-            return self._decode(running, sampling, gen)
         pending = torch.tensor([s.pending for s in running])
-        tree = draft_tree(self.draft, self.draft_cache, rows, root_features, pending, config)
+        try:
+            tree = draft_tree(self.draft, self.draft_cache, rows, root_features, pending, config)
+        except NonFiniteDraft as e:
+            log.warning("%s (draft version %d): plain decoding for this step", e, self.draft_version)
+            return self._decode(running, sampling, gen)
         start = self.cache.lengths[rows].clone()
         logits, hidden = self.model.forward(tree.tokens, self.cache, rows, positions=start[:, None] + tree.depth,
                                             new_mask=tree.mask)

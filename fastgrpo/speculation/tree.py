@@ -25,6 +25,17 @@ from fastgrpo.engine.sampling import SamplingParams, sample
 from fastgrpo.speculation.draft import DraftHead
 
 
+class NonFiniteDraft(RuntimeError):
+    """The draft produced NaN/inf: the engine decodes plainly for the step instead."""
+
+
+def _draft_logprobs(draft: DraftHead, features: Tensor) -> Tensor:
+    logp = torch.log_softmax(draft.logits(features).float(), dim=-1)
+    if not torch.isfinite(logp).all():
+        raise NonFiniteDraft("non-finite draft logits")
+    return logp
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     depth: int  # draft levels (longest path that can be accepted)
@@ -57,8 +68,7 @@ def draft_tree(draft: DraftHead, cache: KVCache, rows: slice, root_features: Ten
     E = (cfg.depth - 1) * k  # expansion entries per sequence
     bidx = torch.arange(B)[:, None]
 
-    logp = torch.log_softmax(draft.logits(root_features).float(), dim=-1)
-    score, tok = logp.topk(k, dim=-1)  # level 1
+    score, tok = _draft_logprobs(draft, root_features).topk(k, dim=-1)  # level 1
     feat = root_features[:, None].expand(B, k, -1)  # state each level-1 node is expanded from
     anc = torch.zeros(B, k, max(E, 1), dtype=torch.bool)  # expansion entries each node descends from
     gid = torch.arange(k).expand(B, k)
@@ -74,8 +84,7 @@ def draft_tree(draft: DraftHead, cache: KVCache, rows: slice, root_features: Ten
         mask = block_mask(start, k, ctx, anc[:, :, : d * k])
         feat = draft.features(feat, tok, (start[:, None] + d - 1).expand(B, k), mask,
                               cache_kv(cache, 0, rows, slots, ctx))
-        child_logp = torch.log_softmax(draft.logits(feat).float(), dim=-1)
-        cs, ct = child_logp.topk(k, dim=-1)  # [B, k, k]
+        cs, ct = _draft_logprobs(draft, feat).topk(k, dim=-1)  # [B, k, k]
         tok = ct.flatten(1)
         score = (score[:, :, None] + cs).flatten(1)
         feat = feat.repeat_interleave(k, dim=1)
@@ -97,8 +106,6 @@ def draft_tree(draft: DraftHead, cache: KVCache, rows: slice, root_features: Ten
     position[bidx, keep] = torch.arange(1, N).expand(B, -1)
     p = parent[bidx, keep]
     parents = torch.cat([torch.zeros(B, 1, dtype=torch.long), torch.where(p < 0, 0, position[bidx, p.clamp(min=0)])], 1)
-    if (parents[:, 1:] < 0).any():
-        raise RuntimeError("draft tree is not ancestor-closed (non-finite draft scores?)")
     tree_depth = torch.cat([torch.zeros(B, 1, dtype=torch.long), depth[bidx, keep]], 1)
     tokens = torch.cat([root_tokens[:, None], tok[bidx, keep]], 1)
     return Tree(tokens, parents, tree_depth, ancestor_mask(parents, tree_depth))

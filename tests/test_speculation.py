@@ -1,0 +1,169 @@
+"""Speculative decoding: lossless (greedy identity, chi-square on sampled joints), correct KV paths."""
+
+import pytest
+import torch
+
+from fastgrpo.backends.protocols import Request
+from fastgrpo.backends.torch_trainer import token_logprobs
+from fastgrpo.draft_learning.pretrain import target_states
+from fastgrpo.draft_learning.trainer import DraftTrainer
+from fastgrpo.engine.engine import EmbeddedEngine
+from fastgrpo.engine.sampling import SamplingParams, sampling_logprobs
+from fastgrpo.grpo.batch import build_batch
+from fastgrpo.models.policy import new_policy, policy_config
+from fastgrpo.speculation.draft import DraftHead
+from fastgrpo.speculation.policy import FastGRPOFormula, Static
+from fastgrpo.speculation.tree import SpecConfig
+
+VOCAB = 8
+PROMPT = [1, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    """A target with 8 tokens and peaked distributions, and a random (deliberately poor) draft."""
+    cfg = policy_config("test", VOCAB, 64, bos_id=1, eos_id=VOCAB + 1, pad_id=0)
+    target = new_policy(cfg, seed=11).eval()
+    with torch.no_grad():
+        target.model.embed_tokens.weight.mul_(3.0)  # tied head: sharper, varied next-token distributions
+    draft = DraftHead(cfg)
+    draft.reset_parameters(seed=5)
+    return cfg, target, draft
+
+
+@pytest.fixture(scope="module")
+def trained_draft(small_vocab):
+    """A draft trained briefly on the target's own samples: accepted often, far from always."""
+    cfg, target, _ = small_vocab
+    out = engine_for(cfg, target, None).generate([Request(PROMPT)] * 64, SamplingParams(max_new_tokens=40), seed=1)
+    hidden, tokens, mask = target_states(target, [PROMPT + o.token_ids for o in out])
+    draft = DraftHead(cfg)
+    draft.bind_target(target.model.embed_tokens.weight, target.lm_head.weight)
+    trainer = DraftTrainer(draft, lr=3e-3)
+    for _ in range(150):
+        trainer.step(hidden, tokens, mask)
+    return draft
+
+
+def engine_for(cfg, target, draft, policy=None, max_batch=64):
+    e = EmbeddedEngine(cfg, max_batch, 64, eos_id=VOCAB + 1, pad_id=0, policy=policy)
+    e.update_weights(target.state_dict().items(), 0)
+    if draft is not None:
+        e.update_draft(draft.state_dict().items(), 0)
+    return e
+
+
+def exact_joint(target, sampling):
+    """P(t1, t2, t3 | prompt) under the sampling distribution, from full forwards."""
+    seqs = [[]]
+    probs = torch.ones(1)
+    for _ in range(3):
+        ids = torch.tensor([PROMPT + s for s in seqs])
+        with torch.no_grad():
+            p = sampling_logprobs(target(ids).logits[:, -1], sampling).exp()
+        probs = (probs[:, None] * p).flatten()
+        seqs = [s + [t] for s in seqs for t in range(VOCAB)]
+    return probs  # index t1 * 64 + t2 * 8 + t3
+
+
+def sampled_counts(engine, sampling, n, seed):
+    counts = torch.zeros(VOCAB**3)
+    for i in range(0, n, 500):
+        out = engine.generate([Request(PROMPT, max_new_tokens=3)] * 500, sampling, seed=seed + i)
+        for o in out:
+            t = o.token_ids
+            counts[t[0] * 64 + t[1] * 8 + t[2]] += 1
+    return counts
+
+
+def chi_square_p(counts, probs):
+    """Goodness of fit; the least likely cells are pooled until every bin expects >= 5 samples."""
+    expected = probs * counts.sum()
+    order = torch.argsort(expected)
+    exp_sorted, obs_sorted = expected[order], counts[order]
+    pooled = torch.cumsum(exp_sorted, 0) < 5  # the rare tail, pooled into one bin with the next cell
+    cut = int(pooled.sum()) + 1
+    exp = torch.cat([exp_sorted[:cut].sum()[None], exp_sorted[cut:]])
+    obs = torch.cat([obs_sorted[:cut].sum()[None], obs_sorted[cut:]])
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = exp.numel() - 1
+    return torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2.0).item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_sampled_joint_matches_target(small_vocab, trained_draft, top_p):
+    cfg, target, _ = small_vocab
+    draft = trained_draft
+    sampling = SamplingParams(temperature=1.0, top_p=top_p, max_new_tokens=3)
+    probs = exact_joint(target, sampling)
+    spec = engine_for(cfg, target, draft, Static(SpecConfig(depth=3, topk=3, num_verify=8)))
+    counts = sampled_counts(spec, sampling, 12000, seed=100)
+    assert 1.2 < spec.stats()["accept_len"] < 3.0  # accepted often, rejected often: both branches matter
+    assert chi_square_p(counts, probs) > 1e-3
+    plain = sampled_counts(engine_for(cfg, target, None), sampling, 12000, seed=100)
+    assert chi_square_p(plain, probs) > 1e-3
+    # the test has power: sampling at temperature 1.15 instead of 1 is caught
+    biased = exact_joint(target, SamplingParams(temperature=1.15, top_p=top_p, max_new_tokens=3))
+    assert chi_square_p(counts, biased) < 1e-3
+
+
+def test_greedy_speculative_equals_greedy_plain(small_vocab, trained_draft):
+    cfg, target, _ = small_vocab
+    draft = trained_draft
+    g = torch.Generator().manual_seed(0)
+    reqs = [Request(torch.randint(2, VOCAB, (int(n),), generator=g).tolist(), max_new_tokens=m)
+            for n, m in [(3, 30), (5, 12), (2, 40), (7, 25), (4, 1), (6, 33)]]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=40)
+    plain = [c.token_ids for c in engine_for(cfg, target, None).generate(reqs, greedy)]
+    for policy, max_batch in [(Static(SpecConfig(2, 2, 3)), 2), (Static(SpecConfig(4, 3, 10)), 6),
+                              (FastGRPOFormula(), 3)]:
+        engine = engine_for(cfg, target, draft, policy, max_batch)
+        assert [c.token_ids for c in engine.generate(reqs, greedy)] == plain
+        assert engine.stats()["accept_len"] > 1.0  # paths were accepted, so the KV moves were exercised
+
+
+def test_accepted_path_cache_gives_full_forward_logprobs(small_vocab, trained_draft):
+    """Every emitted token's log-probability from the speculative engine (computed over a cache
+    rebuilt from accepted paths) equals a fresh full forward's."""
+    cfg, target, _ = small_vocab
+    draft = trained_draft
+    engine = engine_for(cfg, target, draft, Static(SpecConfig(3, 3, 8)), max_batch=4)
+    prompts = [PROMPT, [1, 2], [1, 5, 5, 6, 7], [1, 7, 2, 3]] * 2
+    out = engine.generate([Request(p) for p in prompts], SamplingParams(temperature=1.0, max_new_tokens=40), seed=3)
+    assert engine.stats()["accept_len"] > 1.2
+    batch = build_batch(prompts, [o.token_ids for o in out], [o.logprobs for o in out], torch.zeros(8), pad_id=0)
+    with torch.no_grad():
+        lp, _ = token_logprobs(target, batch, temperature=1.0)
+    m = batch.response_mask
+    assert (lp[m] - batch.engine_logprobs[m]).abs().max() < 1e-4
+
+
+def test_fastgrpo_formula_is_guarded():
+    f = FastGRPOFormula()
+    assert f.choose(1) == SpecConfig(depth=5, topk=8, num_verify=160)
+    assert f.choose(16) == SpecConfig(depth=3, topk=8, num_verify=10)
+    assert f.choose(80) == SpecConfig(depth=3, topk=1, num_verify=2)
+    assert f.choose(81) is None and f.choose(200) is None  # the original breaks (k = 0) / crashes here
+
+
+def test_fastgrpo_policy_runs_200_sequences(small_vocab):
+    cfg, target, draft = small_vocab
+    engine = engine_for(cfg, target, draft, FastGRPOFormula(), max_batch=200)
+    out = engine.generate([Request(PROMPT)] * 200, SamplingParams(temperature=1.0, max_new_tokens=12), seed=0)
+    assert len(out) == 200 and all(len(o.token_ids) == 12 for o in out)
+    buckets = engine.stats()["config_by_concurrency"]
+    assert buckets[">128"] == {"off": 11}  # 200 running: plain decoding (token 1 comes from the prefill)
+
+
+def test_bad_drafts_fall_back_or_fail_clearly(small_vocab):
+    cfg, target, draft = small_vocab
+    engine = engine_for(cfg, target, draft, Static(SpecConfig(3, 3, 8)), max_batch=4)
+    wrong = {k: torch.zeros(3, 3) if k == "fc" else v for k, v in draft.state_dict().items()}
+    with pytest.raises(ValueError, match="does not match"):
+        engine.update_draft(wrong.items(), 1)
+    nan_draft = {k: torch.full_like(v, float("nan")) if k == "norm" else v for k, v in draft.state_dict().items()}
+    engine.update_draft(nan_draft.items(), 2)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=10)
+    plain = engine_for(cfg, target, None).generate([Request(PROMPT)], greedy)[0].token_ids
+    assert engine.generate([Request(PROMPT)], greedy)[0].token_ids == plain
