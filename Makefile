@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 POLICY := artifacts/policy-bench
 CONFIG ?= configs/tiny_cpu.yaml
 
-.PHONY: install train test policy bench clean
+.PHONY: install train test policy bench bench-quick clean
 
 install: $(STAMP)
 
@@ -18,13 +18,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[test]"
 	touch $(STAMP)
 
-policy: $(POLICY)/config.json
+# the policy (SFT warm start) and its draft are built once, then reused
+policy: $(STAMP)
+	$(BIN)/fastgrpo sft --config $(CONFIG) --if-missing
+	$(BIN)/fastgrpo draft-pretrain --config $(CONFIG) --if-missing
 
-$(POLICY)/config.json: | $(STAMP)
-	$(BIN)/fastgrpo sft --config $(CONFIG)
-
-train: $(STAMP) $(POLICY)/config.json
+train: policy
 	$(BIN)/fastgrpo train --config $(CONFIG)
+
+bench: policy
+	$(BIN)/fastgrpo bench rollout --config $(CONFIG) --output bench/rollout.json
+
+bench-quick: policy
+	$(BIN)/fastgrpo bench rollout --config $(CONFIG) --quick --output bench/rollout-quick.json
 
 test: $(STAMP)
 	$(BIN)/pytest -x -q

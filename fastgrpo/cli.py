@@ -37,7 +37,8 @@ def cmd_sft(args: argparse.Namespace) -> None:
 
 
 def cmd_draft_pretrain(args: argparse.Namespace) -> None:
-    from fastgrpo.draft_learning.pretrain import draft_dir, pretrain_draft
+    from fastgrpo.backends.embedded import draft_dir
+    from fastgrpo.draft_learning.pretrain import pretrain_draft
     from fastgrpo.speculation.draft import DRAFT_WEIGHTS
 
     cfg = _config(args)
@@ -45,6 +46,31 @@ def cmd_draft_pretrain(args: argparse.Namespace) -> None:
         print(f"draft already at {draft_dir(cfg)}; skipping")
         return
     pretrain_draft(cfg)
+
+
+def ensure_policy_and_draft(cfg: Config) -> None:
+    """Benchmarks and speculative training build what they need: the policy (SFT), then its draft."""
+    from fastgrpo.backends.embedded import draft_dir
+    from fastgrpo.draft_learning.pretrain import pretrain_draft
+    from fastgrpo.models.sft import build_policy
+    from fastgrpo.speculation.draft import DRAFT_WEIGHTS
+
+    if not (Path(cfg.model.path) / "config.json").is_file():
+        print(f"no policy at {cfg.model.path}: building it (fastgrpo sft)")
+        build_policy(cfg)
+    if not (draft_dir(cfg) / DRAFT_WEIGHTS).is_file():
+        print(f"no draft at {draft_dir(cfg)}: building it (fastgrpo draft-pretrain)")
+        pretrain_draft(cfg)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from fastgrpo.bench.rollout import bench_rollout
+
+    if args.what != "rollout":
+        raise ValueError(f"unknown benchmark {args.what!r}; available: rollout")
+    cfg = _config(args)
+    ensure_policy_and_draft(cfg)
+    bench_rollout(cfg, args.quick, Path(args.output))
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -72,8 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fastgrpo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def add(name: str, fn, help: str) -> argparse.ArgumentParser:
+    def add(name: str, fn, help: str, before: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help)
+        if before:  # a positional that must come before the overrides
+            p.add_argument(before)
         p.add_argument("--config", help=f"YAML config (default: {DEFAULT_CONFIG} if present)")
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. grpo.steps=4")
         p.set_defaults(fn=fn)
@@ -87,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         ).add_argument("--if-missing", action="store_true", help="do nothing if the draft already exists")
     add("eval", cmd_eval, "accuracy of a checkpoint on the eval split").add_argument(
         "--checkpoint", help="checkpoint or HF policy directory (default: model.path)")
+
+    bench = add("bench", cmd_bench, "benchmarks (`rollout`): speculation modes compared in one process", before="what")
+    bench.add_argument("--quick", action="store_true", help="smaller workloads (minutes, not tens of minutes)")
+    bench.add_argument("--output", default="bench/rollout.json", help="JSON results (a PNG plot is written beside it)")
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

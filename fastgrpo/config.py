@@ -55,6 +55,7 @@ class SpeculationConfig:
     depth: int = 4  # static: draft levels
     topk: int = 4  # static: children per expanded node
     num_verify: int = 12  # static: tokens verified per sequence (root included)
+    cost_model_dir: str = "artifacts/cost_models"  # cached calibration sweeps, one per machine and model shape
 
 
 @dataclass

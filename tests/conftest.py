@@ -36,3 +36,14 @@ def tiny_policy(tmp_path_factory) -> Path:
     cfg = tiny_config(tmp)
     build_policy(cfg)
     return Path(cfg.model.path)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tiny_policy, tmp_path_factory) -> Path:
+    """A draft warm-started by the real `draft-pretrain` code on the tiny policy."""
+    from fastgrpo.draft_learning.pretrain import pretrain_draft
+
+    out = tmp_path_factory.mktemp("draft")
+    pretrain_draft(tiny_config(out, tiny_policy, **{"draft.path": out, "draft.pretrain_steps": 150,
+                                                       "draft.lr": 3e-3}))
+    return out

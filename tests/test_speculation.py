@@ -12,7 +12,8 @@ from fastgrpo.engine.sampling import SamplingParams, sampling_logprobs
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.models.policy import new_policy, policy_config
 from fastgrpo.speculation.draft import DraftHead
-from fastgrpo.speculation.policy import FastGRPOFormula, Static
+from fastgrpo.speculation.cost_model import CostModel, load_or_calibrate
+from fastgrpo.speculation.policy import Aware, FastGRPOFormula, Static
 from fastgrpo.speculation.tree import SpecConfig
 
 VOCAB = 8
@@ -167,3 +168,44 @@ def test_bad_drafts_fall_back_or_fail_clearly(small_vocab):
     greedy = SamplingParams(temperature=0.0, max_new_tokens=10)
     plain = engine_for(cfg, target, None).generate([Request(PROMPT)], greedy)[0].token_ids
     assert engine.generate([Request(PROMPT)], greedy)[0].token_ids == plain
+
+
+def synthetic_costs():
+    # memory-bound (flat) up to 64 tokens per forward, then compute-bound (linear); the draft is cheap
+    target = {t: 0.010 * max(1.0, t / 64) for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)}
+    draft = {t: 0.001 * max(1.0, t / 64) for t in target}
+    return CostModel(target, draft)
+
+
+def test_aware_never_picks_a_config_its_model_predicts_slower_than_off():
+    aware = Aware(synthetic_costs())
+    for running in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        c = aware.choose(running)
+        assert aware.goodput(c, running) >= aware.goodput(None, running)
+    assert aware.choose(1) is not None and aware.choose(1).depth >= 3  # the tail: speculate deep
+    assert aware.choose(256) is None  # saturated: plain decoding
+
+
+def test_aware_learns_acceptance_online():
+    aware = Aware(synthetic_costs())
+    deep = SpecConfig(6, 1, 7)
+    before = aware.acceptance.expected(deep)
+    for _ in range(50):  # a draft that is always right
+        aware.observe(deep, 1, 7, 0.012, accepted=[6])
+    assert aware.acceptance.expected(deep) > before + 2
+    shallow = SpecConfig(2, 1, 3)
+    for _ in range(50):  # and one that never is
+        aware.observe(shallow, 1, 1, 0.012, accepted=[0])
+    assert aware.acceptance.expected(shallow) < 1.3
+
+
+def test_cost_model_calibrates_and_caches(small_vocab, tmp_path):
+    cfg, target, draft = small_vocab
+    engine = engine_for(cfg, target, draft)
+    costs = load_or_calibrate(engine.model, engine.draft, tmp_path)
+    assert all(v > 0 for v in costs.target_s.values()) and set(costs.target_s) == set(costs.draft_s)
+    assert costs.target(10_000) > costs.target(1)  # extrapolates the compute-bound slope
+    cached = list(tmp_path.glob("cost_model-*.json"))
+    assert len(cached) == 1
+    again = load_or_calibrate(engine.model, engine.draft, tmp_path)
+    assert again.target_s == costs.target_s  # read from the cache, not re-measured

@@ -106,3 +106,22 @@ def test_missing_dataset_is_a_clear_error(tmp_path, tiny_policy, capsys):
                f"task.source={tmp_path / 'nope.jsonl'}"])
     assert rc == 1
     assert "dataset file not found" in capsys.readouterr().err
+
+
+def test_draft_pretrain_and_speculative_grpo(tmp_path, tiny_policy, tiny_draft):
+    import json as _json
+
+    meta = _json.loads((tiny_draft / "draft_config.json").read_text())
+    assert meta["pretrain"]["eval_top1"] > 0.3  # it learned to predict the policy's next tokens
+    cfg = tiny_config(tmp_path, tiny_policy, **{"draft.path": tiny_draft, "speculation.policy": "aware",
+                                                "speculation.cost_model_dir": tmp_path / "costs",
+                                                "grpo.steps": 2, "grpo.drop_equal_reward_groups": "false"})
+    train(cfg)
+    accept = history(tmp_path / "run", "accept_len")
+    assert sorted(accept) == [1, 2] and all(v >= 1.0 for v in accept.values())
+    spec = history(tmp_path / "run", "spec_step_fraction")
+    assert all(0.0 <= v <= 1.0 for v in spec.values())
+    stats = list((tmp_path / "run" / "mlartifacts").rglob("step_000001.json"))
+    assert len(stats) == 1
+    record = _json.loads(stats[0].read_text())
+    assert record["config_by_concurrency"] and record["trace"]

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import random
 import time
-from pathlib import Path
-
 import torch
 from tqdm import tqdm
 
+from fastgrpo.backends.embedded import draft_dir
 from fastgrpo.config import Config
 from fastgrpo.draft_learning.trainer import DraftTrainer
 from fastgrpo.models.policy import load_policy
@@ -28,10 +27,6 @@ def target_states(policy, sequences: list[list[int]]) -> tuple[torch.Tensor, tor
     with torch.no_grad():
         hidden = policy.model(input_ids=ids, attention_mask=mask.long()).last_hidden_state.float()
     return hidden, ids, mask
-
-
-def draft_dir(cfg: Config) -> Path:
-    return Path(cfg.draft.path or cfg.model.path)
 
 
 def pretrain_draft(cfg: Config) -> dict[str, float]:
@@ -71,7 +66,3 @@ def pretrain_draft(cfg: Config) -> dict[str, float]:
     draft.save(out, extra={"pretrain": report})
     print("draft-pretrain done: " + ", ".join(f"{k} {v:.4g}" for k, v in report.items()) + f"; saved to {out}", flush=True)
     return report
-
-
-def load_draft_weights(cfg: Config, target_cfg) -> DraftHead:
-    return DraftHead.load(draft_dir(cfg), target_cfg, cfg.model.max_context)

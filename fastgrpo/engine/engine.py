@@ -112,6 +112,7 @@ class EmbeddedEngine:
         done: dict[int, _Sequence] = {}
         self._counts: Counter = Counter()
         self._by_config: dict[str, Counter] = {}
+        self._trace: list[tuple[int, str, int]] = []  # per decode step: running, config, tokens emitted
         while waiting or running:
             if waiting and len(running) < self.max_batch:
                 joined = [waiting.popleft() for _ in range(min(len(waiting), self.max_batch - len(running)))]
@@ -119,8 +120,11 @@ class EmbeddedEngine:
             else:
                 config = self.policy.choose(len(running)) if self.speculating else None
                 t = time.perf_counter()
-                emitted = self._speculate(running, config, sampling, gen) if config else self._decode(running, sampling, gen)
-                self.policy.observe(config, len(running), emitted, time.perf_counter() - t)
+                if config is None:
+                    emitted, accepted = self._decode(running, sampling, gen), None
+                else:
+                    emitted, accepted = self._speculate(running, config, sampling, gen)
+                self.policy.observe(config, len(running), emitted, time.perf_counter() - t, accepted)
                 self._count_step(config, len(running), emitted)
             self._retire(running, done)
         out = [done[i] for i in range(len(requests))]
@@ -183,16 +187,16 @@ class EmbeddedEngine:
         chosen_lp = logprobs.gather(-1, chosen[:, None])[:, 0]
         toks = chosen.tolist()
         for s, tok, lp in zip(seqs, toks, chosen_lp.tolist()):
-            self._append(s, [tok], [lp])
+            self._append(s, [tok], [lp], sampling.ignore_eos)
         return toks
 
-    def _append(self, s: _Sequence, tokens: list[int], logprobs: list[float]) -> None:
+    def _append(self, s: _Sequence, tokens: list[int], logprobs: list[float], ignore_eos: bool) -> None:
         """Add emitted tokens, stopping at EOS, the token limit or the context."""
         for tok, lp in zip(tokens, logprobs):
             s.tokens.append(tok)
             s.logprobs.append(lp)
             s.pending = tok
-            if tok == self.eos_id:
+            if tok == self.eos_id and not ignore_eos:
                 s.finish = "stop"
             elif len(s.tokens) >= s.max_new:
                 s.finish = "length"
@@ -203,7 +207,8 @@ class EmbeddedEngine:
 
     # -- speculation ----------------------------------------------------------------------
     def _speculate(self, running: list[_Sequence], config: SpecConfig, sampling: SamplingParams,
-                   gen: torch.Generator) -> int:
+                   gen: torch.Generator) -> tuple[int, list[int] | None]:
+        """One draft-tree-verify step for all running sequences: (tokens emitted, accepted per sequence)."""
         assert self.draft is not None and self.draft_cache is not None
         B = len(running)
         rows = slice(0, B)
@@ -213,7 +218,7 @@ class EmbeddedEngine:
             tree = draft_tree(self.draft, self.draft_cache, rows, root_features, pending, config)
         except NonFiniteDraft as e:
             log.warning("%s (draft version %d): plain decoding for this step", e, self.draft_version)
-            return self._decode(running, sampling, gen)
+            return self._decode(running, sampling, gen), None
         start = self.cache.lengths[rows].clone()
         logits, hidden = self.model.forward(tree.tokens, self.cache, rows, positions=start[:, None] + tree.depth,
                                             new_mask=tree.mask)
@@ -224,14 +229,15 @@ class EmbeddedEngine:
         for b, s in enumerate(running):
             a = int(result.accepted[b])
             before = len(s.tokens)
-            self._append(s, result.tokens[b, : a + 1].tolist(), result.logprobs[b, : a + 1].tolist())
+            self._append(s, result.tokens[b, : a + 1].tolist(), result.logprobs[b, : a + 1].tolist(),
+                         sampling.ignore_eos)
             emitted += len(s.tokens) - before
             s.spec_steps += 1
             s.spec_emitted += a + 1
             nodes = [0] + result.path[b, :a].tolist()
             s.draft_hidden.append(hidden[b, nodes])
             s.draft_tokens += result.tokens[b, : a + 1].tolist()
-        return emitted
+        return emitted, result.accepted.tolist()
 
     def _draft_catch_up(self, running: list[_Sequence]) -> Tensor:
         """Feed the draft the target states it has not seen (accepted paths, decoded and prefilled
@@ -301,6 +307,7 @@ class EmbeddedEngine:
         bucket = _bucket(running)
         name = "off" if config is None else f"d{config.depth}k{config.topk}n{config.num_verify}"
         self._by_config.setdefault(bucket, Counter())[name] += 1
+        self._trace.append((running, name, emitted))
 
     def _finish_stats(self, out: list[_Sequence], seconds: float) -> None:
         c = self._counts
@@ -312,6 +319,7 @@ class EmbeddedEngine:
             # tokens emitted per sequence per verify forward (accepted draft tokens + 1)
             accept_len=c["spec_emitted"] / c["spec_seq_steps"] if c["spec_seq_steps"] else 0.0,
             config_by_concurrency={b: dict(v) for b, v in sorted(self._by_config.items())},
+            trace=list(self._trace),
         )
 
 

@@ -19,6 +19,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 256
+    ignore_eos: bool = False  # benchmarks: keep every sequence running for exactly max_new_tokens
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:

@@ -18,6 +18,7 @@ from fastgrpo.backends.torch_trainer import TorchPolicyTrainer
 from fastgrpo.bridge import WeightBridge
 from fastgrpo.checkpoint import CheckpointManager
 from fastgrpo.config import Config, flatten, to_yaml
+from fastgrpo.backends.embedded import build_engine
 from fastgrpo.engine.engine import EmbeddedEngine
 from fastgrpo.engine.sampling import SamplingParams
 from fastgrpo.grpo.advantages import group_advantages, informative_groups
@@ -72,6 +73,8 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
         metrics |= {"rollout_s": rollout_s, "train_s": train_s, "weight_sync_s": sync.seconds,
                     "step_s": time.perf_counter() - t_step}
         run.tracker.log_metrics(metrics, step=run.step)
+        if run.engine.speculating:
+            run.tracker.log_dict(rollout_stats(run.engine.stats()), f"rollout_stats/step_{run.step:06d}.json")
         print_step(run.step, cfg.grpo.steps, metrics)
 
         if cfg.eval.every and run.step % cfg.eval.every == 0 and run.step < cfg.grpo.steps:
@@ -98,8 +101,7 @@ def setup_run(cfg: Config, resume: bool) -> Run:
     policy = load_policy(latest / "policy" if latest else cfg.model.path)
     reference = load_policy(cfg.model.path) if cfg.grpo.kl_coef > 0 else None
     trainer = TorchPolicyTrainer(policy, cfg.grpo, cfg.optim, cfg.rollout.temperature, reference)
-    engine = EmbeddedEngine(policy.config, cfg.rollout.max_batch, cfg.model.max_context,
-                            eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+    engine = build_engine(cfg, policy, tokenizer)
     bridge = WeightBridge([engine])
 
     train_problems, eval_problems = load_task(cfg.task, cfg.seed)
@@ -160,14 +162,23 @@ def step_metrics(completions: list[Completion], rewards: torch.Tensor, engine_st
         "response_len_max": lengths.max().item(),
         "truncated_fraction": sum(c.finish_reason != "stop" for c in completions) / len(completions),
         "gen_tokens_per_s": engine_stats.get("tokens_per_s", 0.0),
+        "mean_running": engine_stats.get("mean_running", 0.0),
+        "accept_len": engine_stats.get("accept_len", 0.0),
+        "spec_step_fraction": engine_stats.get("spec_steps", 0) / max(engine_stats.get("decode_steps", 0), 1),
         "groups_kept": float(kept_groups),
     }
+
+
+def rollout_stats(stats: dict) -> dict:
+    """The speculation record of one rollout: chosen config by concurrency, and the per-step trace."""
+    return {k: stats[k] for k in ("accept_len", "mean_running", "spec_steps", "decode_steps",
+                                  "config_by_concurrency", "trace")}
 
 
 def print_step(step: int, total: int, m: dict[str, float]) -> None:
     print(f"step {step}/{total} | reward {m['reward_mean']:.3f}±{m['reward_std']:.3f} | "
           f"len {m['response_len_mean']:.0f}/{m['response_len_max']:.0f} | "
-          f"rollout {m['rollout_s']:.1f}s ({m['gen_tokens_per_s']:.0f} tok/s) | train {m['train_s']:.1f}s | "
+          f"rollout {m['rollout_s']:.1f}s ({m['gen_tokens_per_s']:.0f} tok/s, accept {m['accept_len']:.2f}) | train {m['train_s']:.1f}s | "
           f"sync {m['weight_sync_s']:.2f}s | loss {m.get('loss', 0.0):.4f} | "
           f"clip {m.get('clip_fraction', 0.0):.3f} | entropy {m.get('entropy', 0.0):.3f}", flush=True)
 

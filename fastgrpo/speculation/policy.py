@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
+from fastgrpo.speculation.cost_model import CostModel
 from fastgrpo.speculation.tree import SpecConfig
 
 
@@ -17,7 +18,8 @@ class SpeculationPolicy(Protocol):
 
     def choose(self, running: int) -> SpecConfig | None: ...
 
-    def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float) -> None: ...
+    def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
+                accepted: list[int] | None = None) -> None: ...
 
 
 class Off:
@@ -26,7 +28,8 @@ class Off:
     def choose(self, running: int) -> SpecConfig | None:
         return None
 
-    def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float) -> None:
+    def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
+                accepted: list[int] | None = None) -> None:
         pass
 
 
@@ -61,11 +64,125 @@ class FastGRPOFormula(Off):
         return SpecConfig(depth=depth, topk=topk, num_verify=min(n, max_nodes + 1))
 
 
-def make_policy(cfg: "SpeculationConfig") -> SpeculationPolicy:  # noqa: F821 (config imports engine types)
+def candidate_configs(max_depth: int = 6) -> list[SpecConfig]:
+    """The shapes `aware` chooses among (plain decoding is always a candidate too)."""
+    out = []
+    for depth in range(1, max_depth + 1):
+        for topk in (1, 2, 4, 8):
+            for n in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
+                chain, fits = n - 1 == depth, depth <= n - 1 <= topk + (depth - 1) * topk**2
+                if fits and (chain if topk == 1 else not chain):  # a chain is width 1; a tree is wider
+                    out.append(SpecConfig(depth, topk, n))
+    return out
+
+
+class AcceptanceModel:
+    """Expected tokens emitted per sequence per step for any tree shape, learned online.
+
+    Two pieces of evidence, both per sequence (so what is learned at one concurrency transfers to
+    all others): the chance alpha_d that a step which reached depth d - 1 of its tree also accepts
+    depth d (pooled over shapes: a prior for shapes never tried), and the mean emitted tokens of each
+    shape actually used (which overrides the prior as it accumulates).
+    """
+
+    def __init__(self, prior_alpha: float = 0.6, prior_weight: float = 8.0, max_depth: int = 16):
+        self.reached = [prior_weight] * (max_depth + 2)
+        self.passed = [prior_weight * prior_alpha] * (max_depth + 2)
+        self.prior_weight = prior_weight
+        self.sum_emitted: dict[SpecConfig, float] = {}
+        self.count: dict[SpecConfig, float] = {}
+
+    def alpha(self, d: int) -> float:
+        return self.passed[d] / self.reached[d]
+
+    def prior(self, c: SpecConfig) -> float:
+        # a tree of depth D and n - 1 nodes: nodes are spread over the levels, so a shape with fewer
+        # nodes than depth * width accepts less at depth than a full one (crudely, by the fill ratio)
+        width = max(1.0, c.topk * min(1.0, (c.num_verify - 1) / (c.depth * c.topk)))
+        expected, reach = 1.0, 1.0
+        for d in range(1, c.depth + 1):
+            reach *= 1 - (1 - self.alpha(d)) ** width  # any of ~width alternatives accepted
+            expected += reach
+        return expected
+
+    def expected(self, c: SpecConfig) -> float:
+        n = self.count.get(c, 0.0)
+        return (self.prior(c) * self.prior_weight + self.sum_emitted.get(c, 0.0)) / (self.prior_weight + n)
+
+    def observe(self, c: SpecConfig, accepted: list[int]) -> None:
+        for a in accepted:
+            for d in range(1, min(a + 1, c.depth) + 1):
+                self.reached[d] += 1
+                self.passed[d] += d <= a
+        self.sum_emitted[c] = self.sum_emitted.get(c, 0.0) + sum(a + 1 for a in accepted)
+        self.count[c] = self.count.get(c, 0.0) + len(accepted)
+
+
+class Aware(Off):
+    """fastgrpo's rule (DESIGN.md 5.3): at B running sequences choose the shape c maximising
+
+        goodput(c) = B * E[emitted | c] / (T_draft(c, B) + T_verify(B * n_c))
+
+    over a candidate set that contains plain decoding (E = 1, no draft, n = 1). T_* come from the
+    measured cost model, rescaled online by the ratio of real to predicted step times; E comes from
+    the acceptance model."""
+
+    name = "aware"
+
+    def __init__(self, costs: CostModel, candidates: list[SpecConfig] | None = None, correction_decay: float = 0.9):
+        self.costs = costs
+        self.candidates = candidates or candidate_configs()
+        self.acceptance = AcceptanceModel()
+        self.decay = correction_decay
+        self.correction = {"off": 1.0, "spec": 1.0}  # measured / predicted step time
+        self._memo: dict[int, SpecConfig | None] = {}  # choice per concurrency, refreshed as evidence comes
+        self._observed = 0
+
+    def predicted_seconds(self, c: SpecConfig | None, running: int) -> float:
+        if c is None:
+            return self.costs.target(running) * self.correction["off"]
+        catch_up = running * self.acceptance.expected(c)  # last step's accepted states, fed to the draft
+        draft = self.costs.draft(catch_up) + (c.depth - 1) * self.costs.draft(running * c.topk)
+        return (draft + self.costs.target(running * c.num_verify)) * self.correction["spec"]
+
+    def goodput(self, c: SpecConfig | None, running: int) -> float:
+        emitted = 1.0 if c is None else self.acceptance.expected(c)
+        return running * emitted / self.predicted_seconds(c, running)
+
+    def choose(self, running: int) -> SpecConfig | None:
+        if running not in self._memo:
+            self._memo[running] = self._argmax(running)
+        return self._memo[running]
+
+    def _argmax(self, running: int) -> SpecConfig | None:
+        best, best_rate = None, self.goodput(None, running)
+        for c in self.candidates:
+            rate = self.goodput(c, running)
+            if rate > best_rate:
+                best, best_rate = c, rate
+        return best
+
+    def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
+                accepted: list[int] | None = None) -> None:
+        key = "off" if config is None else "spec"
+        ratio = seconds / max(self.predicted_seconds(config, running) / self.correction[key], 1e-9)
+        self.correction[key] = self.decay * self.correction[key] + (1 - self.decay) * min(max(ratio, 0.2), 5.0)
+        if config is not None and accepted is not None:
+            self.acceptance.observe(config, accepted)
+        self._observed += 1
+        if self._observed % 16 == 0:
+            self._memo.clear()
+
+
+def make_policy(cfg: "SpeculationConfig", costs: CostModel | None = None) -> SpeculationPolicy:  # noqa: F821
     if cfg.policy == "off":
         return Off()
     if cfg.policy == "static":
         return Static(SpecConfig(cfg.depth, cfg.topk, cfg.num_verify))
     if cfg.policy == "fastgrpo":
         return FastGRPOFormula()
+    if cfg.policy == "aware":
+        if costs is None:
+            raise ValueError("the aware policy needs a calibrated cost model")
+        return Aware(costs)
     raise ValueError(f"speculation.policy {cfg.policy!r} is not available")

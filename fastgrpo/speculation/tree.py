@@ -98,7 +98,7 @@ def draft_tree(draft: DraftHead, cache: KVCache, rows: slice, root_features: Ten
     tok, score = torch.cat(all_tok, 1), torch.cat(all_score, 1)
     parent, depth = torch.cat(all_parent, 1), torch.cat(all_depth, 1)
     # keep the most probable nodes; break exact ties toward shallower nodes so that parents win
-    keep = (score - 1e-6 * depth).topk(cfg.num_verify - 1, dim=-1).indices
+    keep = (score.double() - 1e-9 * depth).topk(cfg.num_verify - 1, dim=-1).indices
     order = torch.sort(depth[bidx, keep] * (n_nodes + 1) + keep, dim=-1).indices  # parents before children
     keep = keep[bidx, order]
     N = cfg.num_verify
@@ -106,6 +106,8 @@ def draft_tree(draft: DraftHead, cache: KVCache, rows: slice, root_features: Ten
     position[bidx, keep] = torch.arange(1, N).expand(B, -1)
     p = parent[bidx, keep]
     parents = torch.cat([torch.zeros(B, 1, dtype=torch.long), torch.where(p < 0, 0, position[bidx, p.clamp(min=0)])], 1)
+    if (parents < 0).any():  # cannot happen with finite scores; never let it crash a rollout
+        raise NonFiniteDraft("draft tree is not ancestor-closed")
     tree_depth = torch.cat([torch.zeros(B, 1, dtype=torch.long), depth[bidx, keep]], 1)
     tokens = torch.cat([root_tokens[:, None], tok[bidx, keep]], 1)
     return Tree(tokens, parents, tree_depth, ancestor_mask(parents, tree_depth))

@@ -1,0 +1,110 @@
+"""A cost model of this machine: forward latency against tokens per forward, measured, not assumed.
+
+A short calibration sweep times the target and the draft at a range of tokens per forward (the
+curve is flat while the hardware is memory-bound, then linear once it is compute-bound). The curve
+is cached per (model shape, threads, torch version) so later runs skip the sweep, and the engine
+corrects it online from real step timings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from fastgrpo.engine.model import InferenceModel, KVCache, block_mask, cache_kv
+from fastgrpo.speculation.draft import DraftHead
+
+log = logging.getLogger(__name__)
+SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+CONTEXT = 128  # typical cached length during the sweep
+
+
+def _interp(curve: dict[int, float], tokens: float) -> float:
+    xs = sorted(curve)
+    if tokens <= xs[0]:
+        return curve[xs[0]]
+    for a, b in zip(xs, xs[1:]):
+        if tokens <= b:
+            return curve[a] + (curve[b] - curve[a]) * (tokens - a) / (b - a)
+    a, b = xs[-2], xs[-1]  # extrapolate the compute-bound slope
+    return curve[b] + (curve[b] - curve[a]) * (tokens - b) / (b - a)
+
+
+class CostModel:
+    def __init__(self, target_s: dict[int, float], draft_s: dict[int, float]):
+        self.target_s = target_s  # seconds per target forward, by tokens in the forward
+        self.draft_s = draft_s  # seconds per draft forward (incl. LM head and tree bookkeeping)
+
+    def target(self, tokens: float) -> float:
+        return _interp(self.target_s, tokens)
+
+    def draft(self, tokens: float) -> float:
+        return _interp(self.draft_s, tokens)
+
+    def to_json(self) -> dict:
+        return {"target_s": self.target_s, "draft_s": self.draft_s}
+
+    @classmethod
+    def from_json(cls, d: dict) -> CostModel:
+        return cls({int(k): v for k, v in d["target_s"].items()}, {int(k): v for k, v in d["draft_s"].items()})
+
+
+def _time(fn, reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+@torch.inference_mode()
+def calibrate(model: InferenceModel, draft: DraftHead, reps: int = 5, sweep: tuple[int, ...] = SWEEP) -> CostModel:
+    """Median latency of target and draft forwards at each size: B = min(tokens, 64) sequences of
+    tokens / B new tokens each, over a cache of CONTEXT tokens."""
+    cfg = model.cfg
+    rows = 64
+    cache = KVCache(cfg, rows, CONTEXT + 512)
+    dcache = KVCache(cfg, rows, CONTEXT + 512, layers=1)
+    cache.lengths.fill_(CONTEXT)
+    dcache.lengths.fill_(CONTEXT)
+    target_s, draft_s = {}, {}
+    for tokens in sweep:
+        B = min(tokens, rows)
+        n = max(tokens // B, 1)
+        ids = torch.randint(0, cfg.vocab_size, (B, n))
+        r = slice(0, B)
+        target_s[tokens] = _time(lambda: model.forward(ids, cache, r), reps)
+        hidden = torch.randn(B, n, cfg.hidden_size)
+        pos = CONTEXT + torch.arange(n).expand(B, n)
+        mask = block_mask(dcache.lengths[r], n, CONTEXT + n, None)
+        draft_s[tokens] = _time(
+            lambda: draft.logits(draft.features(hidden, ids, pos, mask, cache_kv(dcache, 0, r, pos, CONTEXT + n)))
+            .topk(4, dim=-1), reps)
+    return CostModel(target_s, draft_s)
+
+
+def load_or_calibrate(model: InferenceModel, draft: DraftHead, cache_dir: Path) -> CostModel:
+    cfg = model.cfg
+    key = (f"h{cfg.hidden_size}-l{cfg.num_hidden_layers}-i{cfg.intermediate_size}-v{cfg.vocab_size}"
+           f"-t{torch.get_num_threads()}-torch{torch.__version__}")
+    path = Path(cache_dir) / f"cost_model-{key}.json"
+    if path.is_file():
+        try:
+            return CostModel.from_json(json.loads(path.read_text()))
+        except (ValueError, KeyError) as e:
+            log.warning("ignoring unreadable cost model cache %s: %s", path, e)
+    t0 = time.perf_counter()
+    model_costs = calibrate(model, draft)
+    log.info("calibrated the cost model in %.1fs", time.perf_counter() - t0)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(model_costs.to_json(), indent=2))
+    except OSError as e:
+        log.warning("could not cache the cost model at %s: %s", path, e)
+    return model_costs
