@@ -1,15 +1,37 @@
-"""Atomic checkpoints: written into a temp directory, then renamed; the last K are kept."""
+"""Atomic checkpoints: written into a hidden temp directory, then renamed; the last K are kept.
+
+A job killed at any moment (preemption, OOM, Ctrl-C) leaves only complete checkpoints visible,
+so `--resume` never loads half a model. One process saves into a root at a time.
+"""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
-import tempfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-_NAME = re.compile(r"^step_(\d{8})$")
+_NAME = re.compile(r"^step_(\d{8,})$")
+_HIDDEN = (".tmp-", ".old-")  # in-progress saves and replaced checkpoints; never complete
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(top: Path) -> None:
+    """File data and directory entries must be on disk before the rename publishes them,
+    or a power loss can leave a visible checkpoint with empty files."""
+    for dirpath, _, files in os.walk(top):
+        for name in files:
+            _fsync(Path(dirpath) / name)
+        _fsync(Path(dirpath))
 
 
 class CheckpointManager:
@@ -27,6 +49,7 @@ class CheckpointManager:
         return int(m.group(1))
 
     def checkpoints(self) -> list[Path]:
+        """Sorted by step number: names past 8 digits and copied mtimes would mislead other orders."""
         if not self.root.is_dir():
             return []
         return sorted((p for p in self.root.iterdir() if p.is_dir() and _NAME.match(p.name)), key=self.step_of)
@@ -36,30 +59,33 @@ class CheckpointManager:
         return found[-1] if found else None
 
     def save(self, step: int, write: Callable[[Path], None]) -> Path:
-        """A crash at any point leaves either the old checkpoints or the new one, never half of one."""
+        """A crash at any point leaves the old checkpoints or the new one, never half of one."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step_{step:08d}"
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=self.root))
+        # not tempfile.mkdtemp: its 0700 mode would survive the rename and hide checkpoints from the group
+        tmp = self.root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
         try:
             write(tmp)
-            for f in tmp.rglob("*"):
-                if f.is_file():
-                    with open(f, "rb") as fh:
-                        os.fsync(fh.fileno())
-            if final.exists():  # re-saving a step: move the old one aside first
-                old = self.root / f".old-{final.name}"
-                shutil.rmtree(old, ignore_errors=True)
+            _fsync_tree(tmp)
+            if final.exists():  # a directory cannot be renamed over a non-empty one: move the old aside
+                old = self.root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
                 final.rename(old)
                 tmp.rename(final)
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 tmp.rename(final)
+            _fsync(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        for stale in self.root.iterdir():
-            if stale.name.startswith((".tmp-", ".old-")):
-                shutil.rmtree(stale, ignore_errors=True)
-        for old in self.checkpoints()[: -self.keep_last]:
+        for entry in self.root.iterdir():  # left by saves that were killed
+            if entry.name.startswith(_HIDDEN):
+                shutil.rmtree(entry, ignore_errors=True)
+        # steps normally only grow; if not, the checkpoint just written is still never the one deleted
+        others = [p for p in self.checkpoints() if p != final]
+        for old in others[: max(0, len(others) - (self.keep_last - 1))]:
             shutil.rmtree(old, ignore_errors=True)
         return final

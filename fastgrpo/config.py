@@ -35,6 +35,8 @@ class TaskConfig:
     min_steps: int = 1
     max_steps: int = 24
     tail: float = 0.75  # P(k steps) ~ tail**(k-1): a long tail of long answers
+    max_value: int = 99  # every intermediate value stays in 0..max_value
+    max_operand: int = 9
     reward_timeout_s: float = 2.0
 
 
@@ -179,6 +181,8 @@ def validate(c: Config) -> None:
     _check(t.eval_size >= 1, "task.eval_size", "must be >= 1", t.eval_size)
     _check(1 <= t.min_steps <= t.max_steps, "task.min_steps", "must be in 1..task.max_steps", t.min_steps)
     _check(0 < t.tail <= 1, "task.tail", "must be in (0, 1]", t.tail)
+    _check(t.max_value >= 2, "task.max_value", "must be >= 2", t.max_value)
+    _check(t.max_operand >= 2, "task.max_operand", "must be >= 2", t.max_operand)
     _check(t.reward_timeout_s > 0, "task.reward_timeout_s", "must be > 0", t.reward_timeout_s)
     _check(r.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1", r.prompts_per_step)
     _check(r.group_size >= 2, "rollout.group_size", "must be >= 2 (advantages compare samples)", r.group_size)

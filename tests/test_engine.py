@@ -114,3 +114,17 @@ def test_update_weights_rejects_mismatch(policy):
         engine.update_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(1))], version=1)
     with pytest.raises(ValueError, match="shape"):
         engine.update_weights([("model.norm.weight", torch.zeros(3))], version=1)
+
+
+def test_ignore_eos_keeps_sequences_running(policy):
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    reference = make_engine(policy, 4).generate([Request(p) for p in prompts(3)], greedy)
+    # declare the token that greedy emits first for prompt 0 to be EOS: that sequence must stop at once
+    eos = reference[0].token_ids[0]
+    engine = EmbeddedEngine(policy.config, max_batch=4, max_context=128, eos_id=eos, pad_id=0)
+    engine.update_weights(policy.state_dict().items(), version=0)
+    stopped = engine.generate([Request(p) for p in prompts(3)], SamplingParams(temperature=0.0, max_new_tokens=12))
+    assert stopped[0].token_ids == [eos] and stopped[0].finish_reason == "stop"
+    kept = engine.generate([Request(p) for p in prompts(3)], greedy)
+    assert [o.token_ids for o in kept] == [o.token_ids for o in reference]
+    assert all(len(o.token_ids) == 12 and o.finish_reason == "length" for o in kept)

@@ -22,7 +22,7 @@ def test_solutions_are_correct_and_values_bounded():
         for (op, operand), line in zip(zip(tokens[1::2], tokens[2::2]), lines):
             new = {"+": value + int(operand), "-": value - int(operand), "*": value * int(operand)}[op]
             assert line == f"{value} {op} {operand} = {new}"
-            assert 0 <= new <= 999
+            assert 0 <= new <= 99
             value = new
         assert lines[-1] == f"The answer is \\boxed{{{value}}}." and p.answer == str(value)
 

@@ -113,8 +113,7 @@ def test_draft_pretrain_and_speculative_grpo(tmp_path, tiny_policy, tiny_draft):
 
     meta = _json.loads((tiny_draft / "draft_config.json").read_text())
     assert meta["pretrain"]["eval_top1"] > 0.3  # it learned to predict the policy's next tokens
-    cfg = tiny_config(tmp_path, tiny_policy, **{"draft.path": tiny_draft, "speculation.policy": "aware",
-                                                "speculation.cost_model_dir": tmp_path / "costs",
+    cfg = tiny_config(tmp_path, tiny_policy, **{"draft.path": tiny_draft, "speculation.policy": "static",
                                                 "grpo.steps": 2, "grpo.drop_equal_reward_groups": "false"})
     train(cfg)
     accept = history(tmp_path / "run", "accept_len")

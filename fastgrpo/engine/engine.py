@@ -226,18 +226,17 @@ class EmbeddedEngine:
         self._keep_path(rows, start, result.path, result.accepted)
         self.cache.lengths[rows] = start + result.accepted + 1
         emitted = 0
+        accepted, tokens, logprobs, path = (t.tolist() for t in (result.accepted, result.tokens, result.logprobs, result.path))
         for b, s in enumerate(running):
-            a = int(result.accepted[b])
+            a = accepted[b]
             before = len(s.tokens)
-            self._append(s, result.tokens[b, : a + 1].tolist(), result.logprobs[b, : a + 1].tolist(),
-                         sampling.ignore_eos)
+            self._append(s, tokens[b][: a + 1], logprobs[b][: a + 1], sampling.ignore_eos)
             emitted += len(s.tokens) - before
             s.spec_steps += 1
             s.spec_emitted += a + 1
-            nodes = [0] + result.path[b, :a].tolist()
-            s.draft_hidden.append(hidden[b, nodes])
-            s.draft_tokens += result.tokens[b, : a + 1].tolist()
-        return emitted, result.accepted.tolist()
+            s.draft_hidden.append(hidden[b, [0] + path[b][:a]])  # the root and the accepted nodes
+            s.draft_tokens += tokens[b][: a + 1]
+        return emitted, accepted
 
     def _draft_catch_up(self, running: list[_Sequence]) -> Tensor:
         """Feed the draft the target states it has not seen (accepted paths, decoded and prefilled
@@ -317,7 +316,7 @@ class EmbeddedEngine:
             decode_steps=c["decode_steps"], mean_running=c["running_sum"] / max(c["decode_steps"], 1),
             spec_steps=c["spec_steps"],
             # tokens emitted per sequence per verify forward (accepted draft tokens + 1)
-            accept_len=c["spec_emitted"] / c["spec_seq_steps"] if c["spec_seq_steps"] else 0.0,
+            accept_len=c["spec_emitted"] / c["spec_seq_steps"] if c["spec_seq_steps"] else 1.0,
             config_by_concurrency={b: dict(v) for b, v in sorted(self._by_config.items())},
             trace=list(self._trace),
         )

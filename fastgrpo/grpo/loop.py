@@ -97,16 +97,17 @@ def setup_run(cfg: Config, resume: bool) -> Run:
     if resume and latest is None:
         log.warning("--resume: no checkpoint in %s, starting from step 0", checkpoints.root)
 
+    # input errors (a missing dataset, no usable rows) surface before any model is built
     tokenizer = load_tokenizer(cfg.model.path)
+    train_problems, eval_problems = load_task(cfg.task, cfg.seed)
+    data = PromptSource(encode_problems(train_problems, tokenizer, cfg.model.max_context, "train"), cfg.seed)
+    evals = encode_problems(eval_problems, tokenizer, cfg.model.max_context, "eval")
+
     policy = load_policy(latest / "policy" if latest else cfg.model.path)
     reference = load_policy(cfg.model.path) if cfg.grpo.kl_coef > 0 else None
     trainer = TorchPolicyTrainer(policy, cfg.grpo, cfg.optim, cfg.rollout.temperature, reference)
     engine = build_engine(cfg, policy, tokenizer)
     bridge = WeightBridge([engine])
-
-    train_problems, eval_problems = load_task(cfg.task, cfg.seed)
-    data = PromptSource(encode_problems(train_problems, tokenizer, cfg.model.max_context, "train"), cfg.seed)
-    evals = encode_problems(eval_problems, tokenizer, cfg.model.max_context, "eval")
 
     run_dir.mkdir(parents=True, exist_ok=True)
     tracker = Tracker(cfg.tracking.uri or default_tracking_uri(run_dir), cfg.tracking.experiment,
@@ -154,7 +155,10 @@ def training_batch(run: Run, problems: list[EncodedProblem], completions: list[C
 
 def step_metrics(completions: list[Completion], rewards: torch.Tensor, engine_stats: dict, kept_groups: int) -> dict[str, float]:
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
-    return {
+    speculative = engine_stats.get("spec_steps", 0) > 0
+    # accepted length is only defined when some step speculated; plain steps emit one token by construction
+    accept = {"accept_len": engine_stats["accept_len"]} if speculative else {}
+    return accept | {
         "reward_mean": rewards.mean().item(),
         "reward_std": rewards.std().item(),
         "accuracy": (rewards >= 1.0).float().mean().item(),
@@ -163,7 +167,6 @@ def step_metrics(completions: list[Completion], rewards: torch.Tensor, engine_st
         "truncated_fraction": sum(c.finish_reason != "stop" for c in completions) / len(completions),
         "gen_tokens_per_s": engine_stats.get("tokens_per_s", 0.0),
         "mean_running": engine_stats.get("mean_running", 0.0),
-        "accept_len": engine_stats.get("accept_len", 0.0),
         "spec_step_fraction": engine_stats.get("spec_steps", 0) / max(engine_stats.get("decode_steps", 0), 1),
         "groups_kept": float(kept_groups),
     }
@@ -178,7 +181,7 @@ def rollout_stats(stats: dict) -> dict:
 def print_step(step: int, total: int, m: dict[str, float]) -> None:
     print(f"step {step}/{total} | reward {m['reward_mean']:.3f}±{m['reward_std']:.3f} | "
           f"len {m['response_len_mean']:.0f}/{m['response_len_max']:.0f} | "
-          f"rollout {m['rollout_s']:.1f}s ({m['gen_tokens_per_s']:.0f} tok/s, accept {m['accept_len']:.2f}) | train {m['train_s']:.1f}s | "
+          f"rollout {m['rollout_s']:.1f}s ({m['gen_tokens_per_s']:.0f} tok/s, accept {m.get('accept_len', 1.0):.2f}) | train {m['train_s']:.1f}s | "
           f"sync {m['weight_sync_s']:.2f}s | loss {m.get('loss', 0.0):.4f} | "
           f"clip {m.get('clip_fraction', 0.0):.3f} | entropy {m.get('entropy', 0.0):.3f}", flush=True)
 

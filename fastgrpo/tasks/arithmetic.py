@@ -7,20 +7,20 @@ import random
 from fastgrpo.tasks.problems import Problem
 
 
-def _problem(rng: random.Random, steps: int) -> Problem:
-    value = rng.randint(1, 99)
+def _problem(rng: random.Random, steps: int, max_value: int, max_operand: int) -> Problem:
+    value = rng.randint(1, max_value)
     terms, lines = [str(value)], []
     for _ in range(steps):
-        ops = [op for op, ok in (("+", value <= 998), ("-", value >= 1), ("*", 1 <= value <= 499)) if ok]
+        ops = [op for op, ok in (("+", value < max_value), ("-", value >= 1), ("*", 1 <= value <= max_value // 2)) if ok]
         op = rng.choice(ops)
         if op == "+":
-            operand = rng.randint(1, min(99, 999 - value))
+            operand = rng.randint(1, min(max_operand, max_value - value))
             new = value + operand
         elif op == "-":
-            operand = rng.randint(1, min(99, value))
+            operand = rng.randint(1, min(max_operand, value))
             new = value - operand
         else:
-            operand = rng.randint(2, min(9, 999 // value))
+            operand = rng.randint(2, min(max_operand, max_value // value))
             new = value * operand
         lines.append(f"{value} {op} {operand} = {new}")
         terms.append(f"{op} {operand}")
@@ -34,15 +34,19 @@ def _steps(rng: random.Random, min_steps: int, max_steps: int, tail: float) -> i
     return rng.choices(ks, weights=[tail ** (k - 1) for k in ks])[0]
 
 
-def generate_problems(n: int, seed: int, *, min_steps: int = 1, max_steps: int = 24, tail: float = 0.75) -> list[Problem]:
+def generate_problems(n: int, seed: int, *, min_steps: int = 1, max_steps: int = 24, tail: float = 0.75,
+                      max_value: int = 99, max_operand: int = 9) -> list[Problem]:
+    """Values stay in 0..max_value; operands are 1..max_operand (2..max_operand for *)."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     if not 1 <= min_steps <= max_steps:
         raise ValueError(f"min_steps must be in 1..max_steps, got {min_steps}")
     if not 0 < tail <= 1:
         raise ValueError(f"tail must be in (0, 1], got {tail}")
+    if max_value < 2 or max_operand < 2:
+        raise ValueError(f"max_value and max_operand must be >= 2, got {max_value}, {max_operand}")
     rng = random.Random(seed)
-    return [_problem(rng, _steps(rng, min_steps, max_steps, tail)) for _ in range(n)]
+    return [_problem(rng, _steps(rng, min_steps, max_steps, tail), max_value, max_operand) for _ in range(n)]
 
 
 def arithmetic_splits(train_size: int, eval_size: int, seed: int, **kwargs) -> tuple[list[Problem], list[Problem]]:

@@ -21,7 +21,8 @@ def load_task(cfg: TaskConfig, seed: int) -> tuple[list[Problem], list[Problem]]
     """(train, eval) problems of the configured source."""
     if cfg.source == "arithmetic":
         return arithmetic_splits(cfg.train_size, cfg.eval_size, seed,
-                                 min_steps=cfg.min_steps, max_steps=cfg.max_steps, tail=cfg.tail)
+                                 min_steps=cfg.min_steps, max_steps=cfg.max_steps, tail=cfg.tail,
+                                 max_value=cfg.max_value, max_operand=cfg.max_operand)
     train, _ = load_problems(cfg.source)
     if cfg.eval_source:
         evals, _ = load_problems(cfg.eval_source)
