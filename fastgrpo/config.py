@@ -67,7 +67,11 @@ class DraftConfig:
     batch_size: int = 16
     pretrain_steps: int = 2000
     pretrain_minutes: float = 5.0  # wall-clock cap of `fastgrpo draft-pretrain`
-    buffer_tokens: int = 200_000  # online buffer cap; the oldest states are dropped
+    buffer_tokens: int = 200_000  # states held for the offline warm start
+    online: str = "off"  # off | sync: the draft keeps learning from rollout's own target states
+    online_buffer_tokens: int = 50_000  # online buffer cap; the oldest states are dropped
+    sync_budget: float = 0.05  # sync: draft training seconds per step, as a fraction of rollout + train time
+    sync_max_steps: int = 64  # sync: at most this many draft steps per GRPO step
 
 
 @dataclass
@@ -204,6 +208,13 @@ def validate(c: Config) -> None:
     _check(d.pretrain_steps >= 0, "draft.pretrain_steps", "must be >= 0", d.pretrain_steps)
     _check(d.pretrain_minutes > 0, "draft.pretrain_minutes", "must be > 0", d.pretrain_minutes)
     _check(d.buffer_tokens >= 1, "draft.buffer_tokens", "must be >= 1", d.buffer_tokens)
+    _check(d.online in ("off", "sync"), "draft.online", "must be 'off' or 'sync'", d.online)
+    _check(d.online == "off" or sp.policy != "off", "draft.online",
+           "needs speculation (speculation.policy != off): the draft learns from the states rollout "
+           "computes for it", d.online)
+    _check(d.online_buffer_tokens >= 1, "draft.online_buffer_tokens", "must be >= 1", d.online_buffer_tokens)
+    _check(d.sync_budget > 0, "draft.sync_budget", "must be > 0", d.sync_budget)
+    _check(d.sync_max_steps >= 1, "draft.sync_max_steps", "must be >= 1", d.sync_max_steps)
     _check(g.steps >= 0, "grpo.steps", "must be >= 0", g.steps)
     _check(0 <= g.eps_low < 1, "grpo.eps_low", "must be in [0, 1)", g.eps_low)
     _check(g.eps_high >= 0, "grpo.eps_high", "must be >= 0", g.eps_high)

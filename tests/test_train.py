@@ -114,10 +114,25 @@ def test_draft_pretrain_and_speculative_grpo(tmp_path, tiny_policy, tiny_draft):
     meta = _json.loads((tiny_draft / "draft_config.json").read_text())
     assert meta["pretrain"]["eval_top1"] > 0.3  # it learned to predict the policy's next tokens
     cfg = tiny_config(tmp_path, tiny_policy, **{"draft.path": tiny_draft, "speculation.policy": "static",
+                                                "draft.online": "sync", "draft.sync_budget": 0.5,
                                                 "grpo.steps": 2, "grpo.drop_equal_reward_groups": "false"})
     train(cfg)
     accept = history(tmp_path / "run", "accept_len")
     assert sorted(accept) == [1, 2] and all(v >= 1.0 for v in accept.values())
+    # online draft learning: trained every step, published as a new version, one policy update behind
+    assert history(tmp_path / "run", "draft_version") == {1: 1.0, 2: 2.0}
+    assert history(tmp_path / "run", "draft_lag") == {1: 1.0, 2: 1.0}
+    assert all(0 < v < 10 for v in history(tmp_path / "run", "draft_loss").values())
+    assert all(0 <= v <= 1 for v in history(tmp_path / "run", "draft_top1").values())
+    assert all(v > 0 for v in history(tmp_path / "run", "draft_train_s").values())
+    saved = tmp_path / "run" / "checkpoints" / "step_00000002" / "draft"
+    assert (saved / "draft.safetensors").is_file() and (saved / "draft_buffer.safetensors").is_file()
+    # resume restores the learner: the next step publishes version 3
+    train(tiny_config(tmp_path, tiny_policy, **{"draft.path": tiny_draft, "speculation.policy": "static",
+                                                "draft.online": "sync", "draft.sync_budget": 0.5,
+                                                "grpo.steps": 3, "grpo.drop_equal_reward_groups": "false"}),
+          resume=True)
+    assert history(tmp_path / "run", "draft_version")[3] == 3.0
     spec = history(tmp_path / "run", "spec_step_fraction")
     assert all(0.0 <= v <= 1.0 for v in spec.values())
     stats = list((tmp_path / "run" / "mlartifacts").rglob("step_000001.json"))

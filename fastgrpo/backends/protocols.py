@@ -28,6 +28,9 @@ class Completion:
     logprobs: list[float]  # of the sampling distribution, one per token
     finish_reason: str  # "stop" (EOS), "length" (max_new_tokens), "context" (context full)
     spec: dict[str, float] = field(default_factory=dict)  # speculation statistics
+    # with capture on: the target's final hidden states at positions 0..T-2 of prompt + response, taken
+    # from the forwards that rollout ran anyway; hidden[t] is the state after reading token t
+    hidden: Tensor | None = None
 
 
 class Engine(Protocol):

@@ -3,7 +3,6 @@ domain (the SFT corpus), the way static speculative systems get their drafts."""
 
 from __future__ import annotations
 
-import random
 import time
 import torch
 from tqdm import tqdm
@@ -29,6 +28,23 @@ def target_states(policy, sequences: list[list[int]]) -> tuple[torch.Tensor, tor
     return hidden, ids, mask
 
 
+def fill_buffer(trainer: DraftTrainer, policy, corpus: list[list[int]], max_tokens: int, batch: int = 32) -> None:
+    """Target states over the corpus, computed once (in length-sorted batches, so little is padding)
+    and kept in the trainer's buffer: one target forward per sequence instead of one per draft step."""
+    chosen, total = [], 0
+    for seq in corpus:
+        if total + len(seq) > max_tokens:
+            break
+        chosen.append(seq)
+        total += len(seq)
+    chosen.sort(key=len)
+    for i in tqdm(range(0, len(chosen), batch), desc="target states", mininterval=2.0):
+        hidden, tokens, mask = target_states(policy, chosen[i: i + batch])
+        for h, t, m in zip(hidden, tokens, mask):
+            n = int(m.sum())
+            trainer.add(h[:n].clone(), t[:n], m[:n])
+
+
 def pretrain_draft(cfg: Config) -> dict[str, float]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -44,17 +60,19 @@ def pretrain_draft(cfg: Config) -> dict[str, float]:
     draft = DraftHead(policy.config, cfg.model.max_context)
     draft.bind_target(policy.model.embed_tokens.weight, policy.lm_head.weight)
     d = cfg.draft
-    trainer = DraftTrainer(draft, lr=d.lr, batch_size=d.batch_size, seed=cfg.seed)
-    rng = random.Random(cfg.seed)
+    trainer = DraftTrainer(draft, lr=d.lr, max_tokens=d.buffer_tokens, batch_size=d.batch_size, seed=cfg.seed)
     t0 = time.perf_counter()
+    fill_buffer(trainer, policy, corpus, d.buffer_tokens)
+    print(f"draft-pretrain: {trainer.buffered_tokens} target states from {len(trainer.buffer)} sequences "
+          f"in {time.perf_counter() - t0:.0f}s", flush=True)
     bar = tqdm(range(d.pretrain_steps), desc="draft-pretrain", mininterval=2.0)
     metrics: dict[str, float] = {}
-    for step in bar:
+    for _ in bar:
         if time.perf_counter() - t0 > 60 * d.pretrain_minutes:
-            print(f"draft-pretrain: time budget reached after {step} steps", flush=True)
+            print(f"draft-pretrain: time budget reached after {trainer.steps} steps", flush=True)
             break
-        metrics = trainer.step(*target_states(policy, rng.sample(corpus, min(d.batch_size, len(corpus)))))
-        if step % 20 == 0:
+        metrics = trainer.train(max_steps=1)
+        if trainer.steps % 20 == 0:
             bar.set_postfix(loss=f"{metrics['draft_loss']:.3f}", top1=f"{metrics['draft_top1']:.3f}")
     bar.close()
     draft.eval()

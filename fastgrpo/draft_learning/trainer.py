@@ -40,8 +40,13 @@ class DraftTrainer:
             self.buffered_tokens -= self.buffer.popleft()[0].shape[0]
 
     def _batch(self) -> tuple[Tensor, Tensor, Tensor]:
-        items = self.rng.sample(list(self.buffer), min(self.batch_size, len(self.buffer)))
-        return pad_states(items)
+        """A random batch of similar-length sequences (a window of 4x oversampled, length-sorted
+        candidates): lengths are long-tailed, so plain random batches would be mostly padding."""
+        n = min(self.batch_size, len(self.buffer))
+        candidates = sorted(self.rng.sample(range(len(self.buffer)), min(4 * n, len(self.buffer))),
+                            key=lambda i: self.buffer[i][0].shape[0])
+        start = self.rng.randrange(len(candidates) - n + 1)
+        return pad_states([self.buffer[i] for i in candidates[start: start + n]])
 
     def step(self, hidden: Tensor, tokens: Tensor, mask: Tensor) -> dict[str, float]:
         """One optimiser step on a batch [B, T, ...]; a non-finite loss leaves the draft untouched."""

@@ -47,6 +47,7 @@ class _Sequence:
     draft_tokens: list[int] = field(default_factory=list)
     spec_steps: int = 0
     spec_emitted: int = 0
+    captured: list[Tensor] = field(default_factory=list)  # target states of every position, in order
 
 
 class EmbeddedEngine:
@@ -66,6 +67,7 @@ class EmbeddedEngine:
         self.policy: SpeculationPolicy = policy or Off()
         self.weights_version = -1
         self.draft_version = -1
+        self.capture = False  # return the target's hidden states with each completion (online draft learning)
         self._stats: dict[str, Any] = {}
 
     # -- weights --------------------------------------------------------------------------
@@ -130,7 +132,8 @@ class EmbeddedEngine:
         out = [done[i] for i in range(len(requests))]
         self._finish_stats(out, time.perf_counter() - t0)
         return [Completion(s.tokens, s.logprobs, s.finish or "length",
-                           {"spec_steps": s.spec_steps, "spec_emitted": s.spec_emitted}) for s in out]
+                           {"spec_steps": s.spec_steps, "spec_emitted": s.spec_emitted}, self._captured(s))
+                for s in out]
 
     def _check(self, requests: list[Request]) -> None:
         for i, r in enumerate(requests):
@@ -160,12 +163,10 @@ class EmbeddedEngine:
         seqs = [_Sequence(index=i, prompt_len=len(p), max_new=requests[i].max_new_tokens or sampling.max_new_tokens)
                 for i, p in zip(joined, prompts)]
         first = self._sample_one(seqs, logits[torch.arange(len(prompts)), lens - 1], sampling, gen)
-        if self.speculating:
-            assert self.draft_cache is not None
+        if self.draft_cache is not None:
             self.draft_cache.lengths[rows] = 0
-            for s, p, h, t in zip(seqs, prompts, hidden, first):
-                s.draft_hidden.append(h[: len(p)])
-                s.draft_tokens += p[1:] + [t]
+        for s, p, h, t in zip(seqs, prompts, hidden, first):
+            self._record(s, h[: len(p)], p[1:] + [t])
         return seqs
 
     def _decode(self, running: list[_Sequence], sampling: SamplingParams, gen: torch.Generator) -> int:
@@ -174,10 +175,8 @@ class EmbeddedEngine:
         logits, hidden = self.model.forward(tokens, self.cache, rows)
         self.cache.lengths[rows] += 1
         new = self._sample_one(running, logits[:, 0], sampling, gen)
-        if self.speculating:
-            for s, h, t in zip(running, hidden, new):
-                s.draft_hidden.append(h)
-                s.draft_tokens.append(t)
+        for s, h, t in zip(running, hidden, new):
+            self._record(s, h, [t])
         return len(running)
 
     def _sample_one(self, seqs: list[_Sequence], logits: Tensor, sampling: SamplingParams,
@@ -234,9 +233,24 @@ class EmbeddedEngine:
             emitted += len(s.tokens) - before
             s.spec_steps += 1
             s.spec_emitted += a + 1
-            s.draft_hidden.append(hidden[b, [0] + path[b][:a]])  # the root and the accepted nodes
-            s.draft_tokens += tokens[b][: a + 1]
+            self._record(s, hidden[b, [0] + path[b][:a]], tokens[b][: a + 1])  # the root and the accepted nodes
         return emitted, accepted
+
+    def _record(self, s: _Sequence, hidden: Tensor, next_tokens: list[int]) -> None:
+        """Target states just computed for positions of `s` whose keys stay in the cache, with the token
+        that follows each: the draft consumes them at its next catch-up, online learning keeps them."""
+        if self.speculating:
+            s.draft_hidden.append(hidden)
+            s.draft_tokens += next_tokens
+        if self.capture:
+            s.captured.append(hidden.detach().clone())
+
+    def _captured(self, s: _Sequence) -> Tensor | None:
+        """States of positions 0..T-2 of prompt + response (T tokens); rows computed for tokens
+        past a stop are dropped."""
+        if not self.capture:
+            return None
+        return torch.cat(s.captured)[: s.prompt_len + len(s.tokens) - 1]
 
     def _draft_catch_up(self, running: list[_Sequence]) -> Tensor:
         """Feed the draft the target states it has not seen (accepted paths, decoded and prefilled

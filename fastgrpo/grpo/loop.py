@@ -18,7 +18,9 @@ from fastgrpo.backends.torch_trainer import TorchPolicyTrainer
 from fastgrpo.bridge import WeightBridge
 from fastgrpo.checkpoint import CheckpointManager
 from fastgrpo.config import Config, flatten, to_yaml
-from fastgrpo.backends.embedded import build_engine
+from fastgrpo.backends.embedded import build_engine, draft_dir
+from fastgrpo.draft_learning.online import OnlineDraftLearner
+from fastgrpo.speculation.draft import DraftHead
 from fastgrpo.engine.engine import EmbeddedEngine
 from fastgrpo.engine.sampling import SamplingParams
 from fastgrpo.grpo.advantages import group_advantages, informative_groups
@@ -44,6 +46,7 @@ class Run:
     eval_problems: list[EncodedProblem]
     tracker: Tracker
     checkpoints: CheckpointManager
+    draft_learner: OnlineDraftLearner | None = None
     step: int = 0
 
 
@@ -66,10 +69,12 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
         train_metrics = run.trainer.train_step(batch) if batch is not None else {"updates": 0.0}
         train_s = time.perf_counter() - t0
 
+        draft_metrics = learn_draft(run, problems, completions, policy_version=step,
+                                    budget_s=cfg.draft.sync_budget * (rollout_s + train_s))
         sync = run.bridge.push(run.trainer.export_weights(), version=step + 1)
 
         run.step = step + 1
-        metrics = step_metrics(completions, rewards, run.engine.stats(), kept_groups) | train_metrics
+        metrics = step_metrics(completions, rewards, run.engine.stats(), kept_groups) | train_metrics | draft_metrics
         metrics |= {"rollout_s": rollout_s, "train_s": train_s, "weight_sync_s": sync.seconds,
                     "step_s": time.perf_counter() - t_step}
         run.tracker.log_metrics(metrics, step=run.step)
@@ -113,6 +118,10 @@ def setup_run(cfg: Config, resume: bool) -> Run:
     tracker = Tracker(cfg.tracking.uri or default_tracking_uri(run_dir), cfg.tracking.experiment,
                       run_dir / "mlartifacts", enabled=cfg.tracking.enabled)
     run = Run(cfg, tokenizer, trainer, engine, bridge, data, evals, tracker, checkpoints)
+    if cfg.draft.online == "sync":
+        draft = DraftHead.load(draft_dir(cfg), policy.config, cfg.model.max_context)
+        draft.bind_target(policy.model.embed_tokens.weight, policy.lm_head.weight)  # live: follows the policy
+        run.draft_learner = OnlineDraftLearner(draft, cfg.draft, [engine], seed=cfg.seed)
     run_id = None
     if latest is not None:
         run_id = restore_checkpoint(run, latest)
@@ -127,7 +136,24 @@ def rollout(run: Run, problems: list[EncodedProblem], seed: int) -> list[Complet
     r = run.cfg.rollout
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
     requests = [Request(p.prompt_ids) for p in problems for _ in range(r.group_size)]
-    return run.engine.generate(requests, sampling, seed=seed)
+    run.engine.capture = run.draft_learner is not None  # keep the target states rollout computes anyway
+    try:
+        return run.engine.generate(requests, sampling, seed=seed)
+    finally:
+        run.engine.capture = False
+
+
+def learn_draft(run: Run, problems: list[EncodedProblem], completions: list[Completion], policy_version: int,
+                budget_s: float) -> dict[str, float]:
+    """Sync online learning: the draft trains on this rollout's states; the engine gets the new version
+    before the next rollout."""
+    if run.draft_learner is None:
+        return {}
+    G = run.cfg.rollout.group_size
+    run.draft_learner.observe([problems[i // G].prompt_ids for i in range(len(completions))], completions,
+                              policy_version)
+    metrics = run.draft_learner.train(budget_s)
+    return metrics | {"draft_lag": float(run.draft_learner.lag(policy_version + 1))}
 
 
 def score_completions(run: Run, problems: list[EncodedProblem], completions: list[Completion]) -> torch.Tensor:
@@ -201,6 +227,8 @@ def log_eval(run: Run, step: int) -> dict[str, float]:
 def save_checkpoint(run: Run) -> Path:
     def write(d: Path) -> None:
         run.trainer.save(d)
+        if run.draft_learner is not None:
+            run.draft_learner.save(d / "draft")
         run.tokenizer.save_pretrained(d / "policy")
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, d / "rng.pt")
         state = {"step": run.step, "data": run.data.state_dict(), "mlflow_run_id": run.tracker.run_id,
@@ -215,6 +243,10 @@ def save_checkpoint(run: Run) -> Path:
 def restore_checkpoint(run: Run, path: Path) -> str | None:
     state = json.loads((path / "state.json").read_text())
     run.trainer.load(path)
+    if run.draft_learner is not None:
+        if not (path / "draft").is_dir():
+            raise FileNotFoundError(f"checkpoint {path} holds no draft state, but draft.online={run.cfg.draft.online}")
+        run.draft_learner.load(path / "draft")
     rng = torch.load(path / "rng.pt", weights_only=False)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])

@@ -1,0 +1,102 @@
+"""Online draft learning: the draft keeps up with the policy on the target states that rollout
+computed anyway (DESIGN.md 5.4).
+
+`sync` mode, as FastGRPO runs it: after each rollout the accepted-path states of every completion go
+into a bounded buffer, the draft trains for a small time budget, and the engines get the new
+version before the next rollout (between generate() calls, never inside a verify step).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from fastgrpo.backends.protocols import Completion, Engine
+from fastgrpo.config import DraftConfig
+from fastgrpo.draft_learning.trainer import DraftTrainer
+from fastgrpo.speculation.draft import DraftHead
+
+
+class OnlineDraftLearner:
+    def __init__(self, draft: DraftHead, cfg: DraftConfig, engines: list[Engine], seed: int = 0):
+        self.draft = draft
+        self.cfg = cfg
+        self.engines = engines
+        self.trainer = DraftTrainer(draft, lr=cfg.lr, max_tokens=cfg.online_buffer_tokens,
+                                    batch_size=cfg.batch_size, seed=seed)
+        self.version = 0  # published draft versions; 0 is the warm start
+        self.policy_version = 0  # the policy version whose rollout states the draft last trained on
+        self.rejected = 0
+
+    def observe(self, prompts: list[list[int]], completions: list[Completion], policy_version: int) -> int:
+        """Buffer each completion's captured states; prompt positions are kept as context but not
+        learned from (the draft never drafts inside a prompt). Returns the tokens added."""
+        added = 0
+        for prompt, c in zip(prompts, completions):
+            if c.hidden is None:
+                raise ValueError("completion carries no hidden states: turn on the engine's capture")
+            tokens = torch.tensor(prompt + c.token_ids)[: c.hidden.shape[0]]
+            if tokens.shape[0] < 2:
+                continue
+            mask = torch.arange(tokens.shape[0]) >= len(prompt) - 1  # from the state that predicts token 1
+            self.trainer.add(c.hidden, tokens, mask)
+            added += tokens.shape[0]
+        self.policy_version = policy_version
+        return added
+
+    def train(self, budget_s: float) -> dict[str, float]:
+        """Train within the budget; publish the new version, or reject it if any weight went non-finite."""
+        before = {k: v.clone() for k, v in self.draft.state_dict().items()}
+        opt_before = copy.deepcopy(self.trainer.optimizer.state_dict())
+        metrics = self.trainer.train(self.cfg.sync_max_steps, budget_s)
+        if not all(torch.isfinite(p).all() for p in self.draft.parameters()):
+            self.draft.load_state_dict(before)
+            self.trainer.optimizer.load_state_dict(opt_before)
+            self.rejected += 1
+            return metrics | self._metrics() | {"draft_rejected": 1.0}
+        if metrics["draft_steps"] > 0:
+            self.version += 1
+            for engine in self.engines:
+                engine.update_draft(self.trainer.export(), self.version)
+        return metrics | self._metrics() | {"draft_rejected": 0.0}
+
+    def _metrics(self) -> dict[str, float]:
+        return {"draft_version": float(self.version), "draft_buffer_tokens": float(self.trainer.buffered_tokens),
+                "draft_rejected_total": float(self.rejected)}
+
+    def lag(self, policy_version: int) -> int:
+        """Policy updates the draft has not seen states of."""
+        return policy_version - self.policy_version
+
+    # -- checkpoint: weights, optimizer, buffer, versions ----------------------------------
+    def save(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.draft.save(directory, extra={"version": self.version})
+        buffer = list(self.trainer.buffer)
+        torch.save({"optimizer": self.trainer.optimizer.state_dict(), "version": self.version,
+                    "policy_version": self.policy_version, "rejected": self.rejected, "steps": self.trainer.steps,
+                    "rng": self.trainer.rng.getstate(), "buffer_lengths": [h.shape[0] for h, _, _ in buffer]},
+                   directory / "draft_trainer.pt")
+        if buffer:
+            save_file({"hidden": torch.cat([h for h, _, _ in buffer]), "tokens": torch.cat([t for _, t, _ in buffer]),
+                       "mask": torch.cat([m for _, _, m in buffer])}, str(directory / "draft_buffer.safetensors"))
+
+    def load(self, directory: Path) -> None:
+        self.draft.load_named(DraftHead.load(directory, self.draft.cfg).state_dict().items())
+        state = torch.load(directory / "draft_trainer.pt", weights_only=False)
+        self.trainer.optimizer.load_state_dict(state["optimizer"])
+        self.version, self.policy_version = state["version"], state["policy_version"]
+        self.rejected, self.trainer.steps = state["rejected"], state["steps"]
+        self.trainer.rng.setstate(state["rng"])
+        self.trainer.buffer.clear()
+        self.trainer.buffered_tokens = 0
+        if state["buffer_lengths"]:
+            saved = load_file(str(directory / "draft_buffer.safetensors"))
+            for h, t, m in zip(*(saved[k].split(state["buffer_lengths"]) for k in ("hidden", "tokens", "mask"))):
+                self.trainer.add(h, t, m)
+        for engine in self.engines:
+            engine.update_draft(self.trainer.export(), self.version)
+

@@ -1,0 +1,172 @@
+"""Online draft learning: capture from rollout's own forwards, learning under a shifted policy,
+checkpointed state, rejection of a broken update, and the training loop's metrics."""
+
+import pytest
+import torch
+
+from fastgrpo.backends.protocols import Request
+from fastgrpo.config import DraftConfig
+from fastgrpo.draft_learning.online import OnlineDraftLearner
+from fastgrpo.draft_learning.pretrain import target_states
+from fastgrpo.draft_learning.trainer import DraftTrainer
+from fastgrpo.engine.engine import EmbeddedEngine
+from fastgrpo.engine.sampling import SamplingParams
+from fastgrpo.models.policy import new_policy, policy_config
+from fastgrpo.speculation.draft import DraftHead
+from fastgrpo.speculation.policy import Static
+from fastgrpo.speculation.tree import SpecConfig
+
+VOCAB = 16
+EOS = VOCAB - 1
+STATIC = Static(SpecConfig(depth=4, topk=2, num_verify=8))
+SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=40)
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, EOS, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def target():
+    cfg = policy_config("test", VOCAB, 96, bos_id=1, eos_id=EOS, pad_id=0)
+    model = new_policy(cfg, seed=11).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(3.0)  # tied head: peaked, predictable distributions
+    return model
+
+
+@pytest.fixture(scope="module")
+def warm_draft(target):
+    """A draft trained offline on the unshifted target's samples."""
+    out = engine(target, None).generate([Request(p) for p in prompts(48, 0)], SAMPLING, seed=1)
+    draft = DraftHead(target.config)
+    draft.bind_target(target.model.embed_tokens.weight, target.lm_head.weight)
+    trainer = DraftTrainer(draft, lr=3e-3, batch_size=16)
+    states = target_states(target, [p + o.token_ids for p, o in zip(prompts(48, 0), out)])
+    for _ in range(150):
+        trainer.step(*states)
+    return draft
+
+
+def engine(target, draft, policy=None) -> EmbeddedEngine:
+    e = EmbeddedEngine(target.config, 16, 96, eos_id=EOS, pad_id=0, policy=policy)
+    e.update_weights(target.state_dict().items(), 0)
+    if draft is not None:
+        e.update_draft(draft.state_dict().items(), 0)
+    return e
+
+
+def shifted(target, scale: float = 0.6, seed: int = 7):
+    """The policy after some RL: every decoder weight moved, embedding and head shared."""
+    model = new_policy(target.config, seed=0).eval()
+    model.load_state_dict(target.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.model.layers.named_parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+    return model
+
+
+def learner_for(target, warm_draft, engines, **cfg) -> OnlineDraftLearner:
+    draft = DraftHead(target.config)
+    draft.load_state_dict(warm_draft.state_dict())
+    draft.bind_target(target.model.embed_tokens.weight, target.lm_head.weight)
+    return OnlineDraftLearner(draft, DraftConfig(lr=3e-3, batch_size=16, sync_max_steps=40, **cfg), engines)
+
+
+def test_capture_needs_no_extra_target_forward_and_holds_the_true_states(target, warm_draft):
+    calls = {}
+
+    def counted(e, key):
+        real = e.model.forward
+        def forward(*a, **k):
+            calls[key] = calls.get(key, 0) + 1
+            return real(*a, **k)
+        e.model.forward = forward
+        return e
+
+    plain = counted(engine(target, warm_draft, STATIC), "plain")
+    capturing = counted(engine(target, warm_draft, STATIC), "capture")
+    capturing.capture = True
+    reqs = [Request(p) for p in prompts(12, 3)]
+    a = plain.generate(reqs, SAMPLING, seed=5)
+    b = capturing.generate(reqs, SAMPLING, seed=5)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert calls["plain"] == calls["capture"]
+    assert capturing.stats()["spec_steps"] > 0 and all(o.hidden is None for o in a)
+    # the captured rows are the target's own states along prompt + accepted path
+    for r, o in zip(reqs, b):
+        seq = r.prompt_ids + o.token_ids
+        assert o.hidden.shape == (len(seq) - 1, target.config.hidden_size)
+        full, _, _ = target_states(target, [seq])
+        torch.testing.assert_close(o.hidden, full[0, :-1], atol=1e-4, rtol=1e-4)
+
+
+def test_online_draft_recovers_acceptance_on_a_shifted_policy(target, warm_draft):
+    policy = shifted(target)
+    frozen = engine(policy, warm_draft, STATIC)
+    online = engine(policy, warm_draft, STATIC)
+    learner = learner_for(policy, warm_draft, [online])
+    online.capture = True
+    for round in range(4):
+        ps = prompts(32, 100 + round)
+        out = online.generate([Request(p) for p in ps], SAMPLING, seed=round)
+        learner.observe(ps, out, policy_version=1)
+        assert learner.train(budget_s=60.0)["draft_rejected"] == 0.0
+    assert learner.version == 4 and online.draft_version == 4
+    test = [Request(p) for p in prompts(48, 999)]
+    frozen.generate(test, SAMPLING, seed=42)
+    online.generate(test, SAMPLING, seed=42)
+    before, after = frozen.stats()["accept_len"], online.stats()["accept_len"]
+    assert after > 1.15 * before, (before, after)
+
+
+def test_checkpoint_restores_draft_optimizer_and_buffer(tmp_path, target, warm_draft):
+    e = engine(target, warm_draft, STATIC)
+    e.capture = True
+    learner = learner_for(target, warm_draft, [e])
+    ps = prompts(8, 5)
+    learner.observe(ps, e.generate([Request(p) for p in ps], SAMPLING, seed=0), policy_version=3)
+    learner.train(budget_s=60.0)
+    learner.save(tmp_path / "draft")
+
+    fresh_engine = engine(target, warm_draft, STATIC)
+    restored = learner_for(target, warm_draft, [fresh_engine])
+    restored.load(tmp_path / "draft")
+    assert restored.version == learner.version == 1 and restored.policy_version == 3
+    assert restored.trainer.buffered_tokens == learner.trainer.buffered_tokens > 0
+    for (h1, t1, m1), (h2, t2, m2) in zip(learner.trainer.buffer, restored.trainer.buffer):
+        assert torch.equal(h1, h2) and torch.equal(t1, t2) and torch.equal(m1, m2)
+    for k, v in learner.draft.state_dict().items():
+        assert torch.equal(v, restored.draft.state_dict()[k]), k
+        assert torch.equal(v, fresh_engine.draft.state_dict()[k]), k
+    # identical next steps: optimizer moments and the batch sampler's RNG came back too
+    a, b = learner.train(budget_s=60.0), restored.train(budget_s=60.0)
+    assert a["draft_steps"] == b["draft_steps"] and a["draft_loss"] == b["draft_loss"]
+
+
+def test_a_nan_update_is_rejected_and_the_previous_draft_kept(target, warm_draft, monkeypatch):
+    e = engine(target, warm_draft, STATIC)
+    e.capture = True
+    learner = learner_for(target, warm_draft, [e])
+    ps = prompts(8, 6)
+    learner.observe(ps, e.generate([Request(p) for p in ps], SAMPLING, seed=0), policy_version=1)
+    before = {k: v.clone() for k, v in learner.draft.state_dict().items()}
+    real_step = DraftTrainer.step
+
+    def poisoned(self, *batch):
+        out = real_step(self, *batch)
+        with torch.no_grad():
+            self.draft.fc.fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(DraftTrainer, "step", poisoned)
+    m = learner.train(budget_s=60.0)
+    assert m["draft_rejected"] == 1.0 and learner.version == 0 and e.draft_version == 0
+    for k, v in learner.draft.state_dict().items():
+        assert torch.equal(v, before[k]), k
+        assert torch.equal(e.draft.state_dict()[k], warm_draft.state_dict()[k]), k
+    monkeypatch.setattr(DraftTrainer, "step", real_step)
+    assert learner.train(budget_s=60.0)["draft_rejected"] == 0.0 and learner.version == 1
