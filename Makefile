@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 POLICY := artifacts/policy-bench
 CONFIG ?= configs/tiny_cpu.yaml
 
-.PHONY: install train test policy bench bench-quick clean
+.PHONY: install train test policy bench bench-quick bench-e2e clean
 
 install: $(STAMP)
 
@@ -31,6 +31,9 @@ bench: policy
 
 bench-quick: policy
 	$(BIN)/fastgrpo bench rollout --config $(CONFIG) --quick --output bench/rollout-quick.json
+
+bench-e2e: policy
+	$(BIN)/fastgrpo bench e2e --config $(CONFIG) --output bench/e2e.json
 
 test: $(STAMP)
 	$(BIN)/pytest -x -q

@@ -64,13 +64,15 @@ def ensure_policy_and_draft(cfg: Config) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
+    from fastgrpo.bench.e2e import bench_e2e
     from fastgrpo.bench.rollout import bench_rollout
 
-    if args.what != "rollout":
-        raise ValueError(f"unknown benchmark {args.what!r}; available: rollout")
+    benches = {"rollout": bench_rollout, "e2e": bench_e2e}
+    if args.what not in benches:
+        raise ValueError(f"unknown benchmark {args.what!r}; available: {', '.join(benches)}")
     cfg = _config(args)
     ensure_policy_and_draft(cfg)
-    bench_rollout(cfg, args.quick, Path(args.output))
+    benches[args.what](cfg, args.quick, Path(args.output or f"bench/{args.what}.json"))
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -116,9 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     add("eval", cmd_eval, "accuracy of a checkpoint on the eval split").add_argument(
         "--checkpoint", help="checkpoint or HF policy directory (default: model.path)")
 
-    bench = add("bench", cmd_bench, "benchmarks (`rollout`): speculation modes compared in one process", before="what")
+    bench = add("bench", cmd_bench, "benchmarks: `rollout` (speculation modes compared in one process) or "
+                "`e2e` (the same GRPO run without speculation, with a frozen draft, with online draft learning)",
+                before="what")
     bench.add_argument("--quick", action="store_true", help="smaller workloads (minutes, not tens of minutes)")
-    bench.add_argument("--output", default="bench/rollout.json", help="JSON results (a PNG plot is written beside it)")
+    bench.add_argument("--output", help="JSON results, default bench/<what>.json (a PNG plot is written beside it)")
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

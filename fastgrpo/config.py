@@ -35,7 +35,7 @@ class TaskConfig:
     min_steps: int = 1
     max_steps: int = 24
     tail: float = 0.75  # P(k steps) ~ tail**(k-1): a long tail of long answers
-    max_value: int = 99  # every intermediate value stays in 0..max_value
+    max_value: int = 20  # every intermediate value stays in 0..max_value
     max_operand: int = 9
     reward_timeout_s: float = 2.0
 
@@ -68,7 +68,7 @@ class DraftConfig:
     pretrain_steps: int = 2000
     pretrain_minutes: float = 5.0  # wall-clock cap of `fastgrpo draft-pretrain`
     buffer_tokens: int = 200_000  # states held for the offline warm start
-    online: str = "off"  # off | sync: the draft keeps learning from rollout's own target states
+    online: str = "off"  # off | sync | async: the draft keeps learning from rollout's own target states
     online_buffer_tokens: int = 50_000  # online buffer cap; the oldest states are dropped
     sync_budget: float = 0.05  # sync: draft training seconds per step, as a fraction of rollout + train time
     sync_max_steps: int = 64  # sync: at most this many draft steps per GRPO step
@@ -127,6 +127,7 @@ class CheckpointConfig:
 class EvalConfig:
     samples: int = 4  # G samples per eval prompt for mean accuracy and pass@G
     every: int = 0  # steps between evals during training; 0 = only before and after
+    at_start: bool = True  # evaluate the starting policy (step 0) before training
 
 
 @dataclass
@@ -208,7 +209,7 @@ def validate(c: Config) -> None:
     _check(d.pretrain_steps >= 0, "draft.pretrain_steps", "must be >= 0", d.pretrain_steps)
     _check(d.pretrain_minutes > 0, "draft.pretrain_minutes", "must be > 0", d.pretrain_minutes)
     _check(d.buffer_tokens >= 1, "draft.buffer_tokens", "must be >= 1", d.buffer_tokens)
-    _check(d.online in ("off", "sync"), "draft.online", "must be 'off' or 'sync'", d.online)
+    _check(d.online in ("off", "sync", "async"), "draft.online", "must be one of off, sync, async", d.online)
     _check(d.online == "off" or sp.policy != "off", "draft.online",
            "needs speculation (speculation.policy != off): the draft learns from the states rollout "
            "computes for it", d.online)

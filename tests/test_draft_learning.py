@@ -57,16 +57,24 @@ def engine(target, draft, policy=None) -> EmbeddedEngine:
     return e
 
 
-def shifted(target, scale: float = 0.6, seed: int = 7):
-    """The policy after some RL: every decoder weight moved, embedding and head shared."""
-    model = new_policy(target.config, seed=0).eval()
+def shifted(target, steps: int = 60):
+    """The policy after RL moved it: fine-tuned to continue every token t with (3t + 1) mod 14 + 1, a
+    pattern the warm draft never saw."""
+    model = new_policy(target.config, seed=0)
     model.load_state_dict(target.state_dict())
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.model.layers.named_parameters():
-            if p.dim() == 2:
-                p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
-    return model
+    g = torch.Generator().manual_seed(0)
+    start = torch.randint(1, EOS, (64, 1), generator=g)
+    seqs = [start]
+    for _ in range(24):
+        seqs.append((3 * seqs[-1] + 1) % 14 + 1)
+    ids = torch.cat(seqs, dim=1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        loss = model(ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval().requires_grad_(False)
 
 
 def learner_for(target, warm_draft, engines, **cfg) -> OnlineDraftLearner:
@@ -170,3 +178,72 @@ def test_a_nan_update_is_rejected_and_the_previous_draft_kept(target, warm_draft
         assert torch.equal(e.draft.state_dict()[k], warm_draft.state_dict()[k]), k
     monkeypatch.setattr(DraftTrainer, "step", real_step)
     assert learner.train(budget_s=60.0)["draft_rejected"] == 0.0 and learner.version == 1
+
+
+def test_bench_e2e_runs_the_three_modes(tmp_path, tiny_policy, tiny_draft):
+    import json
+
+    from fastgrpo.bench.e2e import bench_e2e
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(tmp_path, tiny_policy, **{"draft.path": tiny_draft, "speculation.cost_model_dir": tmp_path / "costs",
+                                                "draft.sync_budget": 0.5})
+    result = bench_e2e(cfg, quick=True, output=tmp_path / "e2e.json", steps=2)
+    saved = json.loads((tmp_path / "e2e.json").read_text())
+    assert saved["steps"] == 2 and (tmp_path / "e2e.png").stat().st_size > 10_000
+    for mode in ("off", "frozen", "online"):
+        assert len(saved[mode]["step_s"]) == len(saved[mode]["rollout_s"]) == len(saved[mode]["accuracy"]) == 2
+        assert all(r < s for r, s in zip(saved[mode]["rollout_s"], saved[mode]["step_s"]))
+    assert all(a >= 1.0 for a in saved["online"]["accept_len"]) and len(saved["online"]["draft_train_s"]) == 2
+    f, speedup = saved["rollout_fraction_off"], saved["rollout_speedup"]
+    assert 0 < f < 1 and saved["amdahl_bound"] == pytest.approx(1 / ((1 - f) + f / speedup))
+    assert result["speedup_end_to_end"] == saved["speedup_end_to_end"] > 0
+
+
+def test_async_draft_rank_over_gloo_publishes_versions_swapped_between_steps(tmp_path, target, warm_draft):
+    import time
+
+    from fastgrpo.draft_learning.async_learner import AsyncDraftClient
+
+    policy = shifted(target)
+    e = engine(policy, warm_draft, STATIC)
+    e.capture = True
+    draft = DraftHead(policy.config)
+    draft.load_state_dict(warm_draft.state_dict())
+    draft.bind_target(policy.model.embed_tokens.weight, policy.lm_head.weight)
+    client = AsyncDraftClient(draft, DraftConfig(lr=3e-3, batch_size=16, sync_max_steps=5), [e])
+    swaps, generating = [], [False]
+    real_update, real_generate = e.update_draft, e.generate
+
+    def recording(named, version):  # (version, inside a decode step, inside a rollout after its first step)
+        swaps.append((version, e._in_step, generating[0] and e._counts["decode_steps"] > 0))
+        real_update(named, version)
+
+    def generate(*a, **k):
+        generating[0] = True
+        try:
+            return real_generate(*a, **k)
+        finally:
+            generating[0] = False
+
+    e.update_draft, e.generate = recording, generate
+    e.draft_source = client.poll
+    try:
+        ps = prompts(32, 100)
+        client.observe(ps, e.generate([Request(p) for p in ps], SAMPLING, seed=0), policy_version=1)
+        deadline = time.monotonic() + 120
+        while e.draft_version < 3 and time.monotonic() < deadline:  # rollouts go on while the draft trains
+            e.generate([Request(p) for p in prompts(16, 7)], SAMPLING, seed=1)
+        assert e.draft_version >= 3, "the draft rank published no versions"
+        versions = [v for v, _, _ in swaps]
+        assert versions == sorted(versions) and len(set(versions)) == len(versions)
+        assert not any(in_step for _, in_step, _ in swaps)  # never inside a decode step
+        assert any(mid for _, _, mid in swaps)  # picked up mid-rollout, between decode steps
+        assert client.metrics(policy_version=2)["draft_lag"] == 1.0
+        client.save(tmp_path / "async")
+        saved = DraftHead.load(tmp_path / "async", policy.config)
+        assert (tmp_path / "async" / "draft_buffer.safetensors").is_file()
+        assert all(torch.isfinite(p).all() for p in saved.parameters())
+    finally:
+        client.close()
+    assert client.process.exitcode == 0

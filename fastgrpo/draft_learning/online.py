@@ -30,6 +30,7 @@ class OnlineDraftLearner:
         self.version = 0  # published draft versions; 0 is the warm start
         self.policy_version = 0  # the policy version whose rollout states the draft last trained on
         self.rejected = 0
+        self.last_metrics: dict[str, float] = {}
 
     def observe(self, prompts: list[list[int]], completions: list[Completion], policy_version: int) -> int:
         """Buffer each completion's captured states; prompt positions are kept as context but not
@@ -52,6 +53,7 @@ class OnlineDraftLearner:
         before = {k: v.clone() for k, v in self.draft.state_dict().items()}
         opt_before = copy.deepcopy(self.trainer.optimizer.state_dict())
         metrics = self.trainer.train(self.cfg.sync_max_steps, budget_s)
+        self.last_metrics = metrics
         if not all(torch.isfinite(p).all() for p in self.draft.parameters()):
             self.draft.load_state_dict(before)
             self.trainer.optimizer.load_state_dict(opt_before)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +68,9 @@ class EmbeddedEngine:
         self.weights_version = -1
         self.draft_version = -1
         self.capture = False  # return the target's hidden states with each completion (online draft learning)
+        # async draft learning: polled between decode steps for a newer draft, (weights, version) or None
+        self.draft_source: Callable[[], tuple[Iterable[tuple[str, Tensor]], int] | None] | None = None
+        self._in_step = False
         self._stats: dict[str, Any] = {}
 
     # -- weights --------------------------------------------------------------------------
@@ -76,7 +79,10 @@ class EmbeddedEngine:
         self.weights_version = version
 
     def update_draft(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Install or replace the draft. Called between generate() calls, never inside a step."""
+        """Install or replace the draft: between generate() calls or between decode steps, never
+        inside one (a tree drafted by one version is verified against the same version's KV)."""
+        if self._in_step:
+            raise RuntimeError("update_draft inside a decode step")
         if self.draft is None:
             self.draft = DraftHead(self.cfg, self.max_context + TREE_SLACK)
             self.draft.requires_grad_(False)
@@ -120,12 +126,17 @@ class EmbeddedEngine:
                 joined = [waiting.popleft() for _ in range(min(len(waiting), self.max_batch - len(running)))]
                 running += self._prefill(requests, joined, len(running), sampling, gen)
             else:
+                self._swap_draft()
                 config = self.policy.choose(len(running)) if self.speculating else None
                 t = time.perf_counter()
-                if config is None:
-                    emitted, accepted = self._decode(running, sampling, gen), None
-                else:
-                    emitted, accepted = self._speculate(running, config, sampling, gen)
+                self._in_step = True
+                try:
+                    if config is None:
+                        emitted, accepted = self._decode(running, sampling, gen), None
+                    else:
+                        emitted, accepted = self._speculate(running, config, sampling, gen)
+                finally:
+                    self._in_step = False
                 self.policy.observe(config, len(running), emitted, time.perf_counter() - t, accepted)
                 self._count_step(config, len(running), emitted)
             self._retire(running, done)
@@ -134,6 +145,10 @@ class EmbeddedEngine:
         return [Completion(s.tokens, s.logprobs, s.finish or "length",
                            {"spec_steps": s.spec_steps, "spec_emitted": s.spec_emitted}, self._captured(s))
                 for s in out]
+
+    def _swap_draft(self) -> None:
+        if self.draft_source is not None and (update := self.draft_source()) is not None:
+            self.update_draft(*update)
 
     def _check(self, requests: list[Request]) -> None:
         for i, r in enumerate(requests):

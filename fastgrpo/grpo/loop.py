@@ -19,6 +19,7 @@ from fastgrpo.bridge import WeightBridge
 from fastgrpo.checkpoint import CheckpointManager
 from fastgrpo.config import Config, flatten, to_yaml
 from fastgrpo.backends.embedded import build_engine, draft_dir
+from fastgrpo.draft_learning.async_learner import AsyncDraftClient
 from fastgrpo.draft_learning.online import OnlineDraftLearner
 from fastgrpo.speculation.draft import DraftHead
 from fastgrpo.engine.engine import EmbeddedEngine
@@ -46,14 +47,21 @@ class Run:
     eval_problems: list[EncodedProblem]
     tracker: Tracker
     checkpoints: CheckpointManager
-    draft_learner: OnlineDraftLearner | None = None
+    draft_learner: OnlineDraftLearner | AsyncDraftClient | None = None
     step: int = 0
 
 
-def train(cfg: Config, resume: bool = False) -> dict[str, float]:
+@dataclass
+class TrainResult:
+    steps: list[dict[str, float]]  # the metrics of every step this call ran
+    evals: dict[int, dict[str, float]]  # eval results by step
+
+
+def train(cfg: Config, resume: bool = False) -> TrainResult:
     run = setup_run(cfg, resume)
-    if run.step == 0:
-        log_eval(run, step=0)
+    result = TrainResult([], {})
+    if run.step == 0 and cfg.eval.at_start:
+        result.evals[0] = log_eval(run, step=0)
     for step in range(run.step, cfg.grpo.steps):
         t_step = time.perf_counter()
         problems = run.data.next_batch(cfg.rollout.prompts_per_step)
@@ -78,17 +86,20 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
         metrics |= {"rollout_s": rollout_s, "train_s": train_s, "weight_sync_s": sync.seconds,
                     "step_s": time.perf_counter() - t_step}
         run.tracker.log_metrics(metrics, step=run.step)
+        result.steps.append(metrics)
         if run.engine.speculating:
             run.tracker.log_dict(rollout_stats(run.engine.stats()), f"rollout_stats/step_{run.step:06d}.json")
         print_step(run.step, cfg.grpo.steps, metrics)
 
         if cfg.eval.every and run.step % cfg.eval.every == 0 and run.step < cfg.grpo.steps:
-            log_eval(run, run.step)
+            result.evals[run.step] = log_eval(run, run.step)
         if run.step % cfg.checkpoint.every == 0 or run.step == cfg.grpo.steps:
             save_checkpoint(run)
-    final = log_eval(run, run.step)
+    result.evals[run.step] = log_eval(run, run.step)
     run.tracker.end()
-    return final
+    if isinstance(run.draft_learner, AsyncDraftClient):
+        run.draft_learner.close()
+    return result
 
 
 def setup_run(cfg: Config, resume: bool) -> Run:
@@ -118,10 +129,15 @@ def setup_run(cfg: Config, resume: bool) -> Run:
     tracker = Tracker(cfg.tracking.uri or default_tracking_uri(run_dir), cfg.tracking.experiment,
                       run_dir / "mlartifacts", enabled=cfg.tracking.enabled)
     run = Run(cfg, tokenizer, trainer, engine, bridge, data, evals, tracker, checkpoints)
-    if cfg.draft.online == "sync":
+    if cfg.draft.online != "off":
         draft = DraftHead.load(draft_dir(cfg), policy.config, cfg.model.max_context)
         draft.bind_target(policy.model.embed_tokens.weight, policy.lm_head.weight)  # live: follows the policy
-        run.draft_learner = OnlineDraftLearner(draft, cfg.draft, [engine], seed=cfg.seed)
+        if cfg.draft.online == "sync":
+            run.draft_learner = OnlineDraftLearner(draft, cfg.draft, [engine], seed=cfg.seed)
+        else:  # a draft rank of its own; it restores its own state from the checkpoint
+            resume_dir = latest / "draft" if latest is not None else None
+            run.draft_learner = AsyncDraftClient(draft, cfg.draft, [engine], cfg.seed, resume_dir)
+            engine.draft_source = run.draft_learner.poll
     run_id = None
     if latest is not None:
         run_id = restore_checkpoint(run, latest)
@@ -150,8 +166,11 @@ def learn_draft(run: Run, problems: list[EncodedProblem], completions: list[Comp
     if run.draft_learner is None:
         return {}
     G = run.cfg.rollout.group_size
+    t0 = time.perf_counter()
     run.draft_learner.observe([problems[i // G].prompt_ids for i in range(len(completions))], completions,
                               policy_version)
+    if isinstance(run.draft_learner, AsyncDraftClient):  # training happens on the draft rank, off the step
+        return run.draft_learner.metrics(policy_version + 1) | {"draft_train_s": time.perf_counter() - t0}
     metrics = run.draft_learner.train(budget_s)
     return metrics | {"draft_lag": float(run.draft_learner.lag(policy_version + 1))}
 
@@ -243,7 +262,7 @@ def save_checkpoint(run: Run) -> Path:
 def restore_checkpoint(run: Run, path: Path) -> str | None:
     state = json.loads((path / "state.json").read_text())
     run.trainer.load(path)
-    if run.draft_learner is not None:
+    if isinstance(run.draft_learner, OnlineDraftLearner):
         if not (path / "draft").is_dir():
             raise FileNotFoundError(f"checkpoint {path} holds no draft state, but draft.online={run.cfg.draft.online}")
         run.draft_learner.load(path / "draft")

@@ -129,11 +129,13 @@ class Aware(Off):
 
     name = "aware"
 
-    def __init__(self, costs: CostModel, candidates: list[SpecConfig] | None = None, correction_decay: float = 0.9):
+    def __init__(self, costs: CostModel, candidates: list[SpecConfig] | None = None, correction_decay: float = 0.9,
+                 correction_revert: float = 0.01):
         self.costs = costs
         self.candidates = candidates or candidate_configs()
         self.acceptance = AcceptanceModel()
         self.decay = correction_decay
+        self.revert = correction_revert
         self.correction = {"off": 1.0, "spec": 1.0}  # measured / predicted step time
         self._memo: dict[int, SpecConfig | None] = {}  # choice per concurrency, refreshed as evidence comes
         self._observed = 0
@@ -164,9 +166,12 @@ class Aware(Off):
 
     def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
                 accepted: list[int] | None = None) -> None:
-        key = "off" if config is None else "spec"
+        key, other = ("off", "spec") if config is None else ("spec", "off")
         ratio = seconds / max(self.predicted_seconds(config, running) / self.correction[key], 1e-9)
         self.correction[key] = self.decay * self.correction[key] + (1 - self.decay) * min(max(ratio, 0.2), 5.0)
+        # the unobserved kind drifts back to the calibration: a slow spell (a busy machine) must not
+        # rule speculation out for good, since a rejected kind is never measured again otherwise
+        self.correction[other] += self.revert * (1.0 - self.correction[other])
         if config is not None and accepted is not None:
             self.acceptance.observe(config, accepted)
         self._observed += 1

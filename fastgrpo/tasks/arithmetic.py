@@ -35,7 +35,7 @@ def _steps(rng: random.Random, min_steps: int, max_steps: int, tail: float) -> i
 
 
 def generate_problems(n: int, seed: int, *, min_steps: int = 1, max_steps: int = 24, tail: float = 0.75,
-                      max_value: int = 99, max_operand: int = 9) -> list[Problem]:
+                      max_value: int = 20, max_operand: int = 9) -> list[Problem]:
     """Values stay in 0..max_value; operands are 1..max_operand (2..max_operand for *)."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")

@@ -1,0 +1,137 @@
+"""`fastgrpo bench e2e`: the same GRPO run (seed, data, policy) in three rollout modes.
+
+- `off`: no speculation;
+- `frozen`: the warm-start draft (trained offline on the SFT corpus), never updated, as static
+  systems run it;
+- `online`: the same draft, learning during RL from rollout's own target states (sync mode).
+
+Both speculative modes use the `aware` policy. Modes run one after another in one process; each
+writes its own run directory and MLflow run. The speedups compare median step and rollout times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from fastgrpo.config import Config
+from fastgrpo.grpo.loop import train
+
+MODES = {"off": ("off", "off"), "frozen": ("aware", "off"), "online": ("aware", "sync")}
+
+
+def mode_config(cfg: Config, mode: str, steps: int, run_dir: Path) -> Config:
+    policy, online = MODES[mode]
+    return dataclasses.replace(
+        cfg, run_dir=str(run_dir / mode),
+        speculation=dataclasses.replace(cfg.speculation, policy=policy),
+        draft=dataclasses.replace(cfg.draft, online=online),
+        grpo=dataclasses.replace(cfg.grpo, steps=steps),
+        eval=dataclasses.replace(cfg.eval, at_start=False, every=0),
+        checkpoint=dataclasses.replace(cfg.checkpoint, every=steps + 1),  # only the final one
+        tracking=dataclasses.replace(cfg.tracking, run_name=f"bench-e2e-{mode}"))
+
+
+def bench_e2e(cfg: Config, quick: bool, output: Path, steps: int | None = None) -> dict:
+    steps = steps or (8 if quick else max(cfg.grpo.steps, 30))
+    t0 = time.perf_counter()
+    result: dict = {"steps": steps, "meta": {"date": datetime.date.today().isoformat(), "quick": quick,
+                                              "cores": torch.get_num_threads(), "torch": torch.__version__,
+                                              "config": {"prompts_per_step": cfg.rollout.prompts_per_step,
+                                                         "group_size": cfg.rollout.group_size,
+                                                         "max_new_tokens": cfg.rollout.max_new_tokens,
+                                                         "task_tail": cfg.task.tail,
+                                                         "sync_budget": cfg.draft.sync_budget}}}
+    for mode in MODES:
+        print(f"== bench e2e: mode {mode} ({steps} steps) ==", flush=True)
+        run = train(mode_config(cfg, mode, steps, output.parent / f"{output.stem}-runs"))
+        s = run.steps
+        final = run.evals[steps]
+        result[mode] = {"step_s": [m["step_s"] for m in s], "rollout_s": [m["rollout_s"] for m in s],
+                        "train_s": [m["train_s"] for m in s], "accuracy": [m["accuracy"] for m in s],
+                        "final_eval": {k.removeprefix("eval/"): v for k, v in final.items()}}
+        if mode != "off":
+            result[mode]["accept_len"] = [m.get("accept_len", 1.0) for m in s]
+            result[mode]["spec_step_fraction"] = [m["spec_step_fraction"] for m in s]
+        if mode == "online":
+            result[mode]["draft_train_s"] = [m["draft_train_s"] for m in s]
+    med = {m: {k: statistics.median(result[m][k]) for k in ("step_s", "rollout_s")} for m in MODES}
+    f = statistics.median(r / t for r, t in zip(result["off"]["rollout_s"], result["off"]["step_s"]))
+    rollout_speedup = med["off"]["rollout_s"] / med["online"]["rollout_s"]
+    result |= {"speedup_end_to_end": med["off"]["step_s"] / med["online"]["step_s"],
+               "speedup_frozen": med["off"]["step_s"] / med["frozen"]["step_s"],
+               "rollout_speedup": rollout_speedup, "rollout_fraction_off": f,
+               "amdahl_bound": 1 / ((1 - f) + f / rollout_speedup),
+               "draft_train_fraction": statistics.median(
+                   d / t for d, t in zip(result["online"]["draft_train_s"], result["online"]["step_s"])),
+               "accept_len_first5": {m: statistics.mean(result[m]["accept_len"][:5]) for m in ("frozen", "online")},
+               "accept_len_last5": {m: statistics.mean(result[m]["accept_len"][-5:]) for m in ("frozen", "online")},
+               "accuracy_final": {m: result[m]["final_eval"]["mean_accuracy"] for m in MODES},
+               "medians": med}
+    result["meta"]["seconds"] = time.perf_counter() - t0
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=2))
+    plot_e2e(result, output.with_suffix(".png"))
+    print(f"wrote {output} and {output.with_suffix('.png')} ({result['meta']['seconds']:.0f}s)\n", flush=True)
+    print(markdown(result, f"fastgrpo bench e2e{' --quick' if quick else ''} --output {output}"), flush=True)
+    return result
+
+
+def plot_e2e(result: dict, path: Path) -> None:
+    """Accepted length by step (frozen vs online), step-time breakdown by mode, accuracy by step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
+    xs = range(1, result["steps"] + 1)
+    for mode in ("frozen", "online"):
+        a.plot(xs, result[mode]["accept_len"], marker=".", label=mode)
+    a.set(xlabel="GRPO step", ylabel="mean accepted length", title="Draft acceptance during RL")
+    a.legend()
+    modes = list(MODES)
+    rollout = [statistics.median(result[m]["rollout_s"]) for m in modes]
+    trainer = [statistics.median(result[m]["train_s"]) for m in modes]
+    other = [statistics.median(result[m]["step_s"]) - r - t for m, r, t in zip(modes, rollout, trainer)]
+    b.bar(modes, rollout, label="rollout")
+    b.bar(modes, trainer, bottom=rollout, label="policy train")
+    b.bar(modes, other, bottom=[r + t for r, t in zip(rollout, trainer)], label="other (draft, sync, scoring)")
+    b.set(ylabel="median seconds per step", title="Step time by mode")
+    b.legend()
+    for mode in modes:
+        c.plot(xs, result[mode]["accuracy"], marker=".", label=mode, alpha=0.8)
+    c.set(xlabel="GRPO step", ylabel="rollout accuracy", title="Learning by mode")
+    c.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(result: dict, command: str) -> str:
+    m, med = result["meta"], result["medians"]
+    lines = [f"Command: `{command}`", "",
+             f"Date {m['date']}; {m['cores']} CPU threads, torch {m['torch']}; {result['steps']} GRPO steps per mode, "
+             f"rollout {m['config']['prompts_per_step']} prompts x {m['config']['group_size']} samples, "
+             f"max {m['config']['max_new_tokens']} new tokens, task tail {m['config']['task_tail']}.", "",
+             "| mode | median step s | median rollout s | accept len first 5 | accept len last 5 | final pass@1 greedy | final mean accuracy |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for mode in MODES:
+        first = result["accept_len_first5"].get(mode)
+        last = result["accept_len_last5"].get(mode)
+        ev = result[mode]["final_eval"]
+        lines.append(f"| {mode} | {med[mode]['step_s']:.2f} | {med[mode]['rollout_s']:.2f} | "
+                     f"{'-' if first is None else f'{first:.2f}'} | {'-' if last is None else f'{last:.2f}'} | "
+                     f"{ev['pass1_greedy']:.3f} | {ev['mean_accuracy']:.3f} |")
+    lines += ["", f"End-to-end speedup (off / online, median step time): {result['speedup_end_to_end']:.2f}x "
+              f"(frozen: {result['speedup_frozen']:.2f}x); rollout speedup {result['rollout_speedup']:.2f}x; "
+              f"rollout share of an `off` step {result['rollout_fraction_off']:.2f}, so the Amdahl bound is "
+              f"{result['amdahl_bound']:.2f}x; sync draft training takes {100 * result['draft_train_fraction']:.1f}% "
+              f"of an online step."]
+    return "\n".join(lines)
