@@ -6,7 +6,7 @@ import torch
 from fastgrpo.backends.protocols import Request
 from fastgrpo.backends.torch_trainer import token_logprobs
 from fastgrpo.engine.engine import EmbeddedEngine
-from fastgrpo.engine.model import InferenceModel, KVCache
+from fastgrpo.engine.model import InferenceModel, KVCache, onednn_available
 from fastgrpo.engine.sampling import SamplingParams, sampling_logprobs
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.models.policy import new_policy, policy_config
@@ -31,11 +31,16 @@ def prompts(n, seed=0):
             for _ in range(n)]
 
 
-def test_kv_cache_logits_equal_full_forward(policy):
+KERNELS = ["dense"] + (["onednn"] if onednn_available() else [])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kv_cache_logits_equal_full_forward(policy, kernel):
     ids = torch.randint(3, VOCAB, (3, 24))
     with torch.no_grad():
         ref = policy(ids).logits
-    model = InferenceModel(policy.config, 128)
+    model = InferenceModel(policy.config, 128, kernel=kernel)
+    model.load(new_policy(policy.config, seed=99).state_dict().items())  # packed copies must follow reloads
     model.load(policy.state_dict().items())
     cache = KVCache(policy.config, 4, 128)
     rows = slice(1, 4)  # not the first rows: rows are independent

@@ -85,7 +85,7 @@ class EmbeddedEngine:
             raise RuntimeError("update_draft inside a decode step")
         if self.draft is None:
             self.draft = DraftHead(self.cfg, self.max_context + TREE_SLACK)
-            self.draft.requires_grad_(False)
+            self.draft.pack()
             self.draft_cache = KVCache(self.cfg, self.max_batch, self.max_context + TREE_SLACK, layers=1)
         self.draft.load_named(named_tensors)
         self.draft.bind_target(self.model.embed, self.model.lm_head)

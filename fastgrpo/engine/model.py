@@ -5,6 +5,11 @@ lengths or tree-shaped attention, which speculative verification needs. This mod
 Hugging Face weights (by their HF names) and computes the same function; a test holds its logits
 to a full HF forward.
 
+Matmuls: on x86 CPUs the frozen inference weights are kept a second time in oneDNN's blocked layout.
+MKL's GEMM for a handful of rows (2-16 tokens: a verification tree, a small batch) streams the
+weights at under half the speed of its one-row GEMV; oneDNN's packed kernel keeps 2-8 tokens about as
+cheap as one, which is what makes verifying a draft tree pay on a CPU (numbers in BENCHMARKS.md).
+
 Cache layout: rows are sequences, kept contiguous (rows 0..B-1 are the running batch), so a decode
 step attends over plain views of the cache with no gather. Each row has its own length.
 """
@@ -56,6 +61,32 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class PackedWeight:
+    """A frozen [out, in] weight plus its oneDNN-packed copy; `repack()` after the dense one changes."""
+
+    PACK_BATCH = 64  # oneDNN's layout hint: rows per matmul it should be tuned for
+
+    def __init__(self, dense: Tensor):
+        self.dense = dense
+        self.packed = dense
+        self.repack()
+
+    def repack(self) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.dense, self.PACK_BATCH)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+def linear(x: Tensor, w: Tensor | PackedWeight) -> Tensor:
+    """x @ w.T, through the packed kernel when the weight has one."""
+    return w(x) if isinstance(w, PackedWeight) else x @ w.T
+
+
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
@@ -82,14 +113,14 @@ def block_mask(start: Tensor, n: int, ctx: int, new_mask: Tensor | None) -> Tens
 KVFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
-def decoder_layer(x: Tensor, L: dict[str, Tensor], n_heads: int, n_kv: int, eps: float,
+def decoder_layer(x: Tensor, L: dict[str, Tensor | PackedWeight], n_heads: int, n_kv: int, eps: float,
                   cos: Tensor, sin: Tensor, mask: Tensor | None, kv: KVFn) -> Tensor:
     """One Llama decoder layer. `kv(k, v)` turns this block's keys/values [B, KV, n, D] into the keys/values
     to attend over: the cache after appending them (inference), or themselves (training)."""
     B, n, _ = x.shape
     H, KV, D = n_heads, n_kv, cos.shape[-1]
     h = rms_norm(x, L["attn_norm"], eps)
-    qkv = h @ L["wqkv"].T
+    qkv = linear(h, L["wqkv"])
     q = qkv[..., : H * D].view(B, n, H, D).transpose(1, 2)
     k = qkv[..., H * D : (H + KV) * D].view(B, n, KV, D).transpose(1, 2)
     v = qkv[..., (H + KV) * D :].view(B, n, KV, D).transpose(1, 2)
@@ -97,10 +128,10 @@ def decoder_layer(x: Tensor, L: dict[str, Tensor], n_heads: int, n_kv: int, eps:
     q = _rotate(q, cos, sin)
     attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
                                           enable_gqa=KV != H)
-    x = x + attn.transpose(1, 2).reshape(B, n, H * D) @ L["wo"].T
+    x = x + linear(attn.transpose(1, 2).reshape(B, n, H * D), L["wo"])
     h = rms_norm(x, L["mlp_norm"], eps)
-    gate, up = (h @ L["w_gate_up"].T).chunk(2, dim=-1)
-    return x + (F.silu(gate) * up) @ L["w_down"].T
+    gate, up = linear(h, L["w_gate_up"]).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, L["w_down"])
 
 
 def cache_kv(cache: KVCache, layer: int, rows: slice, slots: Tensor, ctx: int) -> KVFn:
@@ -123,10 +154,21 @@ def layer_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return dict(wqkv=(h + 2 * kv, h), wo=(h, h), w_gate_up=(2 * ff, h), w_down=(h, ff), attn_norm=(h,), mlp_norm=(h,))
 
 
-class InferenceModel:
-    """Weights in fused layouts (qkv, gate+up) for fewer, larger matmuls; HF names map to views."""
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 
-    def __init__(self, cfg: LlamaConfig, max_len: int, dtype: torch.dtype = torch.float32):
+
+class InferenceModel:
+    """Weights in fused layouts (qkv, gate+up) for fewer, larger matmuls; HF names map to views.
+
+    kernel "onednn" (default where available) runs the matmuls on packed copies of the weights,
+    "dense" on the weights as loaded; both compute the same function."""
+
+    def __init__(self, cfg: LlamaConfig, max_len: int, dtype: torch.dtype = torch.float32, kernel: str = "auto"):
+        if kernel not in ("auto", "onednn", "dense"):
+            raise ValueError(f"kernel must be auto, onednn or dense, not {kernel!r}")
+        if kernel == "onednn" and not onednn_available():
+            raise ValueError("kernel 'onednn' is not available in this torch build")
+        self.kernel = ("onednn" if onednn_available() and dtype == torch.float32 else "dense") if kernel == "auto" else kernel
         if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
             raise ValueError("biased attention/MLP projections are not supported by the embedded engine")
         self.cfg = cfg
@@ -157,6 +199,16 @@ class InferenceModel:
                 p + "post_attention_layernorm.weight": L["mlp_norm"],
             }
         self.cos, self.sin = rope_tables(cfg, max_len)
+        self.matmul_layers: list[dict[str, Tensor | PackedWeight]] = self.layers
+        self.head: Tensor | PackedWeight = self.lm_head
+        self._repack()
+
+    def _repack(self) -> None:
+        if self.kernel != "onednn":
+            return
+        self.matmul_layers = [{k: PackedWeight(w) if k in MATRICES else w for k, w in L.items()}
+                              for L in self.layers]
+        self.head = PackedWeight(self.lm_head)
 
     def load(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
         """Copy HF-named tensors into place; unknown names and shape mismatches are errors."""
@@ -171,6 +223,7 @@ class InferenceModel:
                 raise ValueError(f"weight {name!r}: shape {tuple(t.shape)} does not match {tuple(dst.shape)}")
             dst.copy_(t)
             n += 1
+        self._repack()
         return n
 
     def named_weights(self) -> Iterable[tuple[str, Tensor]]:
@@ -203,8 +256,8 @@ class InferenceModel:
         pos = slots if positions is None else positions
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, n, D]
         x = F.embedding(tokens, self.embed)
-        for li, L in enumerate(self.layers):
+        for li, L in enumerate(self.matmul_layers):
             x = decoder_layer(x, L, self.n_heads, self.n_kv, self.eps, cos, sin, mask,
                               cache_kv(cache, li, rows, slots, ctx))
         hidden = rms_norm(x, self.norm, self.eps)
-        return hidden @ self.lm_head.T, hidden
+        return linear(hidden, self.head), hidden

@@ -92,7 +92,7 @@ def calibrate(model: InferenceModel, draft: DraftHead, reps: int = 5, sweep: tup
 def load_or_calibrate(model: InferenceModel, draft: DraftHead, cache_dir: Path) -> CostModel:
     cfg = model.cfg
     key = (f"h{cfg.hidden_size}-l{cfg.num_hidden_layers}-i{cfg.intermediate_size}-v{cfg.vocab_size}"
-           f"-t{torch.get_num_threads()}-torch{torch.__version__}")
+           f"-t{torch.get_num_threads()}-torch{torch.__version__}-{model.kernel}")
     path = Path(cache_dir) / f"cost_model-{key}.json"
     if path.is_file():
         try:

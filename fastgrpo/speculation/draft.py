@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import LlamaConfig
 
-from fastgrpo.engine.model import KVFn, decoder_layer, layer_shapes, rms_norm, rope_tables
+from fastgrpo.engine.model import (MATRICES, KVFn, PackedWeight, decoder_layer, layer_shapes, linear, onednn_available,
+                                   rms_norm, rope_tables)
 
 DRAFT_WEIGHTS = "draft.safetensors"
 DRAFT_CONFIG = "draft_config.json"
@@ -40,6 +41,7 @@ class DraftHead(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
         self.embed: Tensor = torch.zeros(0)
         self.lm_head: Tensor = torch.zeros(0)
+        self.packed: dict[str, PackedWeight] | None = None  # engine-side inference copies, see pack()
         self.reset_parameters()
 
     def reset_parameters(self, seed: int = 0) -> None:
@@ -52,6 +54,13 @@ class DraftHead(nn.Module):
                     p.fill_(1.0)
             self.norm.fill_(1.0)
 
+    def pack(self) -> None:
+        """Freeze for inference and keep oneDNN-packed copies of the matrices (the engine's draft: its
+        small per-level matmuls are what speculation pays for each step). load_named() repacks."""
+        self.requires_grad_(False)
+        if onednn_available():
+            self.packed = {k: PackedWeight(w) for k, w in [("fc", self.fc), *self.layer.items()] if k in ("fc", *MATRICES)}
+
     def bind_target(self, embed: Tensor, lm_head: Tensor) -> None:
         """Share the target's (frozen) embedding and LM head."""
         if embed.shape[1] != self.cfg.hidden_size or lm_head.shape[1] != self.cfg.hidden_size:
@@ -62,9 +71,10 @@ class DraftHead(nn.Module):
     def features(self, hidden: Tensor, next_tokens: Tensor, positions: Tensor, mask: Tensor | None,
                  kv: KVFn) -> Tensor:
         """hidden [B, n, H] at positions t, next_tokens [B, n] (token t+1) -> predicted h_{t+1} [B, n, H]."""
-        x = torch.cat([F.embedding(next_tokens, self.embed), hidden], dim=-1) @ self.fc.T
+        weights = {"fc": self.fc, **self.layer} | (self.packed or {})
+        x = linear(torch.cat([F.embedding(next_tokens, self.embed), hidden], dim=-1), weights["fc"])
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
-        return decoder_layer(x, dict(self.layer), self.n_heads, self.n_kv, self.eps, cos, sin, mask, kv)
+        return decoder_layer(x, weights, self.n_heads, self.n_kv, self.eps, cos, sin, mask, kv)
 
     def logits(self, features: Tensor) -> Tensor:
         return rms_norm(features, self.norm, self.eps) @ self.lm_head.T
@@ -102,6 +112,8 @@ class DraftHead(nn.Module):
                 raise ValueError(f"draft weight {name!r}: shape {tuple(t.shape)} does not match the target's "
                                  f"{tuple(own[name].shape)} (a draft trained for another policy?)")
             own[name].copy_(t)
+        if self.packed is not None:
+            self.pack()
 
 
 def draft_loss(draft: DraftHead, hidden: Tensor, tokens: Tensor, mask: Tensor,
