@@ -198,6 +198,14 @@ def test_bench_e2e_runs_the_three_modes(tmp_path, tiny_policy, tiny_draft):
     f, speedup = saved["rollout_fraction_off"], saved["rollout_speedup"]
     assert 0 < f < 1 and saved["amdahl_bound"] == pytest.approx(1 / ((1 - f) + f / speedup))
     assert result["speedup_end_to_end"] == saved["speedup_end_to_end"] > 0
+    from mlflow.tracking import MlflowClient
+
+    from fastgrpo.tracking import default_tracking_uri
+
+    client = MlflowClient(default_tracking_uri(tmp_path / "e2e-runs"))
+    (summary,) = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
+    assert summary.data.metrics["speedup_end_to_end"] == pytest.approx(saved["speedup_end_to_end"])
+    assert {a.path for a in client.list_artifacts(summary.info.run_id)} == {"e2e.json", "e2e.png", "config.yaml"}
 
 
 def test_async_draft_rank_over_gloo_publishes_versions_swapped_between_steps(tmp_path, target, warm_draft):

@@ -199,6 +199,22 @@ def test_aware_learns_acceptance_online():
     assert aware.acceptance.expected(shallow) < 1.3
 
 
+def test_aware_corrects_its_cost_model_per_concurrency():
+    """Speculation measured slower than predicted at 16 sequences turns it off there, and only there."""
+    aware = Aware(synthetic_costs())
+    spec16, spec1 = aware.choose(16), aware.choose(1)
+    assert spec16 is not None and spec1 is not None
+    for _ in range(48):
+        c = aware.choose(16)
+        if c is None:
+            aware.observe(None, 16, 16, aware.predicted_seconds(None, 16))
+        else:  # each speculative step takes three times its prediction
+            aware.observe(c, 16, 16, 3 * aware.predicted_seconds(c, 16), accepted=[0] * 16)
+    assert aware.choose(16) is None
+    assert aware.choose(1) is not None  # what was learned at 16 sequences leaves 1 sequence alone
+    assert aware.correction.get(("spec", 1), 1.0) == 1.0 and aware.correction[("spec", 16)] > 2
+
+
 def test_cost_model_calibrates_and_caches(small_vocab, tmp_path):
     cfg, target, draft = small_vocab
     engine = engine_for(cfg, target, draft)

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from fastgrpo.config import Config
+from fastgrpo.config import Config, flatten, to_yaml
 from fastgrpo.grpo.loop import train
+from fastgrpo.tracking import Tracker, default_tracking_uri
 
 MODES = {"off": ("off", "off"), "frozen": ("aware", "off"), "online": ("aware", "sync")}
 
@@ -78,9 +79,23 @@ def bench_e2e(cfg: Config, quick: bool, output: Path, steps: int | None = None) 
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2))
     plot_e2e(result, output.with_suffix(".png"))
+    log_summary(cfg, result, output)
     print(f"wrote {output} and {output.with_suffix('.png')} ({result['meta']['seconds']:.0f}s)\n", flush=True)
     print(markdown(result, f"fastgrpo bench e2e{' --quick' if quick else ''} --output {output}"), flush=True)
     return result
+
+
+def log_summary(cfg: Config, result: dict, output: Path) -> None:
+    """The comparison as an MLflow run of its own (the per-mode runs hold the per-step metrics)."""
+    runs = output.parent / f"{output.stem}-runs"
+    tracker = Tracker(cfg.tracking.uri or default_tracking_uri(runs), cfg.tracking.experiment, runs / "mlartifacts",
+                      enabled=cfg.tracking.enabled)
+    tracker.start(f"bench-e2e-summary-{result['steps']}steps", flatten(cfg), to_yaml(cfg))
+    tracker.log_metrics({k: result[k] for k in ("speedup_end_to_end", "speedup_frozen", "rollout_speedup",
+                                                "rollout_fraction_off", "amdahl_bound", "draft_train_fraction")}, step=0)
+    tracker.log_artifact(output)
+    tracker.log_artifact(output.with_suffix(".png"))
+    tracker.end()
 
 
 def plot_e2e(result: dict, path: Path) -> None:

@@ -124,7 +124,8 @@ class Aware(Off):
         goodput(c) = B * E[emitted | c] / (T_draft(c, B) + T_verify(B * n_c))
 
     over a candidate set that contains plain decoding (E = 1, no draft, n = 1). T_* come from the
-    measured cost model, rescaled online by the ratio of real to predicted step times; E comes from
+    measured cost model, rescaled online by the ratio of real to predicted step times (per kind and
+    concurrency bucket); E comes from
     the acceptance model."""
 
     name = "aware"
@@ -136,16 +137,25 @@ class Aware(Off):
         self.acceptance = AcceptanceModel()
         self.decay = correction_decay
         self.revert = correction_revert
-        self.correction = {"off": 1.0, "spec": 1.0}  # measured / predicted step time
+        # measured / predicted step time, per kind (off, spec) and concurrency bucket: the calibration's
+        # error differs between one sequence and sixty-four, so a factor learned at one must not move another
+        self.correction: dict[tuple[str, int], float] = {}
         self._memo: dict[int, SpecConfig | None] = {}  # choice per concurrency, refreshed as evidence comes
         self._observed = 0
 
+    @staticmethod
+    def _bucket(running: int) -> int:
+        return 1 << max(running - 1, 0).bit_length()  # 1, 2, 4, 8, ...: the smallest power of two >= running
+
+    def _correction(self, kind: str, running: int) -> float:
+        return self.correction.get((kind, self._bucket(running)), 1.0)
+
     def predicted_seconds(self, c: SpecConfig | None, running: int) -> float:
         if c is None:
-            return self.costs.target(running) * self.correction["off"]
+            return self.costs.target(running) * self._correction("off", running)
         catch_up = running * self.acceptance.expected(c)  # last step's accepted states, fed to the draft
         draft = self.costs.draft(catch_up) + (c.depth - 1) * self.costs.draft(running * c.topk)
-        return (draft + self.costs.target(running * c.num_verify)) * self.correction["spec"]
+        return (draft + self.costs.target(running * c.num_verify)) * self._correction("spec", running)
 
     def goodput(self, c: SpecConfig | None, running: int) -> float:
         emitted = 1.0 if c is None else self.acceptance.expected(c)
@@ -166,12 +176,14 @@ class Aware(Off):
 
     def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
                 accepted: list[int] | None = None) -> None:
-        key, other = ("off", "spec") if config is None else ("spec", "off")
-        ratio = seconds / max(self.predicted_seconds(config, running) / self.correction[key], 1e-9)
-        self.correction[key] = self.decay * self.correction[key] + (1 - self.decay) * min(max(ratio, 0.2), 5.0)
+        kind, other = ("off", "spec") if config is None else ("spec", "off")
+        key, other_key = (kind, self._bucket(running)), (other, self._bucket(running))
+        current = self.correction.get(key, 1.0)
+        ratio = seconds / max(self.predicted_seconds(config, running) / current, 1e-9)
+        self.correction[key] = self.decay * current + (1 - self.decay) * min(max(ratio, 0.2), 5.0)
         # the unobserved kind drifts back to the calibration: a slow spell (a busy machine) must not
         # rule speculation out for good, since a rejected kind is never measured again otherwise
-        self.correction[other] += self.revert * (1.0 - self.correction[other])
+        self.correction[other_key] = self.correction.get(other_key, 1.0) * (1 - self.revert) + self.revert
         if config is not None and accepted is not None:
             self.acceptance.observe(config, accepted)
         self._observed += 1
