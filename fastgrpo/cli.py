@@ -65,9 +65,10 @@ def ensure_policy_and_draft(cfg: Config) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> None:
     from fastgrpo.bench.e2e import bench_e2e
+    from fastgrpo.bench.forward import bench_forward
     from fastgrpo.bench.rollout import bench_rollout
 
-    benches = {"rollout": bench_rollout, "e2e": bench_e2e}
+    benches = {"rollout": bench_rollout, "e2e": bench_e2e, "forward": bench_forward}
     if args.what not in benches:
         raise ValueError(f"unknown benchmark {args.what!r}; available: {', '.join(benches)}")
     cfg = _config(args)
@@ -118,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     add("eval", cmd_eval, "accuracy of a checkpoint on the eval split").add_argument(
         "--checkpoint", help="checkpoint or HF policy directory (default: model.path)")
 
-    bench = add("bench", cmd_bench, "benchmarks: `rollout` (speculation modes compared in one process) or "
-                "`e2e` (the same GRPO run without speculation, with a frozen draft, with online draft learning)",
+    bench = add("bench", cmd_bench, "benchmarks: `rollout` (speculation modes compared in one process), "
+                "`e2e` (the same GRPO run without speculation, with a frozen draft, with online draft learning) "
+                "or `forward` (the policy forward by batch, tokens per sequence and matmul kernel)",
                 before="what")
     bench.add_argument("--quick", action="store_true", help="smaller workloads (minutes, not tens of minutes)")
     bench.add_argument("--output", help="JSON results, default bench/<what>.json (a PNG plot is written beside it)")

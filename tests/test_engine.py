@@ -133,3 +133,4 @@ def test_ignore_eos_keeps_sequences_running(policy):
     kept = engine.generate([Request(p) for p in prompts(3)], greedy)
     assert [o.token_ids for o in kept] == [o.token_ids for o in reference]
     assert all(len(o.token_ids) == 12 and o.finish_reason == "length" for o in kept)
+

@@ -39,7 +39,8 @@ def _run(engine: EmbeddedEngine, requests: list[Request], sampling: SamplingPara
     seconds = time.perf_counter() - t
     tokens = sum(len(o.token_ids) for o in out)
     return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds,
-            "accept_len": engine.stats()["accept_len"]}
+            "accept_len": engine.stats()["accept_len"],
+            "spec_fraction": engine.stats()["spec_steps"] / max(engine.stats()["decode_steps"], 1)}
 
 
 def _median(runs: list[dict[str, float]], key: str) -> float:
@@ -72,6 +73,7 @@ def concurrency_sweep(engine, policies, prompts, cfg, levels, tokens, reps, log)
         for mode in policies:
             row[f"{mode}_tok_s"] = _median(runs[mode], "tok_s")
             row[f"{mode}_accept_len"] = _median(runs[mode], "accept_len")
+            row[f"{mode}_spec_fraction"] = _median(runs[mode], "spec_fraction")
         rows.append(row)
         log(f"concurrency {B:3d}: " + ", ".join(f"{m} {row[f'{m}_tok_s']:.0f} tok/s" for m in policies)
             + f" | aware accept {row['aware_accept_len']:.2f}")
@@ -202,11 +204,12 @@ def markdown(result: dict, command: str) -> str:
              f"{m['policy_parameters'] / 1e6:.1f}M parameters, fp32; temperature {m['temperature']}; "
              f"medians of {m['repetitions']} interleaved repetitions after a warm-up.", "",
              f"Fixed concurrency ({m['tokens_per_sequence']} tokens per sequence, EOS ignored), tokens/s:", "",
-             "| running | off | static | fastgrpo | aware | aware / off | aware accept len |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| running | off | static | fastgrpo | aware | aware / off | aware accept len | aware speculative steps |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in sw:
         lines.append(f"| {r['concurrency']} | {r['off_tok_s']:.0f} | {r['static_tok_s']:.0f} | {r['fastgrpo_tok_s']:.0f} "
-                     f"| {r['aware_tok_s']:.0f} | {r['aware_tok_s'] / r['off_tok_s']:.2f}x | {r['aware_accept_len']:.2f} |")
+                     f"| {r['aware_tok_s']:.0f} | {r['aware_tok_s'] / r['off_tok_s']:.2f}x | {r['aware_accept_len']:.2f} "
+                     f"| {100 * r['aware_spec_fraction']:.0f}% |")
     lines += ["", "GRPO-shaped batch (prompts x 8 samples, real lengths), seconds:", "",
               "| off | best static | fastgrpo | aware | off / aware | best static / aware | fastgrpo / aware |",
               "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",

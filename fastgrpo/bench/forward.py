@@ -1,0 +1,71 @@
+"""`fastgrpo bench forward`: the policy's inference forward by shape and matmul kernel.
+
+Speculation pays only if scoring several tokens per sequence costs little more than scoring one.
+This measures exactly that, for B sequences x n new tokens over a cached context, with the engine's
+two kernels (`dense`: the weights as loaded, `onednn`: packed copies), interleaved and repeated.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from fastgrpo.config import Config
+from fastgrpo.engine.model import InferenceModel, KVCache, onednn_available
+from fastgrpo.models.policy import load_policy, num_parameters
+
+SHAPES = ((1, 1), (1, 2), (1, 4), (1, 8), (1, 16), (4, 1), (4, 4), (16, 1), (16, 4), (64, 1), (64, 2))
+CONTEXT = 128
+
+
+def bench_forward(cfg: Config, quick: bool, output: Path) -> dict:
+    policy = load_policy(cfg.model.path)
+    kernels = ["dense"] + (["onednn"] if onednn_available() else [])
+    models = {}
+    for k in kernels:
+        models[k] = InferenceModel(policy.config, CONTEXT + 64, kernel=k)
+        models[k].load(policy.state_dict().items())
+    cache = KVCache(policy.config, max(b for b, _ in SHAPES), CONTEXT + 64)
+    reps = 5 if quick else 15
+    rows = []
+    for B, n in SHAPES:
+        cache.lengths.fill_(CONTEXT)
+        tokens = torch.randint(0, policy.config.vocab_size, (B, n))
+        times: dict[str, list[float]] = {k: [] for k in kernels}
+        for rep in range(reps + 1):  # the first round warms up
+            for k in kernels:
+                t = time.perf_counter()
+                models[k].forward(tokens, cache, slice(0, B))
+                if rep:
+                    times[k].append(time.perf_counter() - t)
+        row = {"batch": B, "new_tokens": n} | {f"{k}_ms": 1000 * statistics.median(times[k]) for k in kernels}
+        rows.append(row)
+        print(f"B={B:3d} n={n:3d}: " + ", ".join(f"{k} {row[f'{k}_ms']:.1f} ms" for k in kernels), flush=True)
+    result = {"meta": {"date": datetime.date.today().isoformat(), "threads": torch.get_num_threads(),
+                       "torch": torch.__version__, "parameters": num_parameters(policy), "context": CONTEXT,
+                       "reps": reps},
+              "rows": rows}
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=2))
+    print(f"wrote {output}\n\n" + markdown(result, f"fastgrpo bench forward{' --quick' if quick else ''} --output {output}"))
+    return result
+
+
+def markdown(result: dict, command: str) -> str:
+    m, rows = result["meta"], result["rows"]
+    kernels = [k.removesuffix("_ms") for k in rows[0] if k.endswith("_ms")]
+    one = {k: rows[0][f"{k}_ms"] for k in kernels}  # B=1, n=1
+    lines = [f"Command: `{command}`", "",
+             f"Date {m['date']}; {m['threads']} CPU threads, torch {m['torch']}; policy {m['parameters'] / 1e6:.1f}M "
+             f"parameters, fp32, {m['context']} cached tokens; medians of {m['reps']} interleaved repetitions.", "",
+             "| sequences | new tokens each | " + " | ".join(f"{k} ms | {k} / one token" for k in kernels) + " |",
+             "| ---: | ---: | " + " | ".join("---: | ---:" for _ in kernels) + " |"]
+    for r in rows:
+        cells = " | ".join(f"{r[f'{k}_ms']:.1f} | {r[f'{k}_ms'] / one[k]:.2f}x" for k in kernels)
+        lines.append(f"| {r['batch']} | {r['new_tokens']} | {cells} |")
+    return "\n".join(lines)

@@ -1,0 +1,43 @@
+"""The benchmark commands on the test-size policy: every mode runs, the JSON holds what the issues
+ask for, the tables are consistent with it. (Speed itself is judged from the bench-size runs in
+BENCHMARKS.md, never here.)"""
+
+import json
+
+import pytest
+
+from fastgrpo.engine.model import onednn_available
+from tests.conftest import tiny_config
+
+
+def test_bench_rollout_compares_all_modes(tmp_path, tiny_policy, tiny_draft):
+    from fastgrpo.bench.rollout import MODES, bench_rollout
+
+    cfg = tiny_config(tmp_path, tiny_policy, **{"draft.path": tiny_draft, "rollout.max_batch": 64,
+                                                "speculation.cost_model_dir": tmp_path / "costs"})
+    bench_rollout(cfg, quick=True, output=tmp_path / "rollout.json")
+    saved = json.loads((tmp_path / "rollout.json").read_text())
+    assert [r["concurrency"] for r in saved["sweep"]] == [1, 4, 16, 64]
+    for row in saved["sweep"]:
+        assert all(row[f"{m}_tok_s"] > 0 for m in MODES)
+        assert row["off_accept_len"] == 1.0 and row["off_spec_fraction"] == 0.0
+        assert row["static_spec_fraction"] == 1.0 and row["static_accept_len"] >= 1.0
+    g = saved["grpo_batch"]
+    assert g["static_best_s"] == min(v for k, v in g["all_s"].items() if k.startswith("static"))
+    assert all(g[k] > 0 for k in ("off_s", "fastgrpo_s", "aware_s"))
+    assert all(saved["hf_generate"][k] > 0 for k in ("batch1_tok_s", "batch64_tok_s", "engine_batch1_tok_s"))
+    b = saved["bound"]
+    assert b["batch1_step_ms"] == pytest.approx(1000 / saved["hf_generate"]["engine_batch1_tok_s"])
+    assert (tmp_path / "rollout.png").stat().st_size > 10_000
+
+
+def test_bench_forward_times_every_shape_with_every_kernel(tmp_path, tiny_policy):
+    from fastgrpo.bench.forward import SHAPES, bench_forward, markdown
+
+    bench_forward(tiny_config(tmp_path, tiny_policy), quick=True, output=tmp_path / "forward.json")
+    saved = json.loads((tmp_path / "forward.json").read_text())
+    assert [(r["batch"], r["new_tokens"]) for r in saved["rows"]] == list(SHAPES)
+    kernels = ["dense"] + (["onednn"] if onednn_available() else [])
+    assert all(r[f"{k}_ms"] > 0 for r in saved["rows"] for k in kernels)
+    table = markdown(saved, "cmd").splitlines()
+    assert len(table) == 6 + len(SHAPES) and table[6].startswith("| 1 | 1 | ")
