@@ -66,17 +66,12 @@ def onednn_available() -> bool:
 
 
 class PackedWeight:
-    """A frozen [out, in] weight plus its oneDNN-packed copy; `repack()` after the dense one changes."""
+    """A frozen [out, in] weight in oneDNN's packed layout: a copy, rebuilt whenever the weight changes."""
 
     PACK_BATCH = 64  # oneDNN's layout hint: rows per matmul it should be tuned for
 
     def __init__(self, dense: Tensor):
-        self.dense = dense
-        self.packed = dense
-        self.repack()
-
-    def repack(self) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.dense, self.PACK_BATCH)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(dense, self.PACK_BATCH)
 
     def __call__(self, x: Tensor) -> Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
@@ -199,20 +194,22 @@ class InferenceModel:
                 p + "post_attention_layernorm.weight": L["mlp_norm"],
             }
         self.cos, self.sin = rope_tables(cfg, max_len)
-        self.matmul_layers: list[dict[str, Tensor | PackedWeight]] = self.layers
+        # what forward() multiplies by: the weights themselves, or their packed copies
+        self.matmul_layers: list[dict[str, Tensor | PackedWeight]] = list(self.layers)
         self.head: Tensor | PackedWeight = self.lm_head
-        self._repack()
+        self._repack(range(len(self.layers)), head=True)
 
-    def _repack(self) -> None:
+    def _repack(self, layers: Iterable[int], head: bool) -> None:
         if self.kernel != "onednn":
             return
-        self.matmul_layers = [{k: PackedWeight(w) if k in MATRICES else w for k, w in L.items()}
-                              for L in self.layers]
-        self.head = PackedWeight(self.lm_head)
+        for i in layers:
+            self.matmul_layers[i] = {k: PackedWeight(w) if k in MATRICES else w for k, w in self.layers[i].items()}
+        if head:
+            self.head = PackedWeight(self.lm_head)
 
     def load(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
         """Copy HF-named tensors into place; unknown names and shape mismatches are errors."""
-        n = 0
+        n, layers, head = 0, set(), False
         for name, t in named_tensors:
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue  # tied: the embedding is the head
@@ -223,7 +220,10 @@ class InferenceModel:
                 raise ValueError(f"weight {name!r}: shape {tuple(t.shape)} does not match {tuple(dst.shape)}")
             dst.copy_(t)
             n += 1
-        self._repack()
+            if name.startswith("model.layers."):
+                layers.add(int(name.split(".")[2]))
+            head |= name in ("model.embed_tokens.weight", "lm_head.weight")
+        self._repack(layers, head)  # a bucket of a weight push repacks only what it wrote
         return n
 
     def named_weights(self) -> Iterable[tuple[str, Tensor]]:
