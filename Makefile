@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 POLICY := artifacts/policy-bench
 CONFIG ?= configs/tiny_cpu.yaml
 
-.PHONY: install train test policy bench bench-quick bench-e2e clean
+.PHONY: install train test policy bench bench-quick bench-e2e bench-forward clean
 
 install: $(STAMP)
 
@@ -34,6 +34,9 @@ bench-quick: policy
 
 bench-e2e: policy
 	$(BIN)/fastgrpo bench e2e --config $(CONFIG) --output bench/e2e.json
+
+bench-forward: policy
+	$(BIN)/fastgrpo bench forward --config $(CONFIG) --output bench/forward.json
 
 test: $(STAMP)
 	$(BIN)/pytest -x -q

@@ -193,6 +193,7 @@ def test_bench_e2e_runs_the_three_modes(tmp_path, tiny_policy, tiny_draft):
     assert saved["steps"] == 2 and (tmp_path / "e2e.png").stat().st_size > 10_000
     for mode in ("off", "frozen", "online"):
         assert len(saved[mode]["step_s"]) == len(saved[mode]["rollout_s"]) == len(saved[mode]["accuracy"]) == 2
+        assert len(saved[mode]["rollout_tok_s"]) == 2 and all(t > 0 for t in saved[mode]["rollout_tok_s"])
         assert all(r < s for r, s in zip(saved[mode]["rollout_s"], saved[mode]["step_s"]))
     assert all(a >= 1.0 for a in saved["online"]["accept_len"]) and len(saved["online"]["draft_train_s"]) == 2
     f, speedup = saved["rollout_fraction_off"], saved["rollout_speedup"]

@@ -56,6 +56,8 @@ def bench_e2e(cfg: Config, quick: bool, output: Path, steps: int | None = None) 
         final = run.evals[steps]
         result[mode] = {"step_s": [m["step_s"] for m in s], "rollout_s": [m["rollout_s"] for m in s],
                         "train_s": [m["train_s"] for m in s], "accuracy": [m["accuracy"] for m in s],
+                        "rollout_tok_s": [m["gen_tokens_per_s"] for m in s],
+                        "response_len": [m["response_len_mean"] for m in s],
                         "final_eval": {k.removeprefix("eval/"): v for k, v in final.items()}}
         if mode != "off":
             result[mode]["accept_len"] = [m.get("accept_len", 1.0) for m in s]
@@ -65,7 +67,12 @@ def bench_e2e(cfg: Config, quick: bool, output: Path, steps: int | None = None) 
     med = {m: {k: statistics.median(result[m][k]) for k in ("step_s", "rollout_s")} for m in MODES}
     f = statistics.median(r / t for r, t in zip(result["off"]["rollout_s"], result["off"]["step_s"]))
     rollout_speedup = med["off"]["rollout_s"] / med["online"]["rollout_s"]
+    tok_s = {m: statistics.median(result[m]["rollout_tok_s"]) for m in MODES}
     result |= {"speedup_end_to_end": med["off"]["step_s"] / med["online"]["step_s"],
+               # the modes sample different (equally distributed) trajectories, so their responses and
+               # hence their step times can differ for reasons other than speed: throughput is the clean ratio
+               "rollout_throughput_speedup": tok_s["online"] / tok_s["off"],
+               "rollout_throughput_speedup_frozen": tok_s["frozen"] / tok_s["off"],
                "speedup_frozen": med["off"]["step_s"] / med["frozen"]["step_s"],
                "rollout_speedup": rollout_speedup, "rollout_fraction_off": f,
                "amdahl_bound": 1 / ((1 - f) + f / rollout_speedup),
@@ -112,13 +119,13 @@ def plot_e2e(result: dict, path: Path) -> None:
     a.set(xlabel="GRPO step", ylabel="mean accepted length", title="Draft acceptance during RL")
     a.legend()
     modes = list(MODES)
-    rollout = [statistics.median(result[m]["rollout_s"]) for m in modes]
-    trainer = [statistics.median(result[m]["train_s"]) for m in modes]
-    other = [statistics.median(result[m]["step_s"]) - r - t for m, r, t in zip(modes, rollout, trainer)]
+    rollout = [statistics.mean(result[m]["rollout_s"]) for m in modes]  # means: the parts add up to the step
+    trainer = [statistics.mean(result[m]["train_s"]) for m in modes]
+    other = [statistics.mean(result[m]["step_s"]) - r - t for m, r, t in zip(modes, rollout, trainer)]
     b.bar(modes, rollout, label="rollout")
     b.bar(modes, trainer, bottom=rollout, label="policy train")
     b.bar(modes, other, bottom=[r + t for r, t in zip(rollout, trainer)], label="other (draft, sync, scoring)")
-    b.set(ylabel="median seconds per step", title="Step time by mode")
+    b.set(ylabel="mean seconds per step", title="Step time by mode")
     b.legend()
     for mode in modes:
         c.plot(xs, result[mode]["accuracy"], marker=".", label=mode, alpha=0.8)
@@ -135,16 +142,21 @@ def markdown(result: dict, command: str) -> str:
              f"Date {m['date']}; {m['cores']} CPU threads, torch {m['torch']}; {result['steps']} GRPO steps per mode, "
              f"rollout {m['config']['prompts_per_step']} prompts x {m['config']['group_size']} samples, "
              f"max {m['config']['max_new_tokens']} new tokens, task tail {m['config']['task_tail']}.", "",
-             "| mode | median step s | median rollout s | accept len first 5 | accept len last 5 | final pass@1 greedy | final mean accuracy |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| mode | median step s | median rollout s | median rollout tok/s | mean response tokens | accept len first 5 "
+             "| accept len last 5 | final pass@1 greedy | final mean accuracy |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for mode in MODES:
         first = result["accept_len_first5"].get(mode)
         last = result["accept_len_last5"].get(mode)
         ev = result[mode]["final_eval"]
         lines.append(f"| {mode} | {med[mode]['step_s']:.2f} | {med[mode]['rollout_s']:.2f} | "
+                     f"{statistics.median(result[mode]['rollout_tok_s']):.0f} | "
+                     f"{statistics.mean(result[mode]['response_len']):.1f} | "
                      f"{'-' if first is None else f'{first:.2f}'} | {'-' if last is None else f'{last:.2f}'} | "
                      f"{ev['pass1_greedy']:.3f} | {ev['mean_accuracy']:.3f} |")
-    lines += ["", f"End-to-end speedup (off / online, median step time): {result['speedup_end_to_end']:.2f}x "
+    lines += ["", f"Rollout throughput (tokens/s, the like-for-like ratio): online {result['rollout_throughput_speedup']:.2f}x "
+              f"off, frozen {result['rollout_throughput_speedup_frozen']:.2f}x off.",
+              "", f"End-to-end speedup (off / online, median step time): {result['speedup_end_to_end']:.2f}x "
               f"(frozen: {result['speedup_frozen']:.2f}x); rollout speedup {result['rollout_speedup']:.2f}x; "
               f"rollout share of an `off` step {result['rollout_fraction_off']:.2f}, so the Amdahl bound is "
               f"{result['amdahl_bound']:.2f}x; sync draft training takes {100 * result['draft_train_fraction']:.1f}% "

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from fastgrpo.bench.rollout import rotated
 from fastgrpo.config import Config
 from fastgrpo.engine.model import InferenceModel, KVCache, onednn_available
 from fastgrpo.models.policy import load_policy, num_parameters
@@ -38,7 +39,7 @@ def bench_forward(cfg: Config, quick: bool, output: Path) -> dict:
         tokens = torch.randint(0, policy.config.vocab_size, (B, n))
         times: dict[str, list[float]] = {k: [] for k in kernels}
         for rep in range(reps + 1):  # the first round warms up
-            for k in kernels:
+            for k in rotated(kernels, rep):
                 t = time.perf_counter()
                 models[k].forward(tokens, cache, slice(0, B))
                 if rep:

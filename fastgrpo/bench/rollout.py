@@ -43,6 +43,13 @@ def _run(engine: EmbeddedEngine, requests: list[Request], sampling: SamplingPara
             "spec_fraction": engine.stats()["spec_steps"] / max(engine.stats()["decode_steps"], 1)}
 
 
+def rotated(items: list, rep: int) -> list:
+    """The modes in a different order each repetition, so that none always runs right after another
+    (caches, allocator and a shared machine's slow spells would otherwise favour some position)."""
+    k = rep % len(items)
+    return items[k:] + items[:k]
+
+
 def _median(runs: list[dict[str, float]], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
@@ -64,7 +71,7 @@ def concurrency_sweep(engine, policies, prompts, cfg, levels, tokens, reps, log)
         requests = [Request(prompts[i % len(prompts)], max_new_tokens=tokens) for i in range(B)]
         runs: dict[str, list] = {m: [] for m in policies}
         for rep in range(reps + 1):  # rep 0 warms up (and teaches aware its acceptance rates)
-            for mode, policy in policies.items():
+            for mode, policy in rotated(list(policies.items()), rep):
                 engine.set_policy(policy)
                 r = _run(engine, requests, sampling, seed=1000 * rep + B)
                 if rep:
@@ -86,7 +93,7 @@ def grpo_batch(engine, policies, prompts, cfg, n_prompts, group, max_new, reps, 
     contenders = dict(policies) | {f"static_{c.depth}_{c.topk}_{c.num_verify}": Static(c) for c in STATIC_SWEEP}
     runs: dict[str, list] = {m: [] for m in contenders}
     for rep in range(reps + 1):
-        for mode, policy in contenders.items():
+        for mode, policy in rotated(list(contenders.items()), rep):
             engine.set_policy(policy)
             r = _run(engine, requests, sampling, seed=77 + rep)
             if rep:

@@ -62,11 +62,16 @@ class DraftTrainer:
         return metrics | {"draft_skipped": 0.0}
 
     def train(self, max_steps: int, max_seconds: float = math.inf) -> dict[str, float]:
-        """Up to `max_steps` steps on the buffer, stopping early at the time budget."""
+        """Up to `max_steps` steps on the buffer within `max_seconds`: a step that would likely end past
+        the budget (by the mean step time so far) is not started, so the budget holds; the first step
+        always runs."""
         t0 = time.perf_counter()
         totals: dict[str, float] = {}
         n = 0
-        while self.buffer and n < max_steps and time.perf_counter() - t0 < max_seconds:
+        while self.buffer and n < max_steps:
+            elapsed = time.perf_counter() - t0
+            if n and elapsed + elapsed / n > max_seconds:
+                break
             for k, v in self.step(*self._batch()).items():
                 totals[k] = totals.get(k, 0.0) + v
             n += 1

@@ -171,8 +171,9 @@ def learn_draft(run: Run, problems: list[EncodedProblem], completions: list[Comp
                               policy_version)
     if isinstance(run.draft_learner, AsyncDraftClient):  # training happens on the draft rank, off the step
         return run.draft_learner.metrics(policy_version + 1) | {"draft_train_s": time.perf_counter() - t0}
-    metrics = run.draft_learner.train(budget_s)
-    return metrics | {"draft_lag": float(run.draft_learner.lag(policy_version + 1))}
+    metrics = run.draft_learner.train(budget_s - (time.perf_counter() - t0))  # the budget covers observing too
+    return metrics | {"draft_lag": float(run.draft_learner.lag(policy_version + 1)),
+                      "draft_train_s": time.perf_counter() - t0}  # all of it: buffering, training, publishing
 
 
 def score_completions(run: Run, problems: list[EncodedProblem], completions: list[Completion]) -> torch.Tensor:
