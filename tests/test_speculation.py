@@ -215,6 +215,15 @@ def test_aware_corrects_its_cost_model_per_concurrency():
     assert aware.correction.get(("spec", 1), 1.0) == 1.0 and aware.correction[("spec", 16)] > 2
 
 
+def test_cost_model_ignores_a_noisy_calibration_point():
+    """A sample slowed by a busy machine (64 tokens measured slower than 128) must not make plain
+    decoding at 64 sequences look expensive."""
+    target = {1: 0.007, 16: 0.018, 64: 0.093, 128: 0.066, 256: 0.104}
+    costs = CostModel(target, {t: 0.001 for t in target})
+    assert costs.target(64) == 0.066 and costs.target(128) == 0.066 and costs.target(16) == 0.018
+    assert all(costs.target(a) <= costs.target(b) for a, b in zip(range(1, 300), range(2, 301)))
+
+
 def test_cost_model_calibrates_and_caches(small_vocab, tmp_path):
     cfg, target, draft = small_vocab
     engine = engine_for(cfg, target, draft)
