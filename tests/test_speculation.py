@@ -215,6 +215,27 @@ def test_aware_corrects_its_cost_model_per_concurrency():
     assert aware.correction.get(("spec", 1), 1.0) == 1.0 and aware.correction[("spec", 16)] > 2
 
 
+def test_aware_probes_plain_decoding_when_its_calibration_overrates_it():
+    """A calibration that makes plain decoding look slow (here: 4x too slow at 16 sequences) keeps
+    `aware` speculating until a probe measures plain decoding; then it switches, and only probes
+    speculation now and then."""
+    costs = synthetic_costs()
+    aware = Aware(costs, probe_every=32)
+    real_off = costs.target(16) / 4
+    assert aware.choose(16) is not None
+    chosen = []
+    for _ in range(200):
+        c = aware.choose(16)
+        chosen.append(c)
+        if c is None:
+            aware.observe(None, 16, 16, real_off)
+        else:  # speculation costs what the calibration says and accepts one draft token per step
+            raw = aware.predicted_seconds(c, 16) / aware._correction("spec", 16)
+            aware.observe(c, 16, 32, raw, accepted=[1] * 16)
+    assert aware.choose(16) is None
+    assert sum(c is not None for c in chosen[-100:]) <= 100 // 32 + 1  # probes only
+
+
 def test_cost_model_ignores_a_noisy_calibration_point():
     """A sample slowed by a busy machine (64 tokens measured slower than 128) must not make plain
     decoding at 64 sequences look expensive."""

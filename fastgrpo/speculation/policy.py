@@ -131,15 +131,19 @@ class Aware(Off):
     name = "aware"
 
     def __init__(self, costs: CostModel, candidates: list[SpecConfig] | None = None, correction_decay: float = 0.9,
-                 correction_revert: float = 0.01):
+                 probe_every: int = 64):
         self.costs = costs
         self.candidates = candidates or candidate_configs()
         self.acceptance = AcceptanceModel()
         self.decay = correction_decay
-        self.revert = correction_revert
+        self.probe_every = probe_every
         # measured / predicted step time, per kind (off, spec) and concurrency bucket: the calibration's
         # error differs between one sequence and sixty-four, so a factor learned at one must not move another
         self.correction: dict[tuple[str, int], float] = {}
+        # steps in a bucket since each kind was last measured there: the kind not being chosen is
+        # measured again (one probe step) every `probe_every` steps, so that a decision never rests for
+        # long on a calibration that was wrong or on a slow spell of a shared machine
+        self._since: dict[tuple[str, int], int] = {}
         self._memo: dict[int, SpecConfig | None] = {}  # choice per concurrency, refreshed as evidence comes
         self._observed = 0
 
@@ -164,10 +168,14 @@ class Aware(Off):
     def choose(self, running: int) -> SpecConfig | None:
         if running not in self._memo:
             self._memo[running] = self._argmax(running)
-        return self._memo[running]
+        choice = self._memo[running]
+        other = "spec" if choice is None else "off"
+        if self._since.get((other, self._bucket(running)), 0) >= self.probe_every:
+            return None if other == "off" else self._argmax(running, spec_only=True)  # a probe
+        return choice
 
-    def _argmax(self, running: int) -> SpecConfig | None:
-        best, best_rate = None, self.goodput(None, running)
+    def _argmax(self, running: int, spec_only: bool = False) -> SpecConfig | None:
+        best, best_rate = (None, 0.0 if spec_only else self.goodput(None, running))
         for c in self.candidates:
             rate = self.goodput(c, running)
             if rate > best_rate:
@@ -177,18 +185,19 @@ class Aware(Off):
     def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
                 accepted: list[int] | None = None) -> None:
         kind, other = ("off", "spec") if config is None else ("spec", "off")
-        key, other_key = (kind, self._bucket(running)), (other, self._bucket(running))
-        current = self.correction.get(key, 1.0)
-        ratio = seconds / max(self.predicted_seconds(config, running) / current, 1e-9)
-        self.correction[key] = self.decay * current + (1 - self.decay) * min(max(ratio, 0.2), 5.0)
-        # the unobserved kind drifts back to the calibration: a slow spell (a busy machine) must not
-        # rule speculation out for good, since a rejected kind is never measured again otherwise
-        self.correction[other_key] = self.correction.get(other_key, 1.0) * (1 - self.revert) + self.revert
+        b = self._bucket(running)
+        raw = self.predicted_seconds(config, running) / self._correction(kind, running)
+        ratio = min(max(seconds / max(raw, 1e-9), 0.2), 5.0)
+        # the first measurement of a kind in a bucket replaces the calibration; later ones are averaged
+        current = self.correction.get((kind, b))
+        self.correction[(kind, b)] = ratio if current is None else self.decay * current + (1 - self.decay) * ratio
+        self._since[(kind, b)] = 0
+        self._since[(other, b)] = self._since.get((other, b), 0) + 1
         if config is not None and accepted is not None:
             self.acceptance.observe(config, accepted)
         self._observed += 1
-        if self._observed % 16 == 0:
-            self._memo.clear()
+        if self._observed % 16 == 0 or (config is None) != (self._memo.get(running, config) is None):
+            self._memo.clear()  # fresh evidence, or a probe of the kind not chosen: decide again
 
 
 def make_policy(cfg: "SpeculationConfig", costs: CostModel | None = None) -> SpeculationPolicy:  # noqa: F821
