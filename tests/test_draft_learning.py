@@ -131,12 +131,18 @@ def test_online_draft_recovers_acceptance_on_a_shifted_policy(target, warm_draft
     assert after > 1.15 * before, (before, after)
 
 
-def test_checkpoint_restores_draft_optimizer_and_buffer(tmp_path, target, warm_draft):
+def observing_learner(target, warm_draft, prompt_seed: int, policy_version: int) -> OnlineDraftLearner:
+    """A learner that has buffered one rollout of 8 prompts from a capturing engine."""
     e = engine(target, warm_draft, STATIC)
     e.capture = True
     learner = learner_for(target, warm_draft, [e])
-    ps = prompts(8, 5)
-    learner.observe(ps, e.generate([Request(p) for p in ps], SAMPLING, seed=0), policy_version=3)
+    ps = prompts(8, prompt_seed)
+    learner.observe(ps, e.generate([Request(p) for p in ps], SAMPLING, seed=0), policy_version=policy_version)
+    return learner
+
+
+def test_checkpoint_restores_draft_optimizer_and_buffer(tmp_path, target, warm_draft):
+    learner = observing_learner(target, warm_draft, prompt_seed=5, policy_version=3)
     learner.train(budget_s=60.0)
     learner.save(tmp_path / "draft")
 
@@ -156,11 +162,8 @@ def test_checkpoint_restores_draft_optimizer_and_buffer(tmp_path, target, warm_d
 
 
 def test_a_nan_update_is_rejected_and_the_previous_draft_kept(target, warm_draft, monkeypatch):
-    e = engine(target, warm_draft, STATIC)
-    e.capture = True
-    learner = learner_for(target, warm_draft, [e])
-    ps = prompts(8, 6)
-    learner.observe(ps, e.generate([Request(p) for p in ps], SAMPLING, seed=0), policy_version=1)
+    learner = observing_learner(target, warm_draft, prompt_seed=6, policy_version=1)
+    e = learner.engines[0]
     before = {k: v.clone() for k, v in learner.draft.state_dict().items()}
     real_step = DraftTrainer.step
 
@@ -210,6 +213,7 @@ def test_bench_e2e_runs_the_three_modes(tmp_path, tiny_policy, tiny_draft):
 
 
 def test_async_draft_rank_over_gloo_publishes_versions_swapped_between_steps(tmp_path, target, warm_draft):
+    import json
     import time
 
     from fastgrpo.draft_learning.async_learner import AsyncDraftClient
@@ -253,6 +257,14 @@ def test_async_draft_rank_over_gloo_publishes_versions_swapped_between_steps(tmp
         saved = DraftHead.load(tmp_path / "async", policy.config)
         assert (tmp_path / "async" / "draft_buffer.safetensors").is_file()
         assert all(torch.isfinite(p).all() for p in saved.parameters())
+        # resume: the draft rank restores that state and publishes its version again
+        saved_version = json.loads((tmp_path / "async" / "draft_config.json").read_text())["version"]
+        client.poll()
+        client.load(tmp_path / "async")  # returns once the rank has restored (and published) it
+        deadline, update = time.monotonic() + 60, None
+        while update is None and time.monotonic() < deadline:
+            update = client.poll()
+        assert update is not None and update[1] >= saved_version
     finally:
         client.close()
     assert client.process.exitcode == 0

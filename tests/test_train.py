@@ -1,9 +1,7 @@
 """GRPO end to end on the test-size policy: metrics land in MLflow, resume is exact."""
 
 import json
-import shutil
 
-import pytest
 import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file

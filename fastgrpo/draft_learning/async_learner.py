@@ -7,9 +7,9 @@ engine polls it between decode steps and swaps drafts only there, never inside a
 directions are torch.distributed point-to-point messages (gloo here, NCCL on GPUs).
 
 Messages (rank 0 -> draft rank, tag STATES): a header [kind, sequences, tokens, policy_version],
-then lengths, hidden states, tokens and masks. Kinds: states, save (the payload is a directory
-name), stop. Draft rank -> rank 0: weights (tag WEIGHTS) as one flat tensor led by [version,
-policy_version, loss, top1], and save acknowledgements (tag ACK).
+then lengths, hidden states, tokens and masks. Kinds: states, save and load (the payload is a
+directory name), stop. Draft rank -> rank 0: weights (tag WEIGHTS) as one flat tensor led by
+[version, policy_version, loss, top1], and save/load acknowledgements (tag ACK).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import math
 import queue
 import socket
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -30,12 +31,12 @@ from transformers import LlamaConfig
 
 from fastgrpo.backends.protocols import Completion, Engine
 from fastgrpo.config import DraftConfig
-from fastgrpo.draft_learning.online import OnlineDraftLearner
+from fastgrpo.draft_learning.online import OnlineDraftLearner, training_rows
 from fastgrpo.speculation.draft import DraftHead
 
 log = logging.getLogger(__name__)
 STATES, WEIGHTS, ACK = 1, 2, 3  # message tags
-KIND_STATES, KIND_SAVE, KIND_STOP = 1, 2, 0
+KIND_STATES, KIND_SAVE, KIND_LOAD, KIND_STOP = 1, 2, 3, 0
 META = 4  # version, policy_version, loss, top1 ahead of the weights
 
 
@@ -74,10 +75,10 @@ def _receive_messages(inbox: queue.Queue, hidden_size: int) -> None:
         if kind == KIND_STOP:
             inbox.put(("stop",))
             return
-        if kind == KIND_SAVE:
+        if kind in (KIND_SAVE, KIND_LOAD):
             name = torch.zeros(n, dtype=torch.uint8)
             dist.recv(name, src=0, tag=STATES)
-            inbox.put(("save", bytes(name.tolist()).decode()))
+            inbox.put(("save" if kind == KIND_SAVE else "load", bytes(name.tolist()).decode()))
             continue
         payload = (torch.zeros(n, dtype=torch.long), torch.zeros(tokens, hidden_size),
                    torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens, dtype=torch.uint8))
@@ -87,7 +88,7 @@ def _receive_messages(inbox: queue.Queue, hidden_size: int) -> None:
 
 
 def draft_rank_main(init_method: str, target_cfg: LlamaConfig, embed: Tensor, lm_head: Tensor,
-                    draft_state: dict[str, Tensor], cfg: DraftConfig, resume_dir: str | None, seed: int) -> None:
+                    draft_state: dict[str, Tensor], cfg: DraftConfig, seed: int) -> None:
     """The draft rank: receive states, train, publish; until told to stop."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=1, world_size=2)
@@ -97,20 +98,21 @@ def draft_rank_main(init_method: str, target_cfg: LlamaConfig, embed: Tensor, lm
     ref: list[OnlineDraftLearner] = []
     learner = OnlineDraftLearner(draft, cfg, [_Publisher(ref)], seed=seed)  # type: ignore[list-item]
     ref.append(learner)
-    if resume_dir:
-        learner.load(Path(resume_dir))  # also publishes the restored version
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_receive_messages, args=(inbox, target_cfg.hidden_size), daemon=True).start()
     while True:
         try:
-            message = inbox.get(block=not learner.trainer.buffer, timeout=None if not learner.trainer.buffer else 0)
+            message = inbox.get(block=not learner.trainer.buffer)  # with states to learn from, never wait
         except queue.Empty:
             learner.train(budget_s=math.inf)  # publishes a new version, or rejects a non-finite update
             continue
         if message[0] == "stop":
             break
-        if message[0] == "save":
-            learner.save(Path(message[1]))
+        if message[0] in ("save", "load"):
+            if message[0] == "save":
+                learner.save(Path(message[1]))
+            else:
+                learner.load(Path(message[1]))  # also publishes the restored version
             dist.send(torch.ones(1), dst=0, tag=ACK)
             continue
         _, policy_version, lengths, states, ids, mask = message
@@ -131,14 +133,12 @@ def _free_port() -> int:
 class AsyncDraftClient:
     """Rank 0's side: ships captured states, polls for published drafts, asks for checkpoints."""
 
-    def __init__(self, draft: DraftHead, cfg: DraftConfig, engines: list[Engine], seed: int = 0,
-                 resume_dir: Path | None = None):
+    def __init__(self, draft: DraftHead, cfg: DraftConfig, engines: list[Engine], seed: int = 0):
         self.engines = engines
         self.shapes = {k: v.clone() for k, v in draft.state_dict().items()}
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.process = mp.get_context("spawn").Process(target=draft_rank_main, daemon=True, args=(
-            init_method, draft.cfg, draft.embed.clone(), draft.lm_head.clone(), self.shapes, cfg,
-            str(resume_dir) if resume_dir else None, seed))
+            init_method, draft.cfg, draft.embed.clone(), draft.lm_head.clone(), self.shapes, cfg, seed))
         self.process.start()
         dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=2)
         self.version = 0
@@ -171,27 +171,35 @@ class AsyncDraftClient:
 
     def observe(self, prompts: list[list[int]], completions: list[Completion], policy_version: int) -> int:
         """Send the completions' captured states to the draft rank; returns the tokens sent."""
-        rows = []
-        for prompt, c in zip(prompts, completions):
-            if c.hidden is None:
-                raise ValueError("completion carries no hidden states: turn on the engine's capture")
-            tokens = torch.tensor(prompt + c.token_ids)[: c.hidden.shape[0]]
-            if tokens.shape[0] >= 2:
-                mask = (torch.arange(tokens.shape[0]) >= len(prompt) - 1).to(torch.uint8)
-                rows.append((c.hidden, tokens, mask))
+        rows = training_rows(prompts, completions)
         if not rows:
             return 0
         lengths = torch.tensor([t.shape[0] for _, t, _ in rows])
         header = torch.tensor([KIND_STATES, len(rows), int(lengths.sum()), policy_version])
         for t in (header, lengths, torch.cat([h for h, _, _ in rows]), torch.cat([t for _, t, _ in rows]),
-                  torch.cat([m for _, _, m in rows])):
+                  torch.cat([m for _, _, m in rows]).to(torch.uint8)):
             dist.send(t, dst=1, tag=STATES)
         return int(lengths.sum())
 
+    def learn(self, prompts: list[list[int]], completions: list[Completion], policy_version: int,
+              budget_s: float) -> dict[str, float]:
+        """Ship the rollout's states; the draft trains on its own rank, so the step spends only the
+        sending (`budget_s` does not apply)."""
+        t0 = time.perf_counter()
+        self.observe(prompts, completions, policy_version)
+        return self.metrics(policy_version + 1) | {"draft_train_s": time.perf_counter() - t0}
+
     def save(self, directory: Path) -> None:
         """The draft rank writes its learner state (weights, optimizer, buffer) into `directory`."""
+        self._request(KIND_SAVE, directory)
+
+    def load(self, directory: Path) -> None:
+        """The draft rank restores its learner state from `directory` and publishes that version."""
+        self._request(KIND_LOAD, directory)
+
+    def _request(self, kind: int, directory: Path) -> None:
         name = torch.tensor(list(str(directory.resolve()).encode()), dtype=torch.uint8)
-        dist.send(torch.tensor([KIND_SAVE, name.numel(), 0, 0]), dst=1, tag=STATES)
+        dist.send(torch.tensor([kind, name.numel(), 0, 0]), dst=1, tag=STATES)
         dist.send(name, dst=1, tag=STATES)
         dist.recv(torch.zeros(1), src=1, tag=ACK)
 

@@ -9,15 +9,31 @@ version before the next rollout (between generate() calls, never inside a verify
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import Tensor
 
 from fastgrpo.backends.protocols import Completion, Engine
 from fastgrpo.config import DraftConfig
 from fastgrpo.draft_learning.trainer import DraftTrainer
 from fastgrpo.speculation.draft import DraftHead
+
+
+def training_rows(prompts: list[list[int]], completions: list[Completion]) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """(states, tokens, mask) per completion from its captured states; prompt positions are kept as
+    context but not learned from (the draft never drafts inside a prompt)."""
+    rows = []
+    for prompt, c in zip(prompts, completions):
+        if c.hidden is None:
+            raise ValueError("completion carries no hidden states: turn on the engine's capture")
+        tokens = torch.tensor(prompt + c.token_ids)[: c.hidden.shape[0]]
+        if tokens.shape[0] >= 2:
+            learned = torch.arange(tokens.shape[0]) >= len(prompt) - 1  # from the state that predicts token 1
+            rows.append((c.hidden, tokens, learned))
+    return rows
 
 
 class OnlineDraftLearner:
@@ -33,20 +49,24 @@ class OnlineDraftLearner:
         self.last_metrics: dict[str, float] = {}
 
     def observe(self, prompts: list[list[int]], completions: list[Completion], policy_version: int) -> int:
-        """Buffer each completion's captured states; prompt positions are kept as context but not
-        learned from (the draft never drafts inside a prompt). Returns the tokens added."""
-        added = 0
-        for prompt, c in zip(prompts, completions):
-            if c.hidden is None:
-                raise ValueError("completion carries no hidden states: turn on the engine's capture")
-            tokens = torch.tensor(prompt + c.token_ids)[: c.hidden.shape[0]]
-            if tokens.shape[0] < 2:
-                continue
-            mask = torch.arange(tokens.shape[0]) >= len(prompt) - 1  # from the state that predicts token 1
-            self.trainer.add(c.hidden, tokens, mask)
-            added += tokens.shape[0]
+        """Buffer each completion's captured states. Returns the tokens added."""
+        rows = training_rows(prompts, completions)
+        for hidden, tokens, mask in rows:
+            self.trainer.add(hidden, tokens, mask)
         self.policy_version = policy_version
-        return added
+        return sum(t.shape[0] for _, t, _ in rows)
+
+    def learn(self, prompts: list[list[int]], completions: list[Completion], policy_version: int,
+              budget_s: float) -> dict[str, float]:
+        """After a rollout of `policy_version`: buffer its states and train within `budget_s` (which
+        covers buffering and publishing too). Lag is reported against the next policy version."""
+        t0 = time.perf_counter()
+        self.observe(prompts, completions, policy_version)
+        metrics = self.train(budget_s - (time.perf_counter() - t0))
+        return metrics | {"draft_lag": float(self.lag(policy_version + 1)), "draft_train_s": time.perf_counter() - t0}
+
+    def close(self) -> None:
+        """Nothing to release: the sync learner lives in the training process."""
 
     def train(self, budget_s: float) -> dict[str, float]:
         """Train within the budget; publish the new version, or reject it if any weight went non-finite."""

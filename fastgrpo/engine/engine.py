@@ -253,12 +253,13 @@ class EmbeddedEngine:
 
     def _record(self, s: _Sequence, hidden: Tensor, next_tokens: list[int]) -> None:
         """Target states just computed for positions of `s` whose keys stay in the cache, with the token
-        that follows each: the draft consumes them at its next catch-up, online learning keeps them."""
+        that follows each: the draft consumes them at its next catch-up, online learning keeps them.
+        Both keep views: forward outputs are fresh tensors that nothing writes to afterwards."""
         if self.speculating:
             s.draft_hidden.append(hidden)
             s.draft_tokens += next_tokens
         if self.capture:
-            s.captured.append(hidden.detach().clone())
+            s.captured.append(hidden)
 
     def _captured(self, s: _Sequence) -> Tensor | None:
         """States of positions 0..T-2 of prompt + response (T tokens); rows computed for tokens

@@ -97,7 +97,7 @@ def train(cfg: Config, resume: bool = False) -> TrainResult:
             save_checkpoint(run)
     result.evals[run.step] = log_eval(run, run.step)
     run.tracker.end()
-    if isinstance(run.draft_learner, AsyncDraftClient):
+    if run.draft_learner is not None:
         run.draft_learner.close()
     return result
 
@@ -134,9 +134,8 @@ def setup_run(cfg: Config, resume: bool) -> Run:
         draft.bind_target(policy.model.embed_tokens.weight, policy.lm_head.weight)  # live: follows the policy
         if cfg.draft.online == "sync":
             run.draft_learner = OnlineDraftLearner(draft, cfg.draft, [engine], seed=cfg.seed)
-        else:  # a draft rank of its own; it restores its own state from the checkpoint
-            resume_dir = latest / "draft" if latest is not None else None
-            run.draft_learner = AsyncDraftClient(draft, cfg.draft, [engine], cfg.seed, resume_dir)
+        else:  # a draft rank of its own; the engine picks up its versions between decode steps
+            run.draft_learner = AsyncDraftClient(draft, cfg.draft, [engine], cfg.seed)
             engine.draft_source = run.draft_learner.poll
     run_id = None
     if latest is not None:
@@ -161,19 +160,13 @@ def rollout(run: Run, problems: list[EncodedProblem], seed: int) -> list[Complet
 
 def learn_draft(run: Run, problems: list[EncodedProblem], completions: list[Completion], policy_version: int,
                 budget_s: float) -> dict[str, float]:
-    """Sync online learning: the draft trains on this rollout's states; the engine gets the new version
-    before the next rollout."""
+    """Online draft learning on this rollout's states (sync: here, within the budget; async: on the
+    draft rank); the engine gets the new version before or during the next rollout."""
     if run.draft_learner is None:
         return {}
     G = run.cfg.rollout.group_size
-    t0 = time.perf_counter()
-    run.draft_learner.observe([problems[i // G].prompt_ids for i in range(len(completions))], completions,
-                              policy_version)
-    if isinstance(run.draft_learner, AsyncDraftClient):  # training happens on the draft rank, off the step
-        return run.draft_learner.metrics(policy_version + 1) | {"draft_train_s": time.perf_counter() - t0}
-    metrics = run.draft_learner.train(budget_s - (time.perf_counter() - t0))  # the budget covers observing too
-    return metrics | {"draft_lag": float(run.draft_learner.lag(policy_version + 1)),
-                      "draft_train_s": time.perf_counter() - t0}  # all of it: buffering, training, publishing
+    prompts = [problems[i // G].prompt_ids for i in range(len(completions))]
+    return run.draft_learner.learn(prompts, completions, policy_version, budget_s)
 
 
 def score_completions(run: Run, problems: list[EncodedProblem], completions: list[Completion]) -> torch.Tensor:
@@ -263,7 +256,7 @@ def save_checkpoint(run: Run) -> Path:
 def restore_checkpoint(run: Run, path: Path) -> str | None:
     state = json.loads((path / "state.json").read_text())
     run.trainer.load(path)
-    if isinstance(run.draft_learner, OnlineDraftLearner):
+    if run.draft_learner is not None:
         if not (path / "draft").is_dir():
             raise FileNotFoundError(f"checkpoint {path} holds no draft state, but draft.online={run.cfg.draft.online}")
         run.draft_learner.load(path / "draft")
