@@ -8,6 +8,7 @@ from fastgrpo.backends.torch_trainer import token_logprobs
 from fastgrpo.draft_learning.pretrain import target_states
 from fastgrpo.draft_learning.trainer import DraftTrainer
 from fastgrpo.engine.engine import EmbeddedEngine
+from fastgrpo.engine.model import KVCache, block_mask, cache_kv
 from fastgrpo.engine.sampling import SamplingParams, sampling_logprobs
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.models.policy import new_policy, policy_config
@@ -124,6 +125,65 @@ def test_greedy_speculative_equals_greedy_plain(small_vocab, trained_draft):
         assert engine.stats()["accept_len"] > 1.0  # paths were accepted, so the KV moves were exercised
 
 
+class EveryKth(Static):
+    """Speculates on every k-th decode step and decodes plainly between (as aware's probes do)."""
+
+    def __init__(self, config: SpecConfig, k: int):
+        super().__init__(config)
+        self.k, self.steps = k, 0
+
+    def choose(self, running: int) -> SpecConfig | None:
+        self.steps += 1
+        return self.config if self.steps % self.k == 0 else None
+
+
+def test_draft_catch_up_after_plain_steps_feeds_only_a_window(small_vocab, trained_draft):
+    """After a stretch of plain steps the draft consumes at most `draft_window` states per row, and
+    the output is still exactly the plain engine's (greedy), with paths still accepted."""
+    cfg, target, _ = small_vocab
+    reqs = [Request(p, max_new_tokens=m) for p, m in [(PROMPT, 40), ([1, 2], 30), ([1, 5, 5, 6, 7], 35)]]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=40)
+    plain = [c.token_ids for c in engine_for(cfg, target, None).generate(reqs, greedy)]
+    engine = engine_for(cfg, target, trained_draft, EveryKth(SpecConfig(3, 2, 5), k=6), max_batch=2)
+    engine.draft_window = 3
+    widths = []
+    features = engine.draft.features
+
+    def recording(hidden, *args):
+        widths.append(hidden.shape[1])
+        return features(hidden, *args)
+
+    engine.draft.features = recording
+    assert [c.token_ids for c in engine.generate(reqs, greedy)] == plain
+    assert engine.stats()["accept_len"] > 1.0
+    assert widths and max(widths) <= 3  # catch-ups and tree levels (topk 2) alike
+
+
+def test_a_windowed_draft_row_ignores_what_came_before_the_window(small_vocab, trained_draft):
+    """Keys before `visible_from` are invisible: the draft's output over a window equals its output
+    over the same states in a fresh cache, whatever the skipped slots hold."""
+    cfg, _, _ = small_vocab
+    draft = trained_draft
+    g = torch.Generator().manual_seed(2)
+    hidden, tokens = torch.randn(1, 4, cfg.hidden_size, generator=g), torch.randint(0, VOCAB, (1, 4), generator=g)
+    positions = torch.arange(10, 14)[None]
+
+    def window_features(cache: KVCache) -> torch.Tensor:
+        cache.visible_from[0] = 10
+        mask = block_mask(torch.tensor([10]), 4, 14, None, cache.visible_from[:1])
+        return draft.features(hidden, tokens, positions, mask, cache_kv(cache, 0, slice(0, 1), positions, 14))
+
+    stale = KVCache(cfg, 1, 32, layers=1)
+    stale.k.normal_(generator=g), stale.v.normal_(generator=g)
+    fresh = KVCache(cfg, 1, 32, layers=1)
+    with torch.inference_mode():
+        assert torch.allclose(window_features(stale), window_features(fresh), atol=1e-6)
+        stale.visible_from[0] = 0
+        mask = block_mask(torch.tensor([10]), 4, 14, None)
+        unmasked = draft.features(hidden, tokens, positions, mask, cache_kv(stale, 0, slice(0, 1), positions, 14))
+    assert not torch.allclose(unmasked, window_features(fresh), atol=1e-3)  # the stale slots did matter
+
+
 def test_accepted_path_cache_gives_full_forward_logprobs(small_vocab, trained_draft):
     """Every emitted token's log-probability from the speculative engine (computed over a cache
     rebuilt from accepted paths) equals a fresh full forward's."""
@@ -234,6 +294,34 @@ def test_aware_probes_plain_decoding_when_its_calibration_overrates_it():
             aware.observe(c, 16, 32, raw, accepted=[1] * 16)
     assert aware.choose(16) is None
     assert sum(c is not None for c in chosen[-100:]) <= 100 // 32 + 1  # probes only
+
+
+def test_aware_probes_less_often_while_probes_confirm_its_choice():
+    """Each probe that confirms plain decoding doubles the wait before the next (up to a cap); when
+    speculation turns out faster, a probe overturns the choice and aware speculates from then on."""
+    costs = synthetic_costs()
+    aware = Aware(costs, probe_every=16, max_probe_every=128)
+    real_off = costs.target(16) / 4  # plain decoding is much faster than calibrated
+    spec_factor = 1.0  # speculation costs what the calibration says...
+
+    def step() -> SpecConfig | None:
+        c = aware.choose(16)
+        if c is None:
+            aware.observe(None, 16, 16, real_off)
+        else:  # accepting one draft token per sequence per step
+            raw = aware.predicted_seconds(c, 16) / aware._correction("spec", 16)
+            aware.observe(c, 16, 32, raw * spec_factor, accepted=[1] * 16)
+        return c
+
+    chosen = [step() for _ in range(1200)]
+    switched = chosen.index(None)  # speculates until a probe of plain decoding measures it
+    probes = [i for i, c in enumerate(chosen) if c is not None and i > switched]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[-4:] == [129] * 4  # the interval doubled to its cap (128 plain steps, then the probe)
+    assert gaps[0] < gaps[1] < gaps[2]
+    spec_factor = 0.05  # ...until it becomes 20x cheaper: the next probe must overturn the choice
+    chosen = [step() for _ in range(500)]
+    assert sum(c is not None for c in chosen[-100:]) >= 90
 
 
 def test_cost_model_ignores_a_noisy_calibration_point():

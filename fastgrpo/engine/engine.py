@@ -52,7 +52,7 @@ class _Sequence:
 
 class EmbeddedEngine:
     def __init__(self, cfg: LlamaConfig, max_batch: int, max_context: int, eos_id: int, pad_id: int = 0,
-                 policy: SpeculationPolicy | None = None):
+                 policy: SpeculationPolicy | None = None, draft_window: int = 16):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.cfg = cfg
@@ -67,6 +67,9 @@ class EmbeddedEngine:
         self.policy: SpeculationPolicy = policy or Off()
         self.weights_version = -1
         self.draft_version = -1
+        if draft_window < 1:
+            raise ValueError(f"draft_window must be >= 1, got {draft_window}")
+        self.draft_window = draft_window  # most target states the draft catches up on per row at once
         self.capture = False  # return the target's hidden states with each completion (online draft learning)
         # async draft learning: polled between decode steps for a newer draft, (weights, version) or None
         self.draft_source: Callable[[], tuple[Iterable[tuple[str, Tensor]], int] | None] | None = None
@@ -113,6 +116,7 @@ class EmbeddedEngine:
         self.cache.lengths.zero_()
         if self.draft_cache is not None:
             self.draft_cache.lengths.zero_()
+            self.draft_cache.visible_from.zero_()
         gen = torch.Generator().manual_seed(seed)
         t0 = time.perf_counter()
         waiting = deque(range(len(requests)))
@@ -180,6 +184,7 @@ class EmbeddedEngine:
         first = self._sample_one(seqs, logits[torch.arange(len(prompts)), lens - 1], sampling, gen)
         if self.draft_cache is not None:
             self.draft_cache.lengths[rows] = 0
+            self.draft_cache.visible_from[rows] = 0
         for s, p, h, t in zip(seqs, prompts, hidden, first):
             self._record(s, h[: len(p)], p[1:] + [t])
         return seqs
@@ -270,25 +275,34 @@ class EmbeddedEngine:
 
     def _draft_catch_up(self, running: list[_Sequence]) -> Tensor:
         """Feed the draft the target states it has not seen (accepted paths, decoded and prefilled
-        tokens) in one forward; its output at the last one is its prediction at the pending token."""
+        tokens) in one forward; its output at the last one is its prediction at the pending token.
+
+        A row more than `draft_window` states behind (it decoded plainly for a while) feeds only its
+        last `draft_window` states, and from then on the draft attends to those onwards: the first
+        speculative step after a stretch of plain decoding then costs a window, not the stretch. This
+        can only lower the draft's acceptance, never change an output (verification is exact)."""
         assert self.draft is not None and self.draft_cache is not None
         B = len(running)
         rows = slice(0, B)
-        counts = torch.tensor([len(s.draft_tokens) for s in running])
+        behind = torch.tensor([len(s.draft_tokens) for s in running])
+        counts = behind.clamp(max=self.draft_window)
         width = int(counts.max())
         hidden = torch.zeros(B, width, self.cfg.hidden_size)
         tokens = torch.zeros(B, width, dtype=torch.long)
         for b, s in enumerate(running):
-            hidden[b, : counts[b]] = torch.cat(s.draft_hidden) if len(s.draft_hidden) > 1 else s.draft_hidden[0]
-            tokens[b, : counts[b]] = torch.tensor(s.draft_tokens)
+            n = int(counts[b])
+            hidden[b, :n] = _last_rows(s.draft_hidden, n)
+            tokens[b, :n] = torch.tensor(s.draft_tokens[-n:])
             s.draft_hidden, s.draft_tokens = [], []
-        start = self.draft_cache.lengths[rows]
-        end = start + counts  # = the target length of each row
+        end = self.draft_cache.lengths[rows] + behind  # = the target length of each row
+        start = end - counts
+        visible = self.draft_cache.visible_from[rows]
+        visible[:] = torch.where(counts < behind, start, visible)
         # rows with fewer new states pad; padding writes to the row's first free slot and is never read
         slots = torch.minimum(start[:, None] + torch.arange(width), end[:, None])
         ctx = int(end.max()) + 1
         with torch.inference_mode():
-            feats = self.draft.features(hidden, tokens, slots, block_mask(start, width, ctx, None),
+            feats = self.draft.features(hidden, tokens, slots, block_mask(start, width, ctx, None, visible),
                                         cache_kv(self.draft_cache, 0, rows, slots, ctx))
         self.draft_cache.lengths[rows] = end
         return feats[torch.arange(B), counts - 1]
@@ -350,6 +364,17 @@ class EmbeddedEngine:
             config_by_concurrency={b: dict(v) for b, v in sorted(self._by_config.items())},
             trace=list(self._trace),
         )
+
+
+def _last_rows(chunks: list[Tensor], n: int) -> Tensor:
+    """The last n rows of the concatenation of `chunks`, concatenating only the chunks they span."""
+    tail, have = [], 0
+    for c in reversed(chunks):
+        tail.append(c)
+        have += c.shape[0]
+        if have >= n:
+            break
+    return torch.cat(tail[::-1])[have - n :] if len(tail) > 1 else tail[0][have - n :]
 
 
 def _bucket(running: int) -> str:

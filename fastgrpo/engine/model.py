@@ -32,6 +32,9 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
         self.lengths = torch.zeros(rows, dtype=torch.long)  # tokens cached per row
+        # first position each row attends to: a row may keep only a recent window of its positions
+        # (the draft, after skipping states it no longer needs); earlier slots are never read
+        self.visible_from = torch.zeros(rows, dtype=torch.long)
         self.max_len = max_len
 
     @property
@@ -44,6 +47,7 @@ class KVCache:
         self.k[:, dst, :n] = self.k[:, src, :n]
         self.v[:, dst, :n] = self.v[:, src, :n]
         self.lengths[dst] = n
+        self.visible_from[dst] = self.visible_from[src]
 
 
 def rope_tables(cfg: LlamaConfig, max_len: int) -> tuple[Tensor, Tensor]:
@@ -86,12 +90,12 @@ def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def block_mask(start: Tensor, n: int, ctx: int, new_mask: Tensor | None) -> Tensor:
+def block_mask(start: Tensor, n: int, ctx: int, new_mask: Tensor | None, visible_from: Tensor | None = None) -> Tensor:
     """[B, 1, n, ctx] bool for n query tokens whose block of keys begins at `start` [B].
 
-    Cached keys (< start) are visible to all queries. Within the block, `new_mask` [B, n, E] decides
-    (E block keys: the queries themselves, or a draft tree's earlier levels plus the queries); None
-    means causal over the n queries.
+    Cached keys (< start; from `visible_from` [B] on, if given) are visible to all queries. Within
+    the block, `new_mask` [B, n, E] decides (E block keys: the queries themselves, or a draft tree's
+    earlier levels plus the queries); None means causal over the n queries.
     """
     kpos = torch.arange(ctx)
     if new_mask is None:
@@ -102,6 +106,8 @@ def block_mask(start: Tensor, n: int, ctx: int, new_mask: Tensor | None) -> Tens
         in_block = (rel >= 0) & (rel < E)
         seen = torch.gather(new_mask.expand(B, n, E), 2, rel.clamp(0, E - 1).expand(B, n, ctx))
         mask = (rel < 0) | (in_block & seen)
+    if visible_from is not None:
+        mask = mask & (kpos[None, None, :] >= visible_from[:, None, None])
     return mask[:, None]
 
 

@@ -131,7 +131,7 @@ class Aware(Off):
     name = "aware"
 
     def __init__(self, costs: CostModel, candidates: list[SpecConfig] | None = None, correction_decay: float = 0.9,
-                 probe_every: int = 64):
+                 probe_every: int = 64, max_probe_every: int = 1024):
         self.costs = costs
         self.candidates = candidates or candidate_configs()
         self.acceptance = AcceptanceModel()
@@ -141,9 +141,14 @@ class Aware(Off):
         # error differs between one sequence and sixty-four, so a factor learned at one must not move another
         self.correction: dict[tuple[str, int], float] = {}
         # steps in a bucket since each kind was last measured there: the kind not being chosen is
-        # measured again (one probe step) every `probe_every` steps, so that a decision never rests for
-        # long on a calibration that was wrong or on a slow spell of a shared machine
+        # measured again (one probe step) after `probe_every` steps, so that a decision never rests for
+        # long on a calibration that was wrong or on a slow spell of a shared machine. A probe that
+        # confirms the choice doubles the bucket's interval (up to max_probe_every): a probe costs
+        # a slower step, and a clear decision needs few of them; one that overturns it resets it
         self._since: dict[tuple[str, int], int] = {}
+        self.max_probe_every = max_probe_every
+        self._probe_interval: dict[int, int] = {}
+        self._probing: int | None = None  # bucket of the step being probed
         self._memo: dict[int, SpecConfig | None] = {}  # choice per concurrency, refreshed as evidence comes
         self._observed = 0
 
@@ -169,9 +174,10 @@ class Aware(Off):
         if running not in self._memo:
             self._memo[running] = self._argmax(running)
         choice = self._memo[running]
-        other = "spec" if choice is None else "off"
-        if self._since.get((other, self._bucket(running)), 0) >= self.probe_every:
-            return None if other == "off" else self._argmax(running, spec_only=True)  # a probe
+        other, b = ("spec" if choice is None else "off"), self._bucket(running)
+        if self._since.get((other, b), 0) >= self._probe_interval.get(b, self.probe_every):
+            self._probing = b
+            return None if other == "off" else self._argmax(running, spec_only=True)
         return choice
 
     def _argmax(self, running: int, spec_only: bool = False) -> SpecConfig | None:
@@ -188,9 +194,11 @@ class Aware(Off):
         b = self._bucket(running)
         raw = self.predicted_seconds(config, running) / self._correction(kind, running)
         ratio = min(max(seconds / max(raw, 1e-9), 0.2), 5.0)
-        # the first measurement of a kind in a bucket replaces the calibration; later ones are averaged
+        # the first measurement of a kind in a bucket replaces the calibration; later ones are averaged,
+        # a probe (rare, and the only fresh evidence on its kind) with weight one half
         current = self.correction.get((kind, b))
-        self.correction[(kind, b)] = ratio if current is None else self.decay * current + (1 - self.decay) * ratio
+        keep = 0.5 if self._probing == b else self.decay
+        self.correction[(kind, b)] = ratio if current is None else keep * current + (1 - keep) * ratio
         self._since[(kind, b)] = 0
         self._since[(other, b)] = self._since.get((other, b), 0) + 1
         if config is not None and accepted is not None:
@@ -198,6 +206,11 @@ class Aware(Off):
         self._observed += 1
         if self._observed % 16 == 0 or (config is None) != (self._memo.get(running, config) is None):
             self._memo.clear()  # fresh evidence, or a probe of the kind not chosen: decide again
+        if self._probing == b:
+            self._probing = None
+            overturned = (self._argmax(running) is None) == (config is None)
+            interval = self._probe_interval.get(b, self.probe_every)
+            self._probe_interval[b] = self.probe_every if overturned else min(2 * interval, self.max_probe_every)
 
 
 def make_policy(cfg: "SpeculationConfig", costs: CostModel | None = None) -> SpeculationPolicy:  # noqa: F821

@@ -81,7 +81,7 @@ def draft_tree(draft: DraftHead, cache: KVCache, rows: slice, root_features: Ten
         anc[:, torch.arange(k), offs] = True
         slots = start[:, None] + offs
         ctx = int(start.max()) + d * k
-        mask = block_mask(start, k, ctx, anc[:, :, : d * k])
+        mask = block_mask(start, k, ctx, anc[:, :, : d * k], cache.visible_from[rows])
         feat = draft.features(feat, tok, (start[:, None] + d - 1).expand(B, k), mask,
                               cache_kv(cache, 0, rows, slots, ctx))
         cs, ct = _draft_logprobs(draft, feat).topk(k, dim=-1)  # [B, k, k]
