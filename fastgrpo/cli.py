@@ -67,8 +67,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from fastgrpo.bench.e2e import bench_e2e
     from fastgrpo.bench.forward import bench_forward
     from fastgrpo.bench.rollout import bench_rollout
+    from fastgrpo.bench.shapes import bench_shapes
 
-    benches = {"rollout": bench_rollout, "e2e": bench_e2e, "forward": bench_forward}
+    benches = {"rollout": bench_rollout, "e2e": bench_e2e, "forward": bench_forward, "shapes": bench_shapes}
     if args.what not in benches:
         raise ValueError(f"unknown benchmark {args.what!r}; available: {', '.join(benches)}")
     cfg = _config(args)
@@ -121,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = add("bench", cmd_bench, "benchmarks: `rollout` (speculation modes compared in one process), "
                 "`e2e` (the same GRPO run without speculation, with a frozen draft, with online draft learning) "
-                "or `forward` (the policy forward by batch, tokens per sequence and matmul kernel)",
+                "`forward` (the policy forward by batch, tokens per sequence and matmul kernel) "
+                "or `shapes` (draft and target costs for deeper, narrower policies of the same size)",
                 before="what")
     bench.add_argument("--quick", action="store_true", help="smaller workloads (minutes, not tens of minutes)")
     bench.add_argument("--output", help="JSON results, default bench/<what>.json (a PNG plot is written beside it)")

@@ -41,3 +41,15 @@ def test_bench_forward_times_every_shape_with_every_kernel(tmp_path, tiny_policy
     assert all(r[f"{k}_ms"] > 0 for r in saved["rows"] for k in kernels)
     table = markdown(saved, "cmd").splitlines()
     assert len(table) == 6 + len(SHAPES) and table[6].startswith("| 1 | 1 | ")
+
+
+def test_bench_shapes_keeps_the_size_and_deepens_the_policy(tmp_path, tiny_policy):
+    from fastgrpo.bench.shapes import DEPTHS, bench_shapes, markdown
+
+    bench_shapes(tiny_config(tmp_path, tiny_policy), quick=True, output=tmp_path / "shapes.json")
+    rows = json.loads((tmp_path / "shapes.json").read_text())["rows"]
+    base = rows[0]
+    assert [r["layers"] for r in rows] == [base["layers"] * m for m in DEPTHS]
+    assert all(abs(r["parameters"] / base["parameters"] - 1) < 0.35 for r in rows)  # about the same size
+    assert all(r["draft_over_target"] > 0 and r["tree_step_break_even"] > 1 for r in rows)
+    assert len(markdown(json.loads((tmp_path / "shapes.json").read_text()), "cmd").splitlines()) == 6 + len(DEPTHS)
