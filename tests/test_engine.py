@@ -66,6 +66,29 @@ def test_engine_logprobs_equal_trainer_logprobs(policy):
     assert (lp[m] - batch.engine_logprobs[m]).abs().max() < 1e-4
 
 
+def test_a_prompt_shared_by_a_group_is_prefilled_once(policy):
+    """GRPO groups (each prompt sampled several times): the prefill forward sees each distinct prompt
+    once, and every sample's log-probabilities still equal a full forward's."""
+    engine = make_engine(policy, max_batch=12)
+    ps = [p for p in prompts(3, seed=4) for _ in range(4)]
+    prefill_rows = []
+    forward = engine.model.forward
+
+    def counting(tokens, *args, **kwargs):
+        prefill_rows.append(tokens.shape[0]) if tokens.shape[1] > 1 else None
+        return forward(tokens, *args, **kwargs)
+
+    engine.model.forward = counting
+    out = engine.generate([Request(p) for p in ps], SamplingParams(temperature=1.0, max_new_tokens=16), seed=2)
+    assert prefill_rows == [3]
+    assert len({tuple(o.token_ids) for o in out}) > 3  # samples of one prompt differ
+    batch = build_batch(ps, [o.token_ids for o in out], [o.logprobs for o in out], torch.zeros(12), pad_id=0)
+    with torch.no_grad():
+        lp, _ = token_logprobs(policy, batch, temperature=1.0)
+    m = batch.response_mask
+    assert (lp[m] - batch.engine_logprobs[m]).abs().max() < 1e-4
+
+
 def test_continuous_batching_is_invisible(policy):
     """Sequences joining and leaving (rows moved) must not change any sequence's greedy output."""
     ps = prompts(9, seed=1)
