@@ -24,7 +24,7 @@ def test_bench_rollout_compares_all_modes(tmp_path, tiny_policy, tiny_draft):
         assert row["static_spec_fraction"] == 1.0 and row["static_accept_len"] >= 1.0
     g = saved["grpo_batch"]
     assert g["static_best_s"] == min(v for k, v in g["all_s"].items() if k.startswith("static"))
-    assert all(g[k] > 0 for k in ("off_s", "fastgrpo_s", "aware_s"))
+    assert all(g[k] > 0 for k in ("off_s", "fastgrpo_s", "aware_s", "off_unshared_prefill_s"))
     assert all(saved["hf_generate"][k] > 0 for k in ("batch1_tok_s", "batch64_tok_s", "engine_batch1_tok_s"))
     b = saved["bound"]
     assert b["batch1_step_ms"] == pytest.approx(1000 / saved["hf_generate"]["engine_batch1_tok_s"])

@@ -70,6 +70,7 @@ class EmbeddedEngine:
         if draft_window < 1:
             raise ValueError(f"draft_window must be >= 1, got {draft_window}")
         self.draft_window = draft_window  # most target states the draft catches up on per row at once
+        self.share_prefill = True  # prefill a prompt several requests share once (off: to measure what it saves)
         self.capture = False  # return the target's hidden states with each completion (online draft learning)
         # async draft learning: polled between decode steps for a newer draft, (weights, version) or None
         self.draft_source: Callable[[], tuple[Iterable[tuple[str, Tensor]], int] | None] | None = None
@@ -174,18 +175,20 @@ class EmbeddedEngine:
         once and its keys/values are copied to the other rows: a prompt's cache does not depend on
         what is sampled after it, and prefill is a third of a GRPO batch's rollout time otherwise."""
         prompts = [requests[i].prompt_ids for i in joined]
-        distinct: dict[tuple[int, ...], int] = {}
-        which = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts])
-        width = max(map(len, distinct))
-        tokens = torch.full((len(distinct), width), self.pad_id, dtype=torch.long)
-        for r, p in enumerate(distinct):
+        keys = [tuple(p) if self.share_prefill else i for i, p in enumerate(prompts)]
+        row_of = {k: r for r, k in enumerate(dict.fromkeys(keys))}  # distinct prompt -> its prefill row
+        unique = [prompts[keys.index(k)] for k in row_of]
+        which = torch.tensor([row_of[k] for k in keys])
+        width = max(map(len, unique))
+        tokens = torch.full((len(unique), width), self.pad_id, dtype=torch.long)
+        for r, p in enumerate(unique):
             tokens[r, : len(p)] = torch.tensor(p)
         rows = slice(first_row, first_row + len(prompts))
         self.cache.lengths[rows] = 0
-        logits, hidden = self.model.forward(tokens, self.cache, slice(first_row, first_row + len(distinct)))
-        if len(distinct) < len(prompts):
+        logits, hidden = self.model.forward(tokens, self.cache, slice(first_row, first_row + len(unique)))
+        if len(unique) < len(prompts):
             for c in (self.cache.k, self.cache.v):
-                c[:, rows, :width] = c[:, first_row : first_row + len(distinct), :width][:, which]
+                c[:, rows, :width] = c[:, first_row : first_row + len(unique), :width][:, which]
         lens = torch.tensor([len(p) for p in prompts])
         self.cache.lengths[rows] = lens  # padding keys beyond a prompt's length are never visible
         seqs = [_Sequence(index=i, prompt_len=len(p), max_new=requests[i].max_new_tokens or sampling.max_new_tokens)
