@@ -246,6 +246,14 @@ def test_aware_never_picks_a_config_its_model_predicts_slower_than_off():
     assert aware.choose(256) is None  # saturated: plain decoding
 
 
+def test_aware_speculates_only_for_a_gain_above_its_margin():
+    chain = SpecConfig(1, 1, 2)
+    gain = Aware(synthetic_costs(), [chain]).goodput(chain, 1) / Aware(synthetic_costs(), [chain]).goodput(None, 1)
+    assert gain > 1.1
+    assert Aware(synthetic_costs(), [chain], margin=gain - 1 - 0.01).choose(1) == chain
+    assert Aware(synthetic_costs(), [chain], margin=gain - 1 + 0.01).choose(1) is None
+
+
 def test_aware_learns_acceptance_online():
     aware = Aware(synthetic_costs())
     deep = SpecConfig(6, 1, 7)

@@ -125,14 +125,17 @@ class Aware(Off):
 
     over a candidate set that contains plain decoding (E = 1, no draft, n = 1). T_* come from the
     measured cost model, rescaled online by the ratio of real to predicted step times (per kind and
-    concurrency bucket); E comes from
-    the acceptance model."""
+    concurrency bucket); E comes from the acceptance model. A tree must beat plain decoding by
+    `margin` to be chosen."""
 
     name = "aware"
 
     def __init__(self, costs: CostModel, candidates: list[SpecConfig] | None = None, correction_decay: float = 0.9,
-                 probe_every: int = 64, max_probe_every: int = 1024):
+                 probe_every: int = 64, max_probe_every: int = 1024, margin: float = 0.05):
         self.costs = costs
+        # speculate only for a predicted gain above this fraction: near a tie the step-time noise and
+        # the costs the model leaves out (catch-up after a gap, tree bookkeeping) decide, and they lose
+        self.margin = margin
         self.candidates = candidates or candidate_configs()
         self.acceptance = AcceptanceModel()
         self.decay = correction_decay
@@ -181,7 +184,7 @@ class Aware(Off):
         return choice
 
     def _argmax(self, running: int, spec_only: bool = False) -> SpecConfig | None:
-        best, best_rate = (None, 0.0 if spec_only else self.goodput(None, running))
+        best, best_rate = (None, 0.0 if spec_only else self.goodput(None, running) * (1 + self.margin))
         for c in self.candidates:
             rate = self.goodput(c, running)
             if rate > best_rate:
