@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from fastgrpo.bench.report import publish
 from fastgrpo.config import Config, flatten, to_yaml
 from fastgrpo.grpo.loop import train
 from fastgrpo.tracking import Tracker, default_tracking_uri
@@ -83,12 +83,8 @@ def bench_e2e(cfg: Config, quick: bool, output: Path, steps: int | None = None) 
                "accuracy_final": {m: result[m]["final_eval"]["mean_accuracy"] for m in MODES},
                "medians": med}
     result["meta"]["seconds"] = time.perf_counter() - t0
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(result, indent=2))
-    plot_e2e(result, output.with_suffix(".png"))
+    publish(result, output, "e2e", quick, markdown, plot=lambda path: plot_e2e(result, path))
     log_summary(cfg, result, output)
-    print(f"wrote {output} and {output.with_suffix('.png')} ({result['meta']['seconds']:.0f}s)\n", flush=True)
-    print(markdown(result, f"fastgrpo bench e2e{' --quick' if quick else ''} --output {output}"), flush=True)
     return result
 
 

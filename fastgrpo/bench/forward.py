@@ -8,13 +8,13 @@ two kernels (`dense`: the weights as loaded, `onednn`: packed copies), interleav
 from __future__ import annotations
 
 import datetime
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from fastgrpo.bench.report import publish
 from fastgrpo.bench.rollout import rotated
 from fastgrpo.config import Config
 from fastgrpo.engine.model import InferenceModel, KVCache, onednn_available
@@ -51,9 +51,7 @@ def bench_forward(cfg: Config, quick: bool, output: Path) -> dict:
                        "torch": torch.__version__, "parameters": num_parameters(policy), "context": CONTEXT,
                        "reps": reps},
               "rows": rows}
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(result, indent=2))
-    print(f"wrote {output}\n\n" + markdown(result, f"fastgrpo bench forward{' --quick' if quick else ''} --output {output}"))
+    publish(result, output, "forward", quick, markdown)
     return result
 
 

@@ -9,7 +9,6 @@ cache; the memory-bandwidth bound of a batch-1 decode step.
 from __future__ import annotations
 
 import datetime
-import json
 import platform
 import statistics
 import time
@@ -20,6 +19,7 @@ from transformers import PreTrainedModel
 
 from fastgrpo.backends.embedded import build_engine, set_speculation
 from fastgrpo.backends.protocols import Request
+from fastgrpo.bench.report import publish
 from fastgrpo.config import Config
 from fastgrpo.engine.engine import EmbeddedEngine
 from fastgrpo.engine.sampling import SamplingParams
@@ -199,11 +199,7 @@ def bench_rollout(cfg: Config, quick: bool, output: Path) -> dict:
     result["hf_generate"] = hf_generate(policy, engine, prompts[0], tokens, reps, log)
     result["bound"] = bandwidth_bound(policy, result["hf_generate"]["engine_batch1_tok_s"])
     result["meta"]["seconds"] = time.perf_counter() - t0
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(result, indent=2))
-    plot_sweep(result["sweep"], output.with_suffix(".png"))
-    log(f"wrote {output} and {output.with_suffix('.png')} ({result['meta']['seconds']:.0f}s)\n")
-    log(markdown(result, f"fastgrpo bench rollout{' --quick' if quick else ''} --output {output}"))
+    publish(result, output, "rollout", quick, markdown, plot=lambda path: plot_sweep(result["sweep"], path))
     return result
 
 

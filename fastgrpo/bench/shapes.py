@@ -9,13 +9,13 @@ timing does not depend on them), through the same calibration `aware` uses.
 from __future__ import annotations
 
 import datetime
-import json
 import math
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig
 
+from fastgrpo.bench.report import publish
 from fastgrpo.config import Config
 from fastgrpo.engine.model import InferenceModel
 from fastgrpo.models.policy import load_policy, new_policy, num_parameters
@@ -66,9 +66,7 @@ def bench_shapes(cfg: Config, quick: bool, output: Path) -> dict:
     result = {"meta": {"date": datetime.date.today().isoformat(), "threads": torch.get_num_threads(),
                        "torch": torch.__version__, "quick": quick, "tree": list(TREE)},
               "rows": rows}
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(result, indent=2))
-    print(f"wrote {output}\n\n" + markdown(result, f"fastgrpo bench shapes{' --quick' if quick else ''} --output {output}"))
+    publish(result, output, "shapes", quick, markdown)
     return result
 
 

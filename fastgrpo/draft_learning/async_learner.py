@@ -108,11 +108,8 @@ def draft_rank_main(init_method: str, target_cfg: LlamaConfig, embed: Tensor, lm
             continue
         if message[0] == "stop":
             break
-        if message[0] in ("save", "load"):
-            if message[0] == "save":
-                learner.save(Path(message[1]))
-            else:
-                learner.load(Path(message[1]))  # also publishes the restored version
+        if message[0] in ("save", "load"):  # a load also publishes the restored version
+            (learner.save if message[0] == "save" else learner.load)(Path(message[1]))
             dist.send(torch.ones(1), dst=0, tag=ACK)
             continue
         _, policy_version, lengths, states, ids, mask = message

@@ -199,8 +199,9 @@ class Aware(Off):
         ratio = min(max(seconds / max(raw, 1e-9), 0.2), 5.0)
         # the first measurement of a kind in a bucket replaces the calibration; later ones are averaged,
         # a probe (rare, and the only fresh evidence on its kind) with weight one half
+        probe = self._probing == b
         current = self.correction.get((kind, b))
-        keep = 0.5 if self._probing == b else self.decay
+        keep = 0.5 if probe else self.decay
         self.correction[(kind, b)] = ratio if current is None else keep * current + (1 - keep) * ratio
         self._since[(kind, b)] = 0
         self._since[(other, b)] = self._since.get((other, b), 0) + 1
@@ -209,7 +210,7 @@ class Aware(Off):
         self._observed += 1
         if self._observed % 16 == 0 or (config is None) != (self._memo.get(running, config) is None):
             self._memo.clear()  # fresh evidence, or a probe of the kind not chosen: decide again
-        if self._probing == b:
+        if probe:
             self._probing = None
             overturned = (self._argmax(running) is None) == (config is None)
             interval = self._probe_interval.get(b, self.probe_every)

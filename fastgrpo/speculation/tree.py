@@ -64,7 +64,7 @@ def draft_tree(draft: DraftHead, cache: KVCache, rows: slice, root_features: Ten
     (the pending token), from which the first level is read. Expansion keys/values go to the draft
     cache after each row's length and are discarded (the length does not move)."""
     B, k = root_tokens.shape[0], cfg.topk
-    start = cache.lengths[rows]
+    start, visible_from = cache.lengths[rows], cache.visible_from[rows]
     E = (cfg.depth - 1) * k  # expansion entries per sequence
     bidx = torch.arange(B)[:, None]
 
@@ -81,7 +81,7 @@ def draft_tree(draft: DraftHead, cache: KVCache, rows: slice, root_features: Ten
         anc[:, torch.arange(k), offs] = True
         slots = start[:, None] + offs
         ctx = int(start.max()) + d * k
-        mask = block_mask(start, k, ctx, anc[:, :, : d * k], cache.visible_from[rows])
+        mask = block_mask(start, k, ctx, anc[:, :, : d * k], visible_from)
         feat = draft.features(feat, tok, (start[:, None] + d - 1).expand(B, k), mask,
                               cache_kv(cache, 0, rows, slots, ctx))
         cs, ct = _draft_logprobs(draft, feat).topk(k, dim=-1)  # [B, k, k]
