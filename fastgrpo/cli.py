@@ -64,14 +64,18 @@ def ensure_policy_and_draft(cfg: Config) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
+    from fastgrpo.bench.draft_fit import bench_draft
     from fastgrpo.bench.e2e import bench_e2e
     from fastgrpo.bench.forward import bench_forward
     from fastgrpo.bench.rollout import bench_rollout
     from fastgrpo.bench.shapes import bench_shapes
 
-    benches = {"rollout": bench_rollout, "e2e": bench_e2e, "forward": bench_forward, "shapes": bench_shapes}
+    benches = {"rollout": bench_rollout, "e2e": bench_e2e, "forward": bench_forward, "shapes": bench_shapes,
+               "draft": lambda cfg, quick, output: bench_draft(cfg, quick, output, args.policy)}
     if args.what not in benches:
         raise ValueError(f"unknown benchmark {args.what!r}; available: {', '.join(benches)}")
+    if args.policy and args.what != "draft":
+        raise ValueError(f"--policy is for `bench draft`, not `bench {args.what}`")
     cfg = _config(args)
     ensure_policy_and_draft(cfg)
     benches[args.what](cfg, args.quick, Path(args.output or f"bench/{args.what}.json"))
@@ -123,10 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     bench = add("bench", cmd_bench, "benchmarks: `rollout` (speculation modes compared in one process), "
                 "`e2e` (the same GRPO run without speculation, with a frozen draft, with online draft learning) "
                 "`forward` (the policy forward by batch, tokens per sequence and matmul kernel) "
-                "or `shapes` (draft and target costs for deeper, narrower policies of the same size)",
+                "`shapes` (draft and target costs for deeper, narrower policies of the same size) "
+                "or `draft` (how well drafts fit a policy, on its own samples, with fixed trees)",
                 before="what")
     bench.add_argument("--quick", action="store_true", help="smaller workloads (minutes, not tens of minutes)")
     bench.add_argument("--output", help="JSON results, default bench/<what>.json (a PNG plot is written beside it)")
+    bench.add_argument("--policy", help="bench draft: the policy to fit, e.g. a checkpoint's policy/ (default: "
+                       "model.path); a checkpoint's own online draft is scored too")
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -70,6 +70,7 @@ class DraftConfig:
     buffer_tokens: int = 200_000  # states held for the offline warm start
     online: str = "off"  # off | sync | async: the draft keeps learning from rollout's own target states
     online_buffer_tokens: int = 50_000  # online buffer cap; the oldest states are dropped
+    online_lr: float = 1e-4  # online steps fine-tune a warm start: at the warm start's 1e-3 a fresh Adam undoes it
     sync_budget: float = 0.05  # sync: draft training seconds per step, as a fraction of rollout + train time
     sync_max_steps: int = 64  # sync: at most this many draft steps per GRPO step
 
@@ -213,6 +214,7 @@ def validate(c: Config) -> None:
     _check(d.online == "off" or sp.policy != "off", "draft.online",
            "needs speculation (speculation.policy != off): the draft learns from the states rollout "
            "computes for it", d.online)
+    _check(d.online_lr > 0, "draft.online_lr", "must be > 0", d.online_lr)
     _check(d.online_buffer_tokens >= 1, "draft.online_buffer_tokens", "must be >= 1", d.online_buffer_tokens)
     _check(d.sync_budget > 0, "draft.sync_budget", "must be > 0", d.sync_budget)
     _check(d.sync_max_steps >= 1, "draft.sync_max_steps", "must be >= 1", d.sync_max_steps)

@@ -53,3 +53,25 @@ def test_bench_shapes_keeps_the_size_and_deepens_the_policy(tmp_path, tiny_polic
     assert all(abs(r["parameters"] / base["parameters"] - 1) < 0.35 for r in rows)  # about the same size
     assert all(r["draft_over_target"] > 0 and r["tree_step_break_even"] > 1 for r in rows)
     assert len(markdown(json.loads((tmp_path / "shapes.json").read_text()), "cmd").splitlines()) == 6 + len(DEPTHS)
+
+
+def test_bench_draft_scores_drafts_alike_on_the_policys_own_samples(tmp_path, tiny_policy, tiny_draft):
+    import shutil
+
+    from fastgrpo.bench.draft_fit import TREES, bench_draft, markdown
+
+    step = tmp_path / "checkpoints" / "step_00000002"  # a training checkpoint's layout: policy/ beside draft/
+    shutil.copytree(tiny_policy, step / "policy")
+    shutil.copytree(tiny_draft, step / "draft")
+    cfg = tiny_config(tmp_path, tiny_policy, **{"draft.path": tiny_draft, "task.eval_size": 48})
+    bench_draft(cfg, quick=True, output=tmp_path / "draft.json", policy_dir=str(step / "policy"))
+    saved = json.loads((tmp_path / "draft.json").read_text())
+    scores = saved["scores"]
+    assert list(scores) == ["warm start", "checkpoint's online draft", "warm start + 10 online steps"]
+    # the checkpoint's draft is a copy of the warm start: same prompts, seeds and trees give the same scores
+    assert scores["warm start"] == scores["checkpoint's online draft"]
+    for s in scores.values():
+        assert 0 <= s["heldout_top1"] <= 1 and s["heldout_loss"] > 0
+        assert all(1 <= s[f"accept_{t.name}"] <= t.depth + 1 for t in TREES)
+    assert scores["warm start + 10 online steps"] != scores["warm start"]  # the online steps changed the draft
+    assert len(markdown(saved, "cmd").splitlines()) == 8 + len(scores)

@@ -81,7 +81,7 @@ def learner_for(target, warm_draft, engines, **cfg) -> OnlineDraftLearner:
     draft = DraftHead(target.config)
     draft.load_state_dict(warm_draft.state_dict())
     draft.bind_target(target.model.embed_tokens.weight, target.lm_head.weight)
-    return OnlineDraftLearner(draft, DraftConfig(lr=3e-3, batch_size=16, sync_max_steps=40, **cfg), engines)
+    return OnlineDraftLearner(draft, DraftConfig(online_lr=3e-3, batch_size=16, sync_max_steps=40, **cfg), engines)
 
 
 def test_capture_needs_no_extra_target_forward_and_holds_the_true_states(target, warm_draft):
@@ -118,11 +118,14 @@ def test_online_draft_recovers_acceptance_on_a_shifted_policy(target, warm_draft
     online = engine(policy, warm_draft, STATIC)
     learner = learner_for(policy, warm_draft, [online])
     online.capture = True
+    fresh_top1 = []  # the published draft scored on each new rollout before it trains on it
     for round in range(4):
         ps = prompts(32, 100 + round)
         out = online.generate([Request(p) for p in ps], SAMPLING, seed=round)
         learner.observe(ps, out, policy_version=1)
+        fresh_top1.append(learner.fresh["draft_top1_fresh"])
         assert learner.train(budget_s=60.0)["draft_rejected"] == 0.0
+    assert fresh_top1[-1] > fresh_top1[0] + 0.1, fresh_top1
     assert learner.version == 4 and online.draft_version == 4
     test = [Request(p) for p in prompts(48, 999)]
     frozen.generate(test, SAMPLING, seed=42)
@@ -190,7 +193,7 @@ def test_bench_e2e_runs_the_three_modes(tmp_path, tiny_policy, tiny_draft):
     from tests.conftest import tiny_config
 
     cfg = tiny_config(tmp_path, tiny_policy, **{"draft.path": tiny_draft, "speculation.cost_model_dir": tmp_path / "costs",
-                                                "draft.sync_budget": 0.5})
+                                                "draft.sync_budget": 0.5, "task.eval_size": 48})
     result = bench_e2e(cfg, quick=True, output=tmp_path / "e2e.json", steps=2)
     saved = json.loads((tmp_path / "e2e.json").read_text())
     assert saved["steps"] == 2 and (tmp_path / "e2e.png").stat().st_size > 10_000
@@ -199,6 +202,11 @@ def test_bench_e2e_runs_the_three_modes(tmp_path, tiny_policy, tiny_draft):
         assert len(saved[mode]["rollout_tok_s"]) == 2 and all(t > 0 for t in saved[mode]["rollout_tok_s"])
         assert all(r < s for r, s in zip(saved[mode]["rollout_s"], saved[mode]["step_s"]))
     assert all(a >= 1.0 for a in saved["online"]["accept_len"]) and len(saved["online"]["draft_train_s"]) == 2
+    assert len(saved["online"]["draft_top1_fresh"]) == 2 and all(0 <= t <= 1 for t in saved["online"]["draft_top1_fresh"])
+    # both drafts scored against the online run's final policy; the online one trained, so they differ
+    fit = saved["draft_fit"]
+    assert fit["policy"].endswith("step_00000002/policy") and set(fit["scores"]) == {"frozen", "online"}
+    assert fit["scores"]["frozen"]["heldout_loss"] != fit["scores"]["online"]["heldout_loss"]
     f, speedup = saved["rollout_fraction_off"], saved["rollout_speedup"]
     assert 0 < f < 1 and saved["amdahl_bound"] == pytest.approx(1 / ((1 - f) + f / speedup))
     assert result["speedup_end_to_end"] == saved["speedup_end_to_end"] > 0
@@ -224,7 +232,7 @@ def test_async_draft_rank_over_gloo_publishes_versions_swapped_between_steps(tmp
     draft = DraftHead(policy.config)
     draft.load_state_dict(warm_draft.state_dict())
     draft.bind_target(policy.model.embed_tokens.weight, policy.lm_head.weight)
-    client = AsyncDraftClient(draft, DraftConfig(lr=3e-3, batch_size=16, sync_max_steps=5), [e])
+    client = AsyncDraftClient(draft, DraftConfig(online_lr=3e-3, batch_size=16, sync_max_steps=5), [e])
     swaps, generating = [], [False]
     real_update, real_generate = e.update_draft, e.generate
 

@@ -7,6 +7,8 @@
 
 Both speculative modes use the `aware` policy. Modes run one after another in one process; each
 writes its own run directory and MLflow run. The speedups compare median step and rollout times.
+At the end both drafts are scored with fixed trees against the policy the online run ended with
+(`bench draft`), since rollout's accepted length also reflects the trees `aware` chose.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from pathlib import Path
 
 import torch
 
+from fastgrpo.backends.embedded import draft_dir
+from fastgrpo.bench.draft_fit import TREES, fit_drafts
+from fastgrpo.bench.draft_fit import markdown as fit_markdown
 from fastgrpo.bench.report import publish
 from fastgrpo.config import Config, flatten, to_yaml
 from fastgrpo.grpo.loop import train
@@ -51,7 +56,8 @@ def bench_e2e(cfg: Config, quick: bool, output: Path, steps: int | None = None) 
                                                          "sync_budget": cfg.draft.sync_budget}}}
     for mode in MODES:
         print(f"== bench e2e: mode {mode} ({steps} steps) ==", flush=True)
-        run = train(mode_config(cfg, mode, steps, output.parent / f"{output.stem}-runs"))
+        mode_cfg = mode_config(cfg, mode, steps, output.parent / f"{output.stem}-runs")
+        run = train(mode_cfg)
         s = run.steps
         final = run.evals[steps]
         result[mode] = {"step_s": [m["step_s"] for m in s], "rollout_s": [m["rollout_s"] for m in s],
@@ -64,6 +70,12 @@ def bench_e2e(cfg: Config, quick: bool, output: Path, steps: int | None = None) 
             result[mode]["spec_step_fraction"] = [m["spec_step_fraction"] for m in s]
         if mode == "online":
             result[mode]["draft_train_s"] = [m["draft_train_s"] for m in s]
+            result[mode]["draft_top1_fresh"] = [m["draft_top1_fresh"] for m in s]
+            final_checkpoint = Path(mode_cfg.run_dir) / "checkpoints" / f"step_{steps:08d}"
+    # the same fixed trees, prompts and seeds for both drafts against the policy online RL ended with
+    print("== bench e2e: frozen and online drafts fitted to the online run's final policy ==", flush=True)
+    result["draft_fit"] = fit_drafts(cfg, final_checkpoint / "policy", {"frozen": draft_dir(cfg),
+                                                                        "online": final_checkpoint / "draft"}, quick)
     med = {m: {k: statistics.median(result[m][k]) for k in ("step_s", "rollout_s")} for m in MODES}
     f = statistics.median(r / t for r, t in zip(result["off"]["rollout_s"], result["off"]["step_s"]))
     rollout_speedup = med["off"]["rollout_s"] / med["online"]["rollout_s"]
@@ -157,4 +169,11 @@ def markdown(result: dict, command: str) -> str:
               f"rollout share of an `off` step {result['rollout_fraction_off']:.2f}, so the Amdahl bound is "
               f"{result['amdahl_bound']:.2f}x; sync draft training takes {100 * result['draft_train_fraction']:.1f}% "
               f"of an online step."]
+    if "draft_fit" in result:
+        fit, deep = result["draft_fit"]["scores"], f"accept_{TREES[0].name}"
+        lines += ["", "Both drafts against the online run's final policy (rollout's accepted length above also "
+                  "depends on the trees `aware` chose; here the trees are fixed):", "",
+                  fit_markdown(result["draft_fit"], ""),
+                  "", f"Online / frozen: held-out top-1 {fit['online']['heldout_top1'] / fit['frozen']['heldout_top1']:.3f}x, "
+                  f"accepted length {TREES[0].name} {fit['online'][deep] / fit['frozen'][deep]:.3f}x."]
     return "\n".join(lines)

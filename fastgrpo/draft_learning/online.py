@@ -18,7 +18,7 @@ from torch import Tensor
 
 from fastgrpo.backends.protocols import Completion, Engine
 from fastgrpo.config import DraftConfig
-from fastgrpo.draft_learning.trainer import DraftTrainer
+from fastgrpo.draft_learning.trainer import DraftTrainer, evaluate_draft
 from fastgrpo.speculation.draft import DraftHead
 
 
@@ -41,16 +41,22 @@ class OnlineDraftLearner:
         self.draft = draft
         self.cfg = cfg
         self.engines = engines
-        self.trainer = DraftTrainer(draft, lr=cfg.lr, max_tokens=cfg.online_buffer_tokens,
+        self.trainer = DraftTrainer(draft, lr=cfg.online_lr, max_tokens=cfg.online_buffer_tokens,
                                     batch_size=cfg.batch_size, seed=seed)
         self.version = 0  # published draft versions; 0 is the warm start
         self.policy_version = 0  # the policy version whose rollout states the draft last trained on
         self.rejected = 0
         self.last_metrics: dict[str, float] = {}
+        self.fresh: dict[str, float] = {}  # the published draft scored on the newest rollout, before training on it
 
     def observe(self, prompts: list[list[int]], completions: list[Completion], policy_version: int) -> int:
-        """Buffer each completion's captured states. Returns the tokens added."""
+        """Buffer each completion's captured states, after scoring the draft on a spread of them (how
+        well it kept up with the policy that sampled them). Returns the tokens added."""
         rows = training_rows(prompts, completions)
+        if rows:
+            sample = rows[:: max(1, len(rows) // self.cfg.batch_size)][: self.cfg.batch_size]
+            self.fresh = {f"{k}_fresh": v for k, v in evaluate_draft(self.draft, sample).items()
+                          if k in ("draft_loss", "draft_top1")}
         for hidden, tokens, mask in rows:
             self.trainer.add(hidden, tokens, mask)
         self.policy_version = policy_version
@@ -86,7 +92,7 @@ class OnlineDraftLearner:
         return metrics | self._metrics() | {"draft_rejected": 0.0}
 
     def _metrics(self) -> dict[str, float]:
-        return {"draft_version": float(self.version), "draft_buffer_tokens": float(self.trainer.buffered_tokens),
+        return self.fresh | {"draft_version": float(self.version), "draft_buffer_tokens": float(self.trainer.buffered_tokens),
                 "draft_rejected_total": float(self.rejected)}
 
     def lag(self, policy_version: int) -> int:

@@ -83,6 +83,13 @@ class DraftTrainer:
             yield name, t.detach()
 
 
+@torch.no_grad()
+def evaluate_draft(draft: DraftHead, items: list[tuple[Tensor, Tensor, Tensor]]) -> dict[str, float]:
+    """The draft's loss and top-1 on sequences (hidden, tokens, mask) it has not trained on."""
+    draft.eval()
+    return draft_loss(draft, *pad_states(items))[1]
+
+
 def pad_states(items: list[tuple[Tensor, Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
     width = max(h.shape[0] for h, _, _ in items)
     H = items[0][0].shape[1]

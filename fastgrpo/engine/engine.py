@@ -360,7 +360,7 @@ class EmbeddedEngine:
             c["spec_seq_steps"] += running
             c["spec_emitted"] += emitted
         bucket = _bucket(running)
-        name = "off" if config is None else f"d{config.depth}k{config.topk}n{config.num_verify}"
+        name = "off" if config is None else config.name
         self._by_config.setdefault(bucket, Counter())[name] += 1
         self._trace.append((running, name, emitted))
 

@@ -48,6 +48,10 @@ class SpecConfig:
         if self.num_verify - 1 > self.topk + (self.depth - 1) * self.topk**2:
             raise ValueError(f"{self}: the tree has fewer nodes than num_verify - 1")
 
+    @property
+    def name(self) -> str:
+        return f"d{self.depth}k{self.topk}n{self.num_verify}"
+
 
 @dataclass
 class Tree:

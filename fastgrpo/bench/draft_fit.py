@@ -1,0 +1,138 @@
+"""`fastgrpo bench draft`: how well drafts fit a policy, scored on that policy's own samples.
+
+Rollout's accepted length mixes draft quality with the trees the aware policy picked (small ones at
+16 running sequences, deep ones at 1), so two GRPO runs' `accept_len` can differ because their
+choices did. Here every draft drafts the same fixed trees for the same prompts and seeds against the
+same policy: held-out loss and top-1 on the policy's captured states, and accepted length at 16
+running sequences. `adapted` is the first draft after a few online steps on this policy's samples
+(at `draft.online_lr`): what online learning could gain here.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from fastgrpo.backends.embedded import build_engine, draft_dir
+from fastgrpo.backends.protocols import Request
+from fastgrpo.bench.report import publish
+from fastgrpo.config import Config
+from fastgrpo.draft_learning.online import training_rows
+from fastgrpo.draft_learning.trainer import DraftTrainer, evaluate_draft
+from fastgrpo.engine.engine import EmbeddedEngine
+from fastgrpo.engine.sampling import SamplingParams
+from fastgrpo.models.policy import load_policy
+from fastgrpo.models.tokenizer import load_tokenizer
+from fastgrpo.speculation.draft import DRAFT_WEIGHTS, DraftHead
+from fastgrpo.speculation.policy import Static
+from fastgrpo.speculation.tree import SpecConfig
+from fastgrpo.tasks.source import encode_problems, load_task
+
+TREES = (SpecConfig(4, 4, 12), SpecConfig(2, 2, 4))
+RUNNING = 16  # sequences decoded together when measuring acceptance: the tail where speculation runs
+
+
+def checkpoint_draft(policy_dir: Path) -> Path | None:
+    """A training checkpoint keeps its online draft beside the policy (`<step>/policy`, `<step>/draft`)."""
+    d = policy_dir.parent / "draft"
+    return d if (d / DRAFT_WEIGHTS).is_file() else None
+
+
+def fit_drafts(cfg: Config, policy_dir: Path, drafts: dict[str, Path], quick: bool, adapt_steps: int = 0) -> dict:
+    """Score each draft against the policy in `policy_dir`; with `adapt_steps`, also the first draft
+    after that many online steps on two more rollouts of the policy."""
+    policy, tokenizer = load_policy(policy_dir), load_tokenizer(policy_dir)
+    policy.eval()
+    engine = build_engine(cfg, policy, tokenizer, speculation="static")
+    _, evals = load_task(cfg.task, cfg.seed)
+    prompts = [e.prompt_ids for e in encode_problems(evals, tokenizer, cfg.model.max_context, "eval")]
+    group, n_prompts, seeds = (4, 8, 1) if quick else (cfg.rollout.group_size, 16, 3)
+    if len(prompts) < 3 * n_prompts + RUNNING:
+        raise ValueError(f"bench draft needs {3 * n_prompts + RUNNING} eval prompts, task.eval_size gives {len(prompts)}")
+    sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                              max_new_tokens=cfg.rollout.max_new_tokens)
+
+    def rollout(first: int, seed: int) -> list:
+        """The policy's own samples with their captured target states (the rows online learning sees)."""
+        ps = [p for p in prompts[first: first + n_prompts] for _ in range(group)]
+        engine.set_policy(Static(TREES[0]))
+        engine.capture = True
+        out = engine.generate([Request(p) for p in ps], sampling, seed=seed)
+        engine.capture = False
+        return training_rows(ps, out)
+
+    held_out = rollout(0, seed=1)
+    accept_prompts = prompts[3 * n_prompts: 3 * n_prompts + RUNNING]
+
+    def score(draft: DraftHead) -> dict[str, float]:
+        fit = evaluate_draft(draft, held_out)
+        row = {"heldout_loss": fit["draft_loss"], "heldout_top1": fit["draft_top1"]}
+        engine.update_draft(draft.state_dict().items(), version=1)
+        for tree in TREES:
+            row[f"accept_{tree.name}"] = statistics.mean(
+                _accept_len(engine, tree, accept_prompts, sampling, seed) for seed in range(seeds))
+        return row
+
+    loaded = {}
+    for name, path in drafts.items():
+        loaded[name] = DraftHead.load(path, policy.config, cfg.model.max_context)
+        loaded[name].bind_target(policy.model.embed_tokens.weight, policy.lm_head.weight)
+    result: dict = {"policy": str(policy_dir), "drafts": {name: str(p) for name, p in drafts.items()},
+                    "heldout_sequences": len(held_out), "heldout_tokens": sum(t.shape[0] for _, t, _ in held_out),
+                    "running": RUNNING, "seeds": seeds, "scores": {name: score(d) for name, d in loaded.items()}}
+    if adapt_steps:
+        first = next(iter(loaded))
+        draft = copy.deepcopy(loaded[first])
+        trainer = DraftTrainer(draft, lr=cfg.draft.online_lr, max_tokens=cfg.draft.online_buffer_tokens,
+                               batch_size=cfg.draft.batch_size, seed=cfg.seed)
+        for row in rollout(n_prompts, seed=2) + rollout(2 * n_prompts, seed=3):
+            trainer.add(*row)
+        trainer.train(adapt_steps)
+        result["adapted_from"], result["adapt_steps"] = first, adapt_steps
+        result["scores"][f"{first} + {adapt_steps} online steps"] = score(draft)
+    return result
+
+
+def _accept_len(engine: EmbeddedEngine, tree: SpecConfig, prompts: list[list[int]], sampling: SamplingParams,
+                seed: int) -> float:
+    engine.set_policy(Static(tree))
+    engine.generate([Request(p) for p in prompts], sampling, seed=100 + seed)
+    return engine.stats()["accept_len"]
+
+
+def bench_draft(cfg: Config, quick: bool, output: Path, policy_dir: str | None = None) -> dict:
+    """Score the warm-start draft (and a checkpoint's own online draft, if `policy_dir` is a
+    checkpoint's policy) on the policy's samples, plus the warm start after online steps."""
+    policy_path = Path(policy_dir or cfg.model.path)
+    drafts = {"warm start": draft_dir(cfg)}
+    if (own := checkpoint_draft(policy_path)) is not None:
+        drafts["checkpoint's online draft"] = own
+    t0 = time.perf_counter()
+    result = fit_drafts(cfg, policy_path, drafts, quick, adapt_steps=10 if quick else 60)
+    result["meta"] = {"date": datetime.date.today().isoformat(), "quick": quick, "threads": torch.get_num_threads(),
+                      "torch": torch.__version__, "temperature": cfg.rollout.temperature,
+                      "seconds": time.perf_counter() - t0}
+    publish(result, output, "draft" + (f" --policy {policy_dir}" if policy_dir else ""), quick, markdown)
+    return result
+
+
+def markdown(result: dict, command: str) -> str:
+    m = result.get("meta", {})
+    trees = [k.removeprefix("accept_") for k in next(iter(result["scores"].values())) if k.startswith("accept_")]
+    lines = [f"Command: `{command}`", ""] if command else []
+    if m:
+        lines += [f"Date {m['date']}; {m['threads']} CPU threads, torch {m['torch']}; temperature {m['temperature']}.", ""]
+    lines += [f"Policy `{result['policy']}`; held out: {result['heldout_sequences']} of its own samples "
+              f"({result['heldout_tokens']} tokens); accepted length at {result['running']} running sequences, "
+              f"fixed trees, mean over {result['seeds']} seed(s).", "",
+              "| draft | held-out loss | held-out top-1 | " + " | ".join(f"accept len {t}" for t in trees) + " |",
+              "| --- | ---: | ---: | " + " | ".join("---:" for _ in trees) + " |"]
+    for name, s in result["scores"].items():
+        lines.append(f"| {name} | {s['heldout_loss']:.4f} | {s['heldout_top1']:.3f} | "
+                     + " | ".join(f"{s[f'accept_{t}']:.2f}" for t in trees) + " |")
+    return "\n".join(lines)
