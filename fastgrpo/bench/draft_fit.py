@@ -53,7 +53,8 @@ def fit_drafts(cfg: Config, policy_dir: Path, drafts: dict[str, Path], quick: bo
     prompts = [e.prompt_ids for e in encode_problems(evals, tokenizer, cfg.model.max_context, "eval")]
     group, n_prompts, seeds = (4, 8, 1) if quick else (cfg.rollout.group_size, 16, 3)
     if len(prompts) < 3 * n_prompts + RUNNING:
-        raise ValueError(f"bench draft needs {3 * n_prompts + RUNNING} eval prompts, task.eval_size gives {len(prompts)}")
+        raise ValueError(f"bench draft needs {3 * n_prompts + RUNNING} eval prompts; "
+                         f"task.eval_size gives {len(prompts)}")
     sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                               max_new_tokens=cfg.rollout.max_new_tokens)
 
@@ -126,7 +127,8 @@ def markdown(result: dict, command: str) -> str:
     trees = [k.removeprefix("accept_") for k in next(iter(result["scores"].values())) if k.startswith("accept_")]
     lines = [f"Command: `{command}`", ""] if command else []
     if m:
-        lines += [f"Date {m['date']}; {m['threads']} CPU threads, torch {m['torch']}; temperature {m['temperature']}.", ""]
+        lines += [f"Date {m['date']}; {m['threads']} CPU threads, torch {m['torch']}; "
+                  f"temperature {m['temperature']}.", ""]
     lines += [f"Policy `{result['policy']}`; held out: {result['heldout_sequences']} of its own samples "
               f"({result['heldout_tokens']} tokens); accepted length at {result['running']} running sequences, "
               f"fixed trees, mean over {result['seeds']} seed(s).", "",

@@ -171,9 +171,10 @@ def markdown(result: dict, command: str) -> str:
               f"of an online step."]
     if "draft_fit" in result:
         fit, deep = result["draft_fit"]["scores"], f"accept_{TREES[0].name}"
+        top1 = fit["online"]["heldout_top1"] / fit["frozen"]["heldout_top1"]
         lines += ["", "Both drafts against the online run's final policy (rollout's accepted length above also "
                   "depends on the trees `aware` chose; here the trees are fixed):", "",
                   fit_markdown(result["draft_fit"], ""),
-                  "", f"Online / frozen: held-out top-1 {fit['online']['heldout_top1'] / fit['frozen']['heldout_top1']:.3f}x, "
+                  "", f"Online / frozen: held-out top-1 {top1:.3f}x, "
                   f"accepted length {TREES[0].name} {fit['online'][deep] / fit['frozen'][deep]:.3f}x."]
     return "\n".join(lines)

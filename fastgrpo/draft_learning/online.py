@@ -92,8 +92,8 @@ class OnlineDraftLearner:
         return metrics | self._metrics() | {"draft_rejected": 0.0}
 
     def _metrics(self) -> dict[str, float]:
-        return self.fresh | {"draft_version": float(self.version), "draft_buffer_tokens": float(self.trainer.buffered_tokens),
-                "draft_rejected_total": float(self.rejected)}
+        return self.fresh | {"draft_version": float(self.version), "draft_rejected_total": float(self.rejected),
+                             "draft_buffer_tokens": float(self.trainer.buffered_tokens)}
 
     def lag(self, policy_version: int) -> int:
         """Policy updates the draft has not seen states of."""
