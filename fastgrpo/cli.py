@@ -71,14 +71,16 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from fastgrpo.bench.shapes import bench_shapes
 
     benches = {"rollout": bench_rollout, "e2e": bench_e2e, "forward": bench_forward, "shapes": bench_shapes,
-               "draft": lambda cfg, quick, output: bench_draft(cfg, quick, output, args.policy)}
+               "draft": lambda cfg, quick, output, extra: bench_draft(cfg, quick, output, args.policy, extra=extra)}
     if args.what not in benches:
         raise ValueError(f"unknown benchmark {args.what!r}; available: {', '.join(benches)}")
     if args.policy and args.what != "draft":
         raise ValueError(f"--policy is for `bench draft`, not `bench {args.what}`")
     cfg = _config(args)
     ensure_policy_and_draft(cfg)
-    benches[args.what](cfg, args.quick, Path(args.output or f"bench/{args.what}.json"))
+    extra = [*(["--config", args.config] if args.config else []), *args.overrides,
+             *(["--policy", args.policy] if args.policy else [])]
+    benches[args.what](cfg, args.quick, Path(args.output or f"bench/{args.what}.json"), extra=extra)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:

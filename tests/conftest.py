@@ -14,6 +14,11 @@ torch.set_num_threads(2)
 
 def tiny_config(tmp: Path, policy: Path | None = None, **sections) -> Config:
     """A run that takes seconds: test-size policy, short answers, small batches."""
+    return load_config(None, tiny_overrides(tmp, policy, **sections))
+
+
+def tiny_overrides(tmp: Path, policy: Path | None = None, **sections) -> list[str]:
+    """tiny_config's key=value overrides, for tests that go through the `fastgrpo` command."""
     overrides = [
         f"run_dir={tmp / 'run'}",
         f"model.path={policy or tmp / 'policy'}",
@@ -24,8 +29,7 @@ def tiny_config(tmp: Path, policy: Path | None = None, **sections) -> Config:
         "sft.examples=8000", "sft.batch_size=32", "sft.lr=3e-3", "sft.warmup_steps=5",
         "eval.samples=2", "checkpoint.every=2",
     ]
-    overrides += [f"{k}={v}" for k, v in sections.items()]
-    return load_config(None, overrides)
+    return overrides + [f"{k}={v}" for k, v in sections.items()]
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from fastgrpo.engine.model import onednn_available
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, tiny_overrides
 
 
 def test_bench_rollout_compares_all_modes(tmp_path, tiny_policy, tiny_draft):
@@ -55,17 +55,23 @@ def test_bench_shapes_keeps_the_size_and_deepens_the_policy(tmp_path, tiny_polic
     assert len(markdown(json.loads((tmp_path / "shapes.json").read_text()), "cmd").splitlines()) == 6 + len(DEPTHS)
 
 
-def test_bench_draft_scores_drafts_alike_on_the_policys_own_samples(tmp_path, tiny_policy, tiny_draft):
+def test_bench_draft_scores_drafts_alike_on_the_policys_own_samples(tmp_path, tiny_policy, tiny_draft, capsys):
     import shutil
 
-    from fastgrpo.bench.draft_fit import TREES, bench_draft, markdown
+    from fastgrpo.bench.draft_fit import TREES, markdown
+    from fastgrpo.cli import main
 
     step = tmp_path / "checkpoints" / "step_00000002"  # a training checkpoint's layout: policy/ beside draft/
     shutil.copytree(tiny_policy, step / "policy")
     shutil.copytree(tiny_draft, step / "draft")
-    cfg = tiny_config(tmp_path, tiny_policy, **{"draft.path": tiny_draft, "task.eval_size": 48})
-    bench_draft(cfg, quick=True, output=tmp_path / "draft.json", policy_dir=str(step / "policy"))
-    saved = json.loads((tmp_path / "draft.json").read_text())
+    overrides = tiny_overrides(tmp_path, tiny_policy, **{"draft.path": tiny_draft, "task.eval_size": 48})
+    output = tmp_path / "draft.json"
+    policy = str(step / "policy")
+    assert main(["bench", "draft", *overrides, "--quick", "--policy", policy, "--output", str(output)]) == 0
+    # the printed section names the command that reproduces it, overrides included
+    command = f"fastgrpo bench draft {' '.join(overrides)} --policy {policy} --quick --output {output}"
+    assert f"`{command}`" in capsys.readouterr().out
+    saved = json.loads(output.read_text())
     scores = saved["scores"]
     assert list(scores) == ["warm start", "checkpoint's online draft", "warm start + 10 online steps"]
     # the checkpoint's draft is a copy of the warm start: same prompts, seeds and trees give the same scores

@@ -20,7 +20,7 @@ import torch
 
 from fastgrpo.backends.embedded import build_engine, draft_dir
 from fastgrpo.backends.protocols import Request
-from fastgrpo.bench.report import publish
+from fastgrpo.bench.report import command_line, publish
 from fastgrpo.config import Config
 from fastgrpo.draft_learning.online import training_rows
 from fastgrpo.draft_learning.trainer import DraftTrainer, evaluate_draft
@@ -106,7 +106,8 @@ def _accept_len(engine: EmbeddedEngine, tree: SpecConfig, prompts: list[list[int
     return engine.stats()["accept_len"]
 
 
-def bench_draft(cfg: Config, quick: bool, output: Path, policy_dir: str | None = None) -> dict:
+def bench_draft(cfg: Config, quick: bool, output: Path, policy_dir: str | None = None,
+                extra: list[str] | None = None) -> dict:
     """Score the warm-start draft (and a checkpoint's own online draft, if `policy_dir` is a
     checkpoint's policy) on the policy's samples, plus the warm start after online steps."""
     policy_path = Path(policy_dir or cfg.model.path)
@@ -118,7 +119,7 @@ def bench_draft(cfg: Config, quick: bool, output: Path, policy_dir: str | None =
     result["meta"] = {"date": datetime.date.today().isoformat(), "quick": quick, "threads": torch.get_num_threads(),
                       "torch": torch.__version__, "temperature": cfg.rollout.temperature,
                       "seconds": time.perf_counter() - t0}
-    publish(result, output, "draft" + (f" --policy {policy_dir}" if policy_dir else ""), quick, markdown)
+    publish(result, output, command_line("draft", quick, output, extra), markdown)
     return result
 
 

@@ -24,7 +24,7 @@ import torch
 from fastgrpo.backends.embedded import draft_dir
 from fastgrpo.bench.draft_fit import TREES, fit_drafts
 from fastgrpo.bench.draft_fit import markdown as fit_markdown
-from fastgrpo.bench.report import publish
+from fastgrpo.bench.report import command_line, publish
 from fastgrpo.config import Config, flatten, to_yaml
 from fastgrpo.grpo.loop import train
 from fastgrpo.tracking import Tracker, default_tracking_uri
@@ -44,7 +44,8 @@ def mode_config(cfg: Config, mode: str, steps: int, run_dir: Path) -> Config:
         tracking=dataclasses.replace(cfg.tracking, run_name=f"bench-e2e-{mode}"))
 
 
-def bench_e2e(cfg: Config, quick: bool, output: Path, steps: int | None = None) -> dict:
+def bench_e2e(cfg: Config, quick: bool, output: Path, steps: int | None = None,
+              extra: list[str] | None = None) -> dict:
     steps = steps or (8 if quick else max(cfg.grpo.steps, 30))
     t0 = time.perf_counter()
     result: dict = {"steps": steps, "meta": {"date": datetime.date.today().isoformat(), "quick": quick,
@@ -95,7 +96,8 @@ def bench_e2e(cfg: Config, quick: bool, output: Path, steps: int | None = None) 
                "accuracy_final": {m: result[m]["final_eval"]["mean_accuracy"] for m in MODES},
                "medians": med}
     result["meta"]["seconds"] = time.perf_counter() - t0
-    publish(result, output, "e2e", quick, markdown, plot=lambda path: plot_e2e(result, path))
+    publish(result, output, command_line("e2e", quick, output, extra), markdown,
+            plot=lambda path: plot_e2e(result, path))
     log_summary(cfg, result, output)
     return result
 

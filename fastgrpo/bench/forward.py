@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from fastgrpo.bench.report import publish
+from fastgrpo.bench.report import command_line, publish
 from fastgrpo.bench.rollout import rotated
 from fastgrpo.config import Config
 from fastgrpo.engine.model import InferenceModel, KVCache, onednn_available
@@ -24,7 +24,7 @@ SHAPES = ((1, 1), (1, 2), (1, 4), (1, 8), (1, 16), (4, 1), (4, 4), (16, 1), (16,
 CONTEXT = 128
 
 
-def bench_forward(cfg: Config, quick: bool, output: Path) -> dict:
+def bench_forward(cfg: Config, quick: bool, output: Path, extra: list[str] | None = None) -> dict:
     policy = load_policy(cfg.model.path)
     kernels = ["dense"] + (["onednn"] if onednn_available() else [])
     models = {}
@@ -51,7 +51,7 @@ def bench_forward(cfg: Config, quick: bool, output: Path) -> dict:
                        "torch": torch.__version__, "parameters": num_parameters(policy), "context": CONTEXT,
                        "reps": reps},
               "rows": rows}
-    publish(result, output, "forward", quick, markdown)
+    publish(result, output, command_line("forward", quick, output, extra), markdown)
     return result
 
 

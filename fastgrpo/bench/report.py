@@ -7,7 +7,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def publish(result: dict, output: Path, what: str, quick: bool, markdown: Callable[[dict, str], str],
+def command_line(what: str, quick: bool, output: Path, extra: list[str] | None = None) -> str:
+    """The command that reproduces a benchmark: `extra` holds its key=value overrides and other flags."""
+    return " ".join(["fastgrpo bench", what, *(extra or []), *(["--quick"] if quick else []), "--output", str(output)])
+
+
+def publish(result: dict, output: Path, command: str, markdown: Callable[[dict, str], str],
             plot: Callable[[Path], None] | None = None) -> None:
     """Write `output` (and `plot` to the PNG beside it), then print the section with the command that
     reproduces it."""
@@ -19,4 +24,4 @@ def publish(result: dict, output: Path, what: str, quick: bool, markdown: Callab
         written.append(output.with_suffix(".png"))
     seconds = result.get("meta", {}).get("seconds")
     print(f"wrote {' and '.join(map(str, written))}" + (f" ({seconds:.0f}s)" if seconds else "") + "\n", flush=True)
-    print(markdown(result, f"fastgrpo bench {what}{' --quick' if quick else ''} --output {output}"), flush=True)
+    print(markdown(result, command), flush=True)

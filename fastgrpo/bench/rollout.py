@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from fastgrpo.backends.embedded import build_engine, set_speculation
 from fastgrpo.backends.protocols import Request
-from fastgrpo.bench.report import publish
+from fastgrpo.bench.report import command_line, publish
 from fastgrpo.config import Config
 from fastgrpo.engine.engine import EmbeddedEngine
 from fastgrpo.engine.sampling import SamplingParams
@@ -174,7 +174,7 @@ def plot_sweep(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def bench_rollout(cfg: Config, quick: bool, output: Path) -> dict:
+def bench_rollout(cfg: Config, quick: bool, output: Path, extra: list[str] | None = None) -> dict:
     def log(msg: str) -> None:
         print(msg, flush=True)
 
@@ -199,7 +199,8 @@ def bench_rollout(cfg: Config, quick: bool, output: Path) -> dict:
     result["hf_generate"] = hf_generate(policy, engine, prompts[0], tokens, reps, log)
     result["bound"] = bandwidth_bound(policy, result["hf_generate"]["engine_batch1_tok_s"])
     result["meta"]["seconds"] = time.perf_counter() - t0
-    publish(result, output, "rollout", quick, markdown, plot=lambda path: plot_sweep(result["sweep"], path))
+    publish(result, output, command_line("rollout", quick, output, extra), markdown,
+            plot=lambda path: plot_sweep(result["sweep"], path))
     return result
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
-from fastgrpo.bench.report import publish
+from fastgrpo.bench.report import command_line, publish
 from fastgrpo.config import Config
 from fastgrpo.engine.model import InferenceModel
 from fastgrpo.models.policy import load_policy, new_policy, num_parameters
@@ -40,7 +40,7 @@ def same_size_shapes(base: LlamaConfig) -> list[LlamaConfig]:
     return out
 
 
-def bench_shapes(cfg: Config, quick: bool, output: Path) -> dict:
+def bench_shapes(cfg: Config, quick: bool, output: Path, extra: list[str] | None = None) -> dict:
     base = load_policy(cfg.model.path).config
     d, k, n = TREE
     rows = []
@@ -66,7 +66,7 @@ def bench_shapes(cfg: Config, quick: bool, output: Path) -> dict:
     result = {"meta": {"date": datetime.date.today().isoformat(), "threads": torch.get_num_threads(),
                        "torch": torch.__version__, "quick": quick, "tree": list(TREE)},
               "rows": rows}
-    publish(result, output, "shapes", quick, markdown)
+    publish(result, output, command_line("shapes", quick, output, extra), markdown)
     return result
 
 
