@@ -63,7 +63,7 @@ class SpeculationConfig:
 @dataclass
 class DraftConfig:
     path: str = ""  # directory of draft.safetensors; empty: model.path
-    lr: float = 1e-3
+    lr: float = 1e-3  # the offline warm start (`fastgrpo draft-pretrain`)
     batch_size: int = 16
     pretrain_steps: int = 2000
     pretrain_minutes: float = 5.0  # wall-clock cap of `fastgrpo draft-pretrain`

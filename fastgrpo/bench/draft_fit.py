@@ -4,8 +4,8 @@ Rollout's accepted length mixes draft quality with the trees the aware policy pi
 16 running sequences, deep ones at 1), so two GRPO runs' `accept_len` can differ because their
 choices did. Here every draft drafts the same fixed trees for the same prompts and seeds against the
 same policy: held-out loss and top-1 on the policy's captured states, and accepted length at 16
-running sequences. `adapted` is the first draft after a few online steps on this policy's samples
-(at `draft.online_lr`): what online learning could gain here.
+running sequences. A last row scores the first draft after some online steps on more of this
+policy's samples (at `draft.online_lr`): what online learning could gain here.
 """
 
 from __future__ import annotations
