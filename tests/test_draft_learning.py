@@ -202,7 +202,8 @@ def test_bench_e2e_runs_the_three_modes(tmp_path, tiny_policy, tiny_draft):
         assert len(saved[mode]["rollout_tok_s"]) == 2 and all(t > 0 for t in saved[mode]["rollout_tok_s"])
         assert all(r < s for r, s in zip(saved[mode]["rollout_s"], saved[mode]["step_s"]))
     assert all(a >= 1.0 for a in saved["online"]["accept_len"]) and len(saved["online"]["draft_train_s"]) == 2
-    assert len(saved["online"]["draft_top1_fresh"]) == 2 and all(0 <= t <= 1 for t in saved["online"]["draft_top1_fresh"])
+    fresh = saved["online"]["draft_top1_fresh"]
+    assert len(fresh) == 2 and all(0 <= t <= 1 for t in fresh)
     # both drafts scored against the online run's final policy; the online one trained, so they differ
     fit = saved["draft_fit"]
     assert fit["policy"].endswith("step_00000002/policy") and set(fit["scores"]) == {"frozen", "online"}
@@ -261,6 +262,7 @@ def test_async_draft_rank_over_gloo_publishes_versions_swapped_between_steps(tmp
         assert not any(in_step for _, in_step, _ in swaps)  # never inside a decode step
         assert any(mid for _, _, mid in swaps)  # picked up mid-rollout, between decode steps
         assert client.metrics(policy_version=2)["draft_lag"] == 1.0
+        assert 0.0 <= client.metrics(policy_version=2)["draft_top1_fresh"] <= 1.0  # scored on the rank, before training
         client.save(tmp_path / "async")
         saved = DraftHead.load(tmp_path / "async", policy.config)
         assert (tmp_path / "async" / "draft_buffer.safetensors").is_file()

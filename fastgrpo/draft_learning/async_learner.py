@@ -37,7 +37,7 @@ from fastgrpo.speculation.draft import DraftHead
 log = logging.getLogger(__name__)
 STATES, WEIGHTS, ACK = 1, 2, 3  # message tags
 KIND_STATES, KIND_SAVE, KIND_LOAD, KIND_STOP = 1, 2, 3, 0
-META = 4  # version, policy_version, loss, top1 ahead of the weights
+META = 5  # version, policy_version, loss, top1, top1 on the newest rollout before training, ahead of the weights
 
 
 def _flat(named: Iterable[tuple[str, Tensor]]) -> Tensor:
@@ -61,7 +61,7 @@ class _Publisher:
         learner = self.learner_ref[0]
         m = learner.last_metrics
         meta = torch.tensor([float(version), float(learner.policy_version), m.get("draft_loss", math.nan),
-                             m.get("draft_top1", math.nan)])
+                             m.get("draft_top1", math.nan), learner.fresh.get("draft_top1_fresh", math.nan)])
         dist.send(torch.cat([meta, _flat(named_tensors)]), dst=0, tag=WEIGHTS)
 
 
@@ -114,9 +114,8 @@ def draft_rank_main(init_method: str, target_cfg: LlamaConfig, embed: Tensor, lm
             continue
         _, policy_version, lengths, states, ids, mask = message
         sizes = lengths.tolist()
-        for h, t, m in zip(states.split(sizes), ids.split(sizes), mask.split(sizes)):
-            learner.trainer.add(h, t, m.bool())
-        learner.policy_version = policy_version
+        learner.buffer([(h, t, m.bool()) for h, t, m in zip(states.split(sizes), ids.split(sizes), mask.split(sizes))],
+                       policy_version)
     dist.send(torch.full((META + sum(t.numel() for t in draft_state.values()),), -1.0), dst=0, tag=WEIGHTS)  # goodbye
     dist.destroy_process_group()
 
@@ -140,7 +139,7 @@ class AsyncDraftClient:
         dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=2)
         self.version = 0
         self.policy_version = 0
-        self.loss = self.top1 = math.nan
+        self.loss = self.top1 = self.top1_fresh = math.nan
         self._latest: Tensor | None = None
         self._lock = threading.Lock()
         self._receiver = threading.Thread(target=self._receive_weights, daemon=True)
@@ -162,7 +161,7 @@ class AsyncDraftClient:
             message, self._latest = self._latest, None
         if message is None:
             return None
-        version, policy_version, self.loss, self.top1 = message[:META].tolist()
+        version, policy_version, self.loss, self.top1, self.top1_fresh = message[:META].tolist()
         self.version, self.policy_version = int(version), int(policy_version)
         return _unflat(message[META:], self.shapes), self.version
 
@@ -202,7 +201,7 @@ class AsyncDraftClient:
 
     def metrics(self, policy_version: int) -> dict[str, float]:
         return {"draft_version": float(self.version), "draft_lag": float(policy_version - self.policy_version),
-                "draft_loss": self.loss, "draft_top1": self.top1}
+                "draft_loss": self.loss, "draft_top1": self.top1, "draft_top1_fresh": self.top1_fresh}
 
     def close(self) -> None:
         if not self.process.is_alive():

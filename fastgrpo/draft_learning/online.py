@@ -50,9 +50,12 @@ class OnlineDraftLearner:
         self.fresh: dict[str, float] = {}  # the published draft scored on the newest rollout, before training on it
 
     def observe(self, prompts: list[list[int]], completions: list[Completion], policy_version: int) -> int:
-        """Buffer each completion's captured states, after scoring the draft on a spread of them (how
-        well it kept up with the policy that sampled them). Returns the tokens added."""
-        rows = training_rows(prompts, completions)
+        """Buffer each completion's captured states. Returns the tokens added."""
+        return self.buffer(training_rows(prompts, completions), policy_version)
+
+    def buffer(self, rows: list[tuple[Tensor, Tensor, Tensor]], policy_version: int) -> int:
+        """Buffer (states, tokens, mask) rows of one rollout, after scoring the draft on a spread of
+        them (how well it kept up with the policy that sampled them). Returns the tokens added."""
         if rows:
             sample = rows[:: max(1, len(rows) // self.cfg.batch_size)][: self.cfg.batch_size]
             self.fresh = {f"{k}_fresh": v for k, v in evaluate_draft(self.draft, sample).items()
