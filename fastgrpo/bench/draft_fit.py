@@ -21,10 +21,10 @@ import torch
 from fastgrpo.backends.embedded import build_engine, draft_dir
 from fastgrpo.backends.protocols import Request
 from fastgrpo.bench.report import command_line, publish
+from fastgrpo.bench.rollout import timed_generate
 from fastgrpo.config import Config
-from fastgrpo.draft_learning.online import training_rows
-from fastgrpo.draft_learning.trainer import DraftTrainer, evaluate_draft
-from fastgrpo.engine.engine import EmbeddedEngine
+from fastgrpo.draft_learning.online import OnlineDraftLearner, training_rows
+from fastgrpo.draft_learning.trainer import evaluate_draft
 from fastgrpo.engine.sampling import SamplingParams
 from fastgrpo.models.policy import load_policy
 from fastgrpo.models.tokenizer import load_tokenizer
@@ -68,15 +68,17 @@ def fit_drafts(cfg: Config, policy_dir: Path, drafts: dict[str, Path], quick: bo
         return training_rows(ps, out)
 
     held_out = rollout(0, seed=1)
-    accept_prompts = prompts[3 * n_prompts: 3 * n_prompts + RUNNING]
+    accept_requests = [Request(p) for p in prompts[3 * n_prompts: 3 * n_prompts + RUNNING]]
 
     def score(draft: DraftHead) -> dict[str, float]:
         fit = evaluate_draft(draft, held_out)
         row = {"heldout_loss": fit["draft_loss"], "heldout_top1": fit["draft_top1"]}
         engine.update_draft(draft.state_dict().items(), version=1)
         for tree in TREES:
+            engine.set_policy(Static(tree))
             row[f"accept_{tree.name}"] = statistics.mean(
-                _accept_len(engine, tree, accept_prompts, sampling, seed) for seed in range(seeds))
+                timed_generate(engine, accept_requests, sampling, seed=100 + seed)["accept_len"]
+                for seed in range(seeds))
         return row
 
     loaded = {}
@@ -88,22 +90,12 @@ def fit_drafts(cfg: Config, policy_dir: Path, drafts: dict[str, Path], quick: bo
                     "running": RUNNING, "seeds": seeds, "scores": {name: score(d) for name, d in loaded.items()}}
     if adapt_steps:
         first = next(iter(loaded))
-        draft = copy.deepcopy(loaded[first])
-        trainer = DraftTrainer(draft, lr=cfg.draft.online_lr, max_tokens=cfg.draft.online_buffer_tokens,
-                               batch_size=cfg.draft.batch_size, seed=cfg.seed)
-        for row in rollout(n_prompts, seed=2) + rollout(2 * n_prompts, seed=3):
-            trainer.add(*row)
-        trainer.train(adapt_steps)
+        learner = OnlineDraftLearner(copy.deepcopy(loaded[first]), cfg.draft, engines=[], seed=cfg.seed)
+        learner.buffer(rollout(n_prompts, seed=2) + rollout(2 * n_prompts, seed=3), policy_version=0)
+        learner.trainer.train(adapt_steps)
         result["adapted_from"], result["adapt_steps"] = first, adapt_steps
-        result["scores"][f"{first} + {adapt_steps} online steps"] = score(draft)
+        result["scores"][f"{first} + {adapt_steps} online steps"] = score(learner.draft)
     return result
-
-
-def _accept_len(engine: EmbeddedEngine, tree: SpecConfig, prompts: list[list[int]], sampling: SamplingParams,
-                seed: int) -> float:
-    engine.set_policy(Static(tree))
-    engine.generate([Request(p) for p in prompts], sampling, seed=100 + seed)
-    return engine.stats()["accept_len"]
 
 
 def bench_draft(cfg: Config, quick: bool, output: Path, policy_dir: str | None = None,

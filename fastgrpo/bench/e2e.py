@@ -57,8 +57,7 @@ def bench_e2e(cfg: Config, quick: bool, output: Path, steps: int | None = None,
                                                          "sync_budget": cfg.draft.sync_budget}}}
     for mode in MODES:
         print(f"== bench e2e: mode {mode} ({steps} steps) ==", flush=True)
-        mode_cfg = mode_config(cfg, mode, steps, output.parent / f"{output.stem}-runs")
-        run = train(mode_cfg)
+        run = train(mode_config(cfg, mode, steps, output.parent / f"{output.stem}-runs"))
         s = run.steps
         final = run.evals[steps]
         result[mode] = {"step_s": [m["step_s"] for m in s], "rollout_s": [m["rollout_s"] for m in s],
@@ -72,7 +71,7 @@ def bench_e2e(cfg: Config, quick: bool, output: Path, steps: int | None = None,
         if mode == "online":
             result[mode]["draft_train_s"] = [m["draft_train_s"] for m in s]
             result[mode]["draft_top1_fresh"] = [m["draft_top1_fresh"] for m in s]
-            final_checkpoint = Path(mode_cfg.run_dir) / "checkpoints" / f"step_{steps:08d}"
+            final_checkpoint = run.checkpoint
     # the same fixed trees, prompts and seeds for both drafts against the policy online RL ended with
     print("== bench e2e: frozen and online drafts fitted to the online run's final policy ==", flush=True)
     result["draft_fit"] = fit_drafts(cfg, final_checkpoint / "policy", {"frozen": draft_dir(cfg),

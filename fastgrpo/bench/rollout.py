@@ -34,7 +34,8 @@ UNSHARED = "off_unshared_prefill"
 STATIC_SWEEP = (SpecConfig(2, 2, 4), SpecConfig(3, 4, 8), SpecConfig(4, 4, 12), SpecConfig(5, 8, 24))
 
 
-def _run(engine: EmbeddedEngine, requests: list[Request], sampling: SamplingParams, seed: int) -> dict[str, float]:
+def timed_generate(engine: EmbeddedEngine, requests: list[Request], sampling: SamplingParams,
+                   seed: int) -> dict[str, float]:
     t = time.perf_counter()
     out = engine.generate(requests, sampling, seed=seed)
     seconds = time.perf_counter() - t
@@ -74,7 +75,7 @@ def concurrency_sweep(engine, policies, prompts, cfg, levels, tokens, reps, log)
         for rep in range(reps + 1):  # rep 0 warms up (and teaches aware its acceptance rates)
             for mode, policy in rotated(list(policies.items()), rep):
                 engine.set_policy(policy)
-                r = _run(engine, requests, sampling, seed=1000 * rep + B)
+                r = timed_generate(engine, requests, sampling, seed=1000 * rep + B)
                 if rep:
                     runs[mode].append(r)
         row = {"concurrency": B}
@@ -98,7 +99,7 @@ def grpo_batch(engine, policies, prompts, cfg, n_prompts, group, max_new, reps, 
         for mode, policy in rotated(list(contenders.items()), rep):
             engine.set_policy(policy)
             engine.share_prefill = mode != UNSHARED
-            r = _run(engine, requests, sampling, seed=77 + rep)
+            r = timed_generate(engine, requests, sampling, seed=77 + rep)
             if rep:
                 runs[mode].append(r)
     engine.share_prefill = True
@@ -126,7 +127,7 @@ def hf_generate(policy: PreTrainedModel, engine: EmbeddedEngine, prompt: list[in
                 policy.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
                                 do_sample=True, top_k=0, cache_implementation="static", pad_token_id=0)
             hf_s = time.perf_counter() - t
-            r = _run(engine, [Request(prompt, max_new_tokens=tokens)] * B,
+            r = timed_generate(engine, [Request(prompt, max_new_tokens=tokens)] * B,
                      SamplingParams(temperature=1.0, max_new_tokens=tokens, ignore_eos=True), seed=rep)
             if rep:
                 hf.append(B * tokens / hf_s)

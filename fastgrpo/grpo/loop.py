@@ -55,6 +55,7 @@ class Run:
 class TrainResult:
     steps: list[dict[str, float]]  # the metrics of every step this call ran
     evals: dict[int, dict[str, float]]  # eval results by step
+    checkpoint: Path | None = None  # the last checkpoint this call saved
 
 
 def train(cfg: Config, resume: bool = False) -> TrainResult:
@@ -94,7 +95,7 @@ def train(cfg: Config, resume: bool = False) -> TrainResult:
         if cfg.eval.every and run.step % cfg.eval.every == 0 and run.step < cfg.grpo.steps:
             result.evals[run.step] = log_eval(run, run.step)
         if run.step % cfg.checkpoint.every == 0 or run.step == cfg.grpo.steps:
-            save_checkpoint(run)
+            result.checkpoint = save_checkpoint(run)
     result.evals[run.step] = log_eval(run, run.step)
     run.tracker.end()
     if run.draft_learner is not None:
