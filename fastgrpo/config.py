@@ -105,7 +105,7 @@ class SFTConfig:
     batch_size: int = 32
     lr: float = 1e-3
     warmup_steps: int = 100
-    max_minutes: float = 15.0  # wall-clock cap; SFT stops early and saves
+    max_minutes: float = 0.0  # a guard, not a budget: stop (with a loud warning) after this long; 0 = none
     max_problem_steps: int = 8  # SFT on problems of at most this many steps: more, shorter examples per minute
     log_every: int = 50
 
@@ -236,7 +236,7 @@ def validate(c: Config) -> None:
     _check(s.examples >= 1, "sft.examples", "must be >= 1", s.examples)
     _check(s.batch_size >= 1, "sft.batch_size", "must be >= 1", s.batch_size)
     _check(s.lr > 0, "sft.lr", "must be > 0", s.lr)
-    _check(s.max_minutes > 0, "sft.max_minutes", "must be > 0", s.max_minutes)
+    _check(s.max_minutes >= 0, "sft.max_minutes", "must be >= 0 (0: no guard)", s.max_minutes)
     _check(s.max_problem_steps >= 1, "sft.max_problem_steps", "must be >= 1", s.max_problem_steps)
     _check(c.checkpoint.every >= 1, "checkpoint.every", "must be >= 1", c.checkpoint.every)
     _check(c.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", c.checkpoint.keep_last)

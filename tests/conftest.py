@@ -51,3 +51,23 @@ def tiny_draft(tiny_policy, tmp_path_factory) -> Path:
     pretrain_draft(tiny_config(out, tiny_policy, **{"draft.path": out, "draft.pretrain_steps": 150,
                                                        "draft.lr": 3e-3}))
     return out
+
+
+def first_divergence_is_a_near_tie(model, prompt: list[int], a: list[int], b: list[int], sampling, seed: int,
+                                   request: int, tol: float = 1e-4) -> bool:
+    """Two token sequences sampled with the same counter-based noise for one request: True if they
+    are equal, or if where they first differ the noise fell within `tol` of the CDF boundary between
+    the two tokens (a float-rounding flip), by a full forward of `model` over the common prefix."""
+    from fastgrpo.engine.sampling import sampling_logprobs, sampling_uniforms
+
+    t = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if t is None:
+        return len(a) == len(b)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + a[:t]])).logits[0, -1]
+    probs = sampling_logprobs(logits, sampling).double().exp()
+    u = sampling_uniforms(seed, torch.tensor(request), torch.tensor(t)).item()
+    lo, hi = sorted((a[t], b[t]))
+    boundary = probs[: lo + 1].sum().item()  # the upper edge of the lower token's CDF interval...
+    between = probs[lo + 1 : hi].sum().item()  # ...which meets the other's if nothing lies between
+    return abs(u - boundary) < tol and between < tol

@@ -10,6 +10,7 @@ from fastgrpo.engine.model import InferenceModel, KVCache, onednn_available
 from fastgrpo.engine.sampling import SamplingParams, sampling_logprobs
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.models.policy import new_policy, policy_config
+from tests.conftest import first_divergence_is_a_near_tie
 
 VOCAB = 97
 
@@ -159,3 +160,41 @@ def test_ignore_eos_keeps_sequences_running(policy):
     assert [o.token_ids for o in kept] == [o.token_ids for o in reference]
     assert all(len(o.token_ids) == 12 and o.finish_reason == "length" for o in kept)
 
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0, max_new_tokens=30),
+                                      SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=30)])
+def test_sampled_tokens_do_not_depend_on_the_batch(policy, sampling):
+    """Counter-based noise: a request's samples are the same alone, in any batch, at any slot count."""
+    ps = prompts(9, seed=4)
+    reqs = [Request(p, max_new_tokens=6 + 4 * (i % 5)) for i, p in enumerate(ps)]
+    together = [c.token_ids for c in make_engine(policy, 9).generate(reqs, sampling, seed=21)]
+    for max_batch in (1, 4):
+        again = [c.token_ids for c in make_engine(policy, max_batch).generate(reqs, sampling, seed=21)]
+        for i, (a, b) in enumerate(zip(together, again)):
+            assert first_divergence_is_a_near_tie(policy, ps[i], a, b, sampling, 21, i)
+    # the noise is the request's own: moving a request to another index (another key) resamples it
+    moved = make_engine(policy, 9).generate(reqs[1:] + reqs[:1], sampling, seed=21)
+    assert sum(c.token_ids != together[(i + 1) % 9] for i, c in enumerate(moved)) >= 7
+    other_seed = make_engine(policy, 9).generate(reqs, sampling, seed=22)
+    assert sum(c.token_ids != t for c, t in zip(other_seed, together)) >= 7
+
+
+def test_counter_based_sampling_draws_the_distribution():
+    """Inverse-CDF sampling at hashed uniforms: frequencies match the distribution, and nothing
+    outside the top-k / top-p set is ever drawn."""
+    from fastgrpo.engine.sampling import sample, sampling_uniforms
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    n = 200_000
+    u = sampling_uniforms(5, torch.arange(n), torch.zeros(n, dtype=torch.long))
+    assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.003
+    for p in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3),
+              SamplingParams(temperature=1.0, top_p=0.8)):
+        lp = sampling_logprobs(logits[None].expand(n, -1), p)
+        tokens = sample(lp, p, u)
+        freq = torch.bincount(tokens, minlength=6).double() / n
+        expected = lp[0].exp().double()
+        assert (freq[expected == 0] == 0).all()
+        se = (expected * (1 - expected) / n).sqrt()
+        assert ((freq - expected).abs() <= 4 * se + 1e-12).all(), (freq, expected)

@@ -23,7 +23,7 @@ from transformers import LlamaConfig
 
 from fastgrpo.backends.protocols import Completion, Request
 from fastgrpo.engine.model import InferenceModel, KVCache, block_mask, cache_kv
-from fastgrpo.engine.sampling import SamplingParams, sample, sampling_logprobs
+from fastgrpo.engine.sampling import SamplingParams, sample, sampling_logprobs, sampling_uniforms
 from fastgrpo.speculation.draft import DraftHead
 from fastgrpo.speculation.policy import Off, SpeculationPolicy
 from fastgrpo.speculation.tree import NonFiniteDraft, SpecConfig, draft_tree, verify_tree
@@ -118,7 +118,6 @@ class EmbeddedEngine:
         if self.draft_cache is not None:
             self.draft_cache.lengths.zero_()
             self.draft_cache.visible_from.zero_()
-        gen = torch.Generator().manual_seed(seed)
         t0 = time.perf_counter()
         waiting = deque(range(len(requests)))
         running: list[_Sequence] = []
@@ -129,7 +128,7 @@ class EmbeddedEngine:
         while waiting or running:
             if waiting and len(running) < self.max_batch:
                 joined = [waiting.popleft() for _ in range(min(len(waiting), self.max_batch - len(running)))]
-                running += self._prefill(requests, joined, len(running), sampling, gen)
+                running += self._prefill(requests, joined, len(running), sampling, seed)
             else:
                 self._swap_draft()
                 config = self.policy.choose(len(running)) if self.speculating else None
@@ -137,9 +136,9 @@ class EmbeddedEngine:
                 self._in_step = True
                 try:
                     if config is None:
-                        emitted, accepted = self._decode(running, sampling, gen), None
+                        emitted, accepted = self._decode(running, sampling, seed), None
                     else:
-                        emitted, accepted = self._speculate(running, config, sampling, gen)
+                        emitted, accepted = self._speculate(running, config, sampling, seed)
                 finally:
                     self._in_step = False
                 self.policy.observe(config, len(running), emitted, time.perf_counter() - t, accepted)
@@ -168,7 +167,7 @@ class EmbeddedEngine:
                 raise ValueError(f"request {i}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
 
     def _prefill(self, requests: list[Request], joined: list[int], first_row: int,
-                 sampling: SamplingParams, gen: torch.Generator) -> list[_Sequence]:
+                 sampling: SamplingParams, seed: int) -> list[_Sequence]:
         """Prefill new prompts into the rows after the running batch, in one right-padded forward.
 
         A prompt that several requests share (GRPO samples each prompt group_size times) is computed
@@ -193,7 +192,7 @@ class EmbeddedEngine:
         self.cache.lengths[rows] = lens  # padding keys beyond a prompt's length are never visible
         seqs = [_Sequence(index=i, prompt_len=len(p), max_new=requests[i].max_new_tokens or sampling.max_new_tokens)
                 for i, p in zip(joined, prompts)]
-        first = self._sample_one(seqs, logits[which, lens - 1], sampling, gen)
+        first = self._sample_one(seqs, logits[which, lens - 1], sampling, seed)
         if self.draft_cache is not None:
             self.draft_cache.lengths[rows] = 0
             self.draft_cache.visible_from[rows] = 0
@@ -201,20 +200,20 @@ class EmbeddedEngine:
             self._record(s, hidden[w, : len(p)], p[1:] + [t])
         return seqs
 
-    def _decode(self, running: list[_Sequence], sampling: SamplingParams, gen: torch.Generator) -> int:
+    def _decode(self, running: list[_Sequence], sampling: SamplingParams, seed: int) -> int:
         rows = slice(0, len(running))
         tokens = torch.tensor([[s.pending] for s in running])
         logits, hidden = self.model.forward(tokens, self.cache, rows)
         self.cache.lengths[rows] += 1
-        new = self._sample_one(running, logits[:, 0], sampling, gen)
+        new = self._sample_one(running, logits[:, 0], sampling, seed)
         for s, h, t in zip(running, hidden, new):
             self._record(s, h, [t])
         return len(running)
 
     def _sample_one(self, seqs: list[_Sequence], logits: Tensor, sampling: SamplingParams,
-                    gen: torch.Generator) -> list[int]:
+                    seed: int) -> list[int]:
         logprobs = sampling_logprobs(logits, sampling)
-        chosen = sample(logprobs, sampling, gen)
+        chosen = sample(logprobs, sampling, _uniforms(seqs, sampling, seed))
         chosen_lp = logprobs.gather(-1, chosen[:, None])[:, 0]
         toks = chosen.tolist()
         for s, tok, lp in zip(seqs, toks, chosen_lp.tolist()):
@@ -238,7 +237,7 @@ class EmbeddedEngine:
 
     # -- speculation ----------------------------------------------------------------------
     def _speculate(self, running: list[_Sequence], config: SpecConfig, sampling: SamplingParams,
-                   gen: torch.Generator) -> tuple[int, list[int] | None]:
+                   seed: int) -> tuple[int, list[int] | None]:
         """One draft-tree-verify step for all running sequences: (tokens emitted, accepted per sequence)."""
         assert self.draft is not None and self.draft_cache is not None
         B = len(running)
@@ -249,11 +248,12 @@ class EmbeddedEngine:
             tree = draft_tree(self.draft, self.draft_cache, rows, root_features, pending, config)
         except NonFiniteDraft as e:
             log.warning("%s (draft version %d): plain decoding for this step", e, self.draft_version)
-            return self._decode(running, sampling, gen), None
+            return self._decode(running, sampling, seed), None
         start = self.cache.lengths[rows].clone()
         logits, hidden = self.model.forward(tree.tokens, self.cache, rows, positions=start[:, None] + tree.depth,
                                             new_mask=tree.mask)
-        result = verify_tree(sampling_logprobs(logits, sampling), tree, sampling, gen)
+        result = verify_tree(sampling_logprobs(logits, sampling), tree, sampling,
+                             _uniforms(running, sampling, seed, levels=int(tree.depth.max()) + 1))
         self._keep_path(rows, start, result.path, result.accepted)
         self.cache.lengths[rows] = start + result.accepted + 1
         emitted = 0
@@ -376,6 +376,18 @@ class EmbeddedEngine:
             config_by_concurrency={b: dict(v) for b, v in sorted(self._by_config.items())},
             trace=list(self._trace),
         )
+
+
+def _uniforms(seqs: list[_Sequence], sampling: SamplingParams, seed: int, levels: int = 0) -> Tensor | None:
+    """The sampling noise of each sequence's next position ([B]), or of its next `levels` positions
+    ([B, levels], for a verify step): keyed by (seed, request, position), never by batch row."""
+    if sampling.greedy:
+        return None
+    request = torch.tensor([s.index for s in seqs])
+    position = torch.tensor([len(s.tokens) for s in seqs])
+    if levels:
+        request, position = request[:, None], position[:, None] + torch.arange(levels)
+    return sampling_uniforms(seed, request, position)
 
 
 def _last_rows(chunks: list[Tensor], n: int) -> Tensor:

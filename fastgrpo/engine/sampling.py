@@ -1,8 +1,15 @@
-"""Sampling: the distribution every emitted token is drawn from, and its log-probabilities.
+"""Sampling: the distribution every emitted token is drawn from, its log-probabilities, and the noise.
 
 `sampling_logprobs` is the single definition of "the policy's sampling distribution" (temperature,
 then top-k, then top-p, renormalised). The engine samples from it and reports its log-probabilities;
-speculative verification (later) samples from the very same function, which is what makes it lossless.
+speculative verification samples from the very same function, which is what makes it lossless.
+
+The randomness is counter-based: the token at position t of request r is the inverse-CDF sample of
+that distribution at a uniform u = hash(seed, r, t). A request's tokens are then a function of its
+own logits only, not of what else runs in the batch, of the speculation policy, or of timing; and
+since verification samples each position with that position's u, speculative and plain decoding
+emit the same tokens (up to float rounding flipping a sample that lands on a CDF boundary). Each u
+is used for exactly one emitted token, so samples stay exact draws of the distribution.
 """
 
 from __future__ import annotations
@@ -58,9 +65,42 @@ def sampling_logprobs(logits: Tensor, p: SamplingParams) -> Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-def sample(logprobs: Tensor, p: SamplingParams, generator: torch.Generator | None) -> Tensor:
-    """One token per row of `logprobs` [..., V]."""
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """(x * c) mod 2^32 for x in [0, 2^32), in int64 without overflow (same bits on every device)."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer finaliser (xorshift-multiply, constants of Wellons' "lowbias32")."""
+    x = x & _M32
+    x = _mul32(x ^ (x >> 16), 0x7FEB352D)
+    x = _mul32(x ^ (x >> 15), 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def sampling_uniforms(seed: int, request: Tensor, position: Tensor) -> Tensor:
+    """Uniforms in (0, 1), float64 with 53 random bits, one per (seed, request, position) element."""
+    request, position = torch.broadcast_tensors(request.long(), position.long())
+    key = _mix32(torch.tensor(seed & _M32) + _mix32(torch.tensor((seed >> 32) & _M32)))
+    h = _mix32(_mix32(key + request) + position)
+    h2 = _mix32(h ^ 0x9E3779B9)
+    bits = (h << 21) | (h2 >> 11)  # 32 + 21 bits
+    return (bits.double() + 0.5) / 2.0**53
+
+
+def sample(logprobs: Tensor, p: SamplingParams, uniforms: Tensor | None = None) -> Tensor:
+    """One token per row of `logprobs` [..., V]: the inverse-CDF sample at `uniforms` [...]
+    (from `sampling_uniforms`; fresh torch randomness if None). Tokens outside the top-k / top-p set
+    have probability 0, so they own an empty CDF interval and are never returned."""
     if p.greedy:
         return logprobs.argmax(dim=-1)
-    flat = logprobs.reshape(-1, logprobs.shape[-1]).exp()
-    return torch.multinomial(flat, 1, generator=generator).view(logprobs.shape[:-1])
+    if uniforms is None:
+        uniforms = torch.rand(logprobs.shape[:-1], dtype=torch.float64)
+    cdf = logprobs.double().exp().cumsum(-1)
+    total = cdf[..., -1:]
+    target = torch.minimum(uniforms[..., None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True)[..., 0]

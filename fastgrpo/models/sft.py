@@ -11,6 +11,7 @@ import math
 import random
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -69,22 +70,23 @@ def build_policy(cfg: Config, out_dir: str | Path | None = None) -> dict[str, fl
     s = cfg.sft
     steps = max(1, s.examples // s.batch_size)
     print(f"SFT: {cfg.model.size} policy, {num_parameters(model) / 1e6:.1f}M parameters, vocab {len(tokenizer)}, "
-          f"{steps} steps of {s.batch_size} (cap {s.max_minutes:g} min)", flush=True)
+          f"{steps} steps of {s.batch_size}", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.01, betas=(0.9, 0.95))
     batches = _batches(examples, s.batch_size, random.Random(cfg.seed))
     t0 = time.perf_counter()
     model.train()
     bar = tqdm(range(steps), desc="sft", mininterval=2.0)
     loss_avg = float("nan")
+    done = 0
     for step in bar:
-        # cosine decay over whichever ends first, the step budget or the time budget
-        progress = max(step / steps, (time.perf_counter() - t0) / (60 * s.max_minutes))
-        if progress >= 1.0:
-            print(f"SFT: time budget reached after {step} steps", flush=True)
+        # a fixed number of steps, so the policy is the same on any machine; the clock is only a guard
+        if s.max_minutes and time.perf_counter() - t0 > 60 * s.max_minutes:
+            warnings.warn(f"SFT stopped by the sft.max_minutes guard after {step} of {steps} steps: this policy "
+                          f"is NOT the reference one for this config (results will differ from a full run)")
             break
         warm = min(1.0, (step + 1) / max(s.warmup_steps, 1))
         for group in opt.param_groups:
-            group["lr"] = s.lr * warm * 0.5 * (1 + math.cos(math.pi * progress))
+            group["lr"] = s.lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
         ids, labels, attn = _collate(next(batches), tokenizer.pad_token_id)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad(set_to_none=True)
@@ -94,6 +96,7 @@ def build_policy(cfg: Config, out_dir: str | Path | None = None) -> dict[str, fl
         loss_avg = loss.item() if math.isnan(loss_avg) else 0.95 * loss_avg + 0.05 * loss.item()
         if step % s.log_every == 0:
             bar.set_postfix(loss=f"{loss_avg:.3f}")
+        done = step + 1
     bar.close()
     model.eval()
     minutes = (time.perf_counter() - t0) / 60
@@ -104,7 +107,8 @@ def build_policy(cfg: Config, out_dir: str | Path | None = None) -> dict[str, fl
     accuracy = evaluate(engine, tokenizer, encode_problems(evals, tokenizer, cfg.model.max_context, "eval"),
                         cfg.eval.samples, cfg.rollout.temperature, cfg.rollout.max_new_tokens,
                         cfg.task.reward_timeout_s, seed=cfg.seed)
-    report = {"train_loss": loss_avg, "minutes": minutes, "parameters": num_parameters(model)} | accuracy
+    report = {"train_loss": loss_avg, "minutes": minutes, "parameters": num_parameters(model), "steps": done,
+              "complete": float(done == steps)} | accuracy
     print("SFT done: " + ", ".join(f"{k} {v:.4g}" for k, v in report.items()), flush=True)
 
     tmp = out.with_name(out.name + ".tmp")  # write whole, then rename: never a half-written policy

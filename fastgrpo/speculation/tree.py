@@ -135,8 +135,10 @@ class Verified:
     accepted: Tensor  # [B] draft tokens accepted; accepted + 1 tokens are emitted
 
 
-def verify_tree(logprobs: Tensor, tree: Tree, sampling: SamplingParams, generator: torch.Generator | None) -> Verified:
-    """logprobs [B, N, V]: the target's sampling distribution after each tree node."""
+def verify_tree(logprobs: Tensor, tree: Tree, sampling: SamplingParams, uniforms: Tensor | None) -> Verified:
+    """logprobs [B, N, V]: the target's sampling distribution after each tree node; uniforms [B, D + 1]:
+    the sampling noise of the positions the step can emit (the k-th emitted token uses column k, as
+    plain decoding of that position would), or None for fresh randomness."""
     B, N = tree.tokens.shape
     D = int(tree.depth.max())
     rows = torch.arange(B)
@@ -149,7 +151,7 @@ def verify_tree(logprobs: Tensor, tree: Tree, sampling: SamplingParams, generato
     not_root = torch.arange(N) > 0
     for step in range(D + 1):
         lp = logprobs[rows, cur]
-        x = sample(lp, sampling, generator)  # a fresh target sample at the current node
+        x = sample(lp, sampling, None if uniforms is None else uniforms[:, step])  # a target sample at the current node
         live = ~done
         tokens[live, step] = x[live]
         token_lp[live, step] = lp[rows, x][live]
