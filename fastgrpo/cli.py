@@ -67,15 +67,23 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from fastgrpo.bench.draft_fit import bench_draft
     from fastgrpo.bench.e2e import bench_e2e
     from fastgrpo.bench.forward import bench_forward
+    from fastgrpo.bench.learning import bench_learning
     from fastgrpo.bench.rollout import bench_rollout
     from fastgrpo.bench.shapes import bench_shapes
 
     benches = {"rollout": bench_rollout, "e2e": bench_e2e, "forward": bench_forward, "shapes": bench_shapes,
-               "draft": lambda cfg, quick, output, extra: bench_draft(cfg, quick, output, args.policy, extra=extra)}
+               "draft": lambda cfg, quick, output, extra: bench_draft(cfg, quick, output, args.policy, extra=extra),
+               "learning": lambda cfg, quick, output, extra: bench_learning(cfg, quick, output, args.seeds,
+                                                                            args.steps, args.every, extra=extra)}
     if args.what not in benches:
         raise ValueError(f"unknown benchmark {args.what!r}; available: {', '.join(benches)}")
     if args.policy and args.what != "draft":
         raise ValueError(f"--policy is for `bench draft`, not `bench {args.what}`")
+    for flag in ("seeds", "steps", "every"):
+        if getattr(args, flag) is not None and args.what != "learning":
+            raise ValueError(f"--{flag} is for `bench learning`, not `bench {args.what}`")
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     cfg = _config(args)
     ensure_policy_and_draft(cfg)
     extra = [*(["--config", args.config] if args.config else []), *args.overrides,
@@ -85,6 +93,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from fastgrpo.engine.engine import EmbeddedEngine
+    from fastgrpo.engine.sampling import SamplingParams
     from fastgrpo.grpo.evaluate import evaluate
     from fastgrpo.models.policy import load_policy
     from fastgrpo.models.tokenizer import load_tokenizer
@@ -97,11 +106,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
     engine = EmbeddedEngine(policy.config, cfg.rollout.max_batch, cfg.model.max_context,
                             eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
     engine.update_weights(policy.state_dict().items(), version=0)
-    _, evals = load_task(cfg.task, cfg.seed)
+    _, evals = load_task(cfg.task, cfg.eval.split)
     result = evaluate(engine, tokenizer, encode_problems(evals, tokenizer, cfg.model.max_context, "eval"),
-                      cfg.eval.samples, cfg.rollout.temperature, cfg.rollout.max_new_tokens,
-                      cfg.task.reward_timeout_s, seed=cfg.seed)
-    print(json.dumps({"checkpoint": str(policy_dir), "problems": len(evals)} | result, indent=2))
+                      cfg.eval.samples, SamplingParams.of(cfg.rollout), cfg.task.reward_timeout_s, seed=cfg.seed)
+    sampling = {k: getattr(cfg.rollout, k) for k in ("temperature", "top_p", "top_k", "max_new_tokens")}
+    print(json.dumps({"checkpoint": str(policy_dir), "split": cfg.eval.split, "problems": len(evals),
+                      "sampling": sampling} | result, indent=2))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,12 +140,16 @@ def main(argv: list[str] | None = None) -> int:
                 "`e2e` (the same GRPO run without speculation, with a frozen draft, with online draft learning) "
                 "`forward` (the policy forward by batch, tokens per sequence and matmul kernel) "
                 "`shapes` (draft and target costs for deeper, narrower policies of the same size) "
-                "or `draft` (how well drafts fit a policy, on its own samples, with fixed trees)",
+                "`draft` (how well drafts fit a policy, on its own samples, with fixed trees) "
+                "or `learning` (held-out accuracy curves of GRPO over seeds, with and without speculation)",
                 before="what")
     bench.add_argument("--quick", action="store_true", help="smaller workloads (minutes, not tens of minutes)")
     bench.add_argument("--output", help="JSON results, default bench/<what>.json (a PNG plot is written beside it)")
     bench.add_argument("--policy", help="bench draft: the policy to fit, e.g. a checkpoint's policy/ (default: "
                        "model.path); a checkpoint's own online draft is scored too")
+    bench.add_argument("--seeds", type=int, help="bench learning: run seeds 0..N-1 (default 3; 2 with --quick)")
+    bench.add_argument("--steps", type=int, help="bench learning: GRPO steps per run (default grpo.steps)")
+    bench.add_argument("--every", type=int, help="bench learning: eval every N steps (default steps // 3)")
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -30,8 +30,10 @@ class ModelConfig:
 class TaskConfig:
     source: str = "arithmetic"  # "arithmetic" (synthetic) or a path to a .jsonl / .parquet file
     eval_source: str = ""  # eval file for file sources; empty = hold out eval_size rows of `source`
+    seed: int = 0  # the data's seed (problems, splits), apart from the run's: runs of several seeds share data
     train_size: int = 20000
-    eval_size: int = 200
+    eval_size: int = 200  # the test split, what results are reported on
+    validation_size: int = 500  # held out from training to tune settings on (eval.split=validation)
     min_steps: int = 1
     max_steps: int = 24
     tail: float = 0.75  # P(k steps) ~ tail**(k-1): a long tail of long answers
@@ -66,7 +68,7 @@ class DraftConfig:
     lr: float = 1e-3  # the offline warm start (`fastgrpo draft-pretrain`)
     batch_size: int = 16
     pretrain_steps: int = 2000
-    pretrain_minutes: float = 5.0  # wall-clock cap of `fastgrpo draft-pretrain`
+    pretrain_minutes: float = 0.0  # a guard, not a budget: stop (with a loud warning) after this long; 0 = none
     buffer_tokens: int = 200_000  # states held for the offline warm start
     online: str = "off"  # off | sync | async: the draft keeps learning from rollout's own target states
     online_buffer_tokens: int = 50_000  # online buffer cap; the oldest states are dropped
@@ -129,6 +131,7 @@ class EvalConfig:
     samples: int = 4  # G samples per eval prompt for mean accuracy and pass@G
     every: int = 0  # steps between evals during training; 0 = only before and after
     at_start: bool = True  # evaluate the starting policy (step 0) before training
+    split: str = "test"  # "test", or "validation" to tune settings without touching the test split
 
 
 @dataclass
@@ -149,6 +152,18 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
+# keys whose documented values include the word `off`, which YAML 1.1 (and so OmegaConf) reads as false
+OFF_KEYS = (("speculation", "policy"), ("draft", "online"))
+
+
+def _off_as_word(node: Any) -> Any:
+    """`policy: off` means the mode named off, not a boolean: give those keys their word back."""
+    for section, key in OFF_KEYS:
+        if OmegaConf.select(node, f"{section}.{key}") is False:
+            node[section][key] = "off"
+    return node
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Schema defaults <- YAML file <- `key=value` overrides, then validation."""
     try:
@@ -157,12 +172,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             path = Path(path)
             if not path.is_file():
                 raise ConfigError(f"config file not found: {path}")
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+            cfg = OmegaConf.merge(cfg, _off_as_word(OmegaConf.load(path)))
         if overrides:
             for item in overrides:
                 if "=" not in item:
                     raise ConfigError(f"override {item!r} is not of the form key=value")
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+            cfg = OmegaConf.merge(cfg, _off_as_word(OmegaConf.from_dotlist(list(overrides))))
         config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
@@ -208,7 +223,7 @@ def validate(c: Config) -> None:
     _check(d.lr > 0, "draft.lr", "must be > 0", d.lr)
     _check(d.batch_size >= 1, "draft.batch_size", "must be >= 1", d.batch_size)
     _check(d.pretrain_steps >= 0, "draft.pretrain_steps", "must be >= 0", d.pretrain_steps)
-    _check(d.pretrain_minutes > 0, "draft.pretrain_minutes", "must be > 0", d.pretrain_minutes)
+    _check(d.pretrain_minutes >= 0, "draft.pretrain_minutes", "must be >= 0 (0: no guard)", d.pretrain_minutes)
     _check(d.buffer_tokens >= 1, "draft.buffer_tokens", "must be >= 1", d.buffer_tokens)
     _check(d.online in ("off", "sync", "async"), "draft.online", "must be one of off, sync, async", d.online)
     _check(d.online == "off" or sp.policy != "off", "draft.online",
@@ -242,6 +257,8 @@ def validate(c: Config) -> None:
     _check(c.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", c.checkpoint.keep_last)
     _check(c.eval.samples >= 1, "eval.samples", "must be >= 1", c.eval.samples)
     _check(c.eval.every >= 0, "eval.every", "must be >= 0", c.eval.every)
+    _check(c.eval.split in ("test", "validation"), "eval.split", "must be 'test' or 'validation'", c.eval.split)
+    _check(t.validation_size >= 1, "task.validation_size", "must be >= 1", t.validation_size)
 
 
 def to_yaml(c: Config) -> str:

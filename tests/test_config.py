@@ -52,3 +52,21 @@ def test_cli_reports_config_error_before_work(tmp_path, capsys):
     assert rc == 2
     assert "rollout.group_size" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # failed before creating anything
+
+
+def test_off_is_a_word_on_the_command_line_and_in_files(tmp_path, capsys):
+    """YAML reads a bare `off` as false; the documented spelling must still mean the mode `off`."""
+    f = tmp_path / "c.yaml"
+    f.write_text("speculation:\n  policy: off\ndraft:\n  online: off\n")
+    c = load_config(f)
+    assert c.speculation.policy == "off" and c.draft.online == "off"
+    c = load_config(None, ["speculation.policy=aware", "draft.online=sync"])
+    c = load_config(f, ["speculation.policy=off", "draft.online=off"])
+    assert c.speculation.policy == "off" and c.draft.online == "off"
+    assert load_config(None, ["speculation.policy='off'"]).speculation.policy == "off"  # the quoted form
+    with pytest.raises(ConfigError, match="speculation.policy"):
+        load_config(None, ["speculation.policy=true"])
+    # through the command: a bad override fails with the key named, `off` passes validation
+    assert main(["train", "--config", str(f), "speculation.policy=off", "draft.online=off", "grpo.steps=-1"]) == 2
+    err = capsys.readouterr().err
+    assert "grpo.steps" in err and "speculation.policy" not in err

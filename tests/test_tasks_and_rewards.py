@@ -33,9 +33,10 @@ def test_long_tail_of_steps_and_determinism():
     assert sum(v for k, v in steps.items() if k >= 15) >= 20
     assert generate_problems(20, seed=3) == generate_problems(20, seed=3)
     assert generate_problems(20, seed=3) != generate_problems(20, seed=4)
-    train, evals = arithmetic_splits(2000, 200, seed=0)
-    assert len(train) == 2000 and len(evals) == 200
-    assert not {p.prompt for p in train} & {p.prompt for p in evals}
+    train, evals, validation = arithmetic_splits(2000, 200, seed=0, validation_size=100)
+    assert len(train) == 2000 and len(evals) == 200 and len(validation) == 100
+    assert not {p.prompt for p in train} & {p.prompt for p in evals + validation}
+    assert {p.prompt for p in validation} != {p.prompt for p in evals}
     with pytest.raises(ValueError, match="tail"):
         generate_problems(3, seed=0, tail=0.0)
 

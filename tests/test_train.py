@@ -137,3 +137,31 @@ def test_draft_pretrain_and_speculative_grpo(tmp_path, tiny_policy, tiny_draft):
     assert len(stats) == 1
     record = _json.loads(stats[0].read_text())
     assert record["config_by_concurrency"] and record["trace"]
+
+
+def test_same_seed_same_run_and_speculation_does_not_change_learning(tmp_path, tiny_policy, tiny_draft):
+    """Counter-based sampling: the same seed and config give the same evals and training metrics run
+    to run, although `aware` decides from measured timings; and a run without speculation sees the
+    same rollouts, so learns the same. Also covers `bench learning` and the run's summary.json."""
+    from fastgrpo.bench.learning import bench_learning, run_config
+
+    cfg = tiny_config(tmp_path, tiny_policy, **{"draft.path": tiny_draft, "speculation.policy": "aware",
+                                                "draft.online": "sync", "speculation.cost_model_dir": tmp_path / "costs",
+                                                "task.eval_size": 24})
+    out = tmp_path / "learning.json"
+    bench_learning(cfg, quick=True, output=out, seeds=1, steps=3, every=2)
+    saved = json.loads(out.read_text())
+    on, off = saved["aware"]["seeds"][0], saved["off"]["seeds"][0]
+    assert [p["step"] for p in on["curve"]] == [0, 2, 3] and saved["seeds"][0] == on
+    assert on["curve"] == off["curve"]  # same rollouts, same updates, same evals
+    assert on["train_accuracy"] == off["train_accuracy"] and on["response_len"] == off["response_len"]
+    assert (out.with_suffix(".png")).stat().st_size > 10_000
+
+    again = train(run_config(cfg, 0, "aware", 3, 2, tmp_path / "again"))
+    first_dir = tmp_path / "learning-runs" / "aware-seed0"
+    summary = json.loads((first_dir / "summary.json").read_text())
+    assert summary["start"] == {k.removeprefix("eval/"): v for k, v in again.evals[0].items()}
+    assert summary["end"] == {k.removeprefix("eval/"): v for k, v in again.evals[3].items()}
+    for key in ["loss", "reward_mean", "response_len_mean", "grad_norm", "entropy"]:
+        assert [m[key] for m in again.steps] == list(history(first_dir, key).values()), key
+    assert summary["steps_run"] == 3 and summary["median"]["step_s"] > 0

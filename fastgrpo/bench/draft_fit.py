@@ -49,7 +49,7 @@ def fit_drafts(cfg: Config, policy_dir: Path, drafts: dict[str, Path], quick: bo
     policy, tokenizer = load_policy(policy_dir), load_tokenizer(policy_dir)
     policy.eval()
     engine = build_engine(cfg, policy, tokenizer, speculation="static")
-    _, evals = load_task(cfg.task, cfg.seed)
+    _, evals = load_task(cfg.task)
     prompts = [e.prompt_ids for e in encode_problems(evals, tokenizer, cfg.model.max_context, "eval")]
     group, n_prompts, seeds = (4, 8, 1) if quick else (cfg.rollout.group_size, 16, 3)
     if len(prompts) < 3 * n_prompts + RUNNING:

@@ -183,7 +183,7 @@ def bench_rollout(cfg: Config, quick: bool, output: Path, extra: list[str] | Non
     policy.eval()
     engine = build_engine(cfg, policy, tokenizer, speculation="aware")
     policies = _modes(engine, cfg)
-    _, evals = load_task(cfg.task, cfg.seed)
+    _, evals = load_task(cfg.task)
     prompts = [e.prompt_ids for e in encode_problems(evals, tokenizer, cfg.model.max_context, "eval")]
     reps = 3
     tokens = 48 if quick else 128

@@ -4,6 +4,8 @@ domain (the SFT corpus), the way static speculative systems get their drafts."""
 from __future__ import annotations
 
 import time
+import warnings
+
 import torch
 from tqdm import tqdm
 
@@ -50,7 +52,7 @@ def pretrain_draft(cfg: Config) -> dict[str, float]:
         torch.set_num_threads(cfg.threads)
     policy, tokenizer = load_policy(cfg.model.path), load_tokenizer(cfg.model.path)
     policy.requires_grad_(False)
-    train, evals = load_task(cfg.task, cfg.seed)
+    train, evals = load_task(cfg.task)
 
     def text(p) -> list[int]:
         response = p.solution if p.solution is not None else p.answer
@@ -68,8 +70,10 @@ def pretrain_draft(cfg: Config) -> dict[str, float]:
     bar = tqdm(range(d.pretrain_steps), desc="draft-pretrain", mininterval=2.0)
     metrics: dict[str, float] = {}
     for _ in bar:
-        if time.perf_counter() - t0 > 60 * d.pretrain_minutes:
-            print(f"draft-pretrain: time budget reached after {trainer.steps} steps", flush=True)
+        # a fixed number of steps, so the draft is the same on any machine; the clock is only a guard
+        if d.pretrain_minutes and time.perf_counter() - t0 > 60 * d.pretrain_minutes:
+            warnings.warn(f"draft-pretrain stopped by the draft.pretrain_minutes guard after {trainer.steps} of "
+                          f"{d.pretrain_steps} steps: this draft is NOT the reference one for this config")
             break
         metrics = trainer.train(max_steps=1)
         if trainer.steps % 20 == 0:
@@ -78,7 +82,7 @@ def pretrain_draft(cfg: Config) -> dict[str, float]:
     draft.eval()
     with torch.no_grad():
         _, held = draft_loss(draft, *target_states(policy, held_out[:64]))
-    report = {"steps": float(trainer.steps), "minutes": (time.perf_counter() - t0) / 60,
+    report = {"steps": float(trainer.steps), "complete": float(trainer.steps == d.pretrain_steps), "minutes": (time.perf_counter() - t0) / 60,
               "eval_top1": held["draft_top1"], "eval_loss": held["draft_loss"]}
     out = draft_dir(cfg)
     draft.save(out, extra={"pretrain": report})

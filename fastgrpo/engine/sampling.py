@@ -38,6 +38,12 @@ class SamplingParams:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
+    @classmethod
+    def of(cls, rollout) -> SamplingParams:
+        """The sampling a run's `rollout` config section asks for (rollout and eval both use it)."""
+        return cls(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                   max_new_tokens=rollout.max_new_tokens)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0

@@ -1,9 +1,13 @@
-"""Accuracy of a policy on held-out problems: greedy pass@1, mean accuracy over G samples, pass@G.
+"""Accuracy of a policy on held-out problems: greedy pass@1, mean accuracy over k samples, pass@k,
+each with its standard error over problems.
 
-(MLflow metric names cannot hold "@", hence pass1_greedy and pass_at_G.)
+(MLflow metric names cannot hold "@", hence pass1_greedy and pass_at_k.)
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 from transformers import PreTrainedTokenizerBase
 
@@ -14,21 +18,31 @@ from fastgrpo.tasks.rewards import score
 from fastgrpo.tasks.source import EncodedProblem
 
 
+def _mean_and_se(values: list[float]) -> tuple[float, float]:
+    """Mean over problems and its standard error (samples of one problem are not independent, so
+    the unit is the problem)."""
+    n = len(values)
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / max(n - 1, 1)
+    return mean, math.sqrt(var / n)
+
+
 def evaluate(engine: Engine, tokenizer: PreTrainedTokenizerBase, problems: list[EncodedProblem],
-             samples: int, temperature: float, max_new_tokens: int, timeout_s: float = 2.0,
-             seed: int = 0) -> dict[str, float]:
-    def correct(sampling: SamplingParams, repeats: int) -> list[list[float]]:
+             samples: int, sampling: SamplingParams, timeout_s: float = 2.0, seed: int = 0) -> dict[str, float]:
+    """Greedy decoding once per problem, and `samples` draws of the rollout's own sampling
+    distribution (temperature, top-k, top-p): the quantity GRPO optimises."""
+    def correct(params: SamplingParams, repeats: int) -> list[list[float]]:
         requests = [Request(e.prompt_ids) for e in problems for _ in range(repeats)]
-        outs = engine.generate(requests, sampling, seed=seed)
+        outs = engine.generate(requests, params, seed=seed)
         rewards = [score(decode_response(tokenizer, o.token_ids), problems[i // repeats].problem.answer, timeout_s)
                    for i, o in enumerate(outs)]
         return [rewards[i * repeats : (i + 1) * repeats] for i in range(len(problems))]
 
-    greedy = correct(SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens), 1)
-    sampled = correct(SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens), samples)
-    n = len(problems)
-    return {
-        "pass1_greedy": sum(g[0] for g in greedy) / n,  # pass@1 of greedy decoding
-        "mean_accuracy": sum(sum(s) / samples for s in sampled) / n,  # mean over G samples
-        f"pass_at_{samples}": sum(max(s) for s in sampled) / n,  # any of G samples right
-    }
+    greedy = correct(dataclasses.replace(sampling, temperature=0.0, top_p=1.0, top_k=0), 1)
+    sampled = correct(sampling, samples)
+    out: dict[str, float] = {}
+    for name, per_problem in (("pass1_greedy", [g[0] for g in greedy]),
+                              ("mean_accuracy", [sum(s) / samples for s in sampled]),
+                              (f"pass_at_{samples}", [max(s) for s in sampled])):
+        out[name], out[f"{name}_se"] = _mean_and_se(per_problem)
+    return out

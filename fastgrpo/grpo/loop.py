@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import logging
 import random
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,6 +38,13 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class TrainResult:
+    steps: list[dict[str, float]]  # the metrics of every step this call ran
+    evals: dict[int, dict[str, float]]  # eval results by step
+    checkpoint: Path | None = None  # the last checkpoint this call saved
+
+
+@dataclass
 class Run:
     cfg: Config
     tokenizer: PreTrainedTokenizerBase
@@ -49,20 +57,14 @@ class Run:
     checkpoints: CheckpointManager
     draft_learner: OnlineDraftLearner | AsyncDraftClient | None = None
     step: int = 0
-
-
-@dataclass
-class TrainResult:
-    steps: list[dict[str, float]]  # the metrics of every step this call ran
-    evals: dict[int, dict[str, float]]  # eval results by step
-    checkpoint: Path | None = None  # the last checkpoint this call saved
+    history: TrainResult = field(default_factory=lambda: TrainResult([], {}))  # every step so far, resumes too
 
 
 def train(cfg: Config, resume: bool = False) -> TrainResult:
     run = setup_run(cfg, resume)
     result = TrainResult([], {})
     if run.step == 0 and cfg.eval.at_start:
-        result.evals[0] = log_eval(run, step=0)
+        result.evals[0] = run.history.evals[0] = log_eval(run, step=0)
     for step in range(run.step, cfg.grpo.steps):
         t_step = time.perf_counter()
         problems = run.data.next_batch(cfg.rollout.prompts_per_step)
@@ -88,15 +90,17 @@ def train(cfg: Config, resume: bool = False) -> TrainResult:
                     "step_s": time.perf_counter() - t_step}
         run.tracker.log_metrics(metrics, step=run.step)
         result.steps.append(metrics)
+        run.history.steps.append(metrics)
         if run.engine.speculating:
             run.tracker.log_dict(rollout_stats(run.engine.stats()), f"rollout_stats/step_{run.step:06d}.json")
         print_step(run.step, cfg.grpo.steps, metrics)
 
         if cfg.eval.every and run.step % cfg.eval.every == 0 and run.step < cfg.grpo.steps:
-            result.evals[run.step] = log_eval(run, run.step)
+            result.evals[run.step] = run.history.evals[run.step] = log_eval(run, run.step)
         if run.step % cfg.checkpoint.every == 0 or run.step == cfg.grpo.steps:
             result.checkpoint = save_checkpoint(run)
-    result.evals[run.step] = log_eval(run, run.step)
+    result.evals[run.step] = run.history.evals[run.step] = log_eval(run, run.step)
+    write_summary(run)
     run.tracker.end()
     if run.draft_learner is not None:
         run.draft_learner.close()
@@ -116,7 +120,7 @@ def setup_run(cfg: Config, resume: bool) -> Run:
 
     # input errors (a missing dataset, no usable rows) surface before any model is built
     tokenizer = load_tokenizer(cfg.model.path)
-    train_problems, eval_problems = load_task(cfg.task, cfg.seed)
+    train_problems, eval_problems = load_task(cfg.task, cfg.eval.split)
     data = PromptSource(encode_problems(train_problems, tokenizer, cfg.model.max_context, "train"), cfg.seed)
     evals = encode_problems(eval_problems, tokenizer, cfg.model.max_context, "eval")
 
@@ -150,7 +154,7 @@ def setup_run(cfg: Config, resume: bool) -> Run:
 def rollout(run: Run, problems: list[EncodedProblem], seed: int) -> list[Completion]:
     """G samples of every prompt, grouped: completions[i * G + j] answers problems[i]."""
     r = run.cfg.rollout
-    sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
+    sampling = SamplingParams.of(r)
     requests = [Request(p.prompt_ids) for p in problems for _ in range(r.group_size)]
     run.engine.capture = run.draft_learner is not None  # keep the target states rollout computes anyway
     try:
@@ -229,11 +233,12 @@ def print_step(step: int, total: int, m: dict[str, float]) -> None:
 def log_eval(run: Run, step: int) -> dict[str, float]:
     c = run.cfg
     t0 = time.perf_counter()
-    result = evaluate(run.engine, run.tokenizer, run.eval_problems, c.eval.samples, c.rollout.temperature,
-                      c.rollout.max_new_tokens, c.task.reward_timeout_s, seed=c.seed)
+    result = evaluate(run.engine, run.tokenizer, run.eval_problems, c.eval.samples, SamplingParams.of(c.rollout),
+                      c.task.reward_timeout_s, seed=c.seed)
     result = {f"eval/{k}": v for k, v in result.items()}
     run.tracker.log_metrics(result, step=step)
-    print(f"eval at step {step}: " + ", ".join(f"{k[5:]} {v:.3f}" for k, v in result.items())
+    print(f"eval at step {step} ({c.eval.split}, {len(run.eval_problems)} problems): "
+          + ", ".join(f"{k[5:]} {v:.3f}±{result[k + '_se']:.3f}" for k, v in result.items() if not k.endswith("_se"))
           + f" ({time.perf_counter() - t0:.0f}s)", flush=True)
     return result
 
@@ -246,7 +251,8 @@ def save_checkpoint(run: Run) -> Path:
         run.tokenizer.save_pretrained(d / "policy")
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, d / "rng.pt")
         state = {"step": run.step, "data": run.data.state_dict(), "mlflow_run_id": run.tracker.run_id,
-                 "weights_version": run.bridge.version}
+                 "weights_version": run.bridge.version,
+                 "history": {"steps": run.history.steps, "evals": run.history.evals}}
         (d / "state.json").write_text(json.dumps(state, indent=2))
 
     path = run.checkpoints.save(run.step, write)
@@ -266,4 +272,36 @@ def restore_checkpoint(run: Run, path: Path) -> str | None:
     random.setstate(rng["python"])
     run.data.load_state_dict(state["data"])
     run.step = int(state["step"])
+    history = state.get("history", {"steps": [], "evals": {}})
+    run.history = TrainResult(history["steps"], {int(k): v for k, v in history["evals"].items()})
     return state.get("mlflow_run_id")
+
+
+def write_summary(run: Run) -> Path:
+    """`<run_dir>/summary.json`: the run's results in one file (the README's results table is made
+    from it): first and last eval, medians of the step times, rollout throughput and speculation."""
+    steps, evals = run.history.steps, run.history.evals
+
+    def median(key: str) -> float | None:
+        values = [m[key] for m in steps if key in m]
+        return statistics.median(values) if values else None
+
+    c = run.cfg
+    summary = {
+        "config": {"seed": c.seed, "steps": c.grpo.steps, "prompts_per_step": c.rollout.prompts_per_step,
+                   "group_size": c.rollout.group_size, "lr": c.optim.lr, "speculation": c.speculation.policy,
+                   "draft_online": c.draft.online, "eval_split": c.eval.split, "eval_problems": len(run.eval_problems),
+                   "eval_samples": c.eval.samples, "policy": c.model.path},
+        "start": {k.removeprefix("eval/"): v for k, v in evals[min(evals)].items()} if evals else None,
+        "start_step": min(evals) if evals else None,
+        "end": {k.removeprefix("eval/"): v for k, v in evals[max(evals)].items()} if evals else None,
+        "end_step": max(evals) if evals else None,
+        "curve": [{"step": s} | {k.removeprefix("eval/"): v for k, v in e.items()} for s, e in sorted(evals.items())],
+        "median": {k: median(k) for k in ("step_s", "rollout_s", "train_s", "draft_train_s", "weight_sync_s",
+                                          "gen_tokens_per_s", "response_len_mean", "accept_len", "spec_step_fraction")},
+        "steps_run": len(steps),
+    }
+    path = Path(c.run_dir) / "summary.json"
+    path.write_text(json.dumps(summary, indent=2))
+    print(f"summary: {path}", flush=True)
+    return path

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from fastgrpo.config import Config
 from fastgrpo.engine.engine import EmbeddedEngine
+from fastgrpo.engine.sampling import SamplingParams
 from fastgrpo.grpo.evaluate import evaluate
 from fastgrpo.models.policy import new_policy, num_parameters, policy_config
 from fastgrpo.models.tokenizer import encode_prompt, encode_response, train_tokenizer
@@ -55,7 +56,7 @@ def build_policy(cfg: Config, out_dir: str | Path | None = None) -> dict[str, fl
     out = Path(out_dir or cfg.model.path)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    train, evals = load_task(cfg.task, cfg.seed)
+    train, evals = load_task(cfg.task, cfg.eval.split)
     if any(p.solution is None for p in train):
         raise ValueError(f"task.source {cfg.task.source!r} has no worked solutions; SFT needs the synthetic task")
     tokenizer = train_tokenizer(p.prompt + "\n" + p.solution for p in train)  # type: ignore[operator]
@@ -105,8 +106,7 @@ def build_policy(cfg: Config, out_dir: str | Path | None = None) -> dict[str, fl
                             pad_id=tokenizer.pad_token_id)
     engine.update_weights(model.state_dict().items(), version=0)
     accuracy = evaluate(engine, tokenizer, encode_problems(evals, tokenizer, cfg.model.max_context, "eval"),
-                        cfg.eval.samples, cfg.rollout.temperature, cfg.rollout.max_new_tokens,
-                        cfg.task.reward_timeout_s, seed=cfg.seed)
+                        cfg.eval.samples, SamplingParams.of(cfg.rollout), cfg.task.reward_timeout_s, seed=cfg.seed)
     report = {"train_loss": loss_avg, "minutes": minutes, "parameters": num_parameters(model), "steps": done,
               "complete": float(done == steps)} | accuracy
     print("SFT done: " + ", ".join(f"{k} {v:.4g}" for k, v in report.items()), flush=True)

@@ -49,13 +49,16 @@ def generate_problems(n: int, seed: int, *, min_steps: int = 1, max_steps: int =
     return [_problem(rng, _steps(rng, min_steps, max_steps, tail), max_value, max_operand) for _ in range(n)]
 
 
-def arithmetic_splits(train_size: int, eval_size: int, seed: int, **kwargs) -> tuple[list[Problem], list[Problem]]:
+def arithmetic_splits(train_size: int, eval_size: int, seed: int, validation_size: int = 0,
+                      **kwargs) -> tuple[list[Problem], list[Problem], list[Problem]]:
+    """(train, test, validation): no prompt of the two held-out sets is a training prompt."""
     evals = generate_problems(eval_size, seed * 2 + 1, **kwargs)
-    held_out = {p.prompt for p in evals}
+    validation = generate_problems(validation_size, seed * 2 + 1 + 500_000_003, **kwargs)
+    held_out = {p.prompt for p in evals + validation}
     train: list[Problem] = []
     rng_seed = seed * 2
     while len(train) < train_size:
         batch = generate_problems(train_size - len(train), rng_seed, **kwargs)
         train += [p for p in batch if p.prompt not in held_out]
         rng_seed += 1_000_003
-    return train, evals
+    return train, evals, validation

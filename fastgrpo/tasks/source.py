@@ -17,22 +17,33 @@ from fastgrpo.tasks.problems import Problem
 log = logging.getLogger(__name__)
 
 
-def load_task(cfg: TaskConfig, seed: int) -> tuple[list[Problem], list[Problem]]:
-    """(train, eval) problems of the configured source."""
+def load_task(cfg: TaskConfig, split: str = "test") -> tuple[list[Problem], list[Problem]]:
+    """(train, held-out) problems of the configured source; `split` picks the held-out set: "test"
+    (what results are reported on) or "validation" (what settings are tuned on). Neither set's
+    prompts are trained on. The data depend on `task.seed` only, not on the run's seed."""
+    if split not in ("test", "validation"):
+        raise ValueError(f"split must be 'test' or 'validation', got {split!r}")
     if cfg.source == "arithmetic":
-        return arithmetic_splits(cfg.train_size, cfg.eval_size, seed,
-                                 min_steps=cfg.min_steps, max_steps=cfg.max_steps, tail=cfg.tail,
-                                 max_value=cfg.max_value, max_operand=cfg.max_operand)
-    train, _ = load_problems(cfg.source)
+        train, test, validation = arithmetic_splits(
+            cfg.train_size, cfg.eval_size, cfg.seed, validation_size=cfg.validation_size,
+            min_steps=cfg.min_steps, max_steps=cfg.max_steps, tail=cfg.tail, max_value=cfg.max_value,
+            max_operand=cfg.max_operand)
+        return train, test if split == "test" else validation
+    rows, _ = load_problems(cfg.source)
+    rows = list(rows)
+    random.Random(cfg.seed).shuffle(rows)
     if cfg.eval_source:
-        evals, _ = load_problems(cfg.eval_source)
-        return train, evals
-    if len(train) < 2:
-        raise DatasetError(f"{cfg.source}: need at least 2 usable rows to hold out an eval split")
-    rows = list(train)
-    random.Random(seed).shuffle(rows)
-    n_eval = min(cfg.eval_size, len(rows) // 2)
-    return rows[n_eval:], rows[:n_eval]
+        test, _ = load_problems(cfg.eval_source)
+    else:
+        if len(rows) < 2:
+            raise DatasetError(f"{cfg.source}: need at least 2 usable rows to hold out an eval split")
+        n_test = min(cfg.eval_size, len(rows) // 2)
+        test, rows = rows[:n_test], rows[n_test:]
+    n_val = min(cfg.validation_size, len(rows) // 2)
+    validation, rows = rows[:n_val], rows[n_val:]
+    if split == "validation" and not validation:
+        raise DatasetError(f"{cfg.source}: too few rows to hold out a validation split")
+    return rows, test if split == "test" else validation
 
 
 @dataclass

@@ -1,0 +1,132 @@
+"""`fastgrpo bench learning`: does GRPO raise held-out accuracy, for several seeds, with and without
+speculation?
+
+Each (seed, mode) is a whole `fastgrpo train` run from the same starting policy, with an eval every
+`--every` steps; the run seed changes the prompt order and the sampling noise (the data and the
+held-out split stay those of `task.seed`). Modes: the config's own speculation policy and `off`.
+With counter-based sampling both modes see nearly the same rollouts, so their curves should agree
+within noise: learning does not depend on speculation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from fastgrpo.bench.report import command_line, publish
+from fastgrpo.config import Config
+from fastgrpo.grpo.loop import train
+
+METRICS = ("mean_accuracy", "pass1_greedy")
+
+
+def run_config(cfg: Config, seed: int, mode: str, steps: int, every: int, run_dir: Path) -> Config:
+    online = cfg.draft.online if mode != "off" else "off"
+    return dataclasses.replace(
+        cfg, seed=seed, run_dir=str(run_dir / f"{mode}-seed{seed}"),
+        speculation=dataclasses.replace(cfg.speculation, policy=mode),
+        draft=dataclasses.replace(cfg.draft, online=online),
+        grpo=dataclasses.replace(cfg.grpo, steps=steps),
+        eval=dataclasses.replace(cfg.eval, at_start=True, every=every),
+        checkpoint=dataclasses.replace(cfg.checkpoint, every=steps + 1),
+        tracking=dataclasses.replace(cfg.tracking, run_name=f"bench-learning-{mode}-seed{seed}"))
+
+
+def _strip(evals: dict[str, float]) -> dict[str, float]:
+    return {k.removeprefix("eval/"): v for k, v in evals.items()}
+
+
+def bench_learning(cfg: Config, quick: bool, output: Path, seeds: int | None = None, steps: int | None = None,
+                   every: int | None = None, extra: list[str] | None = None) -> dict:
+    seeds = seeds or (2 if quick else 3)
+    steps = steps or (4 if quick else cfg.grpo.steps)
+    every = every or max(1, steps // 3)
+    modes = [cfg.speculation.policy] + (["off"] if cfg.speculation.policy != "off" else [])
+    t0 = time.perf_counter()
+    result: dict = {"steps": steps, "every": every, "modes": modes,
+                    "meta": {"date": datetime.date.today().isoformat(), "quick": quick,
+                             "cores": torch.get_num_threads(), "torch": torch.__version__,
+                             "config": {"policy": cfg.model.path, "lr": cfg.optim.lr,
+                                        "prompts_per_step": cfg.rollout.prompts_per_step,
+                                        "group_size": cfg.rollout.group_size, "eval_split": cfg.eval.split,
+                                        "eval_problems": cfg.task.eval_size if cfg.eval.split == "test"
+                                        else cfg.task.validation_size, "eval_samples": cfg.eval.samples}}}
+    runs_dir = output.parent / f"{output.stem}-runs"
+    for mode in modes:
+        result[mode] = {"seeds": []}
+        for seed in range(seeds):
+            print(f"== bench learning: {mode}, seed {seed} ({steps} steps) ==", flush=True)
+            run = train(run_config(cfg, seed, mode, steps, every, runs_dir))
+            curve = [{"step": s} | _strip(e) for s, e in sorted(run.evals.items())]
+            result[mode]["seeds"].append({
+                "seed": seed, "start": curve[0], "end": curve[-1], "curve": curve,
+                "train_accuracy": [m["accuracy"] for m in run.steps],
+                "response_len": [m["response_len_mean"] for m in run.steps]})
+        result[mode]["change"] = {k: _spread([s["end"][k] - s["start"][k] for s in result[mode]["seeds"]])
+                                  for k in METRICS}
+    result["seeds"] = result[modes[0]]["seeds"]  # the config's own mode, in the documented place
+    result["meta"]["seconds"] = time.perf_counter() - t0
+    command = command_line("learning", quick, output, (extra or []) + [f"--seeds {seeds}", f"--steps {steps}"])
+    publish(result, output, command, markdown, lambda png: plot(result, png))
+    return result
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    mean = statistics.fmean(values)
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
+    return {"mean": mean, "se": se, "min": min(values), "max": max(values)}
+
+
+def markdown(r: dict, command: str) -> str:
+    m = r["meta"]
+    lines = [f"### GRPO learning: held-out accuracy over {len(r['seeds'])} seeds ({m['date']})", "",
+             f"`{command}`", "",
+             f"{m['cores']} threads, torch {m['torch']}; {r['steps']} GRPO steps of {m['config']['prompts_per_step']} "
+             f"prompts x {m['config']['group_size']} samples at lr {m['config']['lr']:g}; eval on the "
+             f"{m['config']['eval_problems']} problems of the {m['config']['eval_split']} split "
+             f"({m['config']['eval_samples']} samples each), +- one standard error over problems.", "",
+             "| mode | seed | mean accuracy start | end | greedy pass@1 start | end |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for mode in r["modes"]:
+        for s in r[mode]["seeds"]:
+            a, b = s["start"], s["end"]
+            lines.append(f"| {mode} | {s['seed']} | {a['mean_accuracy']:.3f}±{a['mean_accuracy_se']:.3f} | "
+                         f"{b['mean_accuracy']:.3f}±{b['mean_accuracy_se']:.3f} | "
+                         f"{a['pass1_greedy']:.3f}±{a['pass1_greedy_se']:.3f} | "
+                         f"{b['pass1_greedy']:.3f}±{b['pass1_greedy_se']:.3f} |")
+    lines.append("")
+    for mode in r["modes"]:
+        c = r[mode]["change"]
+        lines.append(f"- {mode}: change in mean accuracy {c['mean_accuracy']['mean']:+.3f} "
+                     f"(seeds {c['mean_accuracy']['min']:+.3f} .. {c['mean_accuracy']['max']:+.3f}), "
+                     f"greedy pass@1 {c['pass1_greedy']['mean']:+.3f} "
+                     f"({c['pass1_greedy']['min']:+.3f} .. {c['pass1_greedy']['max']:+.3f})")
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in zip(axes, METRICS, ("mean accuracy (T = rollout's)", "greedy pass@1")):
+        for mode, style in zip(r["modes"], ("-", "--")):
+            for s in r[mode]["seeds"]:
+                steps = [p["step"] for p in s["curve"]]
+                ax.errorbar(steps, [p[key] for p in s["curve"]], yerr=[p[f"{key}_se"] for p in s["curve"]],
+                            linestyle=style, marker="o", capsize=2, label=f"{mode} seed {s['seed']}")
+        ax.set_xlabel("GRPO step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
