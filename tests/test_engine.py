@@ -1,5 +1,7 @@
 """The embedded engine against Hugging Face: same logits, same log-probabilities, same greedy text."""
 
+import math
+
 import pytest
 import torch
 
@@ -55,16 +57,30 @@ def test_kv_cache_logits_equal_full_forward(policy, kernel):
     assert torch.allclose(torch.cat(chunks, 1), ref, atol=1e-4)
 
 
-def test_engine_logprobs_equal_trainer_logprobs(policy):
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("top_p, top_k", [(1.0, 0), (0.9, 0), (1.0, 5), (0.9, 5)])
+def test_engine_logprobs_equal_trainer_logprobs(policy, temperature, top_p, top_k):
+    """The trainer scores the distribution the engine sampled from (top-k / top-p included), so the
+    truncated importance weight pi_trainer / pi_engine is 1."""
+    from fastgrpo.backends.torch_trainer import TorchPolicyTrainer
+    from fastgrpo.config import GRPOConfig, OptimConfig
+
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=20)
     engine = make_engine(policy, max_batch=4)
     ps = prompts(6)
-    out = engine.generate([Request(p) for p in ps], SamplingParams(temperature=0.7, max_new_tokens=20), seed=5)
+    out = engine.generate([Request(p) for p in ps], sampling, seed=5)
     batch = build_batch(ps, [o.token_ids for o in out], [o.logprobs for o in out], torch.zeros(6), pad_id=0)
     with torch.no_grad():
-        lp, _ = token_logprobs(policy, batch, temperature=0.7)
+        lp, entropy = token_logprobs(policy, batch, sampling)
     m = batch.response_mask
     assert m.sum() == sum(len(o.token_ids) for o in out)
     assert (lp[m] - batch.engine_logprobs[m]).abs().max() < 1e-4
+    assert torch.isfinite(entropy[m]).all() and (entropy[m] >= 0).all()
+    if top_k:
+        assert (entropy[m] <= math.log(top_k) + 1e-5).all()  # the entropy of the truncated distribution
+    trainer = TorchPolicyTrainer(policy, GRPOConfig(), OptimConfig(), sampling)
+    tis = torch.exp(trainer.logprobs(batch) - batch.engine_logprobs)[m]
+    assert (tis - 1).abs().max() < 1e-4
 
 
 def test_a_prompt_shared_by_a_group_is_prefilled_once(policy):
@@ -85,7 +101,7 @@ def test_a_prompt_shared_by_a_group_is_prefilled_once(policy):
     assert len({tuple(o.token_ids) for o in out}) > 3  # samples of one prompt differ
     batch = build_batch(ps, [o.token_ids for o in out], [o.logprobs for o in out], torch.zeros(12), pad_id=0)
     with torch.no_grad():
-        lp, _ = token_logprobs(policy, batch, temperature=1.0)
+        lp, _ = token_logprobs(policy, batch, SamplingParams(temperature=1.0))
     m = batch.response_mask
     assert (lp[m] - batch.engine_logprobs[m]).abs().max() < 1e-4
 

@@ -219,7 +219,7 @@ def test_accepted_path_cache_gives_full_forward_logprobs(small_vocab, trained_dr
     assert engine.stats()["accept_len"] > 1.2
     batch = build_batch(prompts, [o.token_ids for o in out], [o.logprobs for o in out], torch.zeros(8), pad_id=0)
     with torch.no_grad():
-        lp, _ = token_logprobs(target, batch, temperature=1.0)
+        lp, _ = token_logprobs(target, batch, SamplingParams(temperature=1.0))
     m = batch.response_mask
     assert (lp[m] - batch.engine_logprobs[m]).abs().max() < 1e-4
 

@@ -5,13 +5,14 @@ import torch
 
 from fastgrpo.backends.torch_trainer import TorchPolicyTrainer
 from fastgrpo.config import GRPOConfig, OptimConfig
+from fastgrpo.engine.sampling import SamplingParams
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.models.policy import new_policy, policy_config
 
 
 def make(seed=0, **grpo):
     policy = new_policy(policy_config("test", 50, 64, 1, 2, 0), seed=seed)
-    trainer = TorchPolicyTrainer(policy, GRPOConfig(**grpo), OptimConfig(lr=1e-2), temperature=1.0)
+    trainer = TorchPolicyTrainer(policy, GRPOConfig(**grpo), OptimConfig(lr=1e-2), SamplingParams(temperature=1.0))
     return policy, trainer
 
 

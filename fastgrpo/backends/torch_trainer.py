@@ -12,29 +12,31 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from fastgrpo.config import GRPOConfig, OptimConfig
+from fastgrpo.engine.sampling import SamplingParams, sampling_logprobs
 from fastgrpo.grpo.batch import RolloutBatch
 from fastgrpo.grpo.loss import policy_loss
 
 
-def token_logprobs(model: PreTrainedModel, batch: RolloutBatch, temperature: float) -> tuple[Tensor, Tensor]:
-    """Position-aligned log-probabilities of each token and the entropy of its distribution, [N, L]."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
-    logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, batch.input_ids[:, 1:, None])[..., 0]
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+def token_logprobs(model: PreTrainedModel, batch: RolloutBatch, sampling: SamplingParams) -> tuple[Tensor, Tensor]:
+    """Position-aligned log-probabilities of each token under the engine's sampling distribution
+    (temperature, top-k, top-p: the one definition in `sampling_logprobs`) and that distribution's
+    entropy, [N, L]."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    tokens = batch.input_ids[:, 1:]
+    logp_all = sampling_logprobs(logits, sampling, sampled=tokens)
+    logp = logp_all.gather(-1, tokens[..., None])[..., 0]
+    entropy = -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)
     pad = torch.zeros_like(logp[:, :1])
     return torch.cat([pad, logp], 1), torch.cat([pad, entropy], 1)
 
 
 class TorchPolicyTrainer:
-    def __init__(self, model: PreTrainedModel, grpo: GRPOConfig, optim: OptimConfig, temperature: float,
+    def __init__(self, model: PreTrainedModel, grpo: GRPOConfig, optim: OptimConfig, sampling: SamplingParams,
                  reference: PreTrainedModel | None = None):
         self.model = model
         self.cfg = grpo
         self.grad_clip = optim.grad_clip
-        # trainer and engine must score the same distribution: logits / T (greedy rollouts: T = 1)
-        self.temperature = temperature if temperature > 0 else 1.0
+        self.sampling = sampling  # trainer and engine score the same distribution
         self.reference = reference
         if grpo.kl_coef > 0 and reference is None:
             raise ValueError("grpo.kl_coef > 0 needs a reference policy")
@@ -55,7 +57,7 @@ class TorchPolicyTrainer:
         model = model or self.model
         out = torch.zeros(batch.input_ids.shape)
         for rows, mb in self._micro_batches(batch, list(range(batch.size))):
-            lp, _ = token_logprobs(model, mb, self.temperature)
+            lp, _ = token_logprobs(model, mb, self.sampling)
             out[rows, : lp.shape[1]] = lp
         return out
 
@@ -78,7 +80,7 @@ class TorchPolicyTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 mb_loss = 0.0
                 for micro_rows, micro in self._micro_batches(batch, mb_rows):
-                    logp, entropy = token_logprobs(self.model, micro, self.temperature)
+                    logp, entropy = token_logprobs(self.model, micro, self.sampling)
                     width = logp.shape[1]
                     old_logp = old[micro_rows, :width] if old is not None else logp.detach()
                     tis = None

@@ -49,15 +49,19 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def sampling_logprobs(logits: Tensor, p: SamplingParams) -> Tensor:
+def sampling_logprobs(logits: Tensor, p: SamplingParams, sampled: Tensor | None = None) -> Tensor:
     """Log-probabilities of the sampling distribution, -inf outside the top-k / top-p set.
 
     Greedy decoding reports the temperature-1 log-probabilities (its own distribution is a point mass).
+    The trainer scores tokens the engine sampled with this same function on its own logits; `sampled`
+    ([...] token ids) are kept in the set even if the trainer's logits, a rounding error away from
+    the engine's, would put one just outside it (its log-probability stays finite).
     """
     logits = logits.float()
     if p.greedy:
         return torch.log_softmax(logits, dim=-1)
     logits = logits / p.temperature
+    scaled = logits
     if p.top_k > 0 and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -68,6 +72,9 @@ def sampling_logprobs(logits: Tensor, p: SamplingParams) -> Tensor:
         drop_sorted = (probs.cumsum(-1) - probs) >= p.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if sampled is not None and (p.top_k or p.top_p < 1.0):
+        idx = sampled[..., None]
+        logits = logits.scatter(-1, idx, scaled.gather(-1, idx))
     return torch.log_softmax(logits, dim=-1)
 
 

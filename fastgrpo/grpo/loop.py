@@ -126,7 +126,7 @@ def setup_run(cfg: Config, resume: bool) -> Run:
 
     policy = load_policy(latest / "policy" if latest else cfg.model.path)
     reference = load_policy(cfg.model.path) if cfg.grpo.kl_coef > 0 else None
-    trainer = TorchPolicyTrainer(policy, cfg.grpo, cfg.optim, cfg.rollout.temperature, reference)
+    trainer = TorchPolicyTrainer(policy, cfg.grpo, cfg.optim, SamplingParams.of(cfg.rollout), reference)
     engine = build_engine(cfg, policy, tokenizer)
     bridge = WeightBridge([engine])
 
