@@ -40,7 +40,9 @@ def test_bench_forward_times_every_shape_with_every_kernel(tmp_path, tiny_policy
     kernels = ["dense"] + (["onednn"] if onednn_available() else [])
     assert all(r[f"{k}_ms"] > 0 for r in saved["rows"] for k in kernels)
     table = markdown(saved, "cmd").splitlines()
-    assert len(table) == 6 + len(SHAPES) and table[6].startswith("| 1 | 1 | ")
+    assert len(table) == 6 + len(SHAPES) + 8 and table[6].startswith("| 1 | 1 | ")
+    assert [r["batch"] for r in saved["sampling"]] == [1, 16, 64]
+    assert all(r["counter_ms"] > 0 and r["multinomial_ms"] > 0 for r in saved["sampling"])
 
 
 def test_bench_shapes_keeps_the_size_and_deepens_the_policy(tmp_path, tiny_policy):

@@ -18,6 +18,7 @@ from fastgrpo.bench.report import command_line, publish
 from fastgrpo.bench.rollout import rotated
 from fastgrpo.config import Config
 from fastgrpo.engine.model import InferenceModel, KVCache, onednn_available
+from fastgrpo.engine.sampling import SamplingParams, sample, sampling_logprobs, sampling_uniforms
 from fastgrpo.models.policy import load_policy, num_parameters
 
 SHAPES = ((1, 1), (1, 2), (1, 4), (1, 8), (1, 16), (4, 1), (4, 4), (16, 1), (16, 4), (64, 1), (64, 2))
@@ -50,9 +51,36 @@ def bench_forward(cfg: Config, quick: bool, output: Path, extra: list[str] | Non
     result = {"meta": {"date": datetime.date.today().isoformat(), "threads": torch.get_num_threads(),
                        "torch": torch.__version__, "parameters": num_parameters(policy), "context": CONTEXT,
                        "reps": reps},
-              "rows": rows}
+              "rows": rows, "sampling": sampling_cost(policy.config.vocab_size, reps, rows)}
     publish(result, output, command_line("forward", quick, output, extra), markdown)
     return result
+
+
+def sampling_cost(vocab: int, reps: int, rows: list[dict]) -> list[dict]:
+    """What choosing the tokens of one decode step costs: counter-based inverse-CDF sampling (the
+    engine's, noise keyed by request and position) against torch.multinomial with a generator (what
+    the engine used before), both from the same logits at temperature 1, interleaved."""
+    p = SamplingParams(temperature=1.0)
+    out = []
+    for B in (1, 16, 64):
+        logits = torch.randn(B, vocab)
+        gen = torch.Generator().manual_seed(0)
+        ways = {"counter": lambda: sample(sampling_logprobs(logits, p), p,
+                                          sampling_uniforms(7, torch.arange(B), torch.full((B,), 5))),
+                "multinomial": lambda: torch.multinomial(sampling_logprobs(logits, p).exp(), 1, generator=gen)}
+        times: dict[str, list[float]] = {k: [] for k in ways}
+        for rep in range(20 * reps + 1):
+            for k in rotated(list(ways), rep):
+                t = time.perf_counter()
+                ways[k]()
+                if rep:
+                    times[k].append(time.perf_counter() - t)
+        step = next(r["dense_ms"] for r in rows if r["batch"] == B and r["new_tokens"] == 1)
+        row = {"batch": B} | {f"{k}_ms": 1000 * statistics.median(v) for k, v in times.items()} | {"decode_ms": step}
+        out.append(row)
+        print(f"sampling B={B}: counter {row['counter_ms']:.3f} ms, multinomial {row['multinomial_ms']:.3f} ms "
+              f"(decode forward {step:.1f} ms)", flush=True)
+    return out
 
 
 def markdown(result: dict, command: str) -> str:
@@ -67,4 +95,11 @@ def markdown(result: dict, command: str) -> str:
     for r in rows:
         cells = " | ".join(f"{r[f'{k}_ms']:.1f} | {r[f'{k}_ms'] / one[k]:.2f}x" for k in kernels)
         lines.append(f"| {r['batch']} | {r['new_tokens']} | {cells} |")
+    lines += ["", "Sampling the tokens of one decode step (temperature 1, medians of "
+              f"{20 * m['reps']} interleaved repetitions), against the dense decode forward of the same batch:", "",
+              "| sequences | counter-based ms | multinomial ms | counter-based / decode forward |",
+              "| ---: | ---: | ---: | ---: |"]
+    for r in result.get("sampling", []):
+        lines.append(f"| {r['batch']} | {r['counter_ms']:.3f} | {r['multinomial_ms']:.3f} | "
+                     f"{r['counter_ms'] / r['decode_ms']:.1%} |")
     return "\n".join(lines)

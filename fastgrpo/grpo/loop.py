@@ -303,5 +303,35 @@ def write_summary(run: Run) -> Path:
     }
     path = Path(c.run_dir) / "summary.json"
     path.write_text(json.dumps(summary, indent=2))
-    print(f"summary: {path}", flush=True)
+    table = summary_markdown(summary)
+    path.with_suffix(".md").write_text(table)
+    print(f"summary: {path}\n\n{table}", flush=True)
     return path
+
+
+def summary_markdown(s: dict) -> str:
+    """The README's results table, made from a summary.json."""
+    if not s["start"] or not s["end"]:
+        return ""
+    c, m = s["config"], s["median"]
+    k = c["eval_samples"]
+    rows = [("mean accuracy (%d samples, T = rollout's)" % k, "mean_accuracy"), (f"pass@{k}", f"pass_at_{k}"),
+            ("pass@1 greedy", "pass1_greedy")]
+    lines = [f"| held-out ({c['eval_split']} split, {c['eval_problems']} problems) | step {s['start_step']} | "
+             f"step {s['end_step']} | change |", "| --- | ---: | ---: | ---: |"]
+    for label, key in rows:
+        a, b = s["start"][key], s["end"][key]
+        lines.append(f"| {label} | {100 * a:.1f}% ± {100 * s['start'][key + '_se']:.1f} | "
+                     f"{100 * b:.1f}% ± {100 * s['end'][key + '_se']:.1f} | {100 * (b - a):+.1f} |")
+
+    def fmt(key: str, unit: str = "", digits: int = 2) -> str:
+        return "-" if m.get(key) is None else f"{m[key]:.{digits}f}{unit}"
+
+    lines += ["", f"Medians over {s['steps_run']} GRPO steps (seed {c['seed']}, {c['prompts_per_step']} prompts x "
+              f"{c['group_size']} samples, lr {c['lr']:g}, speculation `{c['speculation']}`, draft `{c['draft_online']}`): "
+              f"step {fmt('step_s', ' s', 1)}, rollout {fmt('rollout_s', ' s', 1)}, policy training "
+              f"{fmt('train_s', ' s', 1)}, draft training {fmt('draft_train_s', ' s')}, weight sync "
+              f"{fmt('weight_sync_s', ' s')}; rollout {fmt('gen_tokens_per_s', ' tokens/s', 0)}, "
+              f"{fmt('response_len_mean', ' tokens', 1)} per answer, accepted length {fmt('accept_len')}, "
+              f"speculative steps {fmt('spec_step_fraction')}."]
+    return "\n".join(lines) + "\n"
