@@ -165,3 +165,14 @@ def test_same_seed_same_run_and_speculation_does_not_change_learning(tmp_path, t
     for key in ["loss", "reward_mean", "response_len_mean", "grad_norm", "entropy"]:
         assert [m[key] for m in again.steps] == list(history(first_dir, key).values()), key
     assert summary["steps_run"] == 3 and summary["median"]["step_s"] > 0
+
+
+def test_sft_is_the_same_policy_bit_for_bit(tmp_path, tiny_policy):
+    """SFT runs a fixed number of steps (no clock): building the policy again gives the same weights."""
+    from fastgrpo.models.sft import build_policy
+
+    cfg = tiny_config(tmp_path)
+    report = build_policy(cfg)
+    assert report["complete"] == 1.0 and report["steps"] == cfg.sft.examples // cfg.sft.batch_size
+    a, b = load_file(tiny_policy / "model.safetensors"), load_file(tmp_path / "policy" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
