@@ -74,15 +74,16 @@ def cmd_bench(args: argparse.Namespace) -> None:
     benches = {"rollout": bench_rollout, "e2e": bench_e2e, "forward": bench_forward, "shapes": bench_shapes,
                "draft": lambda cfg, quick, output, extra: bench_draft(cfg, quick, output, args.policy, extra=extra),
                "learning": lambda cfg, quick, output, extra: bench_learning(cfg, quick, output, args.seeds,
-                                                                            args.steps, args.every, extra=extra)}
+                                                                            args.steps, args.every, modes, extra=extra)}
     if args.what not in benches:
         raise ValueError(f"unknown benchmark {args.what!r}; available: {', '.join(benches)}")
     if args.policy and args.what != "draft":
         raise ValueError(f"--policy is for `bench draft`, not `bench {args.what}`")
-    for flag in ("seeds", "steps", "every"):
+    modes = args.modes.split(",") if args.modes else None
+    for flag in ("seeds", "steps", "every", "modes"):
         if getattr(args, flag) is not None and args.what != "learning":
             raise ValueError(f"--{flag} is for `bench learning`, not `bench {args.what}`")
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+        if flag != "modes" and getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     cfg = _config(args)
     ensure_policy_and_draft(cfg)
@@ -150,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--seeds", type=int, help="bench learning: run seeds 0..N-1 (default 3; 2 with --quick)")
     bench.add_argument("--steps", type=int, help="bench learning: GRPO steps per run (default grpo.steps)")
     bench.add_argument("--every", type=int, help="bench learning: eval every N steps (default steps // 3)")
+    bench.add_argument("--modes", help="bench learning: speculation policies to run, comma-separated "
+                       "(default: the config's own and off)")
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -43,11 +43,14 @@ def _strip(evals: dict[str, float]) -> dict[str, float]:
 
 
 def bench_learning(cfg: Config, quick: bool, output: Path, seeds: int | None = None, steps: int | None = None,
-                   every: int | None = None, extra: list[str] | None = None) -> dict:
+                   every: int | None = None, modes: list[str] | None = None, extra: list[str] | None = None) -> dict:
     seeds = seeds or (2 if quick else 3)
     steps = steps or (4 if quick else cfg.grpo.steps)
     every = every or max(1, steps // 3)
-    modes = [cfg.speculation.policy] + (["off"] if cfg.speculation.policy != "off" else [])
+    modes = modes or [cfg.speculation.policy] + (["off"] if cfg.speculation.policy != "off" else [])
+    for mode in modes:
+        if mode not in ("off", "static", "fastgrpo", "aware"):
+            raise ValueError(f"--modes: unknown speculation policy {mode!r}")
     t0 = time.perf_counter()
     result: dict = {"steps": steps, "every": every, "modes": modes,
                     "meta": {"date": datetime.date.today().isoformat(), "quick": quick,
@@ -72,7 +75,8 @@ def bench_learning(cfg: Config, quick: bool, output: Path, seeds: int | None = N
                                   for k in METRICS}
     result["seeds"] = result[modes[0]]["seeds"]  # the config's own mode, in the documented place
     result["meta"]["seconds"] = time.perf_counter() - t0
-    command = command_line("learning", quick, output, (extra or []) + [f"--seeds {seeds}", f"--steps {steps}"])
+    command = command_line("learning", quick, output, (extra or []) + [f"--seeds {seeds}", f"--steps {steps}",
+                                                                     f"--every {every}", f"--modes {','.join(modes)}"])
     publish(result, output, command, markdown, lambda png: plot(result, png))
     return result
 
