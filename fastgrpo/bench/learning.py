@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import math
 import statistics
 import time
@@ -67,8 +68,10 @@ def bench_learning(cfg: Config, quick: bool, output: Path, seeds: int | None = N
             print(f"== bench learning: {mode}, seed {seed} ({steps} steps) ==", flush=True)
             run = train(run_config(cfg, seed, mode, steps, every, runs_dir))
             curve = [{"step": s} | _strip(e) for s, e in sorted(run.evals.items())]
+            summary = json.loads((Path(run_config(cfg, seed, mode, steps, every, runs_dir).run_dir)
+                                  / "summary.json").read_text())
             result[mode]["seeds"].append({
-                "seed": seed, "start": curve[0], "end": curve[-1], "curve": curve,
+                "seed": seed, "start": curve[0], "end": curve[-1], "curve": curve, "summary": summary,
                 "train_accuracy": [m["accuracy"] for m in run.steps],
                 "response_len": [m["response_len_mean"] for m in run.steps]})
         result[mode]["change"] = {k: _spread([s["end"][k] - s["start"][k] for s in result[mode]["seeds"]])
