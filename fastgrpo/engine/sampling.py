@@ -14,6 +14,7 @@ is used for exactly one emitted token, so samples stay exact draws of the distri
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -95,11 +96,21 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
+@functools.lru_cache(maxsize=256)
+def _seed_key(seed: int) -> int:
+    """_mix32 of the seed's two 32-bit halves, on Python integers (the same bits; once per seed)."""
+    def mix(x: int) -> int:
+        x &= _M32
+        x = ((x ^ (x >> 16)) * 0x7FEB352D) & _M32
+        x = ((x ^ (x >> 15)) * 0x846CA68B) & _M32
+        return x ^ (x >> 16)
+    return mix((seed & _M32) + mix((seed >> 32) & _M32))
+
+
 def sampling_uniforms(seed: int, request: Tensor, position: Tensor) -> Tensor:
     """Uniforms in (0, 1), float64 with 53 random bits, one per (seed, request, position) element."""
     request, position = torch.broadcast_tensors(request.long(), position.long())
-    key = _mix32(torch.tensor(seed & _M32) + _mix32(torch.tensor((seed >> 32) & _M32)))
-    h = _mix32(_mix32(key + request) + position)
+    h = _mix32(_mix32(request + _seed_key(seed)) + position)
     h2 = _mix32(h ^ 0x9E3779B9)
     bits = (h << 21) | (h2 >> 11)  # 32 + 21 bits
     return (bits.double() + 0.5) / 2.0**53
