@@ -71,6 +71,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from fastgrpo.bench.rollout import bench_rollout
     from fastgrpo.bench.shapes import bench_shapes
 
+    modes = args.modes.split(",") if args.modes else None
     benches = {"rollout": bench_rollout, "e2e": bench_e2e, "forward": bench_forward, "shapes": bench_shapes,
                "draft": lambda cfg, quick, output, extra: bench_draft(cfg, quick, output, args.policy, extra=extra),
                "learning": lambda cfg, quick, output, extra: bench_learning(cfg, quick, output, args.seeds,
@@ -79,7 +80,6 @@ def cmd_bench(args: argparse.Namespace) -> None:
         raise ValueError(f"unknown benchmark {args.what!r}; available: {', '.join(benches)}")
     if args.policy and args.what != "draft":
         raise ValueError(f"--policy is for `bench draft`, not `bench {args.what}`")
-    modes = args.modes.split(",") if args.modes else None
     for flag in ("seeds", "steps", "every", "modes"):
         if getattr(args, flag) is not None and args.what != "learning":
             raise ValueError(f"--{flag} is for `bench learning`, not `bench {args.what}`")

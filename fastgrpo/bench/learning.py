@@ -39,10 +39,6 @@ def run_config(cfg: Config, seed: int, mode: str, steps: int, every: int, run_di
         tracking=dataclasses.replace(cfg.tracking, run_name=f"bench-learning-{mode}-seed{seed}"))
 
 
-def _strip(evals: dict[str, float]) -> dict[str, float]:
-    return {k.removeprefix("eval/"): v for k, v in evals.items()}
-
-
 def bench_learning(cfg: Config, quick: bool, output: Path, seeds: int | None = None, steps: int | None = None,
                    every: int | None = None, modes: list[str] | None = None, extra: list[str] | None = None) -> dict:
     seeds = seeds or (2 if quick else 3)
@@ -66,10 +62,10 @@ def bench_learning(cfg: Config, quick: bool, output: Path, seeds: int | None = N
         result[mode] = {"seeds": []}
         for seed in range(seeds):
             print(f"== bench learning: {mode}, seed {seed} ({steps} steps) ==", flush=True)
-            run = train(run_config(cfg, seed, mode, steps, every, runs_dir))
-            curve = [{"step": s} | _strip(e) for s, e in sorted(run.evals.items())]
-            summary = json.loads((Path(run_config(cfg, seed, mode, steps, every, runs_dir).run_dir)
-                                  / "summary.json").read_text())
+            run_cfg = run_config(cfg, seed, mode, steps, every, runs_dir)
+            run = train(run_cfg)
+            summary = json.loads((Path(run_cfg.run_dir) / "summary.json").read_text())
+            curve = summary["curve"]
             result[mode]["seeds"].append({
                 "seed": seed, "start": curve[0], "end": curve[-1], "curve": curve, "summary": summary,
                 "train_accuracy": [m["accuracy"] for m in run.steps],

@@ -82,8 +82,8 @@ def pretrain_draft(cfg: Config) -> dict[str, float]:
     draft.eval()
     with torch.no_grad():
         _, held = draft_loss(draft, *target_states(policy, held_out[:64]))
-    report = {"steps": float(trainer.steps), "complete": float(trainer.steps == d.pretrain_steps), "minutes": (time.perf_counter() - t0) / 60,
-              "eval_top1": held["draft_top1"], "eval_loss": held["draft_loss"]}
+    report = {"steps": float(trainer.steps), "complete": float(trainer.steps == d.pretrain_steps),
+              "minutes": (time.perf_counter() - t0) / 60, "eval_top1": held["draft_top1"], "eval_loss": held["draft_loss"]}
     out = draft_dir(cfg)
     draft.save(out, extra={"pretrain": report})
     print("draft-pretrain done: " + ", ".join(f"{k} {v:.4g}" for k, v in report.items()) + f"; saved to {out}", flush=True)

@@ -98,13 +98,8 @@ def _mix32(x: Tensor) -> Tensor:
 
 @functools.lru_cache(maxsize=256)
 def _seed_key(seed: int) -> int:
-    """_mix32 of the seed's two 32-bit halves, on Python integers (the same bits; once per seed)."""
-    def mix(x: int) -> int:
-        x &= _M32
-        x = ((x ^ (x >> 16)) * 0x7FEB352D) & _M32
-        x = ((x ^ (x >> 15)) * 0x846CA68B) & _M32
-        return x ^ (x >> 16)
-    return mix((seed & _M32) + mix((seed >> 32) & _M32))
+    """The seed's part of the hash, mixed from its two 32-bit halves: once per seed, not per step."""
+    return int(_mix32(torch.tensor(seed & _M32) + _mix32(torch.tensor((seed >> 32) & _M32))))
 
 
 def sampling_uniforms(seed: int, request: Tensor, position: Tensor) -> Tensor:

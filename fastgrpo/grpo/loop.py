@@ -62,9 +62,10 @@ class Run:
 
 def train(cfg: Config, resume: bool = False) -> TrainResult:
     run = setup_run(cfg, resume)
-    result = TrainResult([], {})
+    first_step, steps_before = run.step, len(run.history.steps)
+    checkpoint = None
     if run.step == 0 and cfg.eval.at_start:
-        result.evals[0] = run.history.evals[0] = log_eval(run, step=0)
+        log_eval(run, step=0)
     for step in range(run.step, cfg.grpo.steps):
         t_step = time.perf_counter()
         problems = run.data.next_batch(cfg.rollout.prompts_per_step)
@@ -89,22 +90,22 @@ def train(cfg: Config, resume: bool = False) -> TrainResult:
         metrics |= {"rollout_s": rollout_s, "train_s": train_s, "weight_sync_s": sync.seconds,
                     "step_s": time.perf_counter() - t_step}
         run.tracker.log_metrics(metrics, step=run.step)
-        result.steps.append(metrics)
         run.history.steps.append(metrics)
         if run.engine.speculating:
             run.tracker.log_dict(rollout_stats(run.engine.stats()), f"rollout_stats/step_{run.step:06d}.json")
         print_step(run.step, cfg.grpo.steps, metrics)
 
         if cfg.eval.every and run.step % cfg.eval.every == 0 and run.step < cfg.grpo.steps:
-            result.evals[run.step] = run.history.evals[run.step] = log_eval(run, run.step)
+            log_eval(run, run.step)
         if run.step % cfg.checkpoint.every == 0 or run.step == cfg.grpo.steps:
-            result.checkpoint = save_checkpoint(run)
-    result.evals[run.step] = run.history.evals[run.step] = log_eval(run, run.step)
+            checkpoint = save_checkpoint(run)
+    log_eval(run, run.step)
     write_summary(run)
     run.tracker.end()
     if run.draft_learner is not None:
         run.draft_learner.close()
-    return result
+    return TrainResult(run.history.steps[steps_before:],
+                       {s: e for s, e in run.history.evals.items() if s >= first_step}, checkpoint)
 
 
 def setup_run(cfg: Config, resume: bool) -> Run:
@@ -237,6 +238,7 @@ def log_eval(run: Run, step: int) -> dict[str, float]:
                       c.task.reward_timeout_s, seed=c.seed)
     result = {f"eval/{k}": v for k, v in result.items()}
     run.tracker.log_metrics(result, step=step)
+    run.history.evals[step] = result
     print(f"eval at step {step} ({c.eval.split}, {len(run.eval_problems)} problems): "
           + ", ".join(f"{k[5:]} {v:.3f}±{result[k + '_se']:.3f}" for k, v in result.items() if not k.endswith("_se"))
           + f" ({time.perf_counter() - t0:.0f}s)", flush=True)
@@ -280,7 +282,8 @@ def restore_checkpoint(run: Run, path: Path) -> str | None:
 def write_summary(run: Run) -> Path:
     """`<run_dir>/summary.json`: the run's results in one file (the README's results table is made
     from it): first and last eval, medians of the step times, rollout throughput and speculation."""
-    steps, evals = run.history.steps, run.history.evals
+    steps = run.history.steps
+    evals = {s: {k.removeprefix("eval/"): v for k, v in e.items()} for s, e in sorted(run.history.evals.items())}
 
     def median(key: str) -> float | None:
         values = [m[key] for m in steps if key in m]
@@ -292,11 +295,11 @@ def write_summary(run: Run) -> Path:
                    "group_size": c.rollout.group_size, "lr": c.optim.lr, "speculation": c.speculation.policy,
                    "draft_online": c.draft.online, "eval_split": c.eval.split, "eval_problems": len(run.eval_problems),
                    "eval_samples": c.eval.samples, "policy": c.model.path},
-        "start": {k.removeprefix("eval/"): v for k, v in evals[min(evals)].items()} if evals else None,
+        "start": evals[min(evals)] if evals else None,
         "start_step": min(evals) if evals else None,
-        "end": {k.removeprefix("eval/"): v for k, v in evals[max(evals)].items()} if evals else None,
+        "end": evals[max(evals)] if evals else None,
         "end_step": max(evals) if evals else None,
-        "curve": [{"step": s} | {k.removeprefix("eval/"): v for k, v in e.items()} for s, e in sorted(evals.items())],
+        "curve": [{"step": s} | e for s, e in evals.items()],
         "median": {k: median(k) for k in ("step_s", "rollout_s", "train_s", "draft_train_s", "weight_sync_s",
                                           "gen_tokens_per_s", "response_len_mean", "accept_len", "spec_step_fraction")},
         "steps_run": len(steps),
