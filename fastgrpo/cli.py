@@ -93,20 +93,18 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from fastgrpo.engine.engine import EmbeddedEngine
-    from fastgrpo.engine.sampling import SamplingParams
+    from fastgrpo.backends import build_engine
     from fastgrpo.grpo.evaluate import evaluate
     from fastgrpo.models.policy import load_policy
     from fastgrpo.models.tokenizer import load_tokenizer
     from fastgrpo.tasks.source import encode_problems, load_task
+    from fastgrpo.types import SamplingParams
 
     cfg = _config(args)
     path = Path(args.checkpoint) if args.checkpoint else Path(cfg.model.path)
     policy_dir = path / "policy" if (path / "policy" / "config.json").is_file() else path
     policy, tokenizer = load_policy(policy_dir), load_tokenizer(policy_dir)
-    engine = EmbeddedEngine(policy.config, cfg.rollout.max_batch, cfg.model.max_context,
-                            eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
-    engine.update_weights(policy.state_dict().items(), version=0)
+    engine = build_engine(cfg, policy.config, tokenizer, policy.state_dict().items(), speculation="off")
     _, evals = load_task(cfg.task, cfg.eval.split)
     result = evaluate(engine, tokenizer, encode_problems(evals, tokenizer, cfg.model.max_context, "eval"),
                       cfg.eval.samples, SamplingParams.of(cfg.rollout), cfg.task.reward_timeout_s, seed=cfg.seed)

@@ -135,11 +135,32 @@ class EvalConfig:
 
 
 @dataclass
+class TrainerConfig:
+    backend: str = "torch"  # the policy trainer: torch (one process, a Hugging Face model)
+
+
+@dataclass
+class EngineConfig:
+    backend: str = "embedded"  # the rollout engine: embedded (fastgrpo's own, CPU)
+
+
+@dataclass
+class ParallelConfig:
+    """The policy's layout over the world; data parallelism is what remains of it."""
+
+    tensor: int = 1
+    pipeline: int = 1
+
+
+@dataclass
 class Config:
     run_dir: str = "runs/default"
     seed: int = 0
     threads: int = 0  # torch intra-op threads; 0 = all cores
     model: ModelConfig = field(default_factory=ModelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
@@ -151,6 +172,10 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
+
+TRAINER_BACKENDS = ("torch",)  # what `backends.build_trainer` can build
+ENGINE_BACKENDS = ("embedded",)  # what `backends.build_engine` can build
+MODEL_PARALLEL_TRAINERS: tuple[str, ...] = ()  # trainers that split the policy over ranks (parallel.tensor/pipeline)
 
 # keys whose documented values include the word `off`, which YAML 1.1 (and so OmegaConf) reads as false
 OFF_KEYS = (("speculation", "policy"), ("draft", "online"))
@@ -197,6 +222,16 @@ def validate(c: Config) -> None:
     r, g, o, t, s = c.rollout, c.grpo, c.optim, c.task, c.sft
     _check(c.threads >= 0, "threads", "must be >= 0", c.threads)
     _check(c.model.size in ("test", "bench"), "model.size", "must be 'test' or 'bench'", c.model.size)
+    _check(c.trainer.backend in TRAINER_BACKENDS, "trainer.backend", f"must be one of {', '.join(TRAINER_BACKENDS)}",
+           c.trainer.backend)
+    _check(c.engine.backend in ENGINE_BACKENDS, "engine.backend", f"must be one of {', '.join(ENGINE_BACKENDS)}",
+           c.engine.backend)
+    for key in ("tensor", "pipeline"):
+        size = getattr(c.parallel, key)
+        _check(size >= 1, f"parallel.{key}", "must be >= 1", size)
+        _check(size == 1 or c.trainer.backend in MODEL_PARALLEL_TRAINERS, f"parallel.{key}",
+               f"> 1 needs a model-parallel trainer.backend (trainer.backend={c.trainer.backend} runs the "
+               f"policy whole on each rank)", size)
     _check(c.model.max_context >= 8, "model.max_context", "must be >= 8", c.model.max_context)
     _check(t.train_size >= 1, "task.train_size", "must be >= 1", t.train_size)
     _check(t.eval_size >= 1, "task.eval_size", "must be >= 1", t.eval_size)

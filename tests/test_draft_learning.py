@@ -4,13 +4,12 @@ checkpointed state, rejection of a broken update, and the training loop's metric
 import pytest
 import torch
 
-from fastgrpo.backends.protocols import Request
+from fastgrpo.types import SamplingParams, Request
 from fastgrpo.config import DraftConfig
 from fastgrpo.draft_learning.online import OnlineDraftLearner
 from fastgrpo.draft_learning.pretrain import target_states
 from fastgrpo.draft_learning.trainer import DraftTrainer
 from fastgrpo.engine.engine import EmbeddedEngine
-from fastgrpo.engine.sampling import SamplingParams
 from fastgrpo.models.policy import new_policy, policy_config
 from fastgrpo.speculation.draft import DraftHead
 from fastgrpo.speculation.policy import Static
@@ -97,10 +96,9 @@ def test_capture_needs_no_extra_target_forward_and_holds_the_true_states(target,
 
     plain = counted(engine(target, warm_draft, STATIC), "plain")
     capturing = counted(engine(target, warm_draft, STATIC), "capture")
-    capturing.capture = True
     reqs = [Request(p) for p in prompts(12, 3)]
     a = plain.generate(reqs, SAMPLING, seed=5)
-    b = capturing.generate(reqs, SAMPLING, seed=5)
+    b = capturing.generate(reqs, SAMPLING, seed=5, capture=True)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert calls["plain"] == calls["capture"]
     assert capturing.stats()["spec_steps"] > 0 and all(o.hidden is None for o in a)
@@ -117,11 +115,10 @@ def test_online_draft_recovers_acceptance_on_a_shifted_policy(target, warm_draft
     frozen = engine(policy, warm_draft, STATIC)
     online = engine(policy, warm_draft, STATIC)
     learner = learner_for(policy, warm_draft, [online])
-    online.capture = True
     fresh_top1 = []  # the published draft scored on each new rollout before it trains on it
     for round in range(4):
         ps = prompts(32, 100 + round)
-        out = online.generate([Request(p) for p in ps], SAMPLING, seed=round)
+        out = online.generate([Request(p) for p in ps], SAMPLING, seed=round, capture=True)
         learner.observe(ps, out, policy_version=1)
         fresh_top1.append(learner.fresh["draft_top1_fresh"])
         assert learner.train(budget_s=60.0)["draft_rejected"] == 0.0
@@ -137,10 +134,9 @@ def test_online_draft_recovers_acceptance_on_a_shifted_policy(target, warm_draft
 def observing_learner(target, warm_draft, prompt_seed: int, policy_version: int) -> OnlineDraftLearner:
     """A learner that has buffered one rollout of 8 prompts from a capturing engine."""
     e = engine(target, warm_draft, STATIC)
-    e.capture = True
     learner = learner_for(target, warm_draft, [e])
     ps = prompts(8, prompt_seed)
-    learner.observe(ps, e.generate([Request(p) for p in ps], SAMPLING, seed=0), policy_version=policy_version)
+    learner.observe(ps, e.generate([Request(p) for p in ps], SAMPLING, seed=0, capture=True), policy_version=policy_version)
     return learner
 
 
@@ -229,11 +225,12 @@ def test_async_draft_rank_over_gloo_publishes_versions_swapped_between_steps(tmp
 
     policy = shifted(target)
     e = engine(policy, warm_draft, STATIC)
-    e.capture = True
     draft = DraftHead(policy.config)
     draft.load_state_dict(warm_draft.state_dict())
-    draft.bind_target(policy.model.embed_tokens.weight, policy.lm_head.weight)
     client = AsyncDraftClient(draft, DraftConfig(online_lr=3e-3, batch_size=16, sync_max_steps=5), [e])
+    # the rank trains against the policy it is sent: first the unshifted target, then the shifted policy
+    client.update_weights(target.state_dict().items(), version=0)
+    client.update_weights(policy.state_dict().items(), version=1)
     swaps, generating = [], [False]
     real_update, real_generate = e.update_draft, e.generate
 
@@ -252,7 +249,8 @@ def test_async_draft_rank_over_gloo_publishes_versions_swapped_between_steps(tmp
     e.draft_source = client.poll
     try:
         ps = prompts(32, 100)
-        client.observe(ps, e.generate([Request(p) for p in ps], SAMPLING, seed=0), policy_version=1)
+        first = e.generate([Request(p) for p in ps], SAMPLING, seed=0, capture=True)
+        client.observe(ps, first, policy_version=1)
         deadline = time.monotonic() + 120
         while e.draft_version < 3 and time.monotonic() < deadline:  # rollouts go on while the draft trains
             e.generate([Request(p) for p in prompts(16, 7)], SAMPLING, seed=1)
@@ -262,7 +260,17 @@ def test_async_draft_rank_over_gloo_publishes_versions_swapped_between_steps(tmp
         assert not any(in_step for _, in_step, _ in swaps)  # never inside a decode step
         assert any(mid for _, _, mid in swaps)  # picked up mid-rollout, between decode steps
         assert client.metrics(policy_version=2)["draft_lag"] == 1.0
-        assert 0.0 <= client.metrics(policy_version=2)["draft_top1_fresh"] <= 1.0  # scored on the rank, before training
+        # the rank scored the warm draft on the first rollout before training on it, with the head it
+        # was sent last: the same score as a learner given the shifted policy's head, not the old one's
+        fresh_on_rank = client.metrics(policy_version=2)["draft_loss_fresh"]
+        fresh = {}
+        for name, head_of in (("shifted", policy), ("unshifted", target)):
+            learner = learner_for(target, warm_draft, [])
+            learner.update_weights(head_of.state_dict().items(), version=1)
+            learner.observe(ps, first, policy_version=1)
+            fresh[name] = learner.fresh["draft_loss_fresh"]
+        assert fresh_on_rank == pytest.approx(fresh["shifted"], rel=1e-5)
+        assert abs(fresh["shifted"] - fresh["unshifted"]) > 0.05 * fresh["shifted"], fresh
         client.save(tmp_path / "async")
         saved = DraftHead.load(tmp_path / "async", policy.config)
         assert (tmp_path / "async" / "draft_buffer.safetensors").is_file()

@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from fastgrpo.backends.protocols import Request
+from fastgrpo.types import SamplingParams, Request
 from fastgrpo.backends.torch_trainer import token_logprobs
 from fastgrpo.engine.engine import EmbeddedEngine
 from fastgrpo.engine.model import InferenceModel, KVCache, onednn_available
-from fastgrpo.engine.sampling import SamplingParams, sampling_logprobs
+from fastgrpo.engine.sampling import sampling_logprobs
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.models.policy import new_policy, policy_config
 from tests.conftest import first_divergence_is_a_near_tie

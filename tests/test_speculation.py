@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from fastgrpo.backends.protocols import Request
+from fastgrpo.types import SamplingParams, Request
 from fastgrpo.backends.torch_trainer import token_logprobs
 from fastgrpo.draft_learning.pretrain import target_states
 from fastgrpo.draft_learning.trainer import DraftTrainer
 from fastgrpo.engine.engine import EmbeddedEngine
 from fastgrpo.engine.model import KVCache, block_mask, cache_kv
-from fastgrpo.engine.sampling import SamplingParams, sampling_logprobs
+from fastgrpo.engine.sampling import sampling_logprobs
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.models.policy import new_policy, policy_config
 from fastgrpo.speculation.draft import DraftHead

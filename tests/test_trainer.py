@@ -5,7 +5,7 @@ import torch
 
 from fastgrpo.backends.torch_trainer import TorchPolicyTrainer
 from fastgrpo.config import GRPOConfig, OptimConfig
-from fastgrpo.engine.sampling import SamplingParams
+from fastgrpo.types import SamplingParams
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.models.policy import new_policy, policy_config
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from fastgrpo.backends.protocols import NamedTensors
 from fastgrpo.config import Config
 from fastgrpo.engine.engine import EmbeddedEngine
 from fastgrpo.speculation.cost_model import load_or_calibrate
 from fastgrpo.speculation.draft import DRAFT_WEIGHTS, DraftHead
-from fastgrpo.speculation.policy import make_policy
+from fastgrpo.speculation.policy import SpeculationPolicy, make_policy
 
 log = logging.getLogger(__name__)
 
@@ -20,29 +21,33 @@ def draft_dir(cfg: Config) -> Path:
     return Path(cfg.draft.path or cfg.model.path)
 
 
-def build_engine(cfg: Config, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                 speculation: str | None = None) -> EmbeddedEngine:
-    """An engine holding `policy`'s weights; with speculation, the draft from `draft.path` (or next
-    to the policy) and the configured policy (`speculation` overrides `cfg.speculation.policy`)."""
-    engine = EmbeddedEngine(policy.config, cfg.rollout.max_batch, cfg.model.max_context,
+def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase,
+                 weights: NamedTensors | None = None, speculation: str | None = None) -> EmbeddedEngine:
+    """An engine for a policy of `model_config`, holding `weights` if given (else the first push of
+    the weight bridge brings them); with speculation, the draft from `draft.path` (or next to the
+    policy) and the configured policy (`speculation` overrides `cfg.speculation.policy`)."""
+    engine = EmbeddedEngine(model_config, cfg.rollout.max_batch, cfg.model.max_context,
                             eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
-    engine.update_weights(policy.state_dict().items(), version=0)
+    if weights is not None:
+        engine.update_weights(weights, version=0)
     mode = speculation or cfg.speculation.policy
     if mode != "off":
-        weights = draft_dir(cfg) / DRAFT_WEIGHTS
-        if not weights.is_file():
-            raise FileNotFoundError(f"speculation.policy={mode} needs a draft at {weights}; "
+        path = draft_dir(cfg) / DRAFT_WEIGHTS
+        if not path.is_file():
+            raise FileNotFoundError(f"speculation.policy={mode} needs a draft at {path}; "
                                     f"build it with `fastgrpo draft-pretrain`")
-        draft = DraftHead.load(draft_dir(cfg), policy.config, cfg.model.max_context)
+        draft = DraftHead.load(draft_dir(cfg), model_config, cfg.model.max_context)
         engine.update_draft(draft.state_dict().items(), version=0)
-        set_speculation(engine, cfg, mode)
+        engine.set_speculation(speculation_policy(engine, cfg, mode))
     return engine
 
 
-def set_speculation(engine: EmbeddedEngine, cfg: Config, mode: str) -> None:
+def speculation_policy(engine: EmbeddedEngine, cfg: Config, mode: str) -> SpeculationPolicy:
+    """The configured speculation policy in mode `mode`; `aware` gets this machine's cost model
+    (calibrated once per machine and model shape, then read from `speculation.cost_model_dir`)."""
     costs = None
     if mode == "aware":
         assert engine.draft is not None
         costs = load_or_calibrate(engine.model, engine.draft, Path(cfg.speculation.cost_model_dir))
     sc = cfg.speculation
-    engine.set_policy(make_policy(type(sc)(**{**sc.__dict__, "policy": mode}), costs))
+    return make_policy(type(sc)(**{**sc.__dict__, "policy": mode}), costs)

@@ -1,50 +1,64 @@
 """The seams that make backends swappable (DESIGN.md section 4).
 
-A rollout engine (embedded on CPU, SGLang on GPU) and a policy trainer (torch, Megatron) only meet
-through these protocols and the weight bridge.
+A rollout engine (embedded on CPU, SGLang on GPU), a policy trainer (torch, Megatron) and a draft
+learner only meet through these protocols, the shared types (`fastgrpo.types`) and the weight
+bridge. The loop and the benchmarks use nothing else of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 from torch import Tensor
 
-from fastgrpo.engine.sampling import SamplingParams
+from fastgrpo.speculation.policy import SpeculationPolicy
+from fastgrpo.types import Completion, Request, RolloutBatch, SamplingParams
+
+NamedTensors = Iterable[tuple[str, Tensor]]  # Hugging Face names and full tensors
+DraftUpdate = tuple[NamedTensors, int]  # a draft's weights and its version
 
 
-@dataclass(frozen=True)
-class Request:
-    prompt_ids: list[int]
-    max_new_tokens: int | None = None  # None: the sampling params' limit
+class WeightConsumer(Protocol):
+    """Whatever holds a copy of the policy's weights: engines, and the draft learner (its embedding
+    and LM head are the policy's)."""
+
+    def update_weights(self, named_tensors: NamedTensors, version: int) -> None: ...
 
 
-@dataclass
-class Completion:
-    token_ids: list[int]
-    logprobs: list[float]  # of the sampling distribution, one per token
-    finish_reason: str  # "stop" (EOS), "length" (max_new_tokens), "context" (context full)
-    spec: dict[str, float] = field(default_factory=dict)  # speculation statistics
-    # with capture on: the target's final hidden states at positions 0..T-2 of prompt + response, taken
-    # from the forwards that rollout ran anyway; hidden[t] is the state after reading token t
-    hidden: Tensor | None = None
+class Engine(WeightConsumer, Protocol):
+    # polled between decode steps for a newer draft (async draft learning); None: no source
+    draft_source: Callable[[], DraftUpdate | None] | None
 
+    def generate(self, requests: list[Request], sampling: SamplingParams, seed: int = 0,
+                 capture: bool = False) -> list[Completion]:
+        """Completions in request order. `capture`: each completion also carries the target's hidden
+        states (what online draft learning trains on), taken from the forwards rollout runs anyway."""
+        ...
 
-class Engine(Protocol):
-    def generate(self, requests: list[Request], sampling: SamplingParams, seed: int = 0) -> list[Completion]: ...
-    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None: ...
-    def update_draft(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None: ...
+    def update_draft(self, named_tensors: NamedTensors, version: int) -> None: ...
+    def set_speculation(self, policy: SpeculationPolicy) -> None: ...
     def release_memory(self) -> None: ...
     def resume_memory(self) -> None: ...
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> dict[str, Any]:
+        """The last generate() call: tokens/s, accepted length, decode and speculative steps, ..."""
+        ...
 
 
 class PolicyTrainer(Protocol):
-    def logprobs(self, batch: Any) -> Tensor: ...
-    def train_step(self, batch: Any) -> dict[str, float]: ...
+    def logprobs(self, batch: RolloutBatch) -> Tensor: ...
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]: ...
     def export_weights(self) -> Iterator[tuple[str, Tensor]]: ...
     def save(self, directory: Path) -> None: ...
     def load(self, directory: Path) -> None: ...
+
+
+class DraftLearner(WeightConsumer, Protocol):
+    """Online draft learning (sync in process, or async on draft ranks)."""
+
+    def learn(self, prompts: list[list[int]], completions: list[Completion], policy_version: int,
+              budget_s: float) -> dict[str, float]: ...
+    def save(self, directory: Path) -> None: ...
+    def load(self, directory: Path) -> None: ...
+    def close(self) -> None: ...

@@ -12,8 +12,8 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from fastgrpo.config import GRPOConfig, OptimConfig
-from fastgrpo.engine.sampling import SamplingParams, sampling_logprobs
-from fastgrpo.grpo.batch import RolloutBatch
+from fastgrpo.engine.sampling import sampling_logprobs
+from fastgrpo.types import SamplingParams, RolloutBatch
 from fastgrpo.grpo.loss import policy_loss
 
 

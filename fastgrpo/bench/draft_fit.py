@@ -19,13 +19,12 @@ from pathlib import Path
 import torch
 
 from fastgrpo.backends.embedded import build_engine, draft_dir
-from fastgrpo.backends.protocols import Request
+from fastgrpo.types import SamplingParams, Request
 from fastgrpo.bench.report import command_line, publish
 from fastgrpo.bench.rollout import timed_generate
 from fastgrpo.config import Config
 from fastgrpo.draft_learning.online import OnlineDraftLearner, training_rows
 from fastgrpo.draft_learning.trainer import evaluate_draft
-from fastgrpo.engine.sampling import SamplingParams
 from fastgrpo.models.policy import load_policy
 from fastgrpo.models.tokenizer import load_tokenizer
 from fastgrpo.speculation.draft import DRAFT_WEIGHTS, DraftHead
@@ -48,7 +47,7 @@ def fit_drafts(cfg: Config, policy_dir: Path, drafts: dict[str, Path], quick: bo
     after that many online steps on two more rollouts of the policy."""
     policy, tokenizer = load_policy(policy_dir), load_tokenizer(policy_dir)
     policy.eval()
-    engine = build_engine(cfg, policy, tokenizer, speculation="static")
+    engine = build_engine(cfg, policy.config, tokenizer, policy.state_dict().items(), speculation="static")
     _, evals = load_task(cfg.task)
     prompts = [e.prompt_ids for e in encode_problems(evals, tokenizer, cfg.model.max_context, "eval")]
     group, n_prompts, seeds = (4, 8, 1) if quick else (cfg.rollout.group_size, 16, 3)
@@ -61,10 +60,8 @@ def fit_drafts(cfg: Config, policy_dir: Path, drafts: dict[str, Path], quick: bo
     def rollout(first: int, seed: int) -> list:
         """The policy's own samples with their captured target states (the rows online learning sees)."""
         ps = [p for p in prompts[first: first + n_prompts] for _ in range(group)]
-        engine.set_policy(Static(TREES[0]))
-        engine.capture = True
-        out = engine.generate([Request(p) for p in ps], sampling, seed=seed)
-        engine.capture = False
+        engine.set_speculation(Static(TREES[0]))
+        out = engine.generate([Request(p) for p in ps], sampling, seed=seed, capture=True)
         return training_rows(ps, out)
 
     held_out = rollout(0, seed=1)
@@ -75,7 +72,7 @@ def fit_drafts(cfg: Config, policy_dir: Path, drafts: dict[str, Path], quick: bo
         row = {"heldout_loss": fit["draft_loss"], "heldout_top1": fit["draft_top1"]}
         engine.update_draft(draft.state_dict().items(), version=1)
         for tree in TREES:
-            engine.set_policy(Static(tree))
+            engine.set_speculation(Static(tree))
             row[f"accept_{tree.name}"] = statistics.mean(
                 timed_generate(engine, accept_requests, sampling, seed=100 + seed)["accept_len"]
                 for seed in range(seeds))

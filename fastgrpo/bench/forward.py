@@ -18,7 +18,8 @@ from fastgrpo.bench.report import command_line, publish
 from fastgrpo.bench.rollout import rotated
 from fastgrpo.config import Config
 from fastgrpo.engine.model import InferenceModel, KVCache, onednn_available
-from fastgrpo.engine.sampling import SamplingParams, sample, sampling_logprobs, sampling_uniforms
+from fastgrpo.engine.sampling import sample, sampling_logprobs, sampling_uniforms
+from fastgrpo.types import SamplingParams
 from fastgrpo.models.policy import load_policy, num_parameters
 
 SHAPES = ((1, 1), (1, 2), (1, 4), (1, 8), (1, 16), (4, 1), (4, 4), (16, 1), (16, 4), (64, 1), (64, 2))

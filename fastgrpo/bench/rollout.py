@@ -17,12 +17,11 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from fastgrpo.backends.embedded import build_engine, set_speculation
-from fastgrpo.backends.protocols import Request
+from fastgrpo.backends.embedded import build_engine, speculation_policy
+from fastgrpo.types import SamplingParams, Request
 from fastgrpo.bench.report import command_line, publish
 from fastgrpo.config import Config
 from fastgrpo.engine.engine import EmbeddedEngine
-from fastgrpo.engine.sampling import SamplingParams
 from fastgrpo.models.policy import load_policy, num_parameters
 from fastgrpo.models.tokenizer import load_tokenizer
 from fastgrpo.speculation.policy import Static
@@ -58,11 +57,7 @@ def _median(runs: list[dict[str, float]], key: str) -> float:
 
 def _modes(engine: EmbeddedEngine, cfg: Config) -> dict[str, object]:
     """One policy object per mode, kept across repetitions (aware keeps what it learned, as in training)."""
-    policies = {}
-    for mode in MODES:
-        set_speculation(engine, cfg, mode)
-        policies[mode] = engine.policy
-    return policies
+    return {mode: speculation_policy(engine, cfg, mode) for mode in MODES}
 
 
 def concurrency_sweep(engine, policies, prompts, cfg, levels, tokens, reps, log) -> list[dict]:
@@ -74,7 +69,7 @@ def concurrency_sweep(engine, policies, prompts, cfg, levels, tokens, reps, log)
         runs: dict[str, list] = {m: [] for m in policies}
         for rep in range(reps + 1):  # rep 0 warms up (and teaches aware its acceptance rates)
             for mode, policy in rotated(list(policies.items()), rep):
-                engine.set_policy(policy)
+                engine.set_speculation(policy)
                 r = timed_generate(engine, requests, sampling, seed=1000 * rep + B)
                 if rep:
                     runs[mode].append(r)
@@ -97,7 +92,7 @@ def grpo_batch(engine, policies, prompts, cfg, n_prompts, group, max_new, reps, 
     runs: dict[str, list] = {m: [] for m in contenders}
     for rep in range(reps + 1):
         for mode, policy in rotated(list(contenders.items()), rep):
-            engine.set_policy(policy)
+            engine.set_speculation(policy)
             engine.share_prefill = mode != UNSHARED
             r = timed_generate(engine, requests, sampling, seed=77 + rep)
             if rep:
@@ -181,7 +176,7 @@ def bench_rollout(cfg: Config, quick: bool, output: Path, extra: list[str] | Non
 
     policy, tokenizer = load_policy(cfg.model.path), load_tokenizer(cfg.model.path)
     policy.eval()
-    engine = build_engine(cfg, policy, tokenizer, speculation="aware")
+    engine = build_engine(cfg, policy.config, tokenizer, policy.state_dict().items(), speculation="aware")
     policies = _modes(engine, cfg)
     _, evals = load_task(cfg.task)
     prompts = [e.prompt_ids for e in encode_problems(evals, tokenizer, cfg.model.max_context, "eval")]
@@ -196,7 +191,7 @@ def bench_rollout(cfg: Config, quick: bool, output: Path, extra: list[str] | Non
         "grpo_batch": grpo_batch(engine, policies, prompts, cfg, 4 if quick else 8, 8,
                                  128 if quick else cfg.rollout.max_new_tokens, reps, log),
     }
-    engine.set_policy(policies["off"])
+    engine.set_speculation(policies["off"])
     result["hf_generate"] = hf_generate(policy, engine, prompts[0], tokens, reps, log)
     result["bound"] = bandwidth_bound(policy, result["hf_generate"]["engine_batch1_tok_s"])
     result["meta"]["seconds"] = time.perf_counter() - t0

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from fastgrpo.backends.protocols import Engine
+from fastgrpo.backends.protocols import WeightConsumer
 
 
 @dataclass
@@ -40,19 +40,19 @@ def buckets(named_tensors: Iterable[tuple[str, Tensor]], max_bytes: int) -> Iter
 
 
 class WeightBridge:
-    def __init__(self, engines: list[Engine], bucket_bytes: int = 64 << 20):
-        self.engines = engines
+    def __init__(self, consumers: list[WeightConsumer], bucket_bytes: int = 64 << 20):
+        self.consumers = consumers  # the engines, and the draft learner (it shares the policy's embedding and head)
         self.bucket_bytes = bucket_bytes
         self.version = -1
 
     def push(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> SyncReport:
         if version <= self.version:
-            raise ValueError(f"weight version {version} is not newer than the engines' version {self.version}")
+            raise ValueError(f"weight version {version} is not newer than the consumers' version {self.version}")
         t0 = time.perf_counter()
         n = nbytes = nb = 0
         for bucket in buckets(named_tensors, self.bucket_bytes):
-            for engine in self.engines:
-                engine.update_weights(bucket, version)
+            for consumer in self.consumers:
+                consumer.update_weights(bucket, version)
             n += len(bucket)
             nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
             nb += 1

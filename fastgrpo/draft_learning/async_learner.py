@@ -7,8 +7,9 @@ engine polls it between decode steps and swaps drafts only there, never inside a
 directions are torch.distributed point-to-point messages (gloo here, NCCL on GPUs).
 
 Messages (rank 0 -> draft rank, tag STATES): a header [kind, sequences, tokens, policy_version],
-then lengths, hidden states, tokens and masks. Kinds: states, save and load (the payload is a
-directory name), stop. Draft rank -> rank 0: weights (tag WEIGHTS) as one flat tensor led by
+then lengths, hidden states, tokens and masks. Kinds: states, target (the policy's embedding and LM
+head after each weight push: the draft trains against the policy the engines verify with), save
+and load (the payload is a directory name), stop. Draft rank -> rank 0: weights (tag WEIGHTS) as one flat tensor led by
 [version, policy_version, loss, top1], and save/load acknowledgements (tag ACK).
 """
 
@@ -29,15 +30,16 @@ import torch.multiprocessing as mp
 from torch import Tensor
 from transformers import LlamaConfig
 
-from fastgrpo.backends.protocols import Completion, Engine
+from fastgrpo.backends.protocols import Engine
+from fastgrpo.types import Completion
 from fastgrpo.config import DraftConfig
 from fastgrpo.draft_learning.online import OnlineDraftLearner, training_rows
-from fastgrpo.speculation.draft import DraftHead
+from fastgrpo.speculation.draft import DraftHead, TargetTensors
 
 log = logging.getLogger(__name__)
 STATES, WEIGHTS, ACK = 1, 2, 3  # message tags
-KIND_STATES, KIND_SAVE, KIND_LOAD, KIND_STOP = 1, 2, 3, 0
-META = 5  # version, policy_version, loss, top1, top1 on the newest rollout before training, ahead of the weights
+KIND_STATES, KIND_SAVE, KIND_LOAD, KIND_TARGET, KIND_STOP = 1, 2, 3, 4, 0
+META = 6  # version, policy_version, loss, top1, loss and top1 on the newest rollout before training, ahead of the weights
 
 
 def _flat(named: Iterable[tuple[str, Tensor]]) -> Tensor:
@@ -61,11 +63,12 @@ class _Publisher:
         learner = self.learner_ref[0]
         m = learner.last_metrics
         meta = torch.tensor([float(version), float(learner.policy_version), m.get("draft_loss", math.nan),
-                             m.get("draft_top1", math.nan), learner.fresh.get("draft_top1_fresh", math.nan)])
+                             m.get("draft_top1", math.nan), learner.fresh.get("draft_loss_fresh", math.nan),
+                             learner.fresh.get("draft_top1_fresh", math.nan)])
         dist.send(torch.cat([meta, _flat(named_tensors)]), dst=0, tag=WEIGHTS)
 
 
-def _receive_messages(inbox: queue.Queue, hidden_size: int) -> None:
+def _receive_messages(inbox: queue.Queue, target_cfg: LlamaConfig) -> None:
     """Draft rank, receiver thread: blocking receives (gloo's irecv cannot be polled), one message
     at a time into the queue, so that training never waits for the network."""
     while True:
@@ -75,31 +78,37 @@ def _receive_messages(inbox: queue.Queue, hidden_size: int) -> None:
         if kind == KIND_STOP:
             inbox.put(("stop",))
             return
+        if kind == KIND_TARGET:
+            embed, head = (torch.zeros(target_cfg.vocab_size, target_cfg.hidden_size) for _ in range(2))
+            dist.recv(embed, src=0, tag=STATES)
+            dist.recv(head, src=0, tag=STATES)
+            inbox.put(("target", embed, head))
+            continue
         if kind in (KIND_SAVE, KIND_LOAD):
             name = torch.zeros(n, dtype=torch.uint8)
             dist.recv(name, src=0, tag=STATES)
             inbox.put(("save" if kind == KIND_SAVE else "load", bytes(name.tolist()).decode()))
             continue
-        payload = (torch.zeros(n, dtype=torch.long), torch.zeros(tokens, hidden_size),
+        payload = (torch.zeros(n, dtype=torch.long), torch.zeros(tokens, target_cfg.hidden_size),
                    torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens, dtype=torch.uint8))
         for t in payload:
             dist.recv(t, src=0, tag=STATES)
         inbox.put(("states", policy_version, *payload))
 
 
-def draft_rank_main(init_method: str, target_cfg: LlamaConfig, embed: Tensor, lm_head: Tensor,
-                    draft_state: dict[str, Tensor], cfg: DraftConfig, seed: int) -> None:
-    """The draft rank: receive states, train, publish; until told to stop."""
+def draft_rank_main(init_method: str, target_cfg: LlamaConfig, draft_state: dict[str, Tensor], cfg: DraftConfig,
+                    seed: int) -> None:
+    """The draft rank: receive states, train, publish; until told to stop. The policy's embedding and
+    head come with the first weight push, before any states."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=1, world_size=2)
     draft = DraftHead(target_cfg)
     draft.load_state_dict(draft_state)
-    draft.bind_target(embed, lm_head)
     ref: list[OnlineDraftLearner] = []
     learner = OnlineDraftLearner(draft, cfg, [_Publisher(ref)], seed=seed)  # type: ignore[list-item]
     ref.append(learner)
     inbox: queue.Queue = queue.Queue()
-    threading.Thread(target=_receive_messages, args=(inbox, target_cfg.hidden_size), daemon=True).start()
+    threading.Thread(target=_receive_messages, args=(inbox, target_cfg), daemon=True).start()
     while True:
         try:
             message = inbox.get(block=not learner.trainer.buffer)  # with states to learn from, never wait
@@ -108,6 +117,9 @@ def draft_rank_main(init_method: str, target_cfg: LlamaConfig, embed: Tensor, lm
             continue
         if message[0] == "stop":
             break
+        if message[0] == "target":
+            draft.bind_target(message[1], message[2])
+            continue
         if message[0] in ("save", "load"):  # a load also publishes the restored version
             (learner.save if message[0] == "save" else learner.load)(Path(message[1]))
             dist.send(torch.ones(1), dst=0, tag=ACK)
@@ -134,12 +146,13 @@ class AsyncDraftClient:
         self.shapes = {k: v.clone() for k, v in draft.state_dict().items()}
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.process = mp.get_context("spawn").Process(target=draft_rank_main, daemon=True, args=(
-            init_method, draft.cfg, draft.embed.clone(), draft.lm_head.clone(), self.shapes, cfg, seed))
+            init_method, draft.cfg, self.shapes, cfg, seed))
         self.process.start()
         dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=2)
         self.version = 0
         self.policy_version = 0
-        self.loss = self.top1 = self.top1_fresh = math.nan
+        self.target = TargetTensors(tied=bool(draft.cfg.tie_word_embeddings))
+        self.loss = self.top1 = self.loss_fresh = self.top1_fresh = math.nan
         self._latest: Tensor | None = None
         self._lock = threading.Lock()
         self._receiver = threading.Thread(target=self._receive_weights, daemon=True)
@@ -161,9 +174,17 @@ class AsyncDraftClient:
             message, self._latest = self._latest, None
         if message is None:
             return None
-        version, policy_version, self.loss, self.top1, self.top1_fresh = message[:META].tolist()
+        version, policy_version, self.loss, self.top1, self.loss_fresh, self.top1_fresh = message[:META].tolist()
         self.version, self.policy_version = int(version), int(policy_version)
         return _unflat(message[META:], self.shapes), self.version
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """A weight push: send the new policy's embedding and LM head to the draft rank, ahead of the
+        states of the rollouts that policy will sample."""
+        if (target := self.target.collect(named_tensors, version)) is not None:
+            dist.send(torch.tensor([KIND_TARGET, 0, 0, version]), dst=1, tag=STATES)
+            for t in target:
+                dist.send(t.float().contiguous(), dst=1, tag=STATES)
 
     def observe(self, prompts: list[list[int]], completions: list[Completion], policy_version: int) -> int:
         """Send the completions' captured states to the draft rank; returns the tokens sent."""
@@ -201,7 +222,8 @@ class AsyncDraftClient:
 
     def metrics(self, policy_version: int) -> dict[str, float]:
         return {"draft_version": float(self.version), "draft_lag": float(policy_version - self.policy_version),
-                "draft_loss": self.loss, "draft_top1": self.top1, "draft_top1_fresh": self.top1_fresh}
+                "draft_loss": self.loss, "draft_top1": self.top1, "draft_loss_fresh": self.loss_fresh,
+                "draft_top1_fresh": self.top1_fresh}
 
     def close(self) -> None:
         if not self.process.is_alive():

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from fastgrpo.backends.protocols import Completion, Engine
+from fastgrpo.backends.protocols import Engine
+from fastgrpo.types import Completion
 from fastgrpo.config import DraftConfig
 from fastgrpo.draft_learning.trainer import DraftTrainer, evaluate_draft
-from fastgrpo.speculation.draft import DraftHead
+from fastgrpo.speculation.draft import DraftHead, TargetTensors
 
 
 def training_rows(prompts: list[list[int]], completions: list[Completion]) -> list[tuple[Tensor, Tensor, Tensor]]:
@@ -48,6 +50,13 @@ class OnlineDraftLearner:
         self.rejected = 0
         self.last_metrics: dict[str, float] = {}
         self.fresh: dict[str, float] = {}  # the published draft scored on the newest rollout, before training on it
+        self.target = TargetTensors(tied=bool(draft.cfg.tie_word_embeddings))
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """A weight push: the draft trains against the new policy's embedding and LM head (its own
+        are the policy's), the ones the engines verify with; the other tensors pass by."""
+        if (target := self.target.collect(named_tensors, version)) is not None:
+            self.draft.bind_target(*target)
 
     def observe(self, prompts: list[list[int]], completions: list[Completion], policy_version: int) -> int:
         """Buffer each completion's captured states. Returns the tokens added."""

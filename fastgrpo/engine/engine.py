@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 from transformers import LlamaConfig
 
-from fastgrpo.backends.protocols import Completion, Request
+from fastgrpo.types import SamplingParams, Request, Completion
 from fastgrpo.engine.model import InferenceModel, KVCache, block_mask, cache_kv
-from fastgrpo.engine.sampling import SamplingParams, sample, sampling_logprobs, sampling_uniforms
+from fastgrpo.engine.sampling import sample, sampling_logprobs, sampling_uniforms
 from fastgrpo.speculation.draft import DraftHead
 from fastgrpo.speculation.policy import Off, SpeculationPolicy
 from fastgrpo.speculation.tree import NonFiniteDraft, SpecConfig, draft_tree, verify_tree
@@ -71,7 +71,7 @@ class EmbeddedEngine:
             raise ValueError(f"draft_window must be >= 1, got {draft_window}")
         self.draft_window = draft_window  # most target states the draft catches up on per row at once
         self.share_prefill = True  # prefill a prompt several requests share once (off: to measure what it saves)
-        self.capture = False  # return the target's hidden states with each completion (online draft learning)
+        self._capture = False  # this generate() call returns the target's hidden states (online draft learning)
         # async draft learning: polled between decode steps for a newer draft, (weights, version) or None
         self.draft_source: Callable[[], tuple[Iterable[tuple[str, Tensor]], int] | None] | None = None
         self._in_step = False
@@ -95,7 +95,7 @@ class EmbeddedEngine:
         self.draft.bind_target(self.model.embed, self.model.lm_head)
         self.draft_version = version
 
-    def set_policy(self, policy: SpeculationPolicy) -> None:
+    def set_speculation(self, policy: SpeculationPolicy) -> None:
         self.policy = policy
 
     def release_memory(self) -> None:
@@ -112,8 +112,10 @@ class EmbeddedEngine:
         return self.draft is not None and self.policy.name != "off"
 
     # -- generation -----------------------------------------------------------------------
-    def generate(self, requests: list[Request], sampling: SamplingParams, seed: int = 0) -> list[Completion]:
+    def generate(self, requests: list[Request], sampling: SamplingParams, seed: int = 0,
+                 capture: bool = False) -> list[Completion]:
         self._check(requests)
+        self._capture = capture
         self.cache.lengths.zero_()
         if self.draft_cache is not None:
             self.draft_cache.lengths.zero_()
@@ -275,13 +277,13 @@ class EmbeddedEngine:
         if self.speculating:
             s.draft_hidden.append(hidden)
             s.draft_tokens += next_tokens
-        if self.capture:
+        if self._capture:
             s.captured.append(hidden)
 
     def _captured(self, s: _Sequence) -> Tensor | None:
         """States of positions 0..T-2 of prompt + response (T tokens); rows computed for tokens
         past a stop are dropped."""
-        if not self.capture:
+        if not self._capture:
             return None
         return torch.cat(s.captured)[: s.prompt_len + len(s.tokens) - 1]
 

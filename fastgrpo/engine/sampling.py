@@ -15,39 +15,10 @@ is used for exactly one emitted token, so samples stay exact draws of the distri
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    max_new_tokens: int = 256
-    ignore_eos: bool = False  # benchmarks: keep every sequence running for exactly max_new_tokens
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-
-    @classmethod
-    def of(cls, rollout) -> SamplingParams:
-        """The sampling a run's `rollout` config section asks for (rollout and eval both use it)."""
-        return cls(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
-                   max_new_tokens=rollout.max_new_tokens)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from fastgrpo.types import SamplingParams
 
 
 def sampling_logprobs(logits: Tensor, p: SamplingParams, sampled: Tensor | None = None) -> Tensor:

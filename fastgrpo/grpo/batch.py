@@ -1,35 +1,11 @@
-"""The rollout batch: what the trainer needs from one rollout, as padded tensors."""
+"""Building the rollout batch (`fastgrpo.types.RolloutBatch`) from a rollout's prompts and completions."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-
-@dataclass
-class RolloutBatch:
-    """Per-position tensors [N, L]; a value at position t belongs to token t (predicted from t-1)."""
-
-    input_ids: Tensor  # prompt + response, right-padded
-    attention_mask: Tensor  # 1 on real tokens
-    response_mask: Tensor  # 1 on response tokens (the ones trained)
-    engine_logprobs: Tensor  # the engine's sampling log-probabilities of the response tokens
-    advantages: Tensor  # [N]
-
-    @property
-    def size(self) -> int:
-        return self.input_ids.shape[0]
-
-    def select(self, idx: Tensor | list[int]) -> RolloutBatch:
-        """Rows `idx`, trimmed to their longest sequence (saves compute on short micro-batches)."""
-        idx = torch.as_tensor(idx, dtype=torch.long)
-        width = int(self.attention_mask[idx].sum(-1).max())
-        return RolloutBatch(
-            self.input_ids[idx, :width], self.attention_mask[idx, :width], self.response_mask[idx, :width],
-            self.engine_logprobs[idx, :width], self.advantages[idx],
-        )
+from fastgrpo.types import RolloutBatch
 
 
 def build_batch(prompts: list[list[int]], responses: list[list[int]], engine_logprobs: list[list[float]],

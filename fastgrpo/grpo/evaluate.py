@@ -11,8 +11,8 @@ import math
 
 from transformers import PreTrainedTokenizerBase
 
-from fastgrpo.backends.protocols import Engine, Request
-from fastgrpo.engine.sampling import SamplingParams
+from fastgrpo.backends.protocols import Engine
+from fastgrpo.types import SamplingParams, Request
 from fastgrpo.models.tokenizer import decode_response
 from fastgrpo.tasks.rewards import score
 from fastgrpo.tasks.source import EncodedProblem

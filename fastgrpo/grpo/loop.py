@@ -12,27 +12,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoConfig, PreTrainedTokenizerBase
 
-from fastgrpo.backends.protocols import Completion, Request
-from fastgrpo.backends.torch_trainer import TorchPolicyTrainer
+from fastgrpo.backends import build_engine, build_trainer
+from fastgrpo.backends.embedded import draft_dir
+from fastgrpo.backends.protocols import DraftLearner, Engine, PolicyTrainer
 from fastgrpo.bridge import WeightBridge
 from fastgrpo.checkpoint import CheckpointManager
 from fastgrpo.config import Config, flatten, to_yaml
-from fastgrpo.backends.embedded import build_engine, draft_dir
 from fastgrpo.draft_learning.async_learner import AsyncDraftClient
 from fastgrpo.draft_learning.online import OnlineDraftLearner
-from fastgrpo.speculation.draft import DraftHead
-from fastgrpo.engine.engine import EmbeddedEngine
-from fastgrpo.engine.sampling import SamplingParams
 from fastgrpo.grpo.advantages import group_advantages, informative_groups
-from fastgrpo.grpo.batch import RolloutBatch, build_batch
+from fastgrpo.grpo.batch import build_batch
 from fastgrpo.grpo.evaluate import evaluate
-from fastgrpo.models.policy import load_policy
 from fastgrpo.models.tokenizer import decode_response, load_tokenizer
+from fastgrpo.speculation.draft import DraftHead
 from fastgrpo.tasks.rewards import score
 from fastgrpo.tasks.source import EncodedProblem, PromptSource, encode_problems, load_task
 from fastgrpo.tracking import Tracker, default_tracking_uri
+from fastgrpo.types import Completion, Request, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +46,14 @@ class TrainResult:
 class Run:
     cfg: Config
     tokenizer: PreTrainedTokenizerBase
-    trainer: TorchPolicyTrainer
-    engine: EmbeddedEngine
+    trainer: PolicyTrainer
+    engine: Engine
     bridge: WeightBridge
     data: PromptSource
     eval_problems: list[EncodedProblem]
     tracker: Tracker
     checkpoints: CheckpointManager
-    draft_learner: OnlineDraftLearner | AsyncDraftClient | None = None
+    draft_learner: DraftLearner | None = None
     step: int = 0
     history: TrainResult = field(default_factory=lambda: TrainResult([], {}))  # every step so far, resumes too
 
@@ -81,9 +79,9 @@ def train(cfg: Config, resume: bool = False) -> TrainResult:
         train_metrics = run.trainer.train_step(batch) if batch is not None else {"updates": 0.0}
         train_s = time.perf_counter() - t0
 
+        sync = run.bridge.push(run.trainer.export_weights(), version=step + 1)
         draft_metrics = learn_draft(run, problems, completions, policy_version=step,
                                     budget_s=cfg.draft.sync_budget * (rollout_s + train_s))
-        sync = run.bridge.push(run.trainer.export_weights(), version=step + 1)
 
         run.step = step + 1
         metrics = step_metrics(completions, rewards, run.engine.stats(), kept_groups) | train_metrics | draft_metrics
@@ -91,7 +89,7 @@ def train(cfg: Config, resume: bool = False) -> TrainResult:
                     "step_s": time.perf_counter() - t_step}
         run.tracker.log_metrics(metrics, step=run.step)
         run.history.steps.append(metrics)
-        if run.engine.speculating:
+        if cfg.speculation.policy != "off":
             run.tracker.log_dict(rollout_stats(run.engine.stats()), f"rollout_stats/step_{run.step:06d}.json")
         print_step(run.step, cfg.grpo.steps, metrics)
 
@@ -125,24 +123,24 @@ def setup_run(cfg: Config, resume: bool) -> Run:
     data = PromptSource(encode_problems(train_problems, tokenizer, cfg.model.max_context, "train"), cfg.seed)
     evals = encode_problems(eval_problems, tokenizer, cfg.model.max_context, "eval")
 
-    policy = load_policy(latest / "policy" if latest else cfg.model.path)
-    reference = load_policy(cfg.model.path) if cfg.grpo.kl_coef > 0 else None
-    trainer = TorchPolicyTrainer(policy, cfg.grpo, cfg.optim, SamplingParams.of(cfg.rollout), reference)
-    engine = build_engine(cfg, policy, tokenizer)
-    bridge = WeightBridge([engine])
+    trainer = build_trainer(cfg)  # the policy of model.path; a resume loads its checkpoint over it
+    model_config = AutoConfig.from_pretrained(cfg.model.path)
+    engine = build_engine(cfg, model_config, tokenizer)  # its weights come with the bridge's first push
+    draft_learner: DraftLearner | None = None
+    if cfg.draft.online != "off":
+        draft = DraftHead.load(draft_dir(cfg), model_config, cfg.model.max_context)
+        if cfg.draft.online == "sync":
+            draft_learner = OnlineDraftLearner(draft, cfg.draft, [engine], seed=cfg.seed)
+        else:  # a draft rank of its own; the engine picks up its versions between decode steps
+            draft_learner = AsyncDraftClient(draft, cfg.draft, [engine], cfg.seed)
+            engine.draft_source = draft_learner.poll
+    # the draft's embedding and LM head are the policy's: it gets them with every push, as engines do
+    bridge = WeightBridge([engine] + ([draft_learner] if draft_learner is not None else []))
 
     run_dir.mkdir(parents=True, exist_ok=True)
     tracker = Tracker(cfg.tracking.uri or default_tracking_uri(run_dir), cfg.tracking.experiment,
                       run_dir / "mlartifacts", enabled=cfg.tracking.enabled)
-    run = Run(cfg, tokenizer, trainer, engine, bridge, data, evals, tracker, checkpoints)
-    if cfg.draft.online != "off":
-        draft = DraftHead.load(draft_dir(cfg), policy.config, cfg.model.max_context)
-        draft.bind_target(policy.model.embed_tokens.weight, policy.lm_head.weight)  # live: follows the policy
-        if cfg.draft.online == "sync":
-            run.draft_learner = OnlineDraftLearner(draft, cfg.draft, [engine], seed=cfg.seed)
-        else:  # a draft rank of its own; the engine picks up its versions between decode steps
-            run.draft_learner = AsyncDraftClient(draft, cfg.draft, [engine], cfg.seed)
-            engine.draft_source = run.draft_learner.poll
+    run = Run(cfg, tokenizer, trainer, engine, bridge, data, evals, tracker, checkpoints, draft_learner)
     run_id = None
     if latest is not None:
         run_id = restore_checkpoint(run, latest)
@@ -157,11 +155,8 @@ def rollout(run: Run, problems: list[EncodedProblem], seed: int) -> list[Complet
     r = run.cfg.rollout
     sampling = SamplingParams.of(r)
     requests = [Request(p.prompt_ids) for p in problems for _ in range(r.group_size)]
-    run.engine.capture = run.draft_learner is not None  # keep the target states rollout computes anyway
-    try:
-        return run.engine.generate(requests, sampling, seed=seed)
-    finally:
-        run.engine.capture = False
+    # with a draft learner, keep the target states rollout computes anyway
+    return run.engine.generate(requests, sampling, seed=seed, capture=run.draft_learner is not None)
 
 
 def learn_draft(run: Run, problems: list[EncodedProblem], completions: list[Completion], policy_version: int,

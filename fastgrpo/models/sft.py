@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from fastgrpo.config import Config
 from fastgrpo.engine.engine import EmbeddedEngine
-from fastgrpo.engine.sampling import SamplingParams
+from fastgrpo.types import SamplingParams
 from fastgrpo.grpo.evaluate import evaluate
 from fastgrpo.models.policy import new_policy, num_parameters, policy_config
 from fastgrpo.models.tokenizer import encode_prompt, encode_response, train_tokenizer

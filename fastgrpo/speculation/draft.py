@@ -26,6 +26,36 @@ DRAFT_WEIGHTS = "draft.safetensors"
 DRAFT_CONFIG = "draft_config.json"
 
 
+EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+class TargetTensors:
+    """Collects the policy's embedding and LM head (which the draft shares) from a weight push, whose
+    buckets may bring them in separate calls; `collect` returns copies once both are in."""
+
+    def __init__(self, tied: bool):
+        self.tied = tied  # the LM head is the embedding
+        self.version: int | None = None
+        self.found: dict[str, Tensor] = {}
+        self.done = False
+
+    def collect(self, named_tensors, version: int) -> tuple[Tensor, Tensor] | None:
+        """(embedding, LM head) of `version` the first time both are in; None before and after."""
+        if version != self.version:
+            self.version, self.found, self.done = version, {}, False
+        if self.done:
+            return None
+        for name, t in named_tensors:
+            if name in (EMBED, LM_HEAD):
+                self.found[name] = t.detach().clone()
+        embed = self.found.get(EMBED)
+        head = embed if self.tied else self.found.get(LM_HEAD)
+        if embed is None or head is None:
+            return None
+        self.done = True
+        return embed, head
+
+
 class DraftHead(nn.Module):
     def __init__(self, target_cfg: LlamaConfig, max_len: int = 1024):
         super().__init__()

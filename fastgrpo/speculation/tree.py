@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from fastgrpo.engine.model import KVCache, block_mask, cache_kv
-from fastgrpo.engine.sampling import SamplingParams, sample
+from fastgrpo.engine.sampling import sample
+from fastgrpo.types import SamplingParams
 from fastgrpo.speculation.draft import DraftHead
 
 

@@ -1,0 +1,104 @@
+"""The data every side shares: what an engine is asked (sampling parameters, requests), what it
+answers (completions), and what a policy trainer receives (the rollout batch).
+
+Engines, trainers, the draft learners and the loop all import these from here and nothing from
+each other, so that a second engine (SGLang) or trainer (Megatron) plugs in without dragging the
+first one along.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 256
+    ignore_eos: bool = False  # benchmarks: keep every sequence running for exactly max_new_tokens
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @classmethod
+    def of(cls, rollout) -> SamplingParams:
+        """The sampling a run's `rollout` config section asks for (rollout and eval both use it)."""
+        return cls(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                   max_new_tokens=rollout.max_new_tokens)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_ids: list[int]
+    max_new_tokens: int | None = None  # None: the sampling params' limit
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]  # of the sampling distribution, one per token
+    finish_reason: str  # "stop" (EOS), "length" (max_new_tokens), "context" (context full)
+    spec: dict[str, float] = field(default_factory=dict)  # speculation statistics
+    # with capture on: the target's final hidden states at positions 0..T-2 of prompt + response, taken
+    # from the forwards that rollout ran anyway; hidden[t] is the state after reading token t
+    hidden: Tensor | None = None
+
+
+@dataclass
+class RolloutBatch:
+    """What a policy trainer receives from one rollout: plain tensors, rows in group order (the G
+    samples of a prompt are adjacent), so that it can be split across data-parallel ranks by group
+    (`shard`) and sent whole to tensor/pipeline peers (a dataclass of CPU tensors: one
+    `broadcast_object_list`).
+
+    Per-position tensors are [N, L]; a value at position t belongs to token t (predicted from t-1).
+    """
+
+    input_ids: Tensor  # prompt + response, right-padded
+    attention_mask: Tensor  # 1 on real tokens
+    response_mask: Tensor  # 1 on response tokens (the ones trained)
+    engine_logprobs: Tensor  # the engine's sampling log-probabilities of the response tokens
+    advantages: Tensor  # [N]
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, idx: Tensor | list[int]) -> RolloutBatch:
+        """Rows `idx`, trimmed to their longest sequence (saves compute on short micro-batches)."""
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        width = int(self.attention_mask[idx].sum(-1).max())
+        return RolloutBatch(
+            self.input_ids[idx, :width], self.attention_mask[idx, :width], self.response_mask[idx, :width],
+            self.engine_logprobs[idx, :width], self.advantages[idx],
+        )
+
+    def shard(self, rank: int, world: int, group_size: int) -> RolloutBatch:
+        """This data-parallel rank's share: whole groups, as even as the group count allows (ranks
+        differ by at most one group). A loss normalised over the whole batch needs the total token
+        count, which each rank gets by an all-reduce, not from its shard."""
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is outside a data-parallel world of {world}")
+        if group_size < 1 or self.size % group_size:
+            raise ValueError(f"{self.size} rows do not split into groups of {group_size}")
+        groups = self.size // group_size
+        if groups < world:
+            raise ValueError(f"{groups} groups cannot be shared by {world} data-parallel ranks")
+        first, last = (rank * groups) // world, ((rank + 1) * groups) // world
+        return self.select(list(range(first * group_size, last * group_size)))
