@@ -68,6 +68,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from fastgrpo.bench.e2e import bench_e2e
     from fastgrpo.bench.forward import bench_forward
     from fastgrpo.bench.learning import bench_learning
+    from fastgrpo.bench.noise import bench_noise
     from fastgrpo.bench.rollout import bench_rollout
     from fastgrpo.bench.shapes import bench_shapes
 
@@ -75,14 +76,16 @@ def cmd_bench(args: argparse.Namespace) -> None:
     benches = {"rollout": bench_rollout, "e2e": bench_e2e, "forward": bench_forward, "shapes": bench_shapes,
                "draft": lambda cfg, quick, output, extra: bench_draft(cfg, quick, output, args.policy, extra=extra),
                "learning": lambda cfg, quick, output, extra: bench_learning(cfg, quick, output, args.seeds,
-                                                                            args.steps, args.every, modes, extra=extra)}
+                                                                            args.steps, args.every, modes, extra=extra),
+               "noise": lambda cfg, quick, output, extra: bench_noise(cfg, quick, output, args.batches, extra=extra)}
     if args.what not in benches:
         raise ValueError(f"unknown benchmark {args.what!r}; available: {', '.join(benches)}")
     if args.policy and args.what != "draft":
         raise ValueError(f"--policy is for `bench draft`, not `bench {args.what}`")
-    for flag in ("seeds", "steps", "every", "modes"):
-        if getattr(args, flag) is not None and args.what != "learning":
-            raise ValueError(f"--{flag} is for `bench learning`, not `bench {args.what}`")
+    for flag, owner in (("seeds", "learning"), ("steps", "learning"), ("every", "learning"), ("modes", "learning"),
+                        ("batches", "noise")):
+        if getattr(args, flag) is not None and args.what != owner:
+            raise ValueError(f"--{flag} is for `bench {owner}`, not `bench {args.what}`")
         if flag != "modes" and getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     cfg = _config(args)
@@ -140,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                 "`forward` (the policy forward by batch, tokens per sequence and matmul kernel) "
                 "`shapes` (draft and target costs for deeper, narrower policies of the same size) "
                 "`draft` (how well drafts fit a policy, on its own samples, with fixed trees) "
-                "or `learning` (held-out accuracy curves of GRPO over seeds, with and without speculation)",
+                "`learning` (held-out accuracy curves of GRPO over seeds, with and without speculation) "
+                "or `noise` (how much of one GRPO update is signal: the gradient noise scale)",
                 before="what")
     bench.add_argument("--quick", action="store_true", help="smaller workloads (minutes, not tens of minutes)")
     bench.add_argument("--output", help="JSON results, default bench/<what>.json (a PNG plot is written beside it)")
@@ -151,8 +155,18 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--every", type=int, help="bench learning: eval every N steps (default steps // 3)")
     bench.add_argument("--modes", help="bench learning: speculation policies to run, comma-separated "
                        "(default: the config's own and off)")
+    bench.add_argument("--batches", type=int, help="bench noise: independent rollout batches (default 8; 3 with --quick)")
 
-    args = parser.parse_args(argv)
+    # key=value overrides may come anywhere on the line, also after options (argparse alone would
+    # take them only right after the command's positionals)
+    args, rest = parser.parse_known_args(argv)
+    stray = [r for r in rest if r.startswith("-") or "=" not in r]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if rest:
+        if not hasattr(args, "overrides"):
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        args.overrides = [*args.overrides, *rest]
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         args.fn(args)

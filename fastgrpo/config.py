@@ -7,6 +7,7 @@ in a 70B launch fails in a second instead of after an hour of model loading.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,9 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0  # 0 = off
     warmup_steps: int = 0
+    # a regular expression over parameter names: only those train (RL moves few directions, and every
+    # trained parameter also takes the update's noise); empty = all
+    trainable: str = ""
 
 
 @dataclass
@@ -283,6 +287,10 @@ def validate(c: Config) -> None:
     _check(all(0 <= b < 1 for b in o.betas), "optim.betas", "must be in [0, 1)", o.betas)
     _check(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0", o.grad_clip)
     _check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0", o.warmup_steps)
+    try:
+        re.compile(o.trainable)
+    except re.error as e:
+        raise ConfigError(f"optim.trainable is not a regular expression ({e}), got {o.trainable!r}") from None
     _check(s.examples >= 1, "sft.examples", "must be >= 1", s.examples)
     _check(s.batch_size >= 1, "sft.batch_size", "must be >= 1", s.batch_size)
     _check(s.lr > 0, "sft.lr", "must be > 0", s.lr)

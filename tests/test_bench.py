@@ -5,6 +5,7 @@ BENCHMARKS.md, never here.)"""
 import json
 
 import pytest
+import torch
 
 from fastgrpo.engine.model import onednn_available
 from tests.conftest import tiny_config, tiny_overrides
@@ -83,3 +84,38 @@ def test_bench_draft_scores_drafts_alike_on_the_policys_own_samples(tmp_path, ti
         assert all(1 <= s[f"accept_{t.name}"] <= t.depth + 1 for t in TREES)
     assert scores["warm start + 10 online steps"] != scores["warm start"]  # the online steps changed the draft
     assert len(markdown(saved, "cmd").splitlines()) == 8 + len(scores)
+
+
+def test_noise_scale_recovers_a_known_signal_and_noise():
+    """Gradients built as G + noise of known size: the estimator finds |G|^2 and B_noise."""
+    from fastgrpo.bench.noise import noise_scale
+
+    gen = torch.Generator().manual_seed(0)
+    dim, K, B = 200_000, 12, 16
+    G = torch.randn(dim, generator=gen, dtype=torch.float64) * 0.01  # |G|^2 = 20
+    per_batch_noise = 0.02  # tr(Sigma)/B = 0.02^2 * dim = 80, so B_noise = 4 B = 64
+    grads = [G + per_batch_noise * torch.randn(dim, generator=gen, dtype=torch.float64) for _ in range(K)]
+    out = noise_scale(grads, B)
+    assert out["signal_sq"] == pytest.approx(float(G @ G), rel=0.05)
+    assert out["grad_sq"] == pytest.approx(float(G @ G) + 80, rel=0.02)
+    assert out["b_noise_prompts"] == pytest.approx(64, rel=0.1)
+    assert out["mean_cosine"] == pytest.approx(20 / 100, abs=0.02)
+    pure_noise = noise_scale([per_batch_noise * torch.randn(dim, generator=gen, dtype=torch.float64)
+                              for _ in range(K)], B)
+    assert abs(pure_noise["signal_sq"]) < 2 * pure_noise["signal_sq_se"]  # nothing to find: within the error bar
+    assert pure_noise["b_noise_prompts_lower_bound"] > 100 * B
+
+
+def test_bench_noise_measures_the_loops_own_gradients(tmp_path, tiny_policy):
+    from fastgrpo.cli import main
+
+    out = tmp_path / "noise.json"
+    overrides = tiny_overrides(tmp_path, tiny_policy, **{"speculation.policy": "off", "draft.online": "off",
+                                                        "task.max_steps": 2, "rollout.prompts_per_step": 8})
+    assert main(["bench", "noise", "--batches", "3", "--output", str(out), *overrides]) == 0
+    saved = json.loads(out.read_text())
+    assert len(saved["batches"]) == 3 and saved["prompts_per_batch"] == 8
+    assert saved["grad_sq"] == pytest.approx(sum(b["grad_sq"] for b in saved["batches"]) / 3)
+    assert all(b["grad_sq"] > 0 and 1 <= b["groups_kept"] <= 8 for b in saved["batches"])
+    assert main(["bench", "noise", "--batches", "3", "--seeds", "2", "--output", str(out), *overrides]) == 1
+    assert main(["bench", "noise", "--batches", "2", "--output", str(out), *overrides]) == 1

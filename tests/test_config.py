@@ -24,6 +24,7 @@ def test_defaults_and_overrides(tmp_path):
     ("grpo.nonsense=1", "grpo.nonsense"),
     ("rollout.max_batch=abc", "rollout.max_batch"),
     ("model.size=huge", "model.size"),
+    ("optim.trainable=norm(", "optim.trainable"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -52,6 +53,12 @@ def test_cli_reports_config_error_before_work(tmp_path, capsys):
     assert rc == 2
     assert "rollout.group_size" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # failed before creating anything
+    # overrides are read wherever they stand on the line, also after options
+    rc = main(["bench", "noise", "--output", str(tmp_path / "n.json"), "rollout.group_size=1"])
+    assert rc == 2 and "rollout.group_size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--no-such-flag", "rollout.group_size=4"])
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
 
 
 def test_off_is_a_word_on_the_command_line_and_in_files(tmp_path, capsys):

@@ -37,6 +37,25 @@ def test_update_raises_logprob_of_positive_advantage():
     assert metrics["grad_norm"] > 0 and 0 <= metrics["clip_fraction"] <= 1
 
 
+def test_only_the_trainable_parameters_move_and_the_update_still_helps():
+    policy = new_policy(policy_config("test", 50, 64, 1, 2, 0), seed=0)
+    trainer = TorchPolicyTrainer(policy, GRPOConfig(), OptimConfig(lr=1e-2, trainable=r"norm"),
+                                 SamplingParams(temperature=1.0))
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    batch = batch_for(trainer, [1.0, -1.0])
+    lp_before = trainer.logprobs(batch)
+    trainer.train_step(batch)
+    moved = {n for n, p in policy.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all("norm" in n for n in moved), moved
+    assert len(moved) == sum("norm" in n for n in before)  # every norm weight, and nothing else
+    m = batch.response_mask[0]
+    assert trainer.logprobs(batch)[0][m].sum() > lp_before[0][m].sum()
+    grad = trainer.loss_gradient(batch)  # frozen parameters contribute zeros
+    assert grad.numel() == sum(p.numel() for p in policy.parameters()) and grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="matches no parameter"):
+        TorchPolicyTrainer(policy, GRPOConfig(), OptimConfig(trainable="no_such_weight"), SamplingParams())
+
+
 def test_nan_loss_skips_update_and_keeps_weights():
     policy, trainer = make()
     batch = batch_for(trainer, [float("nan"), 1.0])

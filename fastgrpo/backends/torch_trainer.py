@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,7 +41,12 @@ class TorchPolicyTrainer:
         self.reference = reference
         if grpo.kl_coef > 0 and reference is None:
             raise ValueError("grpo.kl_coef > 0 needs a reference policy")
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas),
+        trainable = [p for name, p in model.named_parameters() if re.search(optim.trainable, name)]
+        if not trainable:
+            raise ValueError(f"optim.trainable={optim.trainable!r} matches no parameter of the policy")
+        for name, p in model.named_parameters():
+            p.requires_grad_(bool(re.search(optim.trainable, name)))
+        self.optimizer = torch.optim.AdamW(trainable, lr=optim.lr, betas=tuple(optim.betas),
                                            weight_decay=optim.weight_decay)
         warmup = optim.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -75,31 +81,8 @@ class TorchPolicyTrainer:
         for _ in range(c.epochs):
             for start in range(0, batch.size, per_mb):
                 mb_rows = rows[start : start + per_mb]
-                mask = batch.response_mask[mb_rows]
-                normaliser = float(mask.sum()) if c.loss_aggregation == "token_mean" else float(len(mb_rows))
                 self.optimizer.zero_grad(set_to_none=True)
-                mb_loss = 0.0
-                for micro_rows, micro in self._micro_batches(batch, mb_rows):
-                    logp, entropy = token_logprobs(self.model, micro, self.sampling)
-                    width = logp.shape[1]
-                    old_logp = old[micro_rows, :width] if old is not None else logp.detach()
-                    tis = None
-                    if c.tis_cap > 0:
-                        tis = torch.exp(old_logp - micro.engine_logprobs).clamp(max=c.tis_cap)
-                    terms = policy_loss(
-                        logp, old_logp, micro.advantages, micro.response_mask,
-                        eps_low=c.eps_low, eps_high=c.eps_high, aggregation=c.loss_aggregation,
-                        normaliser=max(normaliser, 1.0), tis_weight=tis,
-                        ref_logp=ref[micro_rows, :width] if ref is not None else None, kl_coef=c.kl_coef,
-                    )
-                    terms.loss.backward()
-                    m = micro.response_mask.float()
-                    mb_loss += terms.loss.item()
-                    totals["clip"] += terms.clipped_tokens.item()
-                    totals["kl_ref"] += terms.kl_ref_sum.item()
-                    totals["entropy"] += (entropy.detach() * m).sum().item()
-                    totals["kl_engine"] += ((micro.engine_logprobs - logp.detach()) * m).sum().item()
-                    totals["tokens"] += m.sum().item()
+                mb_loss = self._backward(batch, mb_rows, old, ref, totals)
                 max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
                 if math.isfinite(mb_loss) and math.isfinite(grad_norm):
@@ -124,6 +107,49 @@ class TorchPolicyTrainer:
             "skipped_updates": float(skipped),
             "lr": self.scheduler.get_last_lr()[0],
         }
+
+    def _backward(self, batch: RolloutBatch, rows: list[int], old: Tensor | None, ref: Tensor | None,
+                  totals: dict[str, float]) -> float:
+        """Accumulate the gradient of the minibatch `rows`' loss (normalised over the whole minibatch,
+        micro-batch by micro-batch); returns the loss and adds the step's statistics to `totals`."""
+        c = self.cfg
+        mask = batch.response_mask[rows]
+        normaliser = float(mask.sum()) if c.loss_aggregation == "token_mean" else float(len(rows))
+        loss = 0.0
+        for micro_rows, micro in self._micro_batches(batch, rows):
+            logp, entropy = token_logprobs(self.model, micro, self.sampling)
+            width = logp.shape[1]
+            old_logp = old[micro_rows, :width] if old is not None else logp.detach()
+            tis = None
+            if c.tis_cap > 0:
+                tis = torch.exp(old_logp - micro.engine_logprobs).clamp(max=c.tis_cap)
+            terms = policy_loss(
+                logp, old_logp, micro.advantages, micro.response_mask,
+                eps_low=c.eps_low, eps_high=c.eps_high, aggregation=c.loss_aggregation,
+                normaliser=max(normaliser, 1.0), tis_weight=tis,
+                ref_logp=ref[micro_rows, :width] if ref is not None else None, kl_coef=c.kl_coef,
+            )
+            terms.loss.backward()
+            m = micro.response_mask.float()
+            loss += terms.loss.item()
+            totals["clip"] += terms.clipped_tokens.item()
+            totals["kl_ref"] += terms.kl_ref_sum.item()
+            totals["entropy"] += (entropy.detach() * m).sum().item()
+            totals["kl_engine"] += ((micro.engine_logprobs - logp.detach()) * m).sum().item()
+            totals["tokens"] += m.sum().item()
+        return loss
+
+    def loss_gradient(self, batch: RolloutBatch) -> Tensor:
+        """The gradient of the GRPO loss on the whole batch at the current weights (on-policy: ratio 1),
+        flattened, without an update: what `bench noise` compares across independent batches."""
+        self.model.zero_grad(set_to_none=True)
+        ref = self.logprobs(batch, self.reference) if self.cfg.kl_coef > 0 else None
+        self._backward(batch, list(range(batch.size)), None, ref, dict.fromkeys(
+            ("clip", "kl_ref", "entropy", "kl_engine", "tokens"), 0.0))
+        grad = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel())
+                          for p in self.model.parameters()])
+        self.model.zero_grad(set_to_none=True)
+        return grad
 
     def export_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Hugging Face names and full tensors: the weight bridge's source."""

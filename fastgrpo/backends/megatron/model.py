@@ -1,0 +1,178 @@
+"""megatron-core's GPTModel for a Hugging Face Llama/Qwen2 policy at any TP x PP: the parallel groups,
+the model of this rank's pipeline stage, Hugging Face weights in, full Hugging Face tensors out.
+
+The same code runs on GPUs (NCCL, unpatched megatron-core) and on CPU over gloo (with
+`megatron_patches`, applied here and only here).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from fastgrpo.backends.megatron.layout import Layout, LayoutError
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def _megatron():
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as e:
+        from fastgrpo.backends import BackendUnavailable
+
+        raise BackendUnavailable(f"trainer.backend=megatron needs megatron-core ({e}); install it with "
+                                 f"`pip install -e \".[megatron]\"`") from e
+    if not torch.cuda.is_available():
+        import megatron_patches
+
+        megatron_patches.apply()
+
+
+def initialize(tp: int, pp: int, seed: int = 0) -> None:
+    """Megatron's model-parallel groups over the torch.distributed world (torchrun's, or a world of
+    one made here); every rank of the world must call this, in the same order (group creation is
+    collective)."""
+    _megatron()
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if "RANK" in os.environ:  # torchrun
+            dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
+        else:
+            store = dist.HashStore()
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=COLLECTIVE_TIMEOUT)
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise LayoutError(f"a world of {world} ranks does not split into tensor {tp} x pipeline {pp} groups")
+    if parallel_state.model_parallel_is_initialized():
+        if (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size()) != (tp, pp):
+            raise RuntimeError("megatron's parallel groups already exist with another layout")
+        return
+    parallel_state.initialize_model_parallel(tp, pp, distributed_timeout_minutes=int(COLLECTIVE_TIMEOUT.seconds // 60))
+    model_parallel_cuda_manual_seed(seed)
+
+
+def ranks() -> tuple[int, int]:
+    """(tensor-parallel rank, pipeline stage) of this process."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+
+
+def transformer_config(hf_config, layout: Layout):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=layout.layers, hidden_size=layout.hidden, num_attention_heads=layout.heads,
+        num_query_groups=layout.kv_heads, kv_channels=layout.head_dim, ffn_hidden_size=layout.ffn,
+        normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=layout.qkv_bias,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # fused kernels are CUDA-only; with them off the mathematics is the same
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False, apply_rope_fusion=False, attention_softmax_in_fp32=True)
+
+
+def rope_theta(hf_config) -> float:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if params.get("rope_type", "default") != "default":
+        raise LayoutError(f"rope_type {params['rope_type']!r} is not supported (default RoPE only)")
+    return float(theta or 10000.0)
+
+
+def build_model(hf_config, layout: Layout):
+    """This rank's pipeline stage of the policy, on the CPU or the current GPU (weights uninitialised
+    in meaning: load them with `load_hf_state`)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    model = GPTModel(
+        transformer_config(hf_config, layout), get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=layout.padded_vocab, max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=layout.tied, position_embedding_type="rope",
+        rotary_base=rope_theta(hf_config))
+    return model.cuda() if torch.cuda.is_available() else model
+
+
+def load_hf_state(model, hf_state: Mapping[str, Tensor], layout: Layout) -> None:
+    """Load this rank's slice of a Hugging Face state dict (names checked both ways)."""
+    tp_rank, pp_rank = ranks()
+    mine = layout.rank_tensors(layout.to_megatron(hf_state), tp_rank, pp_rank)
+    own = {k for k in model.state_dict() if not k.endswith("_extra_state")}
+    if set(mine) != own:
+        raise LayoutError(f"the checkpoint does not match the model: missing {sorted(own - set(mine))[:5]}, "
+                          f"unexpected {sorted(set(mine) - own)[:5]}")
+    model.load_state_dict(mine, strict=False)
+
+
+def export_hf(model, layout: Layout) -> Iterator[tuple[str, Tensor]]:
+    """Full Hugging Face tensors, one Megatron parameter at a time, on every rank of the model-parallel
+    group: TP shards are all-gathered, and each pipeline stage broadcasts its own layers to the other
+    stages. No rank ever holds more than one full tensor beyond its own shard."""
+    from megatron.core import parallel_state
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    pp_ranks = dist.get_process_group_ranks(pp_group)
+    _, pp_rank = ranks()
+    params = dict(model.named_parameters())
+    for stage in range(layout.pp):
+        for local in _stage_parameter_names(layout, stage):
+            name = layout.global_name(local, stage)
+            if layout.tied and name == "output_layer.weight":
+                continue  # the last stage's copy of the embedding
+            if stage == pp_rank:
+                shard = params[local].detach()
+                if layout.tp > 1 and layout.tp_dim(name) is not None:
+                    shards = [torch.empty_like(shard) for _ in range(layout.tp)]
+                    dist.all_gather(shards, shard.contiguous(), group=tp_group)
+                    full = layout.unshard(name, shards)
+                else:
+                    full = shard.clone()
+            else:
+                full = torch.empty(_full_shape(layout, name), dtype=torch.float32)
+            if layout.pp > 1:
+                dist.broadcast(full, src=pp_ranks[stage], group=pp_group)
+            yield from layout.to_hf(name, full)
+
+
+def _stage_parameter_names(layout: Layout, stage: int) -> list[str]:
+    """The stage-local parameter names of pipeline stage `stage`, in a fixed order every rank agrees on."""
+    names = [f"decoder.layers.{i}.{p}" for i in range(layout.layers // layout.pp) for p in (
+        "input_layernorm.weight", "self_attention.linear_qkv.weight",
+        *(["self_attention.linear_qkv.bias"] if layout.qkv_bias else []), "self_attention.linear_proj.weight",
+        "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")]
+    if stage == 0:
+        names.insert(0, "embedding.word_embeddings.weight")
+    if stage == layout.pp - 1:
+        names.append("decoder.final_layernorm.weight")
+        if not layout.tied:
+            names.append("output_layer.weight")
+    return names
+
+
+def _full_shape(layout: Layout, name: str) -> tuple[int, ...]:
+    """The full (TP-gathered) shape of a parameter, known to every stage from the layout alone."""
+    h, d, ffn = layout.hidden, layout.head_dim, layout.ffn
+    qkv_rows = (layout.heads + 2 * layout.kv_heads) * d
+    rest = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
+    shapes = {"embedding.word_embeddings.weight": (layout.padded_vocab, h), "output_layer.weight": (layout.padded_vocab, h),
+              "decoder.final_layernorm.weight": (h,), "input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
+              "self_attention.linear_qkv.weight": (qkv_rows, h), "self_attention.linear_qkv.bias": (qkv_rows,),
+              "self_attention.linear_proj.weight": (h, layout.heads * d), "mlp.linear_fc1.weight": (2 * ffn, h),
+              "mlp.linear_fc2.weight": (h, ffn)}
+    return shapes[rest]

@@ -1,0 +1,192 @@
+"""What megatron-core 0.16.1 needs to train on a CPU build of torch over gloo.
+
+megatron-core assumes CUDA in a few places that have nothing to do with the mathematics: it asks
+`torch.cuda` for the current device, stream and RNG state, keeps per-TP-rank RNG states for CUDA
+generators, and allocates a few bookkeeping tensors with `device="cuda"`. On a CPU build each of
+those raises. The patches below give each one its CPU meaning and nothing more.
+
+Rules (DESIGN.md section 3):
+- Applied by `fastgrpo.backends.megatron` only, never at import, and only when CUDA is absent: on
+  GPUs megatron-core runs unpatched.
+- Each patch names what it replaces, why, and the megatron-core version it was written for; it
+  carries a fingerprint of the source it replaces, and `apply()` refuses (with the list of what
+  changed) to patch a megatron-core whose source no longer matches, instead of silently patching
+  the wrong thing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+MEGATRON_CORE_VERSION = "0.16.1"
+
+
+class PatchMismatch(RuntimeError):
+    """megatron-core is not the version these patches were written for."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    module: str  # where the replaced function lives
+    name: str
+    why: str
+    fingerprint: str  # sha256 prefix of the replaced function's source in MEGATRON_CORE_VERSION
+    make: Callable[[Any], Callable]  # original -> replacement
+
+
+def _fingerprint(fn: Callable) -> str:
+    return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
+
+
+def _cpu_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    state = torch.get_rng_state()
+    return state.clone() if clone else state
+
+
+def _set_cpu_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+@contextlib.contextmanager
+def _tensor_cuda_is_identity() -> Iterator[None]:
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def _without_tensor_cuda(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def run(*args, **kwargs):
+        with _tensor_cuda_is_identity():
+            return original(*args, **kwargs)
+    return run
+
+
+PATCHES = (
+    Patch("megatron.core.tensor_parallel.random", "_get_cuda_rng_state",
+          "the TP RNG tracker saves and restores the CUDA generator around dropout and initialisation; on "
+          "CPU the generator is the CPU one", "aa26caaa069c5c4f", lambda original: _cpu_rng_state),
+    Patch("megatron.core.tensor_parallel.random", "_set_cuda_rng_state",
+          "restores what _get_cuda_rng_state saved", "b179c9d95438b61c", lambda original: _set_cpu_rng_state),
+    Patch("megatron.core.models.common.language_module.language_module",
+          "LanguageModule.setup_embeddings_and_output_layer",
+          "with tied embeddings and PP > 1 it moves the last stage's copy of the embedding to the GPU "
+          "(`weight.data.cuda()`) before the all-reduce that makes it equal to the first stage's; on CPU "
+          "the tensor stays where it is", "005bdd3315b0611b", _without_tensor_cuda),
+)
+
+
+class _Stream:
+    """What megatron asks of `torch.cuda.current_stream()`: on CPU, work is synchronous."""
+
+    def synchronize(self) -> None: ...
+    def wait_stream(self, other: Any) -> None: ...
+    def record_event(self, event: Any = None) -> None: ...
+
+
+# torch.cuda functions megatron-core calls outside the mathematics; on a CPU build each raises
+TORCH_CUDA = {
+    "current_device": lambda: torch.device("cpu"),  # used as `device=` for buffers and P2P shapes
+    "synchronize": lambda device=None: None,
+    "current_stream": lambda device=None: _Stream(),
+    "get_rng_state": lambda device="cuda": torch.get_rng_state(),
+    "set_rng_state": lambda new_state, device="cuda": torch.set_rng_state(new_state),
+    "manual_seed": lambda seed: None,  # the CPU generator is seeded by the caller (torch.manual_seed)
+}
+
+
+class _CudaLiteralsToCpu(TorchFunctionMode):
+    """`pipeline_parallel/schedules.py` allocates its token counter with the literal device="cuda"
+    (three places in 0.16.1): send those tensor factories to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda"):
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+_applied: dict[tuple[str, str], Callable] = {}
+_torch_cuda_originals: dict[str, Callable] = {}
+
+
+def _owner(p: Patch) -> tuple[Any, str]:
+    """The object holding the patched attribute (the module, or a class in it) and the attribute's name."""
+    owner: Any = importlib.import_module(p.module)
+    *path, attr = p.name.split(".")
+    for part in path:
+        owner = getattr(owner, part, None)
+    return owner, attr
+
+
+def needed() -> bool:
+    return not torch.cuda.is_available()
+
+
+def mismatches() -> list[str]:
+    """What in the installed megatron-core differs from what the patches were written for."""
+    import megatron.core
+
+    problems = []
+    version = getattr(megatron.core, "__version__", "unknown")
+    if version != MEGATRON_CORE_VERSION:
+        problems.append(f"megatron-core {version} is installed; the patches are for {MEGATRON_CORE_VERSION}")
+    for p in PATCHES:
+        owner, attr = _owner(p)
+        target = _applied.get((p.module, p.name), getattr(owner, attr, None) if owner is not None else None)
+        if target is None:
+            problems.append(f"{p.module}.{p.name} no longer exists")
+        elif _fingerprint(target) != p.fingerprint:
+            problems.append(f"{p.module}.{p.name} changed (source fingerprint {_fingerprint(target)}, "
+                            f"the patch was written for {p.fingerprint})")
+    return problems
+
+
+def apply() -> list[str]:
+    """Patch megatron-core for CPU/gloo (no-op with CUDA, and if already applied); returns what was
+    patched. Raises PatchMismatch on a megatron-core the patches were not written for."""
+    if not needed():
+        return []
+    problems = mismatches()
+    if problems:
+        raise PatchMismatch("megatron_patches cannot be applied: " + "; ".join(problems))
+    done = []
+    for p in PATCHES:
+        if (p.module, p.name) in _applied:
+            continue
+        owner, attr = _owner(p)
+        original = getattr(owner, attr)
+        _applied[(p.module, p.name)] = original
+        setattr(owner, attr, p.make(original))
+        done.append(f"{p.module}.{p.name}")
+    for name, replacement in TORCH_CUDA.items():
+        if name not in _torch_cuda_originals:
+            _torch_cuda_originals[name] = getattr(torch.cuda, name)
+            setattr(torch.cuda, name, replacement)
+            done.append(f"torch.cuda.{name}")
+    return done
+
+
+@contextlib.contextmanager
+def cpu_device_literals() -> Iterator[None]:
+    """Around megatron's pipeline schedules on CPU: tensors it asks for on "cuda" are made on the CPU."""
+    if not needed():
+        yield
+        return
+    with _CudaLiteralsToCpu():
+        yield
+

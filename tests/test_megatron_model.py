@@ -1,0 +1,114 @@
+"""megatron-core's GPTModel from a Hugging Face policy, on gloo: weights in and out bit-exact at any
+TP x PP, logits equal to the Hugging Face model's. Each world runs in processes of its own."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from tests.distributed import run_world
+
+pytest.importorskip("megatron.core")
+
+SHAPE = dict(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=4, head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=64)
+
+
+def hf_model(kind: str):
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=False, **SHAPE)).eval()
+    return LlamaForCausalLM(LlamaConfig(tie_word_embeddings=kind == "llama-tied", rope_theta=5e5, **SHAPE)).eval()
+
+
+def _load(kind, tp, pp):
+    from fastgrpo.backends.megatron.layout import Layout
+    from fastgrpo.backends.megatron.model import build_model, load_hf_state
+
+    hf = hf_model(kind)
+    layout = Layout.of(hf.config, tp, pp)
+    model = build_model(hf.config, layout).eval()
+    load_hf_state(model, hf.state_dict(), layout)
+    return model, layout
+
+
+def _export_and_logits(rank, world, tp, pp, kinds, ids):
+    """For each kind of model: the Hugging Face tensors every rank streams out, and (PP 1) the logits."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from fastgrpo.backends.megatron.model import export_hf, initialize
+
+    initialize(tp, pp)
+    out = {}
+    for kind in kinds:
+        model, layout = _load(kind, tp, pp)
+        exported = dict(export_hf(model, layout))
+        out[kind] = {"exported": exported if rank == world - 1 else sorted(exported)}
+        if pp == 1:
+            s = ids.shape[1]
+            with torch.no_grad():
+                local = model(ids, torch.arange(s).expand(ids.shape[0], -1),
+                              attention_mask=torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None])
+            shards = [torch.empty_like(local) for _ in range(tp)]
+            dist.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+            out[kind]["logits"] = torch.cat(shards, -1)
+    return out
+
+
+IDS = torch.randint(3, 301, (3, 12), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("tp, pp, kinds", [(2, 1, ("llama-tied", "qwen2")), (1, 2, ("llama-tied",)),
+                                           (2, 2, ("llama-tied", "qwen2"))])
+def test_weights_in_and_out_are_bit_exact_and_logits_equal_hugging_faces(tmp_path, tp, pp, kinds):
+    """Tied embeddings across pipeline stages (the last stage's copy), Qwen2's QKV bias, GQA split over
+    TP, vocabulary padding: the tensors streamed out are the ones loaded, bit for bit."""
+    results = run_world(_export_and_logits, tp * pp, tmp_path, tp, pp, kinds, IDS)
+    for kind in kinds:
+        hf = hf_model(kind)
+        exported = results[-1][kind]["exported"]
+        expected = hf.state_dict()
+        assert set(exported) == set(expected)
+        for name, t in expected.items():
+            assert torch.equal(exported[name], t), name
+        assert all(r[kind]["exported"] == sorted(exported) for r in results[:-1])  # every rank streams them all
+        if pp == 1:
+            with torch.no_grad():
+                reference = hf(IDS).logits
+            logits = results[0][kind]["logits"]
+            torch.testing.assert_close(logits[..., :301], reference, atol=1e-5, rtol=1e-5)
+            assert logits.shape[-1] % (128 * tp) == 0 and torch.all(logits[..., 301:] == 0)  # padded rows
+
+
+def _bad_layout(rank, world, tp, pp):
+    from fastgrpo.backends.megatron.model import initialize
+
+    initialize(tp, pp)
+
+
+def test_a_world_that_does_not_split_fails_clearly(tmp_path):
+    with pytest.raises(RuntimeError, match="does not split into tensor 2 x pipeline 2"):
+        run_world(_bad_layout, 2, tmp_path, 2, 2)
+
+
+def test_patches_refuse_a_megatron_core_they_were_not_written_for(monkeypatch):
+    import megatron.core
+    import megatron.core.tensor_parallel.random as tp_random
+
+    import megatron_patches
+
+    monkeypatch.setattr(megatron_patches, "_applied", {})  # as in a fresh process
+    assert megatron_patches.mismatches() == []  # the pinned version, unchanged
+
+    def _get_cuda_rng_state(device="cuda", clone=False, graph_safe=False):  # a changed upstream function
+        return None
+
+    monkeypatch.setattr(tp_random, "_get_cuda_rng_state", _get_cuda_rng_state)
+    monkeypatch.setattr(megatron.core, "__version__", "0.17.0")
+    problems = megatron_patches.mismatches()
+    assert any("megatron-core 0.17.0 is installed" in p for p in problems)
+    assert any("_get_cuda_rng_state changed" in p for p in problems)
+    if megatron_patches.needed():
+        with pytest.raises(megatron_patches.PatchMismatch, match="_get_cuda_rng_state changed"):
+            megatron_patches.apply()
+        assert tp_random._get_cuda_rng_state is _get_cuda_rng_state  # nothing was patched
