@@ -112,3 +112,56 @@ def test_patches_refuse_a_megatron_core_they_were_not_written_for(monkeypatch):
         with pytest.raises(megatron_patches.PatchMismatch, match="_get_cuda_rng_state changed"):
             megatron_patches.apply()
         assert tp_random._get_cuda_rng_state is _get_cuda_rng_state  # nothing was patched
+
+
+SAMPLINGS = [dict(temperature=0.7), dict(temperature=1.0, top_p=0.9, top_k=5)]
+
+
+def _hf_logprobs_and_grads(kind, ids, sampling, weights):
+    from fastgrpo.backends.torch_trainer import token_logprobs
+    from fastgrpo.grpo.batch import build_batch
+
+    hf = hf_model(kind)
+    batch = build_batch([row[:4].tolist() for row in ids], [row[4:].tolist() for row in ids],
+                        [[0.0] * (ids.shape[1] - 4)] * ids.shape[0], torch.zeros(ids.shape[0]), pad_id=0)
+    logp, entropy = token_logprobs(hf, batch, sampling)
+    ((logp[:, 1:] * weights[0]).sum() + (entropy[:, 1:] * weights[1]).sum()).backward()
+    return logp[:, 1:].detach(), entropy[:, 1:].detach(), {n: p.grad for n, p in hf.named_parameters()}
+
+
+def _megatron_logprobs_and_grads(rank, world, tp, kind, ids, samplings, weights):
+    from fastgrpo.backends.megatron.logprobs import vocab_parallel_logprobs
+    from fastgrpo.backends.megatron.model import export_hf, initialize
+    from fastgrpo.types import SamplingParams
+
+    initialize(tp, 1)
+    out = []
+    for s in samplings:
+        model, layout = _load(kind, tp, 1)
+        n = ids.shape[1]
+        logits = model(ids, torch.arange(n).expand(ids.shape[0], -1),
+                       attention_mask=torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None])
+        logp, entropy = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], SamplingParams(**s), layout.vocab)
+        ((logp * weights[0]).sum() + (entropy * weights[1]).sum()).backward()
+        out.append((logp.detach(), entropy.detach(), dict(export_hf(model, layout, grads=True))))
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vocab_parallel_logprobs_entropy_and_gradients_equal_the_torch_trainers(tmp_path, tp):
+    """The trainer scores the engine's sampling distribution (temperature; top-k and top-p), with the
+    entropy's gradient: the same numbers and the same parameter gradients as the torch trainer."""
+    from fastgrpo.types import SamplingParams
+
+    kind = "qwen2"
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 301, (2, 10), generator=gen)
+    weights = (torch.randn(2, 9, generator=gen), torch.randn(2, 9, generator=gen))
+    results = run_world(_megatron_logprobs_and_grads, tp, tmp_path, tp, kind, ids, SAMPLINGS, weights)[0]
+    for s, (logp, entropy, grads) in zip(SAMPLINGS, results):
+        ref_logp, ref_entropy, ref_grads = _hf_logprobs_and_grads(kind, ids, SamplingParams(**s), weights)
+        torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=0)
+        torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=0)
+        assert set(grads) == set(ref_grads)
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-4, msg=name)

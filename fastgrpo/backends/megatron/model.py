@@ -119,10 +119,11 @@ def load_hf_state(model, hf_state: Mapping[str, Tensor], layout: Layout) -> None
     model.load_state_dict(mine, strict=False)
 
 
-def export_hf(model, layout: Layout) -> Iterator[tuple[str, Tensor]]:
+def export_hf(model, layout: Layout, grads: bool = False) -> Iterator[tuple[str, Tensor]]:
     """Full Hugging Face tensors, one Megatron parameter at a time, on every rank of the model-parallel
     group: TP shards are all-gathered, and each pipeline stage broadcasts its own layers to the other
-    stages. No rank ever holds more than one full tensor beyond its own shard."""
+    stages. No rank ever holds more than one full tensor beyond its own shard. `grads`: the
+    parameters' gradients instead (zeros where there is none), under the same names."""
     from megatron.core import parallel_state
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -136,7 +137,8 @@ def export_hf(model, layout: Layout) -> Iterator[tuple[str, Tensor]]:
             if layout.tied and name == "output_layer.weight":
                 continue  # the last stage's copy of the embedding
             if stage == pp_rank:
-                shard = params[local].detach()
+                param = params[local]
+                shard = (param.grad if param.grad is not None else torch.zeros_like(param)) if grads else param.detach()
                 if layout.tp > 1 and layout.tp_dim(name) is not None:
                     shards = [torch.empty_like(shard) for _ in range(layout.tp)]
                     dist.all_gather(shards, shard.contiguous(), group=tp_group)
