@@ -22,7 +22,7 @@ def test_bench_rollout_compares_all_modes(tmp_path, tiny_policy, tiny_draft):
     for row in saved["sweep"]:
         assert all(row[f"{m}_tok_s"] > 0 for m in MODES)
         assert row["off_accept_len"] == 1.0 and row["off_spec_fraction"] == 0.0
-        assert row["static_spec_fraction"] == 1.0 and row["static_accept_len"] >= 1.0
+        assert row["static_spec_fraction"] == 1.0 and row["static_accept_len"] > 1.0  # the draft does get accepted
     g = saved["grpo_batch"]
     assert g["static_best_s"] == min(v for k, v in g["all_s"].items() if k.startswith("static"))
     assert all(g[k] > 0 for k in ("off_s", "fastgrpo_s", "aware_s", "off_unshared_prefill_s"))

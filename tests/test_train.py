@@ -65,7 +65,22 @@ def test_eval_command_on_a_checkpoint(tmp_path, tiny_policy, capsys):
                 "task.max_steps=6", "eval.samples=2", "rollout.max_new_tokens=48"]
     assert main(["eval", *cfg_args]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["problems"] == 4 and 0 <= out["pass1_greedy"] <= 1 and "mean_accuracy" in out and "pass_at_2" in out
+    # the command reports what evaluate() gives on that policy with the run's sampling, seed and split
+    from fastgrpo.backends import build_engine
+    from fastgrpo.config import load_config
+    from fastgrpo.grpo.evaluate import evaluate
+    from fastgrpo.models.policy import load_policy
+    from fastgrpo.models.tokenizer import load_tokenizer
+    from fastgrpo.tasks.source import encode_problems, load_task
+    from fastgrpo.types import SamplingParams
+
+    cfg = load_config(None, cfg_args)
+    policy, tok = load_policy(tiny_policy), load_tokenizer(tiny_policy)
+    engine = build_engine(cfg, policy.config, tok, policy.state_dict().items(), speculation="off")
+    expected = evaluate(engine, tok, encode_problems(load_task(cfg.task)[1], tok, 160), 2,
+                        SamplingParams.of(cfg.rollout), seed=cfg.seed)
+    assert out["problems"] == 4 and out["split"] == "test"
+    assert {k: out[k] for k in expected} == expected
 
 
 def test_nan_step_is_skipped_and_training_goes_on(tmp_path, tiny_policy, monkeypatch):
@@ -116,7 +131,7 @@ def test_draft_pretrain_and_speculative_grpo(tmp_path, tiny_policy, tiny_draft):
                                                 "grpo.steps": 2, "grpo.drop_equal_reward_groups": "false"})
     train(cfg)
     accept = history(tmp_path / "run", "accept_len")
-    assert sorted(accept) == [1, 2] and all(v >= 1.0 for v in accept.values())
+    assert sorted(accept) == [1, 2] and all(v > 1.0 for v in accept.values())  # drafts accepted
     # online draft learning: trained every step, published as a new version, one policy update behind
     assert history(tmp_path / "run", "draft_version") == {1: 1.0, 2: 2.0}
     assert history(tmp_path / "run", "draft_lag") == {1: 1.0, 2: 1.0}
@@ -132,7 +147,7 @@ def test_draft_pretrain_and_speculative_grpo(tmp_path, tiny_policy, tiny_draft):
           resume=True)
     assert history(tmp_path / "run", "draft_version")[3] == 3.0
     spec = history(tmp_path / "run", "spec_step_fraction")
-    assert all(0.0 <= v <= 1.0 for v in spec.values())
+    assert spec == {1: 1.0, 2: 1.0, 3: 1.0}  # static speculates at every decode step
     stats = list((tmp_path / "run" / "mlartifacts").rglob("step_000001.json"))
     assert len(stats) == 1
     record = _json.loads(stats[0].read_text())

@@ -34,7 +34,8 @@ def test_update_raises_logprob_of_positive_advantage():
     assert metrics["updates"] == 4 and metrics["skipped_updates"] == 0
     assert (after[0][m[0]].sum() > before[0][m[0]].sum()).item()
     assert (after[1][m[1]].sum() < before[1][m[1]].sum()).item()
-    assert metrics["grad_norm"] > 0 and 0 <= metrics["clip_fraction"] <= 1
+    # the second epoch's ratios have moved past the clip range on some tokens (lr 1e-2)
+    assert metrics["grad_norm"] > 0 and 0 < metrics["clip_fraction"] < 1
 
 
 def test_only_the_trainable_parameters_move_and_the_update_still_helps():
