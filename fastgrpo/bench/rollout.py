@@ -39,9 +39,27 @@ def timed_generate(engine: EmbeddedEngine, requests: list[Request], sampling: Sa
     out = engine.generate(requests, sampling, seed=seed)
     seconds = time.perf_counter() - t
     tokens = sum(len(o.token_ids) for o in out)
-    return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds,
-            "accept_len": engine.stats()["accept_len"],
-            "spec_fraction": engine.stats()["spec_steps"] / max(engine.stats()["decode_steps"], 1)}
+    stats = engine.stats()
+    return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds, "accept_len": stats["accept_len"],
+            "spec_fraction": stats["spec_steps"] / max(stats["decode_steps"], 1), "prefill_s": stats["prefill_s"],
+            "trace": stats["trace"]}
+
+
+WARMUP_STEPS = 4  # decode steps of a generate() call not counted in the per-step time
+SHARES = ("prefill", "running <= 4", "running 5-16", "running 17-32", "running 33-64", "other")
+
+
+def time_shares(r: dict) -> dict[str, float]:
+    """Fractions of a generate() call's time spent in prefill and in decode steps by how many
+    sequences were running (the steps speculation can speed up are the ones with few running)."""
+    shares = dict.fromkeys(SHARES, 0.0)
+    shares["prefill"] = r["prefill_s"]
+    for running, _, _, seconds in r["trace"]:
+        key = next((k for k, hi in (("running <= 4", 4), ("running 5-16", 16), ("running 17-32", 32),
+                                    ("running 33-64", 64)) if running <= hi), "other")
+        shares[key] += seconds
+    shares["other"] += max(r["seconds"] - sum(shares.values()), 0.0)  # between steps: retiring, scheduling
+    return {k: v / r["seconds"] for k, v in shares.items()}
 
 
 def rotated(items: list, rep: int) -> list:
@@ -96,7 +114,7 @@ def grpo_batch(engine, policies, prompts, cfg, n_prompts, group, max_new, reps, 
             engine.share_prefill = mode != UNSHARED
             r = timed_generate(engine, requests, sampling, seed=77 + rep)
             if rep:
-                runs[mode].append(r)
+                runs[mode].append(r | {"shares": time_shares(r)})
     engine.share_prefill = True
     med = {m: _median(runs[m], "seconds") for m in contenders}
     statics = {m: s for m, s in med.items() if m.startswith("static")}
@@ -104,7 +122,10 @@ def grpo_batch(engine, policies, prompts, cfg, n_prompts, group, max_new, reps, 
     result = {"off_s": med["off"], "static_best_s": med[best_static], "static_best": best_static,
               "fastgrpo_s": med["fastgrpo"], "aware_s": med["aware"], "off_unshared_prefill_s": med[UNSHARED],
               "aware_accept_len": _median(runs["aware"], "accept_len"),
-              "tokens_median": {m: _median(runs[m], "tokens") for m in contenders}, "all_s": med}
+              "tokens_median": {m: _median(runs[m], "tokens") for m in contenders}, "all_s": med,
+              # the shares of each mode's median-time repetition (medians of each part would not add up to 1)
+              "time_shares": {m: sorted(runs[m], key=lambda r: r["seconds"])[len(runs[m]) // 2]["shares"]
+                              for m in ("off", "aware")}}
     log("GRPO batch: " + ", ".join(f"{m} {s:.1f}s" for m, s in med.items()))
     return result
 
@@ -112,7 +133,9 @@ def grpo_batch(engine, policies, prompts, cfg, n_prompts, group, max_new, reps, 
 def hf_generate(policy: PreTrainedModel, engine: EmbeddedEngine, prompt: list[int], tokens: int, reps: int,
                 log) -> dict:
     """Tokens/s of HF `generate` (static cache, sampling) and of the engine without speculation."""
-    out = {}
+    out: dict[str, float] = {}
+    steps: list[float] = []
+    prefill: list[float] = []
     for B in (1, 64):
         ids = torch.tensor([prompt] * B)
         hf, ours = [], []
@@ -127,13 +150,19 @@ def hf_generate(policy: PreTrainedModel, engine: EmbeddedEngine, prompt: list[in
             if rep:
                 hf.append(B * tokens / hf_s)
                 ours.append(r["tok_s"])
+                if B == 1:  # the decode step itself, after the first few (warm-up), and prefill apart
+                    steps += [step[3] for step in r["trace"][WARMUP_STEPS:]]
+                    prefill.append(r["prefill_s"])
         out[f"batch{B}_tok_s"] = statistics.median(hf)
         out[f"engine_batch{B}_tok_s"] = statistics.median(ours)
+        if B == 1:
+            out["engine_batch1_step_ms"] = 1000 * statistics.median(steps)
+            out["engine_batch1_prefill_ms"] = 1000 * statistics.median(prefill)
         log(f"HF generate batch {B}: {out[f'batch{B}_tok_s']:.0f} tok/s; engine: {out[f'engine_batch{B}_tok_s']:.0f} tok/s")
     return out
 
 
-def bandwidth_bound(policy: PreTrainedModel, engine_batch1_tok_s: float, reps: int = 5) -> dict:
+def bandwidth_bound(policy: PreTrainedModel, batch1_step_ms: float, reps: int = 5) -> dict:
     """Memory bandwidth from a large copy; a batch-1 decode step must read every weight once."""
     n = 64 * 1024 * 1024  # 256 MB of fp32
     src, dst = torch.randn(n), torch.empty(n)
@@ -144,7 +173,7 @@ def bandwidth_bound(policy: PreTrainedModel, engine_batch1_tok_s: float, reps: i
         times.append(time.perf_counter() - t)
     bw = 2 * n * 4 / statistics.median(times[1:]) / 1e9  # read + write
     weight_bytes = num_parameters(policy) * 4
-    return {"bandwidth_gb_s": bw, "weight_mb": weight_bytes / 1e6, "batch1_step_ms": 1000 / engine_batch1_tok_s,
+    return {"bandwidth_gb_s": bw, "weight_mb": weight_bytes / 1e6, "batch1_step_ms": batch1_step_ms,
             "batch1_bound_ms": weight_bytes / (bw * 1e9) * 1000}
 
 
@@ -193,7 +222,7 @@ def bench_rollout(cfg: Config, quick: bool, output: Path, extra: list[str] | Non
     }
     engine.set_speculation(policies["off"])
     result["hf_generate"] = hf_generate(policy, engine, prompts[0], tokens, reps, log)
-    result["bound"] = bandwidth_bound(policy, result["hf_generate"]["engine_batch1_tok_s"])
+    result["bound"] = bandwidth_bound(policy, result["hf_generate"]["engine_batch1_step_ms"])
     result["meta"]["seconds"] = time.perf_counter() - t0
     publish(result, output, command_line("rollout", quick, output, extra), markdown,
             plot=lambda path: plot_sweep(result["sweep"], path))
@@ -223,12 +252,17 @@ def markdown(result: dict, command: str) -> str:
               "", f"Prefill of a prompt shared by its 8 samples: `off` takes {g['off_s']:.2f} s with it and "
               f"{g['off_unshared_prefill_s']:.2f} s with every sample prefilling its own copy "
               f"({g['off_unshared_prefill_s'] / g['off_s']:.2f}x).",
-              "", "Engine without speculation against Hugging Face `generate` (static cache), tokens/s:", "",
+              "", "Where the GRPO batch's time goes (fractions of the whole call, in the median-time repetition):", "",
+              "| mode | " + " | ".join(SHARES) + " |", "| --- |" + " ---: |" * len(SHARES)]
+    for mode, shares in g["time_shares"].items():
+        lines.append(f"| {mode} | " + " | ".join(f"{100 * shares[k]:.0f}%" for k in SHARES) + " |")
+    lines += ["", "Engine without speculation against Hugging Face `generate` (static cache), tokens/s:", "",
               "| batch | HF generate | engine | engine / HF |", "| ---: | ---: | ---: | ---: |"]
     for B in (1, 64):
         lines.append(f"| {B} | {hf[f'batch{B}_tok_s']:.0f} | {hf[f'engine_batch{B}_tok_s']:.0f} | "
                      f"{hf[f'engine_batch{B}_tok_s'] / hf[f'batch{B}_tok_s']:.2f}x |")
     lines += ["", f"Memory bandwidth {b['bandwidth_gb_s']:.1f} GB/s (256 MB copy); weights {b['weight_mb']:.0f} MB; "
-              f"batch-1 decode step {b['batch1_step_ms']:.1f} ms against a bound of {b['batch1_bound_ms']:.1f} ms "
-              f"({b['batch1_step_ms'] / b['batch1_bound_ms']:.2f}x the bound)."]
+              f"batch-1 decode step {b['batch1_step_ms']:.1f} ms (median of the timed steps after the first "
+              f"{WARMUP_STEPS}; prefill of the prompt apart: {hf['engine_batch1_prefill_ms']:.1f} ms) against a bound "
+              f"of {b['batch1_bound_ms']:.1f} ms ({b['batch1_step_ms'] / b['batch1_bound_ms']:.2f}x the bound)."]
     return "\n".join(lines)

@@ -126,11 +126,13 @@ class EmbeddedEngine:
         done: dict[int, _Sequence] = {}
         self._counts: Counter = Counter()
         self._by_config: dict[str, Counter] = {}
-        self._trace: list[tuple[int, str, int]] = []  # per decode step: running, config, tokens emitted
+        self._trace: list[tuple[int, str, int, float]] = []  # per decode step: running, config, tokens emitted, seconds
         while waiting or running:
             if waiting and len(running) < self.max_batch:
                 joined = [waiting.popleft() for _ in range(min(len(waiting), self.max_batch - len(running)))]
+                t = time.perf_counter()
                 running += self._prefill(requests, joined, len(running), sampling, seed)
+                self._counts["prefill_s"] += time.perf_counter() - t
             else:
                 self._swap_draft()
                 config = self.policy.choose(len(running)) if self.speculating else None
@@ -143,8 +145,9 @@ class EmbeddedEngine:
                         emitted, accepted = self._speculate(running, config, sampling, seed)
                 finally:
                     self._in_step = False
-                self.policy.observe(config, len(running), emitted, time.perf_counter() - t, accepted)
-                self._count_step(config, len(running), emitted)
+                seconds = time.perf_counter() - t
+                self.policy.observe(config, len(running), emitted, seconds, accepted)
+                self._count_step(config, len(running), emitted, seconds)
             self._retire(running, done)
         out = [done[i] for i in range(len(requests))]
         self._finish_stats(out, time.perf_counter() - t0)
@@ -352,7 +355,7 @@ class EmbeddedEngine:
                 running[row] = running[last]
             running.pop()
 
-    def _count_step(self, config: SpecConfig | None, running: int, emitted: int) -> None:
+    def _count_step(self, config: SpecConfig | None, running: int, emitted: int, seconds: float) -> None:
         c = self._counts
         c["decode_steps"] += 1
         c["running_sum"] += running
@@ -364,7 +367,7 @@ class EmbeddedEngine:
         bucket = _bucket(running)
         name = "off" if config is None else config.name
         self._by_config.setdefault(bucket, Counter())[name] += 1
-        self._trace.append((running, name, emitted))
+        self._trace.append((running, name, emitted, seconds))
 
     def _finish_stats(self, out: list[_Sequence], seconds: float) -> None:
         c = self._counts
@@ -372,6 +375,7 @@ class EmbeddedEngine:
         self._stats = dict(
             sequences=len(out), tokens=tokens, seconds=seconds, tokens_per_s=tokens / max(seconds, 1e-9),
             decode_steps=c["decode_steps"], mean_running=c["running_sum"] / max(c["decode_steps"], 1),
+            prefill_s=c["prefill_s"], decode_s=sum(step[3] for step in self._trace),
             spec_steps=c["spec_steps"],
             # tokens emitted per sequence per verify forward (accepted draft tokens + 1)
             accept_len=c["spec_emitted"] / c["spec_seq_steps"] if c["spec_seq_steps"] else 1.0,
