@@ -184,6 +184,7 @@ def test_a_nan_update_is_rejected_and_the_previous_draft_kept(target, warm_draft
 
 def test_bench_e2e_runs_the_three_modes(tmp_path, tiny_policy, tiny_draft):
     import json
+    import statistics
 
     from fastgrpo.bench.e2e import bench_e2e
     from tests.conftest import tiny_config
@@ -204,8 +205,11 @@ def test_bench_e2e_runs_the_three_modes(tmp_path, tiny_policy, tiny_draft):
     fit = saved["draft_fit"]
     assert fit["policy"].endswith("step_00000002/policy") and set(fit["scores"]) == {"frozen", "online"}
     assert fit["scores"]["frozen"]["heldout_loss"] != fit["scores"]["online"]["heldout_loss"]
-    f, speedup = saved["rollout_fraction_off"], saved["rollout_speedup"]
-    assert 0 < f < 1 and saved["amdahl_bound"] == pytest.approx(1 / ((1 - f) + f / speedup))
+    f, per_token = saved["rollout_fraction_off"], saved["rollout_throughput_speedup"]
+    assert 0 < f < 1 and saved["amdahl_bound"] == pytest.approx(1 / ((1 - f) + f / per_token))
+    per_step = {m: statistics.median(t / n for t, n in zip(saved[m]["step_s"], saved[m]["response_len"]))
+                for m in ("off", "online")}
+    assert saved["speedup_end_to_end_per_token"] == pytest.approx(per_step["off"] / per_step["online"])
     assert result["speedup_end_to_end"] == saved["speedup_end_to_end"] > 0
     from mlflow.tracking import MlflowClient
 

@@ -80,14 +80,19 @@ def bench_e2e(cfg: Config, quick: bool, output: Path, steps: int | None = None,
     f = statistics.median(r / t for r, t in zip(result["off"]["rollout_s"], result["off"]["step_s"]))
     rollout_speedup = med["off"]["rollout_s"] / med["online"]["rollout_s"]
     tok_s = {m: statistics.median(result[m]["rollout_tok_s"]) for m in MODES}
+    # step seconds per generated token: like for like even where two modes' answers differ in length
+    per_token = {m: statistics.median(t / n for t, n in zip(result[m]["step_s"], result[m]["response_len"]))
+                 for m in MODES}
     result |= {"speedup_end_to_end": med["off"]["step_s"] / med["online"]["step_s"],
+               "speedup_end_to_end_per_token": per_token["off"] / per_token["online"],
                # the modes sample different (equally distributed) trajectories, so their responses and
                # hence their step times can differ for reasons other than speed: throughput is the clean ratio
                "rollout_throughput_speedup": tok_s["online"] / tok_s["off"],
                "rollout_throughput_speedup_frozen": tok_s["frozen"] / tok_s["off"],
                "speedup_frozen": med["off"]["step_s"] / med["frozen"]["step_s"],
                "rollout_speedup": rollout_speedup, "rollout_fraction_off": f,
-               "amdahl_bound": 1 / ((1 - f) + f / rollout_speedup),
+               # like for like: the rollout's speedup per token (throughput), over off's rollout share
+               "amdahl_bound": 1 / ((1 - f) + f / (tok_s["online"] / tok_s["off"])),
                "draft_train_fraction": statistics.median(
                    d / t for d, t in zip(result["online"]["draft_train_s"], result["online"]["step_s"])),
                "accept_len_first5": {m: statistics.mean(result[m]["accept_len"][:5]) for m in ("frozen", "online")},
@@ -166,9 +171,10 @@ def markdown(result: dict, command: str) -> str:
     lines += ["", f"Rollout throughput (tokens/s, the like-for-like ratio): online {result['rollout_throughput_speedup']:.2f}x "
               f"off, frozen {result['rollout_throughput_speedup_frozen']:.2f}x off.",
               "", f"End-to-end speedup (off / online, median step time): {result['speedup_end_to_end']:.2f}x "
-              f"(frozen: {result['speedup_frozen']:.2f}x); rollout speedup {result['rollout_speedup']:.2f}x; "
-              f"rollout share of an `off` step {result['rollout_fraction_off']:.2f}, so the Amdahl bound is "
-              f"{result['amdahl_bound']:.2f}x; sync draft training takes {100 * result['draft_train_fraction']:.1f}% "
+              f"(per generated token: {result['speedup_end_to_end_per_token']:.2f}x; frozen: {result['speedup_frozen']:.2f}x); "
+              f"rollout speedup {result['rollout_speedup']:.2f}x; rollout share of an `off` step "
+              f"{result['rollout_fraction_off']:.2f}, so the Amdahl bound, from the rollout's throughput ratio "
+              f"(per token, like for like), is {result['amdahl_bound']:.2f}x; sync draft training takes {100 * result['draft_train_fraction']:.1f}% "
               f"of an online step."]
     if "draft_fit" in result:
         fit, deep = result["draft_fit"]["scores"], f"accept_{TREES[0].name}"
