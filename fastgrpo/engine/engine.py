@@ -280,6 +280,11 @@ class EmbeddedEngine:
         if self.speculating:
             s.draft_hidden.append(hidden)
             s.draft_tokens += next_tokens
+            # a catch-up feeds at most the last draft_window states, which the last draft_window entries
+            # hold (each has one row or more): drop older ones, or a stretch of plain decoding keeps
+            # every step's forward output alive
+            if len(s.draft_hidden) > self.draft_window:
+                del s.draft_hidden[0]
         if self._capture:
             s.captured.append(hidden)
 
