@@ -57,6 +57,18 @@ def _set_cpu_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bo
     torch.set_rng_state(new_state)
 
 
+def _clip_grad_by_total_norm_cpu(parameters, max_norm: float, total_norm: float, use_decoupled_grad: bool = False) -> None:
+    """Scale the gradients in place by max_norm / total_norm when that is below 1, as megatron's
+    version does (same coefficient, same epsilon), without its CUDA-only multi-tensor kernel."""
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff >= 1.0:
+        return
+    for param in ([parameters] if isinstance(parameters, torch.Tensor) else parameters):
+        grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
+        if grad is not None:
+            grad.detach().mul_(clip_coeff)
+
+
 @contextlib.contextmanager
 def _tensor_cuda_is_identity() -> Iterator[None]:
     original = torch.Tensor.cuda
@@ -86,6 +98,10 @@ PATCHES = (
           "with tied embeddings and PP > 1 it moves the last stage's copy of the embedding to the GPU "
           "(`weight.data.cuda()`) before the all-reduce that makes it equal to the first stage's; on CPU "
           "the tensor stays where it is", "005bdd3315b0611b", _without_tensor_cuda),
+    Patch("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32",
+          "gradient clipping asserts CUDA gradients and scales them with a CUDA multi-tensor kernel; on CPU "
+          "the same coefficient scales them in place (the total norm, `get_grad_norm_fp32`, already works "
+          "under `cpu_device_literals`)", "8edb9da5365045a5", lambda original: _clip_grad_by_total_norm_cpu),
 )
 
 

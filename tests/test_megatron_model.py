@@ -165,3 +165,64 @@ def test_vocab_parallel_logprobs_entropy_and_gradients_equal_the_torch_trainers(
         assert set(grads) == set(ref_grads)
         for name, g in ref_grads.items():
             torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-4, msg=name)
+
+
+GRPO = dict(minibatches=2, micro_batch_size=2, tis_cap=2.0)
+OPTIM = dict(lr=1e-3, grad_clip=0.5, warmup_steps=2)
+
+
+def _grpo_batch(trainer_logprobs):
+    from fastgrpo.grpo.batch import build_batch
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 301, (4,), generator=gen).tolist() for _ in range(8)]
+    responses = [torch.randint(3, 301, (3 + i % 4,), generator=gen).tolist() for i in range(8)]
+    batch = build_batch(prompts, responses, [[0.0] * len(r) for r in responses], torch.randn(8, generator=gen), pad_id=0)
+    batch.engine_logprobs = trainer_logprobs(batch) * batch.response_mask  # the engine sampled with the same weights
+    return batch
+
+
+def _megatron_train_step(rank, world, tp, policy_dir):
+    from fastgrpo.backends.megatron.trainer import MegatronPolicyTrainer
+    from fastgrpo.config import GRPOConfig, OptimConfig
+    from fastgrpo.types import SamplingParams
+
+    trainer = MegatronPolicyTrainer(policy_dir, GRPOConfig(**GRPO), OptimConfig(**OPTIM), SamplingParams(temperature=0.7),
+                                    tensor=tp)
+    batch = _grpo_batch(trainer.logprobs)
+    metrics = [trainer.train_step(batch), trainer.train_step(batch)]
+    return metrics, dict(trainer.export_weights())
+
+
+@pytest.mark.parametrize("tp, world", [(2, 2), (1, 2)], ids=["TP2", "DP2"])
+def test_a_grpo_train_step_equals_the_torch_trainers(tmp_path, tp, world):
+    """Two GRPO steps of two minibatches each, clipping active, warm-up, truncated importance sampling:
+    the same losses, gradient norms and updated weights as the torch trainer."""
+    from fastgrpo.backends.torch_trainer import TorchPolicyTrainer
+    from fastgrpo.config import GRPOConfig, OptimConfig
+    from fastgrpo.models.policy import load_policy
+    from fastgrpo.types import SamplingParams
+
+    hf_model("qwen2").save_pretrained(tmp_path / "policy")
+    metrics, weights = run_world(_megatron_train_step, world, tmp_path / "world", tp, tmp_path / "policy")[0]
+    torch_trainer = TorchPolicyTrainer(load_policy(tmp_path / "policy"), GRPOConfig(**GRPO), OptimConfig(**OPTIM),
+                                       SamplingParams(temperature=0.7))
+    batch = _grpo_batch(torch_trainer.logprobs)
+    expected = [torch_trainer.train_step(batch), torch_trainer.train_step(batch)]
+    for got, want in zip(metrics, expected):
+        assert got["updates"] == want["updates"] == 2 and want["grad_norm"] > OPTIM["grad_clip"]  # clipping active
+        for key in ("loss", "grad_norm", "clip_fraction", "entropy", "lr"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    state = torch_trainer.model.state_dict()
+    assert set(weights) == set(state)
+    # relative error of each tensor as a whole: Adam divides each coordinate's step by its gradient's
+    # running scale, so a coordinate whose gradient is ~0 moves by a rounding-level amount either way.
+    # The key bias has an exactly zero gradient (it shifts all of a query's scores alike, which softmax
+    # ignores): both trainers move it by rounding noise alone, so it is held to an absolute bound.
+    for name, t in state.items():
+        if name.endswith("k_proj.bias"):
+            assert float((weights[name] - t).abs().max()) < 1e-4, name
+        else:
+            assert float((weights[name] - t).norm() / t.norm()) <= 1e-5, name
+    moved = sum(float((t - hf_model("qwen2").state_dict()[n]).norm()) for n, t in state.items())
+    assert moved > 0.1  # the steps did move the weights
