@@ -177,9 +177,9 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
-TRAINER_BACKENDS = ("torch",)  # what `backends.build_trainer` can build
+TRAINER_BACKENDS = ("torch", "megatron")  # what `backends.build_trainer` can build
 ENGINE_BACKENDS = ("embedded",)  # what `backends.build_engine` can build
-MODEL_PARALLEL_TRAINERS: tuple[str, ...] = ()  # trainers that split the policy over ranks (parallel.tensor/pipeline)
+MODEL_PARALLEL_TRAINERS = ("megatron",)  # trainers that split the policy over ranks (parallel.tensor/pipeline)
 
 # keys whose documented values include the word `off`, which YAML 1.1 (and so OmegaConf) reads as false
 OFF_KEYS = (("speculation", "policy"), ("draft", "online"))
@@ -236,6 +236,15 @@ def validate(c: Config) -> None:
         _check(size == 1 or c.trainer.backend in MODEL_PARALLEL_TRAINERS, f"parallel.{key}",
                f"> 1 needs a model-parallel trainer.backend (trainer.backend={c.trainer.backend} runs the "
                f"policy whole on each rank)", size)
+    if c.trainer.backend == "megatron":  # what the Megatron trainer does not do yet
+        _check(c.parallel.pipeline == 1, "parallel.pipeline", "> 1 is not built into the Megatron trainer yet",
+               c.parallel.pipeline)
+        _check(c.grpo.kl_coef == 0, "grpo.kl_coef", "> 0 needs a reference model, which the Megatron trainer does "
+               "not have yet", c.grpo.kl_coef)
+        _check(not c.optim.trainable, "optim.trainable", "is for trainer.backend=torch only", c.optim.trainable)
+        _check(c.draft.online != "async", "draft.online", "async runs its draft rank in a world of its own; with "
+               "trainer.backend=megatron use sync (the draft slice inside the Megatron world is the next step)",
+               c.draft.online)
     _check(c.model.max_context >= 8, "model.max_context", "must be >= 8", c.model.max_context)
     _check(t.train_size >= 1, "task.train_size", "must be >= 1", t.train_size)
     _check(t.eval_size >= 1, "task.eval_size", "must be >= 1", t.eval_size)

@@ -226,3 +226,35 @@ def test_a_grpo_train_step_equals_the_torch_trainers(tmp_path, tp, world):
             assert float((weights[name] - t).norm() / t.norm()) <= 1e-5, name
     moved = sum(float((t - hf_model("qwen2").state_dict()[n]).norm()) for n, t in state.items())
     assert moved > 0.1  # the steps did move the weights
+
+
+def _train(rank, world, overrides, resume):
+    from fastgrpo.config import load_config
+    from fastgrpo.grpo.loop import train
+
+    return train(load_config(None, overrides), resume=resume).steps
+
+
+def test_fastgrpo_train_on_the_megatron_backend_matches_torch_and_resumes_exactly(tmp_path, tiny_policy):
+    """The single-process loop with trainer.backend=megatron (a world of one): its first step's
+    gradient norm and entropy equal the torch trainer's, and 1 step + resume + 1 step gives the same
+    second step as 2 steps in one go."""
+    from tests.conftest import tiny_overrides
+
+    def run(name, backend, steps, resume=False):
+        overrides = tiny_overrides(tmp_path / name, tiny_policy, **{
+            "trainer.backend": backend, "grpo.steps": steps, "speculation.policy": "off", "draft.online": "off",
+            "grpo.drop_equal_reward_groups": "false", "eval.at_start": "false", "checkpoint.every": 1})
+        if backend == "torch":
+            return _train(0, 1, overrides, resume)
+        return run_world(_train, 1, tmp_path / f"{name}-world", overrides, resume)[0]
+
+    torch_steps = run("torch", "torch", 1)
+    megatron_steps = run("megatron", "megatron", 2)
+    for key in ("grad_norm", "entropy", "reward_mean"):
+        assert megatron_steps[0][key] == pytest.approx(torch_steps[0][key], rel=1e-4), key
+    run("resumed", "megatron", 1)
+    resumed = run("resumed", "megatron", 2, resume=True)
+    assert len(resumed) == 1
+    for key in ("grad_norm", "loss", "entropy", "reward_mean"):
+        assert resumed[0][key] == megatron_steps[1][key], key

@@ -40,6 +40,11 @@ def build_trainer(cfg: Config) -> PolicyTrainer:
         reference = load_policy(cfg.model.path) if cfg.grpo.kl_coef > 0 else None
         return torch_trainer.TorchPolicyTrainer(load_policy(cfg.model.path), cfg.grpo, cfg.optim,
                                                 SamplingParams.of(cfg.rollout), reference)
+    if name == "megatron":
+        megatron = _backend("fastgrpo.backends.megatron.trainer", "trainer.backend", name, extra="megatron")
+        return megatron.MegatronPolicyTrainer(cfg.model.path, cfg.grpo, cfg.optim, SamplingParams.of(cfg.rollout),
+                                              tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline,
+                                              seed=cfg.seed)
     raise ConfigError(f"trainer.backend {name!r} has no builder")
 
 

@@ -33,6 +33,8 @@ from fastgrpo.grpo.loop import rollout, score_completions, setup_run, training_b
 
 def bench_noise(cfg: Config, quick: bool, output: Path, batches: int | None = None,
                 extra: list[str] | None = None) -> dict:
+    if cfg.trainer.backend != "torch":
+        raise ValueError(f"bench noise measures the torch trainer's gradients; trainer.backend={cfg.trainer.backend}")
     K = batches or (3 if quick else 8)
     if K < 3:
         raise ValueError(f"--batches must be >= 3 (pairs of independent batches estimate the signal), got {K}")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from fastgrpo.backends.megatron.layout import Layout, LayoutError
@@ -45,6 +46,7 @@ class MegatronPolicyTrainer:
         from fastgrpo.models.policy import load_policy
 
         hf = load_policy(policy_dir)
+        self.hf_config = hf.config
         self.layout = Layout.of(hf.config, tensor, pipeline)
         module = build_model(hf.config, self.layout)
         load_hf_state(module, hf.state_dict(), self.layout)
@@ -172,3 +174,33 @@ class MegatronPolicyTrainer:
     def export_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Full tensors under Hugging Face names, on every rank of the model-parallel group."""
         return export_hf(self.model.module, self.layout)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    # The policy is written as a Hugging Face directory (gathered: it loads at any layout, and in any
+    # Hugging Face tool); the optimizer state as one file per rank, which resumes at the same layout
+    # only. Resharding optimizer state through megatron's dist_checkpointing is not built yet.
+    def _optimizer_file(self, directory: Path) -> Path:
+        l, rank = self.layout, dist.get_rank()
+        return directory / f"megatron_optimizer_tp{l.tp}_pp{l.pp}_dp{self.dp_size}_rank{rank}.pt"
+
+    def save(self, directory: Path) -> None:
+        tensors = {name: t.contiguous().clone() for name, t in self.export_weights()}  # every rank takes part
+        if dist.get_rank() == 0:
+            policy = directory / "policy"
+            policy.mkdir(parents=True, exist_ok=True)
+            if self.layout.tied:
+                tensors.pop("lm_head.weight", None)
+            save_file(tensors, str(policy / "model.safetensors"))
+            self.hf_config.save_pretrained(policy)
+        dist.barrier()
+        torch.save({"optimizer": self.optimizer.state_dict(), "updates": self.updates}, self._optimizer_file(directory))
+
+    def load(self, directory: Path) -> None:
+        state = self._optimizer_file(directory)
+        if not state.is_file():
+            raise FileNotFoundError(f"{directory} holds no optimizer state for this layout ({state.name}): the Megatron "
+                                    f"trainer resumes at the layout it saved at")
+        load_hf_state(self.model.module, load_file(str(directory / "policy" / "model.safetensors")), self.layout)
+        saved = torch.load(state, weights_only=False)
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.updates = saved["updates"]
