@@ -69,6 +69,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from fastgrpo.bench.forward import bench_forward
     from fastgrpo.bench.learning import bench_learning
     from fastgrpo.bench.noise import bench_noise
+    from fastgrpo.bench.trainer import bench_trainer
     from fastgrpo.bench.rollout import bench_rollout
     from fastgrpo.bench.shapes import bench_shapes
 
@@ -77,7 +78,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
                "draft": lambda cfg, quick, output, extra: bench_draft(cfg, quick, output, args.policy, extra=extra),
                "learning": lambda cfg, quick, output, extra: bench_learning(cfg, quick, output, args.seeds,
                                                                             args.steps, args.every, modes, extra=extra),
-               "noise": lambda cfg, quick, output, extra: bench_noise(cfg, quick, output, args.batches, extra=extra)}
+               "noise": lambda cfg, quick, output, extra: bench_noise(cfg, quick, output, args.batches, extra=extra),
+               "trainer": bench_trainer}
     if args.what not in benches:
         raise ValueError(f"unknown benchmark {args.what!r}; available: {', '.join(benches)}")
     if args.policy and args.what != "draft":
@@ -144,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                 "`shapes` (draft and target costs for deeper, narrower policies of the same size) "
                 "`draft` (how well drafts fit a policy, on its own samples, with fixed trees) "
                 "`learning` (held-out accuracy curves of GRPO over seeds, with and without speculation) "
-                "or `noise` (how much of one GRPO update is signal: the gradient noise scale)",
+                "`noise` (how much of one GRPO update is signal: the gradient noise scale) "
+                "or `trainer` (one GRPO step of the torch and Megatron trainers at world 1 and 2)",
                 before="what")
     bench.add_argument("--quick", action="store_true", help="smaller workloads (minutes, not tens of minutes)")
     bench.add_argument("--output", help="JSON results, default bench/<what>.json (a PNG plot is written beside it)")

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from tests.distributed import run_world
+from fastgrpo.distributed import run_world
 
 pytest.importorskip("megatron.core")
 
@@ -258,3 +258,17 @@ def test_fastgrpo_train_on_the_megatron_backend_matches_torch_and_resumes_exactl
     assert len(resumed) == 1
     for key in ("grad_norm", "loss", "entropy", "reward_mean"):
         assert resumed[0][key] == megatron_steps[1][key], key
+
+
+def test_bench_trainer_times_the_torch_and_megatron_steps(tmp_path, tiny_policy):
+    import json
+
+    from fastgrpo.bench.trainer import bench_trainer
+    from tests.conftest import tiny_config
+
+    out = tmp_path / "trainer.json"
+    bench_trainer(tiny_config(tmp_path, tiny_policy), quick=True, output=out, layouts=(("torch", 1, 1), ("megatron", 2, 2)))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["layout"] for r in rows] == ["torch", "megatron TP2"] and rows[0]["vs_torch"] == 1.0
+    assert rows[0]["comm_s"] == 0.0  # one process: no collectives
+    assert 0 < rows[1]["comm_s"] < rows[1]["step_s"]  # TP all-reduces inside the step, and compute besides

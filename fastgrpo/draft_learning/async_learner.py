@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import math
 import queue
-import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -33,6 +32,7 @@ from transformers import LlamaConfig
 from fastgrpo.backends.protocols import Engine
 from fastgrpo.types import Completion
 from fastgrpo.config import DraftConfig
+from fastgrpo.distributed import free_port
 from fastgrpo.draft_learning.online import OnlineDraftLearner, training_rows
 from fastgrpo.speculation.draft import DraftHead, TargetTensors
 
@@ -132,19 +132,13 @@ def draft_rank_main(init_method: str, target_cfg: LlamaConfig, draft_state: dict
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class AsyncDraftClient:
     """Rank 0's side: ships captured states, polls for published drafts, asks for checkpoints."""
 
     def __init__(self, draft: DraftHead, cfg: DraftConfig, engines: list[Engine], seed: int = 0):
         self.engines = engines
         self.shapes = {k: v.clone() for k, v in draft.state_dict().items()}
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         self.process = mp.get_context("spawn").Process(target=draft_rank_main, daemon=True, args=(
             init_method, draft.cfg, self.shapes, cfg, seed))
         self.process.start()

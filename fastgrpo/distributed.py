@@ -1,5 +1,6 @@
-"""Running a function on a real torch.distributed world (gloo) of spawned processes, as torchrun would:
-every rank sees RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; a deadline bounds the whole world, and
+"""Running a function on a torch.distributed world of spawned processes on this machine, as torchrun
+would set it up (every rank sees RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT): what the tests and
+`bench trainer` use to run multi-rank code without a launcher. A deadline bounds the whole world, and
 the processes started here (and only those) are ended by pid if it passes."""
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank: int, world: int, port: int, out: Path, args: tuple) -> None:
+def _rank_main(fn, rank: int, world: int, port: int, out: Path, args: tuple, threads: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     try:
         result = fn(rank, world, *args)
         torch.save({"ok": result}, out / f"rank{rank}.pt")
@@ -31,12 +32,13 @@ def _rank_main(fn, rank: int, world: int, port: int, out: Path, args: tuple) -> 
         raise
 
 
-def run_world(fn, world: int, tmp: Path, *args, timeout_s: float = 180.0) -> list:
-    """fn(rank, world, *args) on `world` processes; returns each rank's result (rank order)."""
+def run_world(fn, world: int, tmp: Path, *args, timeout_s: float = 180.0, threads: int = 1) -> list:
+    """fn(rank, world, *args) on `world` processes of `threads` torch threads each; returns each rank's
+    result (rank order), or raises with a failed rank's traceback."""
     tmp.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, tmp, args), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, tmp, args, threads), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     try:

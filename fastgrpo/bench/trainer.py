@@ -1,0 +1,123 @@
+"""`fastgrpo bench trainer`: one GRPO train step of the torch and Megatron trainers, and where the
+Megatron trainer's extra time goes.
+
+Every layout trains on the same batch (random token sequences of rollout-like lengths, random
+advantages: the step's cost depends on shapes, not on what the tokens say) in a world of its own
+processes on this machine (gloo); each rank times `train_step` after a warm-up step, and the time
+spent inside torch.distributed collectives is measured by wrapping them, so compute = step -
+communication. On 2 cores a world of 2 is not expected to be faster than a world of 1: the point is
+the overhead, measured.
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from fastgrpo.bench.report import command_line, publish
+from fastgrpo.config import Config
+from fastgrpo.distributed import run_world
+
+LAYOUTS = (("torch", 1, 1), ("megatron", 1, 1), ("megatron", 2, 1), ("megatron", 1, 2))  # backend, world, tensor
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+
+
+def _batch(vocab: int, sequences: int, seed: int = 0):
+    from fastgrpo.grpo.batch import build_batch
+
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (24,), generator=gen).tolist() for _ in range(sequences)]
+    responses = [torch.randint(3, vocab, (32 + 8 * (i % 5),), generator=gen).tolist() for i in range(sequences)]
+    return build_batch(prompts, responses, [[-1.0] * len(r) for r in responses], torch.randn(sequences, generator=gen),
+                       pad_id=0)
+
+
+def _timed_collectives() -> dict[str, float]:
+    """Wrap torch.distributed's collectives (what megatron's TP and DDP call) to add up their time."""
+    import torch.distributed as dist
+
+    spent = {"seconds": 0.0}
+    for name in COLLECTIVES:
+        original = getattr(dist, name)
+
+        def timed(*args, _original=original, **kwargs):
+            t = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                spent["seconds"] += time.perf_counter() - t
+        setattr(dist, name, timed)
+    return spent
+
+
+def _rank(rank: int, world: int, backend: str, tensor: int, cfg: Config, sequences: int, reps: int) -> dict:
+    from fastgrpo.types import SamplingParams
+
+    sampling = SamplingParams.of(cfg.rollout)
+    spent = _timed_collectives()
+    if backend == "torch":
+        from fastgrpo.backends.torch_trainer import TorchPolicyTrainer
+        from fastgrpo.models.policy import load_policy
+
+        trainer = TorchPolicyTrainer(load_policy(cfg.model.path), cfg.grpo, cfg.optim, sampling)
+        vocab = trainer.model.config.vocab_size
+    else:
+        from fastgrpo.backends.megatron.trainer import MegatronPolicyTrainer
+
+        trainer = MegatronPolicyTrainer(cfg.model.path, cfg.grpo, cfg.optim, sampling, tensor=tensor, seed=cfg.seed)
+        vocab = trainer.layout.vocab
+    batch = _batch(vocab, sequences)
+    batch.engine_logprobs = trainer.logprobs(batch) * batch.response_mask
+    trainer.train_step(batch)  # warm-up
+    steps, comms = [], []
+    for _ in range(reps):
+        spent["seconds"] = 0.0
+        t = time.perf_counter()
+        trainer.train_step(batch)
+        steps.append(time.perf_counter() - t)
+        comms.append(spent["seconds"])
+    return {"step_s": statistics.median(steps), "comm_s": statistics.median(comms)}
+
+
+def bench_trainer(cfg: Config, quick: bool, output: Path, extra: list[str] | None = None,
+                  layouts: tuple[tuple[str, int, int], ...] = LAYOUTS) -> dict:
+    reps, sequences = (2, 16) if quick else (5, 32)
+    t0 = time.perf_counter()
+    rows = []
+    for backend, world, tensor in layouts:
+        with tempfile.TemporaryDirectory() as tmp:
+            ranks = run_world(_rank, world, Path(tmp), backend, tensor, cfg, sequences, reps, timeout_s=1800.0,
+                              threads=max(1, torch.get_num_threads() // world))
+        step = max(r["step_s"] for r in ranks)  # the step ends when the slowest rank does
+        comm = statistics.median(r["comm_s"] for r in ranks)
+        name = "torch" if backend == "torch" else (f"megatron TP{tensor}" if tensor > 1 else f"megatron DP{world}" if world > 1 else "megatron")
+        rows.append({"layout": name, "world": world, "step_s": step, "comm_s": comm})
+        print(f"{name}: step {step:.3f} s, collectives {comm:.3f} s", flush=True)
+    base = rows[0]["step_s"]
+    for r in rows:
+        r["vs_torch"] = r["step_s"] / base
+    result = {"meta": {"date": datetime.date.today().isoformat(), "quick": quick, "cores": torch.get_num_threads(),
+                       "torch": torch.__version__, "policy": cfg.model.path, "sequences": sequences,
+                       "minibatches": cfg.grpo.minibatches, "repetitions": reps, "seconds": time.perf_counter() - t0},
+              "rows": rows}
+    publish(result, output, command_line("trainer", quick, output, extra), markdown)
+    return result
+
+
+def markdown(r: dict, command: str) -> str:
+    m = r["meta"]
+    lines = [f"Command: `{command}`  ",
+             f"Date {m['date']}, {m['cores']} threads in all (shared by a world's ranks), torch {m['torch']}; policy "
+             f"`{m['policy']}`; one GRPO step of {m['sequences']} sequences in {m['minibatches']} minibatches, median of "
+             f"{m['repetitions']} after a warm-up.", "",
+             "| trainer | ranks | step s | in collectives s | compute s | step / torch |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for row in r["rows"]:
+        lines.append(f"| {row['layout']} | {row['world']} | {row['step_s']:.3f} | {row['comm_s']:.3f} | "
+                     f"{row['step_s'] - row['comm_s']:.3f} | {row['vs_torch']:.2f}x |")
+    return "\n".join(lines)
