@@ -23,7 +23,7 @@ from fastgrpo.bench.report import command_line, publish
 from fastgrpo.config import Config
 from fastgrpo.distributed import run_world
 
-LAYOUTS = (("torch", 1, 1), ("megatron", 1, 1), ("megatron", 2, 1), ("megatron", 1, 2))  # backend, world, tensor
+LAYOUTS = (("torch", 1, 1), ("megatron", 1, 1), ("megatron", 2, 2), ("megatron", 2, 1))  # backend, world, tensor
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
 
 
