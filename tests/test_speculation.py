@@ -332,7 +332,8 @@ def test_aware_probes_less_often_while_probes_confirm_its_choice():
     """Each probe that confirms plain decoding doubles the wait before the next (up to a cap); when
     speculation turns out faster, a probe overturns the choice and aware speculates from then on."""
     costs = synthetic_costs()
-    aware = Aware(costs, probe_every=16, max_probe_every=128)
+    # probe_budget=1: the back-off alone (the probes' share of time is bounded by the next test)
+    aware = Aware(costs, probe_every=16, max_probe_every=128, probe_budget=1.0)
     real_off = costs.target(16) / 4  # plain decoding is much faster than calibrated
     spec_factor = 1.0  # speculation costs what the calibration says...
 
@@ -354,6 +355,24 @@ def test_aware_probes_less_often_while_probes_confirm_its_choice():
     spec_factor = 0.05  # ...until it becomes 20x cheaper: the next probe must overturn the choice
     chosen = [step() for _ in range(500)]
     assert sum(c is not None for c in chosen[-100:]) >= 90
+
+
+def test_aware_spends_at_most_its_probe_budget_probing_while_plain_decoding_wins():
+    """At high concurrency a probe (a speculative step) costs several plain steps: aware probes rarely
+    enough that the probes' extra time stays within `probe_budget` of the whole, by the costs it sees."""
+    costs = synthetic_costs()
+    for budget in (0.01, 0.05):
+        aware = Aware(costs, probe_budget=budget)
+        spent = {"plain": 0.0, "probe": 0.0}
+        for _ in range(20_000):
+            c = aware.choose(256)
+            seconds = aware.predicted_seconds(c, 256) / aware._correction("spec" if c else "off", 256)
+            spent["probe" if c else "plain"] += seconds
+            aware.observe(c, 256, 256 if c is None else 256 * 2, seconds, accepted=None if c is None else [1] * 256)
+        plain_step = costs.target(256)
+        probes_extra = spent["probe"] - (spent["probe"] / aware.predicted_seconds(aware._argmax(256, spec_only=True), 256)) * plain_step
+        assert spent["probe"] > 0  # it still probes
+        assert probes_extra / (spent["plain"] + spent["probe"]) <= budget * 1.05
 
 
 def test_cost_model_ignores_a_noisy_calibration_point():

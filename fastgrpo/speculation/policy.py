@@ -131,7 +131,7 @@ class Aware(Off):
     name = "aware"
 
     def __init__(self, costs: CostModel, candidates: list[SpecConfig] | None = None, correction_decay: float = 0.9,
-                 probe_every: int = 64, max_probe_every: int = 1024, margin: float = 0.05):
+                 probe_every: int = 64, max_probe_every: int = 1024, margin: float = 0.05, probe_budget: float = 0.01):
         self.costs = costs
         # speculate only for a predicted gain above this fraction: near a tie the step-time noise and
         # the costs the model leaves out (catch-up after a gap, tree bookkeeping) decide, and they lose
@@ -150,6 +150,10 @@ class Aware(Off):
         # a slower step, and a clear decision needs few of them; one that overturns it resets it
         self._since: dict[tuple[str, int], int] = {}
         self.max_probe_every = max_probe_every
+        # a probe of speculation while plain decoding is chosen costs (its predicted step time / a plain
+        # step's) - 1 extra plain steps, several at high concurrency: probe no more often than keeps that
+        # extra time below `probe_budget` of the time between probes
+        self.probe_budget = probe_budget
         self._probe_interval: dict[int, int] = {}
         self._probing: int | None = None  # bucket of the step being probed
         self._memo: dict[int, SpecConfig | None] = {}  # choice per concurrency, refreshed as evidence comes
@@ -178,10 +182,20 @@ class Aware(Off):
             self._memo[running] = self._argmax(running)
         choice = self._memo[running]
         other, b = ("spec" if choice is None else "off"), self._bucket(running)
-        if self._since.get((other, b), 0) >= self._probe_interval.get(b, self.probe_every):
+        if self._since.get((other, b), 0) >= self._interval(running, choice):
             self._probing = b
             return None if other == "off" else self._argmax(running, spec_only=True)
         return choice
+
+    def _interval(self, running: int, choice: SpecConfig | None) -> int:
+        """Steps between probes of the kind not chosen in this bucket."""
+        interval = self._probe_interval.get(self._bucket(running), self.probe_every)
+        if choice is None:  # the probe would be a speculative step: bound its share of the time
+            probe = self._argmax(running, spec_only=True)
+            if probe is not None:
+                extra = self.predicted_seconds(probe, running) / self.predicted_seconds(None, running) - 1
+                interval = max(interval, math.ceil(extra / self.probe_budget))
+        return interval
 
     def _argmax(self, running: int, spec_only: bool = False) -> SpecConfig | None:
         best, best_rate = (None, 0.0 if spec_only else self.goodput(None, running) * (1 + self.margin))
