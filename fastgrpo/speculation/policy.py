@@ -157,6 +157,7 @@ class Aware(Off):
         self._probe_interval: dict[int, int] = {}
         self._probing: int | None = None  # bucket of the step being probed
         self._memo: dict[int, SpecConfig | None] = {}  # choice per concurrency, refreshed as evidence comes
+        self._probe_floor: dict[int, int] = {}  # fewest steps between probes per concurrency (probe_budget)
         self._observed = 0
 
     @staticmethod
@@ -191,10 +192,11 @@ class Aware(Off):
         """Steps between probes of the kind not chosen in this bucket."""
         interval = self._probe_interval.get(self._bucket(running), self.probe_every)
         if choice is None:  # the probe would be a speculative step: bound its share of the time
-            probe = self._argmax(running, spec_only=True)
-            if probe is not None:
-                extra = self.predicted_seconds(probe, running) / self.predicted_seconds(None, running) - 1
-                interval = max(interval, math.ceil(extra / self.probe_budget))
+            if running not in self._probe_floor:  # decided with the choice, refreshed with it
+                probe = self._argmax(running, spec_only=True)
+                extra = 0.0 if probe is None else self.predicted_seconds(probe, running) / self.predicted_seconds(None, running) - 1
+                self._probe_floor[running] = math.ceil(extra / self.probe_budget)
+            interval = max(interval, self._probe_floor[running])
         return interval
 
     def _argmax(self, running: int, spec_only: bool = False) -> SpecConfig | None:
@@ -224,6 +226,7 @@ class Aware(Off):
         self._observed += 1
         if self._observed % 16 == 0 or (config is None) != (self._memo.get(running, config) is None):
             self._memo.clear()  # fresh evidence, or a probe of the kind not chosen: decide again
+            self._probe_floor.clear()
         if probe:
             self._probing = None
             overturned = (self._argmax(running) is None) == (config is None)
