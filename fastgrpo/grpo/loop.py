@@ -30,7 +30,7 @@ from fastgrpo.speculation.draft import DraftHead
 from fastgrpo.tasks.rewards import score
 from fastgrpo.tasks.source import EncodedProblem, PromptSource, encode_problems, load_task
 from fastgrpo.tracking import Tracker, default_tracking_uri
-from fastgrpo.types import Completion, Request, SamplingParams
+from fastgrpo.types import Completion, Request, RolloutBatch, SamplingParams
 
 log = logging.getLogger(__name__)
 
