@@ -183,6 +183,42 @@ def test_draft_catch_up_after_plain_steps_feeds_only_a_window(small_vocab, train
     assert widths and max(widths) <= 3  # catch-ups and tree levels (topk 2) alike
 
 
+def test_a_draft_swapped_in_mid_rollout_catches_up_instead_of_reading_the_old_drafts_cache(
+        small_vocab, trained_draft, monkeypatch):
+    """A new draft version installed between decode steps starts from the rows' target states, not from
+    the cache the previous version wrote: its first prediction equals a fresh forward of the new draft
+    over each row's whole history (captured from the same rollout)."""
+    import fastgrpo.engine.engine as engine_module
+
+    cfg, target, poor_draft = small_vocab
+    reqs = [Request(p, max_new_tokens=30) for p in (PROMPT, [1, 2], [1, 5, 5, 6, 7])]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
+    engine = engine_for(cfg, target, poor_draft, Static(SpecConfig(3, 2, 5)))
+    engine.draft_window = 64  # the catch-up after the swap may feed the whole history
+    polls = iter(range(10_000))
+    engine.draft_source = lambda: (trained_draft.state_dict().items(), 1) if next(polls) == 6 else None
+    roots = []
+    draft_tree = engine_module.draft_tree
+
+    def recording(draft, cache, rows, root_features, *args):
+        roots.append((engine.draft_version, engine.cache.lengths[rows].clone(), root_features.clone()))
+        return draft_tree(draft, cache, rows, root_features, *args)
+
+    monkeypatch.setattr(engine_module, "draft_tree", recording)
+    out = engine.generate(reqs, greedy, capture=True)
+    version, lengths, root = next(r for r in roots if r[0] == 1)  # the first step after the swap
+    assert roots[0][0] == 0 and lengths.min() >= 8  # the swap came after the old version wrote its cache
+    for b, (req, o) in enumerate(zip(reqs, out)):
+        L = int(lengths[b])  # positions in the target cache; the pending token follows
+        history = torch.tensor(req.prompt_ids + o.token_ids)
+        positions = torch.arange(L)[None]
+        with torch.inference_mode():
+            fresh = trained_draft.features(o.hidden[None, :L], history[None, 1 : L + 1], positions,
+                                           block_mask(torch.tensor([0]), L, L, None),
+                                           cache_kv(KVCache(cfg, 1, 64, layers=1), 0, slice(0, 1), positions, L))
+        assert torch.allclose(root[b], fresh[0, L - 1], atol=1e-4), b
+
+
 def test_a_windowed_draft_row_ignores_what_came_before_the_window(small_vocab, trained_draft):
     """Keys before `visible_from` are invisible: the draft's output over a window equals its output
     over the same states in a fresh cache, whatever the skipped slots hold."""
@@ -261,13 +297,19 @@ def synthetic_costs():
     return CostModel(target, draft)
 
 
-def test_aware_never_picks_a_config_its_model_predicts_slower_than_off():
+def test_aware_chooses_the_shape_of_highest_predicted_goodput_or_plain_decoding():
+    """Against a search written here: at each concurrency the best candidate by goodput, taken only if
+    it beats plain decoding by the margin."""
     aware = Aware(synthetic_costs())
+    choices = {}
     for running in (1, 2, 4, 8, 16, 32, 64, 128, 256):
-        c = aware.choose(running)
-        assert aware.goodput(c, running) >= aware.goodput(None, running)
-    assert aware.choose(1) is not None and aware.choose(1).depth >= 3  # the tail: speculate deep
-    assert aware.choose(256) is None  # saturated: plain decoding
+        best = max(aware.candidates, key=lambda c: aware.goodput(c, running))
+        expected = best if aware.goodput(best, running) > aware.goodput(None, running) * (1 + aware.margin) else None
+        choices[running] = aware.choose(running)
+        assert choices[running] == expected, running
+    assert choices[1] is not None and choices[1].depth >= 3  # the tail: speculate deep
+    assert choices[256] is None  # saturated: plain decoding
+    assert len({c for c in choices.values()}) >= 3  # the shape follows the concurrency
 
 
 def test_aware_speculates_only_for_a_gain_above_its_margin():
@@ -370,7 +412,7 @@ def test_aware_spends_at_most_its_probe_budget_probing_while_plain_decoding_wins
             spent["probe" if c else "plain"] += seconds
             aware.observe(c, 256, 256 if c is None else 256 * 2, seconds, accepted=None if c is None else [1] * 256)
         plain_step = costs.target(256)
-        probes_extra = spent["probe"] - (spent["probe"] / aware.predicted_seconds(aware._argmax(256, spec_only=True), 256)) * plain_step
+        probes_extra = spent["probe"] - (spent["probe"] / aware.predicted_seconds(aware.best_tree(256)[0], 256)) * plain_step
         assert spent["probe"] > 0  # it still probes
         assert probes_extra / (spent["plain"] + spent["probe"]) <= budget * 1.05
 

@@ -26,7 +26,7 @@ from fastgrpo.engine.model import InferenceModel, KVCache, block_mask, cache_kv
 from fastgrpo.engine.sampling import sample, sampling_logprobs, sampling_uniforms
 from fastgrpo.speculation.draft import DraftHead
 from fastgrpo.speculation.policy import Off, SpeculationPolicy
-from fastgrpo.speculation.tree import NonFiniteDraft, SpecConfig, draft_tree, verify_tree
+from fastgrpo.speculation.tree import NonFiniteDraft, SpecConfig, Verified, draft_tree, verify_tree
 
 log = logging.getLogger(__name__)
 TREE_SLACK = 256  # cache room past the context for tree tokens that are verified and then dropped
@@ -41,13 +41,36 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str | None = None
-    # target states the draft has not consumed yet: hidden at positions [draft_len, target_len) and
-    # the token that follows each of them
-    draft_hidden: list[Tensor] = field(default_factory=list)
-    draft_tokens: list[int] = field(default_factory=list)
     spec_steps: int = 0
     spec_emitted: int = 0
     captured: list[Tensor] = field(default_factory=list)  # target states of every position, in order
+
+
+class _PendingStates:
+    """Target states the draft has not consumed yet, per cache row: the state at position p, and the
+    token that follows it, in slot p % window. A row keeps only its last `window` states, all a
+    catch-up ever feeds, so recording a plain step is one batched write (no per-sequence work)."""
+
+    def __init__(self, rows: int, window: int, hidden_size: int):
+        self.window = window
+        self.hidden = torch.zeros(rows, window, hidden_size)
+        self.next_token = torch.zeros(rows, window, dtype=torch.long)
+
+    def put(self, rows: Tensor, positions: Tensor, hidden: Tensor, next_token: Tensor) -> None:
+        slots = positions % self.window
+        self.hidden[rows, slots] = hidden
+        self.next_token[rows, slots] = next_token
+
+    def take(self, start: Tensor, width: int) -> tuple[Tensor, Tensor]:
+        """States at positions start[b] .. start[b] + width - 1 of rows 0..B-1 (entries past a row's
+        last state are stale and must be treated as padding)."""
+        rows = torch.arange(len(start))[:, None]
+        slots = (start[:, None] + torch.arange(width)) % self.window
+        return self.hidden[rows, slots], self.next_token[rows, slots]
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.hidden[dst] = self.hidden[src]
+        self.next_token[dst] = self.next_token[src]
 
 
 class EmbeddedEngine:
@@ -72,6 +95,7 @@ class EmbeddedEngine:
         self.draft_window = draft_window  # most target states the draft catches up on per row at once
         self.share_prefill = True  # prefill a prompt several requests share once (off: to measure what it saves)
         self._capture = False  # this generate() call returns the target's hidden states (online draft learning)
+        self._pending: _PendingStates | None = None  # for the draft's catch-up, kept while speculating
         # async draft learning: polled between decode steps for a newer draft, (weights, version) or None
         self.draft_source: Callable[[], tuple[Iterable[tuple[str, Tensor]], int] | None] | None = None
         self._in_step = False
@@ -94,6 +118,10 @@ class EmbeddedEngine:
         self.draft.load_named(named_tensors)
         self.draft.bind_target(self.model.embed, self.model.lm_head)
         self.draft_version = version
+        # the cached keys/values are the previous version's: the new one starts from nothing and its
+        # next catch-up feeds it each row's last `draft_window` states (those it attends to from then on)
+        self.draft_cache.lengths.zero_()
+        self.draft_cache.visible_from.zero_()
 
     def set_speculation(self, policy: SpeculationPolicy) -> None:
         self.policy = policy
@@ -116,6 +144,8 @@ class EmbeddedEngine:
                  capture: bool = False) -> list[Completion]:
         self._check(requests)
         self._capture = capture
+        self._pending = (_PendingStates(self.max_batch, self.draft_window, self.cfg.hidden_size)
+                         if self.speculating else None)
         self.cache.lengths.zero_()
         if self.draft_cache is not None:
             self.draft_cache.lengths.zero_()
@@ -135,7 +165,9 @@ class EmbeddedEngine:
                 self._counts["prefill_s"] += time.perf_counter() - t
             else:
                 self._swap_draft()
-                config = self.policy.choose(len(running)) if self.speculating else None
+                # a draft that arrives during the call (async learning) is used from the next call: the
+                # states of the steps before it were not kept
+                config = self.policy.choose(len(running)) if self._pending is not None and self.speculating else None
                 t = time.perf_counter()
                 self._in_step = True
                 try:
@@ -201,8 +233,12 @@ class EmbeddedEngine:
         if self.draft_cache is not None:
             self.draft_cache.lengths[rows] = 0
             self.draft_cache.visible_from[rows] = 0
-        for s, p, w, t in zip(seqs, prompts, which.tolist(), first):
-            self._record(s, hidden[w, : len(p)], p[1:] + [t])
+        for row, (s, p, w, t) in enumerate(zip(seqs, prompts, which.tolist(), first), start=first_row):
+            if self._pending is not None:  # the last `window` positions of the prompt
+                kept = torch.arange(max(len(p) - self._pending.window, 0), len(p))
+                self._pending.put(torch.tensor(row), kept, hidden[w, kept], torch.tensor(p[1:] + [t])[kept])
+            if self._capture:
+                s.captured.append(hidden[w, : len(p)])
         return seqs
 
     def _decode(self, running: list[_Sequence], sampling: SamplingParams, seed: int) -> int:
@@ -211,8 +247,11 @@ class EmbeddedEngine:
         logits, hidden = self.model.forward(tokens, self.cache, rows)
         self.cache.lengths[rows] += 1
         new = self._sample_one(running, logits[:, 0], sampling, seed)
-        for s, h, t in zip(running, hidden, new):
-            self._record(s, h, [t])
+        if self._pending is not None:
+            self._pending.put(torch.arange(len(running)), self.cache.lengths[rows] - 1, hidden[:, 0], torch.tensor(new))
+        if self._capture:
+            for s, h in zip(running, hidden):
+                s.captured.append(h)
         return len(running)
 
     def _sample_one(self, seqs: list[_Sequence], logits: Tensor, sampling: SamplingParams,
@@ -261,6 +300,7 @@ class EmbeddedEngine:
                              _uniforms(running, sampling, seed, levels=int(tree.depth.max()) + 1))
         self._keep_path(rows, start, result.path, result.accepted)
         self.cache.lengths[rows] = start + result.accepted + 1
+        self._keep_pending(start, hidden, result)
         emitted = 0
         accepted, tokens, logprobs, path = (t.tolist() for t in (result.accepted, result.tokens, result.logprobs, result.path))
         for b, s in enumerate(running):
@@ -270,23 +310,21 @@ class EmbeddedEngine:
             emitted += len(s.tokens) - before
             s.spec_steps += 1
             s.spec_emitted += a + 1
-            self._record(s, hidden[b, [0] + path[b][:a]], tokens[b][: a + 1])  # the root and the accepted nodes
+            if self._capture:  # the root and the accepted nodes (a view: nothing writes to forward outputs)
+                s.captured.append(hidden[b, [0] + path[b][:a]])
         return emitted, accepted
 
-    def _record(self, s: _Sequence, hidden: Tensor, next_tokens: list[int]) -> None:
-        """Target states just computed for positions of `s` whose keys stay in the cache, with the token
-        that follows each: the draft consumes them at its next catch-up, online learning keeps them.
-        Both keep views: forward outputs are fresh tensors that nothing writes to afterwards."""
-        if self.speculating:
-            s.draft_hidden.append(hidden)
-            s.draft_tokens += next_tokens
-            # a catch-up feeds at most the last draft_window states, which the last draft_window entries
-            # hold (each has one row or more): drop older ones, or a stretch of plain decoding keeps
-            # every step's forward output alive
-            if len(s.draft_hidden) > self.draft_window:
-                del s.draft_hidden[0]
-        if self._capture:
-            s.captured.append(hidden)
+    def _keep_pending(self, start: Tensor, hidden: Tensor, result: Verified) -> None:
+        """The states of a verify step whose keys stay in the cache (the root and the accepted nodes,
+        at positions start .. start + accepted), with the token that follows each, for the draft."""
+        assert self._pending is not None
+        B, D = len(start), int(result.accepted.max())
+        k = torch.arange(D + 1)
+        kept = k[None] <= result.accepted[:, None]
+        nodes = torch.cat([torch.zeros(B, 1, dtype=torch.long), result.path[:, :D]], 1)
+        rows = torch.arange(B)[:, None].expand(B, D + 1)
+        self._pending.put(rows[kept], (start[:, None] + k)[kept], hidden[rows[kept], nodes[kept]],
+                          result.tokens[:, : D + 1][kept])
 
     def _captured(self, s: _Sequence) -> Tensor | None:
         """States of positions 0..T-2 of prompt + response (T tokens); rows computed for tokens
@@ -304,20 +342,15 @@ class EmbeddedEngine:
         speculative step after a stretch of plain decoding then costs a window, not the stretch. This
         can only lower the draft's acceptance, never change an output (verification is exact)."""
         assert self.draft is not None and self.draft_cache is not None
+        assert self._pending is not None
         B = len(running)
         rows = slice(0, B)
-        behind = torch.tensor([len(s.draft_tokens) for s in running])
-        counts = behind.clamp(max=self.draft_window)
+        end = self.cache.lengths[rows]  # the draft catches up to the target
+        behind = end - self.draft_cache.lengths[rows]
+        counts = behind.clamp(max=self._pending.window)
         width = int(counts.max())
-        hidden = torch.zeros(B, width, self.cfg.hidden_size)
-        tokens = torch.zeros(B, width, dtype=torch.long)
-        for b, s in enumerate(running):
-            n = int(counts[b])
-            hidden[b, :n] = _last_rows(s.draft_hidden, n)
-            tokens[b, :n] = torch.tensor(s.draft_tokens[-n:])
-            s.draft_hidden, s.draft_tokens = [], []
-        end = self.draft_cache.lengths[rows] + behind  # = the target length of each row
         start = end - counts
+        hidden, tokens = self._pending.take(start, width)
         visible = self.draft_cache.visible_from[rows]
         visible[:] = torch.where(counts < behind, start, visible)
         # rows with fewer new states pad; padding writes to the row's first free slot and is never read
@@ -357,6 +390,8 @@ class EmbeddedEngine:
                 self.cache.move_row(last, row)
                 if self.draft_cache is not None:
                     self.draft_cache.move_row(last, row)
+                if self._pending is not None:
+                    self._pending.move_row(last, row)
                 running[row] = running[last]
             running.pop()
 
@@ -399,17 +434,6 @@ def _uniforms(seqs: list[_Sequence], sampling: SamplingParams, seed: int, levels
     if levels:
         request, position = request[:, None], position[:, None] + torch.arange(levels)
     return sampling_uniforms(seed, request, position)
-
-
-def _last_rows(chunks: list[Tensor], n: int) -> Tensor:
-    """The last n rows of the concatenation of `chunks`, concatenating only the chunks they span."""
-    tail, have = [], 0
-    for c in reversed(chunks):
-        tail.append(c)
-        have += c.shape[0]
-        if have >= n:
-            break
-    return torch.cat(tail[::-1])[have - n :] if len(tail) > 1 else tail[0][have - n :]
 
 
 def _bucket(running: int) -> str:

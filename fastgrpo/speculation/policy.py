@@ -156,9 +156,12 @@ class Aware(Off):
         self.probe_budget = probe_budget
         self._probe_interval: dict[int, int] = {}
         self._probing: int | None = None  # bucket of the step being probed
-        self._memo: dict[int, SpecConfig | None] = {}  # choice per concurrency, refreshed as evidence comes
-        self._probe_floor: dict[int, int] = {}  # fewest steps between probes per concurrency (probe_budget)
-        self._observed = 0
+        # best tree per concurrency: (shape, its goodput, its step seconds). Its inputs (the acceptance
+        # model and the speculative correction) move only when speculative steps are observed, so it is
+        # refreshed then (every 16 of them, or after a probe), not searched anew at every step: a
+        # search over the candidates costs more than a small model's plain step
+        self._trees: dict[int, tuple[SpecConfig | None, float, float]] = {}
+        self._spec_observed = 0
 
     @staticmethod
     def _bucket(running: int) -> int:
@@ -178,34 +181,42 @@ class Aware(Off):
         emitted = 1.0 if c is None else self.acceptance.expected(c)
         return running * emitted / self.predicted_seconds(c, running)
 
+    def best_tree(self, running: int) -> tuple[SpecConfig | None, float]:
+        """The candidate tree of highest predicted goodput at `running`, and that goodput."""
+        tree, rate, _ = self._tree(running)
+        return tree, rate
+
+    def _tree(self, running: int) -> tuple[SpecConfig | None, float, float]:
+        if running not in self._trees:
+            best, best_rate = None, 0.0
+            for c in self.candidates:
+                rate = self.goodput(c, running)
+                if rate > best_rate:
+                    best, best_rate = c, rate
+            seconds = 0.0 if best is None else self.predicted_seconds(best, running)
+            self._trees[running] = (best, best_rate, seconds)
+        return self._trees[running]
+
+    def _decide(self, running: int) -> SpecConfig | None:
+        tree, rate, _ = self._tree(running)
+        return tree if rate > self.goodput(None, running) * (1 + self.margin) else None
+
     def choose(self, running: int) -> SpecConfig | None:
-        if running not in self._memo:
-            self._memo[running] = self._argmax(running)
-        choice = self._memo[running]
+        choice = self._decide(running)
         other, b = ("spec" if choice is None else "off"), self._bucket(running)
         if self._since.get((other, b), 0) >= self._interval(running, choice):
             self._probing = b
-            return None if other == "off" else self._argmax(running, spec_only=True)
+            return None if other == "off" else self._tree(running)[0]
         return choice
 
     def _interval(self, running: int, choice: SpecConfig | None) -> int:
         """Steps between probes of the kind not chosen in this bucket."""
         interval = self._probe_interval.get(self._bucket(running), self.probe_every)
-        if choice is None:  # the probe would be a speculative step: bound its share of the time
-            if running not in self._probe_floor:  # decided with the choice, refreshed with it
-                probe = self._argmax(running, spec_only=True)
-                extra = 0.0 if probe is None else self.predicted_seconds(probe, running) / self.predicted_seconds(None, running) - 1
-                self._probe_floor[running] = math.ceil(extra / self.probe_budget)
-            interval = max(interval, self._probe_floor[running])
+        tree, _, tree_seconds = self._tree(running)
+        if choice is None and tree is not None:  # the probe would be a speculative step: bound its share
+            extra = tree_seconds / self.predicted_seconds(None, running) - 1
+            interval = max(interval, math.ceil(extra / self.probe_budget))
         return interval
-
-    def _argmax(self, running: int, spec_only: bool = False) -> SpecConfig | None:
-        best, best_rate = (None, 0.0 if spec_only else self.goodput(None, running) * (1 + self.margin))
-        for c in self.candidates:
-            rate = self.goodput(c, running)
-            if rate > best_rate:
-                best, best_rate = c, rate
-        return best
 
     def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
                 accepted: list[int] | None = None) -> None:
@@ -221,15 +232,15 @@ class Aware(Off):
         self.correction[(kind, b)] = ratio if current is None else keep * current + (1 - keep) * ratio
         self._since[(kind, b)] = 0
         self._since[(other, b)] = self._since.get((other, b), 0) + 1
-        if config is not None and accepted is not None:
-            self.acceptance.observe(config, accepted)
-        self._observed += 1
-        if self._observed % 16 == 0 or (config is None) != (self._memo.get(running, config) is None):
-            self._memo.clear()  # fresh evidence, or a probe of the kind not chosen: decide again
-            self._probe_floor.clear()
+        if config is not None:
+            if accepted is not None:
+                self.acceptance.observe(config, accepted)
+            self._spec_observed += 1
+            if self._spec_observed % 16 == 0 or probe or current is None:
+                self._trees.clear()  # fresh evidence on speculation: search the trees again
         if probe:
             self._probing = None
-            overturned = (self._argmax(running) is None) == (config is None)
+            overturned = (self._decide(running) is None) == (config is None)
             interval = self._probe_interval.get(b, self.probe_every)
             self._probe_interval[b] = self.probe_every if overturned else min(2 * interval, self.max_probe_every)
 
