@@ -63,10 +63,21 @@ def ensure_policy_and_draft(cfg: Config) -> None:
         pretrain_draft(cfg)
 
 
+def _thread_counts(text: str) -> list[int]:
+    try:
+        counts = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated thread counts such as 1,2, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"thread counts must be >= 1, got {text!r}")
+    return counts
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     from fastgrpo.bench.draft_fit import bench_draft
     from fastgrpo.bench.e2e import bench_e2e
     from fastgrpo.bench.forward import bench_forward
+    from fastgrpo.bench.guarantee import bench_guarantee
     from fastgrpo.bench.learning import bench_learning
     from fastgrpo.bench.noise import bench_noise
     from fastgrpo.bench.trainer import bench_trainer
@@ -79,16 +90,18 @@ def cmd_bench(args: argparse.Namespace) -> None:
                "learning": lambda cfg, quick, output, extra: bench_learning(cfg, quick, output, args.seeds,
                                                                             args.steps, args.every, modes, extra=extra),
                "noise": lambda cfg, quick, output, extra: bench_noise(cfg, quick, output, args.batches, extra=extra),
-               "trainer": bench_trainer}
+               "trainer": bench_trainer,
+               "guarantee": lambda cfg, quick, output, extra: bench_guarantee(cfg, quick, output, args.runs,
+                                                                              args.threads, extra=extra)}
     if args.what not in benches:
         raise ValueError(f"unknown benchmark {args.what!r}; available: {', '.join(benches)}")
     if args.policy and args.what != "draft":
         raise ValueError(f"--policy is for `bench draft`, not `bench {args.what}`")
     for flag, owner in (("seeds", "learning"), ("steps", "learning"), ("every", "learning"), ("modes", "learning"),
-                        ("batches", "noise")):
+                        ("batches", "noise"), ("runs", "guarantee"), ("threads", "guarantee")):
         if getattr(args, flag) is not None and args.what != owner:
             raise ValueError(f"--{flag} is for `bench {owner}`, not `bench {args.what}`")
-        if flag != "modes" and getattr(args, flag) is not None and getattr(args, flag) < 1:
+        if flag not in ("modes", "threads") and getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     cfg = _config(args)
     ensure_policy_and_draft(cfg)
@@ -147,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                 "`draft` (how well drafts fit a policy, on its own samples, with fixed trees) "
                 "`learning` (held-out accuracy curves of GRPO over seeds, with and without speculation) "
                 "`noise` (how much of one GRPO update is signal: the gradient noise scale) "
-                "or `trainer` (one GRPO step of the torch and Megatron trainers at world 1 and 2)",
+                "`trainer` (one GRPO step of the torch and Megatron trainers at world 1 and 2) "
+                "or `guarantee` (aware against plain decoding, paired, over runs and thread counts)",
                 before="what")
     bench.add_argument("--quick", action="store_true", help="smaller workloads (minutes, not tens of minutes)")
     bench.add_argument("--output", help="JSON results, default bench/<what>.json (a PNG plot is written beside it)")
@@ -159,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--modes", help="bench learning: speculation policies to run, comma-separated "
                        "(default: the config's own and off)")
     bench.add_argument("--batches", type=int, help="bench noise: independent rollout batches (default 8; 3 with --quick)")
+    bench.add_argument("--runs", type=int, help="bench guarantee: runs per thread count (default 5; 2 with --quick)")
+    bench.add_argument("--threads", type=_thread_counts, help="bench guarantee: torch thread counts, comma-separated "
+                       "(default 1,2)")
 
     # key=value overrides may come anywhere on the line, also after options (argparse alone would
     # take them only right after the command's positionals)

@@ -41,6 +41,9 @@ class TaskConfig:
     max_value: int = 20  # every intermediate value stays in 0..max_value
     max_operand: int = 9
     reward_timeout_s: float = 2.0
+    # training reward of a wrong answer: this x the share of the worked solution's lines reproduced before
+    # the first mistake (a correct answer scores 1); 0 = the answer alone. Eval always scores the answer.
+    step_credit: float = 0.0
 
 
 @dataclass
@@ -237,7 +240,8 @@ def validate(c: Config) -> None:
                f"> 1 needs a model-parallel trainer.backend (trainer.backend={c.trainer.backend} runs the "
                f"policy whole on each rank)", size)
     if c.trainer.backend == "megatron":  # what the Megatron trainer does not do yet
-        _check(c.parallel.pipeline == 1, "parallel.pipeline", "> 1 is not built into the Megatron trainer yet",
+        _check(c.parallel.pipeline == 1, "parallel.pipeline", "> 1 needs a world of several ranks: the Megatron "
+               "trainer runs pipeline stages, but the training loop runs in one process until it runs under torchrun",
                c.parallel.pipeline)
         _check(c.grpo.kl_coef == 0, "grpo.kl_coef", "> 0 needs a reference model, which the Megatron trainer does "
                "not have yet", c.grpo.kl_coef)
@@ -253,6 +257,7 @@ def validate(c: Config) -> None:
     _check(t.max_value >= 2, "task.max_value", "must be >= 2", t.max_value)
     _check(t.max_operand >= 2, "task.max_operand", "must be >= 2", t.max_operand)
     _check(t.reward_timeout_s > 0, "task.reward_timeout_s", "must be > 0", t.reward_timeout_s)
+    _check(0 <= t.step_credit < 1, "task.step_credit", "must be in [0, 1) (a correct answer scores 1)", t.step_credit)
     _check(r.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1", r.prompts_per_step)
     _check(r.group_size >= 2, "rollout.group_size", "must be >= 2 (advantages compare samples)", r.group_size)
     _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", r.max_new_tokens)

@@ -126,3 +126,30 @@ def test_bench_noise_measures_the_loops_own_gradients(tmp_path, tiny_policy):
     assert all(b["grad_sq"] > 0 and 1 <= b["groups_kept"] <= 8 for b in saved["batches"])
     assert main(["bench", "noise", "--batches", "3", "--seeds", "2", "--output", str(out), *overrides]) == 1
     assert main(["bench", "noise", "--batches", "2", "--output", str(out), *overrides]) == 1
+
+
+def test_bench_guarantee_pairs_aware_with_off_at_each_thread_count(tmp_path, tiny_policy, tiny_draft):
+    from fastgrpo.bench.guarantee import LEVELS, bench_guarantee, markdown
+
+    cfg = tiny_config(tmp_path, tiny_policy, **{"draft.path": tiny_draft, "rollout.max_batch": 64,
+                                                "speculation.cost_model_dir": tmp_path / "costs"})
+    before = torch.get_num_threads()
+    bench_guarantee(cfg, quick=True, output=tmp_path / "guarantee.json", runs=1, threads=[1, 2])
+    assert torch.get_num_threads() == before
+    saved = json.loads((tmp_path / "guarantee.json").read_text())
+    assert list(saved["threads"]) == ["1", "2"]
+    for t, passed in saved["threads"].items():
+        assert passed["torch_threads"] == int(t)  # each pass ran at its own thread count
+        loads = passed["aware_vs_off"]
+        assert list(loads)[:len(LEVELS)] == [f"running {b}" for b in LEVELS] and list(loads)[-1].startswith("GRPO")
+        for r in [*loads.values(), passed["engine_vs_hf_batch1"]]:
+            assert len(r["ratios"]) == len(r["runs"]) == 1
+            for ratio, pairs in zip(r["ratios"], r["runs"]):
+                assert len(pairs) == saved["meta"]["repetitions"]
+                ratios = sorted(p["aware_tok_s"] / p["off_tok_s"] if "off_tok_s" in p else p["hf_s"] / p["engine_s"]
+                                for p in pairs)
+                assert ratio == pytest.approx(ratios[len(ratios) // 2])  # an odd count: the middle pair
+    table = markdown(saved, "cmd")
+    worst = min(min(r["ratios"]) for passed in saved["threads"].values() for r in passed["aware_vs_off"].values())
+    assert f"| {worst:.3f}x |" in table
+    assert table.count("| yes |") + table.count("| no |") == 2 * (len(LEVELS) + 1)

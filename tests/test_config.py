@@ -25,6 +25,7 @@ def test_defaults_and_overrides(tmp_path):
     ("rollout.max_batch=abc", "rollout.max_batch"),
     ("model.size=huge", "model.size"),
     ("optim.trainable=norm(", "optim.trainable"),
+    ("task.step_credit=1", "task.step_credit"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

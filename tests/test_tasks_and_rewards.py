@@ -10,7 +10,7 @@ import pytest
 
 from fastgrpo.tasks.arithmetic import arithmetic_splits, generate_problems
 from fastgrpo.tasks.datasets import DatasetError, load_problems
-from fastgrpo.tasks.rewards import extract_answer, score
+from fastgrpo.tasks.rewards import extract_answer, score, step_credit
 
 
 def test_solutions_are_correct_and_values_bounded():
@@ -55,6 +55,16 @@ def test_long_tail_of_steps_and_determinism():
 ])
 def test_score(completion, expected):
     assert score(completion, "12") == expected
+
+
+def test_step_credit_counts_the_steps_right_before_the_first_mistake():
+    solution = "3 + 4 = 7\n7 * 2 = 14\n14 - 5 = 9\n9 + 1 = 10\nThe answer is \\boxed{10}."
+    assert step_credit(solution, solution) == 1.0
+    assert step_credit("3 + 4 = 7\n7 * 2 = 14\n14 - 5 = 8\n8 + 1 = 9\nThe answer is \\boxed{9}.", solution) == 0.5
+    assert step_credit("3 + 4 = 7\n7 * 2 = 15\n14 - 5 = 9\n9 + 1 = 10", solution) == 0.25  # later steps do not count
+    assert step_credit(" 3  +  4 = 7 \n\n", solution) == 0.25  # spacing is not a mistake, an empty line is
+    assert step_credit("The answer is \\boxed{10}.", solution) == 0.0
+    assert step_credit("anything", "The answer is \\boxed{10}.") == 0.0  # no steps to credit
 
 
 def test_extract_answer_nested_braces():

@@ -130,6 +130,15 @@ def grpo_batch(engine, policies, prompts, cfg, n_prompts, group, max_new, reps, 
     return result
 
 
+def hf_generate_seconds(policy: PreTrainedModel, ids: torch.Tensor, tokens: int) -> float:
+    """One Hugging Face `generate` call (static cache, sampling, exactly `tokens` new tokens per row)."""
+    t = time.perf_counter()
+    with torch.inference_mode():
+        policy.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
+                        do_sample=True, top_k=0, cache_implementation="static", pad_token_id=0)
+    return time.perf_counter() - t
+
+
 def hf_generate(policy: PreTrainedModel, engine: EmbeddedEngine, prompt: list[int], tokens: int, reps: int,
                 log) -> dict:
     """Tokens/s of HF `generate` (static cache, sampling) and of the engine without speculation."""
@@ -140,11 +149,7 @@ def hf_generate(policy: PreTrainedModel, engine: EmbeddedEngine, prompt: list[in
         ids = torch.tensor([prompt] * B)
         hf, ours = [], []
         for rep in range(reps + 1):
-            t = time.perf_counter()
-            with torch.inference_mode():
-                policy.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
-                                do_sample=True, top_k=0, cache_implementation="static", pad_token_id=0)
-            hf_s = time.perf_counter() - t
+            hf_s = hf_generate_seconds(policy, ids, tokens)
             r = timed_generate(engine, [Request(prompt, max_new_tokens=tokens)] * B,
                      SamplingParams(temperature=1.0, max_new_tokens=tokens, ignore_eos=True), seed=rep)
             if rep:

@@ -27,7 +27,7 @@ from fastgrpo.grpo.batch import build_batch
 from fastgrpo.grpo.evaluate import evaluate
 from fastgrpo.models.tokenizer import decode_response, load_tokenizer
 from fastgrpo.speculation.draft import DraftHead
-from fastgrpo.tasks.rewards import score
+from fastgrpo.tasks.rewards import score, step_credit
 from fastgrpo.tasks.source import EncodedProblem, PromptSource, encode_problems, load_task
 from fastgrpo.tracking import Tracker, default_tracking_uri
 from fastgrpo.types import Completion, Request, RolloutBatch, SamplingParams
@@ -171,9 +171,16 @@ def learn_draft(run: Run, problems: list[EncodedProblem], completions: list[Comp
 
 
 def score_completions(run: Run, problems: list[EncodedProblem], completions: list[Completion]) -> torch.Tensor:
-    G = run.cfg.rollout.group_size
-    rewards = [score(decode_response(run.tokenizer, c.token_ids), problems[i // G].problem.answer,
-                     run.cfg.task.reward_timeout_s) for i, c in enumerate(completions)]
+    """1 for a correct answer; a wrong one gets `task.step_credit` x the share of the worked
+    solution's steps it got right before its first mistake (0 when step_credit is 0)."""
+    G, task = run.cfg.rollout.group_size, run.cfg.task
+    rewards = []
+    for i, c in enumerate(completions):
+        text, problem = decode_response(run.tokenizer, c.token_ids), problems[i // G].problem
+        r = score(text, problem.answer, task.reward_timeout_s)
+        if r < 1.0 and task.step_credit > 0 and problem.solution:
+            r = task.step_credit * step_credit(text, problem.solution)
+        rewards.append(r)
     return torch.tensor(rewards, dtype=torch.float32).view(len(problems), G)
 
 

@@ -1,4 +1,5 @@
-"""The verifier: math-verify on the model's boxed final answer."""
+"""The verifier: math-verify on the model's boxed final answer, and partial credit for the worked
+solution's steps (a denser training signal than the answer alone)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,22 @@ def score(completion: str, answer: str, timeout_seconds: float = 2.0) -> float:
     except Exception as e:  # a verifier failure must never end a training step
         log.debug("score failed on %r: %s", completion[:80], e)
         return 0.0
+
+
+def _lines(text: str) -> list[str]:
+    return [" ".join(line.split()) for line in text.strip().splitlines()]
+
+
+def step_credit(completion: str, solution: str) -> float:
+    """The share of the worked solution's steps (its lines before the final answer's) that the
+    completion reproduces, in order, before its first difference. Each step of a chain is checkable,
+    so a wrong answer still says how far the reasoning got right."""
+    steps = _lines(solution)[:-1]
+    if not steps:
+        return 0.0
+    done = 0
+    for want, got in zip(steps, _lines(completion)):
+        if want != got:
+            break
+        done += 1
+    return done / len(steps)

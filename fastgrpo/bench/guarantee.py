@@ -1,0 +1,151 @@
+"""`fastgrpo bench guarantee`: is `aware` never slower than plain decoding, on this machine's cost
+curves?
+
+`aware` exists to speculate only where it pays, so the claim to check is a floor: aware's throughput
+is at least 0.97x `off`'s at every concurrency and on the GRPO batch. A shared machine's slow spells
+move one generate() call by +-10%, more than the margin being checked, so the statistic is paired:
+off and aware run back to back (alternating which goes first) and a repetition's figure is aware's
+throughput over off's; a run reports the median of its repetitions' ratios, which a slow spell that
+hits one half of one pair cannot move. (Throughputs, not seconds: on the GRPO batch a near-tie can
+change a sample's length between modes.) Each run starts fresh policies (aware knows nothing yet, as
+at the start of training) and the whole is repeated at each thread count: 1 and 2 threads give two
+different cost curves, as two machines would.
+
+The engine's other claim, a lead over Hugging Face `generate` at batch 1 without speculation, is
+checked the same way: the two back to back, a run's figure the median of the pairs' ratios.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from fastgrpo.backends.embedded import build_engine, speculation_policy
+from fastgrpo.bench.report import command_line, publish
+from fastgrpo.bench.rollout import hf_generate_seconds, rotated, timed_generate
+from fastgrpo.config import Config
+from fastgrpo.models.policy import load_policy, num_parameters
+from fastgrpo.models.tokenizer import load_tokenizer
+from fastgrpo.tasks.source import encode_problems, load_task
+from fastgrpo.types import Request, SamplingParams
+
+FLOOR = 0.97  # aware / off throughput that counts as "not slower" (the issue's guarantee)
+LEVELS = (1, 4, 16, 64)
+
+
+def workloads(cfg: Config, prompts: list[list[int]], quick: bool) -> dict[str, tuple[list[Request], SamplingParams]]:
+    """Fixed concurrency (EOS ignored, so the running count stays put) and a GRPO-shaped batch."""
+    tokens = 48 if quick else 96
+    fixed = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                           max_new_tokens=tokens, ignore_eos=True)
+    out = {f"running {b}": ([Request(prompts[i % len(prompts)], max_new_tokens=tokens) for i in range(b)], fixed)
+           for b in LEVELS}
+    group = cfg.rollout.group_size
+    n_prompts = 4 if quick else 8
+    grpo = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                          max_new_tokens=128 if quick else cfg.rollout.max_new_tokens)
+    out[f"GRPO batch ({n_prompts}x{group})"] = ([Request(p) for p in prompts[:n_prompts] for _ in range(group)], grpo)
+    return out
+
+
+def one_run(engine, cfg: Config, loads: dict, reps: int) -> dict[str, dict]:
+    """Paired off/aware repetitions of every workload with fresh policies; rep 0 warms up."""
+    modes = {mode: speculation_policy(engine, cfg, mode) for mode in ("off", "aware")}
+    out = {}
+    for name, (requests, sampling) in loads.items():
+        pairs = []
+        for rep in range(reps + 1):
+            tok_s, spec = {}, 0.0
+            for mode, policy in rotated(list(modes.items()), rep):
+                engine.set_speculation(policy)
+                r = timed_generate(engine, requests, sampling, seed=1000 * rep + len(requests))
+                tok_s[mode] = r["tok_s"]
+                if mode == "aware":
+                    spec = r["spec_fraction"]
+            if rep:
+                pairs.append({"off_tok_s": tok_s["off"], "aware_tok_s": tok_s["aware"], "spec_fraction": spec})
+        out[name] = {"ratio": statistics.median(p["aware_tok_s"] / p["off_tok_s"] for p in pairs),
+                     "spec_fraction": statistics.median(p["spec_fraction"] for p in pairs), "pairs": pairs}
+    return out
+
+
+def engine_vs_hf(policy, engine, cfg: Config, prompt: list[int], tokens: int, reps: int) -> dict:
+    """Batch 1, plain decoding: the engine's throughput over HF `generate`'s, paired; rep 0 warms up."""
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=tokens, ignore_eos=True)
+    engine.set_speculation(speculation_policy(engine, cfg, "off"))
+    pairs = []
+    for rep in range(reps + 1):
+        hf_s = hf_generate_seconds(policy, torch.tensor([prompt]), tokens)
+        engine_s = timed_generate(engine, [Request(prompt, max_new_tokens=tokens)], sampling, seed=rep)["seconds"]
+        if rep:
+            pairs.append({"hf_s": hf_s, "engine_s": engine_s})
+    return {"ratio": statistics.median(p["hf_s"] / p["engine_s"] for p in pairs), "pairs": pairs}
+
+
+def bench_guarantee(cfg: Config, quick: bool, output: Path, runs: int | None, threads: list[int] | None,
+                    extra: list[str] | None = None) -> dict:
+    runs = runs or (2 if quick else 5)
+    threads = threads or [1, 2]
+    reps = 5 if quick else 9
+    policy, tokenizer = load_policy(cfg.model.path), load_tokenizer(cfg.model.path)
+    _, evals = load_task(cfg.task)
+    prompts = [e.prompt_ids for e in encode_problems(evals, tokenizer, cfg.model.max_context, "eval")]
+    loads = workloads(cfg, prompts, quick)
+    before = torch.get_num_threads()
+    t0 = time.perf_counter()
+    result: dict = {"meta": {"date": datetime.date.today().isoformat(), "quick": quick, "torch": torch.__version__,
+                             "machine": platform.machine(), "policy_parameters": num_parameters(policy),
+                             "runs": runs, "repetitions": reps, "floor": FLOOR}, "threads": {}}
+    try:
+        for t in threads:
+            torch.set_num_threads(t)
+            engine = build_engine(cfg, policy.config, tokenizer, policy.state_dict().items(), speculation="aware")
+            per_run, hf = [], []
+            for run in range(runs):
+                per_run.append(one_run(engine, cfg, loads, reps))
+                hf.append(engine_vs_hf(policy, engine, cfg, prompts[0], loads["running 1"][1].max_new_tokens, reps))
+                print(f"{t} thread(s), run {run + 1}/{runs}: aware / off " + ", ".join(
+                    f"{name} {r['ratio']:.3f}x" for name, r in per_run[-1].items())
+                    + f"; engine / HF generate at batch 1 {hf[-1]['ratio']:.3f}x", flush=True)
+            result["threads"][str(t)] = {
+                "torch_threads": torch.get_num_threads(),
+                "engine_vs_hf_batch1": {"ratios": [r["ratio"] for r in hf], "runs": [r["pairs"] for r in hf]},
+                "aware_vs_off": {name: {"ratios": [r[name]["ratio"] for r in per_run],
+                                        "spec_fractions": [r[name]["spec_fraction"] for r in per_run],
+                                        "runs": [r[name]["pairs"] for r in per_run]} for name in loads}}
+    finally:
+        torch.set_num_threads(before)
+    result["meta"]["seconds"] = time.perf_counter() - t0
+    command = command_line("guarantee", quick, output,
+                           (extra or []) + [f"--runs {runs}", f"--threads {','.join(map(str, threads))}"])
+    publish(result, output, command, markdown)
+    return result
+
+
+def markdown(result: dict, command: str) -> str:
+    m = result["meta"]
+    lines = [f"Command: `{command}`", "",
+             f"Date {m['date']}; torch {m['torch']} ({m['machine']}); policy {m['policy_parameters'] / 1e6:.1f}M "
+             f"parameters, fp32. {m['runs']} runs per thread count, each with fresh policies; a run's figure is "
+             f"the median over {m['repetitions']} paired repetitions of aware's throughput / off's "
+             f"(the two run back to back, alternating which goes first). Floor: {m['floor']:.2f}x.", "",
+             "| threads | workload | runs (aware / off) | worst run | aware speculative steps (median) | all runs >= floor |",
+             "| ---: | --- | --- | ---: | ---: | --- |"]
+    for t, r in result["threads"].items():
+        for name, r in r["aware_vs_off"].items():
+            ratios = r["ratios"]
+            lines.append(f"| {t} | {name} | {', '.join(f'{x:.3f}' for x in ratios)} | {min(ratios):.3f}x | "
+                         f"{100 * statistics.median(r['spec_fractions']):.0f}% | "
+                         f"{'yes' if min(ratios) >= m['floor'] else 'no'} |")
+    lines += ["", "Engine without speculation against Hugging Face `generate` (static cache) at batch 1, "
+              "throughput ratio (median of paired repetitions per run):", "",
+              "| threads | runs (engine / HF) | worst run |", "| ---: | --- | ---: |"]
+    for t, r in result["threads"].items():
+        ratios = r["engine_vs_hf_batch1"]["ratios"]
+        lines.append(f"| {t} | {', '.join(f'{x:.3f}' for x in ratios)} | {min(ratios):.3f}x |")
+    return "\n".join(lines)
