@@ -196,3 +196,19 @@ def test_sft_is_the_same_policy_bit_for_bit(tmp_path, tiny_policy):
     assert report["complete"] == 1.0 and report["steps"] == cfg.sft.examples // cfg.sft.batch_size
     a, b = load_file(tiny_policy / "model.safetensors"), load_file(tmp_path / "policy" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_summary_claims_no_start_it_did_not_evaluate():
+    from fastgrpo.grpo.loop import summary_markdown
+
+    end = {"pass1_greedy": 0.25, "mean_accuracy": 0.2, "pass_at_4": 0.5,
+           "pass1_greedy_se": 0.02, "mean_accuracy_se": 0.01, "pass_at_4_se": 0.02}
+    start = {k: v / 2 for k, v in end.items()}
+    summary = {"config": {"eval_samples": 4, "eval_split": "validation", "eval_problems": 500, "seed": 0,
+                          "prompts_per_step": 16, "group_size": 8, "lr": 1e-5, "speculation": "off",
+                          "draft_online": "off"},
+               "start": None, "start_step": None, "end": end, "end_step": 30, "median": {}, "steps_run": 30}
+    without = summary_markdown(summary).splitlines()
+    assert without[2] == "| mean accuracy (4 samples, T = rollout's) | not evaluated | 20.0% ± 1.0 | - |"
+    with_start = summary_markdown(summary | {"start": start, "start_step": 0}).splitlines()
+    assert with_start[2] == "| mean accuracy (4 samples, T = rollout's) | 10.0% ± 0.5 | 20.0% ± 1.0 | +10.0 |"

@@ -297,8 +297,8 @@ def write_summary(run: Run) -> Path:
                    "group_size": c.rollout.group_size, "lr": c.optim.lr, "speculation": c.speculation.policy,
                    "draft_online": c.draft.online, "eval_split": c.eval.split, "eval_problems": len(run.eval_problems),
                    "eval_samples": c.eval.samples, "policy": c.model.path},
-        "start": evals[min(evals)] if evals else None,
-        "start_step": min(evals) if evals else None,
+        "start": evals.get(0),  # the starting policy's eval (none with eval.at_start=false)
+        "start_step": 0 if 0 in evals else None,
         "end": evals[max(evals)] if evals else None,
         "end_step": max(evals) if evals else None,
         "curve": [{"step": s} | e for s, e in evals.items()],
@@ -316,18 +316,20 @@ def write_summary(run: Run) -> Path:
 
 def summary_markdown(s: dict) -> str:
     """The README's results table, made from a summary.json."""
-    if not s["start"] or not s["end"]:
+    if not s["end"]:
         return ""
     c, m = s["config"], s["median"]
     k = c["eval_samples"]
     rows = [("mean accuracy (%d samples, T = rollout's)" % k, "mean_accuracy"), (f"pass@{k}", f"pass_at_{k}"),
             ("pass@1 greedy", "pass1_greedy")]
-    lines = [f"| held-out ({c['eval_split']} split, {c['eval_problems']} problems) | step {s['start_step']} | "
+    start = s["start"]
+    lines = [f"| held-out ({c['eval_split']} split, {c['eval_problems']} problems) | step 0 | "
              f"step {s['end_step']} | change |", "| --- | ---: | ---: | ---: |"]
     for label, key in rows:
-        a, b = s["start"][key], s["end"][key]
-        lines.append(f"| {label} | {100 * a:.1f}% ± {100 * s['start'][key + '_se']:.1f} | "
-                     f"{100 * b:.1f}% ± {100 * s['end'][key + '_se']:.1f} | {100 * (b - a):+.1f} |")
+        b = s["end"][key]
+        before = f"{100 * start[key]:.1f}% ± {100 * start[key + '_se']:.1f}" if start else "not evaluated"
+        change = f"{100 * (b - start[key]):+.1f}" if start else "-"
+        lines.append(f"| {label} | {before} | {100 * b:.1f}% ± {100 * s['end'][key + '_se']:.1f} | {change} |")
 
     def fmt(key: str, unit: str = "", digits: int = 2) -> str:
         return "-" if m.get(key) is None else f"{m[key]:.{digits}f}{unit}"
