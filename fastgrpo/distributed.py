@@ -1,12 +1,18 @@
 """Running a function on a torch.distributed world of spawned processes on this machine, as torchrun
 would set it up (every rank sees RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT): what the tests and
 `bench trainer` use to run multi-rank code without a launcher. A deadline bounds the whole world, and
-the processes started here (and only those) are ended by pid if it passes."""
+the processes started here (and only those, with whatever they started) are ended by pid if it passes.
+
+The ranks are not daemonic processes, as under torchrun: megatron's distributed checkpointing
+writes its files from child processes, which a daemonic process may not have."""
 
 from __future__ import annotations
 
+import multiprocessing.connection
 import os
+import signal
 import socket
+import time
 import traceback
 from pathlib import Path
 
@@ -18,6 +24,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _kill_tree(pid: int) -> None:
+    """End process `pid` and every process it started (by pid, children first)."""
+    try:
+        import psutil
+
+        children = psutil.Process(pid).children(recursive=True)
+    except Exception:  # psutil missing, or the process already gone
+        children = []
+    for child in children:
+        try:
+            child.kill()
+        except Exception:
+            pass
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _rank_main(fn, rank: int, world: int, port: int, out: Path, args: tuple, threads: int) -> None:
@@ -38,25 +63,32 @@ def run_world(fn, world: int, tmp: Path, *args, timeout_s: float = 180.0, thread
     tmp.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, tmp, args, threads), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, tmp, args, threads)) for r in range(world)]
+    deadline = time.monotonic() + timeout_s
     try:
         for p in procs:
-            p.join(timeout=timeout_s)
+            p.start()
+        # until every rank is done, the deadline passes, or a rank fails (the others would wait for it
+        # in a collective until their own timeout: they are ended now)
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break
+            multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=1.0)
     finally:
         alive = [p for p in procs if p.is_alive()]
         for p in alive:
-            p.kill()
+            _kill_tree(p.pid)
             p.join(5)
-    results = []
-    for r in range(world):
-        path = tmp / f"rank{r}.pt"
-        if not path.is_file():
+    saved = [torch.load(tmp / f"rank{r}.pt", weights_only=False) if (tmp / f"rank{r}.pt").is_file() else None
+             for r in range(world)]
+    for r, out in enumerate(saved):
+        if out is not None and "error" in out:
+            raise RuntimeError(f"rank {r} of {world} failed:\n{out['error']}")
+    for r, p in enumerate(procs):
+        if saved[r] is None and p not in alive and p.exitcode not in (None, 0):
+            raise RuntimeError(f"rank {r} of {world} exited with code {p.exitcode} without a result")
+    for r, out in enumerate(saved):
+        if out is None:
             raise TimeoutError(f"rank {r} of {world} gave no result within {timeout_s:.0f}s"
                                + (" (killed)" if alive else ""))
-        saved = torch.load(path, weights_only=False)
-        if "error" in saved:
-            raise RuntimeError(f"rank {r} of {world} failed:\n{saved['error']}")
-        results.append(saved["ok"])
-    return results
+    return [out["ok"] for out in saved]

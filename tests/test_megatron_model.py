@@ -167,7 +167,7 @@ def test_vocab_parallel_logprobs_entropy_and_gradients_equal_the_torch_trainers(
             torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-4, msg=name)
 
 
-GRPO = dict(minibatches=2, micro_batch_size=2, tis_cap=2.0)
+GRPO = dict(minibatches=2, micro_batch_size=3, tis_cap=2.0)  # 4-row minibatches: micro-batches of 3 and 1 rows
 OPTIM = dict(lr=1e-3, grad_clip=0.5, warmup_steps=2)
 
 
@@ -182,39 +182,56 @@ def _grpo_batch(trainer_logprobs):
     return batch
 
 
-def _megatron_train_step(rank, world, tp, policy_dir):
+def _megatron_train_step(rank, world, tp, pp, policy_dir):
     from fastgrpo.backends.megatron.trainer import MegatronPolicyTrainer
     from fastgrpo.config import GRPOConfig, OptimConfig
     from fastgrpo.types import SamplingParams
 
     trainer = MegatronPolicyTrainer(policy_dir, GRPOConfig(**GRPO), OptimConfig(**OPTIM), SamplingParams(temperature=0.7),
-                                    tensor=tp)
+                                    tensor=tp, pipeline=pp)
     batch = _grpo_batch(trainer.logprobs)
+    scores = trainer.logprobs_and_entropy(batch)
     metrics = [trainer.train_step(batch), trainer.train_step(batch)]
-    return metrics, dict(trainer.export_weights())
+    return scores, metrics, dict(trainer.export_weights())
 
 
-@pytest.mark.parametrize("tp, world", [(2, 2), (1, 2)], ids=["TP2", "DP2"])
-def test_a_grpo_train_step_equals_the_torch_trainers(tmp_path, tp, world):
-    """Two GRPO steps of two minibatches each, clipping active, warm-up, truncated importance sampling:
-    the same losses, gradient norms and updated weights as the torch trainer."""
-    from fastgrpo.backends.torch_trainer import TorchPolicyTrainer
+def torch_trainer_run(policy_dir, steps: int):
+    """The torch trainer on the same batch: its per-token log-probabilities and entropy, the metrics of
+    `steps` train steps, and its weights after them."""
+    from fastgrpo.backends.torch_trainer import TorchPolicyTrainer, token_logprobs
     from fastgrpo.config import GRPOConfig, OptimConfig
     from fastgrpo.models.policy import load_policy
     from fastgrpo.types import SamplingParams
 
-    hf_model("qwen2").save_pretrained(tmp_path / "policy")
-    metrics, weights = run_world(_megatron_train_step, world, tmp_path / "world", tp, tmp_path / "policy")[0]
-    torch_trainer = TorchPolicyTrainer(load_policy(tmp_path / "policy"), GRPOConfig(**GRPO), OptimConfig(**OPTIM),
-                                       SamplingParams(temperature=0.7))
-    batch = _grpo_batch(torch_trainer.logprobs)
-    expected = [torch_trainer.train_step(batch), torch_trainer.train_step(batch)]
-    for got, want in zip(metrics, expected):
+    sampling = SamplingParams(temperature=0.7)
+    trainer = TorchPolicyTrainer(load_policy(policy_dir), GRPOConfig(**GRPO), OptimConfig(**OPTIM), sampling)
+    batch = _grpo_batch(trainer.logprobs)
+    with torch.no_grad():
+        scores = token_logprobs(trainer.model, batch, sampling)
+    metrics = [trainer.train_step(batch) for _ in range(steps)]
+    return batch, scores, metrics, trainer.model.state_dict()
+
+
+def assert_same_step_as_torch(results, policy_dir, kind):
+    """`results`: each rank's (log-probabilities and entropy, the metrics of two train steps, the
+    exported weights) from `_megatron_train_step`; all equal to the torch trainer's."""
+    batch, (want_logp, want_entropy), expected, state = torch_trainer_run(policy_dir, 2)
+    real = batch.attention_mask.bool()
+    real[:, 0] = False  # position 0 has no prediction
+    for (logp, entropy), _, _ in results:  # every rank, whichever stage it is
+        assert float((logp - want_logp)[real].abs().max()) <= 1e-5
+        assert float((entropy - want_entropy)[real].abs().max()) <= 1e-5
+        assert float(entropy[real].min()) > 0.1  # real numbers, not zeros on both sides
+    for _, metrics, _ in results:
+        assert metrics == results[0][1]  # every rank reports the same metrics
+    for got, want in zip(results[0][1], expected):
         assert got["updates"] == want["updates"] == 2 and want["grad_norm"] > OPTIM["grad_clip"]  # clipping active
-        for key in ("loss", "grad_norm", "clip_fraction", "entropy", "lr"):
+        for key in ("loss", "grad_norm", "clip_fraction", "entropy", "kl_engine_trainer", "lr"):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
-    state = torch_trainer.model.state_dict()
-    assert set(weights) == set(state)
+    initial = hf_model(kind).state_dict()
+    for _, _, weights in results:
+        assert set(weights) == set(state)
+    weights = results[-1][2]
     # relative error of each tensor as a whole: Adam divides each coordinate's step by its gradient's
     # running scale, so a coordinate whose gradient is ~0 moves by a rounding-level amount either way.
     # The key bias has an exactly zero gradient (it shifts all of a query's scores alike, which softmax
@@ -223,9 +240,23 @@ def test_a_grpo_train_step_equals_the_torch_trainers(tmp_path, tp, world):
         if name.endswith("k_proj.bias"):
             assert float((weights[name] - t).abs().max()) < 1e-4, name
         else:
+            assert float((weights[name] - initial[name]).norm()) > 1e-3, name  # every tensor did move
             assert float((weights[name] - t).norm() / t.norm()) <= 1e-5, name
-    moved = sum(float((t - hf_model("qwen2").state_dict()[n]).norm()) for n, t in state.items())
-    assert moved > 0.1  # the steps did move the weights
+
+
+@pytest.mark.parametrize("tp, pp, world, kind", [(2, 1, 2, "qwen2"), (1, 1, 2, "qwen2"),
+                                                 pytest.param(1, 2, 2, "llama-tied", marks=pytest.mark.slow)],
+                         ids=["TP2", "DP2", "PP2-tied"])
+def test_a_grpo_train_step_equals_the_torch_trainers(tmp_path, tp, pp, world, kind):
+    """Per-token log-probabilities and entropy of a batch of mixed lengths, then two GRPO steps of two
+    minibatches each (clipping active, warm-up, truncated importance sampling): the same numbers,
+    losses, gradient norms and updated weights as the torch trainer, on every rank. The micro-batches
+    of a minibatch differ in length and row count (3 rows, then 1). PP2 with tied embeddings: the
+    embedding's gradient is the sum of its first-stage and last-stage copies'. TP2 x PP2:
+    tests/test_megatron_trainer.py."""
+    hf_model(kind).save_pretrained(tmp_path / "policy")
+    results = run_world(_megatron_train_step, world, tmp_path / "world", tp, pp, tmp_path / "policy")
+    assert_same_step_as_torch(results, tmp_path / "policy", kind)
 
 
 def _train(rank, world, overrides, resume):
@@ -267,7 +298,7 @@ def test_bench_trainer_times_the_torch_and_megatron_steps(tmp_path, tiny_policy)
     from tests.conftest import tiny_config
 
     out = tmp_path / "trainer.json"
-    bench_trainer(tiny_config(tmp_path, tiny_policy), quick=True, output=out, layouts=(("torch", 1, 1), ("megatron", 2, 2)))
+    bench_trainer(tiny_config(tmp_path, tiny_policy), quick=True, output=out, layouts=(("torch", 1, 1, 1), ("megatron", 2, 2, 1)))
     rows = json.loads(out.read_text())["rows"]
     assert [r["layout"] for r in rows] == ["torch", "megatron TP2"] and rows[0]["vs_torch"] == 1.0
     assert rows[0]["comm_s"] == 0.0  # one process: no collectives

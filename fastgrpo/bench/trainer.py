@@ -4,9 +4,11 @@ Megatron trainer's extra time goes.
 Every layout trains on the same batch (random token sequences of rollout-like lengths, random
 advantages: the step's cost depends on shapes, not on what the tokens say) in a world of its own
 processes on this machine (gloo); each rank times `train_step` after a warm-up step, and the time
-spent inside torch.distributed collectives is measured by wrapping them, so compute = step -
-communication. On 2 cores a world of 2 is not expected to be faster than a world of 1: the point is
-the overhead, measured.
+spent inside torch.distributed collectives and pipeline point-to-point transfers is measured by
+wrapping them (a transfer's time is from its start to the end of its `wait`), so compute = step -
+communication. Communication time includes waiting for a peer that is still computing (a pipeline
+stage waits out the other stage's share of the micro-batches: the pipeline bubble). On 2 cores a
+world of 2 or 4 is not expected to be faster than a world of 1: the point is the overhead, measured.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from fastgrpo.bench.report import command_line, publish
 from fastgrpo.config import Config
 from fastgrpo.distributed import run_world
 
-LAYOUTS = (("torch", 1, 1), ("megatron", 1, 1), ("megatron", 2, 2), ("megatron", 2, 1))  # backend, world, tensor
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+# backend, world, tensor, pipeline (data parallelism: what remains of the world)
+LAYOUTS = (("torch", 1, 1, 1), ("megatron", 1, 1, 1), ("megatron", 2, 2, 1), ("megatron", 2, 1, 1),
+           ("megatron", 4, 2, 2))
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier")
 
 
 def _batch(vocab: int, sequences: int, seed: int = 0):
@@ -38,10 +42,32 @@ def _batch(vocab: int, sequences: int, seed: int = 0):
 
 
 def _timed_collectives() -> dict[str, float]:
-    """Wrap torch.distributed's collectives (what megatron's TP and DDP call) to add up their time."""
+    """Wrap torch.distributed's collectives (what megatron's TP and DDP call) and batched point-to-point
+    transfers (megatron's pipeline schedules) to add up their time."""
     import torch.distributed as dist
 
     spent = {"seconds": 0.0}
+
+    class TimedWork:
+        def __init__(self, work, started: float):
+            self.work, self.started = work, started
+
+        def wait(self, *args, **kwargs):
+            try:
+                return self.work.wait(*args, **kwargs)
+            finally:
+                spent["seconds"] += time.perf_counter() - self.started
+                self.started = time.perf_counter()  # a second wait() adds only its own time
+
+        def __getattr__(self, name):
+            return getattr(self.work, name)
+
+    batch_isend_irecv = dist.batch_isend_irecv
+
+    def timed_p2p(ops):
+        started = time.perf_counter()
+        return [TimedWork(w, started) for w in batch_isend_irecv(ops)]
+    dist.batch_isend_irecv = timed_p2p
     for name in COLLECTIVES:
         original = getattr(dist, name)
 
@@ -55,7 +81,8 @@ def _timed_collectives() -> dict[str, float]:
     return spent
 
 
-def _rank(rank: int, world: int, backend: str, tensor: int, cfg: Config, sequences: int, reps: int) -> dict:
+def _rank(rank: int, world: int, backend: str, tensor: int, pipeline: int, cfg: Config, sequences: int,
+          reps: int) -> dict:
     from fastgrpo.types import SamplingParams
 
     sampling = SamplingParams.of(cfg.rollout)
@@ -69,7 +96,8 @@ def _rank(rank: int, world: int, backend: str, tensor: int, cfg: Config, sequenc
     else:
         from fastgrpo.backends.megatron.trainer import MegatronPolicyTrainer
 
-        trainer = MegatronPolicyTrainer(cfg.model.path, cfg.grpo, cfg.optim, sampling, tensor=tensor, seed=cfg.seed)
+        trainer = MegatronPolicyTrainer(cfg.model.path, cfg.grpo, cfg.optim, sampling, tensor=tensor, pipeline=pipeline,
+                                        seed=cfg.seed)
         vocab = trainer.layout.vocab
     batch = _batch(vocab, sequences)
     batch.engine_logprobs = trainer.logprobs(batch) * batch.response_mask
@@ -85,17 +113,17 @@ def _rank(rank: int, world: int, backend: str, tensor: int, cfg: Config, sequenc
 
 
 def bench_trainer(cfg: Config, quick: bool, output: Path, extra: list[str] | None = None,
-                  layouts: tuple[tuple[str, int, int], ...] = LAYOUTS) -> dict:
+                  layouts: tuple[tuple[str, int, int, int], ...] = LAYOUTS) -> dict:
     reps, sequences = (2, 16) if quick else (5, 32)
     t0 = time.perf_counter()
     rows = []
-    for backend, world, tensor in layouts:
+    for backend, world, tensor, pipeline in layouts:
         with tempfile.TemporaryDirectory() as tmp:
-            ranks = run_world(_rank, world, Path(tmp), backend, tensor, cfg, sequences, reps, timeout_s=1800.0,
+            ranks = run_world(_rank, world, Path(tmp), backend, tensor, pipeline, cfg, sequences, reps, timeout_s=1800.0,
                               threads=max(1, torch.get_num_threads() // world))
         step = max(r["step_s"] for r in ranks)  # the step ends when the slowest rank does
         comm = statistics.median(r["comm_s"] for r in ranks)
-        name = "torch" if backend == "torch" else (f"megatron TP{tensor}" if tensor > 1 else f"megatron DP{world}" if world > 1 else "megatron")
+        name = "torch" if backend == "torch" else _layout_name(world, tensor, pipeline)
         rows.append({"layout": name, "world": world, "step_s": step, "comm_s": comm})
         print(f"{name}: step {step:.3f} s, collectives {comm:.3f} s", flush=True)
     base = rows[0]["step_s"]
@@ -109,12 +137,20 @@ def bench_trainer(cfg: Config, quick: bool, output: Path, extra: list[str] | Non
     return result
 
 
+def _layout_name(world: int, tensor: int, pipeline: int) -> str:
+    """"megatron", "megatron TP2", "megatron DP2", "megatron TP2xPP2", ..."""
+    data = world // (tensor * pipeline)
+    parts = [f"{k}{n}" for k, n in (("TP", tensor), ("PP", pipeline), ("DP", data)) if n > 1]
+    return "megatron" + (" " + "x".join(parts) if parts else "")
+
+
 def markdown(r: dict, command: str) -> str:
     m = r["meta"]
     lines = [f"Command: `{command}`  ",
              f"Date {m['date']}, {m['cores']} threads in all (shared by a world's ranks), torch {m['torch']}; policy "
              f"`{m['policy']}`; one GRPO step of {m['sequences']} sequences in {m['minibatches']} minibatches, median of "
              f"{m['repetitions']} after a warm-up.", "",
+             "Collectives: TP/DP/PP all-reduces, broadcasts and pipeline transfers, waiting for peers included.", "",
              "| trainer | ranks | step s | in collectives s | compute s | step / torch |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for row in r["rows"]:

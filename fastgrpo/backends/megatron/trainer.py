@@ -1,23 +1,43 @@
-"""The GRPO policy trainer on megatron-core: tensor and data parallelism (pipeline stages: not yet).
+"""The GRPO policy trainer on megatron-core: tensor, pipeline and data parallelism.
 
 The loss is the torch trainer's (`grpo.loss.policy_loss`, one definition), scored on the engine's
 sampling distribution from vocab-parallel logits (`logprobs.py`). A minibatch is split across
-data-parallel ranks and normalised over the whole minibatch (its tokens, or its sequences), so the
+data-parallel ranks and normalised over the whole minibatch (its tokens, or its sequences: every
+rank holds the whole batch, so every rank knows the normaliser without a collective), so the
 ranks' gradients add up to the minibatch's: megatron's DistributedDataParallel sums them
-(`calculate_per_token_loss`), and megatron's optimizer clips by the global norm and steps. The
-warm-up, NaN/inf skipping (every rank together: the loss and the norm are global) and the
-reported metrics are the torch trainer's.
+(`calculate_per_token_loss`, and our `finalize_model_grads_func` does not divide by a token
+count), and megatron's optimizer clips by the global norm (over TP and PP; DP gradients are already
+summed) and steps. The warm-up, NaN/inf skipping and the reported metrics are the torch trainer's.
+
+Every forward and backward, with or without pipeline stages, goes through megatron's
+`get_forward_backward_func` (1F1B when PP > 1; a plain loop over micro-batches when PP = 1), one
+schedule call per minibatch (training) or per batch (`logprobs`). Only the last stage sees logits:
+it computes the log-probabilities, the loss and the statistics; they reach the other stages by a
+sum over the pipeline group (every other stage contributes zeros, so the sum is exact), and every
+rank returns the same metrics and takes the same skip-on-NaN verdict.
+
+Variable sequence lengths: each micro-batch keeps its own shape (its rows, trimmed to its longest
+sequence, as the torch trainer does) and the schedules run with `config.variable_seq_lengths`, so
+megatron's point-to-point layer sends each activation's shape (3 integers) before the activation.
+Padding every micro-batch of a minibatch to one length and one row count (what a fixed
+`seq_length` / `micro_batch_size` needs) would spend compute on padding in proportion to the
+spread of response lengths, which in GRPO is wide (a few tokens to the full budget), to save one
+tiny message per transfer; length-bucketed micro-batches would also change which rows are summed
+together, so the loss would no longer be the torch trainer's to rounding. We keep the torch
+trainer's micro-batches (contiguous rows) and pay the shape message.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
 from fastgrpo.backends.megatron.layout import Layout, LayoutError
@@ -27,16 +47,23 @@ from fastgrpo.config import GRPOConfig, OptimConfig
 from fastgrpo.grpo.loss import policy_loss
 from fastgrpo.types import RolloutBatch, SamplingParams
 
+Micro = tuple[list[int], RolloutBatch]  # batch rows (empty: a placeholder that trains nothing) and their data
+STATS = ("clip", "entropy", "kl_engine", "tokens")
+
 
 class MegatronPolicyTrainer:
     def __init__(self, policy_dir: str | Path, grpo: GRPOConfig, optim: OptimConfig, sampling: SamplingParams,
                  tensor: int = 1, pipeline: int = 1, seed: int = 0):
-        if pipeline != 1:
-            raise LayoutError("parallel.pipeline > 1: pipeline stages are not built into the Megatron trainer yet")
         if grpo.kl_coef > 0:
             raise ValueError("grpo.kl_coef > 0: the Megatron trainer has no reference model yet")
         if optim.trainable:
             raise ValueError("optim.trainable: the Megatron trainer trains every parameter")
+        from transformers import AutoConfig
+
+        if not (Path(policy_dir) / "config.json").is_file():
+            raise FileNotFoundError(f"no Hugging Face policy at {policy_dir} (config.json missing)")
+        # the layout is checked on the config alone, before any group or weight exists
+        self.layout = Layout.of(AutoConfig.from_pretrained(policy_dir), tensor, pipeline)
         initialize(tensor, pipeline, seed)
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -47,75 +74,128 @@ class MegatronPolicyTrainer:
 
         hf = load_policy(policy_dir)
         self.hf_config = hf.config
-        self.layout = Layout.of(hf.config, tensor, pipeline)
         module = build_model(hf.config, self.layout)
         load_hf_state(module, hf.state_dict(), self.layout)
         del hf
-        module.config.calculate_per_token_loss = True  # DDP sums the ranks' gradients: the loss is normalised globally
+        config = module.config
+        config.calculate_per_token_loss = True  # DDP sums the ranks' gradients: the loss is normalised globally
+        config.variable_seq_lengths = True  # each micro-batch its own shape (module docstring)
         self.cfg, self.sampling = grpo, sampling
         self.base_lr, self.warmup, self.updates = optim.lr, optim.warmup_steps, 0
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_rank, self.dp_size = dist.get_rank(self.dp_group), dist.get_world_size(self.dp_group)
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.last_stage = parallel_state.is_pipeline_last_stage()
         self._cpu = megatron_patches.cpu_device_literals
         with self._cpu():
-            self.model = DistributedDataParallel(module.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+            self.model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
                                                  module)
             self.optimizer = get_megatron_optimizer(OptimizerConfig(
                 optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.betas[0],
                 adam_beta2=optim.betas[1], adam_eps=1e-8, clip_grad=optim.grad_clip, params_dtype=torch.float32),
                 [self.model])
+        config.no_sync_func = self.model.no_sync
+        config.finalize_model_grads_func = _finalize_model_grads
+        self.model.eval()
 
-    # -- scoring ---------------------------------------------------------------------------
-    def _token_logprobs(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
-        """As the torch trainer's `token_logprobs`: [N, L], position-aligned, column 0 padding."""
-        n, width = batch.input_ids.shape
-        logits = self.model(batch.input_ids, torch.arange(width).expand(n, -1),
-                            attention_mask=torch.triu(torch.ones(width, width, dtype=torch.bool), 1)[None, None])
-        logp, entropy = vocab_parallel_logprobs(logits[:, :-1], batch.input_ids[:, 1:], self.sampling, self.layout.vocab)
-        pad = torch.zeros_like(logp[:, :1])
-        return torch.cat([pad, logp], 1), torch.cat([pad, entropy], 1)
-
-    def _micro_batches(self, batch: RolloutBatch, rows: list[int]) -> Iterator[tuple[list[int], RolloutBatch]]:
+    # -- the schedule ------------------------------------------------------------------------
+    def _micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[Micro]:
+        """This rank's micro-batches of `rows`; at least one (a rank with no rows still takes part
+        in the pipeline's and the data-parallel group's collectives, with a row that trains nothing)."""
         m = self.cfg.micro_batch_size
-        for i in range(0, len(rows), m):
-            yield rows[i: i + m], batch.select(rows[i: i + m])
+        micros = [(rows[i: i + m], batch.select(rows[i: i + m])) for i in range(0, len(rows), m)]
+        if not micros:
+            empty = batch.select([0])
+            empty.response_mask = torch.zeros_like(empty.response_mask)
+            micros = [([], empty)]
+        return micros
 
-    @torch.no_grad()
-    def logprobs(self, batch: RolloutBatch) -> Tensor:
-        out = torch.zeros(batch.input_ids.shape)
-        for rows, mb in self._micro_batches(batch, list(range(batch.size))):
-            lp, _ = self._token_logprobs(mb)
-            out[rows, : lp.shape[1]] = lp
-        return out
-
-    # -- training --------------------------------------------------------------------------
     def _my_rows(self, rows: list[int]) -> list[int]:
-        """This data-parallel rank's contiguous share of a minibatch's rows."""
+        """This data-parallel rank's contiguous share of `rows`."""
         k = len(rows)
         return rows[self.dp_rank * k // self.dp_size: (self.dp_rank + 1) * k // self.dp_size]
 
+    def _run(self, micros: list[Micro], on_logits: Callable[[list[int], RolloutBatch, Tensor], Tensor | None],
+             forward_only: bool) -> None:
+        """One schedule call over `micros`; on the last stage, `on_logits(rows, micro, logits)` sees
+        each micro-batch's vocab-parallel logits and returns its loss (training) or None."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            rows, micro = next(data_iterator)
+            n, width = micro.input_ids.shape
+            out = model(micro.input_ids, torch.arange(width).expand(n, -1),
+                        attention_mask=torch.triu(torch.ones(width, width, dtype=torch.bool), 1)[None, None])
+            return out, functools.partial(_loss_func, on_logits, rows, micro)
+
+        with self._cpu():
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(micros), model=self.model,
+                num_microbatches=len(micros), seq_length=max(m.input_ids.shape[1] for _, m in micros),
+                micro_batch_size=max(m.size for _, m in micros), forward_only=forward_only)
+
+    def _sum_over_stages_and_replicas(self, t: Tensor) -> Tensor:
+        """Sum over the pipeline group (only the last stage holds values) and the data-parallel group."""
+        if self.layout.pp > 1:
+            dist.all_reduce(t, group=self.pp_group)
+        if self.dp_size > 1:
+            dist.all_reduce(t, group=self.dp_group)
+        return t
+
+    # -- scoring ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def logprobs_and_entropy(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+        """As the torch trainer's `token_logprobs` over the whole batch: [N, L] each, position-aligned,
+        column 0 padding; on every rank (each data-parallel rank scores its share of the rows)."""
+        out = torch.zeros(2, *batch.input_ids.shape)
+
+        def score(rows: list[int], micro: RolloutBatch, logits: Tensor) -> None:
+            logp, entropy = self._score(micro, logits)
+            if rows:
+                out[0, rows, 1: logp.shape[1] + 1] = logp
+                out[1, rows, 1: entropy.shape[1] + 1] = entropy
+
+        self._run(self._micro_batches(batch, self._my_rows(list(range(batch.size)))), score, forward_only=True)
+        logp, entropy = self._sum_over_stages_and_replicas(out)
+        return logp, entropy
+
+    def logprobs(self, batch: RolloutBatch) -> Tensor:
+        return self.logprobs_and_entropy(batch)[0]
+
+    def _score(self, micro: RolloutBatch, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """Log-probability and entropy of tokens 1.. of `micro`, [n, width - 1] each."""
+        return vocab_parallel_logprobs(logits[:, :-1], micro.input_ids[:, 1:], self.sampling, self.layout.vocab)
+
+    # -- training --------------------------------------------------------------------------
     def _backward(self, batch: RolloutBatch, rows: list[int], old: Tensor | None, totals: dict[str, float]) -> float:
-        """This rank's share of the minibatch `rows`, its loss normalised over the whole minibatch."""
+        """Gradients of this rank's share of the minibatch `rows`, its loss normalised over the whole
+        minibatch; returns the share's loss on the last stage (0 elsewhere) and adds its statistics
+        to `totals` there."""
         c = self.cfg
         mask = batch.response_mask[rows]
         normaliser = max(float(mask.sum()) if c.loss_aggregation == "token_mean" else float(len(rows)), 1.0)
-        loss = 0.0
-        for micro_rows, micro in self._micro_batches(batch, self._my_rows(rows)):
-            logp, entropy = self._token_logprobs(micro)
+        loss = [0.0]
+
+        def loss_of(micro_rows: list[int], micro: RolloutBatch, logits: Tensor) -> Tensor:
+            logp, entropy = self._score(micro, logits)
+            pad = torch.zeros_like(logp[:, :1])
+            logp, entropy = torch.cat([pad, logp], 1), torch.cat([pad, entropy], 1)
             width = logp.shape[1]
-            old_logp = old[micro_rows, :width] if old is not None else logp.detach()
+            old_logp = old[micro_rows, :width] if old is not None and micro_rows else logp.detach()
             tis = torch.exp(old_logp - micro.engine_logprobs).clamp(max=c.tis_cap) if c.tis_cap > 0 else None
             terms = policy_loss(logp, old_logp, micro.advantages, micro.response_mask, eps_low=c.eps_low,
                                 eps_high=c.eps_high, aggregation=c.loss_aggregation, normaliser=normaliser,
                                 tis_weight=tis)
-            terms.loss.backward()
             m = micro.response_mask.float()
-            loss += terms.loss.item()
+            loss[0] += terms.loss.item()
             totals["clip"] += terms.clipped_tokens.item()
             totals["entropy"] += (entropy.detach() * m).sum().item()
             totals["kl_engine"] += ((micro.engine_logprobs - logp.detach()) * m).sum().item()
             totals["tokens"] += m.sum().item()
-        return loss
+            return terms.loss
+
+        self._run(self._micro_batches(batch, self._my_rows(rows)), loss_of, forward_only=False)
+        return loss[0]
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         c = self.cfg
@@ -123,30 +203,28 @@ class MegatronPolicyTrainer:
         old = self.logprobs(batch) if c.epochs * c.minibatches > 1 else None
         rows = list(range(batch.size))
         per_mb = math.ceil(batch.size / c.minibatches)
-        totals = dict(loss=0.0, clip=0.0, kl_engine=0.0, entropy=0.0, tokens=0.0, grad_norm=0.0)
+        totals = dict(loss=0.0, grad_norm=0.0, **dict.fromkeys(STATS, 0.0))
         updates = skipped = 0
         for _ in range(c.epochs):
             for start in range(0, batch.size, per_mb):
                 self.model.zero_grad_buffer()
                 self.optimizer.zero_grad()
                 local_loss = self._backward(batch, rows[start: start + per_mb], old, totals)
-                self.model.finish_grad_sync()
-                mb_loss = torch.tensor([local_loss])
-                dist.all_reduce(mb_loss, group=self.dp_group)
+                mb_loss = self._sum_over_stages_and_replicas(torch.tensor([local_loss])).item()
                 grad_norm = self._prepare_and_norm()
-                if math.isfinite(mb_loss.item()) and math.isfinite(grad_norm):  # the same verdict on every rank
+                if math.isfinite(mb_loss) and math.isfinite(grad_norm):  # the same verdict on every rank
                     for group in self.optimizer.param_groups:
                         group["lr"] = self.base_lr * (min(1.0, (self.updates + 1) / self.warmup) if self.warmup else 1.0)
                     self._clip_and_step(grad_norm)
                     self.updates += 1
                     updates += 1
-                    totals["loss"] += mb_loss.item()
+                    totals["loss"] += mb_loss
                     totals["grad_norm"] += grad_norm
                 else:
                     skipped += 1
         self.model.eval()
-        stats = torch.tensor([totals[k] for k in ("clip", "entropy", "kl_engine", "tokens")])
-        dist.all_reduce(stats, group=self.dp_group)  # every rank reports the whole batch's statistics
+        # every rank reports the whole batch's statistics
+        stats = self._sum_over_stages_and_replicas(torch.tensor([totals[k] for k in STATS]))
         clip, entropy, kl_engine, tokens = stats.tolist()
         tokens = max(tokens, 1.0)
         return {"loss": totals["loss"] / max(updates, 1), "grad_norm": totals["grad_norm"] / max(updates, 1),
@@ -159,7 +237,7 @@ class MegatronPolicyTrainer:
     def _prepare_and_norm(self) -> float:
         with self._cpu():
             self.optimizer.prepare_grads()  # the gradient buffers' sums become the parameters' .grad
-            return float(self.optimizer.get_grad_norm())
+            return float(self.optimizer.get_grad_norm())  # over TP and PP (and every DP rank has the sum)
 
     def _clip_and_step(self, grad_norm: float) -> None:
         from megatron.core.optimizer import optimizer as megatron_optimizer
@@ -176,15 +254,32 @@ class MegatronPolicyTrainer:
         return export_hf(self.model.module, self.layout)
 
     # -- checkpoints -------------------------------------------------------------------------
-    # The policy is written as a Hugging Face directory (gathered: it loads at any layout, and in any
-    # Hugging Face tool); the optimizer state as one file per rank, which resumes at the same layout
-    # only. Resharding optimizer state through megatron's dist_checkpointing is not built yet.
-    def _optimizer_file(self, directory: Path) -> Path:
-        l, rank = self.layout, dist.get_rank()
-        return directory / f"megatron_optimizer_tp{l.tp}_pp{l.pp}_dp{self.dp_size}_rank{rank}.pt"
+    # A checkpoint directory holds two things:
+    # - `policy/`: the policy as a Hugging Face directory (full tensors gathered layer by layer and
+    #   written by rank 0): what the rollout engine, `fastgrpo eval` and any Hugging Face tool read.
+    # - `megatron/`: megatron's distributed checkpoint (`dist_checkpointing`, torch_dist format) of
+    #   the model and the optimizer state (Adam's moments and step), each rank writing its shards
+    #   of the global tensors, plus `fastgrpo.json` (the model's shape, the layout it was saved at,
+    #   the update count for the warm-up). It loads at any TP x PP x DP layout of the same model:
+    #   each rank reads the slices of the global tensors its own layout needs. The vocabulary
+    #   padding differs between TP sizes; its rows are zero (never sampled, zero gradient, zero
+    #   moments), and megatron loads padded tensors of another length as their common prefix.
+    def _identity(self) -> dict:
+        l = self.layout
+        return {"model_type": self.hf_config.model_type, "layers": l.layers, "hidden": l.hidden, "heads": l.heads,
+                "kv_heads": l.kv_heads, "head_dim": l.head_dim, "ffn": l.ffn, "vocab": l.vocab, "tied": l.tied,
+                "qkv_bias": l.qkv_bias}
+
+    def _sharded_state_dict(self, loading: bool) -> dict:
+        model = self.model.module.sharded_state_dict()
+        return {"model": model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading)}
 
     def save(self, directory: Path) -> None:
+        from megatron.core import dist_checkpointing
+
+        directory = Path(directory)
         tensors = {name: t.contiguous().clone() for name, t in self.export_weights()}  # every rank takes part
+        megatron_dir = directory / "megatron"
         if dist.get_rank() == 0:
             policy = directory / "policy"
             policy.mkdir(parents=True, exist_ok=True)
@@ -192,15 +287,50 @@ class MegatronPolicyTrainer:
                 tensors.pop("lm_head.weight", None)
             save_file(tensors, str(policy / "model.safetensors"))
             self.hf_config.save_pretrained(policy)
+            megatron_dir.mkdir(parents=True, exist_ok=True)
+        del tensors
         dist.barrier()
-        torch.save({"optimizer": self.optimizer.state_dict(), "updates": self.updates}, self._optimizer_file(directory))
+        with self._cpu():
+            dist_checkpointing.save(self._sharded_state_dict(loading=False), str(megatron_dir))
+        dist.barrier()  # every rank's shards are written
+        if dist.get_rank() == 0:  # last: its presence says the checkpoint is complete
+            l = self.layout
+            (megatron_dir / "fastgrpo.json").write_text(json.dumps(
+                {"model": self._identity(), "saved_at": {"tensor": l.tp, "pipeline": l.pp, "data": self.dp_size},
+                 "updates": self.updates}, indent=1))
+        dist.barrier()
 
     def load(self, directory: Path) -> None:
-        state = self._optimizer_file(directory)
-        if not state.is_file():
-            raise FileNotFoundError(f"{directory} holds no optimizer state for this layout ({state.name}): the Megatron "
-                                    f"trainer resumes at the layout it saved at")
-        load_hf_state(self.model.module, load_file(str(directory / "policy" / "model.safetensors")), self.layout)
-        saved = torch.load(state, weights_only=False)
-        self.optimizer.load_state_dict(saved["optimizer"])
+        from megatron.core import dist_checkpointing
+
+        megatron_dir = Path(directory) / "megatron"
+        info = megatron_dir / "fastgrpo.json"
+        if not info.is_file():
+            raise FileNotFoundError(f"{directory} holds no Megatron checkpoint ({info} missing): the Megatron trainer "
+                                    f"resumes from checkpoints it saved")
+        saved = json.loads(info.read_text())
+        if saved["model"] != self._identity():
+            diff = {k: (v, self._identity().get(k)) for k, v in saved["model"].items() if self._identity().get(k) != v}
+            raise LayoutError(f"the checkpoint {directory} is of another model (saved, this policy): {diff}")
+        with self._cpu():
+            state = dist_checkpointing.load(self._sharded_state_dict(loading=True), str(megatron_dir))
+            self.model.module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.updates = saved["updates"]
+
+
+def _loss_func(on_logits, rows: list[int], micro: RolloutBatch, logits: Tensor):
+    """megatron's loss function contract (last stage only): (loss, token count, reduced dict). With
+    `calculate_per_token_loss` the schedule neither divides the loss by the token count nor by the
+    micro-batch count; our loss is already normalised over the whole minibatch."""
+    loss = on_logits(rows, micro, logits)
+    return (loss if loss is not None else logits.new_zeros(())), torch.zeros((), dtype=torch.int), {}
+
+
+def _finalize_model_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
+    """megatron's `finalize_model_grads` (the data-parallel gradient sum, the tied embedding's
+    gradient summed over its first and last stage copies) without its division by the token count:
+    the loss was normalised before the backward."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
