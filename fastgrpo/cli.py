@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 "`draft` (how well drafts fit a policy, on its own samples, with fixed trees) "
                 "`learning` (held-out accuracy curves of GRPO over seeds, with and without speculation) "
                 "`noise` (how much of one GRPO update is signal: the gradient noise scale) "
-                "`trainer` (one GRPO step of the torch and Megatron trainers at world 1 and 2) "
+                "`trainer` (one GRPO step of the torch and Megatron trainers at world 1, 2 and 4) "
                 "or `guarantee` (aware against plain decoding, paired, over runs and thread counts)",
                 before="what")
     bench.add_argument("--quick", action="store_true", help="smaller workloads (minutes, not tens of minutes)")
