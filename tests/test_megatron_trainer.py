@@ -127,3 +127,23 @@ def test_a_checkpoint_reshards_and_resumes_bit_for_bit(tp2pp2, tmp_path):
             assert got["updates"] == 4 + 2  # warm-up counted on from the saved 4 updates
             for key in ("loss", "grad_norm", "clip_fraction", "entropy", "lr"):
                 assert got["third_step"][key] == pytest.approx(expected[2][key], rel=1e-5, abs=1e-7), (layout, key)
+
+
+def _load_into(rank, world, policy_dir, checkpoint):
+    from fastgrpo.backends.megatron.layout import LayoutError
+
+    trainer = _new_trainer(policy_dir, 1, 1)
+    try:
+        trainer.load(checkpoint)
+    except LayoutError as e:
+        return str(e)
+    return None
+
+
+def test_a_checkpoint_of_another_model_is_refused_by_name(tp2pp2, tmp_path):
+    """A Megatron checkpoint of the qwen2 policy loaded by a trainer of a Llama policy fails before any
+    tensor is read, naming what differs."""
+    tmp, _ = tp2pp2
+    hf_model("llama-tied").save_pretrained(tmp_path / "llama")
+    error = run_world(_load_into, 1, tmp_path / "world", tmp_path / "llama", tmp / "checkpoint")[0]
+    assert error is not None and "another model" in error and "model_type" in error, error
