@@ -20,11 +20,11 @@ def test_backends_and_layout_are_validated_before_any_work():
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(None, [override])
     for overrides, key in ((["trainer.backend=megatron", "parallel.pipeline=2"], "parallel.pipeline"),
-                           (["trainer.backend=megatron", "grpo.kl_coef=0.1"], "grpo.kl_coef"),
                            (["trainer.backend=megatron", "speculation.policy=aware", "draft.online=async"], "draft.online")):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(None, overrides)
     assert load_config(None, ["trainer.backend=megatron", "parallel.tensor=2"]).parallel.tensor == 2
+    assert load_config(None, ["trainer.backend=megatron", "grpo.kl_coef=0.1"]).grpo.kl_coef == 0.1  # a reference in the layout
 
 
 def test_the_factory_builds_a_trainer_and_engine_that_agree(tmp_path, tiny_policy):

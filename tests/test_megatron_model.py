@@ -167,7 +167,8 @@ def test_vocab_parallel_logprobs_entropy_and_gradients_equal_the_torch_trainers(
             torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-4, msg=name)
 
 
-GRPO = dict(minibatches=2, micro_batch_size=3, tis_cap=2.0)  # 4-row minibatches: micro-batches of 3 and 1 rows
+# 4-row minibatches (micro-batches of 3 and 1 rows); a k3 KL to the initial policy (a second model in the layout)
+GRPO = dict(minibatches=2, micro_batch_size=3, tis_cap=2.0, kl_coef=0.05)
 OPTIM = dict(lr=1e-3, grad_clip=0.5, warmup_steps=2)
 
 
@@ -204,7 +205,8 @@ def torch_trainer_run(policy_dir, steps: int):
     from fastgrpo.types import SamplingParams
 
     sampling = SamplingParams(temperature=0.7)
-    trainer = TorchPolicyTrainer(load_policy(policy_dir), GRPOConfig(**GRPO), OptimConfig(**OPTIM), sampling)
+    trainer = TorchPolicyTrainer(load_policy(policy_dir), GRPOConfig(**GRPO), OptimConfig(**OPTIM), sampling,
+                                 reference=load_policy(policy_dir))
     batch = _grpo_batch(trainer.logprobs)
     with torch.no_grad():
         scores = token_logprobs(trainer.model, batch, sampling)
@@ -226,8 +228,9 @@ def assert_same_step_as_torch(results, policy_dir, kind):
         assert metrics == results[0][1]  # every rank reports the same metrics
     for got, want in zip(results[0][1], expected):
         assert got["updates"] == want["updates"] == 2 and want["grad_norm"] > OPTIM["grad_clip"]  # clipping active
-        for key in ("loss", "grad_norm", "clip_fraction", "entropy", "kl_engine_trainer", "lr"):
+        for key in ("loss", "grad_norm", "clip_fraction", "entropy", "kl_engine_trainer", "kl_ref", "lr"):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    assert expected[1]["kl_ref"] > 1e-6  # the policy has moved away from its reference
     initial = hf_model(kind).state_dict()
     for _, _, weights in results:
         assert set(weights) == set(state)

@@ -48,14 +48,12 @@ from fastgrpo.grpo.loss import policy_loss
 from fastgrpo.types import RolloutBatch, SamplingParams
 
 Micro = tuple[list[int], RolloutBatch]  # batch rows (empty: a placeholder that trains nothing) and their data
-STATS = ("clip", "entropy", "kl_engine", "tokens")
+STATS = ("clip", "entropy", "kl_engine", "kl_ref", "tokens")
 
 
 class MegatronPolicyTrainer:
     def __init__(self, policy_dir: str | Path, grpo: GRPOConfig, optim: OptimConfig, sampling: SamplingParams,
                  tensor: int = 1, pipeline: int = 1, seed: int = 0):
-        if grpo.kl_coef > 0:
-            raise ValueError("grpo.kl_coef > 0: the Megatron trainer has no reference model yet")
         if optim.trainable:
             raise ValueError("optim.trainable: the Megatron trainer trains every parameter")
         from transformers import AutoConfig
@@ -76,6 +74,14 @@ class MegatronPolicyTrainer:
         self.hf_config = hf.config
         module = build_model(hf.config, self.layout)
         load_hf_state(module, hf.state_dict(), self.layout)
+        # the k3 KL's reference: the initial policy, frozen, in the same layout (each rank holds its own
+        # shard of it, as of the policy), scored through the same schedule
+        self.reference = None
+        if grpo.kl_coef > 0:
+            self.reference = build_model(hf.config, self.layout)
+            load_hf_state(self.reference, hf.state_dict(), self.layout)
+            self.reference.requires_grad_(False).eval()
+            self.reference.config.variable_seq_lengths = True
         del hf
         config = module.config
         config.calculate_per_token_loss = True  # DDP sums the ranks' gradients: the loss is normalised globally
@@ -116,9 +122,10 @@ class MegatronPolicyTrainer:
         return rows[self.dp_rank * k // self.dp_size: (self.dp_rank + 1) * k // self.dp_size]
 
     def _run(self, micros: list[Micro], on_logits: Callable[[list[int], RolloutBatch, Tensor], Tensor | None],
-             forward_only: bool) -> None:
-        """One schedule call over `micros`; on the last stage, `on_logits(rows, micro, logits)` sees
-        each micro-batch's vocab-parallel logits and returns its loss (training) or None."""
+             forward_only: bool, model: torch.nn.Module | None = None) -> None:
+        """One schedule call of `model` (the policy by default) over `micros`; on the last stage,
+        `on_logits(rows, micro, logits)` sees each micro-batch's vocab-parallel logits and returns
+        its loss (training) or None."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
@@ -130,7 +137,7 @@ class MegatronPolicyTrainer:
 
         with self._cpu():
             get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(micros), model=self.model,
+                forward_step_func=forward_step, data_iterator=iter(micros), model=model or self.model,
                 num_microbatches=len(micros), seq_length=max(m.input_ids.shape[1] for _, m in micros),
                 micro_batch_size=max(m.size for _, m in micros), forward_only=forward_only)
 
@@ -144,9 +151,10 @@ class MegatronPolicyTrainer:
 
     # -- scoring ---------------------------------------------------------------------------
     @torch.no_grad()
-    def logprobs_and_entropy(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
-        """As the torch trainer's `token_logprobs` over the whole batch: [N, L] each, position-aligned,
-        column 0 padding; on every rank (each data-parallel rank scores its share of the rows)."""
+    def logprobs_and_entropy(self, batch: RolloutBatch, model: torch.nn.Module | None = None) -> tuple[Tensor, Tensor]:
+        """As the torch trainer's `token_logprobs` over the whole batch, of `model` (the policy by
+        default): [N, L] each, position-aligned, column 0 padding; on every rank (each data-parallel
+        rank scores its share of the rows)."""
         out = torch.zeros(2, *batch.input_ids.shape)
 
         def score(rows: list[int], micro: RolloutBatch, logits: Tensor) -> None:
@@ -155,7 +163,8 @@ class MegatronPolicyTrainer:
                 out[0, rows, 1: logp.shape[1] + 1] = logp
                 out[1, rows, 1: entropy.shape[1] + 1] = entropy
 
-        self._run(self._micro_batches(batch, self._my_rows(list(range(batch.size)))), score, forward_only=True)
+        self._run(self._micro_batches(batch, self._my_rows(list(range(batch.size)))), score, forward_only=True,
+                  model=model)
         logp, entropy = self._sum_over_stages_and_replicas(out)
         return logp, entropy
 
@@ -167,7 +176,8 @@ class MegatronPolicyTrainer:
         return vocab_parallel_logprobs(logits[:, :-1], micro.input_ids[:, 1:], self.sampling, self.layout.vocab)
 
     # -- training --------------------------------------------------------------------------
-    def _backward(self, batch: RolloutBatch, rows: list[int], old: Tensor | None, totals: dict[str, float]) -> float:
+    def _backward(self, batch: RolloutBatch, rows: list[int], old: Tensor | None, ref: Tensor | None,
+                  totals: dict[str, float]) -> float:
         """Gradients of this rank's share of the minibatch `rows`, its loss normalised over the whole
         minibatch; returns the share's loss on the last stage (0 elsewhere) and adds its statistics
         to `totals` there."""
@@ -183,12 +193,14 @@ class MegatronPolicyTrainer:
             width = logp.shape[1]
             old_logp = old[micro_rows, :width] if old is not None and micro_rows else logp.detach()
             tis = torch.exp(old_logp - micro.engine_logprobs).clamp(max=c.tis_cap) if c.tis_cap > 0 else None
+            ref_logp = None if ref is None else ref[micro_rows, :width] if micro_rows else logp.detach()
             terms = policy_loss(logp, old_logp, micro.advantages, micro.response_mask, eps_low=c.eps_low,
                                 eps_high=c.eps_high, aggregation=c.loss_aggregation, normaliser=normaliser,
-                                tis_weight=tis)
+                                tis_weight=tis, ref_logp=ref_logp, kl_coef=c.kl_coef)
             m = micro.response_mask.float()
             loss[0] += terms.loss.item()
             totals["clip"] += terms.clipped_tokens.item()
+            totals["kl_ref"] += terms.kl_ref_sum.item()
             totals["entropy"] += (entropy.detach() * m).sum().item()
             totals["kl_engine"] += ((micro.engine_logprobs - logp.detach()) * m).sum().item()
             totals["tokens"] += m.sum().item()
@@ -201,6 +213,7 @@ class MegatronPolicyTrainer:
         c = self.cfg
         self.model.train()
         old = self.logprobs(batch) if c.epochs * c.minibatches > 1 else None
+        ref = self.logprobs_and_entropy(batch, self.reference)[0] if self.reference is not None else None
         rows = list(range(batch.size))
         per_mb = math.ceil(batch.size / c.minibatches)
         totals = dict(loss=0.0, grad_norm=0.0, **dict.fromkeys(STATS, 0.0))
@@ -209,7 +222,7 @@ class MegatronPolicyTrainer:
             for start in range(0, batch.size, per_mb):
                 self.model.zero_grad_buffer()
                 self.optimizer.zero_grad()
-                local_loss = self._backward(batch, rows[start: start + per_mb], old, totals)
+                local_loss = self._backward(batch, rows[start: start + per_mb], old, ref, totals)
                 mb_loss = self._sum_over_stages_and_replicas(torch.tensor([local_loss])).item()
                 grad_norm = self._prepare_and_norm()
                 if math.isfinite(mb_loss) and math.isfinite(grad_norm):  # the same verdict on every rank
@@ -225,10 +238,10 @@ class MegatronPolicyTrainer:
         self.model.eval()
         # every rank reports the whole batch's statistics
         stats = self._sum_over_stages_and_replicas(torch.tensor([totals[k] for k in STATS]))
-        clip, entropy, kl_engine, tokens = stats.tolist()
+        clip, entropy, kl_engine, kl_ref, tokens = stats.tolist()
         tokens = max(tokens, 1.0)
         return {"loss": totals["loss"] / max(updates, 1), "grad_norm": totals["grad_norm"] / max(updates, 1),
-                "clip_fraction": clip / tokens, "entropy": entropy / tokens, "kl_ref": 0.0,
+                "clip_fraction": clip / tokens, "entropy": entropy / tokens, "kl_ref": kl_ref / tokens,
                 "kl_engine_trainer": kl_engine / tokens, "updates": float(updates), "skipped_updates": float(skipped),
                 "lr": self.optimizer.param_groups[0]["lr"]}
 
