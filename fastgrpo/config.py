@@ -144,6 +144,8 @@ class EvalConfig:
 @dataclass
 class TrainerConfig:
     backend: str = "torch"  # the policy trainer: torch (one process, a Hugging Face model)
+    # megatron's layer spec: auto (Transformer Engine when importable, else local), local, transformer_engine
+    layer_spec: str = "auto"
 
 
 @dataclass
@@ -182,6 +184,7 @@ class Config:
 
 TRAINER_BACKENDS = ("torch", "megatron")  # what `backends.build_trainer` can build
 ENGINE_BACKENDS = ("embedded",)  # what `backends.build_engine` can build
+LAYER_SPECS = ("auto", "local", "transformer_engine")  # megatron layer specs `backends/megatron/model.py` builds
 MODEL_PARALLEL_TRAINERS = ("megatron",)  # trainers that split the policy over ranks (parallel.tensor/pipeline)
 
 # keys whose documented values include the word `off`, which YAML 1.1 (and so OmegaConf) reads as false
@@ -231,6 +234,8 @@ def validate(c: Config) -> None:
     _check(c.model.size in ("test", "bench"), "model.size", "must be 'test' or 'bench'", c.model.size)
     _check(c.trainer.backend in TRAINER_BACKENDS, "trainer.backend", f"must be one of {', '.join(TRAINER_BACKENDS)}",
            c.trainer.backend)
+    _check(c.trainer.layer_spec in LAYER_SPECS, "trainer.layer_spec", f"must be one of {', '.join(LAYER_SPECS)}",
+           c.trainer.layer_spec)
     _check(c.engine.backend in ENGINE_BACKENDS, "engine.backend", f"must be one of {', '.join(ENGINE_BACKENDS)}",
            c.engine.backend)
     for key in ("tensor", "pipeline"):

@@ -16,7 +16,8 @@ from tests.conftest import tiny_config
 
 def test_backends_and_layout_are_validated_before_any_work():
     for override, key in (("trainer.backend=megatorch", "trainer.backend"), ("engine.backend=vllm", "engine.backend"),
-                          ("parallel.tensor=2", "parallel.tensor"), ("parallel.pipeline=0", "parallel.pipeline")):
+                          ("parallel.tensor=2", "parallel.tensor"), ("parallel.pipeline=0", "parallel.pipeline"),
+                          ("trainer.layer_spec=te", "trainer.layer_spec")):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(None, [override])
     for overrides, key in ((["trainer.backend=megatron", "parallel.pipeline=2"], "parallel.pipeline"),

@@ -91,6 +91,25 @@ def test_a_world_that_does_not_split_fails_clearly(tmp_path):
         run_world(_bad_layout, 2, tmp_path, 2, 2)
 
 
+def test_the_layer_spec_is_transformer_engines_only_where_it_is_installed():
+    """`auto` falls back to the local spec without Transformer Engine (as here); asking for Transformer
+    Engine where it is missing names the key. The Transformer Engine path itself (its fused-norm names,
+    taken from megatron's local spec's own map) needs a CUDA machine and is not exercised here."""
+    import importlib.util
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from fastgrpo.backends import BackendUnavailable
+    from fastgrpo.backends.megatron.model import layer_spec
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine is installed: auto picks it")
+    spec, renames = layer_spec("auto")
+    assert renames == {} and spec.submodules.input_layernorm == get_gpt_layer_local_spec(normalization="RMSNorm").submodules.input_layernorm
+    with pytest.raises(BackendUnavailable, match=r"trainer\.layer_spec=transformer_engine"):
+        layer_spec("transformer_engine")
+
+
 def test_patches_refuse_a_megatron_core_they_were_not_written_for(monkeypatch):
     import megatron.core
     import megatron.core.tensor_parallel.random as tp_random

@@ -8,6 +8,7 @@ The same code runs on GPUs (NCCL, unpatched megatron-core) and on CPU over gloo 
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
 from collections.abc import Iterator, Mapping
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastgrpo.backends.megatron.layout import Layout, LayoutError
+from fastgrpo.config import LAYER_SPECS
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -92,26 +94,59 @@ def rope_theta(hf_config) -> float:
     return float(theta or 10000.0)
 
 
-def build_model(hf_config, layout: Layout):
-    """This rank's pipeline stage of the policy, on the CPU or the current GPU (weights uninitialised
-    in meaning: load them with `load_hf_state`)."""
+def layer_spec(name: str):
+    """megatron's layer spec for `trainer.layer_spec`, and how its parameter names differ from the
+    local spec's (the names `Layout` speaks). `auto`: Transformer Engine's when it is importable
+    (fused norm + linear kernels on GPUs), else the local spec (plain torch, what runs here)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if name not in LAYER_SPECS:
+        raise LayoutError(f"trainer.layer_spec={name!r}: must be one of {', '.join(LAYER_SPECS)}")
+    local = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    has_te = importlib.util.find_spec("transformer_engine") is not None
+    if name == "local" or (name == "auto" and not has_te):
+        return local, {}
+    if not has_te:
+        from fastgrpo.backends import BackendUnavailable
+
+        raise BackendUnavailable("trainer.layer_spec=transformer_engine needs transformer-engine, which is not "
+                                 "installed (it builds on CUDA machines only); use auto or local")
+    # Transformer Engine fuses each pre-attention and pre-MLP norm into the linear layer after it;
+    # megatron's local spec records the correspondence (for its checkpoints), and so do we
+    return (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(),
+            dict(local.submodules.sharded_state_dict_keys_map))
+
+
+def _module_name(model, local_name: str) -> str:
+    """A parameter's name in `model` from its local-spec name."""
+    for ours, theirs in getattr(model, "local_to_spec_names", {}).items():
+        if f".{ours}" in local_name:
+            return local_name.replace(f".{ours}", f".{theirs}", 1)
+    return local_name
+
+
+def build_model(hf_config, layout: Layout, spec: str = "auto"):
+    """This rank's pipeline stage of the policy, on the CPU or the current GPU, with megatron's layer
+    spec `spec` (`layer_spec`); weights uninitialised in meaning: load them with `load_hf_state`."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    module_spec, renames = layer_spec(spec)
     model = GPTModel(
-        transformer_config(hf_config, layout), get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_config(hf_config, layout), module_spec,
         vocab_size=layout.padded_vocab, max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=layout.tied, position_embedding_type="rope",
         rotary_base=rope_theta(hf_config))
+    model.local_to_spec_names = renames
     return model.cuda() if torch.cuda.is_available() else model
 
 
 def load_hf_state(model, hf_state: Mapping[str, Tensor], layout: Layout) -> None:
     """Load this rank's slice of a Hugging Face state dict (names checked both ways)."""
     tp_rank, pp_rank = ranks()
-    mine = layout.rank_tensors(layout.to_megatron(hf_state), tp_rank, pp_rank)
+    mine = {_module_name(model, k): v
+            for k, v in layout.rank_tensors(layout.to_megatron(hf_state), tp_rank, pp_rank).items()}
     own = {k for k in model.state_dict() if not k.endswith("_extra_state")}
     if set(mine) != own:
         raise LayoutError(f"the checkpoint does not match the model: missing {sorted(own - set(mine))[:5]}, "
@@ -137,7 +172,7 @@ def export_hf(model, layout: Layout, grads: bool = False) -> Iterator[tuple[str,
             if layout.tied and name == "output_layer.weight":
                 continue  # the last stage's copy of the embedding
             if stage == pp_rank:
-                param = params[local]
+                param = params[_module_name(model, local)]
                 shard = (param.grad if param.grad is not None else torch.zeros_like(param)) if grads else param.detach()
                 if layout.tp > 1 and layout.tp_dim(name) is not None:
                     shards = [torch.empty_like(shard) for _ in range(layout.tp)]

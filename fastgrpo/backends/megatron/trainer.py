@@ -53,7 +53,7 @@ STATS = ("clip", "entropy", "kl_engine", "kl_ref", "tokens")
 
 class MegatronPolicyTrainer:
     def __init__(self, policy_dir: str | Path, grpo: GRPOConfig, optim: OptimConfig, sampling: SamplingParams,
-                 tensor: int = 1, pipeline: int = 1, seed: int = 0):
+                 tensor: int = 1, pipeline: int = 1, seed: int = 0, layer_spec: str = "auto"):
         if optim.trainable:
             raise ValueError("optim.trainable: the Megatron trainer trains every parameter")
         from transformers import AutoConfig
@@ -72,13 +72,13 @@ class MegatronPolicyTrainer:
 
         hf = load_policy(policy_dir)
         self.hf_config = hf.config
-        module = build_model(hf.config, self.layout)
+        module = build_model(hf.config, self.layout, layer_spec)
         load_hf_state(module, hf.state_dict(), self.layout)
         # the k3 KL's reference: the initial policy, frozen, in the same layout (each rank holds its own
         # shard of it, as of the policy), scored through the same schedule
         self.reference = None
         if grpo.kl_coef > 0:
-            self.reference = build_model(hf.config, self.layout)
+            self.reference = build_model(hf.config, self.layout, layer_spec)
             load_hf_state(self.reference, hf.state_dict(), self.layout)
             self.reference.requires_grad_(False).eval()
             self.reference.config.variable_seq_lengths = True
