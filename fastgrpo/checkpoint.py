@@ -1,7 +1,8 @@
 """Atomic checkpoints: written into a hidden temp directory, then renamed; the last K are kept.
 
 A job killed at any moment (preemption, OOM, Ctrl-C) leaves only complete checkpoints visible,
-so `--resume` never loads half a model. One process saves into a root at a time.
+so `--resume` never loads half a model. One run saves into a root at a time; in a distributed run
+every rank writes its part into the same hidden directory, which rank 0 publishes once all are done.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+
+import torch.distributed as dist
 
 _NAME = re.compile(r"^step_(\d{8,})$")
 _HIDDEN = (".tmp-", ".old-")  # in-progress saves and replaced checkpoints; never complete
@@ -59,16 +62,38 @@ class CheckpointManager:
         return found[-1] if found else None
 
     def save(self, step: int, write: Callable[[Path], None]) -> Path:
-        """A crash at any point leaves the old checkpoints or the new one, never half of one."""
+        """A crash at any point leaves the old checkpoints or the new one, never half of one. In a
+        torch.distributed world every rank calls this (collective): `write` runs on every rank."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step_{step:08d}"
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [self._begin(final) if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            write(box[0])
+            dist.barrier()  # every rank's part is on disk
+            if dist.get_rank() == 0:
+                self._publish(box[0], final)
+            dist.barrier()  # nobody reads it before it is visible
+            return final
+        tmp = self._begin(final)
+        try:
+            write(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._publish(tmp, final)
+        return final
+
+    def _begin(self, final: Path) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
         # not tempfile.mkdtemp: its 0700 mode would survive the rename and hide checkpoints from the group
         tmp = self.root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
+        return tmp
+
+    def _publish(self, tmp: Path, final: Path) -> None:
         try:
-            write(tmp)
             _fsync_tree(tmp)
             if final.exists():  # a directory cannot be renamed over a non-empty one: move the old aside
                 old = self.root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
@@ -88,4 +113,3 @@ class CheckpointManager:
         others = [p for p in self.checkpoints() if p != final]
         for old in others[: max(0, len(others) - (self.keep_last - 1))]:
             shutil.rmtree(old, ignore_errors=True)
-        return final

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -195,6 +196,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (FileNotFoundError, ValueError) as e:
         print(f"fastgrpo: error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        from fastgrpo.distributed import is_peer_failure
+
+        if not is_peer_failure(e):
+            raise
+        # another rank failed and prints its own error; this one only says why it stops
+        print(f"fastgrpo: rank {os.environ.get('RANK', '0')}: stopping, the world failed "
+              f"({type(e).__name__}: {str(e).splitlines()[0][:200]})", file=sys.stderr)
         return 1
     return 0
 

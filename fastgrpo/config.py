@@ -245,9 +245,6 @@ def validate(c: Config) -> None:
                f"> 1 needs a model-parallel trainer.backend (trainer.backend={c.trainer.backend} runs the "
                f"policy whole on each rank)", size)
     if c.trainer.backend == "megatron":  # what the Megatron trainer does not do yet
-        _check(c.parallel.pipeline == 1, "parallel.pipeline", "> 1 needs a world of several ranks: the Megatron "
-               "trainer runs pipeline stages, but the training loop runs in one process until it runs under torchrun",
-               c.parallel.pipeline)
         _check(not c.optim.trainable, "optim.trainable", "is for trainer.backend=torch only", c.optim.trainable)
         _check(c.draft.online != "async", "draft.online", "async runs its draft rank in a world of its own; with "
                "trainer.backend=megatron use sync (the draft slice inside the Megatron world is the next step)",

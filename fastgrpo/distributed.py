@@ -1,5 +1,9 @@
-"""Running a function on a torch.distributed world of spawned processes on this machine, as torchrun
-would set it up (every rank sees RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT): what the tests and
+"""The torch.distributed world of a run, and running a function on one.
+
+`World`, `init_world`, `StopRequest`: what the training loop needs of the world torchrun launches
+(which rank leads which data-parallel replica, the rollout exchange, agreeing to stop on SIGTERM).
+
+`run_world`: a function on a world of spawned processes on this machine, as torchrun would set it up (every rank sees RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT): what the tests and
 `bench trainer` use to run multi-rank code without a launcher. A deadline bounds the whole world, and
 the processes started here (and only those, with whatever they started) are ended by pid if it passes.
 
@@ -8,16 +12,22 @@ writes its files from child processes, which a daemonic process may not have."""
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing.connection
 import os
 import signal
 import socket
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from fastgrpo.types import Placement
 
 
 def free_port() -> int:
@@ -92,3 +102,97 @@ def run_world(fn, world: int, tmp: Path, *args, timeout_s: float = 180.0, thread
             raise TimeoutError(f"rank {r} of {world} gave no result within {timeout_s:.0f}s"
                                + (" (killed)" if alive else ""))
     return [out["ok"] for out in saved]
+
+
+# -- the training world (torchrun's) -------------------------------------------------------------
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)  # a rank lost in a collective fails after this, never hangs
+
+
+def launched_world_size() -> int:
+    """The world torchrun (or Slurm's srun through torchrun) launched this process into; 1 alone."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_world() -> None:
+    """The default process group of a torchrun launch (NCCL with GPUs, gloo without), once; a process
+    started alone gets none (megatron's `initialize` makes a world of one when it needs one)."""
+    if launched_world_size() > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=COLLECTIVE_TIMEOUT)
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's part in the run: its rank, and its place among the data-parallel replicas."""
+
+    rank: int = 0
+    size: int = 1
+    placement: Placement = Placement()
+
+    @classmethod
+    def of(cls, placement: Placement) -> World:
+        if dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size(), placement)
+        return cls(placement=placement)
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the one that prints, tracks and writes the run's files."""
+        return self.rank == 0
+
+    def share(self, items: list) -> list:
+        """This replica's contiguous share of `items` (whole prompts: a group never splits)."""
+        p, k = self.placement, len(items)
+        return items[p.replica * k // p.replicas: (p.replica + 1) * k // p.replicas]
+
+    def gather(self, mine: Any) -> list:
+        """Every replica leader's `mine`, in replica order, on every rank (other ranks pass None);
+        what a rollout step exchanges: token ids, log-probabilities, rewards, engine statistics."""
+        if self.size == 1:
+            return [mine]
+        everyone: list = [None] * self.size
+        dist.all_gather_object(everyone, (self.placement.replica, mine) if self.placement.leads_replica else None)
+        return [m for _, m in sorted(x for x in everyone if x is not None)]
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if `flag` is true on any rank."""
+        if self.size == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
+
+
+class StopRequest:
+    """SIGTERM (what Slurm sends before it ends a job, and torchrun passes on) asks for a checkpoint at
+    the next step boundary and a clean exit; the ranks agree on it there (`World.any`), so every rank
+    stops after the same step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """An error that says another rank failed (its connections closed, a collective timed out), not
+    this rank's own: that rank prints its own error; this one only says it stops."""
+    return isinstance(error, (dist.DistBackendError, dist.DistNetworkError)) or (
+        isinstance(error, RuntimeError) and any(s in str(error) for s in ("Connection closed by peer", "Connection reset",
+                                                                          "Gloo", "gloo")))

@@ -60,6 +60,16 @@ class Completion:
     hidden: Tensor | None = None
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a policy rank sits: its data-parallel replica, and whether it leads it (tensor rank 0
+    of pipeline stage 0: the rank beside which the replica's rollout engine runs)."""
+
+    replica: int = 0
+    replicas: int = 1
+    leads_replica: bool = True
+
+
 @dataclass
 class RolloutBatch:
     """What a policy trainer receives from one rollout: plain tensors, rows in group order (the G

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from fastgrpo.speculation.policy import SpeculationPolicy
-from fastgrpo.types import Completion, Request, RolloutBatch, SamplingParams
+from fastgrpo.types import Completion, Placement, Request, RolloutBatch, SamplingParams
 
 NamedTensors = Iterable[tuple[str, Tensor]]  # Hugging Face names and full tensors
 DraftUpdate = tuple[NamedTensors, int]  # a draft's weights and its version
@@ -52,6 +52,7 @@ class PolicyTrainer(Protocol):
     def export_weights(self) -> Iterator[tuple[str, Tensor]]: ...
     def save(self, directory: Path) -> None: ...
     def load(self, directory: Path) -> None: ...
+    def placement(self) -> Placement: ...
 
 
 class DraftLearner(WeightConsumer, Protocol):

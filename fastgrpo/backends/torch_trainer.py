@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 
 from fastgrpo.config import GRPOConfig, OptimConfig
 from fastgrpo.engine.sampling import sampling_logprobs
-from fastgrpo.types import SamplingParams, RolloutBatch
+from fastgrpo.types import Placement, RolloutBatch, SamplingParams
 from fastgrpo.grpo.loss import policy_loss
 
 
@@ -150,6 +150,9 @@ class TorchPolicyTrainer:
                           for p in self.model.parameters()])
         self.model.zero_grad(set_to_none=True)
         return grad
+
+    def placement(self) -> Placement:
+        return Placement()  # one process: the only replica
 
     def export_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Hugging Face names and full tensors: the weight bridge's source."""

@@ -28,7 +28,7 @@ import torch
 
 from fastgrpo.bench.report import command_line, publish
 from fastgrpo.config import Config
-from fastgrpo.grpo.loop import rollout, score_completions, setup_run, training_batch
+from fastgrpo.grpo.loop import rollout, setup_run, training_batch
 
 
 def bench_noise(cfg: Config, quick: bool, output: Path, batches: int | None = None,
@@ -48,9 +48,9 @@ def bench_noise(cfg: Config, quick: bool, output: Path, batches: int | None = No
             if len(grads) == K:
                 break
             problems = run.data.next_batch(cfg.rollout.prompts_per_step)
-            completions = rollout(run, problems, seed=cfg.seed * 1_000_003 + attempt)
-            rewards = score_completions(run, problems, completions)
-            batch, kept = training_batch(run, problems, completions, rewards)
+            answers = rollout(run, problems, seed=cfg.seed * 1_000_003 + attempt)
+            rewards = answers.rewards
+            batch, kept = training_batch(run, problems, answers.completions, rewards)
             if batch is None:
                 empty += 1
                 continue

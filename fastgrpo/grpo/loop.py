@@ -1,8 +1,16 @@
 """The GRPO training loop: sample prompts, roll out, score, compute advantages, train the policy,
-sync weights, log, checkpoint."""
+sync weights, log, checkpoint.
+
+The same loop runs in one process and on every rank of a torchrun world (`trainer.backend=megatron`):
+every rank draws the same prompts; each data-parallel replica's leading rank rolls out and scores its
+share of them on its engine; every rank receives all answers (token ids, log-probabilities, rewards:
+small next to the weights) and builds the same batch, of which the trainer's data-parallel ranks
+each train their part; the weight push reaches every engine. Rank 0 alone prints, tracks, evaluates
+and writes the run's files. SIGTERM checkpoints at the next step boundary and ends the run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -19,7 +27,8 @@ from fastgrpo.backends.embedded import draft_dir
 from fastgrpo.backends.protocols import DraftLearner, Engine, PolicyTrainer
 from fastgrpo.bridge import WeightBridge
 from fastgrpo.checkpoint import CheckpointManager
-from fastgrpo.config import Config, flatten, to_yaml
+from fastgrpo.config import Config, ConfigError, flatten, to_yaml
+from fastgrpo.distributed import StopRequest, World, init_world, launched_world_size
 from fastgrpo.draft_learning.async_learner import AsyncDraftClient
 from fastgrpo.draft_learning.online import OnlineDraftLearner
 from fastgrpo.grpo.advantages import group_advantages, informative_groups
@@ -40,6 +49,16 @@ class TrainResult:
     steps: list[dict[str, float]]  # the metrics of every step this call ran
     evals: dict[int, dict[str, float]]  # eval results by step
     checkpoint: Path | None = None  # the last checkpoint this call saved
+    stopped: bool = False  # ended early by SIGTERM, after checkpointing
+
+
+@dataclass
+class Rollout:
+    """One step's answers: every replica's, in prompt order (completions[i * G + j] answers prompt i)."""
+
+    completions: list[Completion]
+    rewards: torch.Tensor  # [prompts, G]
+    engine_stats: list[dict]  # one per replica
 
 
 @dataclass
@@ -47,21 +66,30 @@ class Run:
     cfg: Config
     tokenizer: PreTrainedTokenizerBase
     trainer: PolicyTrainer
-    engine: Engine
+    engine: Engine | None  # on the ranks that lead a data-parallel replica
     bridge: WeightBridge
     data: PromptSource
     eval_problems: list[EncodedProblem]
     tracker: Tracker
     checkpoints: CheckpointManager
     draft_learner: DraftLearner | None = None
+    world: World = field(default_factory=World)
     step: int = 0
     history: TrainResult = field(default_factory=lambda: TrainResult([], {}))  # every step so far, resumes too
 
 
 def train(cfg: Config, resume: bool = False) -> TrainResult:
-    run = setup_run(cfg, resume)
+    stop = StopRequest()
+    try:
+        return _train(setup_run(cfg, resume), stop)
+    finally:
+        stop.restore()
+
+
+def _train(run: Run, stop: StopRequest) -> TrainResult:
+    cfg = run.cfg
     first_step, steps_before = run.step, len(run.history.steps)
-    checkpoint = None
+    checkpoint, stopped = None, False
     if run.step == 0 and cfg.eval.at_start:
         log_eval(run, step=0)
     for step in range(run.step, cfg.grpo.steps):
@@ -69,10 +97,10 @@ def train(cfg: Config, resume: bool = False) -> TrainResult:
         problems = run.data.next_batch(cfg.rollout.prompts_per_step)
 
         t0 = time.perf_counter()
-        completions = rollout(run, problems, seed=cfg.seed * 1_000_003 + step)
+        answers = rollout(run, problems, seed=cfg.seed * 1_000_003 + step)
+        completions, rewards = answers.completions, answers.rewards
         rollout_s = time.perf_counter() - t0
 
-        rewards = score_completions(run, problems, completions)
         batch, kept_groups = training_batch(run, problems, completions, rewards)
 
         t0 = time.perf_counter()
@@ -84,29 +112,48 @@ def train(cfg: Config, resume: bool = False) -> TrainResult:
                                     budget_s=cfg.draft.sync_budget * (rollout_s + train_s))
 
         run.step = step + 1
-        metrics = step_metrics(completions, rewards, run.engine.stats(), kept_groups) | train_metrics | draft_metrics
+        metrics = step_metrics(completions, rewards, answers.engine_stats, kept_groups) | train_metrics | draft_metrics
         metrics |= {"rollout_s": rollout_s, "train_s": train_s, "weight_sync_s": sync.seconds,
-                    "step_s": time.perf_counter() - t_step}
-        run.tracker.log_metrics(metrics, step=run.step)
+                    "weight_sync_bytes": float(sync.bytes), "step_s": time.perf_counter() - t_step}
         run.history.steps.append(metrics)
-        if cfg.speculation.policy != "off":
-            run.tracker.log_dict(rollout_stats(run.engine.stats()), f"rollout_stats/step_{run.step:06d}.json")
-        print_step(run.step, cfg.grpo.steps, metrics)
+        if run.world.main:
+            run.tracker.log_metrics(metrics, step=run.step)
+            if cfg.speculation.policy != "off":
+                stats = [rollout_stats(s) for s in answers.engine_stats]
+                run.tracker.log_dict(stats[0] if len(stats) == 1 else {"replicas": stats},
+                                     f"rollout_stats/step_{run.step:06d}.json")
+            print_step(run.step, cfg.grpo.steps, metrics)
 
         if cfg.eval.every and run.step % cfg.eval.every == 0 and run.step < cfg.grpo.steps:
             log_eval(run, run.step)
-        if run.step % cfg.checkpoint.every == 0 or run.step == cfg.grpo.steps:
+        stopped = run.world.any(stop.requested)  # every rank stops after the same step
+        if run.step % cfg.checkpoint.every == 0 or run.step == cfg.grpo.steps or stopped:
             checkpoint = save_checkpoint(run)
-    log_eval(run, run.step)
-    write_summary(run)
-    run.tracker.end()
+        if stopped:
+            if run.world.main:
+                print(f"SIGTERM: stopped after step {run.step} of {cfg.grpo.steps}; `--resume` continues from "
+                      f"{checkpoint}", flush=True)
+            break
+    if not stopped:
+        log_eval(run, run.step)
+        if run.world.main:
+            write_summary(run)
+    run.tracker.end("KILLED" if stopped else "FINISHED")
     if run.draft_learner is not None:
         run.draft_learner.close()
     return TrainResult(run.history.steps[steps_before:],
-                       {s: e for s, e in run.history.evals.items() if s >= first_step}, checkpoint)
+                       {s: e for s, e in run.history.evals.items() if s >= first_step}, checkpoint, stopped)
 
 
 def setup_run(cfg: Config, resume: bool) -> Run:
+    if launched_world_size() > 1 and cfg.trainer.backend == "torch":
+        raise ConfigError(f"trainer.backend=torch trains in one process, but this is a world of "
+                          f"{launched_world_size()} ranks: use trainer.backend=megatron under torchrun")
+    model_parallel = cfg.parallel.tensor * cfg.parallel.pipeline
+    if launched_world_size() % model_parallel:
+        raise ConfigError(f"parallel.tensor x parallel.pipeline = {model_parallel} ranks per replica does not divide "
+                          f"the world of {launched_world_size()} ranks (torchrun --nproc-per-node x nodes)")
+    init_world()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -124,10 +171,19 @@ def setup_run(cfg: Config, resume: bool) -> Run:
     evals = encode_problems(eval_problems, tokenizer, cfg.model.max_context, "eval")
 
     trainer = build_trainer(cfg)  # the policy of model.path; a resume loads its checkpoint over it
+    world = World.of(trainer.placement())
+    if cfg.rollout.prompts_per_step < world.placement.replicas:
+        raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} leaves a data-parallel replica "
+                          f"without prompts ({world.placement.replicas} replicas)")
+    if cfg.draft.online != "off" and world.placement.replicas > 1:
+        raise ConfigError(f"draft.online={cfg.draft.online} learns beside one engine, but this run has "
+                          f"{world.placement.replicas} data-parallel replicas (one engine each): use draft.online=off")
     model_config = AutoConfig.from_pretrained(cfg.model.path)
-    engine = build_engine(cfg, model_config, tokenizer)  # its weights come with the bridge's first push
+    engine = None
+    if world.placement.leads_replica:  # its weights come with the bridge's first push
+        engine = build_engine(cfg, model_config, tokenizer)
     draft_learner: DraftLearner | None = None
-    if cfg.draft.online != "off":
+    if cfg.draft.online != "off" and engine is not None:
         draft = DraftHead.load(draft_dir(cfg), model_config, cfg.model.max_context)
         if cfg.draft.online == "sync":
             draft_learner = OnlineDraftLearner(draft, cfg.draft, [engine], seed=cfg.seed)
@@ -135,28 +191,50 @@ def setup_run(cfg: Config, resume: bool) -> Run:
             draft_learner = AsyncDraftClient(draft, cfg.draft, [engine], cfg.seed)
             engine.draft_source = draft_learner.poll
     # the draft's embedding and LM head are the policy's: it gets them with every push, as engines do
-    bridge = WeightBridge([engine] + ([draft_learner] if draft_learner is not None else []))
+    # (every policy rank takes part in a push: it gathers the shards; ranks without an engine drop them)
+    bridge = WeightBridge([c for c in (engine, draft_learner) if c is not None])
 
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if world.main:
+        run_dir.mkdir(parents=True, exist_ok=True)
     tracker = Tracker(cfg.tracking.uri or default_tracking_uri(run_dir), cfg.tracking.experiment,
-                      run_dir / "mlartifacts", enabled=cfg.tracking.enabled)
-    run = Run(cfg, tokenizer, trainer, engine, bridge, data, evals, tracker, checkpoints, draft_learner)
+                      run_dir / "mlartifacts", enabled=cfg.tracking.enabled and world.main)
+    run = Run(cfg, tokenizer, trainer, engine, bridge, data, evals, tracker, checkpoints, draft_learner, world)
     run_id = None
     if latest is not None:
         run_id = restore_checkpoint(run, latest)
-        print(f"resumed from {latest} at step {run.step}")
+        if world.main:
+            print(f"resumed from {latest} at step {run.step}")
     tracker.start(cfg.tracking.run_name or run_dir.name, flatten(cfg), to_yaml(cfg), run_id=run_id)
     bridge.push(trainer.export_weights(), version=run.step)
     return run
 
 
-def rollout(run: Run, problems: list[EncodedProblem], seed: int) -> list[Completion]:
-    """G samples of every prompt, grouped: completions[i * G + j] answers problems[i]."""
-    r = run.cfg.rollout
-    sampling = SamplingParams.of(r)
-    requests = [Request(p.prompt_ids) for p in problems for _ in range(r.group_size)]
-    # with a draft learner, keep the target states rollout computes anyway
-    return run.engine.generate(requests, sampling, seed=seed, capture=run.draft_learner is not None)
+REPLICA_SEED_STRIDE = 1_000_003 ** 2  # replica r samples with seed + r * stride: no two replicas or steps share one
+
+
+def rollout(run: Run, problems: list[EncodedProblem], seed: int) -> Rollout:
+    """G samples of every prompt, scored. Each data-parallel replica's engine answers its share of
+    the prompts (replica 0 alone: all of them, with `seed`, as in one process); every rank gets
+    every replica's answers."""
+    r, world = run.cfg.rollout, run.world
+    mine = world.share(problems)
+    local = None
+    if run.engine is not None:
+        requests = [Request(p.prompt_ids) for p in mine for _ in range(r.group_size)]
+        # with a draft learner, keep the target states rollout computes anyway
+        completions = run.engine.generate(requests, SamplingParams.of(r),
+                                          seed=seed + world.placement.replica * REPLICA_SEED_STRIDE,
+                                          capture=run.draft_learner is not None)
+        local = (completions, score_completions(run, mine, completions), run.engine.stats())
+    if world.size == 1:
+        parts = [local]
+    else:  # hidden states stay where they were captured (the draft learner's rank)
+        parts = world.gather(None if local is None else (
+            [dataclasses.replace(c, hidden=None) for c in local[0]], *local[1:]))
+        if local is not None:
+            parts[world.placement.replica] = local
+    return Rollout([c for part in parts for c in part[0]], torch.cat([part[1] for part in parts]),
+                   [part[2] for part in parts])
 
 
 def learn_draft(run: Run, problems: list[EncodedProblem], completions: list[Completion], policy_version: int,
@@ -200,11 +278,21 @@ def training_batch(run: Run, problems: list[EncodedProblem], completions: list[C
     return batch, int(keep.sum())
 
 
-def step_metrics(completions: list[Completion], rewards: torch.Tensor, engine_stats: dict, kept_groups: int) -> dict[str, float]:
+def step_metrics(completions: list[Completion], rewards: torch.Tensor, replica_stats: list[dict],
+                 kept_groups: int) -> dict[str, float]:
+    """The step's metrics; rollout throughput is the replicas' total (they run side by side), with
+    the slowest replica's alongside when there are several."""
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
-    speculative = engine_stats.get("spec_steps", 0) > 0
+    spec_steps = sum(s.get("spec_steps", 0) for s in replica_stats)
+    decode_steps = sum(s.get("decode_steps", 0) for s in replica_stats)
     # accepted length is only defined when some step speculated; plain steps emit one token by construction
-    accept = {"accept_len": engine_stats["accept_len"]} if speculative else {}
+    accept = {}
+    if spec_steps:
+        accept["accept_len"] = replica_stats[0]["accept_len"] if len(replica_stats) == 1 else sum(
+            s["accept_len"] * s["spec_steps"] for s in replica_stats if s.get("spec_steps", 0)) / spec_steps
+    throughput = [s.get("tokens_per_s", 0.0) for s in replica_stats]
+    if len(replica_stats) > 1:
+        accept["replica_tokens_per_s_min"] = min(throughput)
     return accept | {
         "reward_mean": rewards.mean().item(),
         "reward_std": rewards.std().item(),
@@ -212,9 +300,9 @@ def step_metrics(completions: list[Completion], rewards: torch.Tensor, engine_st
         "response_len_mean": lengths.mean().item(),
         "response_len_max": lengths.max().item(),
         "truncated_fraction": sum(c.finish_reason != "stop" for c in completions) / len(completions),
-        "gen_tokens_per_s": engine_stats.get("tokens_per_s", 0.0),
-        "mean_running": engine_stats.get("mean_running", 0.0),
-        "spec_step_fraction": engine_stats.get("spec_steps", 0) / max(engine_stats.get("decode_steps", 0), 1),
+        "gen_tokens_per_s": sum(throughput),
+        "mean_running": statistics.mean(s.get("mean_running", 0.0) for s in replica_stats),
+        "spec_step_fraction": spec_steps / max(decode_steps, 1),
         "groups_kept": float(kept_groups),
     }
 
@@ -233,7 +321,10 @@ def print_step(step: int, total: int, m: dict[str, float]) -> None:
           f"clip {m.get('clip_fraction', 0.0):.3f} | entropy {m.get('entropy', 0.0):.3f}", flush=True)
 
 
-def log_eval(run: Run, step: int) -> dict[str, float]:
+def log_eval(run: Run, step: int) -> dict[str, float] | None:
+    """Rank 0's engine evaluates (the others go on to the next collective and wait there)."""
+    if not run.world.main:
+        return None
     c = run.cfg
     t0 = time.perf_counter()
     result = evaluate(run.engine, run.tokenizer, run.eval_problems, c.eval.samples, SamplingParams.of(c.rollout),
@@ -247,20 +338,30 @@ def log_eval(run: Run, step: int) -> dict[str, float]:
     return result
 
 
+def rng_file(rank: int) -> str:
+    return "rng.pt" if rank == 0 else f"rng_rank{rank}.pt"
+
+
 def save_checkpoint(run: Run) -> Path:
+    """On every rank (collective): the trainer's state (a Megatron trainer's ranks write their shards),
+    the draft's, every rank's RNG state; rank 0 the tokenizer, the data position (one prompt stream,
+    the same on every rank) and the run's history."""
     def write(d: Path) -> None:
         run.trainer.save(d)
         if run.draft_learner is not None:
             run.draft_learner.save(d / "draft")
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, d / rng_file(run.world.rank))
+        if not run.world.main:
+            return
         run.tokenizer.save_pretrained(d / "policy")
-        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, d / "rng.pt")
         state = {"step": run.step, "data": run.data.state_dict(), "mlflow_run_id": run.tracker.run_id,
-                 "weights_version": run.bridge.version,
+                 "weights_version": run.bridge.version, "world_size": run.world.size,
                  "history": {"steps": run.history.steps, "evals": run.history.evals}}
         (d / "state.json").write_text(json.dumps(state, indent=2))
 
     path = run.checkpoints.save(run.step, write)
-    print(f"checkpoint: {path}", flush=True)
+    if run.world.main:
+        print(f"checkpoint: {path}", flush=True)
     return path
 
 
@@ -271,9 +372,11 @@ def restore_checkpoint(run: Run, path: Path) -> str | None:
         if not (path / "draft").is_dir():
             raise FileNotFoundError(f"checkpoint {path} holds no draft state, but draft.online={run.cfg.draft.online}")
         run.draft_learner.load(path / "draft")
-    rng = torch.load(path / "rng.pt", weights_only=False)
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
+    rng_path = path / rng_file(run.world.rank)
+    if rng_path.is_file():  # a rank of a larger world than the checkpoint's has none: its seeds are explicit
+        rng = torch.load(rng_path, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
     run.data.load_state_dict(state["data"])
     run.step = int(state["step"])
     history = state.get("history", {"steps": [], "evals": {}})

@@ -7,9 +7,7 @@ The same code runs on GPUs (NCCL, unpatched megatron-core) and on CPU over gloo 
 
 from __future__ import annotations
 
-import datetime
 import importlib.util
-import os
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -18,9 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastgrpo.backends.megatron.layout import Layout, LayoutError
+from fastgrpo.distributed import COLLECTIVE_TIMEOUT, init_world
 from fastgrpo.config import LAYER_SPECS
-
-COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 def _megatron():
@@ -45,13 +42,10 @@ def initialize(tp: int, pp: int, seed: int = 0) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    if not dist.is_initialized():
+    init_world()  # torchrun's world, when launched by it
+    if not dist.is_initialized():  # started alone: a world of one
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if "RANK" in os.environ:  # torchrun
-            dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
-        else:
-            store = dist.HashStore()
-            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=COLLECTIVE_TIMEOUT)
     world = dist.get_world_size()
     if world % (tp * pp):
         raise LayoutError(f"a world of {world} ranks does not split into tensor {tp} x pipeline {pp} groups")

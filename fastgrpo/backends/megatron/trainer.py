@@ -45,7 +45,7 @@ from fastgrpo.backends.megatron.logprobs import vocab_parallel_logprobs
 from fastgrpo.backends.megatron.model import build_model, export_hf, initialize, load_hf_state
 from fastgrpo.config import GRPOConfig, OptimConfig
 from fastgrpo.grpo.loss import policy_loss
-from fastgrpo.types import RolloutBatch, SamplingParams
+from fastgrpo.types import Placement, RolloutBatch, SamplingParams
 
 Micro = tuple[list[int], RolloutBatch]  # batch rows (empty: a placeholder that trains nothing) and their data
 STATS = ("clip", "entropy", "kl_engine", "kl_ref", "tokens")
@@ -261,6 +261,12 @@ class MegatronPolicyTrainer:
                     megatron_optimizer.clip_grad_by_total_norm_fp32(opt.get_parameters(), max_norm=opt.config.clip_grad,
                                                                     total_norm=grad_norm)
             self.optimizer.step_with_ready_grads()
+
+    def placement(self) -> Placement:
+        from megatron.core import parallel_state
+
+        leads = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.is_pipeline_first_stage()
+        return Placement(self.dp_rank, self.dp_size, leads)
 
     def export_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Full tensors under Hugging Face names, on every rank of the model-parallel group."""
