@@ -163,6 +163,48 @@ def test_update_weights_rejects_mismatch(policy):
         engine.update_weights([("model.norm.weight", torch.zeros(3))], version=1)
 
 
+def test_a_weight_push_is_served_whole_or_not_at_all(policy):
+    """Through the bridge, in buckets: an interrupted push leaves the engine refusing to generate (it
+    never serves a mix of two versions); a tensor that arrives different from what was sent fails
+    the commit; a complete push serves the new version."""
+    from fastgrpo.bridge import WeightBridge
+
+    engine = make_engine(policy, 2)
+    bridge = WeightBridge([engine], bucket_bytes=1 << 16)  # many buckets
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    before = engine.generate([Request(p) for p in prompts(2)], greedy)
+    moved = {name: t + 0.01 for name, t in policy.state_dict().items()}
+
+    def interrupted():
+        for i, item in enumerate(moved.items()):
+            if i == len(moved) // 2:
+                raise ConnectionError("the trainer died mid-push")
+            yield item
+
+    with pytest.raises(ConnectionError):
+        bridge.push(interrupted(), version=1)
+    assert engine.weights_version is None and engine.stats()["weights_version"] is None
+    with pytest.raises(RuntimeError, match="incomplete"):
+        engine.generate([Request(p) for p in prompts(2)], greedy)
+
+    bridge.push(moved.items(), version=2)
+    assert engine.weights_version == 2
+    after = engine.generate([Request(p) for p in prompts(2)], greedy)
+    assert [c.logprobs for c in after] != [c.logprobs for c in before]  # the new weights are served
+
+    class LossyLink:  # hands the buckets on, changing one tensor on the way
+        def update_weights(self, named, version, complete=True):
+            engine.update_weights([(n, t + 1.0 if n == "model.norm.weight" else t) for n, t in named], version, complete)
+
+        def commit_weights(self, version, checksums=None):
+            engine.commit_weights(version, checksums)
+
+    with pytest.raises(RuntimeError, match="model.norm.weight differs from what the trainer sent"):
+        WeightBridge([LossyLink()], bucket_bytes=1 << 16).push(moved.items(), version=3)
+    with pytest.raises(RuntimeError, match="incomplete"):
+        engine.generate([Request(p) for p in prompts(2)], greedy)
+
+
 def test_ignore_eos_keeps_sequences_running(policy):
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
     reference = make_engine(policy, 4).generate([Request(p) for p in prompts(3)], greedy)

@@ -24,7 +24,11 @@ class WeightConsumer(Protocol):
     """Whatever holds a copy of the policy's weights: engines, and the draft learner (its embedding
     and LM head are the policy's)."""
 
-    def update_weights(self, named_tensors: NamedTensors, version: int) -> None: ...
+    def update_weights(self, named_tensors: NamedTensors, version: int, complete: bool = True) -> None:
+        """Tensors of policy `version`: all of them, or (`complete=False`) a bucket of a streamed push."""
+
+    def commit_weights(self, version: int, checksums: dict[str, int] | None = None) -> None:
+        """A streamed push of `version` is whole; `checksums`: the sender's, per tensor name."""
 
 
 class Engine(WeightConsumer, Protocol):

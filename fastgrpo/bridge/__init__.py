@@ -1,8 +1,12 @@
 """Weight transfer from a policy trainer to rollout engines.
 
 The trainer exports full tensors under Hugging Face names (a Megatron trainer gathers its TP
-shards and renames first); the bridge groups them into size-bounded buckets so that a 70B push
-never materialises a second full copy, and stamps each push with a strictly increasing version.
+shards and broadcasts each pipeline stage's layers, one tensor at a time, on every rank of a
+replica); the bridge groups them into size-bounded buckets so that a 70B push never materialises a
+second full copy, stamps each push with a strictly increasing version, and ends it with a commit
+carrying each tensor's checksum: a consumer checks what it received and only then serves the new
+version. On ranks without a consumer the push still runs (the gathers are collective) and its
+tensors are dropped as they pass.
 """
 
 from __future__ import annotations
@@ -11,9 +15,18 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from fastgrpo.backends.protocols import WeightConsumer
+
+
+def checksum(t: Tensor) -> int:
+    """The sum of a tensor's 32-bit words (its bytes when the size is not a multiple of 4): any single
+    changed word changes it, and it costs one pass over memory, cheap next to the transfer."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat
+    return int(words.sum(dtype=torch.int64))
 
 
 @dataclass
@@ -50,11 +63,16 @@ class WeightBridge:
             raise ValueError(f"weight version {version} is not newer than the consumers' version {self.version}")
         t0 = time.perf_counter()
         n = nbytes = nb = 0
+        sums: dict[str, int] = {}
         for bucket in buckets(named_tensors, self.bucket_bytes):
             for consumer in self.consumers:
-                consumer.update_weights(bucket, version)
+                consumer.update_weights(bucket, version, complete=False)
+            if self.consumers:
+                sums.update((name, checksum(t)) for name, t in bucket)
             n += len(bucket)
             nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
             nb += 1
+        for consumer in self.consumers:
+            consumer.commit_weights(version, sums)
         self.version = version
         return SyncReport(version, n, nbytes, nb, time.perf_counter() - t0)

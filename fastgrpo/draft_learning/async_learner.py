@@ -172,7 +172,10 @@ class AsyncDraftClient:
         self.version, self.policy_version = int(version), int(policy_version)
         return _unflat(message[META:], self.shapes), self.version
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+    def commit_weights(self, version: int, checksums: dict[str, int] | None = None) -> None:
+        """Nothing to do: the draft binds the policy's embedding and head as soon as both arrived."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int, complete: bool = True) -> None:
         """A weight push: send the new policy's embedding and LM head to the draft rank, ahead of the
         states of the rollouts that policy will sample."""
         if (target := self.target.collect(named_tensors, version)) is not None:

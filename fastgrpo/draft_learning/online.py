@@ -52,7 +52,10 @@ class OnlineDraftLearner:
         self.fresh: dict[str, float] = {}  # the published draft scored on the newest rollout, before training on it
         self.target = TargetTensors(tied=bool(draft.cfg.tie_word_embeddings))
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+    def commit_weights(self, version: int, checksums: dict[str, int] | None = None) -> None:
+        """Nothing to do: the draft binds the policy's embedding and head as soon as both arrived."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int, complete: bool = True) -> None:
         """A weight push: the draft trains against the new policy's embedding and LM head (its own
         are the policy's), the ones the engines verify with; the other tensors pass by."""
         if (target := self.target.collect(named_tensors, version)) is not None:

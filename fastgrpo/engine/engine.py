@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from transformers import LlamaConfig
 
+from fastgrpo.bridge import checksum
 from fastgrpo.types import SamplingParams, Request, Completion
 from fastgrpo.engine.model import InferenceModel, KVCache, block_mask, cache_kv
 from fastgrpo.engine.sampling import sample, sampling_logprobs, sampling_uniforms
@@ -88,7 +89,8 @@ class EmbeddedEngine:
         self.draft: DraftHead | None = None
         self.draft_cache: KVCache | None = None
         self.policy: SpeculationPolicy = policy or Off()
-        self.weights_version = -1
+        self.weights_version: int | None = -1  # None: a push is under way (`update_weights`)
+        self._incoming = -1
         self.draft_version = -1
         if draft_window < 1:
             raise ValueError(f"draft_window must be >= 1, got {draft_window}")
@@ -102,8 +104,27 @@ class EmbeddedEngine:
         self._stats: dict[str, Any] = {}
 
     # -- weights --------------------------------------------------------------------------
-    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int, complete: bool = True) -> None:
+        """Tensors of policy `version`: all of them (`complete`), or one bucket of a streamed push that
+        `commit_weights` completes. Buckets are copied in place (no second copy of the model); until
+        the commit the engine refuses to generate, so it never serves a mix of two versions."""
+        if self._incoming != version:
+            self._incoming, self.weights_version = version, None
         self.model.load(named_tensors)
+        if complete:
+            self.commit_weights(version)
+
+    def commit_weights(self, version: int, checksums: dict[str, int] | None = None) -> None:
+        """The push of `version` is whole: check what arrived against the sender's per-tensor
+        checksums, then serve it."""
+        if self._incoming != version:
+            raise RuntimeError(f"commit of weight version {version}, but the push under way is of {self._incoming}")
+        if checksums is not None:
+            for name, t in self.model.named_weights():
+                if name in checksums and checksum(t) != checksums[name]:
+                    raise RuntimeError(f"weight version {version}: {name} differs from what the trainer sent")
+            if missing := [name for name, _ in self.model.named_weights() if name not in checksums]:
+                raise RuntimeError(f"weight version {version} did not include {missing[:3]}")
         self.weights_version = version
 
     def update_draft(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
@@ -133,7 +154,7 @@ class EmbeddedEngine:
         """No-op on CPU."""
 
     def stats(self) -> dict[str, Any]:
-        return dict(self._stats)
+        return dict(self._stats, weights_version=self.weights_version)
 
     @property
     def speculating(self) -> bool:
@@ -192,6 +213,9 @@ class EmbeddedEngine:
             self.update_draft(*update)
 
     def _check(self, requests: list[Request]) -> None:
+        if self.weights_version is None:
+            raise RuntimeError(f"the push of weight version {self._incoming} is incomplete: no generation until it "
+                               f"is committed")
         for i, r in enumerate(requests):
             if not r.prompt_ids:
                 raise ValueError(f"request {i}: empty prompt")

@@ -233,6 +233,9 @@ def rollout(run: Run, problems: list[EncodedProblem], seed: int) -> Rollout:
             [dataclasses.replace(c, hidden=None) for c in local[0]], *local[1:]))
         if local is not None:
             parts[world.placement.replica] = local
+    versions = {part[2]["weights_version"] for part in parts}
+    if len(versions) != 1:  # the push reaches every engine or the run stops
+        raise RuntimeError(f"the replicas' engines hold different weight versions: {sorted(versions, key=str)}")
     return Rollout([c for part in parts for c in part[0]], torch.cat([part[1] for part in parts]),
                    [part[2] for part in parts])
 
