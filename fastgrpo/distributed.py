@@ -36,7 +36,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _kill_tree(pid: int) -> None:
+def kill_tree(pid: int) -> None:
     """End process `pid` and every process it started (by pid, children first)."""
     try:
         import psutil
@@ -87,7 +87,7 @@ def run_world(fn, world: int, tmp: Path, *args, timeout_s: float = 180.0, thread
     finally:
         alive = [p for p in procs if p.is_alive()]
         for p in alive:
-            _kill_tree(p.pid)
+            kill_tree(p.pid)
             p.join(5)
     saved = [torch.load(tmp / f"rank{r}.pt", weights_only=False) if (tmp / f"rank{r}.pt").is_file() else None
              for r in range(world)]

@@ -1,0 +1,184 @@
+"""The distributed GRPO run on gloo, launched as on a cluster: `torchrun -m fastgrpo train` with the
+Megatron trainer (TP, PP, DP), one rollout engine per data-parallel replica fed by the weight push,
+rank 0 tracking and checkpointing for all; and how it ends: resumed (at the same layout, bit for bit,
+and at another), stopped by SIGTERM, failed on one rank."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from fastgrpo.distributed import free_port, kill_tree, run_world
+from tests.conftest import tiny_overrides
+from tests.test_train import history
+
+pytest.importorskip("megatron.core")
+
+STEP_KEYS = ("loss", "grad_norm", "entropy", "reward_mean", "response_len_mean")
+
+
+def overrides(tmp: Path, policy: Path, draft: Path, **extra) -> list[str]:
+    """A deterministic tiny run: a frozen draft with fixed trees (speculation without timing)."""
+    return tiny_overrides(tmp, policy, **{
+        "trainer.backend": "megatron", "draft.path": draft, "speculation.policy": "static", "draft.online": "off",
+        "grpo.drop_equal_reward_groups": "false", "eval.at_start": "false", "task.eval_size": 4,
+        "checkpoint.every": 1, "threads": 1} | extra)
+
+
+class Torchrun:
+    """`torchrun --nproc-per-node N -m fastgrpo train ...` in a session of its own; whatever of it is
+    still alive at the end is ended by pid."""
+
+    def __init__(self, nproc: int, args: list[str], log: Path):
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "fastgrpo", "train", *args],
+            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+            env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+
+    def wait(self, timeout: float = 240.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            kill_tree(self.proc.pid)
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def wait_for(self, text: str, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.output():
+            assert self.proc.poll() is None, f"the run ended before {text!r}:\n{self.output()[-3000:]}"
+            assert time.monotonic() < deadline, f"no {text!r} within {timeout:.0f}s"
+            time.sleep(0.5)
+
+    def workers(self) -> list[psutil.Process]:
+        """The ranks, by their RANK."""
+        ranks = {}
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            rank = child.environ().get("RANK")
+            if rank is not None and "fastgrpo" in " ".join(child.cmdline()):
+                ranks[int(rank)] = child
+        return [ranks[r] for r in sorted(ranks)]
+
+
+def run(nproc: int, args: list[str], log: Path) -> str:
+    launch = Torchrun(nproc, args, log)
+    assert launch.wait() == 0, launch.output()[-4000:]
+    return launch.output()
+
+
+def _push_and_compare(rank, world, args):
+    """Two GRPO steps through the loop's own pieces, comparing after every weight push each engine's
+    tensors with what the trainer exports (full Hugging Face tensors)."""
+    from fastgrpo.config import load_config
+    from fastgrpo.grpo.loop import rollout, setup_run, training_batch
+
+    run = setup_run(load_config(None, args), resume=False)
+    initial = {n: t.clone() for n, t in run.trainer.export_weights()}
+    seen = []
+    for step in range(2):
+        problems = run.data.next_batch(run.cfg.rollout.prompts_per_step)
+        answers = rollout(run, problems, seed=step)
+        batch, _ = training_batch(run, problems, answers.completions, answers.rewards)
+        run.trainer.train_step(batch)
+        run.bridge.push(run.trainer.export_weights(), version=step + 1)
+        exported = {n: t.clone() for n, t in run.trainer.export_weights()}
+        if run.engine is not None:
+            held = dict(run.engine.model.named_weights())
+            seen.append({"version": run.engine.weights_version, "tensors": len(held),
+                         "bit_exact": all(torch.equal(t, exported[n]) for n, t in held.items()),
+                         "moved": max(float((exported[n] - initial[n]).abs().max()) for n in held)})
+    return run.world.placement, seen
+
+
+def test_every_engine_holds_the_trainers_weights_bit_for_bit_after_each_push(tmp_path, tiny_policy, tiny_draft):
+    """TP2 x DP2 (a world of 4, two replicas): both replicas' engines, on their leading ranks, hold
+    exactly the tensors the trainer exports (TP shards gathered, Megatron names made Hugging Face
+    ones), at the same version, after every push; the weights did change."""
+    args = overrides(tmp_path, tiny_policy, tiny_draft, **{"parallel.tensor": 2, "tracking.enabled": "false"})
+    results = run_world(_push_and_compare, 4, tmp_path / "world", args, timeout_s=300.0)
+    leaders = [(placement, seen) for placement, seen in results if placement.leads_replica]
+    assert sorted(p.replica for p, _ in leaders) == [0, 1] and all(p.replicas == 2 for p, _ in results)
+    for _, seen in leaders:
+        assert [s["version"] for s in seen] == [1, 2]
+        assert all(s["bit_exact"] and s["tensors"] >= 9 for s in seen)
+        assert seen[-1]["moved"] > 1e-4  # two updates at lr 1e-3 moved the weights the engines serve
+
+
+def test_torchrun_run_equals_one_process_and_resumes_exactly_and_at_another_layout(tmp_path, tiny_policy, tiny_draft):
+    """TP2 under torchrun, one replica: its first rollout is the single-process run's (the same seeds
+    and the same weights: the engine does not know who trains); 2 steps + `--resume` + 1 step equals 3
+    steps (losses, gradient norms, rollouts), in one MLflow run; the 2-step checkpoint resumes at PP2."""
+    from fastgrpo.cli import main
+
+    assert main(["train", *overrides(tmp_path / "one", tiny_policy, tiny_draft, **{"trainer.backend": "torch",
+                                                                                   "grpo.steps": 1})]) == 0
+    straight = tmp_path / "straight"
+    run(2, overrides(straight, tiny_policy, tiny_draft, **{"parallel.tensor": 2, "grpo.steps": 3}), tmp_path / "straight.log")
+    for key in ("reward_mean", "response_len_mean", "response_len_max", "truncated_fraction", "accept_len"):
+        assert history(straight / "run", key)[1] == history(tmp_path / "one" / "run", key)[1], key
+    for key in ("grad_norm", "entropy"):  # one process's torch trainer, the same batch
+        assert history(straight / "run", key)[1] == pytest.approx(history(tmp_path / "one" / "run", key)[1], rel=1e-4), key
+
+    resumed = tmp_path / "resumed"
+    run(2, overrides(resumed, tiny_policy, tiny_draft, **{"parallel.tensor": 2, "grpo.steps": 2}), tmp_path / "a.log")
+    shutil.copytree(resumed / "run" / "checkpoints" / "step_00000002", tmp_path / "pp2" / "run" / "checkpoints" / "step_00000002")
+    out = run(2, ["--resume", *overrides(resumed, tiny_policy, tiny_draft, **{"parallel.tensor": 2, "grpo.steps": 3})],
+              tmp_path / "b.log")
+    assert "resumed from" in out and "step 3/3" in out
+    for key in STEP_KEYS:
+        assert history(resumed / "run", key) == history(straight / "run", key), key
+    assert (resumed / "run" / "checkpoints" / "step_00000003" / "megatron" / "fastgrpo.json").is_file()
+    assert (resumed / "run" / "summary.json").is_file()
+
+    out = run(2, ["--resume", *overrides(tmp_path / "pp2", tiny_policy, tiny_draft, **{
+        "parallel.pipeline": 2, "grpo.steps": 3, "tracking.enabled": "false"})], tmp_path / "pp2.log")
+    assert "resumed from" in out and "step 3/3" in out and "checkpoint:" in out
+
+
+def test_sigterm_checkpoints_at_the_step_boundary_exits_zero_and_resumes(tmp_path, tiny_policy, tiny_draft):
+    """SIGTERM to every rank (what Slurm sends a job step before its time runs out): the ranks agree
+    to stop after the same step, checkpoint it and exit 0; `--resume` continues from there."""
+    args = overrides(tmp_path, tiny_policy, tiny_draft, **{"grpo.steps": 200, "checkpoint.every": 1000})
+    launch = Torchrun(2, args, tmp_path / "term.log")  # DP2: two replicas
+    launch.wait_for("step 2/200")
+    for worker in launch.workers():
+        worker.send_signal(signal.SIGTERM)
+    assert launch.wait(timeout=120) == 0, launch.output()[-4000:]
+    out = launch.output()
+    assert "SIGTERM: stopped after step" in out
+    stopped_at = int(out.split("SIGTERM: stopped after step ")[1].split()[0])
+    assert stopped_at >= 2
+    assert (tmp_path / "run" / "checkpoints" / f"step_{stopped_at:08d}" / "state.json").is_file()
+    assert len(history(tmp_path / "run", "loss")) == stopped_at
+    resumed = run(2, ["--resume", *overrides(tmp_path, tiny_policy, tiny_draft, **{"grpo.steps": stopped_at + 1})],
+                  tmp_path / "resume.log")
+    assert f"at step {stopped_at}" in resumed and f"step {stopped_at + 1}/{stopped_at + 1}" in resumed
+    assert sorted(history(tmp_path / "run", "loss")) == list(range(1, stopped_at + 2))
+
+
+def test_a_rank_that_dies_ends_every_rank_within_a_bound(tmp_path, tiny_policy, tiny_draft):
+    """One rank killed mid-run (SIGKILL: no chance to say goodbye): torchrun ends the others and
+    exits non-zero well within 60 s, and none of the run's processes is left behind."""
+    launch = Torchrun(2, overrides(tmp_path, tiny_policy, tiny_draft, **{"grpo.steps": 200, "checkpoint.every": 1000}),
+                      tmp_path / "kill.log")
+    launch.wait_for("step 1/200")
+    processes = [psutil.Process(launch.proc.pid), *psutil.Process(launch.proc.pid).children(recursive=True)]
+    t0 = time.monotonic()
+    launch.workers()[1].kill()
+    code = launch.proc.wait(timeout=120)
+    elapsed = time.monotonic() - t0
+    kill_tree(launch.proc.pid)
+    assert code != 0 and elapsed < 60, (code, elapsed)
+    time.sleep(1.0)
+    left = [p.pid for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"processes left behind: {left}"
