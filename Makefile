@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 POLICY := artifacts/policy-bench
 CONFIG ?= configs/tiny_cpu.yaml
 
-.PHONY: install train test policy bench bench-quick bench-e2e bench-forward clean
+.PHONY: install train train-distributed test policy bench bench-quick bench-e2e bench-forward clean
 
 install: $(STAMP)
 
@@ -25,6 +25,16 @@ policy: $(STAMP)
 
 train: policy
 	$(BIN)/fastgrpo train --config $(CONFIG)
+
+# a small distributed run on this machine: torchrun, the Megatron trainer, one engine per replica
+NPROC ?= 2
+TP ?= $(NPROC)
+PP ?= 1
+ARGS ?=
+train-distributed: policy
+	$(BIN)/torchrun --nproc-per-node $(NPROC) -m fastgrpo train --config $(CONFIG) trainer.backend=megatron \
+		parallel.tensor=$(TP) parallel.pipeline=$(PP) threads=1 grpo.steps=5 task.eval_size=100 \
+		run_dir=runs/distributed $(ARGS)
 
 bench: policy
 	$(BIN)/fastgrpo bench rollout --config $(CONFIG) --output bench/rollout.json

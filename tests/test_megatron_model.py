@@ -247,8 +247,12 @@ def assert_same_step_as_torch(results, policy_dir, kind):
         assert metrics == results[0][1]  # every rank reports the same metrics
     for got, want in zip(results[0][1], expected):
         assert got["updates"] == want["updates"] == 2 and want["grad_norm"] > OPTIM["grad_clip"]  # clipping active
-        for key in ("loss", "grad_norm", "clip_fraction", "entropy", "kl_engine_trainer", "kl_ref", "lr"):
+        for key in ("loss", "grad_norm", "clip_fraction", "entropy", "lr"):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+        # means of differences of nearly equal log-probabilities: their error is the log-probabilities'
+        # own fp32 rounding (absolute, ~1e-6 per token), not relative to the small difference
+        for key in ("kl_engine_trainer", "kl_ref"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
     assert expected[1]["kl_ref"] > 1e-6  # the policy has moved away from its reference
     initial = hf_model(kind).state_dict()
     for _, _, weights in results:
@@ -325,3 +329,6 @@ def test_bench_trainer_times_the_torch_and_megatron_steps(tmp_path, tiny_policy)
     assert [r["layout"] for r in rows] == ["torch", "megatron TP2"] and rows[0]["vs_torch"] == 1.0
     assert rows[0]["comm_s"] == 0.0  # one process: no collectives
     assert 0 < rows[1]["comm_s"] < rows[1]["step_s"]  # TP all-reduces inside the step, and compute besides
+    # the push carries the same Hugging Face tensors whatever the layout (TP shards gathered first)
+    assert rows[0]["sync_bytes"] == rows[1]["sync_bytes"] > 4 * 296 * 64 and [r["engines"] for r in rows] == [1, 1]
+    assert all(r["sync_s"] > 0 and r["memcpy_gb_s"] > 0 and 0 < r["sync_share"] < 1 for r in rows)

@@ -1,5 +1,5 @@
-"""`fastgrpo bench trainer`: one GRPO train step of the torch and Megatron trainers, and where the
-Megatron trainer's extra time goes.
+"""`fastgrpo bench trainer`: one GRPO train step of the torch and Megatron trainers, where the
+Megatron trainer's extra time goes, and the weight push from each layout to its engines.
 
 Every layout trains on the same batch (random token sequences of rollout-like lengths, random
 advantages: the step's cost depends on shapes, not on what the tokens say) in a world of its own
@@ -9,6 +9,10 @@ wrapping them (a transfer's time is from its start to the end of its `wait`), so
 communication. Communication time includes waiting for a peer that is still computing (a pipeline
 stage waits out the other stage's share of the micro-batches: the pipeline bubble). On 2 cores a
 world of 2 or 4 is not expected to be faster than a world of 1: the point is the overhead, measured.
+
+The weight push is the run's own (`bridge.WeightBridge` from `export_weights` into an embedded
+engine on each replica's leading rank, checksummed and committed), timed after a warm-up push, and
+set against the memcpy bound: the time to copy the same tensors once in memory on that rank.
 """
 
 from __future__ import annotations
@@ -109,7 +113,37 @@ def _rank(rank: int, world: int, backend: str, tensor: int, pipeline: int, cfg: 
         trainer.train_step(batch)
         steps.append(time.perf_counter() - t)
         comms.append(spent["seconds"])
-    return {"step_s": statistics.median(steps), "comm_s": statistics.median(comms)}
+    return {"step_s": statistics.median(steps), "comm_s": statistics.median(comms)} | _time_push(trainer, cfg, reps)
+
+
+def _time_push(trainer, cfg: Config, reps: int) -> dict:
+    """The weight push into this replica's engine (on its leading rank; the others take part in the
+    gathers), and on a leading rank the memcpy bound of the same bytes."""
+    from transformers import AutoConfig
+
+    from fastgrpo.backends import build_engine
+    from fastgrpo.bridge import WeightBridge
+    from fastgrpo.models.tokenizer import load_tokenizer
+
+    engine = None
+    if trainer.placement().leads_replica:
+        engine = build_engine(cfg, AutoConfig.from_pretrained(cfg.model.path), load_tokenizer(cfg.model.path),
+                              speculation="off")
+    bridge = WeightBridge([engine] if engine is not None else [])
+    bridge.push(trainer.export_weights(), version=0)  # warm-up
+    pushes = [bridge.push(trainer.export_weights(), version=v) for v in range(1, reps + 1)]
+    out = {"sync_s": statistics.median(p.seconds for p in pushes), "sync_bytes": pushes[0].bytes}
+    if engine is not None:
+        held = [t for _, t in engine.model.named_weights()]
+        sources = [t.clone() for t in held]
+        copies = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for dst, src in zip(held, sources):
+                dst.copy_(src)
+            copies.append(time.perf_counter() - t0)
+        out |= {"memcpy_s": statistics.median(copies), "memcpy_bytes": sum(t.numel() * t.element_size() for t in held)}
+    return out
 
 
 def bench_trainer(cfg: Config, quick: bool, output: Path, extra: list[str] | None = None,
@@ -123,9 +157,17 @@ def bench_trainer(cfg: Config, quick: bool, output: Path, extra: list[str] | Non
                               threads=max(1, torch.get_num_threads() // world))
         step = max(r["step_s"] for r in ranks)  # the step ends when the slowest rank does
         comm = statistics.median(r["comm_s"] for r in ranks)
+        sync = max(r["sync_s"] for r in ranks)  # every engine holds the version when the slowest push ends
+        leaders = [r for r in ranks if "memcpy_s" in r]
+        memcpy = statistics.median(r["memcpy_s"] for r in leaders)
         name = "torch" if backend == "torch" else _layout_name(world, tensor, pipeline)
-        rows.append({"layout": name, "world": world, "step_s": step, "comm_s": comm})
-        print(f"{name}: step {step:.3f} s, collectives {comm:.3f} s", flush=True)
+        rows.append({"layout": name, "world": world, "step_s": step, "comm_s": comm, "sync_s": sync,
+                     "sync_bytes": ranks[0]["sync_bytes"], "engines": len(leaders), "memcpy_s": memcpy,
+                     "sync_gb_s": ranks[0]["sync_bytes"] / sync / 1e9,
+                     "memcpy_gb_s": leaders[0]["memcpy_bytes"] / memcpy / 1e9,
+                     "sync_share": sync / (step + sync)})
+        print(f"{name}: step {step:.3f} s, collectives {comm:.3f} s; weight push {sync:.3f} s "
+              f"({rows[-1]['sync_gb_s']:.2f} GB/s, memcpy {rows[-1]['memcpy_gb_s']:.2f} GB/s)", flush=True)
     base = rows[0]["step_s"]
     for r in rows:
         r["vs_torch"] = r["step_s"] / base
@@ -156,4 +198,13 @@ def markdown(r: dict, command: str) -> str:
     for row in r["rows"]:
         lines.append(f"| {row['layout']} | {row['world']} | {row['step_s']:.3f} | {row['comm_s']:.3f} | "
                      f"{row['step_s'] - row['comm_s']:.3f} | {row['vs_torch']:.2f}x |")
+    lines += ["", "The weight push after the step, into an embedded engine on each replica's leading rank (median "
+              "of as many pushes; bytes are the Hugging Face tensors of one copy), against the memcpy bound (the "
+              "same tensors copied once in memory on that rank); share: push / (train step + push).", "",
+              "| trainer | engines | MB pushed | push s | push GB/s | memcpy GB/s | push / memcpy time | share of step |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for row in r["rows"]:
+        lines.append(f"| {row['layout']} | {row['engines']} | {row['sync_bytes'] / 1e6:.1f} | {row['sync_s']:.3f} | "
+                     f"{row['sync_gb_s']:.2f} | {row['memcpy_gb_s']:.2f} | {row['sync_s'] / row['memcpy_s']:.1f}x | "
+                     f"{100 * row['sync_share']:.1f}% |")
     return "\n".join(lines)
