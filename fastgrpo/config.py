@@ -159,6 +159,8 @@ class ParallelConfig:
 
     tensor: int = 1
     pipeline: int = 1
+    # the world's last ranks, reserved to train the draft (draft.online=async); 0: no slice
+    draft_ranks: int = 0
 
 
 @dataclass
@@ -246,9 +248,17 @@ def validate(c: Config) -> None:
                f"policy whole on each rank)", size)
     if c.trainer.backend == "megatron":  # what the Megatron trainer does not do yet
         _check(not c.optim.trainable, "optim.trainable", "is for trainer.backend=torch only", c.optim.trainable)
-        _check(c.draft.online != "async", "draft.online", "async runs its draft rank in a world of its own; with "
-               "trainer.backend=megatron use sync (the draft slice inside the Megatron world is the next step)",
-               c.draft.online)
+        _check(c.draft.online != "async" or c.parallel.draft_ranks >= 1, "draft.online", "async with "
+               "trainer.backend=megatron trains the draft on the world's reserved draft slice: set "
+               "parallel.draft_ranks=1 (and launch one more rank)", c.draft.online)
+    _check(c.parallel.draft_ranks >= 0, "parallel.draft_ranks", "must be >= 0", c.parallel.draft_ranks)
+    if c.parallel.draft_ranks:
+        _check(c.trainer.backend in MODEL_PARALLEL_TRAINERS, "parallel.draft_ranks", "> 0 reserves ranks of a "
+               "torchrun world: use trainer.backend=megatron", c.parallel.draft_ranks)
+        _check(c.draft.online == "async", "parallel.draft_ranks", "> 0 trains the draft there: needs "
+               "draft.online=async", c.parallel.draft_ranks)
+        _check(c.parallel.draft_ranks == 1, "parallel.draft_ranks", "> 1 (data-parallel draft training across "
+               "the slice) is not built yet: use 1", c.parallel.draft_ranks)
     _check(c.model.max_context >= 8, "model.max_context", "must be >= 8", c.model.max_context)
     _check(t.train_size >= 1, "task.train_size", "must be >= 1", t.train_size)
     _check(t.eval_size >= 1, "task.eval_size", "must be >= 1", t.eval_size)

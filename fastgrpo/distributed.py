@@ -113,11 +113,66 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_world() -> None:
-    """The default process group of a torchrun launch (NCCL with GPUs, gloo without), once; a process
-    started alone gets none (megatron's `initialize` makes a world of one when it needs one)."""
-    if launched_world_size() > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=COLLECTIVE_TIMEOUT)
+CHANNEL_TIMEOUT = datetime.timedelta(days=1)  # a receiver idle between steps is not a failure; a dead peer is seen at once
+
+
+_draft_ranks = 0
+_channel: Channel | None = None
+
+
+def is_draft_rank(draft_ranks: int) -> bool:
+    """This process is one of the world's last `draft_ranks` ranks: it trains the draft, not the policy."""
+    return draft_ranks > 0 and int(os.environ.get("RANK", "0")) >= launched_world_size() - draft_ranks
+
+
+def launch_store(rank: int, size: int) -> dist.Store:
+    """The launch's key-value store: torchrun's agent store, or (ranks started without an agent, as by
+    `run_world`) one that rank 0 hosts at MASTER_ADDR:MASTER_PORT."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None if agent else size,
+                         is_master=not agent and rank == 0, timeout=COLLECTIVE_TIMEOUT)
+
+
+def init_world(draft_ranks: int = 0) -> Channel | None:
+    """The process groups of a torchrun launch, once: the policy ranks' default group (NCCL with GPUs,
+    gloo without: megatron's groups and checkpoints live in it) and, with a reserved draft slice, the
+    draft ranks' own default group plus a channel over every rank for engine <-> draft messages. A
+    process started alone gets none (megatron's `initialize` makes a world of one when it needs one)."""
+    global _draft_ranks, _channel
+    size = launched_world_size()
+    if size == 1 or dist.is_initialized():
+        return _channel
+    rank, policy_ranks = int(os.environ["RANK"]), size - draft_ranks
+    if policy_ranks < 1:
+        raise ValueError(f"parallel.draft_ranks={draft_ranks} leaves no policy rank in a world of {size}")
+    store = launch_store(rank, size)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if rank < policy_ranks:
+        dist.init_process_group(backend, store=dist.PrefixStore("fastgrpo/policy", store), rank=rank,
+                                world_size=policy_ranks, timeout=COLLECTIVE_TIMEOUT)
+    else:
+        dist.init_process_group(backend, store=dist.PrefixStore("fastgrpo/draft", store), rank=rank - policy_ranks,
+                                world_size=draft_ranks, timeout=COLLECTIVE_TIMEOUT)
+    _draft_ranks = draft_ranks
+    if draft_ranks:
+        _channel = Channel(store, rank, size)
+    return _channel
+
+
+class Channel:
+    """Point-to-point messages between any two ranks of a launch, whatever process groups they belong
+    to: the rollout engines (on policy ranks) and the draft ranks. gloo over the launch's store (the
+    messages are CPU tensors: captured states, draft weights), beside the trainer's own groups."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int):
+        self.rank, self.size = rank, size
+        self._pg = dist.ProcessGroupGloo(dist.PrefixStore("fastgrpo/channel", store), rank, size, CHANNEL_TIMEOUT)
+
+    def send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        self._pg.send([t.contiguous()], dst, tag).wait()
+
+    def recv(self, t: torch.Tensor, src: int, tag: int) -> None:
+        self._pg.recv([t], src, tag).wait()
 
 
 @dataclass(frozen=True)
@@ -152,6 +207,14 @@ class World:
         everyone: list = [None] * self.size
         dist.all_gather_object(everyone, (self.placement.replica, mine) if self.placement.leads_replica else None)
         return [m for _, m in sorted(x for x in everyone if x is not None)]
+
+    def leaders(self) -> list[int]:
+        """The ranks that lead a replica (where its engine runs), in replica order."""
+        if self.size == 1:
+            return [self.rank]
+        everyone: list = [None] * self.size
+        dist.all_gather_object(everyone, self.placement)
+        return [rank for rank, p in sorted(enumerate(everyone), key=lambda x: x[1].replica) if p.leads_replica]
 
     def any(self, flag: bool) -> bool:
         """True on every rank if `flag` is true on any rank."""

@@ -166,18 +166,43 @@ def test_sigterm_checkpoints_at_the_step_boundary_exits_zero_and_resumes(tmp_pat
     assert sorted(history(tmp_path / "run", "loss")) == list(range(1, stopped_at + 2))
 
 
-def test_a_rank_that_dies_ends_every_rank_within_a_bound(tmp_path, tiny_policy, tiny_draft):
-    """One rank killed mid-run (SIGKILL: no chance to say goodbye): torchrun ends the others and
-    exits non-zero well within 60 s, and none of the run's processes is left behind."""
-    launch = Torchrun(2, overrides(tmp_path, tiny_policy, tiny_draft, **{"grpo.steps": 200, "checkpoint.every": 1000}),
-                      tmp_path / "kill.log")
+SLICE = {"parallel.draft_ranks": 1, "draft.online": "async", "speculation.policy": "aware"}
+
+
+def test_the_draft_trains_on_its_reserved_rank_and_reaches_every_engine(tmp_path, tiny_policy, tiny_draft):
+    """DP2 + 1 draft rank (a world of 3): both engines send their rollouts' states to the draft rank,
+    which trains and publishes versions that both engines swap in; the policy and the draft are
+    checkpointed together and resume together."""
+    args = overrides(tmp_path, tiny_policy, tiny_draft, **SLICE, **{"grpo.steps": 4, "checkpoint.every": 2})
+    out = run(3, args, tmp_path / "slice.log")
+    assert "step 4/4" in out and "summary:" in out
+    assert history(tmp_path / "run", "weights_version") == {1: 0.0, 2: 1.0, 3: 2.0, 4: 3.0}  # both engines
+    versions = history(tmp_path / "run", "draft_version")
+    assert versions[4] >= 1 and list(versions.values()) == sorted(versions.values())
+    assert history(tmp_path / "run", "replica_draft_version_min")[4] >= 1  # the other engine swapped drafts too
+    saved = tmp_path / "run" / "checkpoints" / "step_00000004"
+    assert (saved / "draft" / "draft.safetensors").is_file() and (saved / "megatron" / "fastgrpo.json").is_file()
+    resumed = run(3, ["--resume", *overrides(tmp_path, tiny_policy, tiny_draft, **SLICE, **{"grpo.steps": 5})],
+                  tmp_path / "resume.log")
+    assert "at step 4" in resumed and "step 5/5" in resumed
+    assert history(tmp_path / "run", "draft_version")[5] >= 1  # the restored draft was published again
+
+
+@pytest.mark.parametrize("victim", ["policy", "draft"])
+def test_a_rank_that_dies_ends_every_rank_within_a_bound(tmp_path, tiny_policy, tiny_draft, victim):
+    """One rank killed mid-run (SIGKILL: no chance to say goodbye), a policy rank or the draft rank of
+    a DP2 + 1 draft rank world: torchrun ends the others and exits non-zero well within 60 s, and
+    none of the run's processes is left behind."""
+    launch = Torchrun(3, overrides(tmp_path, tiny_policy, tiny_draft, **SLICE, **{
+        "grpo.steps": 200, "checkpoint.every": 1000}), tmp_path / "kill.log")
     launch.wait_for("step 1/200")
     processes = [psutil.Process(launch.proc.pid), *psutil.Process(launch.proc.pid).children(recursive=True)]
     t0 = time.monotonic()
-    launch.workers()[1].kill()
+    launch.workers()[1 if victim == "policy" else 2].kill()
     code = launch.proc.wait(timeout=120)
     elapsed = time.monotonic() - t0
     kill_tree(launch.proc.pid)
+    print(f"killed the {victim} rank: torchrun exited {code} after {elapsed:.1f} s")
     assert code != 0 and elapsed < 60, (code, elapsed)
     time.sleep(1.0)
     left = [p.pid for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

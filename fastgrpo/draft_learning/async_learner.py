@@ -1,16 +1,21 @@
-"""Async online draft learning: the draft trains in its own process, on a reserved rank (on a cluster,
-a reserved data-parallel slice), while rollout and the policy go on.
+"""Async online draft learning: the draft trains on ranks of its own while rollout and the policy go
+on. In a torchrun world they are the reserved draft slice (`parallel.draft_ranks`, the world's last
+ranks); in a single-process run, one process spawned for it.
 
-Rank 0 (trainer and engines) sends each rollout's captured states; the draft rank buffers them,
-trains continuously and publishes versioned weights. Rank 0 keeps a receive posted for weights; the
-engine polls it between decode steps and swaps drafts only there, never inside a verify step. Both
-directions are torch.distributed point-to-point messages (gloo here, NCCL on GPUs).
+Every rollout engine (one per data-parallel replica) sends its rollouts' captured states to the
+draft rank; the draft rank buffers them, trains continuously and publishes versioned weights to every
+engine, which swaps drafts between decode steps only, never inside a verify step. Rank 0's engine
+(the main one) also sends, after each weight push, the policy's embedding and LM head (the draft
+trains against the policy the engines verify with) and asks for checkpoints. All messages go over
+a `distributed.Channel` (gloo point-to-point over the launch's store), beside the trainer's groups.
 
-Messages (rank 0 -> draft rank, tag STATES): a header [kind, sequences, tokens, policy_version],
-then lengths, hidden states, tokens and masks. Kinds: states, target (the policy's embedding and LM
-head after each weight push: the draft trains against the policy the engines verify with), save
-and load (the payload is a directory name), stop. Draft rank -> rank 0: weights (tag WEIGHTS) as one flat tensor led by
-[version, policy_version, loss, top1], and save/load acknowledgements (tag ACK).
+Messages to the draft rank (tag STATES; one receiver thread per engine): a header [kind, n, tokens,
+policy_version], then the payload. Kinds: states (lengths, hidden states, tokens, masks), target
+(embedding, head), save and load (a directory name), hello (the main engine: every engine's rank),
+stop (each engine, at its end). Draft rank -> engines: weights (tag WEIGHTS) as one flat tensor led by
+[version, policy_version, loss, top1, fresh loss, fresh top1], and to the main engine save/load
+acknowledgements (tag ACK). A dead draft rank ends the run: the next message to it fails, and so
+does a poll once its connection is gone.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import queue
+import signal
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -30,15 +36,15 @@ from torch import Tensor
 from transformers import LlamaConfig
 
 from fastgrpo.backends.protocols import Engine
-from fastgrpo.types import Completion
-from fastgrpo.config import DraftConfig
-from fastgrpo.distributed import free_port
+from fastgrpo.config import Config, DraftConfig
+from fastgrpo.distributed import Channel, free_port
 from fastgrpo.draft_learning.online import OnlineDraftLearner, training_rows
 from fastgrpo.speculation.draft import DraftHead, TargetTensors
+from fastgrpo.types import Completion
 
 log = logging.getLogger(__name__)
 STATES, WEIGHTS, ACK = 1, 2, 3  # message tags
-KIND_STATES, KIND_SAVE, KIND_LOAD, KIND_TARGET, KIND_STOP = 1, 2, 3, 4, 0
+KIND_STATES, KIND_SAVE, KIND_LOAD, KIND_TARGET, KIND_STOP, KIND_HELLO = 1, 2, 3, 4, 0, 5
 META = 6  # version, policy_version, loss, top1, loss and top1 on the newest rollout before training, ahead of the weights
 
 
@@ -54,10 +60,10 @@ def _unflat(flat: Tensor, like: dict[str, Tensor]) -> Iterator[tuple[str, Tensor
 
 
 class _Publisher:
-    """The draft rank's stand-in for an engine: `update_draft` sends the weights to rank 0."""
+    """The draft rank's stand-in for the engines: `update_draft` sends the weights to every engine."""
 
-    def __init__(self, learner_ref: list[OnlineDraftLearner]):
-        self.learner_ref = learner_ref
+    def __init__(self, channel: Channel, engine_ranks: list[int], learner_ref: list[OnlineDraftLearner]):
+        self.channel, self.engine_ranks, self.learner_ref = channel, engine_ranks, learner_ref
 
     def update_draft(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         learner = self.learner_ref[0]
@@ -65,105 +71,177 @@ class _Publisher:
         meta = torch.tensor([float(version), float(learner.policy_version), m.get("draft_loss", math.nan),
                              m.get("draft_top1", math.nan), learner.fresh.get("draft_loss_fresh", math.nan),
                              learner.fresh.get("draft_top1_fresh", math.nan)])
-        dist.send(torch.cat([meta, _flat(named_tensors)]), dst=0, tag=WEIGHTS)
+        message = torch.cat([meta, _flat(named_tensors)])
+        for rank in self.engine_ranks:
+            self.channel.send(message, rank, WEIGHTS)
 
 
-def _receive_messages(inbox: queue.Queue, target_cfg: LlamaConfig) -> None:
-    """Draft rank, receiver thread: blocking receives (gloo's irecv cannot be polled), one message
-    at a time into the queue, so that training never waits for the network."""
-    while True:
-        header = torch.zeros(4, dtype=torch.long)
-        dist.recv(header, src=0, tag=STATES)
-        kind, n, tokens, policy_version = header.tolist()
-        if kind == KIND_STOP:
-            inbox.put(("stop",))
-            return
-        if kind == KIND_TARGET:
-            embed, head = (torch.zeros(target_cfg.vocab_size, target_cfg.hidden_size) for _ in range(2))
-            dist.recv(embed, src=0, tag=STATES)
-            dist.recv(head, src=0, tag=STATES)
-            inbox.put(("target", embed, head))
-            continue
-        if kind in (KIND_SAVE, KIND_LOAD):
-            name = torch.zeros(n, dtype=torch.uint8)
-            dist.recv(name, src=0, tag=STATES)
-            inbox.put(("save" if kind == KIND_SAVE else "load", bytes(name.tolist()).decode()))
-            continue
-        payload = (torch.zeros(n, dtype=torch.long), torch.zeros(tokens, target_cfg.hidden_size),
-                   torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens, dtype=torch.uint8))
-        for t in payload:
-            dist.recv(t, src=0, tag=STATES)
-        inbox.put(("states", policy_version, *payload))
+def _receive_messages(channel: Channel, src: int, inbox: queue.Queue, target_cfg: LlamaConfig) -> None:
+    """Draft rank, one receiver thread per engine: blocking receives (gloo's irecv cannot be polled),
+    one message at a time into the queue, so that training never waits for the network."""
+    try:
+        while True:
+            header = torch.zeros(4, dtype=torch.long)
+            channel.recv(header, src, STATES)
+            kind, n, tokens, policy_version = header.tolist()
+            if kind == KIND_STOP:
+                inbox.put(("stop", src))
+                return
+            if kind == KIND_HELLO:
+                ranks = torch.zeros(n, dtype=torch.long)
+                channel.recv(ranks, src, STATES)
+                inbox.put(("hello", ranks.tolist()))
+                continue
+            if kind == KIND_TARGET:
+                embed, head = (torch.zeros(target_cfg.vocab_size, target_cfg.hidden_size) for _ in range(2))
+                channel.recv(embed, src, STATES)
+                channel.recv(head, src, STATES)
+                inbox.put(("target", embed, head))
+                continue
+            if kind in (KIND_SAVE, KIND_LOAD):
+                name = torch.zeros(n, dtype=torch.uint8)
+                channel.recv(name, src, STATES)
+                inbox.put(("save" if kind == KIND_SAVE else "load", bytes(name.tolist()).decode()))
+                continue
+            payload = (torch.zeros(n, dtype=torch.long), torch.zeros(tokens, target_cfg.hidden_size),
+                       torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens, dtype=torch.uint8))
+            for t in payload:
+                channel.recv(t, src, STATES)
+            inbox.put(("states", policy_version, *payload))
+    except Exception as e:  # an engine's rank died: the draft rank ends with it
+        inbox.put(("failed", src, e))
 
 
-def draft_rank_main(init_method: str, target_cfg: LlamaConfig, draft_state: dict[str, Tensor], cfg: DraftConfig,
-                    seed: int) -> None:
-    """The draft rank: receive states, train, publish; until told to stop. The policy's embedding and
-    head come with the first weight push, before any states."""
+def draft_rank_main(channel: Channel, main_rank: int, target_cfg: LlamaConfig, draft_state: dict[str, Tensor],
+                    cfg: DraftConfig, seed: int) -> None:
+    """The draft rank: receive states from every engine, train, publish to every engine; until every
+    engine said stop. The main engine says first which ranks the engines are; the policy's embedding
+    and head come with its first weight push, before any states."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init_method, rank=1, world_size=2)
     draft = DraftHead(target_cfg)
     draft.load_state_dict(draft_state)
-    ref: list[OnlineDraftLearner] = []
-    learner = OnlineDraftLearner(draft, cfg, [_Publisher(ref)], seed=seed)  # type: ignore[list-item]
-    ref.append(learner)
     inbox: queue.Queue = queue.Queue()
-    threading.Thread(target=_receive_messages, args=(inbox, target_cfg), daemon=True).start()
-    while True:
-        try:
-            message = inbox.get(block=not learner.trainer.buffer)  # with states to learn from, never wait
+    threading.Thread(target=_receive_messages, args=(channel, main_rank, inbox, target_cfg), daemon=True).start()
+    message = inbox.get()
+    if message[0] != "hello":
+        raise RuntimeError(f"the draft rank expected the engines' ranks first, got {message[0]!r}")
+    engine_ranks = message[1]
+    for rank in engine_ranks:
+        if rank != main_rank:
+            threading.Thread(target=_receive_messages, args=(channel, rank, inbox, target_cfg), daemon=True).start()
+    ref: list[OnlineDraftLearner] = []
+    learner = OnlineDraftLearner(draft, cfg, [_Publisher(channel, engine_ranks, ref)], seed=seed)  # type: ignore[list-item]
+    ref.append(learner)
+    running, bound = set(engine_ranks), False  # bound: it has the policy's embedding and head to train against
+    while running:
+        try:  # with states to learn from (and a policy to learn them against), never wait
+            message = inbox.get(block=not (learner.trainer.buffer and bound))
         except queue.Empty:
             learner.train(budget_s=math.inf)  # publishes a new version, or rejects a non-finite update
             continue
+        if message[0] == "failed":
+            raise RuntimeError(f"the draft rank lost engine rank {message[1]}") from message[2]
         if message[0] == "stop":
-            break
+            running.discard(message[1])
+            continue
         if message[0] == "target":
             draft.bind_target(message[1], message[2])
+            bound = True
             continue
         if message[0] in ("save", "load"):  # a load also publishes the restored version
             (learner.save if message[0] == "save" else learner.load)(Path(message[1]))
-            dist.send(torch.ones(1), dst=0, tag=ACK)
+            channel.send(torch.ones(1), main_rank, ACK)
             continue
         _, policy_version, lengths, states, ids, mask = message
         sizes = lengths.tolist()
         learner.buffer([(h, t, m.bool()) for h, t, m in zip(states.split(sizes), ids.split(sizes), mask.split(sizes))],
                        policy_version)
-    dist.send(torch.full((META + sum(t.numel() for t in draft_state.values()),), -1.0), dst=0, tag=WEIGHTS)  # goodbye
-    dist.destroy_process_group()
+    goodbye = torch.full((META + sum(t.numel() for t in draft_state.values()),), -1.0)
+    for rank in engine_ranks:
+        channel.send(goodbye, rank, WEIGHTS)
+
+
+def _spawned_draft_rank(host: str, port: int, target_cfg: LlamaConfig, draft_state: dict[str, Tensor],
+                        cfg: DraftConfig, seed: int) -> None:
+    """The draft rank of a single-process run: rank 1 of a channel of two with the training process."""
+    channel = Channel(dist.TCPStore(host, port, 2, is_master=False), 1, 2)
+    draft_rank_main(channel, 0, target_cfg, draft_state, cfg, seed)
+
+
+def serve_draft_slice(cfg: Config, channel: Channel) -> None:
+    """A rank of the reserved draft slice of a torchrun world: the draft from `draft.path`, trained
+    on the states every engine sends, until the run ends. SIGTERM is the policy ranks' to act on: they
+    checkpoint (this rank saves the draft when asked) and then tell it to stop."""
+    from transformers import AutoConfig
+
+    from fastgrpo.backends.embedded import draft_dir
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if dist.get_world_size() > 1:
+        raise ValueError("parallel.draft_ranks > 1 (data-parallel draft training) is not built yet; use 1")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    target_cfg = AutoConfig.from_pretrained(cfg.model.path)
+    draft = DraftHead.load(draft_dir(cfg), target_cfg, cfg.model.max_context)
+    draft_rank_main(channel, 0, target_cfg, {k: v.clone() for k, v in draft.state_dict().items()}, cfg.draft, cfg.seed)
 
 
 class AsyncDraftClient:
-    """Rank 0's side: ships captured states, polls for published drafts, asks for checkpoints."""
+    """An engine's side: ships its rollouts' captured states, polls for published drafts; the main
+    one (rank 0's) also sends the policy's embedding and head and asks for checkpoints.
 
-    def __init__(self, draft: DraftHead, cfg: DraftConfig, engines: list[Engine], seed: int = 0):
+    Without a `channel`, the client spawns the draft rank itself (a single-process run); in a torchrun
+    world the draft rank is the slice's, reached over the launch's channel."""
+
+    def __init__(self, draft: DraftHead, cfg: DraftConfig, engines: list[Engine], seed: int = 0,
+                 channel: Channel | None = None, draft_rank: int = 1, engine_ranks: list[int] | None = None):
         self.engines = engines
         self.shapes = {k: v.clone() for k, v in draft.state_dict().items()}
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        self.process = mp.get_context("spawn").Process(target=draft_rank_main, daemon=True, args=(
-            init_method, draft.cfg, self.shapes, cfg, seed))
-        self.process.start()
-        dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=2)
+        self.process = None
+        if channel is None:
+            port = free_port()
+            store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+            self.process = mp.get_context("spawn").Process(target=_spawned_draft_rank, daemon=True, args=(
+                "127.0.0.1", port, draft.cfg, self.shapes, cfg, seed))
+            self.process.start()
+            channel = Channel(store, 0, 2)
+        self.channel, self.draft_rank = channel, draft_rank
+        engine_ranks = engine_ranks or [channel.rank]
+        self.main = channel.rank == engine_ranks[0]
+        if self.main:
+            self._send(KIND_HELLO, len(engine_ranks), 0, 0, torch.tensor(engine_ranks))
         self.version = 0
         self.policy_version = 0
         self.target = TargetTensors(tied=bool(draft.cfg.tie_word_embeddings))
         self.loss = self.top1 = self.loss_fresh = self.top1_fresh = math.nan
         self._latest: Tensor | None = None
+        self._failure: Exception | None = None
         self._lock = threading.Lock()
         self._receiver = threading.Thread(target=self._receive_weights, daemon=True)
         self._receiver.start()
 
+    def _send(self, kind: int, n: int, tokens: int, policy_version: int, *payload: Tensor) -> None:
+        self.channel.send(torch.tensor([kind, n, tokens, policy_version]), self.draft_rank, STATES)
+        for t in payload:
+            self.channel.send(t, self.draft_rank, STATES)
+
     def _receive_weights(self) -> None:
         size = META + sum(t.numel() for t in self.shapes.values())
-        while True:
-            message = torch.zeros(size)
-            dist.recv(message, src=1, tag=WEIGHTS)
-            if message[0] < 0:  # the draft rank said goodbye
-                return
-            with self._lock:
-                self._latest = message
+        try:
+            while True:
+                message = torch.zeros(size)
+                self.channel.recv(message, self.draft_rank, WEIGHTS)
+                if message[0] < 0:  # the draft rank said goodbye
+                    return
+                with self._lock:
+                    self._latest = message
+        except Exception as e:
+            self._failure = e
 
     def poll(self) -> tuple[Iterator[tuple[str, Tensor]], int] | None:
         """The newest published draft, if one arrived since the last poll (never blocks)."""
+        if self._failure is not None:
+            raise RuntimeError("the draft rank is gone") from self._failure
         with self._lock:
             message, self._latest = self._latest, None
         if message is None:
@@ -173,15 +251,13 @@ class AsyncDraftClient:
         return _unflat(message[META:], self.shapes), self.version
 
     def commit_weights(self, version: int, checksums: dict[str, int] | None = None) -> None:
-        """Nothing to do: the draft binds the policy's embedding and head as soon as both arrived."""
+        """Nothing to do: the embedding and head went to the draft rank as soon as both arrived."""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int, complete: bool = True) -> None:
-        """A weight push: send the new policy's embedding and LM head to the draft rank, ahead of the
-        states of the rollouts that policy will sample."""
-        if (target := self.target.collect(named_tensors, version)) is not None:
-            dist.send(torch.tensor([KIND_TARGET, 0, 0, version]), dst=1, tag=STATES)
-            for t in target:
-                dist.send(t.float().contiguous(), dst=1, tag=STATES)
+        """A weight push (the main engine's): send the new policy's embedding and LM head to the draft
+        rank, ahead of the states of the rollouts that policy will sample."""
+        if self.main and (target := self.target.collect(named_tensors, version)) is not None:
+            self._send(KIND_TARGET, 0, 0, version, *(t.float() for t in target))
 
     def observe(self, prompts: list[list[int]], completions: list[Completion], policy_version: int) -> int:
         """Send the completions' captured states to the draft rank; returns the tokens sent."""
@@ -189,10 +265,9 @@ class AsyncDraftClient:
         if not rows:
             return 0
         lengths = torch.tensor([t.shape[0] for _, t, _ in rows])
-        header = torch.tensor([KIND_STATES, len(rows), int(lengths.sum()), policy_version])
-        for t in (header, lengths, torch.cat([h for h, _, _ in rows]), torch.cat([t for _, t, _ in rows]),
-                  torch.cat([m for _, _, m in rows]).to(torch.uint8)):
-            dist.send(t, dst=1, tag=STATES)
+        self._send(KIND_STATES, len(rows), int(lengths.sum()), policy_version, lengths,
+                   torch.cat([h for h, _, _ in rows]), torch.cat([t for _, t, _ in rows]),
+                   torch.cat([m for _, _, m in rows]).to(torch.uint8))
         return int(lengths.sum())
 
     def learn(self, prompts: list[list[int]], completions: list[Completion], policy_version: int,
@@ -205,17 +280,18 @@ class AsyncDraftClient:
 
     def save(self, directory: Path) -> None:
         """The draft rank writes its learner state (weights, optimizer, buffer) into `directory`."""
-        self._request(KIND_SAVE, directory)
+        if self.main:
+            self._request(KIND_SAVE, directory)
 
     def load(self, directory: Path) -> None:
         """The draft rank restores its learner state from `directory` and publishes that version."""
-        self._request(KIND_LOAD, directory)
+        if self.main:
+            self._request(KIND_LOAD, directory)
 
     def _request(self, kind: int, directory: Path) -> None:
         name = torch.tensor(list(str(directory.resolve()).encode()), dtype=torch.uint8)
-        dist.send(torch.tensor([kind, name.numel(), 0, 0]), dst=1, tag=STATES)
-        dist.send(name, dst=1, tag=STATES)
-        dist.recv(torch.zeros(1), src=1, tag=ACK)
+        self._send(kind, name.numel(), 0, 0, name)
+        self.channel.recv(torch.zeros(1), self.draft_rank, ACK)
 
     def metrics(self, policy_version: int) -> dict[str, float]:
         return {"draft_version": float(self.version), "draft_lag": float(policy_version - self.policy_version),
@@ -223,11 +299,13 @@ class AsyncDraftClient:
                 "draft_top1_fresh": self.top1_fresh}
 
     def close(self) -> None:
-        if not self.process.is_alive():
+        """This engine is done: the draft rank ends once every engine said so (and says goodbye)."""
+        if self.process is not None and not self.process.is_alive():
             return
-        dist.send(torch.tensor([KIND_STOP, 0, 0, 0]), dst=1, tag=STATES)
-        self._receiver.join(timeout=60)
-        self.process.join(timeout=60)
-        dist.destroy_process_group()
-        if self.process.is_alive():
-            self.process.kill()
+        if self._failure is None:
+            self._send(KIND_STOP, 0, 0, 0)
+            self._receiver.join(timeout=60)
+        if self.process is not None:
+            self.process.join(timeout=60)
+            if self.process.is_alive():
+                self.process.kill()

@@ -154,7 +154,7 @@ class EmbeddedEngine:
         """No-op on CPU."""
 
     def stats(self) -> dict[str, Any]:
-        return dict(self._stats, weights_version=self.weights_version)
+        return dict(self._stats, weights_version=self.weights_version, draft_version=self.draft_version)
 
     @property
     def speculating(self) -> bool:

@@ -28,8 +28,8 @@ from fastgrpo.backends.protocols import DraftLearner, Engine, PolicyTrainer
 from fastgrpo.bridge import WeightBridge
 from fastgrpo.checkpoint import CheckpointManager
 from fastgrpo.config import Config, ConfigError, flatten, to_yaml
-from fastgrpo.distributed import StopRequest, World, init_world, launched_world_size
-from fastgrpo.draft_learning.async_learner import AsyncDraftClient
+from fastgrpo.distributed import StopRequest, World, init_world, is_draft_rank, launched_world_size
+from fastgrpo.draft_learning.async_learner import AsyncDraftClient, serve_draft_slice
 from fastgrpo.draft_learning.online import OnlineDraftLearner
 from fastgrpo.grpo.advantages import group_advantages, informative_groups
 from fastgrpo.grpo.batch import build_batch
@@ -59,6 +59,7 @@ class Rollout:
     completions: list[Completion]
     rewards: torch.Tensor  # [prompts, G]
     engine_stats: list[dict]  # one per replica
+    local: list[Completion] = field(default_factory=list)  # this replica's own, with captured states (its leader)
 
 
 @dataclass
@@ -79,6 +80,9 @@ class Run:
 
 
 def train(cfg: Config, resume: bool = False) -> TrainResult:
+    if is_draft_rank(cfg.parallel.draft_ranks):  # a rank of the reserved draft slice: it serves the engines
+        serve_draft_slice(cfg, init_world(cfg.parallel.draft_ranks))
+        return TrainResult([], {})
     stop = StopRequest()
     try:
         return _train(setup_run(cfg, resume), stop)
@@ -108,7 +112,7 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
         train_s = time.perf_counter() - t0
 
         sync = run.bridge.push(run.trainer.export_weights(), version=step + 1)
-        draft_metrics = learn_draft(run, problems, completions, policy_version=step,
+        draft_metrics = learn_draft(run, run.world.share(problems), answers.local, policy_version=step,
                                     budget_s=cfg.draft.sync_budget * (rollout_s + train_s))
 
         run.step = step + 1
@@ -150,10 +154,12 @@ def setup_run(cfg: Config, resume: bool) -> Run:
         raise ConfigError(f"trainer.backend=torch trains in one process, but this is a world of "
                           f"{launched_world_size()} ranks: use trainer.backend=megatron under torchrun")
     model_parallel = cfg.parallel.tensor * cfg.parallel.pipeline
-    if launched_world_size() % model_parallel:
+    policy_ranks = launched_world_size() - cfg.parallel.draft_ranks
+    if policy_ranks < 1 or policy_ranks % model_parallel:
         raise ConfigError(f"parallel.tensor x parallel.pipeline = {model_parallel} ranks per replica does not divide "
-                          f"the world of {launched_world_size()} ranks (torchrun --nproc-per-node x nodes)")
-    init_world()
+                          f"the {policy_ranks} policy ranks (a world of {launched_world_size()} ranks, "
+                          f"{cfg.parallel.draft_ranks} reserved by parallel.draft_ranks)")
+    channel = init_world(cfg.parallel.draft_ranks)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -175,20 +181,22 @@ def setup_run(cfg: Config, resume: bool) -> Run:
     if cfg.rollout.prompts_per_step < world.placement.replicas:
         raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} leaves a data-parallel replica "
                           f"without prompts ({world.placement.replicas} replicas)")
-    if cfg.draft.online != "off" and world.placement.replicas > 1:
+    if cfg.draft.online == "sync" and world.placement.replicas > 1:
         raise ConfigError(f"draft.online={cfg.draft.online} learns beside one engine, but this run has "
-                          f"{world.placement.replicas} data-parallel replicas (one engine each): use draft.online=off")
+                          f"{world.placement.replicas} data-parallel replicas (one engine each): use draft.online=async with parallel.draft_ranks=1, or off")
     model_config = AutoConfig.from_pretrained(cfg.model.path)
     engine = None
     if world.placement.leads_replica:  # its weights come with the bridge's first push
         engine = build_engine(cfg, model_config, tokenizer)
+    engine_ranks = world.leaders() if channel is not None else None  # (collective over the policy ranks)
     draft_learner: DraftLearner | None = None
     if cfg.draft.online != "off" and engine is not None:
         draft = DraftHead.load(draft_dir(cfg), model_config, cfg.model.max_context)
         if cfg.draft.online == "sync":
             draft_learner = OnlineDraftLearner(draft, cfg.draft, [engine], seed=cfg.seed)
         else:  # a draft rank of its own; the engine picks up its versions between decode steps
-            draft_learner = AsyncDraftClient(draft, cfg.draft, [engine], cfg.seed)
+            draft_learner = AsyncDraftClient(draft, cfg.draft, [engine], cfg.seed, channel=channel,
+                                             draft_rank=world.size, engine_ranks=engine_ranks)
             engine.draft_source = draft_learner.poll
     # the draft's embedding and LM head are the policy's: it gets them with every push, as engines do
     # (every policy rank takes part in a push: it gathers the shards; ranks without an engine drop them)
@@ -237,7 +245,7 @@ def rollout(run: Run, problems: list[EncodedProblem], seed: int) -> Rollout:
     if len(versions) != 1:  # the push reaches every engine or the run stops
         raise RuntimeError(f"the replicas' engines hold different weight versions: {sorted(versions, key=str)}")
     return Rollout([c for part in parts for c in part[0]], torch.cat([part[1] for part in parts]),
-                   [part[2] for part in parts])
+                   [part[2] for part in parts], local[0] if local is not None else [])
 
 
 def learn_draft(run: Run, problems: list[EncodedProblem], completions: list[Completion], policy_version: int,
@@ -294,8 +302,9 @@ def step_metrics(completions: list[Completion], rewards: torch.Tensor, replica_s
         accept["accept_len"] = replica_stats[0]["accept_len"] if len(replica_stats) == 1 else sum(
             s["accept_len"] * s["spec_steps"] for s in replica_stats if s.get("spec_steps", 0)) / spec_steps
     throughput = [s.get("tokens_per_s", 0.0) for s in replica_stats]
-    if len(replica_stats) > 1:
+    if len(replica_stats) > 1:  # the slowest replica, and the engine furthest behind on drafts
         accept["replica_tokens_per_s_min"] = min(throughput)
+        accept["replica_draft_version_min"] = float(min(s.get("draft_version", -1) for s in replica_stats))
     return accept | {
         "reward_mean": rewards.mean().item(),
         "reward_std": rewards.std().item(),
@@ -307,6 +316,7 @@ def step_metrics(completions: list[Completion], rewards: torch.Tensor, replica_s
         "mean_running": statistics.mean(s.get("mean_running", 0.0) for s in replica_stats),
         "spec_step_fraction": spec_steps / max(decode_steps, 1),
         "groups_kept": float(kept_groups),
+        "weights_version": float(replica_stats[0].get("weights_version", -1)),  # the same on every engine
     }
 
 
