@@ -20,7 +20,13 @@ def test_backends_and_layout_are_validated_before_any_work():
                           ("trainer.layer_spec=te", "trainer.layer_spec")):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(None, [override])
-    for overrides, key in ((["trainer.backend=megatron", "speculation.policy=aware", "draft.online=async"], "draft.online"),):
+    for overrides, key in ((["trainer.backend=megatron", "speculation.policy=aware", "draft.online=async"], "draft.online"),
+                           (["parallel.draft_ranks=1", "draft.online=async"], "parallel.draft_ranks"),  # torch trainer
+                           (["trainer.backend=megatron", "parallel.draft_ranks=1", "draft.online=sync"],
+                            "parallel.draft_ranks"),
+                           (["trainer.backend=megatron", "parallel.draft_ranks=2", "draft.online=async"],
+                            "parallel.draft_ranks"),
+                           (["parallel.draft_ranks=-1"], "parallel.draft_ranks")):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(None, overrides)
     assert load_config(None, ["trainer.backend=megatron", "parallel.tensor=2"]).parallel.tensor == 2

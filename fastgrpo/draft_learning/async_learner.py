@@ -13,7 +13,7 @@ Messages to the draft rank (tag STATES; one receiver thread per engine): a heade
 policy_version], then the payload. Kinds: states (lengths, hidden states, tokens, masks), target
 (embedding, head), save and load (a directory name), hello (the main engine: every engine's rank),
 stop (each engine, at its end). Draft rank -> engines: weights (tag WEIGHTS) as one flat tensor led by
-[version, policy_version, loss, top1, fresh loss, fresh top1], and to the main engine save/load
+[version, policy_version, loss, top1, fresh loss, fresh top1, states/s], and to the main engine save/load
 acknowledgements (tag ACK). A dead draft rank ends the run: the next message to it fails, and so
 does a poll once its connection is gone.
 """
@@ -45,7 +45,9 @@ from fastgrpo.types import Completion
 log = logging.getLogger(__name__)
 STATES, WEIGHTS, ACK = 1, 2, 3  # message tags
 KIND_STATES, KIND_SAVE, KIND_LOAD, KIND_TARGET, KIND_STOP, KIND_HELLO = 1, 2, 3, 4, 0, 5
-META = 6  # version, policy_version, loss, top1, loss and top1 on the newest rollout before training, ahead of the weights
+# version, policy_version, loss, top1, loss and top1 on the newest rollout before training, states
+# trained per second; ahead of the weights
+META = 7
 
 
 def _flat(named: Iterable[tuple[str, Tensor]]) -> Tensor:
@@ -70,7 +72,7 @@ class _Publisher:
         m = learner.last_metrics
         meta = torch.tensor([float(version), float(learner.policy_version), m.get("draft_loss", math.nan),
                              m.get("draft_top1", math.nan), learner.fresh.get("draft_loss_fresh", math.nan),
-                             learner.fresh.get("draft_top1_fresh", math.nan)])
+                             learner.fresh.get("draft_top1_fresh", math.nan), m.get("draft_states_per_s", math.nan)])
         message = torch.cat([meta, _flat(named_tensors)])
         for rank in self.engine_ranks:
             self.channel.send(message, rank, WEIGHTS)
@@ -213,7 +215,7 @@ class AsyncDraftClient:
         self.version = 0
         self.policy_version = 0
         self.target = TargetTensors(tied=bool(draft.cfg.tie_word_embeddings))
-        self.loss = self.top1 = self.loss_fresh = self.top1_fresh = math.nan
+        self.loss = self.top1 = self.loss_fresh = self.top1_fresh = self.states_per_s = math.nan
         self._latest: Tensor | None = None
         self._failure: Exception | None = None
         self._lock = threading.Lock()
@@ -246,7 +248,8 @@ class AsyncDraftClient:
             message, self._latest = self._latest, None
         if message is None:
             return None
-        version, policy_version, self.loss, self.top1, self.loss_fresh, self.top1_fresh = message[:META].tolist()
+        (version, policy_version, self.loss, self.top1, self.loss_fresh, self.top1_fresh,
+         self.states_per_s) = message[:META].tolist()
         self.version, self.policy_version = int(version), int(policy_version)
         return _unflat(message[META:], self.shapes), self.version
 
@@ -296,7 +299,7 @@ class AsyncDraftClient:
     def metrics(self, policy_version: int) -> dict[str, float]:
         return {"draft_version": float(self.version), "draft_lag": float(policy_version - self.policy_version),
                 "draft_loss": self.loss, "draft_top1": self.top1, "draft_loss_fresh": self.loss_fresh,
-                "draft_top1_fresh": self.top1_fresh}
+                "draft_top1_fresh": self.top1_fresh, "draft_states_per_s": self.states_per_s}
 
     def close(self) -> None:
         """This engine is done: the draft rank ends once every engine said so (and says goodbye)."""

@@ -59,7 +59,7 @@ class DraftTrainer:
         torch.nn.utils.clip_grad_norm_(self.draft.parameters(), 1.0)
         self.optimizer.step()
         self.steps += 1
-        return metrics | {"draft_skipped": 0.0}
+        return metrics | {"draft_skipped": 0.0, "draft_states": float(mask.sum())}  # states it learned from
 
     def train(self, max_steps: int, max_seconds: float = math.inf) -> dict[str, float]:
         """Up to `max_steps` steps on the buffer within `max_seconds`: a step that would likely end past
@@ -76,7 +76,9 @@ class DraftTrainer:
                 totals[k] = totals.get(k, 0.0) + v
             n += 1
         out = {k: v / max(n, 1) for k, v in totals.items()}
-        return out | {"draft_steps": float(n), "draft_train_s": time.perf_counter() - t0}
+        seconds = time.perf_counter() - t0
+        return out | {"draft_steps": float(n), "draft_train_s": seconds,
+                      "draft_states_per_s": totals.get("draft_states", 0.0) / max(seconds, 1e-9)}
 
     def export(self) -> Iterator[tuple[str, Tensor]]:
         for name, t in self.draft.state_dict().items():

@@ -419,7 +419,8 @@ def write_summary(run: Run) -> Path:
         "end_step": max(evals) if evals else None,
         "curve": [{"step": s} | e for s, e in evals.items()],
         "median": {k: median(k) for k in ("step_s", "rollout_s", "train_s", "draft_train_s", "weight_sync_s",
-                                          "gen_tokens_per_s", "response_len_mean", "accept_len", "spec_step_fraction")},
+                                          "weight_sync_bytes", "gen_tokens_per_s", "response_len_mean", "accept_len",
+                                          "spec_step_fraction", "draft_lag", "draft_states_per_s")},
         "steps_run": len(steps),
     }
     path = Path(c.run_dir) / "summary.json"
