@@ -244,13 +244,18 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self._previous = None
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread (a run driven from a thread): SIGTERM keeps its default
+            pass
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
 
     def restore(self) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
 
 
 def is_peer_failure(error: BaseException) -> bool:

@@ -182,8 +182,9 @@ def setup_run(cfg: Config, resume: bool) -> Run:
         raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} leaves a data-parallel replica "
                           f"without prompts ({world.placement.replicas} replicas)")
     if cfg.draft.online == "sync" and world.placement.replicas > 1:
-        raise ConfigError(f"draft.online={cfg.draft.online} learns beside one engine, but this run has "
-                          f"{world.placement.replicas} data-parallel replicas (one engine each): use draft.online=async with parallel.draft_ranks=1, or off")
+        raise ConfigError(f"draft.online=sync learns beside one engine, but this run has {world.placement.replicas} "
+                          f"data-parallel replicas (one engine each): use draft.online=async with "
+                          f"parallel.draft_ranks=1, or off")
     model_config = AutoConfig.from_pretrained(cfg.model.path)
     engine = None
     if world.placement.leads_replica:  # its weights come with the bridge's first push
@@ -297,15 +298,15 @@ def step_metrics(completions: list[Completion], rewards: torch.Tensor, replica_s
     spec_steps = sum(s.get("spec_steps", 0) for s in replica_stats)
     decode_steps = sum(s.get("decode_steps", 0) for s in replica_stats)
     # accepted length is only defined when some step speculated; plain steps emit one token by construction
-    accept = {}
+    optional = {}
     if spec_steps:
-        accept["accept_len"] = replica_stats[0]["accept_len"] if len(replica_stats) == 1 else sum(
+        optional["accept_len"] = replica_stats[0]["accept_len"] if len(replica_stats) == 1 else sum(
             s["accept_len"] * s["spec_steps"] for s in replica_stats if s.get("spec_steps", 0)) / spec_steps
     throughput = [s.get("tokens_per_s", 0.0) for s in replica_stats]
     if len(replica_stats) > 1:  # the slowest replica, and the engine furthest behind on drafts
-        accept["replica_tokens_per_s_min"] = min(throughput)
-        accept["replica_draft_version_min"] = float(min(s.get("draft_version", -1) for s in replica_stats))
-    return accept | {
+        optional["replica_tokens_per_s_min"] = min(throughput)
+        optional["replica_draft_version_min"] = float(min(s.get("draft_version", -1) for s in replica_stats))
+    return optional | {
         "reward_mean": rewards.mean().item(),
         "reward_std": rewards.std().item(),
         "accuracy": (rewards >= 1.0).float().mean().item(),
