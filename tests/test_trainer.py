@@ -153,6 +153,9 @@ def test_train_step_matches_a_plain_grpo_oracle(aggregation):
     assert metrics["clip_fraction"] > 0  # the clipped branch was exercised
     assert metrics["loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-4, abs=1e-6)
     assert metrics["grad_norm"] == pytest.approx(sum(norms) / len(norms), rel=1e-4)
+    # whole tensors: Adam divides each coordinate's step by its own gradient scale, so a coordinate whose
+    # gradient is at rounding level may move differently in the two (equally correct) computations;
+    # seen in CI: one coordinate of an up_proj 1.3e-3 of the tensor's largest update off
     for (name, got), (_, want) in zip(policy.state_dict().items(), reference.state_dict().items()):
-        update = (want - start[name]).abs().max()
-        assert update > 0 and (got - want).abs().max() <= 1e-3 * update, name
+        update = (want - start[name]).norm()
+        assert update > 0 and (got - want).norm() <= 1e-4 * update, name
