@@ -78,7 +78,8 @@ class DraftConfig:
     online_buffer_tokens: int = 50_000  # online buffer cap; the oldest states are dropped
     online_lr: float = 1e-4  # online steps fine-tune a warm start: at the warm start's 1e-3 a fresh Adam undoes it
     sync_budget: float = 0.05  # sync: draft training seconds per step, as a fraction of rollout + train time
-    sync_max_steps: int = 64  # sync: at most this many draft steps per GRPO step
+    sync_max_steps: int = 64  # sync: at most this many draft steps per GRPO step (async: per published version)
+    async_publish_s: float = 5.0  # async: the draft rank publishes a version at least this often while it trains
 
 
 @dataclass
@@ -296,6 +297,7 @@ def validate(c: Config) -> None:
     _check(d.online_buffer_tokens >= 1, "draft.online_buffer_tokens", "must be >= 1", d.online_buffer_tokens)
     _check(d.sync_budget > 0, "draft.sync_budget", "must be > 0", d.sync_budget)
     _check(d.sync_max_steps >= 1, "draft.sync_max_steps", "must be >= 1", d.sync_max_steps)
+    _check(d.async_publish_s > 0, "draft.async_publish_s", "must be > 0", d.async_publish_s)
     _check(g.steps >= 0, "grpo.steps", "must be >= 0", g.steps)
     _check(0 <= g.eps_low < 1, "grpo.eps_low", "must be in [0, 1)", g.eps_low)
     _check(g.eps_high >= 0, "grpo.eps_high", "must be >= 0", g.eps_high)

@@ -139,7 +139,9 @@ def draft_rank_main(channel: Channel, main_rank: int, target_cfg: LlamaConfig, d
         try:  # with states to learn from (and a policy to learn them against), never wait
             message = inbox.get(block=not (learner.trainer.buffer and bound))
         except queue.Empty:
-            learner.train(budget_s=math.inf)  # publishes a new version, or rejects a non-finite update
+            # a round of training publishes a version (or rejects a non-finite update); short rounds keep
+            # the engines' drafts fresh and the messages (a stop, a save) answered within seconds
+            learner.train(budget_s=cfg.async_publish_s)
             continue
         if message[0] == "failed":
             raise RuntimeError(f"the draft rank lost engine rank {message[1]}") from message[2]
@@ -160,7 +162,10 @@ def draft_rank_main(channel: Channel, main_rank: int, target_cfg: LlamaConfig, d
                        policy_version)
     goodbye = torch.full((META + sum(t.numel() for t in draft_state.values()),), -1.0)
     for rank in engine_ranks:
-        channel.send(goodbye, rank, WEIGHTS)
+        try:
+            channel.send(goodbye, rank, WEIGHTS)
+        except Exception as e:  # that engine is done and gone: nothing is lost
+            log.warning("the engine of rank %d left before the draft rank's goodbye: %s", rank, e)
 
 
 def _spawned_draft_rank(host: str, port: int, target_cfg: LlamaConfig, draft_state: dict[str, Tensor],
@@ -308,6 +313,8 @@ class AsyncDraftClient:
         if self._failure is None:
             self._send(KIND_STOP, 0, 0, 0)
             self._receiver.join(timeout=60)
+            if self._receiver.is_alive():
+                log.warning("the draft rank did not say goodbye within 60 s; this engine leaves without it")
         if self.process is not None:
             self.process.join(timeout=60)
             if self.process.is_alive():

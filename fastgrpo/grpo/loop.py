@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import random
 import statistics
 import time
@@ -405,7 +406,7 @@ def write_summary(run: Run) -> Path:
     evals = {s: {k.removeprefix("eval/"): v for k, v in e.items()} for s, e in sorted(run.history.evals.items())}
 
     def median(key: str) -> float | None:
-        values = [m[key] for m in steps if key in m]
+        values = [m[key] for m in steps if key in m and math.isfinite(m[key])]  # NaN: not measured that step
         return statistics.median(values) if values else None
 
     c = run.cfg
