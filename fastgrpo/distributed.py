@@ -1,9 +1,11 @@
 """The torch.distributed world of a run, and running a function on one.
 
-`World`, `init_world`, `StopRequest`: what the training loop needs of the world torchrun launches
-(which rank leads which data-parallel replica, the rollout exchange, agreeing to stop on SIGTERM).
+`init_world`, `World`, `Channel`, `StopRequest`: what the training loop needs of the world torchrun
+launches (the policy ranks' and the draft slice's process groups, which rank leads which
+data-parallel replica, the rollout exchange, engine <-> draft messages, agreeing to stop on SIGTERM).
 
-`run_world`: a function on a world of spawned processes on this machine, as torchrun would set it up (every rank sees RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT): what the tests and
+`run_world`: a function on a world of spawned processes on this machine, as torchrun would set it up
+(every rank sees RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT): what the tests and
 `bench trainer` use to run multi-rank code without a launcher. A deadline bounds the whole world, and
 the processes started here (and only those, with whatever they started) are ended by pid if it passes.
 
@@ -113,10 +115,8 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-CHANNEL_TIMEOUT = datetime.timedelta(days=1)  # a receiver idle between steps is not a failure; a dead peer is seen at once
-
-
-_draft_ranks = 0
+# a receiver idle between steps is not a failure; a dead peer is seen at once (its connection closes)
+CHANNEL_TIMEOUT = datetime.timedelta(days=1)
 _channel: Channel | None = None
 
 
@@ -138,7 +138,7 @@ def init_world(draft_ranks: int = 0) -> Channel | None:
     gloo without: megatron's groups and checkpoints live in it) and, with a reserved draft slice, the
     draft ranks' own default group plus a channel over every rank for engine <-> draft messages. A
     process started alone gets none (megatron's `initialize` makes a world of one when it needs one)."""
-    global _draft_ranks, _channel
+    global _channel
     size = launched_world_size()
     if size == 1 or dist.is_initialized():
         return _channel
@@ -153,7 +153,6 @@ def init_world(draft_ranks: int = 0) -> Channel | None:
     else:
         dist.init_process_group(backend, store=dist.PrefixStore("fastgrpo/draft", store), rank=rank - policy_ranks,
                                 world_size=draft_ranks, timeout=COLLECTIVE_TIMEOUT)
-    _draft_ranks = draft_ranks
     if draft_ranks:
         _channel = Channel(store, rank, size)
     return _channel
