@@ -78,29 +78,69 @@ class Layout:
         return range(pp_rank * per, (pp_rank + 1) * per)
 
     # -- Hugging Face <-> full Megatron tensors ------------------------------------------------
+    def megatron_names(self) -> list[str]:
+        """Every full Megatron tensor's global name, in `to_megatron`'s order."""
+        names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight"]
+        if not self.tied:
+            names.append("output_layer.weight")
+        per_layer = ["input_layernorm.weight", "pre_mlp_layernorm.weight", "self_attention.linear_qkv.weight",
+                     *(["self_attention.linear_qkv.bias"] if self.qkv_bias else []),
+                     "self_attention.linear_proj.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+        return names + [f"decoder.layers.{i}.{p}" for i in range(self.layers) for p in per_layer]
+
+    def hf_sources(self, name: str) -> list[str]:
+        """The Hugging Face tensors one full Megatron tensor is made of (what a streaming converter
+        reads to build it); `to_hf` yields the same names back."""
+        if name == "embedding.word_embeddings.weight":
+            return ["model.embed_tokens.weight"]  # a tied model's lm_head is the same tensor, often not stored
+        if name == "output_layer.weight":
+            return ["lm_head.weight"]
+        return [hf for hf, _ in self.to_hf(name, torch.empty(self._meta_shape(name), device="meta"))]
+
+    def _meta_shape(self, name: str) -> tuple[int, ...]:
+        """A 1-d shape `to_hf` can split (only the names it yields matter to `hf_sources`)."""
+        rest = LAYER.match(name).group(2) if LAYER.match(name) else name
+        if rest.startswith("self_attention.linear_qkv."):
+            return ((self.heads + 2 * self.kv_heads) * self.head_dim,)
+        return (2 * self.ffn,) if rest == "mlp.linear_fc1.weight" else (1,)
+
+    def megatron_tensor(self, name: str, hf: Mapping[str, Tensor]) -> Tensor:
+        """One full Megatron tensor (global name) from the Hugging Face tensors it is made of."""
+        if name == "embedding.word_embeddings.weight":
+            return self._pad(hf["model.embed_tokens.weight"])
+        if name == "output_layer.weight":
+            return self._pad(hf["lm_head.weight"])
+        if name == "decoder.final_layernorm.weight":
+            return hf["model.norm.weight"]
+        match = LAYER.match(name)
+        if not match:
+            raise LayoutError(f"unknown Megatron parameter {name!r}")
+        i, rest = match.groups()
+        p = f"model.layers.{i}."
+        if rest == "input_layernorm.weight":
+            return hf[p + "input_layernorm.weight"]
+        if rest == "pre_mlp_layernorm.weight":
+            return hf[p + "post_attention_layernorm.weight"]
+        if rest.startswith("self_attention.linear_qkv."):
+            kind = rest.rsplit(".", 1)[1]
+            d, ng = self.head_dim, self.kv_heads
+            hpg = self.heads // ng
+            q, k, v = (hf[f"{p}self_attn.{x}_proj.{kind}"] for x in "qkv")
+            tail = q.shape[1:]
+            return torch.cat([q.reshape(ng, hpg * d, *tail), k.reshape(ng, d, *tail), v.reshape(ng, d, *tail)],
+                             1).reshape(-1, *tail)
+        if rest == "self_attention.linear_proj.weight":
+            return hf[p + "self_attn.o_proj.weight"]
+        if rest == "mlp.linear_fc1.weight":
+            gates, ups = hf[p + "mlp.gate_proj.weight"].chunk(self.tp), hf[p + "mlp.up_proj.weight"].chunk(self.tp)
+            return torch.cat([t for g, u in zip(gates, ups) for t in (g, u)])
+        if rest == "mlp.linear_fc2.weight":
+            return hf[p + "mlp.down_proj.weight"]
+        raise LayoutError(f"unknown Megatron parameter {name!r}")
+
     def to_megatron(self, hf: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Full Megatron tensors under global names, from a Hugging Face state dict."""
-        d, ng = self.head_dim, self.kv_heads
-        hpg = self.heads // ng
-        out = {"embedding.word_embeddings.weight": self._pad(hf["model.embed_tokens.weight"]),
-               "decoder.final_layernorm.weight": hf["model.norm.weight"]}
-        if not self.tied:
-            out["output_layer.weight"] = self._pad(hf["lm_head.weight"])
-        for i in range(self.layers):
-            p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-            out[m + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
-            out[m + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
-            for kind in ("weight", "bias") if self.qkv_bias else ("weight",):
-                q, k, v = (hf[f"{p}self_attn.{x}_proj.{kind}"] for x in "qkv")
-                rest = q.shape[1:]
-                out[m + f"self_attention.linear_qkv.{kind}"] = torch.cat(
-                    [q.reshape(ng, hpg * d, *rest), k.reshape(ng, d, *rest), v.reshape(ng, d, *rest)], 1
-                ).reshape(-1, *rest)
-            out[m + "self_attention.linear_proj.weight"] = hf[p + "self_attn.o_proj.weight"]
-            gates, ups = hf[p + "mlp.gate_proj.weight"].chunk(self.tp), hf[p + "mlp.up_proj.weight"].chunk(self.tp)
-            out[m + "mlp.linear_fc1.weight"] = torch.cat([t for g, u in zip(gates, ups) for t in (g, u)])
-            out[m + "mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
-        return out
+        return {name: self.megatron_tensor(name, hf) for name in self.megatron_names()}
 
     def to_hf(self, name: str, full: Tensor) -> Iterator[tuple[str, Tensor]]:
         """The Hugging Face tensors of one full Megatron tensor (global name); one layer at a time is
@@ -199,3 +239,51 @@ class Layout:
     def unshard(self, name: str, shards: list[Tensor]) -> Tensor:
         dim = self.tp_dim(name)
         return shards[0] if dim is None else torch.cat(shards, dim)
+
+    # -- megatron's distributed checkpoints (dist_checkpointing, torch_dist) ----------------------
+    # There a layer's tensor is one slice of a tensor stacked over all layers (key without the layer
+    # index, leading axis = layer), the local spec's norms are saved under Transformer Engine's fused
+    # names (`keys_map`: megatron's `sharded_state_dict_keys_map`), and SwiGLU's fc1 is [gate; up]
+    # whatever the TP size (megatron's swiglu sharded factory saves each rank's gate and up halves
+    # at their offsets in the two halves); every other tensor is its full tensor (padded rows too).
+    def dist_key(self, name: str, keys_map: Mapping[str, str]) -> tuple[str, int | None]:
+        """The distributed-checkpoint key of a global parameter and its layer (None: not stacked)."""
+        match = LAYER.match(name)
+        if not match:
+            return name, None
+        i, rest = match.groups()
+        for ours, theirs in keys_map.items():
+            if rest.startswith(ours):
+                rest = theirs + rest[len(ours):]
+                break
+        return f"decoder.layers.{rest}", int(i)
+
+    def to_dist(self, name: str, full: Tensor) -> Tensor:
+        """A full Megatron tensor as the distributed checkpoint stores it (fc1: [gate; up])."""
+        if not name.endswith("mlp.linear_fc1.weight"):
+            return full
+        blocks = [b.chunk(2) for b in full.chunk(self.tp)]
+        return torch.cat([g for g, _ in blocks] + [u for _, u in blocks])
+
+    def from_dist(self, name: str, stored: Tensor) -> Tensor:
+        """`to_dist`'s inverse: the full Megatron tensor of this layout."""
+        if not name.endswith("mlp.linear_fc1.weight"):
+            return stored
+        gate, up = stored.chunk(2)
+        return torch.cat([t for g, u in zip(gate.chunk(self.tp), up.chunk(self.tp)) for t in (g, u)])
+
+    def dist_chunks(self, name: str, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """(offsets, sizes) of the pieces the TP ranks of this layout save of a tensor in its stored
+        (`to_dist`) form: fc1's gate and up halves each split over TP, others along `tp_dim`."""
+        dim = self.tp_dim(name)
+        if dim is None or self.tp == 1:
+            return [((0,) * len(shape), tuple(shape))]
+        pieces = 2 * self.tp if name.endswith("mlp.linear_fc1.weight") else self.tp
+        step = shape[dim] // pieces
+        out = []
+        for k in range(pieces):
+            offsets = [0] * len(shape)
+            sizes = list(shape)
+            offsets[dim], sizes[dim] = k * step, step
+            out.append((tuple(offsets), tuple(sizes)))
+        return out

@@ -284,10 +284,7 @@ class MegatronPolicyTrainer:
     #   padding differs between TP sizes; its rows are zero (never sampled, zero gradient, zero
     #   moments), and megatron loads padded tensors of another length as their common prefix.
     def _identity(self) -> dict:
-        l = self.layout
-        return {"model_type": self.hf_config.model_type, "layers": l.layers, "hidden": l.hidden, "heads": l.heads,
-                "kv_heads": l.kv_heads, "head_dim": l.head_dim, "ffn": l.ffn, "vocab": l.vocab, "tied": l.tied,
-                "qkv_bias": l.qkv_bias}
+        return checkpoint_identity(self.hf_config, self.layout)
 
     def _sharded_state_dict(self, loading: bool) -> dict:
         model = self.model.module.sharded_state_dict()
@@ -331,11 +328,27 @@ class MegatronPolicyTrainer:
         if saved["model"] != self._identity():
             diff = {k: (v, self._identity().get(k)) for k, v in saved["model"].items() if self._identity().get(k) != v}
             raise LayoutError(f"the checkpoint {directory} is of another model (saved, this policy): {diff}")
+        # a model-only checkpoint (`tools/convert_checkpoint.py hf-to-megatron`, `reshard`) starts a fresh
+        # optimizer; the trainer's own checkpoints resume it
+        with_optimizer = saved.get("optimizer", True)
         with self._cpu():
-            state = dist_checkpointing.load(self._sharded_state_dict(loading=True), str(megatron_dir))
+            # (the optimizer's sharded state dict for loading initialises its state: not asked for here)
+            request = (self._sharded_state_dict(loading=True) if with_optimizer
+                       else {"model": self.model.module.sharded_state_dict()})
+            state = dist_checkpointing.load(request, str(megatron_dir))
             self.model.module.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            if with_optimizer:
+                self.optimizer.load_state_dict(state["optimizer"])
         self.updates = saved["updates"]
+
+
+def checkpoint_identity(hf_config, layout: Layout) -> dict:
+    """The model a Megatron checkpoint holds, as `fastgrpo.json` records it (checked on load; written
+    by the trainer and by the conversion tools)."""
+    l = layout
+    return {"model_type": hf_config.model_type, "layers": l.layers, "hidden": l.hidden, "heads": l.heads,
+            "kv_heads": l.kv_heads, "head_dim": l.head_dim, "ffn": l.ffn, "vocab": l.vocab, "tied": l.tied,
+            "qkv_bias": l.qkv_bias}
 
 
 def _loss_func(on_logits, rows: list[int], micro: RolloutBatch, logits: Tensor):
