@@ -257,3 +257,55 @@ def test_the_70b_dry_run_lists_every_tensor_on_the_meta_device(capsys):
     assert "70.55B parameters" in out
     with pytest.raises(cc.ConversionError, match="does not divide the 28 attention heads"):
         cc.dry_run(cc.load_config(MODELS / "qwen2.5-7b.json"), 8, 1)
+
+
+# What SGLang's EAGLE Llama draft loads, from python/sglang/srt/models/llama_eagle.py (sgl-project/sglang,
+# 0.5 line, read at commit 034b3be): class LlamaForCausalLMEagle; load_weights prefixes names without
+# "lm_head" with "model."; LlamaModel has `fc = nn.Linear(hidden_size * 2, hidden_size)` (weight and
+# bias) and `layers.{i}` Llama decoder layers (q/k/v/o_proj, gate/up/down_proj, post_attention_layernorm;
+# layer 0's input_layernorm replaced by an identity) and no final norm; embed_tokens/lm_head are the target's.
+SGLANG_EAGLE_NAMES = {
+    "fc.weight": lambda h, q, kv, f: (h, 2 * h), "fc.bias": lambda h, q, kv, f: (h,),
+    "layers.0.self_attn.q_proj.weight": lambda h, q, kv, f: (q, h),
+    "layers.0.self_attn.k_proj.weight": lambda h, q, kv, f: (kv, h),
+    "layers.0.self_attn.v_proj.weight": lambda h, q, kv, f: (kv, h),
+    "layers.0.self_attn.o_proj.weight": lambda h, q, kv, f: (h, q),
+    "layers.0.mlp.gate_proj.weight": lambda h, q, kv, f: (f, h), "layers.0.mlp.up_proj.weight": lambda h, q, kv, f: (f, h),
+    "layers.0.mlp.down_proj.weight": lambda h, q, kv, f: (h, f),
+    "layers.0.post_attention_layernorm.weight": lambda h, q, kv, f: (h,),
+}
+
+
+def test_export_draft_has_sglang_eagle_names_shapes_and_config(tmp_path, capsys):
+    """Checked against llama_eagle.py's names (SGLang cannot run on this machine): the tensors, their
+    shapes, the config SGLang builds its LlamaConfig from; a draft whose norms SGLang's class cannot hold
+    is refused unless --drop-norms."""
+    from transformers import LlamaConfig
+
+    from fastgrpo.speculation.draft import DraftHead
+    from tests.test_megatron_model import hf_model
+
+    policy = hf_model("llama-tied")
+    policy.save_pretrained(tmp_path / "policy")
+    c = policy.config
+    draft = DraftHead(LlamaConfig.from_dict(c.to_dict()), max_len=64)
+    draft.reset_parameters(seed=3)
+    draft.save(tmp_path / "draft")
+    args = ("export-draft", "--draft", tmp_path / "draft", "--policy", tmp_path / "policy", "--out", tmp_path / "eagle")
+    assert run(*args) == 2 and "no final norm" in capsys.readouterr().err and not (tmp_path / "eagle").exists()
+    assert run(*args, "--drop-norms") == 0
+    got = hf_tensors(tmp_path / "eagle")
+    h, d = c.hidden_size, c.head_dim
+    q, kv, f = c.num_attention_heads * d, c.num_key_value_heads * d, c.intermediate_size
+    assert {k: tuple(t.shape) for k, t in got.items()} == {k: s(h, q, kv, f) for k, s in SGLANG_EAGLE_NAMES.items()}
+    assert torch.equal(got["fc.weight"], draft.fc.detach()) and torch.all(got["fc.bias"] == 0)
+    assert torch.equal(torch.cat([got[f"layers.0.self_attn.{x}_proj.weight"] for x in "qkv"]), draft.layer["wqkv"].detach())
+    assert torch.equal(torch.cat([got["layers.0.mlp.gate_proj.weight"], got["layers.0.mlp.up_proj.weight"]]),
+                       draft.layer["w_gate_up"].detach())
+    config = json.loads((tmp_path / "eagle" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle"] and config["model_type"] == "llama"
+    assert config["num_hidden_layers"] == 1
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                "rms_norm_eps", "tie_word_embeddings"):
+        assert config[key] == getattr(c, key), key
+    assert LlamaConfig.from_dict(config).hidden_size == h  # SGLang reads it as a LlamaConfig
