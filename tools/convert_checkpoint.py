@@ -417,6 +417,7 @@ class MegatronSource:
 
     def hf_group(self, name: str) -> dict[str, Tensor]:
         from torch.distributed.checkpoint import load
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         from torch.distributed.checkpoint.planner import LoadPlan
@@ -443,7 +444,7 @@ class MegatronSource:
 
         try:
             load({key: dest}, storage_reader=self.reader, planner=Region(allow_partial_load=True), no_dist=True)
-        except BaseException as e:  # torch.distributed.checkpoint wraps the reader's errors (CheckpointException)
+        except (Exception, CheckpointException) as e:  # torch.distributed.checkpoint wraps the reader's errors
             raise ConversionError(f"{self.dir}: reading {key} failed (a missing or corrupt shard file?): "
                                   f"{str(e).strip().splitlines()[-1]}") from e
         if covered[0] != dest.numel():
