@@ -25,6 +25,9 @@ class ModelConfig:
     path: str = "artifacts/policy-bench"  # Hugging Face directory of the policy (and its tokenizer)
     size: str = "bench"  # recipe used by `fastgrpo sft` when building the policy: "test" or "bench"
     max_context: int = 512  # prompt + response tokens
+    # a Hugging Face config.json of the policy's shape, for `fastgrpo plan` where model.path is not on this
+    # machine (a login node planning a cluster run); empty: <model.path>/config.json
+    architecture: str = ""
 
 
 @dataclass
@@ -151,7 +154,10 @@ class TrainerConfig:
 
 @dataclass
 class EngineConfig:
-    backend: str = "embedded"  # the rollout engine: embedded (fastgrpo's own, CPU)
+    backend: str = "embedded"  # the rollout engine: embedded (fastgrpo's own, CPU) or sglang (GPU nodes)
+    # sglang: the share of each GPU's memory the engine holds for its weights and KV cache (SGLang's
+    # mem_fraction_static); colocated with training, it is released while the policy trains
+    mem_fraction: float = 0.5
 
 
 @dataclass
@@ -165,6 +171,15 @@ class ParallelConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """The machines a run is planned for (`fastgrpo plan`); at run time torchrun and Slurm decide the world."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_gb: float = 80.0
+
+
+@dataclass
 class Config:
     run_dir: str = "runs/default"
     seed: int = 0
@@ -173,6 +188,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
@@ -186,7 +202,7 @@ class Config:
 
 
 TRAINER_BACKENDS = ("torch", "megatron")  # what `backends.build_trainer` can build
-ENGINE_BACKENDS = ("embedded",)  # what `backends.build_engine` can build
+ENGINE_BACKENDS = ("embedded", "sglang")  # what `backends.build_engine` can build
 LAYER_SPECS = ("auto", "local", "transformer_engine")  # megatron layer specs `backends/megatron/model.py` builds
 MODEL_PARALLEL_TRAINERS = ("megatron",)  # trainers that split the policy over ranks (parallel.tensor/pipeline)
 
@@ -260,6 +276,10 @@ def validate(c: Config) -> None:
                "draft.online=async", c.parallel.draft_ranks)
         _check(c.parallel.draft_ranks == 1, "parallel.draft_ranks", "> 1 (data-parallel draft training across "
                "the slice) is not built yet: use 1", c.parallel.draft_ranks)
+    _check(0 < c.engine.mem_fraction < 1, "engine.mem_fraction", "must be in (0, 1)", c.engine.mem_fraction)
+    _check(c.cluster.nodes >= 1, "cluster.nodes", "must be >= 1", c.cluster.nodes)
+    _check(c.cluster.gpus_per_node >= 1, "cluster.gpus_per_node", "must be >= 1", c.cluster.gpus_per_node)
+    _check(c.cluster.gpu_memory_gb > 0, "cluster.gpu_memory_gb", "must be > 0", c.cluster.gpu_memory_gb)
     _check(c.model.max_context >= 8, "model.max_context", "must be >= 8", c.model.max_context)
     _check(t.train_size >= 1, "task.train_size", "must be >= 1", t.train_size)
     _check(t.eval_size >= 1, "task.eval_size", "must be >= 1", t.eval_size)
