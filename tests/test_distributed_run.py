@@ -146,13 +146,17 @@ def test_torchrun_run_equals_one_process_and_resumes_exactly_and_at_another_layo
 
 
 def test_sigterm_checkpoints_at_the_step_boundary_exits_zero_and_resumes(tmp_path, tiny_policy, tiny_draft):
-    """SIGTERM to every rank (what Slurm sends a job step before its time runs out): the ranks agree
+    """SIGTERM to every process of the ranks, helpers included (Slurm signals every process of a job;
+    checkpoints were written before, so dist_checkpointing's writer server is running): the ranks agree
     to stop after the same step, checkpoint it and exit 0; `--resume` continues from there."""
-    args = overrides(tmp_path, tiny_policy, tiny_draft, **{"grpo.steps": 200, "checkpoint.every": 1000})
+    args = overrides(tmp_path, tiny_policy, tiny_draft, **{"grpo.steps": 200, "checkpoint.every": 1})
     launch = Torchrun(2, args, tmp_path / "term.log")  # DP2: two replicas
     launch.wait_for("step 2/200")
-    for worker in launch.workers():
-        worker.send_signal(signal.SIGTERM)
+    workers = launch.workers()
+    processes = [p for w in workers for p in [w, *w.children(recursive=True)]]
+    assert len(processes) > len(workers)  # the checkpoint writer's server
+    for process in processes:
+        process.send_signal(signal.SIGTERM)
     assert launch.wait(timeout=120) == 0, launch.output()[-4000:]
     out = launch.output()
     assert "SIGTERM: stopped after step" in out

@@ -32,6 +32,8 @@ from __future__ import annotations
 import functools
 import json
 import math
+import multiprocessing
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -46,6 +48,25 @@ from fastgrpo.backends.megatron.model import build_model, export_hf, initialize,
 from fastgrpo.config import GRPOConfig, OptimConfig
 from fastgrpo.grpo.loss import policy_loss
 from fastgrpo.types import Placement, RolloutBatch, SamplingParams
+
+_write_results_manager = None  # see _start_write_results_queue
+
+
+def _start_write_results_queue() -> None:
+    """dist_checkpointing's torch_dist writer reports through a multiprocessing Manager that it starts
+    at the first save and keeps (`filesystem_async._get_write_results_queue`). Slurm signals every
+    process of a job, and a SIGTERM that killed that server would fail the very checkpoint the signal
+    asks the ranks to write; started here first, with SIGTERM ignored, it outlives the signal (and
+    ends with the rank, like megatron's own)."""
+    global _write_results_manager
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        from multiprocessing.managers import SyncManager
+
+        _write_results_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        _write_results_manager.start(initializer=signal.signal, initargs=(signal.SIGTERM, signal.SIG_IGN))
+        filesystem_async._results_queue = _write_results_manager.Queue()
 
 Micro = tuple[list[int], RolloutBatch]  # batch rows (empty: a placeholder that trains nothing) and their data
 STATS = ("clip", "entropy", "kl_engine", "kl_ref", "tokens")
@@ -306,6 +327,7 @@ class MegatronPolicyTrainer:
             megatron_dir.mkdir(parents=True, exist_ok=True)
         del tensors
         dist.barrier()
+        _start_write_results_queue()
         with self._cpu():
             dist_checkpointing.save(self._sharded_state_dict(loading=False), str(megatron_dir))
         dist.barrier()  # every rank's shards are written
