@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 POLICY := artifacts/policy-bench
 CONFIG ?= configs/tiny_cpu.yaml
 
-.PHONY: install train train-distributed test policy bench bench-quick bench-e2e bench-forward clean
+.PHONY: install train train-distributed test test-slurm policy bench bench-quick bench-e2e bench-forward clean
 
 install: $(STAMP)
 
@@ -50,6 +50,15 @@ bench-forward: policy
 
 test: $(STAMP)
 	$(BIN)/pytest -x -q
+
+# `sbatch slurm/train_70b.sh` (tiny overrides) on a one-node Slurm cluster the tests start and stop;
+# Debian's Slurm packages are installed first when missing (as root), else the tests say why they skip
+SLURM_PACKAGES := slurmd slurmctld slurm-client
+test-slurm: $(STAMP)
+	@command -v slurmctld >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -q --no-install-recommends $(SLURM_PACKAGES); } >/dev/null || \
+		echo "test-slurm: could not install $(SLURM_PACKAGES) with apt"
+	FASTGRPO_TEST_SLURM=1 $(BIN)/pytest -x -q -rs tests/slurm
 
 clean:
 	rm -rf runs

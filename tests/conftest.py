@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,9 @@ import torch
 from fastgrpo.config import Config, load_config
 
 torch.set_num_threads(2)
+
+# the sbatch tests start a Slurm cluster: `make test-slurm` runs them, after `make test`
+collect_ignore = [] if os.environ.get("FASTGRPO_TEST_SLURM") == "1" else ["slurm"]
 
 
 def tiny_config(tmp: Path, policy: Path | None = None, **sections) -> Config:
