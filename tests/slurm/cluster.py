@@ -15,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
+
 DAEMONS = ("slurmctld", "slurmd")
 
 
@@ -104,6 +106,13 @@ class LocalSlurm:
         raise RuntimeError(f"the local Slurm cluster did not come up within {timeout_s:.0f} s:\n{logs}")
 
     def stop(self) -> None:
+        """Cancels what still runs, stops the daemons, then ends any process left of this cluster's jobs
+        (slurmstepd and job processes carry its SLURM_CONF): nothing is left behind."""
+        if self.procs and all(p.poll() is None for p in self.procs):
+            self.run("scancel", "--partition=test", check=False)
+            deadline = time.monotonic() + self.kill_wait_s + 30
+            while self.run("squeue", "--noheader", check=False).stdout.strip() and time.monotonic() < deadline:
+                time.sleep(1.0)
         for p in reversed(self.procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -114,6 +123,12 @@ class LocalSlurm:
                 p.kill()
                 p.wait()
         self.procs.clear()
+        for p in psutil.process_iter():
+            try:
+                if p.pid != os.getpid() and p.environ().get("SLURM_CONF") == str(self.conf):
+                    p.kill()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
 
     def __enter__(self) -> LocalSlurm:
         self.start()
