@@ -274,8 +274,6 @@ def validate(c: Config) -> None:
                "torchrun world: use trainer.backend=megatron", c.parallel.draft_ranks)
         _check(c.draft.online == "async", "parallel.draft_ranks", "> 0 trains the draft there: needs "
                "draft.online=async", c.parallel.draft_ranks)
-        _check(c.parallel.draft_ranks == 1, "parallel.draft_ranks", "> 1 (data-parallel draft training across "
-               "the slice) is not built yet: use 1", c.parallel.draft_ranks)
     _check(0 < c.engine.mem_fraction < 1, "engine.mem_fraction", "must be in (0, 1)", c.engine.mem_fraction)
     _check(c.cluster.nodes >= 1, "cluster.nodes", "must be >= 1", c.cluster.nodes)
     _check(c.cluster.gpus_per_node >= 1, "cluster.gpus_per_node", "must be >= 1", c.cluster.gpus_per_node)

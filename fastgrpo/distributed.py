@@ -150,8 +150,8 @@ def init_world(draft_ranks: int = 0) -> Channel | None:
     if rank < policy_ranks:
         dist.init_process_group(backend, store=dist.PrefixStore("fastgrpo/policy", store), rank=rank,
                                 world_size=policy_ranks, timeout=COLLECTIVE_TIMEOUT)
-    else:
-        dist.init_process_group(backend, store=dist.PrefixStore("fastgrpo/draft", store), rank=rank - policy_ranks,
+    else:  # gloo: the draft trains on CPU tensors
+        dist.init_process_group("gloo", store=dist.PrefixStore("fastgrpo/draft", store), rank=rank - policy_ranks,
                                 world_size=draft_ranks, timeout=COLLECTIVE_TIMEOUT)
     if draft_ranks:
         _channel = Channel(store, rank, size)

@@ -173,12 +173,14 @@ def test_sigterm_checkpoints_at_the_step_boundary_exits_zero_and_resumes(tmp_pat
 SLICE = {"parallel.draft_ranks": 1, "draft.online": "async", "speculation.policy": "aware"}
 
 
-def test_the_draft_trains_on_its_reserved_rank_and_reaches_every_engine(tmp_path, tiny_policy, tiny_draft):
-    """DP2 + 1 draft rank (a world of 3): both engines send their rollouts' states to the draft rank,
-    which trains and publishes versions that both engines swap in; the policy and the draft are
-    checkpointed together and resume together."""
-    args = overrides(tmp_path, tiny_policy, tiny_draft, **SLICE, **{"grpo.steps": 4, "checkpoint.every": 2})
-    out = run(3, args, tmp_path / "slice.log")
+def test_the_draft_trains_on_its_reserved_slice_and_reaches_every_engine(tmp_path, tiny_policy, tiny_draft):
+    """DP2 + 2 draft ranks (a world of 4): each engine sends its rollouts' states to a draft rank of its
+    own, the two train one draft data-parallel and publish its versions, which both engines swap in;
+    the policy and the draft (each draft rank's buffer too) are checkpointed together and resume
+    together. (One draft rank: the killed-rank test below, and the spawned draft rank of test_draft_learning.)"""
+    two = SLICE | {"parallel.draft_ranks": 2}
+    args = overrides(tmp_path, tiny_policy, tiny_draft, **two, **{"grpo.steps": 4, "checkpoint.every": 2})
+    out = run(4, args, tmp_path / "slice.log")
     assert "step 4/4" in out and "summary:" in out
     assert history(tmp_path / "run", "weights_version") == {1: 0.0, 2: 1.0, 3: 2.0, 4: 3.0}  # both engines
     versions = history(tmp_path / "run", "draft_version")
@@ -186,7 +188,8 @@ def test_the_draft_trains_on_its_reserved_rank_and_reaches_every_engine(tmp_path
     assert history(tmp_path / "run", "replica_draft_version_min")[4] >= 1  # the other engine swapped drafts too
     saved = tmp_path / "run" / "checkpoints" / "step_00000004"
     assert (saved / "draft" / "draft.safetensors").is_file() and (saved / "megatron" / "fastgrpo.json").is_file()
-    resumed = run(3, ["--resume", *overrides(tmp_path, tiny_policy, tiny_draft, **SLICE, **{"grpo.steps": 5})],
+    assert {p.name for p in (saved / "draft").glob("draft_sampler*.pt")} == {"draft_sampler.pt", "draft_sampler.shard1.pt"}
+    resumed = run(4, ["--resume", *overrides(tmp_path, tiny_policy, tiny_draft, **two, **{"grpo.steps": 5})],
                   tmp_path / "resume.log")
     assert "at step 4" in resumed and "step 5/5" in resumed
     assert history(tmp_path / "run", "draft_version")[5] >= 1  # the restored draft was published again

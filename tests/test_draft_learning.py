@@ -294,3 +294,44 @@ def test_async_draft_rank_over_gloo_publishes_versions_swapped_between_steps(tmp
     finally:
         client.close()
     assert client.process.exitcode == 0
+
+
+def _data_parallel_steps(rank, world, config, state, embed, head, batches):
+    """A draft slice of `world` ranks: each steps on its own batch (None: nothing buffered)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    draft = DraftHead(config)
+    draft.load_state_dict(state)
+    draft.bind_target(embed, head)
+    trainer = DraftTrainer(draft, lr=3e-3, data_parallel=True)
+    states = [trainer.step(*(b[rank] if b[rank] is not None else (None, None, None)))["draft_states"] for b in batches]
+    dist.destroy_process_group()
+    return {k: v.clone() for k, v in draft.state_dict().items()}, states
+
+
+def test_a_data_parallel_draft_slice_steps_as_one_trainer_on_all_its_batches(tmp_path, target, warm_draft):
+    """Two draft ranks, each with a batch of its own (and then one with none): after each step both hold
+    the same draft bit for bit, and it is the draft one trainer gets from the union of the batches."""
+    from fastgrpo.distributed import run_world
+
+    hidden, tokens, mask = target_states(target, [p + [3, 4, 5] * (i % 4) for i, p in enumerate(prompts(12, 5))])
+    halves = [(hidden[s], tokens[s], mask[s]) for s in (slice(0, 7), slice(7, 12))]  # unequal: weighting matters
+    batches = [halves, [halves[1], None]]
+    embed, head = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+    state = {k: v.clone() for k, v in warm_draft.state_dict().items()}
+    results = run_world(_data_parallel_steps, 2, tmp_path / "world", target.config, state, embed, head, batches)
+    (rank0, states0), (rank1, states1) = results
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0) and states0 == states1
+    assert states0 == [float(mask.sum()), float(halves[1][2].sum())]
+
+    one = DraftHead(target.config)
+    one.load_state_dict(state)
+    one.bind_target(embed, head)
+    trainer = DraftTrainer(one, lr=3e-3)
+    trainer.step(hidden, tokens, mask)
+    trainer.step(*halves[1])
+    moved = max((one.state_dict()[k] - state[k]).abs().max().item() for k in state)
+    assert moved > 1e-4
+    for k, v in one.state_dict().items():
+        torch.testing.assert_close(rank0[k], v, rtol=1e-5, atol=1e-6)

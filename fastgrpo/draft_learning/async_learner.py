@@ -115,57 +115,118 @@ def _receive_messages(channel: Channel, src: int, inbox: queue.Queue, target_cfg
 
 
 def draft_rank_main(channel: Channel, main_rank: int, target_cfg: LlamaConfig, draft_state: dict[str, Tensor],
-                    cfg: DraftConfig, seed: int) -> None:
-    """The draft rank: receive states from every engine, train, publish to every engine; until every
-    engine said stop. The main engine says first which ranks the engines are; the policy's embedding
-    and head come with its first weight push, before any states."""
+                    cfg: DraftConfig, seed: int, shard: int = 0, shards: int = 1) -> None:
+    """A draft rank: receive states from its engines, train, publish to them; until every engine said
+    stop. The main engine tells the slice's first rank which ranks the engines are (engine i belongs
+    to draft rank i % shards); the policy's embedding and head come with its first weight push,
+    before any states. With several draft ranks (`shards`, the default process group) every
+    decision is taken together each round: what the main engine asked of the first rank (a new target,
+    a save, a load), whether every engine has stopped, whether to train (data-parallel: see
+    DraftTrainer)."""
     torch.set_num_threads(1)
     draft = DraftHead(target_cfg)
     draft.load_state_dict(draft_state)
     inbox: queue.Queue = queue.Queue()
-    threading.Thread(target=_receive_messages, args=(channel, main_rank, inbox, target_cfg), daemon=True).start()
-    message = inbox.get()
-    if message[0] != "hello":
-        raise RuntimeError(f"the draft rank expected the engines' ranks first, got {message[0]!r}")
-    engine_ranks = message[1]
-    for rank in engine_ranks:
+    leader = shard == 0
+    engine_ranks: list[int] = []
+    if leader:
+        threading.Thread(target=_receive_messages, args=(channel, main_rank, inbox, target_cfg), daemon=True).start()
+        message = inbox.get()
+        if message[0] != "hello":
+            raise RuntimeError(f"the draft rank expected the engines' ranks first, got {message[0]!r}")
+        engine_ranks = message[1]
+    if shards > 1:
+        box = [engine_ranks]
+        dist.broadcast_object_list(box, src=0)
+        engine_ranks = box[0]
+    mine = engine_ranks[shard::shards]
+    for rank in mine:
         if rank != main_rank:
             threading.Thread(target=_receive_messages, args=(channel, rank, inbox, target_cfg), daemon=True).start()
     ref: list[OnlineDraftLearner] = []
-    learner = OnlineDraftLearner(draft, cfg, [_Publisher(channel, engine_ranks, ref)], seed=seed)  # type: ignore[list-item]
+    learner = OnlineDraftLearner(draft, cfg, [_Publisher(channel, mine, ref)], seed=seed,  # type: ignore[list-item]
+                                 shard=shard, shards=shards)
     ref.append(learner)
-    running, bound = set(engine_ranks), False  # bound: it has the policy's embedding and head to train against
-    while running:
-        try:  # with states to learn from (and a policy to learn them against), never wait
-            message = inbox.get(block=not (learner.trainer.buffer and bound))
-        except queue.Empty:
+    running, bound, ready = set(mine), False, False  # bound: it has the policy's embedding and head to train against
+    held: list = []  # states that came before any target: the draft cannot score them yet
+    while True:
+        requests = []  # the main engine's (a target, a save, a load): at most one a round, in its order
+        for message in _drain(inbox, wait=not ready, timeout=None if shards == 1 else 0.05):
+            if message[0] == "failed":
+                raise RuntimeError(f"the draft rank lost engine rank {message[1]}") from message[2]
+            if message[0] == "stop":
+                running.discard(message[1])
+            elif message[0] in REQUESTS:
+                requests.append(message)
+            else:
+                held.append(message)
+            if bound:
+                _buffer(learner, held)
+        if shards > 1:  # the first rank's requests reach every rank; the rounds stay in step
+            mine_now = [[r[:1] if r[0] == "target" else r for r in requests], len(running), bool(learner.trainer.buffer)]
+            every: list = [None] * shards
+            dist.all_gather_object(every, mine_now)
+            if not leader:  # the tensors of a target follow by broadcast
+                requests = every[0][0]
+            still_running = sum(e[1] for e in every)
+            buffered = any(e[2] for e in every)
+        else:
+            still_running, buffered = len(running), bool(learner.trainer.buffer)
+        for request in requests:
+            if request[0] == "target":
+                embed, head = request[1:] if leader else (torch.zeros(target_cfg.vocab_size, target_cfg.hidden_size)
+                                                          for _ in range(2))
+                if shards > 1:
+                    dist.broadcast(embed, src=0)
+                    dist.broadcast(head, src=0)
+                draft.bind_target(embed, head)
+                bound = True
+                _buffer(learner, held)
+            else:  # a save, or a load (which also publishes the restored version)
+                (learner.save if request[0] == "save" else learner.load)(Path(request[1]))
+                if shards > 1:
+                    dist.barrier()
+                if leader:
+                    channel.send(torch.ones(1), main_rank, ACK)
+        if not still_running:
+            break
+        ready = buffered and bound
+        if ready:
             # a round of training publishes a version (or rejects a non-finite update); short rounds keep
             # the engines' drafts fresh and the messages (a stop, a save) answered within seconds
             learner.train(budget_s=cfg.async_publish_s)
-            continue
-        if message[0] == "failed":
-            raise RuntimeError(f"the draft rank lost engine rank {message[1]}") from message[2]
-        if message[0] == "stop":
-            running.discard(message[1])
-            continue
-        if message[0] == "target":
-            draft.bind_target(message[1], message[2])
-            bound = True
-            continue
-        if message[0] in ("save", "load"):  # a load also publishes the restored version
-            (learner.save if message[0] == "save" else learner.load)(Path(message[1]))
-            channel.send(torch.ones(1), main_rank, ACK)
-            continue
-        _, policy_version, lengths, states, ids, mask = message
-        sizes = lengths.tolist()
-        learner.buffer([(h, t, m.bool()) for h, t, m in zip(states.split(sizes), ids.split(sizes), mask.split(sizes))],
-                       policy_version)
     goodbye = torch.full((META + sum(t.numel() for t in draft_state.values()),), -1.0)
-    for rank in engine_ranks:
+    for rank in mine:
         try:
             channel.send(goodbye, rank, WEIGHTS)
         except Exception as e:  # that engine is done and gone: nothing is lost
             log.warning("the engine of rank %d left before the draft rank's goodbye: %s", rank, e)
+
+
+REQUESTS = ("target", "save", "load")
+
+
+def _drain(inbox: queue.Queue, wait: bool, timeout: float | None) -> list:
+    """The messages waiting, up to and including the first request (what follows it waits for the
+    next round, after the request is carried out); with `wait`, the first one waited for (up to
+    `timeout`)."""
+    messages = []
+    try:
+        messages.append(inbox.get(block=wait, timeout=timeout if wait else None))
+        while messages[-1][0] not in REQUESTS:
+            messages.append(inbox.get_nowait())
+    except queue.Empty:
+        pass
+    return messages
+
+
+def _buffer(learner: OnlineDraftLearner, held: list) -> None:
+    """Buffers the held states messages (and empties `held`)."""
+    for _, policy_version, lengths, states, ids, mask in held:
+        sizes = lengths.tolist()
+        learner.buffer([(h, t, m.bool()) for h, t, m in zip(states.split(sizes), ids.split(sizes), mask.split(sizes))],
+                       policy_version)
+    held.clear()
 
 
 def _spawned_draft_rank(host: str, port: int, target_cfg: LlamaConfig, draft_state: dict[str, Tensor],
@@ -184,13 +245,12 @@ def serve_draft_slice(cfg: Config, channel: Channel) -> None:
     from fastgrpo.backends.embedded import draft_dir
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if dist.get_world_size() > 1:
-        raise ValueError("parallel.draft_ranks > 1 (data-parallel draft training) is not built yet; use 1")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     target_cfg = AutoConfig.from_pretrained(cfg.model.path)
     draft = DraftHead.load(draft_dir(cfg), target_cfg, cfg.model.max_context)
-    draft_rank_main(channel, 0, target_cfg, {k: v.clone() for k, v in draft.state_dict().items()}, cfg.draft, cfg.seed)
+    draft_rank_main(channel, 0, target_cfg, {k: v.clone() for k, v in draft.state_dict().items()}, cfg.draft, cfg.seed,
+                    shard=dist.get_rank(), shards=dist.get_world_size())
 
 
 class AsyncDraftClient:

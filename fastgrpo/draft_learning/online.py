@@ -39,12 +39,17 @@ def training_rows(prompts: list[list[int]], completions: list[Completion]) -> li
 
 
 class OnlineDraftLearner:
-    def __init__(self, draft: DraftHead, cfg: DraftConfig, engines: list[Engine], seed: int = 0):
+    """`shard`, `shards`: this learner is rank `shard` of a data-parallel draft slice of `shards` ranks
+    (the default process group), each buffering the states of its own engines and publishing to them."""
+
+    def __init__(self, draft: DraftHead, cfg: DraftConfig, engines: list[Engine], seed: int = 0,
+                 shard: int = 0, shards: int = 1):
         self.draft = draft
         self.cfg = cfg
         self.engines = engines
+        self.shard, self.shards = shard, shards
         self.trainer = DraftTrainer(draft, lr=cfg.online_lr, max_tokens=cfg.online_buffer_tokens,
-                                    batch_size=cfg.batch_size, seed=seed)
+                                    batch_size=cfg.batch_size, seed=seed + shard, data_parallel=shards > 1)
         self.version = 0  # published draft versions; 0 is the warm start
         self.policy_version = 0  # the policy version whose rollout states the draft last trained on
         self.rejected = 0
@@ -114,32 +119,47 @@ class OnlineDraftLearner:
         """Policy updates the draft has not seen states of."""
         return policy_version - self.policy_version
 
-    # -- checkpoint: weights, optimizer, buffer, versions ----------------------------------
+    # -- checkpoint: weights, optimizer, versions (shard 0, the slice's drafts being identical);
+    # each shard's buffer and sampling state ------------------------------------------------
+    def _shard_files(self, directory: Path) -> tuple[Path, Path]:
+        suffix = f".shard{self.shard}" if self.shard else ""
+        return directory / f"draft_buffer{suffix}.safetensors", directory / f"draft_sampler{suffix}.pt"
+
     def save(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        self.draft.save(directory, extra={"version": self.version})
+        if self.shard == 0:
+            self.draft.save(directory, extra={"version": self.version})
+            torch.save({"optimizer": self.trainer.optimizer.state_dict(), "version": self.version,
+                        "policy_version": self.policy_version, "rejected": self.rejected, "steps": self.trainer.steps,
+                        "shards": self.shards}, directory / "draft_trainer.pt")
         buffer = list(self.trainer.buffer)
-        torch.save({"optimizer": self.trainer.optimizer.state_dict(), "version": self.version,
-                    "policy_version": self.policy_version, "rejected": self.rejected, "steps": self.trainer.steps,
-                    "rng": self.trainer.rng.getstate(), "buffer_lengths": [h.shape[0] for h, _, _ in buffer]},
-                   directory / "draft_trainer.pt")
+        buffer_file, sampler_file = self._shard_files(directory)
+        torch.save({"rng": self.trainer.rng.getstate(), "buffer_lengths": [h.shape[0] for h, _, _ in buffer]},
+                   sampler_file)
         if buffer:
             save_file({"hidden": torch.cat([h for h, _, _ in buffer]), "tokens": torch.cat([t for _, t, _ in buffer]),
-                       "mask": torch.cat([m for _, _, m in buffer])}, str(directory / "draft_buffer.safetensors"))
+                       "mask": torch.cat([m for _, _, m in buffer])}, str(buffer_file))
 
     def load(self, directory: Path) -> None:
+        """Every shard loads the weights and optimizer, and its own buffer: at another slice size a
+        shard that had none starts empty, and the buffers of shards gone are dropped."""
         self.draft.load_named(DraftHead.load(directory, self.draft.cfg).state_dict().items())
         state = torch.load(directory / "draft_trainer.pt", weights_only=False)
         self.trainer.optimizer.load_state_dict(state["optimizer"])
         self.version, self.policy_version = state["version"], state["policy_version"]
         self.rejected, self.trainer.steps = state["rejected"], state["steps"]
-        self.trainer.rng.setstate(state["rng"])
         self.trainer.buffer.clear()
         self.trainer.buffered_tokens = 0
-        if state["buffer_lengths"]:
-            saved = load_file(str(directory / "draft_buffer.safetensors"))
-            for h, t, m in zip(*(saved[k].split(state["buffer_lengths"]) for k in ("hidden", "tokens", "mask"))):
-                self.trainer.add(h, t, m)
+        buffer_file, sampler_file = self._shard_files(directory)
+        sampler = torch.load(sampler_file, weights_only=False) if sampler_file.exists() else None
+        if sampler is None and self.shard == 0 and "rng" in state:  # written before the slice had shards
+            sampler = state
+        if sampler is not None:
+            self.trainer.rng.setstate(sampler["rng"])
+            if sampler["buffer_lengths"]:
+                saved = load_file(str(buffer_file))
+                for h, t, m in zip(*(saved[k].split(sampler["buffer_lengths"]) for k in ("hidden", "tokens", "mask"))):
+                    self.trainer.add(h, t, m)
         for engine in self.engines:
             engine.update_draft(self.trainer.export(), self.version)
 

@@ -13,15 +13,22 @@ from collections import deque
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from fastgrpo.speculation.draft import DraftHead, draft_loss
 
 
 class DraftTrainer:
+    """`data_parallel`: this trainer is one of the ranks of the default process group (the draft slice),
+    each with a buffer of its own: every step averages the gradients of all of them, weighted by the
+    positions each learned from, so their drafts stay identical; a rank with nothing buffered takes
+    part with none."""
+
     def __init__(self, draft: DraftHead, lr: float = 1e-3, max_tokens: int = 200_000, batch_size: int = 16,
-                 seed: int = 0):
+                 seed: int = 0, data_parallel: bool = False):
         self.draft = draft
+        self.data_parallel = data_parallel
         self.optimizer = torch.optim.AdamW(draft.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.max_tokens = max_tokens
         self.batch_size = batch_size
@@ -48,18 +55,58 @@ class DraftTrainer:
         start = self.rng.randrange(len(candidates) - n + 1)
         return pad_states([self.buffer[i] for i in candidates[start: start + n]])
 
-    def step(self, hidden: Tensor, tokens: Tensor, mask: Tensor) -> dict[str, float]:
-        """One optimiser step on a batch [B, T, ...]; a non-finite loss leaves the draft untouched."""
+    def step(self, hidden: Tensor | None, tokens: Tensor | None, mask: Tensor | None) -> dict[str, float]:
+        """One optimiser step on a batch [B, T, ...] (None: a data-parallel rank with nothing buffered);
+        a non-finite loss, on any rank, leaves the draft untouched."""
         self.draft.train()
-        loss, metrics = draft_loss(self.draft, hidden, tokens, mask)
         self.optimizer.zero_grad(set_to_none=True)
-        if not math.isfinite(loss.item()):
+        metrics: dict[str, float] = {}
+        finite, states = True, float(mask.sum()) if mask is not None else 0.0
+        if hidden is not None:
+            loss, metrics = draft_loss(self.draft, hidden, tokens, mask)
+            finite = math.isfinite(loss.item())
+            if finite:
+                loss.backward()
+        if self.data_parallel:
+            finite, states = self._average_gradients(mask, finite, states)
+        if not finite:
             return metrics | {"draft_skipped": 1.0}
-        loss.backward()
         torch.nn.utils.clip_grad_norm_(self.draft.parameters(), 1.0)
         self.optimizer.step()
         self.steps += 1
-        return metrics | {"draft_skipped": 0.0, "draft_states": float(mask.sum())}  # states it learned from
+        return metrics | {"draft_skipped": 0.0, "draft_states": states}  # states it learned from
+
+    def _average_gradients(self, mask: Tensor | None, finite: bool, states: float) -> tuple[bool, float]:
+        """Every rank's gradient of its mean loss, weighted by the positions that mean is over (the
+        pairs `draft_loss` learns from), summed and divided by all of them: the gradient of the mean
+        over the slice's batches. Returns whether every rank's loss was finite, and the states learned
+        from on all ranks."""
+        params = list(self.draft.parameters())
+        pairs = float((mask[:, :-1] & mask[:, 1:]).sum()) if mask is not None and finite else 0.0
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) * pairs for p in params]
+                         + [torch.tensor([pairs, float(not finite), states if finite else 0.0])])
+        dist.all_reduce(flat)
+        total, failed, states = flat[-3:].tolist()
+        if failed or total == 0:
+            return False, states
+        offset = 0
+        for p in params:
+            p.grad = (flat[offset: offset + p.numel()] / total).view_as(p).clone()
+            offset += p.numel()
+        return True, states
+
+    def _go_on(self, n: int, elapsed: float, max_steps: int, max_seconds: float) -> bool:
+        """Another step? Not past `max_steps`, nor likely past the budget (by the mean step time so far),
+        and with something buffered; data-parallel ranks decide together (any rank out of time ends the
+        round; it goes on while any rank has states)."""
+        if n >= max_steps:
+            return False
+        in_time = not (n and elapsed + elapsed / n > max_seconds)
+        if not self.data_parallel:
+            return bool(self.buffer) and in_time
+        votes = torch.tensor([float(bool(self.buffer)), float(not in_time)])
+        dist.all_reduce(votes)
+        return votes[0].item() > 0 and votes[1].item() == 0
 
     def train(self, max_steps: int, max_seconds: float = math.inf) -> dict[str, float]:
         """Up to `max_steps` steps on the buffer within `max_seconds`: a step that would likely end past
@@ -68,11 +115,8 @@ class DraftTrainer:
         t0 = time.perf_counter()
         totals: dict[str, float] = {}
         n = 0
-        while self.buffer and n < max_steps:
-            elapsed = time.perf_counter() - t0
-            if n and elapsed + elapsed / n > max_seconds:
-                break
-            for k, v in self.step(*self._batch()).items():
+        while self._go_on(n, time.perf_counter() - t0, max_steps, max_seconds):
+            for k, v in self.step(*(self._batch() if self.buffer else (None, None, None))).items():
                 totals[k] = totals.get(k, 0.0) + v
             n += 1
         out = {k: v / max(n, 1) for k, v in totals.items()}

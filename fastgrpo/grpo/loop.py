@@ -81,6 +81,7 @@ class Run:
 
 
 def train(cfg: Config, resume: bool = False) -> TrainResult:
+    check_layout(cfg)
     if is_draft_rank(cfg.parallel.draft_ranks):  # a rank of the reserved draft slice: it serves the engines
         serve_draft_slice(cfg, init_world(cfg.parallel.draft_ranks))
         return TrainResult([], {})
@@ -150,7 +151,8 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
                        {s: e for s, e in run.history.evals.items() if s >= first_step}, checkpoint, stopped)
 
 
-def setup_run(cfg: Config, resume: bool) -> Run:
+def check_layout(cfg: Config) -> None:
+    """The launched world against the configured layout, on every rank before any group is made."""
     if launched_world_size() > 1 and cfg.trainer.backend == "torch":
         raise ConfigError(f"trainer.backend=torch trains in one process, but this is a world of "
                           f"{launched_world_size()} ranks: use trainer.backend=megatron under torchrun")
@@ -160,6 +162,14 @@ def setup_run(cfg: Config, resume: bool) -> Run:
         raise ConfigError(f"parallel.tensor x parallel.pipeline = {model_parallel} ranks per replica does not divide "
                           f"the {policy_ranks} policy ranks (a world of {launched_world_size()} ranks, "
                           f"{cfg.parallel.draft_ranks} reserved by parallel.draft_ranks)")
+    if cfg.parallel.draft_ranks > policy_ranks // model_parallel:
+        raise ConfigError(f"parallel.draft_ranks={cfg.parallel.draft_ranks} is more than the "
+                          f"{policy_ranks // model_parallel} rollout engines (one per data-parallel replica): a draft "
+                          f"rank learns from the states of its own engines, so some would have none")
+
+
+def setup_run(cfg: Config, resume: bool) -> Run:
+    check_layout(cfg)
     channel = init_world(cfg.parallel.draft_ranks)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -197,8 +207,11 @@ def setup_run(cfg: Config, resume: bool) -> Run:
         if cfg.draft.online == "sync":
             draft_learner = OnlineDraftLearner(draft, cfg.draft, [engine], seed=cfg.seed)
         else:  # a draft rank of its own; the engine picks up its versions between decode steps
+            # engine i sends its states to draft rank i % draft_ranks of the slice (the main engine, 0, to
+            # the slice's first, which it also asks for checkpoints)
+            slice_rank = engine_ranks.index(world.rank) % cfg.parallel.draft_ranks if engine_ranks else 0
             draft_learner = AsyncDraftClient(draft, cfg.draft, [engine], cfg.seed, channel=channel,
-                                             draft_rank=world.size, engine_ranks=engine_ranks)
+                                             draft_rank=world.size + slice_rank, engine_ranks=engine_ranks)
             engine.draft_source = draft_learner.poll
     # the draft's embedding and LM head are the policy's: it gets them with every push, as engines do
     # (every policy rank takes part in a push: it gathers the shards; ranks without an engine drop them)
