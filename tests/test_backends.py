@@ -24,8 +24,6 @@ def test_backends_and_layout_are_validated_before_any_work():
                            (["parallel.draft_ranks=1", "draft.online=async"], "parallel.draft_ranks"),  # torch trainer
                            (["trainer.backend=megatron", "parallel.draft_ranks=1", "draft.online=sync"],
                             "parallel.draft_ranks"),
-                           (["trainer.backend=megatron", "parallel.draft_ranks=2", "draft.online=async"],
-                            "parallel.draft_ranks"),
                            (["parallel.draft_ranks=-1"], "parallel.draft_ranks")):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(None, overrides)

@@ -195,6 +195,21 @@ def test_the_draft_trains_on_its_reserved_slice_and_reaches_every_engine(tmp_pat
     assert history(tmp_path / "run", "draft_version")[5] >= 1  # the restored draft was published again
 
 
+def test_a_world_of_five_tp2_pp2_and_a_draft_rank(tmp_path, tiny_policy, tiny_draft):
+    """TP2 x PP2 + 1 draft rank (a world of 5, the largest the tests use): 3 GRPO steps with `aware`
+    speculation and the draft learning on its rank; the one engine serves every pushed version and
+    swaps in the draft rank's versions; a checkpoint of both."""
+    args = overrides(tmp_path, tiny_policy, tiny_draft, **SLICE, **{
+        "parallel.tensor": 2, "parallel.pipeline": 2, "grpo.steps": 3, "checkpoint.every": 3,
+        "draft.async_publish_s": 1})  # five processes on this machine's cores: short rounds, versions in 3 steps
+    out = run(5, args, tmp_path / "five.log")
+    assert "step 3/3" in out and "summary:" in out
+    assert history(tmp_path / "run", "weights_version") == {1: 0.0, 2: 1.0, 3: 2.0}
+    assert history(tmp_path / "run", "draft_version")[3] >= 1
+    saved = tmp_path / "run" / "checkpoints" / "step_00000003"
+    assert (saved / "draft" / "draft.safetensors").is_file() and (saved / "megatron" / "fastgrpo.json").is_file()
+
+
 @pytest.mark.parametrize("victim", ["policy", "draft"])
 def test_a_rank_that_dies_ends_every_rank_within_a_bound(tmp_path, tiny_policy, tiny_draft, victim):
     """One rank killed mid-run (SIGKILL: no chance to say goodbye), a policy rank or the draft rank of

@@ -3,8 +3,9 @@ on. In a torchrun world they are the reserved draft slice (`parallel.draft_ranks
 ranks); in a single-process run, one process spawned for it.
 
 Every rollout engine (one per data-parallel replica) sends its rollouts' captured states to the
-draft rank; the draft rank buffers them, trains continuously and publishes versioned weights to every
-engine, which swaps drafts between decode steps only, never inside a verify step. Rank 0's engine
+draft ranks (in turn, when the slice has several); they buffer them, train continuously (one draft,
+data-parallel) and publish versioned weights to every engine, which swaps drafts between decode
+steps only, never inside a verify step. Rank 0's engine
 (the main one) also sends, after each weight push, the policy's embedding and LM head (the draft
 trains against the policy the engines verify with) and asks for checkpoints. All messages go over
 a `distributed.Channel` (gloo point-to-point over the launch's store), beside the trainer's groups.
@@ -116,13 +117,13 @@ def _receive_messages(channel: Channel, src: int, inbox: queue.Queue, target_cfg
 
 def draft_rank_main(channel: Channel, main_rank: int, target_cfg: LlamaConfig, draft_state: dict[str, Tensor],
                     cfg: DraftConfig, seed: int, shard: int = 0, shards: int = 1) -> None:
-    """A draft rank: receive states from its engines, train, publish to them; until every engine said
-    stop. The main engine tells the slice's first rank which ranks the engines are (engine i belongs
-    to draft rank i % shards); the policy's embedding and head come with its first weight push,
-    before any states. With several draft ranks (`shards`, the default process group) every
-    decision is taken together each round: what the main engine asked of the first rank (a new target,
-    a save, a load), whether every engine has stopped, whether to train (data-parallel: see
-    DraftTrainer)."""
+    """A draft rank: receive states from every engine, train, publish to its own engines (engine i is
+    draft rank i % shards's); until every engine said stop. The main engine tells the slice's first
+    rank which ranks the engines are; the policy's embedding and head come with its first weight
+    push, before any states. With several draft ranks (`shards`, the default process group) each
+    engine deals its states messages to them in turn, and every decision is taken together each
+    round: what the main engine asked of the first rank (a new target, a save, a load), whether every
+    engine has stopped, whether to train (data-parallel: see DraftTrainer)."""
     torch.set_num_threads(1)
     draft = DraftHead(target_cfg)
     draft.load_state_dict(draft_state)
@@ -139,15 +140,15 @@ def draft_rank_main(channel: Channel, main_rank: int, target_cfg: LlamaConfig, d
         box = [engine_ranks]
         dist.broadcast_object_list(box, src=0)
         engine_ranks = box[0]
-    mine = engine_ranks[shard::shards]
-    for rank in mine:
-        if rank != main_rank:
+    for rank in engine_ranks:
+        if not (leader and rank == main_rank):
             threading.Thread(target=_receive_messages, args=(channel, rank, inbox, target_cfg), daemon=True).start()
+    mine = engine_ranks[shard::shards]  # the engines it publishes to
     ref: list[OnlineDraftLearner] = []
     learner = OnlineDraftLearner(draft, cfg, [_Publisher(channel, mine, ref)], seed=seed,  # type: ignore[list-item]
                                  shard=shard, shards=shards)
     ref.append(learner)
-    running, bound, ready = set(mine), False, False  # bound: it has the policy's embedding and head to train against
+    running, bound, ready = set(engine_ranks), False, False  # bound: it has the policy's embedding and head to train against
     held: list = []  # states that came before any target: the draft cannot score them yet
     while True:
         requests = []  # the main engine's (a target, a save, a load): at most one a round, in its order
@@ -261,7 +262,8 @@ class AsyncDraftClient:
     world the draft rank is the slice's, reached over the launch's channel."""
 
     def __init__(self, draft: DraftHead, cfg: DraftConfig, engines: list[Engine], seed: int = 0,
-                 channel: Channel | None = None, draft_rank: int = 1, engine_ranks: list[int] | None = None):
+                 channel: Channel | None = None, draft_ranks: list[int] | None = None,
+                 engine_ranks: list[int] | None = None):
         self.engines = engines
         self.shapes = {k: v.clone() for k, v in draft.state_dict().items()}
         self.process = None
@@ -272,9 +274,14 @@ class AsyncDraftClient:
                 "127.0.0.1", port, draft.cfg, self.shapes, cfg, seed))
             self.process.start()
             channel = Channel(store, 0, 2)
-        self.channel, self.draft_rank = channel, draft_rank
         engine_ranks = engine_ranks or [channel.rank]
-        self.main = channel.rank == engine_ranks[0]
+        index = engine_ranks.index(channel.rank)
+        # states go to the slice's ranks in turn; weights come from its own, which the main engine (0)
+        # also asks for checkpoints: the slice's first
+        self.channel, self.draft_ranks = channel, draft_ranks or [1]
+        self.draft_rank = self.draft_ranks[index % len(self.draft_ranks)]
+        self._turn = index
+        self.main = index == 0
         if self.main:
             self._send(KIND_HELLO, len(engine_ranks), 0, 0, torch.tensor(engine_ranks))
         self.version = 0
@@ -287,10 +294,11 @@ class AsyncDraftClient:
         self._receiver = threading.Thread(target=self._receive_weights, daemon=True)
         self._receiver.start()
 
-    def _send(self, kind: int, n: int, tokens: int, policy_version: int, *payload: Tensor) -> None:
-        self.channel.send(torch.tensor([kind, n, tokens, policy_version]), self.draft_rank, STATES)
+    def _send(self, kind: int, n: int, tokens: int, policy_version: int, *payload: Tensor, to: int | None = None) -> None:
+        to = self.draft_rank if to is None else to
+        self.channel.send(torch.tensor([kind, n, tokens, policy_version]), to, STATES)
         for t in payload:
-            self.channel.send(t, self.draft_rank, STATES)
+            self.channel.send(t, to, STATES)
 
     def _receive_weights(self) -> None:
         size = META + sum(t.numel() for t in self.shapes.values())
@@ -333,9 +341,11 @@ class AsyncDraftClient:
         if not rows:
             return 0
         lengths = torch.tensor([t.shape[0] for _, t, _ in rows])
+        to = self.draft_ranks[self._turn % len(self.draft_ranks)]
+        self._turn += 1
         self._send(KIND_STATES, len(rows), int(lengths.sum()), policy_version, lengths,
                    torch.cat([h for h, _, _ in rows]), torch.cat([t for _, t, _ in rows]),
-                   torch.cat([m for _, _, m in rows]).to(torch.uint8))
+                   torch.cat([m for _, _, m in rows]).to(torch.uint8), to=to)
         return int(lengths.sum())
 
     def learn(self, prompts: list[list[int]], completions: list[Completion], policy_version: int,
@@ -367,11 +377,12 @@ class AsyncDraftClient:
                 "draft_top1_fresh": self.top1_fresh, "draft_states_per_s": self.states_per_s}
 
     def close(self) -> None:
-        """This engine is done: the draft rank ends once every engine said so (and says goodbye)."""
+        """This engine is done: the draft ranks end once every engine said so (and say goodbye)."""
         if self.process is not None and not self.process.is_alive():
             return
         if self._failure is None:
-            self._send(KIND_STOP, 0, 0, 0)
+            for rank in self.draft_ranks:
+                self._send(KIND_STOP, 0, 0, 0, to=rank)
             self._receiver.join(timeout=60)
             if self._receiver.is_alive():
                 log.warning("the draft rank did not say goodbye within 60 s; this engine leaves without it")

@@ -162,10 +162,6 @@ def check_layout(cfg: Config) -> None:
         raise ConfigError(f"parallel.tensor x parallel.pipeline = {model_parallel} ranks per replica does not divide "
                           f"the {policy_ranks} policy ranks (a world of {launched_world_size()} ranks, "
                           f"{cfg.parallel.draft_ranks} reserved by parallel.draft_ranks)")
-    if cfg.parallel.draft_ranks > policy_ranks // model_parallel:
-        raise ConfigError(f"parallel.draft_ranks={cfg.parallel.draft_ranks} is more than the "
-                          f"{policy_ranks // model_parallel} rollout engines (one per data-parallel replica): a draft "
-                          f"rank learns from the states of its own engines, so some would have none")
 
 
 def setup_run(cfg: Config, resume: bool) -> Run:
@@ -207,11 +203,9 @@ def setup_run(cfg: Config, resume: bool) -> Run:
         if cfg.draft.online == "sync":
             draft_learner = OnlineDraftLearner(draft, cfg.draft, [engine], seed=cfg.seed)
         else:  # a draft rank of its own; the engine picks up its versions between decode steps
-            # engine i sends its states to draft rank i % draft_ranks of the slice (the main engine, 0, to
-            # the slice's first, which it also asks for checkpoints)
-            slice_rank = engine_ranks.index(world.rank) % cfg.parallel.draft_ranks if engine_ranks else 0
+            draft_ranks = list(range(world.size, world.size + cfg.parallel.draft_ranks)) if channel else None
             draft_learner = AsyncDraftClient(draft, cfg.draft, [engine], cfg.seed, channel=channel,
-                                             draft_rank=world.size + slice_rank, engine_ranks=engine_ranks)
+                                             draft_ranks=draft_ranks, engine_ranks=engine_ranks)
             engine.draft_source = draft_learner.poll
     # the draft's embedding and LM head are the policy's: it gets them with every push, as engines do
     # (every policy rank takes part in a push: it gathers the shards; ranks without an engine drop them)
