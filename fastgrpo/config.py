@@ -150,6 +150,9 @@ class TrainerConfig:
     backend: str = "torch"  # the policy trainer: torch (one process, a Hugging Face model)
     # megatron's layer spec: auto (Transformer Engine when importable, else local), local, transformer_engine
     layer_spec: str = "auto"
+    # megatron: full activation recompute, one layer at a time (only each layer's input is kept for the
+    # backward): the same gradients for one more forward; what sequences of thousands of tokens need
+    recompute: bool = False
 
 
 @dataclass
@@ -257,6 +260,8 @@ def validate(c: Config) -> None:
            c.trainer.layer_spec)
     _check(c.engine.backend in ENGINE_BACKENDS, "engine.backend", f"must be one of {', '.join(ENGINE_BACKENDS)}",
            c.engine.backend)
+    _check(not c.trainer.recompute or c.trainer.backend == "megatron", "trainer.recompute",
+           "is megatron's activation recompute: trainer.backend=megatron only", c.trainer.recompute)
     for key in ("tensor", "pipeline"):
         size = getattr(c.parallel, key)
         _check(size >= 1, f"parallel.{key}", "must be >= 1", size)

@@ -147,3 +147,42 @@ def test_a_checkpoint_of_another_model_is_refused_by_name(tp2pp2, tmp_path):
     hf_model("llama-tied").save_pretrained(tmp_path / "llama")
     error = run_world(_load_into, 1, tmp_path / "world", tmp_path / "llama", tmp / "checkpoint")[0]
     assert error is not None and "another model" in error and "model_type" in error, error
+
+
+def _train_with_and_without_recompute(rank, world, policy_dir):
+    """TP2 with `recompute`: the usual scores, metrics and weights; and, with and without recompute,
+    how the first layer's training-mode forward ran during two train steps (by whether autograd
+    recorded it)."""
+    from fastgrpo.backends.megatron.trainer import MegatronPolicyTrainer
+    from fastgrpo.config import GRPOConfig, OptimConfig
+    from fastgrpo.types import SamplingParams
+
+    out, calls = None, {}
+    for recompute in (False, True):
+        trainer = MegatronPolicyTrainer(policy_dir, GRPOConfig(**GRPO), OptimConfig(**OPTIM),
+                                        SamplingParams(temperature=0.7), tensor=2, pipeline=1, recompute=recompute)
+        batch = _grpo_batch(trainer.logprobs)
+        scores = trainer.logprobs_and_entropy(batch)
+        counts = calls[recompute] = {True: 0, False: 0}
+
+        def count(layer, *_, counts=counts):
+            if layer.training:
+                counts[torch.is_grad_enabled()] += 1
+
+        trainer.model.module.decoder.layers[0].register_forward_hook(count)
+        out = scores, [trainer.train_step(batch), trainer.train_step(batch)], dict(trainer.export_weights())
+    return out, calls
+
+
+def test_full_recompute_trains_as_the_torch_trainer(tmp_path):
+    """`trainer.recompute`: every training forward of a layer runs once more without recording (the
+    forward whose input alone is kept; the recording one is the backward's rerun), and the two
+    steps are still the torch trainer's."""
+    hf_model(KIND).save_pretrained(tmp_path / "policy")
+    results = run_world(_train_with_and_without_recompute, 2, tmp_path / "world", tmp_path / "policy",
+                        timeout_s=400.0)
+    for _, calls in results:
+        plain, recomputed = calls[False], calls[True]
+        assert recomputed[True] == plain[True] > 0, calls
+        assert recomputed[False] - plain[False] == plain[True], calls  # plain[False]: scoring the old policy
+    assert_same_step_as_torch([r for r, _ in results], tmp_path / "policy", KIND)

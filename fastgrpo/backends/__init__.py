@@ -44,7 +44,8 @@ def build_trainer(cfg: Config) -> PolicyTrainer:
         megatron = _backend("fastgrpo.backends.megatron.trainer", "trainer.backend", name, extra="megatron")
         return megatron.MegatronPolicyTrainer(cfg.model.path, cfg.grpo, cfg.optim, SamplingParams.of(cfg.rollout),
                                               tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline,
-                                              seed=cfg.seed, layer_spec=cfg.trainer.layer_spec)
+                                              seed=cfg.seed, layer_spec=cfg.trainer.layer_spec,
+                                              recompute=cfg.trainer.recompute)
     raise ConfigError(f"trainer.backend {name!r} has no builder")
 
 

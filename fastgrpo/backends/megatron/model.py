@@ -64,7 +64,9 @@ def ranks() -> tuple[int, int]:
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
 
 
-def transformer_config(hf_config, layout: Layout):
+def transformer_config(hf_config, layout: Layout, recompute: bool = False):
+    """`recompute`: keep only each layer's input for the backward and run the layer's forward again
+    there (megatron's full, uniform, one-layer recompute): what long reasoning sequences need."""
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
@@ -77,7 +79,8 @@ def transformer_config(hf_config, layout: Layout):
         use_cpu_initialization=not torch.cuda.is_available(),
         # fused kernels are CUDA-only; with them off the mathematics is the same
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False, apply_rope_fusion=False, attention_softmax_in_fp32=True)
+        gradient_accumulation_fusion=False, apply_rope_fusion=False, attention_softmax_in_fp32=True,
+        **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}))
 
 
 def rope_theta(hf_config) -> float:
@@ -119,7 +122,7 @@ def _module_name(model, local_name: str) -> str:
     return local_name
 
 
-def build_model(hf_config, layout: Layout, spec: str = "auto"):
+def build_model(hf_config, layout: Layout, spec: str = "auto", recompute: bool = False):
     """This rank's pipeline stage of the policy, on the CPU or the current GPU, with megatron's layer
     spec `spec` (`layer_spec`); weights uninitialised in meaning: load them with `load_hf_state`."""
     from megatron.core import parallel_state
@@ -127,7 +130,7 @@ def build_model(hf_config, layout: Layout, spec: str = "auto"):
 
     module_spec, renames = layer_spec(spec)
     model = GPTModel(
-        transformer_config(hf_config, layout), module_spec,
+        transformer_config(hf_config, layout, recompute), module_spec,
         vocab_size=layout.padded_vocab, max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=layout.tied, position_embedding_type="rope",

@@ -74,7 +74,8 @@ STATS = ("clip", "entropy", "kl_engine", "kl_ref", "tokens")
 
 class MegatronPolicyTrainer:
     def __init__(self, policy_dir: str | Path, grpo: GRPOConfig, optim: OptimConfig, sampling: SamplingParams,
-                 tensor: int = 1, pipeline: int = 1, seed: int = 0, layer_spec: str = "auto"):
+                 tensor: int = 1, pipeline: int = 1, seed: int = 0, layer_spec: str = "auto",
+                 recompute: bool = False):
         if optim.trainable:
             raise ValueError("optim.trainable: the Megatron trainer trains every parameter")
         from transformers import AutoConfig
@@ -93,7 +94,7 @@ class MegatronPolicyTrainer:
 
         hf = load_policy(policy_dir)
         self.hf_config = hf.config
-        module = build_model(hf.config, self.layout, layer_spec)
+        module = build_model(hf.config, self.layout, layer_spec, recompute)
         load_hf_state(module, hf.state_dict(), self.layout)
         # the k3 KL's reference: the initial policy, frozen, in the same layout (each rank holds its own
         # shard of it, as of the policy), scored through the same schedule
