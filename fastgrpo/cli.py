@@ -64,6 +64,23 @@ def ensure_policy_and_draft(cfg: Config) -> None:
         pretrain_draft(cfg)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Exit 0 when the layout fits, 1 when it does not (a config error exits 2, in `main`)."""
+    from fastgrpo.plan import make_plan, render
+
+    cfg = _config(args)
+    c = cfg.cluster
+    nodes = args.nodes if args.nodes is not None else c.nodes
+    per_node = args.gpus_per_node if args.gpus_per_node is not None else c.gpus_per_node
+    memory = args.gpu_memory_gb if args.gpu_memory_gb is not None else c.gpu_memory_gb
+    for flag, value in (("--nodes", nodes), ("--gpus-per-node", per_node), ("--gpu-memory-gb", memory)):
+        if value <= 0:
+            raise ConfigError(f"{flag} must be > 0, got {value}")
+    plan = make_plan(cfg, nodes, per_node, memory)
+    print(render(plan, cfg, nodes, per_node, memory))
+    return 0 if plan.fits else 1
+
+
 def _thread_counts(text: str) -> list[int]:
     try:
         counts = [int(t) for t in text.split(",")]
@@ -154,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     add("eval", cmd_eval, "accuracy of a checkpoint on the eval split").add_argument(
         "--checkpoint", help="checkpoint or HF policy directory (default: model.path)")
 
+    plan = add("plan", cmd_plan, "check a layout before launching it: divisibility, the rank map, per-GPU memory")
+    plan.add_argument("--nodes", type=int, help="default: cluster.nodes")
+    plan.add_argument("--gpus-per-node", type=int, help="default: cluster.gpus_per_node")
+    plan.add_argument("--gpu-memory-gb", type=float, help="GiB per GPU (default: cluster.gpu_memory_gb)")
+
     bench = add("bench", cmd_bench, "benchmarks: `rollout` (speculation modes compared in one process), "
                 "`e2e` (the same GRPO run without speculation, with a frozen draft, with online draft learning) "
                 "`forward` (the policy forward by batch, tokens per sequence and matmul kernel) "
@@ -190,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *rest]
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        args.fn(args)
+        status = args.fn(args)
     except ConfigError as e:
         print(f"fastgrpo: config error: {e}", file=sys.stderr)
         return 2
@@ -206,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastgrpo: rank {os.environ.get('RANK', '0')}: stopping, the world failed "
               f"({type(e).__name__}: {str(e).splitlines()[0][:200]})", file=sys.stderr)
         return 1
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":

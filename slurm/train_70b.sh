@@ -7,7 +7,7 @@
 # the layout must still pass `fastgrpo plan`, which runs first. slurm/train.sh documents the environment
 # variables (run directory, Python environment, ...), the signals and the requeue.
 #SBATCH --job-name=fastgrpo-llama3-70b
-#SBATCH --nodes=8
+#SBATCH --nodes=9
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
 #SBATCH --exclusive

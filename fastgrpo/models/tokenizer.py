@@ -15,7 +15,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
+MAX_VOCAB = 512  # what train_tokenizer asks of BPE (the tasks' small alphabets stop well short of it)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = MAX_VOCAB) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]

@@ -1,0 +1,344 @@
+"""`fastgrpo plan`: a run's layout checked before anyone spends GPU hours.
+
+Three questions, answered from the config and the model's Hugging Face `config.json` alone (no
+weights, no GPU): does the layout divide (heads, key/value groups and MLP width by TP, layers by PP,
+the GPUs into TP x PP x DP replicas plus the draft slice); which GPU holds which rank, engine and
+draft rank; and does each GPU's memory hold what that rank keeps there, in both phases of a
+colocated step (rollout: the trainer's state stays while the engine holds its share; training:
+the engine has released its memory and the micro-batch's activations need room).
+
+Every memory figure is an estimate from the formula printed beside it, for the trainer as
+fastgrpo builds it (`backends/megatron`): fp32 parameters, an fp32 gradient buffer, Adam's two
+fp32 moments per parameter, replicated across data-parallel ranks (megatron's distributed
+optimizer and bf16 training need CUDA tensors and are not used yet). Nothing here is measured.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import AutoConfig, PretrainedConfig
+
+from fastgrpo.config import Config, ConfigError
+
+GIB = 2**30
+FP32, BF16 = 4, 2
+# a fixed allowance per device for the runtime: on GPUs the CUDA context, communication buffers and the
+# allocator's fragmentation; in a CPU process (the embedded engine) the interpreter and torch
+RESERVE_GIB = {"sglang": 3.0, "embedded": 0.5}
+VOCAB_DIVISIBLE_BY = 128  # megatron pads the vocabulary to a multiple of this x TP
+
+
+@dataclass
+class Term:
+    name: str
+    gib: float
+    formula: str
+
+
+@dataclass
+class Phase:
+    """What one GPU holds at once in one phase of a step."""
+
+    device: str
+    phase: str
+    terms: list[Term]
+    capacity_gib: float
+
+    @property
+    def total_gib(self) -> float:
+        return sum(t.gib for t in self.terms)
+
+    @property
+    def fits(self) -> bool:
+        return self.total_gib <= self.capacity_gib
+
+
+@dataclass
+class Plan:
+    checks: list[tuple[bool, str]] = field(default_factory=list)
+    rank_map: list[str] = field(default_factory=list)
+    phases: list[Phase] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    advice: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return all(ok for ok, _ in self.checks) and all(p.fits for p in self.phases)
+
+
+def model_config(cfg: Config) -> tuple[PretrainedConfig, str]:
+    """The policy's shape and where it came from: `model.architecture` (a config.json), else
+    `model.path`'s config.json, else (a policy `fastgrpo sft` has not built yet) the `model.size`
+    recipe's. Built-in architectures only (no remote code)."""
+    file = Path(cfg.model.architecture) if cfg.model.architecture else Path(cfg.model.path) / "config.json"
+    if not file.is_file():
+        if cfg.model.architecture:
+            raise ConfigError(f"model.architecture: no Hugging Face config at {file}")
+        from fastgrpo.models.policy import policy_config
+        from fastgrpo.models.tokenizer import MAX_VOCAB
+
+        return (policy_config(cfg.model.size, MAX_VOCAB, cfg.model.max_context, 0, 1, 2),
+                f"the model.size={cfg.model.size} recipe (no policy at {cfg.model.path} yet; vocabulary at most "
+                f"{MAX_VOCAB})")
+    raw = json.loads(file.read_text())
+    if "auto_map" in raw:
+        raise ConfigError(f"{file} asks for remote code (auto_map); only built-in architectures are planned")
+    if raw.get("model_type") not in ("llama", "qwen2"):
+        raise ConfigError(f"{file}: model_type {raw.get('model_type')!r} is not supported (llama, qwen2)")
+    return AutoConfig.for_model(**raw), str(file)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The numbers the estimates need, from a Hugging Face config."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+
+    @classmethod
+    def of(cls, c: PretrainedConfig) -> Shape:
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return cls(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, head_dim,
+                   c.intermediate_size, c.vocab_size, bool(c.tie_word_embeddings), c.model_type == "qwen2")
+
+    def _layer(self, qkv_bias: bool) -> int:
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return h * (q + 2 * kv) + (q + 2 * kv if qkv_bias else 0) + q * h + 3 * h * self.ffn + 2 * h
+
+    @property
+    def layer_params(self) -> int:
+        return self._layer(self.qkv_bias)
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+    @property
+    def draft_params(self) -> int:
+        """The draft head (`speculation/draft.py`): fc [h, 2h], one decoder layer, a norm; the
+        embedding and LM head are the policy's; its layer has no QKV bias."""
+        return 2 * self.hidden * self.hidden + self._layer(qkv_bias=False) + self.hidden
+
+
+def _check_layout(plan: Plan, cfg: Config, s: Shape, world: int) -> int:
+    """Divisibility and sizes; returns the data-parallel size (0 when the world does not divide)."""
+    t, p, d_ranks = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.draft_ranks
+    check = plan.checks.append
+    check((s.heads % t == 0, f"tensor {t} divides the {s.heads} attention heads"))
+    check((s.kv_heads % t == 0 or t % s.kv_heads == 0,
+           f"tensor {t} and the {s.kv_heads} key/value heads divide one another"))
+    check((s.ffn % t == 0, f"tensor {t} divides the MLP width {s.ffn}"))
+    padded = math.ceil(s.vocab / (VOCAB_DIVISIBLE_BY * t)) * VOCAB_DIVISIBLE_BY * t
+    check((True, f"vocabulary {s.vocab} padded to {padded} (a multiple of {VOCAB_DIVISIBLE_BY} x tensor {t})"))
+    check((s.layers % p == 0, f"pipeline {p} divides the {s.layers} layers"))
+    if cfg.trainer.backend == "torch":
+        check((world == 1, f"trainer.backend=torch trains in one process: 1 device (not {world}); "
+                           f"trainer.backend=megatron spans more"))
+    policy = world - d_ranks
+    ok = policy >= t * p and policy % (t * p) == 0
+    check((ok, f"{world} GPUs = tensor {t} x pipeline {p} x data {policy // (t * p) if ok else '?'} "
+               f"+ {d_ranks} draft rank(s)"))
+    if not ok:
+        return 0
+    dp = policy // (t * p)
+    r = cfg.rollout
+    check((r.prompts_per_step >= dp, f"{r.prompts_per_step} prompts per step give each of the {dp} replicas at "
+                                     f"least one group of {r.group_size}"))
+    if cfg.draft.online == "sync":
+        check((dp == 1, f"draft.online=sync learns beside the one engine (data {dp})"))
+    if cfg.draft.online == "async":
+        check((d_ranks >= 1 or cfg.trainer.backend == "torch",
+               f"draft.online=async has {d_ranks} reserved draft rank(s)"))
+    if cfg.engine.backend == "sglang":
+        check((cfg.cluster.gpus_per_node > 0, "engine.backend=sglang runs on GPUs"))
+    return dp
+
+
+def coordinates(rank: int, tensor: int, data: int) -> tuple[int, int, int]:
+    """(tensor rank, pipeline stage, data replica) of a policy rank in megatron's default order
+    ("tp-cp-ep-dp-pp": tensor fastest, then data, then pipeline)."""
+    return rank % tensor, rank // (tensor * data), (rank // tensor) % data
+
+
+def _rank_map(plan: Plan, cfg: Config, nodes: int, per_node: int, dp: int) -> None:
+    """Megatron's default order (tensor fastest, then data, then pipeline); the draft slice last;
+    replica k's engine spans its ranks and is led by its tensor-0 stage-0 rank."""
+    t, p = cfg.parallel.tensor, cfg.parallel.pipeline
+    policy = t * p * dp
+    for node in range(nodes):
+        cells = []
+        for gpu in range(per_node):
+            rank = node * per_node + gpu
+            if rank >= policy:
+                cells.append(f"draft{rank - policy}")
+                continue
+            tp, stage, replica = coordinates(rank, t, dp)
+            lead = "*" if tp == 0 and stage == 0 else ""
+            cells.append(f"t{tp}p{stage}d{replica}{lead}")
+        plan.rank_map.append(f"node {node:>3}: " + " ".join(f"{c:<10}" for c in cells).rstrip())
+    engines = []
+    for replica in range(dp):
+        ranks = [r for r in range(t * p * dp) if coordinates(r, t, dp)[2] == replica]
+        spans = sorted({r // per_node for r in ranks})
+        engines.append(f"engine {replica}: ranks {_ranges(ranks)} on node(s) {_ranges(spans)}, led by rank {ranks[0]}")
+    plan.rank_map += engines
+
+
+def _ranges(xs: list[int]) -> str:
+    runs, start = [], xs[0]
+    for a, b in zip(xs, xs[1:] + [None]):
+        if b != a + 1:
+            runs.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(runs)
+
+
+def _gib(n_bytes: float) -> float:
+    return n_bytes / GIB
+
+
+def _policy_phases(plan: Plan, cfg: Config, s: Shape, dp: int, capacity: float) -> None:
+    t, p = cfg.parallel.tensor, cfg.parallel.pipeline
+    stage_layers = s.layers // p
+    embed = s.vocab * s.hidden
+    # the largest stage: the first holds the embedding, the last the LM head (and the final norm)
+    stages = [stage_layers * s.layer_params + (embed if i == 0 else 0) +
+              ((0 if s.tied and p == 1 else embed) + s.hidden if i == p - 1 else 0) for i in range(p)]
+    P = max(stages) / t
+    ref = cfg.grpo.kl_coef > 0
+    resident = [Term("weights (fp32)", _gib(FP32 * P), f"4 B x {P / 1e9:.2f}B parameters (largest stage / TP)"),
+                Term("gradients (fp32)", _gib(FP32 * P), "4 B x parameters (megatron's fp32 gradient buffer)"),
+                Term("Adam moments (fp32)", _gib(2 * FP32 * P), "8 B x parameters, replicated over data ranks")]
+    if ref:
+        resident.append(Term("reference policy (fp32)", _gib(FP32 * P), "4 B x parameters (grpo.kl_coef > 0)"))
+    reserve = Term("runtime allowance", RESERVE_GIB[cfg.engine.backend], "fixed (CUDA context, buffers, fragmentation)")
+
+    # rollout: the engine holds its share while the trainer's state stays
+    r = cfg.rollout
+    seqs = r.prompts_per_step * r.group_size // dp  # sequences a replica samples per step
+    L = cfg.model.max_context
+    if cfg.engine.backend == "sglang":
+        f = cfg.engine.mem_fraction
+        engine_w = BF16 * (s.params + s.draft_params) / (t * p)
+        per_token = s.kv_bytes_per_token(BF16) * max(1, t // s.kv_heads) / (t * p)
+        kv_tokens = (f * capacity * GIB - engine_w) / per_token
+        engine = [Term("engine: weights + draft (bf16)", _gib(engine_w),
+                       f"2 B x {(s.params + s.draft_params) / 1e9:.1f}B / (TP {t} x PP {p}); inside its fraction"),
+                  Term("engine: KV cache pool", f * capacity - _gib(engine_w),
+                       f"engine.mem_fraction {f} x {capacity:g} GiB - weights = {kv_tokens / 1e6:.2f}M tokens "
+                       f"at {per_token / 1024:.1f} KiB/token/GPU")]
+    else:  # the embedded engine: the whole policy on the replica's leading rank, a static fp32 cache
+        per_token = s.kv_bytes_per_token(FP32)
+        kv_tokens = r.max_batch * L
+        engine = [Term("engine: weights (fp32, leading rank)", _gib(FP32 * s.params), "4 B x all parameters"),
+                  Term("engine: KV cache (fp32)", _gib(per_token * kv_tokens),
+                       f"{r.max_batch} slots x {L} tokens x {per_token / 1024:.1f} KiB/token")]
+    full_seqs = int(kv_tokens // L) if kv_tokens > 0 else 0
+    plan.checks.append((full_seqs >= 1, f"the engine's KV cache holds {max(full_seqs, 0)} full-length sequences "
+                                        f"({L} tokens) at once"))
+    if 0 < full_seqs < min(seqs, r.max_batch):
+        plan.notes.append(f"the engine runs at most {full_seqs} of a replica's {seqs} sequences at once (the rest "
+                          f"wait); a larger engine.mem_fraction or more tensor/pipeline ranks run more at once")
+    plan.phases.append(Phase("policy GPU", "rollout", resident + engine + [reserve], capacity))
+
+    # training: the engine has released its memory; activations of the micro-batches in flight
+    b = cfg.grpo.micro_batch_size
+    rows = math.ceil(seqs / cfg.grpo.minibatches)
+    in_flight = min(p, math.ceil(rows / b))  # 1F1B: stage 0 holds up to PP micro-batches
+    h, q, kv, ff = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.ffn
+    layer_elems = b * L * (4 * h + (3 * q + 3 * kv) // t + 4 * ff // t)
+    formula = f"4 B x b{b} x s{L} x (4h + (3q + 3kv)/TP + 4 ffn/TP)"
+    scores = 0
+    if cfg.trainer.layer_spec == "local":  # unfused attention keeps the s x s scores and probabilities
+        scores = 2 * b * (s.heads // t) * L * L
+        formula += " + 2 b heads/TP s^2 (local spec: unfused attention)"
+    if cfg.trainer.recompute:
+        act = FP32 * (b * L * h * stage_layers * in_flight + layer_elems + scores)
+        what = f"recompute: 4 B x b s h x {stage_layers} layers x {in_flight} in flight + one layer: {formula}"
+    else:
+        act = FP32 * (layer_elems + scores) * stage_layers * in_flight
+        what = f"{stage_layers} layers x {in_flight} in flight x {formula}"
+    padded = math.ceil(s.vocab / (VOCAB_DIVISIBLE_BY * t)) * VOCAB_DIVISIBLE_BY
+    logits = 3 * FP32 * b * L * padded
+    train = resident + [Term("activations", _gib(act), what),
+                        Term("logits (last stage)", _gib(logits), f"3 x 4 B x b{b} x s{L} x {padded} vocab/TP "
+                                                                   f"(logits, log-softmax, gradient)"), reserve]
+    plan.phases.append(Phase("policy GPU", "training", train, capacity))
+    if not plan.phases[-1].fits and not cfg.trainer.recompute:
+        plan.advice.append("trainer.recompute=true keeps one input per layer instead of every activation")
+
+
+def _draft_phase(plan: Plan, cfg: Config, s: Shape, capacity: float) -> None:
+    d, L = cfg.draft, cfg.model.max_context
+    P = s.draft_params
+    terms = [Term("draft weights, gradients, Adam (fp32)", _gib(4 * FP32 * P), f"16 B x {P / 1e9:.2f}B parameters"),
+             Term("policy embedding + LM head (fp32)", _gib(FP32 * 2 * s.vocab * s.hidden),
+                  "4 B x 2 x vocab x h (what the draft trains against)"),
+             Term("state buffer", _gib(d.online_buffer_tokens * (FP32 * s.hidden + 9)),
+                  f"draft.online_buffer_tokens {d.online_buffer_tokens} x (4 h + 9) B"),
+             Term("activations + logits", _gib(FP32 * d.batch_size * L * (12 * s.hidden + 3 * s.vocab)),
+                  f"4 B x draft.batch_size {d.batch_size} x s{L} x (12 h + 3 vocab)"),
+             Term("runtime allowance", RESERVE_GIB[cfg.engine.backend], "fixed (CUDA context, buffers, fragmentation)")]
+    plan.phases.append(Phase("draft GPU", "training", terms, capacity))
+    if not plan.phases[-1].fits:
+        plan.advice.append("a smaller draft.batch_size shrinks the draft's logits (sequences x vocab)")
+
+
+def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gb: float) -> Plan:
+    """The layout of `cfg` on `nodes` x `gpus_per_node` devices of `gpu_memory_gb` GiB each."""
+    config, source = model_config(cfg)
+    s = Shape.of(config)
+    plan = Plan()
+    dp = _check_layout(plan, cfg, s, nodes * gpus_per_node)
+    if not dp:
+        t, p = cfg.parallel.tensor, cfg.parallel.pipeline
+        plan.advice.append(f"the policy needs a multiple of {t * p} GPUs (tensor x pipeline) after the "
+                           f"{cfg.parallel.draft_ranks} draft rank(s): change --nodes, parallel.* or parallel.draft_ranks")
+        return plan
+    plan.notes.append(f"{s.params / 1e9:.2f}B parameters ({s.layers} layers, hidden {s.hidden}, {s.heads} heads, "
+                      f"{s.kv_heads} KV heads, vocab {s.vocab}) from {source}; draft head {s.draft_params / 1e9:.2f}B")
+    _rank_map(plan, cfg, nodes, gpus_per_node, dp)
+    _policy_phases(plan, cfg, s, dp, gpu_memory_gb)
+    if cfg.parallel.draft_ranks:
+        _draft_phase(plan, cfg, s, gpu_memory_gb)
+    for phase in plan.phases:
+        if not phase.fits:
+            big = max(phase.terms, key=lambda x: x.gib)
+            plan.advice.append(f"{phase.device}, {phase.phase}: {phase.total_gib:.1f} GiB > {phase.capacity_gib:g} GiB; "
+                               f"the largest term is {big.name} ({big.gib:.1f} GiB)")
+    if any(not p.fits and p.device == "policy GPU" for p in plan.phases):
+        plan.advice.append("more tensor or pipeline ranks divide the weights, gradients and Adam moments")
+    return plan
+
+
+def render(plan: Plan, cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gb: float) -> str:
+    lines = [f"plan: {nodes} node(s) x {gpus_per_node} GPU(s) of {gpu_memory_gb:g} GiB; tensor {cfg.parallel.tensor}, "
+             f"pipeline {cfg.parallel.pipeline}, {cfg.parallel.draft_ranks} draft rank(s); trainer "
+             f"{cfg.trainer.backend}, engine {cfg.engine.backend}", ""]
+    lines += [f"  [{'ok' if ok else 'NO'}] {text}" for ok, text in plan.checks]
+    if plan.rank_map:
+        lines += ["", "rank map (t<tensor>p<pipeline stage>d<data replica>; * leads its replica's engine):"]
+        lines += ["  " + row for row in plan.rank_map]
+    for phase in plan.phases:
+        lines += ["", f"{phase.device}, {phase.phase} (estimates, GiB):"]
+        lines += [f"  {t.name:<38} {t.gib:8.2f}   {t.formula}" for t in phase.terms]
+        lines.append(f"  {'total':<38} {phase.total_gib:8.2f}   of {phase.capacity_gib:g}: "
+                     f"{'fits' if phase.fits else 'DOES NOT FIT'}")
+    lines += [""] + [f"note: {n}" for n in plan.notes]
+    lines += [f"to change: {a}" for a in plan.advice]
+    lines.append("verdict: fits" if plan.fits else "verdict: does not fit")
+    return "\n".join(lines)

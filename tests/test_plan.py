@@ -1,0 +1,97 @@
+"""`fastgrpo plan`: every shipped config fits its cluster; impossible layouts fail naming what to change;
+the parameter counts and the rank map are the real ones (the model on the meta device, megatron's
+own rank generator)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastgrpo.cli import main
+from fastgrpo.config import load_config
+from fastgrpo.plan import Shape, coordinates, make_plan, model_config
+
+CONFIGS = sorted(Path("configs").glob("*.yaml"))
+
+
+def plan(capsys, *args: str) -> tuple[int, str]:
+    status = main(["plan", *args])
+    captured = capsys.readouterr()
+    return status, captured.out + captured.err
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
+def test_every_shipped_config_fits_its_cluster(capsys, config):
+    status, out = plan(capsys, "--config", str(config))
+    assert status == 0 and "verdict: fits" in out, out
+    assert "DOES NOT FIT" not in out and "[NO]" not in out
+
+
+def test_the_70b_plan_maps_every_gpu_and_prices_both_phases(capsys):
+    status, out = plan(capsys, "--config", "configs/llama3_70b.yaml")
+    assert status == 0
+    assert "72 GPUs = tensor 8 x pipeline 4 x data 2 + 8 draft rank(s)" in out
+    assert "node   8: draft0" in out and "engine 1: ranks 8-15,24-31,40-47,56-63" in out
+    for phase in ("policy GPU, rollout", "policy GPU, training", "draft GPU, training"):
+        assert phase in out
+
+
+def test_the_tiny_config_plans_at_tp2_on_two_processes(capsys):
+    """What slurm/train.sh runs before the tiny job of make test-slurm."""
+    status, out = plan(capsys, "--config", "configs/tiny_cpu.yaml", "--nodes", "1", "--gpus-per-node", "2",
+                       "--gpu-memory-gb", "8", "trainer.backend=megatron", "parallel.tensor=2")
+    assert status == 0 and "t0p0d0*    t1p0d0" in out and "verdict: fits" in out, out
+
+
+def test_a_world_that_does_not_divide_fails_with_what_to_change(capsys):
+    status, out = plan(capsys, "--config", "configs/llama3_70b.yaml", "--nodes", "8")
+    assert status == 1
+    assert "[NO] 64 GPUs = tensor 8 x pipeline 4 x data ?" in out
+    assert "a multiple of 32 GPUs" in out and "verdict: does not fit" in out
+
+
+def test_a_layout_out_of_memory_names_the_term_and_the_fix(capsys):
+    """70B at TP8 x PP1: 8.8B fp32 parameters with gradients and Adam on each GPU (141 GiB)."""
+    status, out = plan(capsys, "--config", "configs/llama3_70b.yaml", "parallel.pipeline=1")
+    assert status == 1 and "DOES NOT FIT" in out
+    assert "the largest term is Adam moments (fp32)" in out and "more tensor or pipeline ranks" in out
+    status, out = plan(capsys, "--config", "configs/llama3_70b.yaml", "trainer.recompute=false")
+    assert status == 1 and "the largest term is activations" in out and "trainer.recompute=true" in out
+    status, out = plan(capsys, "--config", "configs/llama3_70b.yaml", "parallel.tensor=3")
+    assert status == 1 and "[NO] tensor 3 divides the 64 attention heads" in out
+
+
+def test_bad_input_is_a_config_error(capsys):
+    status, out = plan(capsys, "--config", "configs/llama3_70b.yaml", "--nodes", "0")
+    assert status == 2 and "--nodes must be > 0" in out
+    status, out = plan(capsys, "--config", "configs/llama3_70b.yaml", "model.architecture=configs/models/none.json")
+    assert status == 2 and "model.architecture: no Hugging Face config" in out
+
+
+@pytest.mark.parametrize("name", ["llama-3-8b", "llama-3-70b", "qwen2.5-7b", "qwen2.5-72b"])
+def test_parameter_counts_are_the_models(name):
+    """The counts the memory terms use, against the model built on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    from fastgrpo.speculation.draft import DraftHead
+
+    cfg = load_config("configs/tiny_cpu.yaml", [f"model.architecture=configs/models/{name}.json"])
+    config, _ = model_config(cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+        draft = DraftHead(config, max_len=16)
+    shape = Shape.of(config)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    assert shape.draft_params == sum(p.numel() for p in draft.parameters())
+
+
+def test_the_rank_map_is_megatrons():
+    parallel_state = pytest.importorskip("megatron.core.parallel_state")
+    t, p, d = 8, 4, 2
+    generator = parallel_state.RankGenerator(tp=t, ep=1, dp=d, pp=p, cp=1, order="tp-cp-ep-dp-pp")
+    for index, token in ((0, "tp"), (1, "pp"), (2, "dp")):
+        for group in generator.get_ranks(token):
+            others = {tuple(c for i, c in enumerate(coordinates(r, t, d)) if i != index) for r in group}
+            assert len(others) == 1, (token, group)  # a group varies in its own coordinate only
+            assert sorted(coordinates(r, t, d)[index] for r in group) == list(range(len(group)))
+    assert make_plan(load_config("configs/llama3_70b.yaml"), 9, 8, 80).fits
