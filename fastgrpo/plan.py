@@ -22,6 +22,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
 
+from fastgrpo.backends.megatron.layout import Layout, LayoutError
 from fastgrpo.config import Config, ConfigError
 
 GIB = 2**30
@@ -92,59 +93,41 @@ def model_config(cfg: Config) -> tuple[PretrainedConfig, str]:
     return AutoConfig.for_model(**raw), str(file)
 
 
-@dataclass(frozen=True)
-class Shape:
-    """The numbers the estimates need, from a Hugging Face config."""
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    tied: bool
-    qkv_bias: bool
-
-    @classmethod
-    def of(cls, c: PretrainedConfig) -> Shape:
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return cls(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, head_dim,
-                   c.intermediate_size, c.vocab_size, bool(c.tie_word_embeddings), c.model_type == "qwen2")
-
-    def _layer(self, qkv_bias: bool) -> int:
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return h * (q + 2 * kv) + (q + 2 * kv if qkv_bias else 0) + q * h + 3 * h * self.ffn + 2 * h
-
-    @property
-    def layer_params(self) -> int:
-        return self._layer(self.qkv_bias)
-
-    @property
-    def params(self) -> int:
-        return self.layers * self.layer_params + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
-
-    @property
-    def draft_params(self) -> int:
-        """The draft head (`speculation/draft.py`): fc [h, 2h], one decoder layer, a norm; the
-        embedding and LM head are the policy's; its layer has no QKV bias."""
-        return 2 * self.hidden * self.hidden + self._layer(qkv_bias=False) + self.hidden
+def layer_params(s: Layout, qkv_bias: bool | None = None) -> int:
+    h, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    bias = s.qkv_bias if qkv_bias is None else qkv_bias
+    return h * (q + 2 * kv) + (q + 2 * kv if bias else 0) + q * h + 3 * h * s.ffn + 2 * h
 
 
-def _check_layout(plan: Plan, cfg: Config, s: Shape, world: int) -> int:
+def parameters(s: Layout) -> int:
+    return s.layers * layer_params(s) + s.vocab * s.hidden * (1 if s.tied else 2) + s.hidden
+
+
+def draft_parameters(s: Layout) -> int:
+    """The draft head (`speculation/draft.py`): fc [h, 2h], one decoder layer without QKV bias, a
+    norm; the embedding and LM head are the policy's."""
+    return 2 * s.hidden * s.hidden + layer_params(s, qkv_bias=False) + s.hidden
+
+
+def kv_bytes_per_token(s: Layout, dtype_bytes: int) -> int:
+    return 2 * s.layers * s.kv_heads * s.head_dim * dtype_bytes
+
+
+def _check_layout(plan: Plan, cfg: Config, config: PretrainedConfig, s: Layout, world: int) -> int:
     """Divisibility and sizes; returns the data-parallel size (0 when the world does not divide)."""
     t, p, d_ranks = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.draft_ranks
     check = plan.checks.append
     check((s.heads % t == 0, f"tensor {t} divides the {s.heads} attention heads"))
-    check((s.kv_heads % t == 0 or t % s.kv_heads == 0,
-           f"tensor {t} and the {s.kv_heads} key/value heads divide one another"))
+    check((s.kv_heads % t == 0, f"tensor {t} divides the {s.kv_heads} key/value heads (query groups)"))
     check((s.ffn % t == 0, f"tensor {t} divides the MLP width {s.ffn}"))
     padded = math.ceil(s.vocab / (VOCAB_DIVISIBLE_BY * t)) * VOCAB_DIVISIBLE_BY * t
     check((True, f"vocabulary {s.vocab} padded to {padded} (a multiple of {VOCAB_DIVISIBLE_BY} x tensor {t})"))
     check((s.layers % p == 0, f"pipeline {p} divides the {s.layers} layers"))
+    try:  # the trainer's own rule, in case it asks more than the lines above
+        Layout.of(config, t, p)
+        check((True, f"the Megatron layout accepts tensor {t} x pipeline {p}"))
+    except LayoutError as e:
+        check((False, f"the Megatron layout refuses it: {e}"))
     if cfg.trainer.backend == "torch":
         check((world == 1, f"trainer.backend=torch trains in one process: 1 device (not {world}); "
                            f"trainer.backend=megatron spans more"))
@@ -211,12 +194,12 @@ def _gib(n_bytes: float) -> float:
     return n_bytes / GIB
 
 
-def _policy_phases(plan: Plan, cfg: Config, s: Shape, dp: int, capacity: float) -> None:
+def _policy_phases(plan: Plan, cfg: Config, s: Layout, dp: int, capacity: float) -> None:
     t, p = cfg.parallel.tensor, cfg.parallel.pipeline
     stage_layers = s.layers // p
     embed = s.vocab * s.hidden
     # the largest stage: the first holds the embedding, the last the LM head (and the final norm)
-    stages = [stage_layers * s.layer_params + (embed if i == 0 else 0) +
+    stages = [stage_layers * layer_params(s) + (embed if i == 0 else 0) +
               ((0 if s.tied and p == 1 else embed) + s.hidden if i == p - 1 else 0) for i in range(p)]
     P = max(stages) / t
     ref = cfg.grpo.kl_coef > 0
@@ -233,18 +216,19 @@ def _policy_phases(plan: Plan, cfg: Config, s: Shape, dp: int, capacity: float) 
     L = cfg.model.max_context
     if cfg.engine.backend == "sglang":
         f = cfg.engine.mem_fraction
-        engine_w = BF16 * (s.params + s.draft_params) / (t * p)
-        per_token = s.kv_bytes_per_token(BF16) * max(1, t // s.kv_heads) / (t * p)
+        engine_w = BF16 * (parameters(s) + draft_parameters(s)) / (t * p)
+        per_token = kv_bytes_per_token(s, BF16) / (t * p)
         kv_tokens = (f * capacity * GIB - engine_w) / per_token
         engine = [Term("engine: weights + draft (bf16)", _gib(engine_w),
-                       f"2 B x {(s.params + s.draft_params) / 1e9:.1f}B / (TP {t} x PP {p}); inside its fraction"),
+                       f"2 B x {(parameters(s) + draft_parameters(s)) / 1e9:.1f}B / (TP {t} x PP {p}); inside its "
+                       f"fraction"),
                   Term("engine: KV cache pool", f * capacity - _gib(engine_w),
                        f"engine.mem_fraction {f} x {capacity:g} GiB - weights = {kv_tokens / 1e6:.2f}M tokens "
                        f"at {per_token / 1024:.1f} KiB/token/GPU")]
     else:  # the embedded engine: the whole policy on the replica's leading rank, a static fp32 cache
-        per_token = s.kv_bytes_per_token(FP32)
+        per_token = kv_bytes_per_token(s, FP32)
         kv_tokens = r.max_batch * L
-        engine = [Term("engine: weights (fp32, leading rank)", _gib(FP32 * s.params), "4 B x all parameters"),
+        engine = [Term("engine: weights (fp32, leading rank)", _gib(FP32 * parameters(s)), "4 B x all parameters"),
                   Term("engine: KV cache (fp32)", _gib(per_token * kv_tokens),
                        f"{r.max_batch} slots x {L} tokens x {per_token / 1024:.1f} KiB/token")]
     full_seqs = int(kv_tokens // L) if kv_tokens > 0 else 0
@@ -272,7 +256,7 @@ def _policy_phases(plan: Plan, cfg: Config, s: Shape, dp: int, capacity: float) 
     else:
         act = FP32 * (layer_elems + scores) * stage_layers * in_flight
         what = f"{stage_layers} layers x {in_flight} in flight x {formula}"
-    padded = math.ceil(s.vocab / (VOCAB_DIVISIBLE_BY * t)) * VOCAB_DIVISIBLE_BY
+    padded = math.ceil(s.vocab / (VOCAB_DIVISIBLE_BY * t)) * VOCAB_DIVISIBLE_BY  # per TP rank
     logits = 3 * FP32 * b * L * padded
     train = resident + [Term("activations", _gib(act), what),
                         Term("logits (last stage)", _gib(logits), f"3 x 4 B x b{b} x s{L} x {padded} vocab/TP "
@@ -282,9 +266,9 @@ def _policy_phases(plan: Plan, cfg: Config, s: Shape, dp: int, capacity: float) 
         plan.advice.append("trainer.recompute=true keeps one input per layer instead of every activation")
 
 
-def _draft_phase(plan: Plan, cfg: Config, s: Shape, capacity: float) -> None:
+def _draft_phase(plan: Plan, cfg: Config, s: Layout, capacity: float) -> None:
     d, L = cfg.draft, cfg.model.max_context
-    P = s.draft_params
+    P = draft_parameters(s)
     terms = [Term("draft weights, gradients, Adam (fp32)", _gib(4 * FP32 * P), f"16 B x {P / 1e9:.2f}B parameters"),
              Term("policy embedding + LM head (fp32)", _gib(FP32 * 2 * s.vocab * s.hidden),
                   "4 B x 2 x vocab x h (what the draft trains against)"),
@@ -301,16 +285,16 @@ def _draft_phase(plan: Plan, cfg: Config, s: Shape, capacity: float) -> None:
 def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gb: float) -> Plan:
     """The layout of `cfg` on `nodes` x `gpus_per_node` devices of `gpu_memory_gb` GiB each."""
     config, source = model_config(cfg)
-    s = Shape.of(config)
+    s = Layout.of(config)  # the shape (at TP1 x PP1, which always divides)
     plan = Plan()
-    dp = _check_layout(plan, cfg, s, nodes * gpus_per_node)
+    dp = _check_layout(plan, cfg, config, s, nodes * gpus_per_node)
     if not dp:
         t, p = cfg.parallel.tensor, cfg.parallel.pipeline
         plan.advice.append(f"the policy needs a multiple of {t * p} GPUs (tensor x pipeline) after the "
                            f"{cfg.parallel.draft_ranks} draft rank(s): change --nodes, parallel.* or parallel.draft_ranks")
         return plan
-    plan.notes.append(f"{s.params / 1e9:.2f}B parameters ({s.layers} layers, hidden {s.hidden}, {s.heads} heads, "
-                      f"{s.kv_heads} KV heads, vocab {s.vocab}) from {source}; draft head {s.draft_params / 1e9:.2f}B")
+    plan.notes.append(f"{parameters(s) / 1e9:.2f}B parameters ({s.layers} layers, hidden {s.hidden}, {s.heads} heads, "
+                      f"{s.kv_heads} KV heads, vocab {s.vocab}) from {source}; draft head {draft_parameters(s) / 1e9:.2f}B")
     _rank_map(plan, cfg, nodes, gpus_per_node, dp)
     _policy_phases(plan, cfg, s, dp, gpu_memory_gb)
     if cfg.parallel.draft_ranks:

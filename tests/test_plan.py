@@ -9,7 +9,8 @@ import torch
 
 from fastgrpo.cli import main
 from fastgrpo.config import load_config
-from fastgrpo.plan import Shape, coordinates, make_plan, model_config
+from fastgrpo.backends.megatron.layout import Layout
+from fastgrpo.plan import coordinates, draft_parameters, make_plan, model_config, parameters
 
 CONFIGS = sorted(Path("configs").glob("*.yaml"))
 
@@ -59,6 +60,9 @@ def test_a_layout_out_of_memory_names_the_term_and_the_fix(capsys):
     assert status == 1 and "the largest term is activations" in out and "trainer.recompute=true" in out
     status, out = plan(capsys, "--config", "configs/llama3_70b.yaml", "parallel.tensor=3")
     assert status == 1 and "[NO] tensor 3 divides the 64 attention heads" in out
+    assert "[NO] the Megatron layout refuses it: parallel.tensor=3 does not divide the 64 attention heads" in out
+    status, out = plan(capsys, "--config", "configs/llama3_70b.yaml", "parallel.tensor=16", "parallel.pipeline=2")
+    assert status == 1 and "[NO] tensor 16 divides the 8 key/value heads" in out  # GQA: 8 groups
 
 
 def test_bad_input_is_a_config_error(capsys):
@@ -80,9 +84,9 @@ def test_parameter_counts_are_the_models(name):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
         draft = DraftHead(config, max_len=16)
-    shape = Shape.of(config)
-    assert shape.params == sum(p.numel() for p in model.parameters())
-    assert shape.draft_params == sum(p.numel() for p in draft.parameters())
+    shape = Layout.of(config)
+    assert parameters(shape) == sum(p.numel() for p in model.parameters())
+    assert draft_parameters(shape) == sum(p.numel() for p in draft.parameters())
 
 
 def test_the_rank_map_is_megatrons():
