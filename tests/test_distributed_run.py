@@ -64,8 +64,11 @@ class Torchrun:
         """The ranks, by their RANK."""
         ranks = {}
         for child in psutil.Process(self.proc.pid).children(recursive=True):
-            rank = child.environ().get("RANK")
-            if rank is not None and "fastgrpo" in " ".join(child.cmdline()):
+            try:
+                rank, command = child.environ().get("RANK"), " ".join(child.cmdline())
+            except psutil.NoSuchProcess:  # a short-lived helper process that ended meanwhile
+                continue
+            if rank is not None and "fastgrpo" in command:
                 ranks[int(rank)] = child
         return [ranks[r] for r in sorted(ranks)]
 
