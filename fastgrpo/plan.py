@@ -22,7 +22,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
 
-from fastgrpo.backends.megatron.layout import Layout, LayoutError
+from fastgrpo.backends.megatron.layout import VOCAB_DIVISIBLE_BY, Layout, LayoutError, padded_vocab
 from fastgrpo.config import Config, ConfigError
 
 GIB = 2**30
@@ -30,7 +30,6 @@ FP32, BF16 = 4, 2
 # a fixed allowance per device for the runtime: on GPUs the CUDA context, communication buffers and the
 # allocator's fragmentation; in a CPU process (the embedded engine) the interpreter and torch
 RESERVE_GIB = {"sglang": 3.0, "embedded": 0.5}
-VOCAB_DIVISIBLE_BY = 128  # megatron pads the vocabulary to a multiple of this x TP
 
 
 @dataclass
@@ -120,7 +119,7 @@ def _check_layout(plan: Plan, cfg: Config, config: PretrainedConfig, s: Layout, 
     check((s.heads % t == 0, f"tensor {t} divides the {s.heads} attention heads"))
     check((s.kv_heads % t == 0, f"tensor {t} divides the {s.kv_heads} key/value heads (query groups)"))
     check((s.ffn % t == 0, f"tensor {t} divides the MLP width {s.ffn}"))
-    padded = math.ceil(s.vocab / (VOCAB_DIVISIBLE_BY * t)) * VOCAB_DIVISIBLE_BY * t
+    padded = padded_vocab(s.vocab, t)
     check((True, f"vocabulary {s.vocab} padded to {padded} (a multiple of {VOCAB_DIVISIBLE_BY} x tensor {t})"))
     check((s.layers % p == 0, f"pipeline {p} divides the {s.layers} layers"))
     try:  # the trainer's own rule, in case it asks more than the lines above
@@ -256,7 +255,7 @@ def _policy_phases(plan: Plan, cfg: Config, s: Layout, dp: int, capacity: float)
     else:
         act = FP32 * (layer_elems + scores) * stage_layers * in_flight
         what = f"{stage_layers} layers x {in_flight} in flight x {formula}"
-    padded = math.ceil(s.vocab / (VOCAB_DIVISIBLE_BY * t)) * VOCAB_DIVISIBLE_BY  # per TP rank
+    padded = padded_vocab(s.vocab, t) // t  # per TP rank
     logits = 3 * FP32 * b * L * padded
     train = resident + [Term("activations", _gib(act), what),
                         Term("logits (last stage)", _gib(logits), f"3 x 4 B x b{b} x s{L} x {padded} vocab/TP "

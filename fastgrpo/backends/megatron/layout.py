@@ -28,6 +28,12 @@ COLUMN_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight", "s
 ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+VOCAB_DIVISIBLE_BY = 128  # megatron pads the vocabulary to a multiple of this x TP
+
+
+def padded_vocab(vocab: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
+    multiple = divisible_by * tp
+    return math.ceil(vocab / multiple) * multiple
 
 
 class LayoutError(ValueError):
@@ -50,7 +56,7 @@ class Layout:
     qkv_bias: bool  # Qwen2
 
     @classmethod
-    def of(cls, hf_config, tp: int = 1, pp: int = 1, vocab_divisible_by: int = 128) -> Layout:
+    def of(cls, hf_config, tp: int = 1, pp: int = 1, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> Layout:
         c = hf_config
         if c.model_type not in ("llama", "qwen2"):
             raise LayoutError(f"model_type {c.model_type!r} is not supported (llama, qwen2)")
@@ -66,10 +72,9 @@ class Layout:
             raise LayoutError(f"parallel.pipeline={pp} does not divide the {c.num_hidden_layers} layers")
         if c.intermediate_size % tp:
             raise LayoutError(f"parallel.tensor={tp} does not divide the MLP width {c.intermediate_size}")
-        multiple = vocab_divisible_by * tp
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
         return cls(tp, pp, c.num_hidden_layers, c.hidden_size, heads, kv, head_dim, c.intermediate_size,
-                   c.vocab_size, math.ceil(c.vocab_size / multiple) * multiple, bool(c.tie_word_embeddings),
+                   c.vocab_size, padded_vocab(c.vocab_size, tp, vocab_divisible_by), bool(c.tie_word_embeddings),
                    c.model_type == "qwen2" or bool(getattr(c, "attention_bias", False)))
 
     def stage_layers(self, pp_rank: int) -> range:
