@@ -48,8 +48,9 @@ bench-e2e: policy
 bench-forward: policy
 	$(BIN)/fastgrpo bench forward --config $(CONFIG) --output bench/forward.json
 
+# -rs: say why a test skipped (here: the engine contract tests on SGLang, which needs CUDA)
 test: $(STAMP)
-	$(BIN)/pytest -x -q
+	$(BIN)/pytest -x -q -rs
 
 # `sbatch slurm/train_70b.sh` (tiny overrides) on a one-node Slurm cluster the tests start and stop;
 # Debian's Slurm packages are installed first when missing (as root), else the tests say why they skip

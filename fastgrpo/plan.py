@@ -147,6 +147,11 @@ def _check_layout(plan: Plan, cfg: Config, config: PretrainedConfig, s: Layout, 
                f"draft.online=async has {d_ranks} reserved draft rank(s)"))
     if cfg.engine.backend == "sglang":
         check((cfg.cluster.gpus_per_node > 0, "engine.backend=sglang runs on GPUs"))
+        t, p = cfg.parallel.tensor, cfg.parallel.pipeline
+        if t * p > cfg.cluster.gpus_per_node or (p > 1 and dp > 1):
+            plan.notes.append(f"the SGLang adapter starts one engine per replica on contiguous GPUs of one node; "
+                              f"a replica of tensor {t} x pipeline {p} (data {dp}) is not that, so `fastgrpo train` "
+                              f"stops when it builds the engine (several engines per replica are not built)")
     return dp
 
 

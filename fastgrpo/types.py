@@ -48,6 +48,18 @@ class Request:
     prompt_ids: list[int]
     max_new_tokens: int | None = None  # None: the sampling params' limit
 
+    def check(self, index: int, max_context: int, vocab_size: int) -> None:
+        """What every engine refuses before any work (the engine contract suite holds them to it)."""
+        if not self.prompt_ids:
+            raise ValueError(f"request {index}: empty prompt")
+        if len(self.prompt_ids) >= max_context:
+            raise ValueError(f"request {index}: prompt of {len(self.prompt_ids)} tokens leaves no room in the "
+                             f"context of {max_context}")
+        if min(self.prompt_ids) < 0 or max(self.prompt_ids) >= vocab_size:
+            raise ValueError(f"request {index}: token ids outside the vocabulary of {vocab_size}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"request {index}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
 
 @dataclass
 class Completion:

@@ -888,22 +888,13 @@ def _run(args) -> int:
     return 0
 
 
-# The EAGLE draft SGLang loads (`speculative_algorithm=EAGLE`, `speculative_draft_model_path`): the class
-# `LlamaForCausalLMEagle` of python/sglang/srt/models/llama_eagle.py (sgl-project/sglang, the 0.5 line the
-# project pins, read at commit 034b3be). Its `load_weights` prefixes every name without "lm_head" with
-# "model." and hands it to SGLang's Llama loader (which stacks q/k/v and gate/up itself); its model is
-# `fc` (nn.Linear(2 * hidden, hidden), with a bias) over [embedding; target hidden state], then
-# `num_hidden_layers` Llama decoder layers of which layer 0 has no input_layernorm (an identity), and
-# no final norm (it returns hidden + residual). The embedding and LM head come from the target.
-SGLANG_EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle"
-
-
 def export_draft(draft: Path, policy: Path, out: Path, drop_norms: bool = False) -> dict:
-    """Our draft head (fastgrpo/speculation/draft.py) as SGLang's EAGLE Llama draft model. Our draft
-    normalises the fused input and the predicted state before the LM head; SGLang's EAGLE-1 Llama draft
-    has neither norm, so unless both are identities the exported draft computes another function:
-    refused unless `drop_norms` (SGLang's verification keeps sampling lossless; acceptance may drop)."""
-    from fastgrpo.speculation.draft import DRAFT_CONFIG, DRAFT_WEIGHTS
+    """Our draft head (fastgrpo/speculation/draft.py) as SGLang's EAGLE Llama draft model
+    (`sglang_eagle_tensors`: the names, and the norms SGLang's class has no place for). A draft whose
+    norms would be dropped computes another function there: refused unless `drop_norms` (SGLang's
+    verification keeps sampling lossless; acceptance may drop)."""
+    from fastgrpo.speculation.draft import (DRAFT_CONFIG, DRAFT_WEIGHTS, SGLANG_EAGLE_ARCHITECTURE, sglang_eagle_config,
+                                            sglang_eagle_tensors)
 
     draft, policy = Path(draft), Path(policy)
     if not (draft / DRAFT_WEIGHTS).is_file():
@@ -912,48 +903,25 @@ def export_draft(draft: Path, policy: Path, out: Path, drop_norms: bool = False)
     config = load_config(policy)
     header, start = read_safetensors_header(draft / DRAFT_WEIGHTS)
     w = {k: read_safetensor(draft / DRAFT_WEIGHTS, e, start) for k, e in header.items()}
-    h = config.hidden_size
-    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    q_rows, kv_rows = config.num_attention_heads * d, config.num_key_value_heads * d
-    expected = {"fc": (h, 2 * h), "layer.wqkv": (q_rows + 2 * kv_rows, h), "layer.wo": (h, q_rows),
-                "layer.w_gate_up": (2 * config.intermediate_size, h), "layer.w_down": (h, config.intermediate_size),
-                "layer.attn_norm": (h,), "layer.mlp_norm": (h,), "norm": (h,)}
-    got = {k: tuple(v.shape) for k, v in w.items()}
-    if got != expected:
-        raise ConversionError(f"{draft}: the draft does not fit the policy at {policy} (draft tensors {got}, "
-                              f"expected {expected})")
-    dropped = [n for n in ("layer.attn_norm", "norm") if not torch.equal(w[n], torch.ones_like(w[n]))]
-    if "norm" in w:
-        dropped = sorted(set(dropped) | {"norm"})  # the final norm's normalisation itself has no place in SGLang's
+    try:
+        tensors, dropped = sglang_eagle_tensors(w, config)
+    except ValueError as e:
+        raise ConversionError(f"{draft}: {e} (policy at {policy})") from e
     if dropped and not drop_norms:
         raise ConversionError(
             f"SGLang's EAGLE Llama draft ({SGLANG_EAGLE_ARCHITECTURE}, llama_eagle.py) has no input norm in its layer "
             f"and no final norm, so this draft's {', '.join(dropped)} cannot be carried over; pass --drop-norms to "
             f"export without them (verification stays lossless, acceptance may drop)")
-    q, k, v = w["layer.wqkv"].split([q_rows, kv_rows, kv_rows])
-    gate, up = w["layer.w_gate_up"].chunk(2)
-    tensors = {"fc.weight": w["fc"], "fc.bias": torch.zeros(h, dtype=w["fc"].dtype),
-               "layers.0.self_attn.q_proj.weight": q, "layers.0.self_attn.k_proj.weight": k,
-               "layers.0.self_attn.v_proj.weight": v, "layers.0.self_attn.o_proj.weight": w["layer.wo"],
-               "layers.0.mlp.gate_proj.weight": gate, "layers.0.mlp.up_proj.weight": up,
-               "layers.0.mlp.down_proj.weight": w["layer.w_down"],
-               "layers.0.post_attention_layernorm.weight": w["layer.mlp_norm"]}
-    raw = {k: v for k, v in config.to_dict().items() if k in (
-        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-        "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "tie_word_embeddings", "hidden_act",
-        "bos_token_id", "eos_token_id", "torch_dtype")}
-    raw.update(architectures=[SGLANG_EAGLE_ARCHITECTURE], model_type="llama", num_hidden_layers=1,
-               attention_bias=False, mlp_bias=False, hidden_act=raw.get("hidden_act", "silu"))
     with atomic_dir(out) as tmp:
         writer = SafetensorsWriter(tmp, [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], 2**62)
         for n, t in tensors.items():
             writer.write(n, t)
         writer.close()
-        (tmp / "config.json").write_text(json.dumps(raw, indent=2))
+        (tmp / "config.json").write_text(json.dumps(sglang_eagle_config(config), indent=2))
         meta = json.loads((draft / DRAFT_CONFIG).read_text()) if (draft / DRAFT_CONFIG).is_file() else {}
         (tmp / "fastgrpo-export.json").write_text(json.dumps(
             {"format": "sglang-eagle", "sglang_class": SGLANG_EAGLE_ARCHITECTURE,
-             "sglang_source": "python/sglang/srt/models/llama_eagle.py (sglang 0.5.x)", "dropped": dropped,
+             "sglang_source": "python/sglang/srt/models/llama_eagle.py (sglang 0.5.23)", "dropped": dropped,
              "draft": meta}, indent=1))
     return {"tensors": len(tensors), "dropped": dropped}
 

@@ -57,4 +57,9 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrai
     if name == "embedded":
         embedded = _backend("fastgrpo.backends.embedded", "engine.backend", name)
         return embedded.build_engine(cfg, model_config, tokenizer, weights, speculation)
+    if name == "sglang":
+        _backend("sglang", "engine.backend", name, extra="sglang")  # not installed: say how to install it
+        from fastgrpo.backends import sglang_engine
+
+        return sglang_engine.build_engine(cfg, model_config, tokenizer, weights, speculation)
     raise ConfigError(f"engine.backend {name!r} has no builder")

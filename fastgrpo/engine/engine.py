@@ -217,15 +217,7 @@ class EmbeddedEngine:
             raise RuntimeError(f"the push of weight version {self._incoming} is incomplete: no generation until it "
                                f"is committed")
         for i, r in enumerate(requests):
-            if not r.prompt_ids:
-                raise ValueError(f"request {i}: empty prompt")
-            if len(r.prompt_ids) >= self.max_context:
-                raise ValueError(f"request {i}: prompt of {len(r.prompt_ids)} tokens leaves no room in the "
-                                 f"context of {self.max_context}")
-            if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= self.cfg.vocab_size:
-                raise ValueError(f"request {i}: token ids outside the vocabulary of {self.cfg.vocab_size}")
-            if r.max_new_tokens is not None and r.max_new_tokens < 1:
-                raise ValueError(f"request {i}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
+            r.check(i, self.max_context, self.cfg.vocab_size)
 
     def _prefill(self, requests: list[Request], joined: list[int], first_row: int,
                  sampling: SamplingParams, seed: int) -> list[_Sequence]:

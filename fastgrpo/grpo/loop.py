@@ -110,7 +110,11 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
         batch, kept_groups = training_batch(run, problems, completions, rewards)
 
         t0 = time.perf_counter()
+        if run.engine is not None:  # colocated: the engine's GPU memory goes to training meanwhile
+            run.engine.release_memory()
         train_metrics = run.trainer.train_step(batch) if batch is not None else {"updates": 0.0}
+        if run.engine is not None:
+            run.engine.resume_memory()
         train_s = time.perf_counter() - t0
 
         sync = run.bridge.push(run.trainer.export_weights(), version=step + 1)
