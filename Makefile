@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,megatron]"
+	$(BIN)/pip install -q -e ".[test,megatron,deepspeed]"
 	touch $(STAMP)
 
 # the policy (SFT warm start) and its draft are built once, then reused

@@ -156,6 +156,14 @@ class TrainerConfig:
 
 
 @dataclass
+class DeepSpeedConfig:
+    """trainer.backend=deepspeed: ZeRO data parallelism of the Hugging Face policy itself."""
+
+    zero_stage: int = 2  # 1: optimizer states sharded; 2: and gradients; 3: and parameters
+    offload_optimizer: bool = False  # keep the optimizer states (and their update) in CPU memory
+
+
+@dataclass
 class EngineConfig:
     backend: str = "embedded"  # the rollout engine: embedded (fastgrpo's own, CPU) or sglang (GPU nodes)
     # sglang: the share of each GPU's memory the engine holds for its weights and KV cache (SGLang's
@@ -189,6 +197,7 @@ class Config:
     threads: int = 0  # torch intra-op threads; 0 = all cores
     model: ModelConfig = field(default_factory=ModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -204,10 +213,11 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
-TRAINER_BACKENDS = ("torch", "megatron")  # what `backends.build_trainer` can build
+TRAINER_BACKENDS = ("torch", "megatron", "deepspeed")  # what `backends.build_trainer` can build
 ENGINE_BACKENDS = ("embedded", "sglang")  # what `backends.build_engine` can build
 LAYER_SPECS = ("auto", "local", "transformer_engine")  # megatron layer specs `backends/megatron/model.py` builds
 MODEL_PARALLEL_TRAINERS = ("megatron",)  # trainers that split the policy over ranks (parallel.tensor/pipeline)
+DISTRIBUTED_TRAINERS = ("megatron", "deepspeed")  # trainers of a torchrun world (data parallel, draft slice)
 
 # keys whose documented values include the word `off`, which YAML 1.1 (and so OmegaConf) reads as false
 OFF_KEYS = (("speculation", "policy"), ("draft", "online"))
@@ -274,9 +284,15 @@ def validate(c: Config) -> None:
                "trainer.backend=megatron trains the draft on the world's reserved draft slice: set "
                "parallel.draft_ranks=1 (and launch one more rank)", c.draft.online)
     _check(c.parallel.draft_ranks >= 0, "parallel.draft_ranks", "must be >= 0", c.parallel.draft_ranks)
+    if c.trainer.backend == "deepspeed":
+        _check(c.deepspeed.zero_stage in (1, 2, 3), "deepspeed.zero_stage", "must be 1, 2 or 3", c.deepspeed.zero_stage)
+        _check(not c.optim.trainable, "optim.trainable", "is for trainer.backend=torch only", c.optim.trainable)
+        _check(c.draft.online != "async" or c.parallel.draft_ranks >= 1, "draft.online", "async with "
+               "trainer.backend=deepspeed trains the draft on the world's reserved draft slice: set "
+               "parallel.draft_ranks=1 (and launch one more rank)", c.draft.online)
     if c.parallel.draft_ranks:
-        _check(c.trainer.backend in MODEL_PARALLEL_TRAINERS, "parallel.draft_ranks", "> 0 reserves ranks of a "
-               "torchrun world: use trainer.backend=megatron", c.parallel.draft_ranks)
+        _check(c.trainer.backend in DISTRIBUTED_TRAINERS, "parallel.draft_ranks", "> 0 reserves ranks of a "
+               "torchrun world: use trainer.backend=megatron or deepspeed", c.parallel.draft_ranks)
         _check(c.draft.online == "async", "parallel.draft_ranks", "> 0 trains the draft there: needs "
                "draft.online=async", c.parallel.draft_ranks)
     _check(0 < c.engine.mem_fraction < 1, "engine.mem_fraction", "must be in (0, 1)", c.engine.mem_fraction)

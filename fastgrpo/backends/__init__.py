@@ -46,6 +46,12 @@ def build_trainer(cfg: Config) -> PolicyTrainer:
                                               tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline,
                                               seed=cfg.seed, layer_spec=cfg.trainer.layer_spec,
                                               recompute=cfg.trainer.recompute)
+    if name == "deepspeed":
+        _backend("deepspeed", "trainer.backend", name, extra="deepspeed")  # not installed: say how to install it
+        from fastgrpo.backends.deepspeed_trainer import DeepSpeedPolicyTrainer
+
+        return DeepSpeedPolicyTrainer(cfg.model.path, cfg.grpo, cfg.optim, SamplingParams.of(cfg.rollout), cfg.deepspeed,
+                                      reference_dir=cfg.model.path if cfg.grpo.kl_coef > 0 else None)
     raise ConfigError(f"trainer.backend {name!r} has no builder")
 
 

@@ -64,7 +64,8 @@ class TorchPolicyTrainer:
         out = torch.zeros(batch.input_ids.shape)
         for rows, mb in self._micro_batches(batch, list(range(batch.size))):
             lp, _ = token_logprobs(model, mb, self.sampling)
-            out[rows, : lp.shape[1]] = lp
+            if rows:
+                out[rows, : lp.shape[1]] = lp
         return out
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
@@ -95,6 +96,9 @@ class TorchPolicyTrainer:
                     skipped += 1
                 self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
+        return self._report(totals, updates, skipped)
+
+    def _report(self, totals: dict[str, float], updates: int, skipped: int) -> dict[str, float]:
         tokens = max(totals["tokens"], 1.0)
         return {
             "loss": totals["loss"] / max(updates, 1),
@@ -119,7 +123,8 @@ class TorchPolicyTrainer:
         for micro_rows, micro in self._micro_batches(batch, rows):
             logp, entropy = token_logprobs(self.model, micro, self.sampling)
             width = logp.shape[1]
-            old_logp = old[micro_rows, :width] if old is not None else logp.detach()
+            # (a micro-batch without rows pads a data-parallel rank's share: it trains nothing)
+            old_logp = old[micro_rows, :width] if old is not None and micro_rows else logp.detach()
             tis = None
             if c.tis_cap > 0:
                 tis = torch.exp(old_logp - micro.engine_logprobs).clamp(max=c.tis_cap)
@@ -127,9 +132,10 @@ class TorchPolicyTrainer:
                 logp, old_logp, micro.advantages, micro.response_mask,
                 eps_low=c.eps_low, eps_high=c.eps_high, aggregation=c.loss_aggregation,
                 normaliser=max(normaliser, 1.0), tis_weight=tis,
-                ref_logp=ref[micro_rows, :width] if ref is not None else None, kl_coef=c.kl_coef,
+                ref_logp=None if ref is None else ref[micro_rows, :width] if micro_rows else logp.detach(),
+                kl_coef=c.kl_coef,
             )
-            terms.loss.backward()
+            self._backprop(terms.loss)
             m = micro.response_mask.float()
             loss += terms.loss.item()
             totals["clip"] += terms.clipped_tokens.item()
@@ -138,6 +144,9 @@ class TorchPolicyTrainer:
             totals["kl_engine"] += ((micro.engine_logprobs - logp.detach()) * m).sum().item()
             totals["tokens"] += m.sum().item()
         return loss
+
+    def _backprop(self, loss: Tensor) -> None:
+        loss.backward()
 
     def loss_gradient(self, batch: RolloutBatch) -> Tensor:
         """The gradient of the GRPO loss on the whole batch at the current weights (on-policy: ratio 1),

@@ -159,7 +159,7 @@ def check_layout(cfg: Config) -> None:
     """The launched world against the configured layout, on every rank before any group is made."""
     if launched_world_size() > 1 and cfg.trainer.backend == "torch":
         raise ConfigError(f"trainer.backend=torch trains in one process, but this is a world of "
-                          f"{launched_world_size()} ranks: use trainer.backend=megatron under torchrun")
+                          f"{launched_world_size()} ranks: use trainer.backend=megatron or deepspeed under torchrun")
     model_parallel = cfg.parallel.tensor * cfg.parallel.pipeline
     policy_ranks = launched_world_size() - cfg.parallel.draft_ranks
     if policy_ranks < 1 or policy_ranks % model_parallel:

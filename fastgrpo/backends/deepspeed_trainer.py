@@ -1,0 +1,194 @@
+"""The DeepSpeed policy trainer: ZeRO (stage 1, 2 or 3) data parallelism of the Hugging Face policy
+itself, for policies megatron-core's GPT model does not cover.
+
+It is the torch trainer (the same loss function, micro-batching, clipping, warm-up and NaN-skip
+semantics) with DeepSpeed's engine as the model and optimizer:
+- each data-parallel rank scores and trains its share of every minibatch; ranks pad their shares to
+  the same number of micro-batches, because ZeRO's collectives run inside forward (stage 3 gathers
+  parameters) and backward (stages 2 and 3 reduce gradients);
+- the loss of a share is normalised over the whole minibatch and multiplied by the data-parallel
+  size, since DeepSpeed averages the ranks' gradients: their sum is the whole minibatch's gradient;
+- DeepSpeed's unmanaged gradient accumulation (`managed_gradient_accumulation: false`): backward
+  only accumulates, `step()` is the boundary, whatever the number of micro-batches;
+- a non-finite gradient norm makes ZeRO skip the update and the warm-up schedule (its overflow
+  check, on for fp32), which is the torch trainer's NaN-skip.
+On a CPU DeepSpeed runs with its CPU accelerator over gloo (`DS_ACCELERATOR=cpu`, set here when
+there is no GPU); its first start compiles a small communication extension (about 30 s, cached in
+torch's extension directory afterwards).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import Tensor
+
+from fastgrpo.backends.torch_trainer import TorchPolicyTrainer
+from fastgrpo.config import DeepSpeedConfig, GRPOConfig, OptimConfig
+from fastgrpo.types import Placement, RolloutBatch, SamplingParams
+
+STATS = ("clip", "entropy", "kl_engine", "kl_ref", "tokens")
+CHECKPOINT_TAG = "state"  # DeepSpeed's tag inside a checkpoint's `deepspeed/` directory
+LAYER = re.compile(r"^(.*?layers\.\d+)\.")
+
+
+def _start_deepspeed():
+    """DeepSpeed, imported for this machine's accelerator, and a process group (a world of one when
+    the process was started alone)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    if not dist.is_initialized():  # torchrun's world is made by the loop; a process started alone is one
+        from fastgrpo.distributed import COLLECTIVE_TIMEOUT, free_port
+
+        for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
+                           ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+            os.environ.setdefault(key, value)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=COLLECTIVE_TIMEOUT)
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+    return deepspeed
+
+
+def ds_config(ds: DeepSpeedConfig, grpo: GRPOConfig, optim: OptimConfig) -> dict:
+    zero: dict = {"stage": ds.zero_stage}
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return {"train_micro_batch_size_per_gpu": grpo.micro_batch_size, "gradient_accumulation_steps": 1,
+            "managed_gradient_accumulation": False, "gradient_clipping": optim.grad_clip,
+            "zero_optimization": zero, "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
+            "steps_per_print": 2**31 - 1}
+
+
+class DeepSpeedPolicyTrainer(TorchPolicyTrainer):
+    def __init__(self, policy_dir: str | Path, grpo: GRPOConfig, optim: OptimConfig, sampling: SamplingParams,
+                 ds: DeepSpeedConfig, reference_dir: str | Path | None = None):
+        from fastgrpo.models.policy import load_policy
+
+        deepspeed = _start_deepspeed()
+        self.zero_stage = ds.zero_stage
+        self.hf_config = None
+        model = load_policy(policy_dir)
+        self.hf_config = model.config
+        reference = load_policy(reference_dir).eval() if reference_dir is not None else None
+        super().__init__(model, grpo, optim, sampling, reference)  # AdamW and the warm-up schedule
+        self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=self.optimizer, lr_scheduler=self.scheduler, config=ds_config(ds, grpo, optim))
+        self.model.eval()
+        self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
+        self._deepspeed = deepspeed
+
+    # -- this rank's share, in as many micro-batches as every other rank's ----------------------
+    def _micro_batches(self, batch: RolloutBatch, rows: list[int]) -> Iterator[tuple[list[int], RolloutBatch]]:
+        k, m = len(rows), self.cfg.micro_batch_size
+        mine = rows[self.dp_rank * k // self.dp_size: (self.dp_rank + 1) * k // self.dp_size]
+        count = torch.tensor([-(-len(mine) // m)])
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        yield from super()._micro_batches(batch, mine)
+        for _ in range(int(count) - -(-len(mine) // m)):
+            empty = batch.select([0])
+            empty.response_mask = torch.zeros_like(empty.response_mask)
+            yield [], empty
+
+    def _sum(self, t: Tensor) -> Tensor:
+        if self.dp_size > 1:
+            dist.all_reduce(t)
+        return t
+
+    @torch.no_grad()
+    def logprobs(self, batch: RolloutBatch, model=None) -> Tensor:
+        """The whole batch's log-probabilities on every rank (each rank scores its share)."""
+        return self._sum(super().logprobs(batch, model))
+
+    def _backprop(self, loss: Tensor) -> None:
+        self.model.backward(loss * self.dp_size, scale_wrt_gas=False)
+
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        c = self.cfg
+        self.model.train()
+        old = self.logprobs(batch) if c.epochs * c.minibatches > 1 else None
+        ref = self.logprobs(batch, self.reference) if c.kl_coef > 0 else None
+        rows = list(range(batch.size))
+        per_mb = -(-batch.size // c.minibatches)
+        totals = dict(loss=0.0, grad_norm=0.0, **dict.fromkeys(STATS, 0.0))
+        updates = skipped = 0
+        for _ in range(c.epochs):
+            for start in range(0, batch.size, per_mb):
+                local = self._backward(batch, rows[start: start + per_mb], old, ref, totals)
+                mb_loss = float(self._sum(torch.tensor([local], dtype=torch.float64)))
+                self.model.step()  # ZeRO skips a non-finite update (and the schedule with it)
+                if self.model.was_step_applied():
+                    updates += 1
+                    totals["loss"] += mb_loss
+                    totals["grad_norm"] += float(self.model.get_global_grad_norm())
+                else:
+                    skipped += 1
+        self.model.eval()
+        summed = self._sum(torch.tensor([totals[k] for k in STATS], dtype=torch.float64)).tolist()
+        return self._report(totals | dict(zip(STATS, summed)), updates, skipped)
+
+    def placement(self) -> Placement:
+        return Placement(self.dp_rank, self.dp_size, leads_replica=True)  # every rank holds the whole policy
+
+    def export_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Hugging Face names and full tensors on every rank (collective); under ZeRO-3 gathered one
+        layer at a time, so no rank ever holds the whole model twice."""
+        named = self.model.module.state_dict(keep_vars=True)
+        groups: dict[str, list[str]] = {}
+        for name in named:
+            match = LAYER.match(name)
+            groups.setdefault(match.group(1) if match else name, []).append(name)
+        for names in groups.values():
+            params = [named[n] for n in names]
+            if self.zero_stage < 3:
+                yield from ((n, p.detach()) for n, p in zip(names, params))
+                continue
+            with self._deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                tensors = [(n, p.detach().clone()) for n, p in zip(names, params)]
+            yield from tensors
+
+    # -- checkpoints -------------------------------------------------------------------------
+    # A checkpoint directory holds `policy/` (the policy as a Hugging Face directory, written by rank 0
+    # from the gathered tensors) and `deepspeed/` (DeepSpeed's own checkpoint: every rank's partition of
+    # the model, optimizer and schedule, plus `fastgrpo.json` with the layout it was saved at).
+    def save(self, directory: Path) -> None:
+        directory = Path(directory)
+        tensors = {name: t.contiguous().clone() for name, t in self.export_weights()}  # every rank takes part
+        if self.dp_rank == 0:
+            policy = directory / "policy"
+            policy.mkdir(parents=True, exist_ok=True)
+            if self.hf_config.tie_word_embeddings:
+                tensors.pop("lm_head.weight", None)
+            save_file(tensors, str(policy / "model.safetensors"))
+            self.hf_config.save_pretrained(policy)
+        del tensors
+        self.model.save_checkpoint(str(directory / "deepspeed"), tag=CHECKPOINT_TAG, save_latest=False)
+        dist.barrier()
+        if self.dp_rank == 0:  # last: its presence says the checkpoint is complete
+            (directory / "deepspeed" / "fastgrpo.json").write_text(json.dumps(
+                {"zero_stage": self.zero_stage, "data": self.dp_size}, indent=1))
+        dist.barrier()
+
+    def load(self, directory: Path) -> None:
+        info = Path(directory) / "deepspeed" / "fastgrpo.json"
+        if not info.is_file():
+            raise FileNotFoundError(f"{directory} holds no DeepSpeed checkpoint ({info} missing): the DeepSpeed "
+                                    f"trainer resumes from checkpoints it saved")
+        saved = json.loads(info.read_text())
+        if (saved["zero_stage"], saved["data"]) != (self.zero_stage, self.dp_size):
+            raise ValueError(f"{directory} was saved at ZeRO stage {saved['zero_stage']} with {saved['data']} data-"
+                             f"parallel ranks; this run has stage {self.zero_stage} with {self.dp_size} (resume at "
+                             f"the same layout, or convert it: tools/convert_checkpoint.py deepspeed-to-hf)")
+        path, _ = self.model.load_checkpoint(str(Path(directory) / "deepspeed"), tag=CHECKPOINT_TAG,
+                                             load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {directory}")
