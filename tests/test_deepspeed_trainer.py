@@ -66,3 +66,61 @@ def test_a_zero_step_at_dp2_equals_the_torch_trainer(tmp_path, tiny_policy, stag
             assert float((exported[name] - t).norm() / t.norm()) <= 1e-5, name  # in near-zero gradients
         moved = max(float((weights[n] - w).abs().max()) for n, w in initial_weights(args).items())
         assert moved > 1e-4
+
+
+def ds_overrides(tmp, policy, draft, **extra) -> list[str]:
+    from tests.test_distributed_run import overrides
+
+    return overrides(tmp, policy, draft, **{"trainer.backend": "deepspeed", "deepspeed.zero_stage": 3} | extra)
+
+
+def test_torchrun_zero3_trains_with_speculation_and_the_draft_learning_on_its_rank(tmp_path, tiny_policy, tiny_draft):
+    """`torchrun --nproc-per-node 2 -m fastgrpo train trainer.backend=deepspeed deepspeed.zero_stage=3
+    parallel.draft_ranks=1 draft.online=async`: one ZeRO-3 rank with its engine speculating, one draft
+    rank learning from its states; every pushed version served, the draft rank's versions swapped in
+    (6 steps: the draft rank's first version takes a few of these 0.3 s steps to arrive)."""
+    from tests.test_distributed_run import run
+    from tests.test_train import history
+
+    args = ds_overrides(tmp_path, tiny_policy, tiny_draft, **{
+        "parallel.draft_ranks": 1, "draft.online": "async", "draft.async_publish_s": 0.5, "speculation.policy": "aware",
+        "grpo.steps": 6, "checkpoint.every": 6})
+    out = run(2, args, tmp_path / "async.log")
+    assert "step 6/6" in out and "summary:" in out
+    assert history(tmp_path / "run", "weights_version") == {s: float(s - 1) for s in range(1, 7)}
+    assert min(history(tmp_path / "run", "accept_len").values()) > 1.0  # the engine speculated, drafts accepted
+    versions = history(tmp_path / "run", "draft_version")
+    assert versions[6] >= 1 and list(versions.values()) == sorted(versions.values()), versions
+    saved = tmp_path / "run" / "checkpoints" / "step_00000006"
+    assert (saved / "deepspeed" / "fastgrpo.json").is_file() and (saved / "draft" / "draft.safetensors").is_file()
+
+
+def test_a_zero3_run_at_dp2_resumes_bit_exact_and_converts_to_hugging_face(tmp_path, tiny_policy, tiny_draft):
+    """ZeRO-3 at DP2 (two engines, a frozen draft with fixed trees): 2 steps + `--resume` + 1 step
+    equals 3 steps bit for bit (losses, gradient norms, rollouts); `deepspeed-to-hf` turns the
+    checkpoint's DeepSpeed state into the same Hugging Face policy the checkpoint holds; a resume at
+    another data-parallel size is refused with what to do."""
+    from safetensors.torch import load_file
+
+    from tests.test_distributed_run import STEP_KEYS, Torchrun, run
+    from tests.test_train import history
+    from tools.convert_checkpoint import main as convert
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run(2, ds_overrides(straight, tiny_policy, tiny_draft, **{"grpo.steps": 3}), tmp_path / "straight.log")
+    run(2, ds_overrides(resumed, tiny_policy, tiny_draft, **{"grpo.steps": 2}), tmp_path / "a.log")
+    out = run(2, ["--resume", *ds_overrides(resumed, tiny_policy, tiny_draft, **{"grpo.steps": 3})], tmp_path / "b.log")
+    assert "resumed from" in out and "step 3/3" in out
+    for key in STEP_KEYS:
+        assert history(resumed / "run", key) == history(straight / "run", key), key
+
+    checkpoint = resumed / "run" / "checkpoints" / "step_00000003"
+    assert convert(["deepspeed-to-hf", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "hf")]) == 0
+    converted = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    held = load_file(str(checkpoint / "policy" / "model.safetensors"))
+    assert converted.keys() >= held.keys() and all(torch.equal(converted[k], held[k]) for k in held)
+    assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
+
+    other = Torchrun(1, ["--resume", *ds_overrides(resumed, tiny_policy, tiny_draft, **{"grpo.steps": 4})],
+                     tmp_path / "c.log")
+    assert other.wait() != 0 and "saved at ZeRO stage 3 with 2 data-parallel ranks" in other.output()

@@ -815,6 +815,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-shard-size", default="5GB")
     p.add_argument("--dtype", default="keep")
     p.add_argument("--tokenizer", type=Path, help="copy the tokenizer (and config) from this directory")
+    p = sub.add_parser("deepspeed-to-hf", help="a checkpoint of the DeepSpeed trainer (any ZeRO stage) -> Hugging Face")
+    p.add_argument("--checkpoint", type=Path, required=True, help="a training checkpoint (step_N) of trainer.backend=deepspeed")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--dtype", default="keep")
     p = sub.add_parser("reshard", help="a Megatron checkpoint -> the same at another TP x PP (model only)")
     p.add_argument("--megatron", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
@@ -870,6 +875,8 @@ def _run(args) -> int:
         if source.kind != "megatron":
             raise ConversionError(f"{args.megatron} is a Hugging Face directory, not a Megatron checkpoint")
         stats = write_hf(source, args.out, parse_size(args.max_shard_size), _dtype_arg(args.dtype), args.tokenizer)
+    elif c == "deepspeed-to-hf":
+        stats = deepspeed_to_hf(args.checkpoint, args.out, parse_size(args.max_shard_size), _dtype_arg(args.dtype))
     elif c == "reshard":
         source = open_checkpoint(args.megatron)
         if source.kind != "megatron":
@@ -924,6 +931,35 @@ def export_draft(draft: Path, policy: Path, out: Path, drop_norms: bool = False)
              "sglang_source": "python/sglang/srt/models/llama_eagle.py (sglang 0.5.23)", "dropped": dropped,
              "draft": meta}, indent=1))
     return {"tensors": len(tensors), "dropped": dropped}
+
+
+def deepspeed_to_hf(checkpoint: Path, out: Path, max_shard: int, dtype: torch.dtype | None = None) -> dict:
+    """The DeepSpeed trainer's checkpoint (`<checkpoint>/deepspeed`, every rank's ZeRO partitions) as a
+    Hugging Face directory, consolidated by DeepSpeed's own `zero_to_fp32` (which holds the whole fp32
+    model in memory: a tool for one machine with enough of it); config and tokenizer from the
+    checkpoint's `policy/`."""
+    from fastgrpo.backends.deepspeed_trainer import CHECKPOINT_TAG
+
+    checkpoint = Path(checkpoint)
+    ds_dir, policy = checkpoint / "deepspeed", checkpoint / "policy"
+    if not (ds_dir / "fastgrpo.json").is_file():
+        raise ConversionError(f"{checkpoint} holds no DeepSpeed checkpoint ({ds_dir / 'fastgrpo.json'} missing)")
+    if not (policy / "config.json").is_file():
+        raise ConversionError(f"{checkpoint} has no policy/config.json to name the model")
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag=CHECKPOINT_TAG)
+    if load_config(policy).tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    plan = [(name, tuple(t.shape), dtype or t.dtype) for name, t in state.items()]
+    with atomic_dir(out) as tmp:
+        writer = SafetensorsWriter(tmp, plan, max_shard)
+        for name, t in state.items():
+            writer.write(name, _cast(t, dtype))
+        writer.close()
+        _copy_non_weights(policy, tmp)
+    return {"tensors": len(plan), "bytes": writer.total, "files": len(writer.files)}
 
 
 def bench_memory(size_gb: float, output: Path, workdir: Path | None) -> dict:

@@ -81,8 +81,16 @@ class DeepSpeedPolicyTrainer(TorchPolicyTrainer):
         self.hf_config = model.config
         reference = load_policy(reference_dir).eval() if reference_dir is not None else None
         super().__init__(model, grpo, optim, sampling, reference)  # AdamW and the warm-up schedule
-        self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=self.optimizer, lr_scheduler=self.scheduler, config=ds_config(ds, grpo, optim))
+        # the policy ranks' group is the data-parallel world; torchrun's WORLD_SIZE also counts the draft
+        # slice, which ZeRO-3 would take for a misconfigured launch when the policy has one rank
+        launched = os.environ.get("WORLD_SIZE")
+        os.environ["WORLD_SIZE"] = str(dist.get_world_size())
+        try:
+            self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=model, optimizer=self.optimizer, lr_scheduler=self.scheduler, config=ds_config(ds, grpo, optim))
+        finally:
+            if launched is not None:
+                os.environ["WORLD_SIZE"] = launched
         self.model.eval()
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
         self._deepspeed = deepspeed

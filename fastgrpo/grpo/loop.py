@@ -14,8 +14,10 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,7 +86,12 @@ def train(cfg: Config, resume: bool = False) -> TrainResult:
     check_layout(cfg)
     if is_draft_rank(cfg.parallel.draft_ranks):  # a rank of the reserved draft slice: it serves the engines
         serve_draft_slice(cfg, init_world(cfg.parallel.draft_ranks))
-        return TrainResult([], {})
+        # its receiving threads stay blocked in the store's C++ receive; an interpreter exit that
+        # destroys them can abort the rank ("terminate called without an active exception", seen
+        # under load): its work is done and saved, so it leaves at once
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     stop = StopRequest()
     try:
         return _train(setup_run(cfg, resume), stop)
