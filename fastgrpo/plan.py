@@ -129,7 +129,7 @@ def _check_layout(plan: Plan, cfg: Config, config: PretrainedConfig, s: Layout, 
         check((False, f"the Megatron layout refuses it: {e}"))
     if cfg.trainer.backend == "torch":
         check((world == 1, f"trainer.backend=torch trains in one process: 1 device (not {world}); "
-                           f"trainer.backend=megatron spans more"))
+                           f"trainer.backend=megatron or deepspeed spans more"))
     policy = world - d_ranks
     ok = policy >= t * p and policy % (t * p) == 0
     check((ok, f"{world} GPUs = tensor {t} x pipeline {p} x data {policy // (t * p) if ok else '?'} "
@@ -207,9 +207,19 @@ def _policy_phases(plan: Plan, cfg: Config, s: Layout, dp: int, capacity: float)
               ((0 if s.tied and p == 1 else embed) + s.hidden if i == p - 1 else 0) for i in range(p)]
     P = max(stages) / t
     ref = cfg.grpo.kl_coef > 0
-    resident = [Term("weights (fp32)", _gib(FP32 * P), f"4 B x {P / 1e9:.2f}B parameters (largest stage / TP)"),
-                Term("gradients (fp32)", _gib(FP32 * P), "4 B x parameters (megatron's fp32 gradient buffer)"),
-                Term("Adam moments (fp32)", _gib(2 * FP32 * P), "8 B x parameters, replicated over data ranks")]
+    if cfg.trainer.backend == "deepspeed":  # ZeRO: stage 1 shards Adam, 2 also the gradients, 3 also the weights
+        z, ds = cfg.deepspeed.zero_stage, cfg.deepspeed
+        resident = [Term("weights (fp32)", _gib(FP32 * P / (dp if z == 3 else 1)),
+                         f"4 B x {P / 1e9:.2f}B parameters" + (f" / data {dp} (ZeRO-3)" if z == 3 else "")),
+                    Term("gradients (fp32)", _gib(FP32 * P / (dp if z >= 2 else 1)),
+                         "4 B x parameters" + (f" / data {dp} (ZeRO-{z})" if z >= 2 else "")),
+                    Term("Adam moments (fp32)", 0.0 if ds.offload_optimizer else _gib(2 * FP32 * P / dp),
+                         "in CPU memory (deepspeed.offload_optimizer)" if ds.offload_optimizer
+                         else f"8 B x parameters / data {dp} (ZeRO)")]
+    else:
+        resident = [Term("weights (fp32)", _gib(FP32 * P), f"4 B x {P / 1e9:.2f}B parameters (largest stage / TP)"),
+                    Term("gradients (fp32)", _gib(FP32 * P), "4 B x parameters (megatron's fp32 gradient buffer)"),
+                    Term("Adam moments (fp32)", _gib(2 * FP32 * P), "8 B x parameters, replicated over data ranks")]
     if ref:
         resident.append(Term("reference policy (fp32)", _gib(FP32 * P), "4 B x parameters (grpo.kl_coef > 0)"))
     reserve = Term("runtime allowance", RESERVE_GIB[cfg.engine.backend], "fixed (CUDA context, buffers, fragmentation)")

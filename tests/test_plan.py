@@ -99,3 +99,25 @@ def test_the_rank_map_is_megatrons():
             assert len(others) == 1, (token, group)  # a group varies in its own coordinate only
             assert sorted(coordinates(r, t, d)[index] for r in group) == list(range(len(group)))
     assert make_plan(load_config("configs/llama3_70b.yaml"), 9, 8, 80).fits
+
+
+def test_zero_stages_shard_what_they_say(capsys):
+    """Llama-3-8B under trainer.backend=deepspeed on one node of 8 (no draft slice): ZeRO-1 shards
+    Adam over the 8 data ranks, ZeRO-2 the gradients too, ZeRO-3 the weights too; offload moves Adam
+    off the GPU."""
+    base = ["--config", "configs/llama3_8b.yaml", "trainer.backend=deepspeed", "parallel.tensor=1",
+            "parallel.draft_ranks=0", "draft.online=off", "trainer.recompute=false"]
+
+    def terms(*extra):
+        _, out = plan(capsys, *base, *extra)
+        section = out.split("policy GPU, rollout")[1].split("\n\n")[0]
+        return {name: float(line.strip()[len(name):].split()[0]) for line in section.splitlines()
+                for name in ("weights (fp32)", "gradients (fp32)", "Adam moments (fp32)") if line.strip().startswith(name)}
+
+    p = parameters(Layout.of(model_config(load_config("configs/llama3_8b.yaml"))[0])) * 4 / 2**30  # GiB of fp32
+    one, two, three = (terms(f"deepspeed.zero_stage={z}") for z in (1, 2, 3))
+    assert one["weights (fp32)"] == pytest.approx(p, abs=0.01) and one["gradients (fp32)"] == pytest.approx(p, abs=0.01)
+    assert one["Adam moments (fp32)"] == pytest.approx(2 * p / 8, abs=0.01)
+    assert two["gradients (fp32)"] == pytest.approx(p / 8, abs=0.01) and two["weights (fp32)"] == pytest.approx(p, abs=0.01)
+    assert three["weights (fp32)"] == pytest.approx(p / 8, abs=0.01)
+    assert terms("deepspeed.zero_stage=3", "deepspeed.offload_optimizer=true")["Adam moments (fp32)"] == 0.0

@@ -1,5 +1,5 @@
-"""`fastgrpo bench trainer`: one GRPO train step of the torch and Megatron trainers, where the
-Megatron trainer's extra time goes, and the weight push from each layout to its engines.
+"""`fastgrpo bench trainer`: one GRPO train step of the torch, Megatron and DeepSpeed trainers, where
+the distributed trainers' extra time goes, and the weight push from each layout to its engines.
 
 Every layout trains on the same batch (random token sequences of rollout-like lengths, random
 advantages: the step's cost depends on shapes, not on what the tokens say) in a world of its own
@@ -29,9 +29,10 @@ from fastgrpo.bench.report import command_line, publish
 from fastgrpo.config import Config
 from fastgrpo.distributed import run_world
 
-# backend, world, tensor, pipeline (data parallelism: what remains of the world)
+# backend, world, tensor, pipeline (data parallelism: what remains of the world); deepspeed-zN: ZeRO stage N
 LAYOUTS = (("torch", 1, 1, 1), ("megatron", 1, 1, 1), ("megatron", 2, 2, 1), ("megatron", 2, 1, 1),
-           ("megatron", 4, 2, 2))
+           ("megatron", 4, 2, 2), ("deepspeed-z2", 1, 1, 1), ("deepspeed-z2", 2, 1, 1), ("deepspeed-z3", 1, 1, 1),
+           ("deepspeed-z3", 2, 1, 1))
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier")
 
 
@@ -97,6 +98,13 @@ def _rank(rank: int, world: int, backend: str, tensor: int, pipeline: int, cfg: 
 
         trainer = TorchPolicyTrainer(load_policy(cfg.model.path), cfg.grpo, cfg.optim, sampling)
         vocab = trainer.model.config.vocab_size
+    elif backend.startswith("deepspeed"):
+        from fastgrpo.backends.deepspeed_trainer import DeepSpeedPolicyTrainer
+        from fastgrpo.config import DeepSpeedConfig
+
+        trainer = DeepSpeedPolicyTrainer(cfg.model.path, cfg.grpo, cfg.optim, sampling,
+                                         DeepSpeedConfig(zero_stage=int(backend[-1])))
+        vocab = trainer.hf_config.vocab_size
     else:
         from fastgrpo.backends.megatron.trainer import MegatronPolicyTrainer
 
@@ -160,7 +168,7 @@ def bench_trainer(cfg: Config, quick: bool, output: Path, extra: list[str] | Non
         sync = max(r["sync_s"] for r in ranks)  # every engine holds the version when the slowest push ends
         leaders = [r for r in ranks if "memcpy_s" in r]
         memcpy = statistics.median(r["memcpy_s"] for r in leaders)
-        name = "torch" if backend == "torch" else _layout_name(world, tensor, pipeline)
+        name = "torch" if backend == "torch" else _layout_name(backend, world, tensor, pipeline)
         rows.append({"layout": name, "world": world, "step_s": step, "comm_s": comm, "sync_s": sync,
                      "sync_bytes": ranks[0]["sync_bytes"], "engines": len(leaders), "memcpy_s": memcpy,
                      "sync_gb_s": ranks[0]["sync_bytes"] / sync / 1e9,
@@ -179,11 +187,12 @@ def bench_trainer(cfg: Config, quick: bool, output: Path, extra: list[str] | Non
     return result
 
 
-def _layout_name(world: int, tensor: int, pipeline: int) -> str:
-    """"megatron", "megatron TP2", "megatron DP2", "megatron TP2xPP2", ..."""
+def _layout_name(backend: str, world: int, tensor: int, pipeline: int) -> str:
+    """"megatron", "megatron TP2", "megatron DP2", "megatron TP2xPP2", "deepspeed ZeRO-3 DP2", ..."""
     data = world // (tensor * pipeline)
     parts = [f"{k}{n}" for k, n in (("TP", tensor), ("PP", pipeline), ("DP", data)) if n > 1]
-    return "megatron" + (" " + "x".join(parts) if parts else "")
+    name = f"deepspeed ZeRO-{backend[-1]}" if backend.startswith("deepspeed") else backend
+    return name + (" " + "x".join(parts) if parts else "")
 
 
 def markdown(r: dict, command: str) -> str:
