@@ -1,0 +1,1074 @@
+"""`fastgrpo bench simulate`: one engine's rollout, simulated step by step, and checked against this CPU.
+
+Why: speculation pays where a verify forward of tens of tokens costs about one plain forward (a GPU at
+small batch) and where rollouts have a long tail (reasoning RL). Neither exists here. The simulator
+replays the engine's scheduling (continuous batching: prefill whenever rows are free, every other
+step a plain or speculative decode step of all running rows, finished rows leave at once) with the
+REAL speculation policy objects deciding at every step, against a stated cost model of a named
+accelerator and model, and accepted lengths drawn from a stated acceptance profile. It is trusted
+only as far as, with this machine's measured costs and our engine's measured acceptance, it predicts
+the real engine's rollout times, which the same command measures (the "validation" section).
+
+Nothing here hands a policy the simulator's true costs: `aware` gets a cost model built by timing the
+simulated forwards with the calibration sweep of `cost_model.calibrate` (same sizes, same fixed
+context) and then corrects it, as on the engine, from the step seconds it observes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import platform
+import random
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from fastgrpo.speculation.cost_model import CONTEXT, SWEEP, CostModel
+from fastgrpo.speculation.policy import Aware, FastGRPOFormula, Off, SpeculationPolicy, Static
+from fastgrpo.speculation.tlt import TLT
+from fastgrpo.speculation.tree import SpecConfig
+
+DRAFT_WINDOW = 16  # EmbeddedEngine's default draft_window: the most states a catch-up feeds per row
+# the GRPO batch's fixed trees (bench rollout's STATIC_SWEEP) and the config's static tree
+STATIC_SWEEP = (SpecConfig(2, 2, 4), SpecConfig(3, 4, 8), SpecConfig(4, 4, 12), SpecConfig(5, 8, 24))
+STATIC_DEFAULT = SpecConfig(4, 4, 12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Costs: the seconds of every kind of engine work, for one accelerator and model
+# ---------------------------------------------------------------------------------------------
+class Costs(Protocol):
+    name: str
+
+    def target(self, B: int, n: int, ctx_max: int, ctx_sum: int) -> float:
+        """One target forward of B rows x n new tokens over cached contexts (longest, summed)."""
+
+    def draft(self, B: int, n: int, ctx_max: int, ctx_sum: int) -> float:
+        """One draft forward (its decoder layer and the LM head) of B rows x n tokens."""
+
+    def decode_step(self, B: int, ctx_max: int, ctx_sum: int) -> float: ...
+
+    def spec_step(self, c: SpecConfig, B: int, width: int, ctx_max: int, ctx_sum: int) -> float:
+        """Catch-up of `width` states per row, the tree's levels, the verify forward, sampling, bookkeeping."""
+
+    def prefill(self, unique: int, width: int, joined: int) -> float: ...
+
+    def between_steps(self, B: int) -> float:
+        """Engine time per decode step outside the timed step (scheduling, retiring, statistics)."""
+
+    def per_call(self, sequences: int) -> float: ...
+
+
+# Public specifications. H100 SXM5: 3.35 TB/s HBM3, 989 TFLOP/s dense BF16, NVLink 4 at 900 GB/s
+# (450 GB/s each way) -- NVIDIA H100 Tensor Core GPU datasheet. H200 SXM: 4.8 TB/s HBM3e, the same
+# 989 TFLOP/s dense BF16 and 900 GB/s NVLink -- NVIDIA H200 Tensor Core GPU datasheet.
+@dataclass(frozen=True)
+class Accelerator:
+    name: str
+    hbm_bytes_s: float
+    peak_flops: float
+    link_bytes_s: float  # one direction, per GPU (what a ring all-reduce streams at)
+    # Our assumptions, not measurements: decode GEMV-like kernels reach ~80% of HBM bandwidth and
+    # large GEMMs ~60% of dense peak; a captured (CUDA-graph) forward costs ~0.4 ms of launch and
+    # synchronisation beyond its roofline, a draft forward ~0.1 ms; sampling and scheduling ~0.3 ms
+    # per step and a speculative step's tree build and verification ~0.3 ms more; an NCCL
+    # all-reduce over NVLink ~10 us of latency.
+    bw_eff: float = 0.8
+    flops_eff: float = 0.6
+    target_overhead_s: float = 0.4e-3
+    draft_overhead_s: float = 0.1e-3
+    step_overhead_s: float = 0.3e-3
+    spec_overhead_s: float = 0.3e-3
+    allreduce_latency_s: float = 10e-6
+
+
+H100 = Accelerator("H100 SXM", 3.35e12, 989e12, 450e9)
+H200 = Accelerator("H200 SXM", 4.8e12, 989e12, 450e9)
+ACCELERATORS = {"h100": H100, "h200": H200}
+
+
+# Model shapes from the models' Hugging Face config.json (meta-llama/Meta-Llama-3-8B, -70B).
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tp: int = 1
+    bytes_per_param: int = 2  # bf16 weights and KV
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def layer_params(self) -> int:
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        return h * (h + 2 * kv) + h * h + 3 * h * self.intermediate
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab * self.hidden
+
+
+LLAMA3_8B = ModelShape("Llama-3-8B", 32, 4096, 14336, 32, 8, 128256, tp=1)
+LLAMA3_70B = ModelShape("Llama-3-70B (TP8)", 80, 8192, 28672, 64, 8, 128256, tp=8)
+MODELS = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
+
+
+class Roofline:
+    """Step latency of `model` on `hw`: each forward takes the longer of its bytes (weights, and the
+    KV cache of every row's context) over achievable bandwidth and its FLOPs (matmuls of every token,
+    attention growing with context) over achievable peak, plus a fixed overhead and, at TP > 1, two
+    ring all-reduces of the activations per layer. The draft (EAGLE: one decoder layer, the fusing
+    projection, the target's LM head) runs on the same GPUs at the same TP."""
+
+    def __init__(self, hw: Accelerator, model: ModelShape):
+        self.hw, self.model = hw, model
+        self.name = f"{hw.name} / {model.name}"
+
+    def _forward(self, B: int, n: int, ctx_sum: int, params: int, layers: int, overhead: float) -> float:
+        m, hw = self.model, self.hw
+        tokens = B * n
+        kv_bytes_per_token = 2 * layers * m.kv_heads * m.head_dim * m.bytes_per_param / m.tp
+        bytes_ = params * m.bytes_per_param / m.tp + kv_bytes_per_token * ctx_sum
+        flops = 2 * params * tokens / m.tp + 4 * layers * m.heads * m.head_dim * n * ctx_sum / m.tp
+        seconds = max(bytes_ / (hw.hbm_bytes_s * hw.bw_eff), flops / (hw.peak_flops * hw.flops_eff)) + overhead
+        if m.tp > 1:
+            message = tokens * m.hidden * m.bytes_per_param
+            seconds += 2 * layers * (hw.allreduce_latency_s + 2 * (m.tp - 1) / m.tp * message / hw.link_bytes_s)
+        return seconds
+
+    def target(self, B: int, n: int, ctx_max: int, ctx_sum: int) -> float:
+        m = self.model
+        return self._forward(B, n, ctx_sum, m.layers * m.layer_params + m.lm_head_params, m.layers,
+                             self.hw.target_overhead_s)
+
+    def draft(self, B: int, n: int, ctx_max: int, ctx_sum: int) -> float:
+        m = self.model
+        return self._forward(B, n, ctx_sum, m.layer_params + 2 * m.hidden * m.hidden + m.lm_head_params, 1,
+                             self.hw.draft_overhead_s)
+
+    def decode_step(self, B: int, ctx_max: int, ctx_sum: int) -> float:
+        return self.target(B, 1, ctx_max, ctx_sum) + self.hw.step_overhead_s
+
+    def spec_step(self, c: SpecConfig, B: int, width: int, ctx_max: int, ctx_sum: int) -> float:
+        draft = self.draft(B, width, ctx_max, ctx_sum) + (c.depth - 1) * self.draft(B, c.topk, ctx_max, ctx_sum)
+        return (draft + self.target(B, c.num_verify, ctx_max, ctx_sum) + self.hw.step_overhead_s
+                + self.hw.spec_overhead_s)
+
+    def prefill(self, unique: int, width: int, joined: int) -> float:
+        return self.target(unique, width, width, unique * width // 2) + self.hw.step_overhead_s
+
+    def between_steps(self, B: int) -> float:
+        return 0.0  # in step_overhead_s
+
+    def per_call(self, sequences: int) -> float:
+        return 0.0
+
+
+@dataclass
+class CpuCosts:
+    """This machine running the bench policy: the engine's own calibration sweep (target and draft
+    forwards by tokens per forward, at the sweep's fixed context) plus what the engine spends that
+    the sweep does not see, each measured on the engine (`measure_cpu_costs`): attention past the
+    sweep's context, the step's work around its forwards (sampling, tree build and verification,
+    cache bookkeeping), prefill, and the engine loop between steps."""
+
+    curve: CostModel
+    ctx_slope: float  # seconds per (token in the forward x cached token beyond CONTEXT), target
+    draft_ctx_slope: float
+    off_fit: tuple[float, ...]  # plain step beyond its forward: a + b B
+    spec_fit: tuple[float, ...]  # speculative step beyond its forwards: a + b B + c B n + d depth
+    prefill_fit: tuple[float, ...]  # a + b unique * width + c joined
+    other_fit: tuple[float, ...]  # outside the steps: per call, per step, per running sequence per step
+    name: str = "this CPU / bench policy"
+
+    def target(self, B: int, n: int, ctx_max: int, ctx_sum: int) -> float:
+        base = self.curve.target(B * n)
+        return max(base + self.ctx_slope * B * n * (ctx_max - CONTEXT), 0.5 * base)
+
+    def draft(self, B: int, n: int, ctx_max: int, ctx_sum: int) -> float:
+        base = self.curve.draft(B * n)
+        return max(base + self.draft_ctx_slope * B * n * (ctx_max - CONTEXT), 0.5 * base)
+
+    def decode_step(self, B: int, ctx_max: int, ctx_sum: int) -> float:
+        a, b = self.off_fit
+        return self.target(B, 1, ctx_max, ctx_sum) + max(a + b * B, 0.0)
+
+    def spec_forwards(self, c: SpecConfig, B: int, width: int, ctx_max: int) -> float:
+        return (self.draft(B, width, ctx_max, 0) + (c.depth - 1) * self.draft(B, c.topk, ctx_max, 0)
+                + self.target(B, c.num_verify, ctx_max, 0))
+
+    def spec_step(self, c: SpecConfig, B: int, width: int, ctx_max: int, ctx_sum: int) -> float:
+        a, b, k, d = self.spec_fit
+        return self.spec_forwards(c, B, width, ctx_max) + max(a + b * B + k * B * c.num_verify + d * c.depth, 0.0)
+
+    def prefill(self, unique: int, width: int, joined: int) -> float:
+        a, b, c = self.prefill_fit
+        return max(a + b * unique * width + c * joined, 0.0)
+
+    def between_steps(self, B: int) -> float:
+        _, per_step, per_row = self.other_fit
+        return max(per_step + per_row * B, 0.0)
+
+    def per_call(self, sequences: int) -> float:
+        return max(self.other_fit[0], 0.0)
+
+    def to_json(self) -> dict:
+        return {"curve": self.curve.to_json(), "ctx_slope": self.ctx_slope, "draft_ctx_slope": self.draft_ctx_slope,
+                "off_fit": self.off_fit, "spec_fit": self.spec_fit, "prefill_fit": self.prefill_fit,
+                "other_fit": self.other_fit}
+
+
+def simulated_cost_model(costs: Costs, error: Callable[[str, int], float] | None = None) -> CostModel:
+    """What `cost_model.calibrate` would measure on the simulated machine: target and draft forwards
+    at each sweep size (B = min(tokens, 64) rows of tokens / B new tokens, over CONTEXT cached tokens
+    each). `error(kind, tokens)` multiplies a point (to test that `aware` survives a bad calibration)."""
+    target_s, draft_s = {}, {}
+    for tokens in SWEEP:
+        B = min(tokens, 64)
+        n = max(tokens // B, 1)
+        target_s[tokens] = costs.target(B, n, CONTEXT, B * CONTEXT) * (error("target", tokens) if error else 1.0)
+        draft_s[tokens] = costs.draft(B, n, CONTEXT, B * CONTEXT) * (error("draft", tokens) if error else 1.0)
+    return CostModel(target_s, draft_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Acceptance: draft tokens accepted per sequence per speculative step
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class AcceptanceProfile:
+    """P(a tree of shape c accepts >= d tokens) = prod over depths j <= d of cov_j(w), where
+    cov_j(w) = 1 - (1 - alpha_j) w^-beta is the chance the target's token at depth j is among the
+    w draft candidates kept under the path's node (alpha_j: the top-1 chance, beta: what width adds),
+    and w = clamp((n - 1) / depth, 1, top-k) is the tree's fill (the same crude width the engine's
+    AcceptanceModel uses as its prior). Shapes measured often enough are drawn from their measured
+    histogram instead (`empirical`)."""
+
+    alpha: list[float]  # top-1 acceptance at depth 1, 2, ... (the last repeats beyond)
+    beta: float
+    empirical: dict[SpecConfig, list[int]] = field(default_factory=dict)  # accepted counts per measured shape
+    min_samples: int = 200
+    source: str = ""
+
+    def survival(self, c: SpecConfig) -> list[float]:
+        """P(accepted >= d) for d = 1..depth."""
+        if c in self.empirical and len(self.empirical[c]) >= self.min_samples:
+            a = np.asarray(self.empirical[c])
+            return [float((a >= d).mean()) for d in range(1, c.depth + 1)]
+        w = min(max((c.num_verify - 1) / c.depth, 1.0), c.topk)
+        depth = min(c.depth, c.num_verify - 1)
+        out, reach = [], 1.0
+        for j in range(1, c.depth + 1):
+            alpha = self.alpha[min(j, len(self.alpha)) - 1]
+            reach *= 0.0 if j > depth else 1 - (1 - alpha) * w ** (-self.beta)
+            out.append(reach)
+        return out
+
+    def mean(self, c: SpecConfig) -> float:
+        return 1.0 + sum(self.survival(c))
+
+    def draw(self, c: SpecConfig, B: int, rng: np.random.Generator) -> np.ndarray:
+        if c in self.empirical and len(self.empirical[c]) >= self.min_samples:
+            return rng.choice(np.asarray(self.empirical[c]), size=B)
+        s = np.asarray(self.survival(c))
+        return (rng.random(B)[:, None] < s[None, :]).sum(1)  # survival is non-increasing in depth
+
+    def to_json(self) -> dict:
+        return {"alpha": self.alpha, "beta": self.beta, "source": self.source,
+                "measured_mean_emitted": {c.name: 1 + float(np.mean(v)) for c, v in self.empirical.items()},
+                "measured_samples": {c.name: len(v) for c, v in self.empirical.items()}}
+
+
+def fit_acceptance(measured: dict[SpecConfig, list[int]], source: str) -> AcceptanceProfile:
+    """alpha_j = alpha_1 gamma^(j-1) and beta fitted (grid search) to the mean accepted length of
+    every measured shape, weighted by its samples; the measured histograms are kept."""
+    data = [(c, float(np.mean(v)), len(v)) for c, v in measured.items() if v]
+    best, best_err = ([0.6], 0.5), float("inf")
+    for a1 in np.linspace(0.05, 0.97, 47):
+        for gamma in np.linspace(0.6, 1.2, 13):
+            alpha = [min(a1 * gamma ** j, 0.99) for j in range(8)]
+            for beta in np.linspace(0.0, 1.5, 16):
+                p = AcceptanceProfile(alpha, beta)
+                err = sum(n * (p.mean(c) - 1 - m) ** 2 for c, m, n in data)
+                if err < best_err:
+                    best, best_err = (alpha, float(beta)), err
+    return AcceptanceProfile(best[0], best[1], {c: list(v) for c, v in measured.items()}, source=source)
+
+
+def eagle_profile(beta: float) -> AcceptanceProfile:
+    """An EAGLE-3 draft on Llama-3.1-8B-Instruct sampling at temperature 1: a chain of 7 draft tokens
+    emits tau = 3.34 tokens per step on GSM8K (3.49 HumanEval, 2.77 MT-bench), as measured with
+    proper rejection sampling for the public checkpoint yuhuili/EAGLE3-LLaMA3.1-Instruct-8B in the
+    model card of nebius/EAGLE3-Llama-3.3-70B-Instruct (the EAGLE-3 paper, arXiv 2503.01840, reports
+    longer ones at temperature 0, which a GRPO rollout does not use). A constant per-depth alpha
+    reproducing tau = 3.34 for the chain; what width adds (`beta`) is not in that figure and is taken
+    from our own draft's fit (an assumption: a real draft's top-k may gain more or less)."""
+    lo, hi = 0.01, 0.99
+    for _ in range(60):  # 1 + a + ... + a^7 = 3.34
+        a = (lo + hi) / 2
+        lo, hi = (a, hi) if sum(a**j for j in range(8)) < 3.34 else (lo, a)
+    return AcceptanceProfile([a], beta, source="EAGLE-3, Llama-3.1-8B, T=1, GSM8K tau 3.34 (chain of 7)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Workloads
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SimRequest:
+    prompt: int  # prompt identity (samples of one prompt share its prefill)
+    prompt_len: int
+    length: int  # response tokens the target generates (EOS included), before any cap
+
+
+@dataclass
+class Workload:
+    name: str
+    requests: list[SimRequest]
+    max_new: int
+    max_context: int
+    description: str = ""
+
+
+def grpo_workload(name: str, prompt_lens: Sequence[int], lengths: Sequence[Sequence[int]], max_new: int,
+                  max_context: int, description: str = "") -> Workload:
+    """A GRPO batch: lengths[p] holds the responses of prompt p (its group)."""
+    reqs = [SimRequest(p, prompt_lens[p], L) for p, group in enumerate(lengths) for L in group]
+    return Workload(name, reqs, max_new, max_context, description)
+
+
+def longtail_workload(n_prompts: int, group: int, mean: float, sigma: float, max_new: int, prompt_len: int,
+                      seed: int) -> Workload:
+    """Long-tailed reasoning responses: lognormal lengths of the given mean and log-space sigma, capped
+    at max_new (capped ones are the truncated tail). Defaults (bench_simulate) are ASSUMPTIONS
+    shaped after published reasoning-RL statistics, not fitted to a figure: DAPO (arXiv 2503.14476)
+    trains with responses of up to 16,384 tokens (plus a 4,096-token overlong buffer) and mean lengths
+    that grow into the thousands; TLT (arXiv 2511.16665) describes the same persistent long tail, a
+    few responses near the cap dominating the step. A prompt's samples share a per-prompt difficulty
+    factor (half of the log-variance), as samples of one problem do."""
+    rng = np.random.default_rng(seed)
+    mu = math.log(mean) - sigma**2 / 2
+    lengths = []
+    for _ in range(n_prompts):
+        shift = rng.normal(0, sigma / math.sqrt(2))
+        lengths.append([int(min(max(rng.lognormal(mu + shift, sigma / math.sqrt(2)), 1), max_new))
+                        for _ in range(group)])
+    return grpo_workload(f"long-tail reasoning (lognormal mean {mean:.0f}, sigma {sigma}, cap {max_new})",
+                         [prompt_len] * n_prompts, lengths, max_new, prompt_len + max_new + 1)
+
+
+def resampled_workload(name: str, prompt_lens: Sequence[int], groups: Sequence[Sequence[int]], n_prompts: int,
+                       max_new: int, max_context: int, seed: int) -> Workload:
+    """n_prompts groups drawn with replacement from measured (prompt length, group lengths)."""
+    rng = random.Random(seed)
+    pick = [rng.randrange(len(groups)) for _ in range(n_prompts)]
+    return grpo_workload(name, [prompt_lens[i] for i in pick], [groups[i] for i in pick], max_new, max_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# The simulator
+# ---------------------------------------------------------------------------------------------
+class Rows:
+    """The running batch as the engine keeps it: rows 0..B-1, a finished row replaced by the last."""
+
+    def __init__(self):
+        self.req = np.zeros(0, dtype=np.int64)
+        self.prompt_len = np.zeros(0, dtype=np.int64)
+        self.generated = np.zeros(0, dtype=np.int64)
+        self.limit = np.zeros(0, dtype=np.int64)
+        self.behind = np.zeros(0, dtype=np.int64)  # target states the draft has not seen
+
+    @property
+    def n(self) -> int:
+        return len(self.req)
+
+    def add(self, req: Sequence[int], prompt_len: Sequence[int], limit: Sequence[int]) -> None:
+        """Prefilled rows: the first token is sampled from the prefill's logits."""
+        cat = np.concatenate
+        self.req = cat([self.req, np.asarray(req, dtype=np.int64)])
+        self.prompt_len = cat([self.prompt_len, np.asarray(prompt_len, dtype=np.int64)])
+        self.generated = cat([self.generated, np.ones(len(req), dtype=np.int64)])
+        self.limit = cat([self.limit, np.asarray(limit, dtype=np.int64)])
+        self.behind = cat([self.behind, np.asarray(prompt_len, dtype=np.int64)])
+
+    def context(self) -> tuple[int, int]:
+        """(longest, summed) cached tokens of the running rows."""
+        ctx = self.prompt_len + self.generated - 1
+        return int(ctx.max()), int(ctx.sum())
+
+    def catch_up_width(self) -> int:
+        return int(min(self.behind.max(), DRAFT_WINDOW))
+
+    def step_off(self) -> int:
+        self.generated += 1
+        self.behind += 1
+        return self.n
+
+    def step_spec(self, accepted: np.ndarray) -> int:
+        emitted = np.minimum(accepted + 1, self.limit - self.generated)
+        self.generated += emitted
+        self.behind = accepted + 1
+        return int(emitted.sum())
+
+    def retire(self) -> list[int]:
+        """Finished requests, removed in the engine's order (the last row moves into a freed one)."""
+        done = self.generated >= self.limit
+        if not done.any():
+            return []
+        order = list(range(self.n))
+        fin = done.tolist()
+        out, row = [], 0
+        while row < len(order):
+            if not fin[order[row]]:
+                row += 1
+                continue
+            out.append(int(self.req[order[row]]))
+            order[row] = order[-1]
+            order.pop()
+        idx = np.asarray(order, dtype=np.int64)
+        for a in ("req", "prompt_len", "generated", "limit", "behind"):
+            setattr(self, a, getattr(self, a)[idx])
+        return out
+
+
+@dataclass
+class SimRun:
+    seconds: float
+    prefill_s: float
+    decode_steps: int
+    spec_steps: int
+    emitted: int
+    policy_s: float  # wall time of the policy's own choose/observe calls
+    trace: list[tuple[float, int, str, int, float]]  # per decode step: end time, running, config, emitted, seconds
+    finished_order: list[int]
+
+
+def simulate(workload: Workload, costs: Costs, acceptance: AcceptanceProfile | None, policy: SpeculationPolicy,
+             max_batch: int, rng: np.random.Generator, policy_clock: bool = False,
+             share_prefill: bool = True) -> SimRun:
+    """One engine.generate() call, step by step (the engine's loop: fastgrpo/engine/engine.py).
+
+    `policy` is called exactly as the engine calls it: choose(running) before a step while
+    speculating, observe(config, running, emitted, seconds, accepted) after, with the simulated
+    step seconds. With `policy_clock` the policy's own wall time is added to the clock (on this CPU
+    the engine spends it between steps, and it is the same code on the same machine)."""
+    reqs = workload.requests
+    speculating = policy.name != "off"
+    if speculating and acceptance is None:
+        raise ValueError("a speculating policy needs an acceptance profile")
+    waiting = deque(range(len(reqs)))
+    rows = Rows()
+    clock = prefill_s = policy_s = 0.0
+    steps = spec_steps = emitted_total = 0
+    trace: list[tuple[float, int, str, int, float]] = []
+    finished: list[int] = []
+    while waiting or rows.n:
+        if waiting and rows.n < max_batch:
+            joined = [waiting.popleft() for _ in range(min(len(waiting), max_batch - rows.n))]
+            keys = [reqs[i].prompt if share_prefill else i for i in joined]
+            unique = {k: reqs[i].prompt_len for k, i in zip(keys, joined)}
+            s = costs.prefill(len(unique), max(unique.values()), len(joined))
+            prefill_s += s
+            clock += s
+            rows.add(joined, [reqs[i].prompt_len for i in joined],
+                     [max(1, min(reqs[i].length, workload.max_new, workload.max_context - reqs[i].prompt_len))
+                      for i in joined])
+        else:
+            B = rows.n
+            ctx_max, ctx_sum = rows.context()
+            t = time.perf_counter()
+            config = policy.choose(B) if speculating else None
+            policy_s_step = time.perf_counter() - t
+            if config is None:
+                seconds = costs.decode_step(B, ctx_max, ctx_sum)
+                accepted = None
+                emitted = rows.step_off()
+            else:
+                seconds = costs.spec_step(config, B, rows.catch_up_width(), ctx_max, ctx_sum)
+                accepted = acceptance.draw(config, B, rng)
+                emitted = rows.step_spec(accepted)
+                spec_steps += 1
+            t = time.perf_counter()
+            policy.observe(config, B, emitted, seconds, None if accepted is None else accepted.tolist())
+            policy_s_step += time.perf_counter() - t
+            policy_s += policy_s_step
+            clock += seconds + costs.between_steps(B) + (policy_s_step if policy_clock else 0.0)
+            steps += 1
+            emitted_total += emitted
+            trace.append((clock, B, "off" if config is None else config.name, emitted, seconds))
+        finished += rows.retire()
+    clock += costs.per_call(len(reqs))
+    return SimRun(clock, prefill_s, steps, spec_steps, emitted_total, policy_s, trace, finished)
+
+
+def replay_steps(records: list[tuple[SpecConfig | None, int, list[int] | None]], prompt_lens: Sequence[int],
+                 limits: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(running, catch-up width, longest context) before each decode step of a real engine run whose
+    requests all joined in its first prefill, from the configs and accepted lengths its policy saw."""
+    rows = Rows()
+    rows.add(list(range(len(prompt_lens))), prompt_lens, limits)
+    rows.retire()
+    out = []
+    for config, running, accepted in records:
+        assert running == rows.n, (running, rows.n)
+        out.append((rows.n, rows.catch_up_width(), rows.context()[0]))
+        if config is None or accepted is None:
+            rows.step_off()
+        else:
+            rows.step_spec(np.asarray(accepted, dtype=np.int64))
+        rows.retire()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Policies
+# ---------------------------------------------------------------------------------------------
+def sim_policies(costs: Costs, statics: Sequence[SpecConfig], calibration_error: Callable[[str, int], float] | None = None,
+                 tlt_seed: int = 0) -> dict[str, SpeculationPolicy]:
+    """Fresh policy objects for the simulated machine; `aware` calibrated on the simulated forwards."""
+    out: dict[str, SpeculationPolicy] = {"off": Off()}
+    out |= {f"static_{c.name}": Static(c) for c in statics}
+    out["fastgrpo"] = FastGRPOFormula()
+    out["tlt"] = TLT(seed=tlt_seed)
+    out["aware"] = Aware(simulated_cost_model(costs, calibration_error))
+    return out
+
+
+class Recorder:
+    """A policy as the engine sees it, recording every decision and what followed (the engine's
+    own trace has no accepted lengths)."""
+
+    def __init__(self, policy: SpeculationPolicy):
+        self.policy = policy
+        self.name = policy.name
+        self.tag: Any = None
+        self.log: list[tuple[Any, SpecConfig | None, int, int, float, list[int] | None]] = []
+
+    def choose(self, running: int) -> SpecConfig | None:
+        return self.policy.choose(running)
+
+    def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
+                accepted: list[int] | None = None) -> None:
+        self.policy.observe(config, running, emitted, seconds, accepted)
+        self.log.append((self.tag, config, running, emitted, seconds, None if accepted is None else list(accepted)))
+
+
+def rotated(items: list, rep: int) -> list:
+    k = rep % len(items)
+    return items[k:] + items[:k]
+
+
+# ---------------------------------------------------------------------------------------------
+# This machine: the engine's costs, measured
+# ---------------------------------------------------------------------------------------------
+def _lstsq(rows: list[list[float]], y: list[float]) -> tuple[float, ...]:
+    coef, *_ = np.linalg.lstsq(np.asarray(rows, dtype=float), np.asarray(y, dtype=float), rcond=None)
+    return tuple(float(c) for c in coef)
+
+
+def _engine_run(engine, policy, requests, sampling, seed: int) -> dict:
+    """One timed generate() call, as `bench rollout` times it, with the outputs' lengths."""
+    engine.set_speculation(policy)
+    t = time.perf_counter()
+    out = engine.generate(requests, sampling, seed=seed)
+    seconds = time.perf_counter() - t
+    st = engine.stats()
+    return {"seconds": seconds, "prefill_s": st["prefill_s"], "trace": st["trace"],
+            "lengths": [len(o.token_ids) for o in out], "accept_len": st["accept_len"]}
+
+
+def _context_slopes(engine, reps: int = 5) -> tuple[float, float]:
+    """Seconds per (token in the forward x extra cached token) of the target and of the draft: the
+    calibration sweep times every forward over CONTEXT cached tokens; real steps attend over more."""
+    import torch
+
+    from fastgrpo.engine.model import KVCache, block_mask, cache_kv
+    from fastgrpo.speculation.cost_model import _time
+
+    model, draft, cfg = engine.model, engine.draft, engine.model.cfg
+    extra = 256
+    cache = KVCache(cfg, 64, CONTEXT + extra + 64)
+    dcache = KVCache(cfg, 64, CONTEXT + extra + 64, layers=1)
+    slopes, dslopes = [], []
+    with torch.inference_mode():
+        for B, n in ((16, 1), (64, 1), (4, 8)):
+            ids = torch.randint(0, cfg.vocab_size, (B, n))
+            r = slice(0, B)
+            times, dtimes = [], []
+            for ctx in (CONTEXT, CONTEXT + extra):
+                cache.lengths.fill_(ctx)
+                dcache.lengths.fill_(ctx)
+                times.append(min(_time(lambda: model.forward(ids, cache, r), reps) for _ in range(2)))
+                hidden = torch.randn(B, n, cfg.hidden_size)
+                pos = ctx + torch.arange(n).expand(B, n)
+                mask = block_mask(dcache.lengths[r], n, ctx + n, None)
+                dtimes.append(min(_time(lambda: draft.features(hidden, ids, pos, mask, cache_kv(dcache, 0, r, pos, ctx + n)),
+                                        reps) for _ in range(2)))
+            slopes.append((times[1] - times[0]) / (B * n * extra))
+            dslopes.append((dtimes[1] - dtimes[0]) / (B * n * extra))
+    return max(statistics.median(slopes), 0.0), max(statistics.median(dslopes), 0.0)
+
+
+PROFILE_CONFIGS = (None, SpecConfig(3, 1, 4), SpecConfig(2, 2, 4), SpecConfig(4, 4, 12), SpecConfig(5, 8, 24))
+PROFILE_LEVELS = (2, 8, 32)
+
+
+def measure_cpu_costs(engine, curve: CostModel, prompts: list[list[int]], temperature: float, top_p: float,
+                      log: Callable[[str], None], tokens: int = 24, rounds: int = 2) -> tuple[CpuCosts, dict]:
+    """This machine's costs beyond the calibration sweep, measured on the engine with workloads that
+    are NOT the validation's (other concurrencies, other prompts, shorter answers): the per-step
+    residual of plain and speculative steps over the sweep's forwards (by running rows, tokens
+    verified and depth), prefill (by unique prompt tokens and rows joined), and the engine's time
+    between steps. Each run is repeated `rounds` times; per run the lowest median residual is kept
+    (a shared machine's noise only ever slows a run down)."""
+    from fastgrpo.types import Request, SamplingParams
+
+    t0 = time.perf_counter()
+    ctx_slope, dctx_slope = _context_slopes(engine)
+    costs = CpuCosts(curve, ctx_slope, dctx_slope, (0.0, 0.0), (0.0, 0.0, 0.0, 0.0), (0.0, 0.0, 0.0), (0.0, 0.0, 0.0))
+    pool = prompts[len(prompts) // 2:]  # the validation uses the first prompts
+    # prefill: max_new_tokens = 1 (the prefill samples the only token), by unique prompts x copies
+    pre_rows, pre_y, call_rows, call_y = [], [], [], []
+    greedy1 = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=1)
+    off = Off()
+    _engine_run(engine, off, [Request(pool[0])], greedy1, 0)  # warm-up
+    for unique, copies in ((1, 1), (2, 8), (4, 8), (8, 8), (16, 2), (32, 1), (6, 4)):
+        reqs = [Request(pool[u]) for u in range(unique) for _ in range(copies)]
+        runs = [_engine_run(engine, off, reqs, greedy1, r) for r in range(rounds)]
+        width = max(len(pool[u]) for u in range(unique))
+        pre_rows.append([1.0, unique * width, unique * copies])
+        pre_y.append(min(r["prefill_s"] for r in runs))
+        call_rows.append([1.0, 0.0, 0.0])
+        call_y.append(min(r["seconds"] - r["prefill_s"] for r in runs))
+    prefill_fit = _lstsq(pre_rows, pre_y)
+    # decode steps at other concurrencies, plain and with fixed trees
+    off_rows, off_y, spec_rows, spec_y = [], [], [], []
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=tokens, ignore_eos=True)
+    for B in PROFILE_LEVELS:
+        reqs = [Request(pool[(3 * i) % len(pool)], max_new_tokens=tokens) for i in range(B)]
+        plens = [len(r.prompt_ids) for r in reqs]
+        for c in PROFILE_CONFIGS:
+            best, best_other = float("inf"), float("inf")
+            for r in range(rounds):
+                rec = Recorder(Off() if c is None else Static(c))
+                run = _engine_run(engine, rec, reqs, sampling, 500 + r)
+                steps = replay_steps([(cfg, running, acc) for _, cfg, running, _, _, acc in rec.log], plens, [tokens] * B)
+                residuals = []
+                for (running, width, ctx), (_, cfg, _, _, seconds, acc) in zip(steps, rec.log):
+                    if cfg is None or acc is None:
+                        residuals.append(seconds - costs.target(running, 1, ctx, 0))
+                    else:
+                        residuals.append(seconds - costs.spec_forwards(cfg, running, width, ctx))
+                best = min(best, statistics.median(residuals[2:] or residuals))
+                other = run["seconds"] - run["prefill_s"] - sum(s[3] for s in run["trace"])
+                best_other = min(best_other, other)
+            if c is None:
+                off_rows.append([1.0, B])
+                off_y.append(best)
+            else:
+                spec_rows.append([1.0, B, B * c.num_verify, c.depth])
+                spec_y.append(best)
+            steps_n = len(rec.log)
+            call_rows.append([1.0, steps_n, sum(running for _, _, running, _, _, _ in rec.log)])
+            call_y.append(best_other)
+    off_fit = _lstsq(off_rows, off_y)
+    spec_fit = _lstsq(spec_rows, spec_y)
+    other_fit = _lstsq(call_rows, call_y)
+    costs = CpuCosts(curve, ctx_slope, dctx_slope, off_fit, spec_fit, prefill_fit, other_fit)
+    info = {"seconds": time.perf_counter() - t0, "levels": list(PROFILE_LEVELS),
+            "configs": ["off" if c is None else c.name for c in PROFILE_CONFIGS], "tokens": tokens,
+            "off_residual_s": dict(zip(map(str, PROFILE_LEVELS), off_y)),
+            "fit_rms_s": {"off": _rms(off_rows, off_y, off_fit), "spec": _rms(spec_rows, spec_y, spec_fit),
+                          "prefill": _rms(pre_rows, pre_y, prefill_fit), "other": _rms(call_rows, call_y, other_fit)}}
+    log(f"cpu costs measured in {info['seconds']:.0f}s: context slope {ctx_slope * 1e9:.2f} ns/token/ctx, "
+        f"off residual {off_fit}, spec residual {spec_fit}, prefill {prefill_fit}, other {other_fit}")
+    return costs, info
+
+
+def _rms(rows: list[list[float]], y: list[float], coef: tuple[float, ...]) -> float:
+    pred = np.asarray(rows) @ np.asarray(coef)
+    return float(np.sqrt(np.mean((pred - np.asarray(y)) ** 2)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: the real engine and the simulator on the same workloads
+# ---------------------------------------------------------------------------------------------
+SWEEP_MODES = ("off", "static", "fastgrpo", "tlt", "aware")
+
+
+def _grpo_modes() -> list[str]:
+    return ["off", *[f"static_{c.name}" for c in STATIC_SWEEP], "fastgrpo", "tlt", "aware"]
+
+
+def validate(engine, engine_policies: dict[str, SpeculationPolicy], costs: CpuCosts, prompts: list[list[int]],
+             temperature: float, top_p: float, levels: Sequence[int], tokens: int, n_prompts: int, group: int,
+             max_new: int, max_context: int, reps: int, log: Callable[[str], None], seed: int = 0,
+             static_cfg: SpecConfig = STATIC_DEFAULT) -> dict:
+    """Every case twice: on the engine (medians of `reps` interleaved repetitions after a warm-up,
+    the protocol of `bench rollout`) and in the simulator (the same protocol with fresh simulated
+    policies; the acceptance of each workload is the engine's, measured in these same runs)."""
+    from fastgrpo.types import Request, SamplingParams
+
+    recs = {m: Recorder(p) for m, p in engine_policies.items()}
+    measured: dict[str, list[float]] = {}
+    # the fixed-concurrency sweep (EOS ignored)
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=tokens, ignore_eos=True)
+    sweep_prompts: dict[int, list[int]] = {}
+    for B in levels:
+        reqs = [Request(prompts[i % len(prompts)], max_new_tokens=tokens) for i in range(B)]
+        sweep_prompts[B] = [len(r.prompt_ids) for r in reqs]
+        for rep in range(reps + 1):
+            for mode in rotated(list(SWEEP_MODES), rep):
+                recs[mode].tag = ("sweep", B, rep)
+                r = _engine_run(engine, recs[mode], reqs, sampling, 1000 * rep + B)
+                if rep:
+                    measured.setdefault(f"sweep_B{B}_{mode}", []).append(r["seconds"])
+        log(f"engine, {B} running: " + ", ".join(f"{m} {statistics.median(measured[f'sweep_B{B}_{m}']):.2f}s"
+                                                 for m in SWEEP_MODES))
+    # the GRPO batch (the policy's own lengths)
+    reqs = [Request(p) for p in prompts[:n_prompts] for _ in range(group)]
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new)
+    grpo_lengths: dict[int, list[int]] = {}
+    for rep in range(reps + 1):
+        for mode in rotated(_grpo_modes(), rep):
+            recs[mode].tag = ("grpo", 0, rep)
+            r = _engine_run(engine, recs[mode], reqs, sampling, 77 + rep)
+            grpo_lengths.setdefault(rep, r["lengths"])
+            if rep:
+                measured.setdefault(f"grpo_{mode}", []).append(r["seconds"])
+    log("engine, GRPO batch: " + ", ".join(f"{m} {statistics.median(measured[f'grpo_{m}']):.2f}s" for m in _grpo_modes()))
+
+    # acceptance measured on each workload, pooled over its cases and policies
+    accepted: dict[str, dict[SpecConfig, list[int]]] = {"sweep": {}, "grpo": {}}
+    for rec in recs.values():
+        for tag, config, _, _, _, acc in rec.log:
+            if config is not None and acc is not None:
+                accepted[tag[0]].setdefault(config, []).extend(acc)
+    profiles = {w: fit_acceptance(a, f"our draft on the bench policy, measured ({w} workload)")
+                for w, a in accepted.items()}
+    # the same protocol, simulated
+    rng = np.random.default_rng(seed)
+    policies = sim_policies(costs, STATIC_SWEEP)
+    policies["static"] = Static(static_cfg)
+    predicted: dict[str, list[float]] = {}
+    traces: dict[str, list] = {}
+    for B in levels:
+        plens = sweep_prompts[B]
+        wl = Workload(f"sweep{B}", [SimRequest(i, plens[i], tokens) for i in range(B)], tokens, max_context)
+        for rep in range(reps + 1):
+            for mode in SWEEP_MODES:
+                run = simulate(wl, costs, profiles["sweep"], policies[mode], engine.max_batch, rng, policy_clock=True)
+                if rep:
+                    predicted.setdefault(f"sweep_B{B}_{mode}", []).append(run.seconds)
+    plens = [len(p) for p in prompts[:n_prompts]]
+    for rep in range(reps + 1):
+        lengths = grpo_lengths[rep]
+        wl = grpo_workload("grpo", plens, [lengths[p * group:(p + 1) * group] for p in range(n_prompts)], max_new,
+                           max_context)
+        for mode in _grpo_modes():
+            run = simulate(wl, costs, profiles["grpo"], policies[mode], engine.max_batch, rng, policy_clock=True)
+            if rep:
+                predicted.setdefault(f"grpo_{mode}", []).append(run.seconds)
+                traces[mode] = run.trace
+    meas = {k: statistics.median(v) for k, v in measured.items()}
+    pred = {k: statistics.median(v) for k, v in predicted.items()}
+    error = {k: pred[k] / meas[k] - 1 for k in meas}
+    log("validation errors: " + ", ".join(f"{k} {100 * e:+.0f}%" for k, e in error.items()))
+    bench_lengths = [lengths for rep, lengths in sorted(grpo_lengths.items())]
+    return {"cpu_predicted_s": pred, "cpu_measured_s": meas, "error": error,
+            "max_abs_error": max(abs(e) for e in error.values()),
+            "acceptance": {w: p.to_json() for w, p in profiles.items()},
+            "grpo_lengths": bench_lengths, "grpo_prompt_lens": plens, "group": group,
+            "engine_accept_len": {m: _mean_emitted(recs[m].log) for m in recs}, "_profiles": profiles}
+
+
+def _mean_emitted(log: list) -> float | None:
+    acc = [a for _, config, _, _, _, accepted in log if config is not None and accepted for a in accepted]
+    return 1 + float(np.mean(acc)) if acc else None
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU scale (SIMULATED)
+# ---------------------------------------------------------------------------------------------
+GPU_STATICS = (*STATIC_SWEEP, SpecConfig(6, 8, 32), SpecConfig(6, 8, 64))
+GPU_MAX_BATCH = 128  # rows an engine keeps running: bounded by KV memory at these lengths (our assumption)
+LEARNING = ("tlt", "aware")  # policies that learn: a warm-up rollout first, as in training
+BUCKETS = ((1, 4), (5, 16), (17, 32), (33, 64), (65, 128), (129, 10**9))
+
+
+def bucket_name(lo: int, hi: int) -> str:
+    return f"{lo}-{hi}" if hi < 10**9 else f">{lo - 1}"
+
+
+def time_by_bucket(run: SimRun) -> dict[str, float]:
+    """Seconds of the rollout in prefill and in decode steps by running sequences."""
+    out = {"prefill": run.prefill_s} | {bucket_name(lo, hi): 0.0 for lo, hi in BUCKETS}
+    for _, running, _, _, seconds in run.trace:
+        lo, hi = next(b for b in BUCKETS if b[0] <= running <= b[1])
+        out[bucket_name(lo, hi)] += seconds
+    return out
+
+
+def run_policies(workload: Workload, costs: Costs, acceptance: AcceptanceProfile, statics: Sequence[SpecConfig],
+                 max_batch: int, reps: int, seed: int) -> dict[str, dict]:
+    """Every policy on one workload: median simulated seconds of `reps` rollouts (learning policies
+    after a warm-up rollout), with the median run kept for its trace."""
+    policies = sim_policies(costs, statics, tlt_seed=seed)
+    rng = np.random.default_rng(seed)
+    out = {}
+    for mode, policy in policies.items():
+        runs = []
+        for rep in range(reps + (mode in LEARNING)):
+            run = simulate(workload, costs, acceptance, policy, max_batch, rng)
+            if rep or mode not in LEARNING:
+                runs.append(run)
+        runs.sort(key=lambda r: r.seconds)
+        out[mode] = {"seconds": runs[len(runs) // 2].seconds, "run": runs[len(runs) // 2]}
+    return out
+
+
+def gpu_results(acceptance: AcceptanceProfile, workloads: list[Workload], reps: int, seed: int,
+                log: Callable[[str], None]) -> tuple[list[dict], dict]:
+    rows, detail = [], {}
+    for hw_key, hw in ACCELERATORS.items():
+        for model_key, model in MODELS.items():
+            costs = Roofline(hw, model)
+            for wl in workloads:
+                t = time.perf_counter()
+                res = run_policies(wl, costs, acceptance, GPU_STATICS, GPU_MAX_BATCH, reps, seed)
+                statics = {m: r["seconds"] for m, r in res.items() if m.startswith("static_")}
+                best = min(statics, key=statics.get)
+                row = {"hardware": hw.name, "model": model.name, "workload": wl.name, "acceptance": acceptance.source,
+                       "off_s": res["off"]["seconds"], "static_best_s": statics[best], "static_best": best[7:],
+                       "fastgrpo_s": res["fastgrpo"]["seconds"], "tlt_s": res["tlt"]["seconds"],
+                       "aware_s": res["aware"]["seconds"], "statics_s": {m[7:]: s for m, s in statics.items()},
+                       "requests": len(wl.requests), "max_batch": GPU_MAX_BATCH,
+                       "tokens": sum(min(r.length, wl.max_new) for r in wl.requests),
+                       "time_by_bucket": {m: time_by_bucket(res[m]["run"]) for m in ("off", "fastgrpo", "tlt", "aware")}
+                                         | {"static_best": time_by_bucket(res[best]["run"])},
+                       "aware_spec_fraction": res["aware"]["run"].spec_steps / max(res["aware"]["run"].decode_steps, 1)}
+                rows.append(row)
+                detail[(hw_key, model_key, wl.name)] = res
+                log(f"SIMULATED {hw.name} {model.name} {wl.name[:40]}: off {row['off_s']:.1f}s, static best "
+                    f"{row['static_best_s']:.1f}s ({row['static_best']}), fastgrpo {row['fastgrpo_s']:.1f}s, "
+                    f"tlt {row['tlt_s']:.1f}s, aware {row['aware_s']:.1f}s ({time.perf_counter() - t:.0f}s)")
+    return rows, detail
+
+
+def gpu_fixed_concurrency(acceptance: AcceptanceProfile, levels: Sequence[int], tokens: int, prompt_len: int,
+                          seed: int) -> list[dict]:
+    """B sequences kept running for `tokens` each (EOS ignored), every policy, per GPU and model."""
+    out = []
+    for hw in ACCELERATORS.values():
+        for model in MODELS.values():
+            costs = Roofline(hw, model)
+            for B in levels:
+                wl = Workload(f"fixed {B}", [SimRequest(i, prompt_len, tokens) for i in range(B)], tokens,
+                              prompt_len + tokens + 1)
+                res = run_policies(wl, costs, acceptance, GPU_STATICS, max(B, 1), 1, seed)
+                statics = {m: r["seconds"] for m, r in res.items() if m.startswith("static_")}
+                out.append({"hardware": hw.name, "model": model.name, "running": B, "off_s": res["off"]["seconds"],
+                            "static_best_s": min(statics.values()), "fastgrpo_s": res["fastgrpo"]["seconds"],
+                            "tlt_s": res["tlt"]["seconds"], "aware_s": res["aware"]["seconds"]})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------
+def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = None) -> dict:
+    import torch
+
+    from fastgrpo.backends.embedded import build_engine, speculation_policy
+    from fastgrpo.bench.report import command_line, publish
+    from fastgrpo.models.policy import load_policy, num_parameters
+    from fastgrpo.models.tokenizer import load_tokenizer
+    from fastgrpo.tasks.source import encode_problems, load_task
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    t0 = time.perf_counter()
+    policy, tokenizer = load_policy(cfg.model.path), load_tokenizer(cfg.model.path)
+    policy.eval()
+    engine = build_engine(cfg, policy.config, tokenizer, policy.state_dict().items(), speculation="aware")
+    _, evals = load_task(cfg.task)
+    prompts = [e.prompt_ids for e in encode_problems(evals, tokenizer, cfg.model.max_context, "eval")]
+    sc = cfg.speculation
+    static_cfg = SpecConfig(sc.depth, sc.topk, sc.num_verify)
+    engine_policies: dict[str, SpeculationPolicy] = {
+        m: speculation_policy(engine, cfg, m) for m in ("off", "static", "fastgrpo", "aware")}
+    engine_policies |= {f"static_{c.name}": Static(c) for c in STATIC_SWEEP}
+    engine_policies["tlt"] = TLT(seed=cfg.seed)
+    curve = engine_policies["aware"].costs  # the engine's own calibration sweep (cached per machine)
+    temperature, top_p = cfg.rollout.temperature, cfg.rollout.top_p
+    costs, cost_info = measure_cpu_costs(engine, curve, prompts, temperature, top_p, log)
+
+    reps = 3
+    v = dict(levels=(1, 4, 16, 64), tokens=48 if quick else 128, n_prompts=4 if quick else 8, group=8,
+             max_new=128 if quick else cfg.rollout.max_new_tokens)
+    val = validate(engine, engine_policies, costs, prompts, temperature, top_p, v["levels"], v["tokens"],
+                   v["n_prompts"], v["group"], v["max_new"], cfg.model.max_context, reps, log, seed=cfg.seed,
+                   static_cfg=static_cfg)
+    profiles = val.pop("_profiles")
+
+    # GPU scale: an EAGLE-3 acceptance profile (cited) with our draft's measured width gain
+    accept = eagle_profile(profiles["grpo"].beta)
+    n_prompts, group = (16, 8) if quick else (64, 8)
+    lt = dict(mean=3000.0, sigma=1.0, max_new=8192 if quick else 16384, prompt_len=256)
+    groups = [val["grpo_lengths"][1][p * val["group"]:(p + 1) * val["group"]] for p in range(v["n_prompts"])]
+    workloads = [
+        resampled_workload(f"bench task (measured lengths, {n_prompts}x{group})", val["grpo_prompt_lens"], groups,
+                           n_prompts, v["max_new"], cfg.model.max_context, cfg.seed),
+        longtail_workload(n_prompts, group, lt["mean"], lt["sigma"], lt["max_new"], lt["prompt_len"], cfg.seed),
+    ]
+    sim_reps = 1 if quick else 3
+    results, detail = gpu_results(accept, workloads, sim_reps, cfg.seed, log)
+    fixed = gpu_fixed_concurrency(accept, (1, 4, 16, 64, 128), 128 if quick else 512, lt["prompt_len"], cfg.seed)
+    key = ("h100", "llama3-8b", workloads[1].name)
+    running = {m: [(t, b) for t, b, _, _, _ in detail[key][m]["run"].trace] for m in ("off", "tlt", "aware")}
+    result = {
+        "meta": {"date": datetime.date.today().isoformat(), "quick": quick, "cores": torch.get_num_threads(),
+                 "torch": torch.__version__, "machine": platform.machine(),
+                 "policy_parameters": num_parameters(policy), "temperature": temperature, "repetitions": reps,
+                 "validation_workloads": v, "gpu_max_batch": GPU_MAX_BATCH, "gpu_repetitions": sim_reps,
+                 "longtail": lt | {"prompts": n_prompts, "group": group}},
+        "cpu_costs": costs.to_json() | {"measurement": cost_info},
+        "validation": val,
+        "gpu_acceptance": accept.to_json(),
+        "results": results,
+        "fixed_concurrency": fixed,
+        "running_over_time": {"case": " / ".join(key), "series": running},
+    }
+    result["meta"]["seconds"] = time.perf_counter() - t0
+    publish(result, output, command_line("simulate", quick, output, extra), markdown,
+            plot=lambda path: plot_all(result, path))
+    return result
+
+
+def plot_all(result: dict, path: Path) -> None:
+    """Rollout time per policy (the main PNG), the running batch over time and time by concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = ("off", "static_best", "fastgrpo", "tlt", "aware")
+    rows = result["results"]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.16
+    for j, m in enumerate(modes):
+        ax.bar([i + (j - 2) * width for i in range(len(rows))], [r["off_s"] / r[f"{m}_s"] for r in rows], width, label=m)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([f"{r['hardware']}\n{r['model']}\n{r['workload'][:18]}" for r in rows], fontsize=6)
+    ax.axhline(1.0, color="k", lw=0.5)
+    ax.set_ylabel("speed-up over off (rollout time of off / policy)")
+    ax.set_title("SIMULATED: GRPO-batch rollout time per speculation policy")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m, series in result["running_over_time"]["series"].items():
+        ax.step([t for t, _ in series], [b for _, b in series], where="post", label=m)
+    ax.set_xlabel("simulated seconds")
+    ax.set_ylabel("running sequences")
+    ax.set_title(f"SIMULATED: running batch over time\n{result['running_over_time']['case']}", fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path.with_name(path.stem + "-running.png"), dpi=120)
+    plt.close(fig)
+
+    row = next(r for r in rows if r["hardware"] == "H100 SXM" and "8B" in r["model"] and "long-tail" in r["workload"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    parts = list(next(iter(row["time_by_bucket"].values())))
+    bottom = [0.0] * len(row["time_by_bucket"])
+    names = list(row["time_by_bucket"])
+    for part in parts:
+        vals = [row["time_by_bucket"][m][part] for m in names]
+        ax.bar(names, vals, bottom=bottom, label=part if part == "prefill" else f"running {part}")
+        bottom = [b + x for b, x in zip(bottom, vals)]
+    ax.set_ylabel("simulated seconds")
+    ax.set_title(f"SIMULATED: where the rollout's time goes, by running sequences\n{row['hardware']} / {row['model']}, "
+                 "long-tail workload", fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path.with_name(path.stem + "-buckets.png"), dpi=120)
+    plt.close(fig)
+
+    val = result["validation"]
+    fig, ax = plt.subplots(figsize=(5, 5))
+    keys = list(val["cpu_measured_s"])
+    xs, ys = [val["cpu_measured_s"][k] for k in keys], [val["cpu_predicted_s"][k] for k in keys]
+    ax.scatter(xs, ys, s=12)
+    lim = (min(xs + ys) * 0.8, max(xs + ys) * 1.2)
+    ax.plot(lim, lim, "k", lw=0.5)
+    ax.fill_between(lim, [x * 0.9 for x in lim], [x * 1.1 for x in lim], alpha=0.15, label="within 10%")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured seconds (engine, this CPU)")
+    ax.set_ylabel("predicted seconds (simulator, cpu profile)")
+    ax.set_title("Validation: simulator against the engine (measured)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path.with_name(path.stem + "-validation.png"), dpi=120)
+    plt.close(fig)
+
+
+def markdown(result: dict, command: str) -> str:
+    m, val = result["meta"], result["validation"]
+    v = m["validation_workloads"]
+    stem = Path(command.split("--output")[-1].strip()).stem if "--output" in command else "simulate"
+    lines = [f"Command: `{command}`", "",
+             f"Date {m['date']}; {m['cores']} CPU threads ({m['machine']}), torch {m['torch']}; bench policy "
+             f"{m['policy_parameters'] / 1e6:.1f}M parameters; temperature {m['temperature']}.", "",
+             "### Validation: the simulator against the engine on this CPU (measured and predicted)", "",
+             f"The engine (medians of {m['repetitions']} interleaved repetitions after a warm-up) and the simulator "
+             f"(same protocol, cpu profile: the engine's calibration sweep plus the step, prefill and loop costs "
+             f"measured on other workloads; acceptance measured on the engine in these runs). Fixed concurrency: "
+             f"{v['tokens']} tokens per sequence, EOS ignored; GRPO batch: {v['n_prompts']} prompts x {v['group']}, "
+             f"the policy's own lengths (max {v['max_new']}).", "",
+             "| case | measured s | predicted s | error |", "| --- | ---: | ---: | ---: |"]
+    for k in val["cpu_measured_s"]:
+        lines.append(f"| {k} | {val['cpu_measured_s'][k]:.2f} | {val['cpu_predicted_s'][k]:.2f} | "
+                     f"{100 * val['error'][k]:+.1f}% |")
+    within = sum(abs(e) <= 0.10 for e in val["error"].values())
+    lines += ["", f"{within} of {len(val['error'])} cases within 10%; largest error {100 * val['max_abs_error']:.1f}%.",
+              "", f"![SIMULATED vs measured]({stem}-validation.png)", "",
+              "### SIMULATED: GRPO-batch rollout at GPU scale", "",
+              "Every number in this section is SIMULATED (stated cost model, cited acceptance profile: "
+              f"{result['gpu_acceptance']['source']}; what width adds from our draft's fit, beta "
+              f"{result['gpu_acceptance']['beta']:.2f}). Validation errors of the instrument: above "
+              f"(largest {100 * val['max_abs_error']:.1f}%).", "",
+              "| hardware | model | workload | off s | best static s | fastgrpo s | tlt s | aware s | aware / off | "
+              "aware / fastgrpo | aware / tlt | aware / best static |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in result["results"]:
+        a = r["aware_s"]
+        lines.append(f"| {r['hardware']} | {r['model']} | {r['workload']} | {r['off_s']:.1f} | {r['static_best_s']:.1f} "
+                     f"({r['static_best']}) | {r['fastgrpo_s']:.1f} | {r['tlt_s']:.1f} | {a:.1f} | "
+                     f"{r['off_s'] / a:.2f}x | {r['fastgrpo_s'] / a:.2f}x | {r['tlt_s'] / a:.2f}x | "
+                     f"{r['static_best_s'] / a:.2f}x |")
+    lines += ["", f"![SIMULATED rollout time per policy]({stem}.png)",
+              f"![SIMULATED running batch over time]({stem}-running.png)",
+              f"![SIMULATED time by concurrency]({stem}-buckets.png)", "",
+              "SIMULATED fixed concurrency (aware / off, and the best of the others / off):", "",
+              "| hardware | model | running | aware / off | best static / off | fastgrpo / off | tlt / off |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in result["fixed_concurrency"]:
+        lines.append(f"| {r['hardware']} | {r['model']} | {r['running']} | {r['off_s'] / r['aware_s']:.2f}x | "
+                     f"{r['off_s'] / r['static_best_s']:.2f}x | {r['off_s'] / r['fastgrpo_s']:.2f}x | "
+                     f"{r['off_s'] / r['tlt_s']:.2f}x |")
+    return "\n".join(lines)
