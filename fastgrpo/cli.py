@@ -101,6 +101,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from fastgrpo.bench.trainer import bench_trainer
     from fastgrpo.bench.rollout import bench_rollout
     from fastgrpo.bench.shapes import bench_shapes
+    from fastgrpo.bench.simulate import bench_simulate
 
     modes = args.modes.split(",") if args.modes else None
     benches = {"rollout": bench_rollout, "e2e": bench_e2e, "forward": bench_forward, "shapes": bench_shapes,
@@ -108,7 +109,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
                "learning": lambda cfg, quick, output, extra: bench_learning(cfg, quick, output, args.seeds,
                                                                             args.steps, args.every, modes, extra=extra),
                "noise": lambda cfg, quick, output, extra: bench_noise(cfg, quick, output, args.batches, extra=extra),
-               "trainer": bench_trainer,
+               "trainer": bench_trainer, "simulate": bench_simulate,
                "guarantee": lambda cfg, quick, output, extra: bench_guarantee(cfg, quick, output, args.runs,
                                                                               args.threads, extra=extra)}
     if args.what not in benches:
@@ -184,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                 "`learning` (held-out accuracy curves of GRPO over seeds, with and without speculation) "
                 "`noise` (how much of one GRPO update is signal: the gradient noise scale) "
                 "`trainer` (one GRPO step of the torch and Megatron trainers at world 1, 2 and 4) "
-                "or `guarantee` (aware against plain decoding, paired, over runs and thread counts)",
+                "`guarantee` (aware against plain decoding, paired, over runs and thread counts) "
+                "or `simulate` (rollout at GPU scale, simulated, validated against this CPU's engine)",
                 before="what")
     bench.add_argument("--quick", action="store_true", help="smaller workloads (minutes, not tens of minutes)")
     bench.add_argument("--output", help="JSON results, default bench/<what>.json (a PNG plot is written beside it)")
