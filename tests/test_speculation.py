@@ -322,14 +322,52 @@ def test_a_draft_swapped_in_mid_rollout_catches_up_instead_of_reading_the_old_dr
     version, lengths, root = next(r for r in roots if r[0] == 1)  # the first step after the swap
     assert roots[0][0] == 0 and lengths.min() >= 8  # the swap came after the old version wrote its cache
     for b, (req, o) in enumerate(zip(reqs, out)):
-        L = int(lengths[b])  # positions in the target cache; the pending token follows
-        history = torch.tensor(req.prompt_ids + o.token_ids)
-        positions = torch.arange(L)[None]
-        with torch.inference_mode():
-            fresh = trained_draft.features(o.hidden[None, :L], history[None, 1 : L + 1], positions,
-                                           block_mask(torch.tensor([0]), L, L, None),
-                                           cache_kv(KVCache(cfg, 1, 64, layers=1), 0, slice(0, 1), positions, L))
-        assert torch.allclose(root[b], fresh[0, L - 1], atol=1e-4), b
+        assert torch.allclose(root[b], fresh_root(cfg, trained_draft, req, o, int(lengths[b])), atol=1e-4), b
+
+
+def fresh_root(cfg, draft, request, completion, length):
+    """The draft's prediction at the token after `length` cached positions of a finished request,
+    from a forward over its whole history (the target states captured by the same rollout)."""
+    history = torch.tensor(request.prompt_ids + completion.token_ids)
+    positions = torch.arange(length)[None]
+    with torch.inference_mode():
+        fresh = draft.features(completion.hidden[None, :length], history[None, 1 : length + 1], positions,
+                               block_mask(torch.tensor([0]), length, length, None),
+                               cache_kv(KVCache(cfg, 1, 64, layers=1), 0, slice(0, 1), positions, length))
+    return fresh[0, length - 1]
+
+
+def test_the_draft_sees_every_state_of_plain_steps_prefills_and_retired_rows(small_vocab, trained_draft, monkeypatch):
+    """Plain steps hand their target states to the draft lazily (written when rows change or the draft
+    needs them): at every speculative step, in a batch where rows finish, move and are refilled by a
+    later prefill, each row's draft prediction equals a fresh forward over that request's history."""
+    import fastgrpo.engine.engine as engine_module
+
+    cfg, target, _ = small_vocab
+    prompts = [PROMPT, [1, 2], [1, 5, 5, 6, 7], [1, 6], [1, 4, 4], [1, 7, 2, 3]]
+    reqs = [Request(p, max_new_tokens=m) for p, m in zip(prompts, (14, 30, 25, 20, 17, 11))]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
+    engine = engine_for(cfg, target, trained_draft, EveryKth(SpecConfig(2, 2, 3), k=4), max_batch=3)
+    engine.draft_window = 64  # every state is fed, so the draft's cache must hold each row's whole history
+    steps = []
+    speculate, draft_tree = engine._speculate, engine_module.draft_tree
+
+    def recording_step(running, *args):
+        steps.append([s.index for s in running])
+        return speculate(running, *args)
+
+    def recording_tree(draft, cache, rows, root_features, *args):
+        steps[-1] = (steps[-1], engine.cache.lengths[rows].clone(), root_features.clone())
+        return draft_tree(draft, cache, rows, root_features, *args)
+
+    monkeypatch.setattr(engine, "_speculate", recording_step)
+    monkeypatch.setattr(engine_module, "draft_tree", recording_tree)
+    out = engine.generate(reqs, greedy, capture=True)
+    assert len(steps) >= 6 and {i for which, _, _ in steps for i in which} == set(range(len(reqs)))
+    for which, lengths, roots in steps:
+        for b, i in enumerate(which):
+            assert torch.allclose(roots[b], fresh_root(cfg, trained_draft, reqs[i], out[i], int(lengths[b])),
+                                  atol=1e-4), (which, b)
 
 
 def test_a_windowed_draft_row_ignores_what_came_before_the_window(small_vocab, trained_draft):

@@ -50,17 +50,39 @@ class _Sequence:
 class _PendingStates:
     """Target states the draft has not consumed yet, per cache row: the state at position p, and the
     token that follows it, in slot p % window. A row keeps only its last `window` states, all a
-    catch-up ever feeds, so recording a plain step is one batched write (no per-sequence work)."""
+    catch-up ever feeds. A plain step only appends its states to a list (`defer`): they are written
+    in one batch when they are needed or the rows change (`flush`), so the plain steps `aware` takes
+    cost what plain decoding costs."""
 
     def __init__(self, rows: int, window: int, hidden_size: int):
         self.window = window
         self.hidden = torch.zeros(rows, window, hidden_size)
         self.next_token = torch.zeros(rows, window, dtype=torch.long)
+        # plain steps not yet written, oldest first: (states [B, H], next tokens) of rows 0..B-1
+        self._deferred: deque[tuple[Tensor, list[int]]] = deque(maxlen=window)
 
     def put(self, rows: Tensor, positions: Tensor, hidden: Tensor, next_token: Tensor) -> None:
-        slots = positions % self.window
-        self.hidden[rows, slots] = hidden
-        self.next_token[rows, slots] = next_token
+        """Write state i to (rows[i], positions[i] % window); a flat index_copy_ is the cheapest such write."""
+        flat = rows * self.window + positions % self.window
+        self.hidden.view(-1, self.hidden.shape[-1]).index_copy_(0, flat, hidden)
+        self.next_token.view(-1).index_copy_(0, flat, next_token)
+
+    def defer(self, hidden: Tensor, next_token: list[int]) -> None:
+        """A plain step's states of rows 0..B-1 (a view of the forward's output, never written to)."""
+        self._deferred.append((hidden, next_token))
+
+    def flush(self, lengths: Tensor) -> None:
+        """Write the deferred steps, given the rows' cache lengths now: the last deferred step's states
+        are at positions lengths - 1 (no row changed since: the engine flushes before any change)."""
+        if not self._deferred:
+            return
+        k, B = len(self._deferred), len(self._deferred[0][1])
+        hidden = torch.stack([h for h, _ in self._deferred], 1)  # [B, k, H]
+        tokens = torch.tensor([t for _, t in self._deferred]).T  # [B, k]
+        positions = lengths[:B, None] - k + torch.arange(k)
+        rows = torch.arange(B)[:, None].expand(B, k)
+        self.put(rows.reshape(-1), positions.reshape(-1), hidden.reshape(B * k, -1), tokens.reshape(-1))
+        self._deferred.clear()
 
     def take(self, start: Tensor, width: int) -> tuple[Tensor, Tensor]:
         """States at positions start[b] .. start[b] + width - 1 of rows 0..B-1 (entries past a row's
@@ -249,13 +271,28 @@ class EmbeddedEngine:
         if self.draft_cache is not None:
             self.draft_cache.lengths[rows] = 0
             self.draft_cache.visible_from[rows] = 0
-        for row, (s, p, w, t) in enumerate(zip(seqs, prompts, which.tolist(), first), start=first_row):
-            if self._pending is not None:  # the last `window` positions of the prompt
-                kept = torch.arange(max(len(p) - self._pending.window, 0), len(p))
-                self._pending.put(torch.tensor(row), kept, hidden[w, kept], torch.tensor(p[1:] + [t])[kept])
-            if self._capture:
-                s.captured.append(hidden[w, : len(p)])
+        if self._pending is not None:
+            self._pending.flush(self.cache.lengths)  # the running rows' deferred steps, before new rows join
+            self._keep_prompt_states(first_row, which, hidden, tokens, lens, torch.tensor(first))
+        if self._capture:
+            for s, w in zip(seqs, which.tolist()):
+                s.captured.append(hidden[w, : s.prompt_len])
         return seqs
+
+    def _keep_prompt_states(self, first_row: int, which: Tensor, hidden: Tensor, tokens: Tensor, lens: Tensor,
+                            first: Tensor) -> None:
+        """The last `draft_window` states of each new prompt for the draft, in one write: the state at
+        position p with the token after it (the prompt's next one, or the first sampled at its end).
+        Row i of the new rows is prefill row which[i] of `hidden` and `tokens`."""
+        assert self._pending is not None
+        n, window = len(lens), self._pending.window
+        following = torch.cat([tokens[which, 1:], tokens[which, :1]], 1)
+        following[torch.arange(n), lens - 1] = first
+        # the last `window` positions; a prompt shorter than that writes position 0 several times over
+        positions = (lens[:, None] - window + torch.arange(window)).clamp(min=0)
+        rows = torch.arange(first_row, first_row + n)[:, None].expand(n, window)
+        states = hidden[which[:, None], positions].reshape(n * window, -1)
+        self._pending.put(rows.reshape(-1), positions.reshape(-1), states, following.gather(1, positions).reshape(-1))
 
     def _decode(self, running: list[_Sequence], sampling: SamplingParams, seed: int) -> int:
         rows = slice(0, len(running))
@@ -264,7 +301,7 @@ class EmbeddedEngine:
         self.cache.lengths[rows] += 1
         new = self._sample_one(running, logits[:, 0], sampling, seed)
         if self._pending is not None:
-            self._pending.put(torch.arange(len(running)), self.cache.lengths[rows] - 1, hidden[:, 0], torch.tensor(new))
+            self._pending.defer(hidden[:, 0], new)
         if self._capture:
             for s, h in zip(running, hidden):
                 s.captured.append(h)
@@ -366,6 +403,7 @@ class EmbeddedEngine:
         counts = behind.clamp(max=self._pending.window)
         width = int(counts.max())
         start = end - counts
+        self._pending.flush(self.cache.lengths)
         hidden, tokens = self._pending.take(start, width)
         visible = self.draft_cache.visible_from[rows]
         visible[:] = torch.where(counts < behind, start, visible)
@@ -400,6 +438,8 @@ class EmbeddedEngine:
             if running[row].finish is None:
                 row += 1
                 continue
+            if self._pending is not None:
+                self._pending.flush(self.cache.lengths)  # rows are about to move
             done[running[row].index] = running[row]
             last = len(running) - 1
             if row != last:
