@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from fastgrpo.bench.simulate import (CONTEXT, H100, LLAMA3_8B, SWEEP, AcceptanceProfile, Recorder, Roofline,
                                      SimRequest, Workload, eagle_profile, fit_acceptance, replay_steps,
@@ -195,28 +194,24 @@ def test_roofline_is_memory_bound_at_small_batch_and_compute_bound_at_large():
 
 
 @pytest.mark.slow
-def test_validation_runs_end_to_end_on_the_tiny_policy(tiny_policy, tiny_draft, tmp_path):
-    """The cpu profile is measured on the engine and the simulator predicts it (no accuracy claim
-    for a test-size model on a busy machine: the bench reports the errors)."""
-    from fastgrpo.backends.embedded import build_engine, speculation_policy
-    from fastgrpo.bench.simulate import measure_cpu_costs, validate
-    from fastgrpo.models.policy import load_policy
-    from fastgrpo.models.tokenizer import load_tokenizer
-    from fastgrpo.tasks.source import encode_problems, load_task
-    from tests.conftest import tiny_config
+def test_validation_runs_end_to_end_on_an_engine():
+    """The cpu profile is measured on an engine and the simulator predicts every case (no accuracy
+    claim for a random test-size model on a busy machine: the bench reports the errors)."""
+    from fastgrpo.bench.simulate import STATIC_SWEEP, measure_cpu_costs, validate
+    from fastgrpo.speculation.cost_model import calibrate
 
-    cfg = tiny_config(tmp_path, tiny_policy, **{"draft.path": tiny_draft,
-                                                "speculation.cost_model_dir": tmp_path / "costs"})
-    policy, tok = load_policy(cfg.model.path), load_tokenizer(cfg.model.path)
-    engine = build_engine(cfg, policy.config, tok, policy.state_dict().items(), speculation="aware")
-    _, evals = load_task(cfg.task)
-    prompts = [e.prompt_ids for e in encode_problems(evals, tok, cfg.model.max_context, "eval")]
-    pols = {m: speculation_policy(engine, cfg, m) for m in ("off", "static", "fastgrpo", "aware")}
-    pols |= {f"static_{c.name}": Static(c) for c in (SpecConfig(2, 2, 4), SpecConfig(3, 4, 8), SpecConfig(4, 4, 12),
-                                                     SpecConfig(5, 8, 24))}
-    pols["tlt"] = TLT()
-    costs, _ = measure_cpu_costs(engine, pols["aware"].costs, prompts, 1.0, 1.0, print, tokens=8, rounds=1)
-    val = validate(engine, pols, costs, prompts, 1.0, 1.0, (1, 4), 8, 2, 2, 16, cfg.model.max_context, 1, print)
+    cfg = policy_config("test", VOCAB, 64, bos_id=1, eos_id=VOCAB + 1, pad_id=0)
+    engine = EmbeddedEngine(cfg, 8, 64, eos_id=VOCAB + 1, pad_id=0)
+    engine.update_weights(new_policy(cfg, seed=3).state_dict().items(), 0)
+    draft = DraftHead(cfg)
+    draft.reset_parameters(seed=5)
+    engine.update_draft(draft.state_dict().items(), 0)
+    curve = calibrate(engine.model, engine.draft, reps=1, rounds=1)
+    pols = {"off": Off(), "static": Static(SpecConfig(4, 4, 12)), "aware": Aware(curve), "tlt": TLT()}
+    pols |= {f"static_{c.name}": Static(c) for c in STATIC_SWEEP} | {"fastgrpo": sim_policies(Roofline(H100, LLAMA3_8B), ())["fastgrpo"]}
+    prompts = [[1, 2 + i % 5, 3, 4 + i % 3][: 2 + i % 3] for i in range(12)]
+    costs, info = measure_cpu_costs(engine, curve, prompts, 1.0, 1.0, print, tokens=6, rounds=1)
+    assert set(info["fit_rms_s"]) == {"off", "spec", "prefill", "other"}
+    val = validate(engine, pols, costs, prompts, 1.0, 1.0, (1, 4), 6, 2, 2, 10, 64, 1, print)
     assert set(val["cpu_predicted_s"]) == set(val["cpu_measured_s"]) == set(val["error"])
     assert all(np.isfinite(e) and e > -1 for e in val["error"].values())
-    torch.set_num_threads(2)
