@@ -32,7 +32,7 @@ class ToyCosts:
     def draft(self, B, n, ctx_max, ctx_sum):
         return 0.01 * B * n
 
-    def decode_step(self, B, ctx_max, ctx_sum):
+    def decode_step(self, B, ctx_max, ctx_sum, speculating=False):
         return 1.0 + 0.1 * B
 
     def spec_step(self, c, B, width, ctx_max, ctx_sum):
@@ -211,7 +211,7 @@ def test_validation_runs_end_to_end_on_an_engine():
     pols |= {f"static_{c.name}": Static(c) for c in STATIC_SWEEP} | {"fastgrpo": sim_policies(Roofline(H100, LLAMA3_8B), ())["fastgrpo"]}
     prompts = [[1, 2 + i % 5, 3, 4 + i % 3][: 2 + i % 3] for i in range(12)]
     costs, info = measure_cpu_costs(engine, curve, prompts, 1.0, 1.0, print, tokens=6, rounds=1)
-    assert set(info["fit_rms_s"]) == {"off", "spec", "prefill", "other"}
+    assert set(info["fit_rms_s"]) == {"off", "plain", "spec", "prefill", "other"}
     val = validate(engine, pols, costs, prompts, 1.0, 1.0, (1, 4), 6, 2, 2, 10, 64, 1, print)
     assert set(val["cpu_predicted_s"]) == set(val["cpu_measured_s"]) == set(val["error"])
     assert all(np.isfinite(e) and e > -1 for e in val["error"].values())

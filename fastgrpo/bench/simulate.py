@@ -53,7 +53,9 @@ class Costs(Protocol):
     def draft(self, B: int, n: int, ctx_max: int, ctx_sum: int) -> float:
         """One draft forward (its decoder layer and the LM head) of B rows x n tokens."""
 
-    def decode_step(self, B: int, ctx_max: int, ctx_sum: int) -> float: ...
+    def decode_step(self, B: int, ctx_max: int, ctx_sum: int, speculating: bool = False) -> float:
+        """A plain step; `speculating`: under a speculating policy (the engine then keeps the states
+        the draft will catch up on)."""
 
     def spec_step(self, c: SpecConfig, B: int, width: int, ctx_max: int, ctx_sum: int) -> float:
         """Catch-up of `width` states per row, the tree's levels, the verify forward, sampling, bookkeeping."""
@@ -159,7 +161,7 @@ class Roofline:
         return self._forward(B, n, ctx_sum, m.layer_params + 2 * m.hidden * m.hidden + m.lm_head_params, 1,
                              self.hw.draft_overhead_s)
 
-    def decode_step(self, B: int, ctx_max: int, ctx_sum: int) -> float:
+    def decode_step(self, B: int, ctx_max: int, ctx_sum: int, speculating: bool = False) -> float:
         return self.target(B, 1, ctx_max, ctx_sum) + self.hw.step_overhead_s
 
     def spec_step(self, c: SpecConfig, B: int, width: int, ctx_max: int, ctx_sum: int) -> float:
@@ -192,6 +194,7 @@ class CpuCosts:
     spec_fit: tuple[float, ...]  # speculative step beyond its forwards: a + b B + c B n + d depth
     prefill_fit: tuple[float, ...]  # a + b unique * width + c joined
     other_fit: tuple[float, ...]  # outside the steps: per call, per step, per running sequence per step
+    off_spec_fit: tuple[float, ...] = (0.0, 0.0)  # a plain step while a speculating policy runs: a + b B
     name: str = "this CPU / bench policy"
 
     def target(self, B: int, n: int, ctx_max: int, ctx_sum: int) -> float:
@@ -202,8 +205,8 @@ class CpuCosts:
         base = self.curve.draft(B * n)
         return max(base + self.draft_ctx_slope * B * n * (ctx_max - CONTEXT), 0.5 * base)
 
-    def decode_step(self, B: int, ctx_max: int, ctx_sum: int) -> float:
-        a, b = self.off_fit
+    def decode_step(self, B: int, ctx_max: int, ctx_sum: int, speculating: bool = False) -> float:
+        a, b = self.off_spec_fit if speculating else self.off_fit
         return self.target(B, 1, ctx_max, ctx_sum) + max(a + b * B, 0.0)
 
     def spec_forwards(self, c: SpecConfig, B: int, width: int, ctx_max: int) -> float:
@@ -228,7 +231,7 @@ class CpuCosts:
     def to_json(self) -> dict:
         return {"curve": self.curve.to_json(), "ctx_slope": self.ctx_slope, "draft_ctx_slope": self.draft_ctx_slope,
                 "off_fit": self.off_fit, "spec_fit": self.spec_fit, "prefill_fit": self.prefill_fit,
-                "other_fit": self.other_fit}
+                "other_fit": self.other_fit, "off_spec_fit": self.off_spec_fit}
 
 
 def simulated_cost_model(costs: Costs, error: Callable[[str, int], float] | None = None) -> CostModel:
@@ -491,7 +494,7 @@ def simulate(workload: Workload, costs: Costs, acceptance: AcceptanceProfile | N
             config = policy.choose(B) if speculating else None
             policy_s_step = time.perf_counter() - t
             if config is None:
-                seconds = costs.decode_step(B, ctx_max, ctx_sum)
+                seconds = costs.decode_step(B, ctx_max, ctx_sum, speculating)
                 accepted = None
                 emitted = rows.step_off()
             else:
@@ -620,7 +623,7 @@ def _context_slopes(engine, reps: int = 5) -> tuple[float, float]:
     return max(statistics.median(slopes), 0.0), max(statistics.median(dslopes), 0.0)
 
 
-PROFILE_CONFIGS = (None, SpecConfig(3, 1, 4), SpecConfig(2, 2, 4), SpecConfig(4, 4, 12), SpecConfig(5, 8, 24))
+PROFILE_CONFIGS = (None, "plain", SpecConfig(3, 1, 4), SpecConfig(2, 2, 4), SpecConfig(4, 4, 12), SpecConfig(5, 8, 24))
 PROFILE_LEVELS = (2, 8, 32)
 
 
@@ -656,7 +659,7 @@ def measure_cpu_costs(engine, curve: CostModel, prompts: list[list[int]], temper
         call_y.append(min(r["seconds"] - r["prefill_s"] for r in runs))
     prefill_fit = _lstsq(pre_rows, pre_y)
     # decode steps at other concurrencies, plain and with fixed trees
-    off_rows, off_y, spec_rows, spec_y = [], [], [], []
+    off_rows, off_y, spec_rows, spec_y, plain_rows, plain_y = [], [], [], [], [], []
     sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=tokens, ignore_eos=True)
     for B in sorted({min(B, cap) for B in PROFILE_LEVELS}):
         reqs = [Request(pool[(3 * i) % len(pool)], max_new_tokens=tokens) for i in range(B)]
@@ -664,7 +667,8 @@ def measure_cpu_costs(engine, curve: CostModel, prompts: list[list[int]], temper
         for c in PROFILE_CONFIGS:
             best, best_other = float("inf"), float("inf")
             for r in range(rounds):
-                rec = Recorder(Off() if c is None else Static(c))
+                # "plain": plain steps under a speculating policy (TLT with threshold 0 never speculates)
+                rec = Recorder(Off() if c is None else TLT(threshold=0) if c == "plain" else Static(c))
                 run = _engine_run(engine, rec, reqs, sampling, 500 + r)
                 steps = replay_steps([(cfg, running, acc) for _, cfg, running, _, _, acc in rec.log], plens, [tokens] * B)
                 residuals = []
@@ -679,6 +683,9 @@ def measure_cpu_costs(engine, curve: CostModel, prompts: list[list[int]], temper
             if c is None:
                 off_rows.append([1.0, B])
                 off_y.append(best)
+            elif c == "plain":
+                plain_rows.append([1.0, B])
+                plain_y.append(best)
             else:
                 spec_rows.append([1.0, B, B * c.num_verify, c.depth])
                 spec_y.append(best)
@@ -688,14 +695,16 @@ def measure_cpu_costs(engine, curve: CostModel, prompts: list[list[int]], temper
     off_fit = _lstsq(off_rows, off_y)
     spec_fit = _lstsq(spec_rows, spec_y)
     other_fit = _lstsq(call_rows, call_y)
-    costs = CpuCosts(curve, ctx_slope, dctx_slope, off_fit, spec_fit, prefill_fit, other_fit)
+    off_spec_fit = _lstsq(plain_rows, plain_y)
+    costs = CpuCosts(curve, ctx_slope, dctx_slope, off_fit, spec_fit, prefill_fit, other_fit, off_spec_fit)
     info = {"seconds": time.perf_counter() - t0, "levels": list(PROFILE_LEVELS),
-            "configs": ["off" if c is None else c.name for c in PROFILE_CONFIGS], "tokens": tokens,
+            "configs": ["off" if c is None else c if isinstance(c, str) else c.name for c in PROFILE_CONFIGS],
+            "tokens": tokens,
             "off_residual_s": dict(zip(map(str, PROFILE_LEVELS), off_y)),
-            "fit_rms_s": {"off": _rms(off_rows, off_y, off_fit), "spec": _rms(spec_rows, spec_y, spec_fit),
+            "fit_rms_s": {"off": _rms(off_rows, off_y, off_fit), "plain": _rms(plain_rows, plain_y, off_spec_fit), "spec": _rms(spec_rows, spec_y, spec_fit),
                           "prefill": _rms(pre_rows, pre_y, prefill_fit), "other": _rms(call_rows, call_y, other_fit)}}
     log(f"cpu costs measured in {info['seconds']:.0f}s: context slope {ctx_slope * 1e9:.2f} ns/token/ctx, "
-        f"off residual {off_fit}, spec residual {spec_fit}, prefill {prefill_fit}, other {other_fit}")
+        f"off residual {off_fit}, plain-while-speculating {off_spec_fit}, spec residual {spec_fit}, prefill {prefill_fit}, other {other_fit}")
     return costs, info
 
 
