@@ -149,6 +149,11 @@ def test_bench_guarantee_pairs_aware_with_off_at_each_thread_count(tmp_path, tin
                 ratios = sorted(p["aware_tok_s"] / p["off_tok_s"] if "off_tok_s" in p else p["hf_s"] / p["engine_s"]
                                 for p in pairs)
                 assert ratio == pytest.approx(ratios[len(ratios) // 2])  # an odd count: the middle pair
+        for r in loads.values():  # the pooled median over every pair of every run, inside its interval
+            every = sorted(p["aware_tok_s"] / p["off_tok_s"] for pairs in r["runs"] for p in pairs)
+            pool = r["pooled"]
+            assert pool["pairs"] == len(every) and pool["median"] == pytest.approx(every[len(every) // 2])
+            assert every[0] <= pool["ci95"][0] <= pool["median"] <= pool["ci95"][1] <= every[-1]
     table = markdown(saved, "cmd")
     worst = min(min(r["ratios"]) for passed in saved["threads"].values() for r in passed["aware_vs_off"].values())
     assert f"| {worst:.3f}x |" in table
