@@ -923,21 +923,23 @@ def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = Non
     t0 = time.perf_counter()
     policy, tokenizer = load_policy(cfg.model.path), load_tokenizer(cfg.model.path)
     policy.eval()
-    engine = build_engine(cfg, policy.config, tokenizer, policy.state_dict().items(), speculation="aware")
+    # the draft is loaded for a static policy: no cached calibration is read or written here
+    engine = build_engine(cfg, policy.config, tokenizer, policy.state_dict().items(), speculation="static")
     _, evals = load_task(cfg.task)
     prompts = [e.prompt_ids for e in encode_problems(evals, tokenizer, cfg.model.max_context, "eval")]
     sc = cfg.speculation
     static_cfg = SpecConfig(sc.depth, sc.topk, sc.num_verify)
-    engine_policies: dict[str, SpeculationPolicy] = {
-        m: speculation_policy(engine, cfg, m) for m in ("off", "static", "fastgrpo", "aware")}
-    engine_policies |= {f"static_{c.name}": Static(c) for c in STATIC_SWEEP}
-    engine_policies["tlt"] = TLT(seed=cfg.seed)
-    # the engine's calibration sweep, run afresh with three rounds (the lowest median per size): the
-    # cpu profile's forwards. The engine's `aware` keeps its own (cached) calibration, and the
-    # simulated `aware` gets a simulated sweep of the cpu profile, as on any simulated machine
+    # the engine's calibration sweep (cost_model.calibrate), run afresh with three rounds (the lowest
+    # median per size): the cpu profile's forwards, and the engine's `aware` cost model in this run
+    # (the simulated `aware` gets a simulated sweep of the cpu profile, as on any simulated machine)
     t = time.perf_counter()
     curve = calibrate(engine.model, engine.draft, rounds=3)
     log(f"calibration sweep in {time.perf_counter() - t:.0f}s")
+    engine_policies: dict[str, SpeculationPolicy] = {m: speculation_policy(engine, cfg, m)
+                                                      for m in ("off", "static", "fastgrpo")}
+    engine_policies["aware"] = Aware(curve)
+    engine_policies |= {f"static_{c.name}": Static(c) for c in STATIC_SWEEP}
+    engine_policies["tlt"] = TLT(seed=cfg.seed)
     temperature, top_p = cfg.rollout.temperature, cfg.rollout.top_p
     costs, cost_info = measure_cpu_costs(engine, curve, prompts, temperature, top_p, log)
 
