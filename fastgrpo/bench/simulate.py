@@ -970,6 +970,8 @@ def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = Non
         "meta": {"date": datetime.date.today().isoformat(), "quick": quick, "cores": torch.get_num_threads(),
                  "torch": torch.__version__, "machine": platform.machine(),
                  "policy_parameters": num_parameters(policy), "temperature": temperature, "repetitions": reps,
+                 "policy": cfg.model.path, "sft_steps": cfg.sft.examples // cfg.sft.batch_size,
+                 "draft_steps": cfg.draft.pretrain_steps,
                  "validation_workloads": v, "gpu_max_batch": GPU_MAX_BATCH, "gpu_repetitions": sim_reps,
                  "longtail": lt | {"prompts": n_prompts, "group": group}},
         "cpu_costs": costs.to_json() | {"measurement": cost_info},
@@ -1067,8 +1069,9 @@ def markdown(result: dict, command: str) -> str:
     v = m["validation_workloads"]
     stem = Path(command.split("--output")[-1].strip()).stem if "--output" in command else "simulate"
     lines = [f"Command: `{command}`", "",
-             f"Date {m['date']}; {m['cores']} CPU threads ({m['machine']}), torch {m['torch']}; bench policy "
-             f"{m['policy_parameters'] / 1e6:.1f}M parameters; temperature {m['temperature']}.", "",
+             f"Date {m['date']}; {m['cores']} CPU threads ({m['machine']}), torch {m['torch']}; policy "
+             f"`{m.get('policy', '?')}` ({m['policy_parameters'] / 1e6:.1f}M parameters, {m.get('sft_steps', '?')} SFT "
+             f"steps; its draft {m.get('draft_steps', '?')} warm-start steps); temperature {m['temperature']}.", "",
              "### Validation: the simulator against the engine on this CPU (measured and predicted)", "",
              f"The engine (medians of {m['repetitions']} interleaved repetitions after a warm-up) and the simulator "
              f"(same protocol, cpu profile: the engine's calibration sweep plus the step, prefill and loop costs "
