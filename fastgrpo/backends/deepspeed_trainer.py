@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
+from fastgrpo.models.policy import save_policy_tensors
 from torch import Tensor
 
 from fastgrpo.backends.torch_trainer import TorchPolicyTrainer
@@ -172,12 +172,7 @@ class DeepSpeedPolicyTrainer(TorchPolicyTrainer):
         directory = Path(directory)
         tensors = {name: t.contiguous().clone() for name, t in self.export_weights()}  # every rank takes part
         if self.dp_rank == 0:
-            policy = directory / "policy"
-            policy.mkdir(parents=True, exist_ok=True)
-            if self.hf_config.tie_word_embeddings:
-                tensors.pop("lm_head.weight", None)
-            save_file(tensors, str(policy / "model.safetensors"))
-            self.hf_config.save_pretrained(policy)
+            save_policy_tensors(directory / "policy", tensors, self.hf_config, self.hf_config.tie_word_embeddings)
         del tensors
         self.model.save_checkpoint(str(directory / "deepspeed"), tag=CHECKPOINT_TAG, save_latest=False)
         dist.barrier()

@@ -9,7 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from safetensors.torch import save_file
+from torch import Tensor
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel
 
 # test: trains in seconds; bench: ~20M parameters, the size the benchmarks and `make train` use.
 SIZES: dict[str, dict[str, int]] = {
@@ -46,6 +48,16 @@ def load_policy(path: str | Path) -> PreTrainedModel:
         raise FileNotFoundError(f"no Hugging Face policy at {path} (config.json missing); build one with `fastgrpo sft`")
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
     return model
+
+
+def save_policy_tensors(directory: Path, tensors: dict[str, Tensor], config: PretrainedConfig, tied: bool) -> None:
+    """A Hugging Face policy directory from full tensors (what a sharded trainer exports): a tied head
+    is stored once, as the embedding, as Hugging Face itself stores it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if tied:
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(directory / "model.safetensors"))
+    config.save_pretrained(directory)
 
 
 def num_parameters(model: torch.nn.Module) -> int:

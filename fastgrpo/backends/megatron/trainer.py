@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
+from fastgrpo.models.policy import save_policy_tensors
 from torch import Tensor
 
 from fastgrpo.backends.megatron.layout import Layout, LayoutError
@@ -319,12 +319,7 @@ class MegatronPolicyTrainer:
         tensors = {name: t.contiguous().clone() for name, t in self.export_weights()}  # every rank takes part
         megatron_dir = directory / "megatron"
         if dist.get_rank() == 0:
-            policy = directory / "policy"
-            policy.mkdir(parents=True, exist_ok=True)
-            if self.layout.tied:
-                tensors.pop("lm_head.weight", None)
-            save_file(tensors, str(policy / "model.safetensors"))
-            self.hf_config.save_pretrained(policy)
+            save_policy_tensors(directory / "policy", tensors, self.hf_config, self.layout.tied)
             megatron_dir.mkdir(parents=True, exist_ok=True)
         del tensors
         dist.barrier()
