@@ -210,7 +210,7 @@ def test_validation_runs_end_to_end_on_an_engine():
     pols = {"off": Off(), "static": Static(SpecConfig(4, 4, 12)), "aware": Aware(curve), "tlt": TLT()}
     pols |= {f"static_{c.name}": Static(c) for c in STATIC_SWEEP} | {"fastgrpo": sim_policies(Roofline(H100, LLAMA3_8B), ())["fastgrpo"]}
     prompts = [[1, 2 + i % 5, 3, 4 + i % 3][: 2 + i % 3] for i in range(12)]
-    costs, info = measure_cpu_costs(engine, curve, prompts, 1.0, 1.0, print, tokens=6, rounds=1)
+    costs, info = measure_cpu_costs(engine, prompts, 1.0, 1.0, print, tokens=6, rounds=1, curve=curve)
     assert set(info["fit_rms_s"]) == {"off", "plain", "spec", "prefill", "other"}
     val = validate(engine, pols, costs, prompts, 1.0, 1.0, (1, 4), 6, 2, 2, 10, 64, 1, print)
     assert set(val["cpu_predicted_s"]) == set(val["cpu_measured_s"]) == set(val["error"])

@@ -627,84 +627,106 @@ PROFILE_CONFIGS = (None, "plain", SpecConfig(3, 1, 4), SpecConfig(2, 2, 4), Spec
 PROFILE_LEVELS = (2, 8, 32)
 
 
-def measure_cpu_costs(engine, curve: CostModel, prompts: list[list[int]], temperature: float, top_p: float,
-                      log: Callable[[str], None], tokens: int = 24, rounds: int = 2) -> tuple[CpuCosts, dict]:
-    """This machine's costs beyond the calibration sweep, measured on the engine with workloads that
-    are NOT the validation's (other concurrencies, other prompts, shorter answers): the per-step
-    residual of plain and speculative steps over the sweep's forwards (by running rows, tokens
-    verified and depth), prefill (by unique prompt tokens and rows joined), and the engine's time
-    between steps. Each run is repeated `rounds` times; per run the lowest median residual is kept
-    (a shared machine's noise only ever slows a run down); per step, a trimmed mean."""
+def measure_cpu_costs(engine, prompts: list[list[int]], temperature: float, top_p: float,
+                      log: Callable[[str], None], tokens: int = 24, rounds: int = 3,
+                      curve: CostModel | None = None) -> tuple[CpuCosts, dict]:
+    """This machine's costs: the engine's calibration sweep (`cost_model.calibrate`) and what the
+    engine spends beyond it, measured on the engine with workloads that are NOT the validation's
+    (other concurrencies, other prompts, shorter answers): the per-step residual of plain and
+    speculative steps over the sweep's forwards (by running rows, tokens verified and depth),
+    prefill (by unique prompt tokens and rows joined), and the engine's time between steps.
+
+    On a shared machine another job's burst can slow a whole measurement several-fold, so every
+    measurement is repeated in `rounds` passes spread over the measuring time (a sweep round, then
+    the engine runs, per pass) and the fastest pass of each is kept: noise only ever slows a
+    measurement down. Per run the step residual is the median step's (robust to one slow step).
+    `curve`: use this sweep instead of measuring one (tests)."""
     from fastgrpo.types import Request, SamplingParams
 
     t0 = time.perf_counter()
     ctx_slope, dctx_slope = _context_slopes(engine)
-    costs = CpuCosts(curve, ctx_slope, dctx_slope, (0.0, 0.0), (0.0, 0.0, 0.0, 0.0), (0.0, 0.0, 0.0), (0.0, 0.0, 0.0))
     pool = prompts[len(prompts) // 2:]  # the validation uses the first prompts
-    # prefill: max_new_tokens = 1 (the prefill samples the only token), by unique prompts x copies
-    pre_rows, pre_y, call_rows, call_y = [], [], [], []
     greedy1 = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=1)
-    off = Off()
-    _engine_run(engine, off, [Request(pool[0])], greedy1, 0)  # warm-up
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=tokens, ignore_eos=True)
     cap = engine.max_batch  # one prefill per call: the fit is per prefill
+    prefill_cases = []
     for unique, copies in ((1, 1), (2, 8), (4, 8), (8, 8), (16, 2), (32, 1), (6, 4)):
         unique = min(unique, cap)
-        copies = max(min(copies, cap // unique), 1)
-        reqs = [Request(pool[u % len(pool)]) for u in range(unique) for _ in range(copies)]
-        runs = [_engine_run(engine, off, reqs, greedy1, r) for r in range(rounds)]
-        width = max(len(pool[u % len(pool)]) for u in range(unique))
-        pre_rows.append([1.0, unique * width, unique * copies])
-        pre_y.append(min(r["prefill_s"] for r in runs))
-        call_rows.append([1.0, 0.0, 0.0])
-        call_y.append(min(r["seconds"] - r["prefill_s"] for r in runs))
-    prefill_fit = _lstsq(pre_rows, pre_y)
-    # decode steps at other concurrencies, plain and with fixed trees
-    off_rows, off_y, spec_rows, spec_y, plain_rows, plain_y = [], [], [], [], [], []
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=tokens, ignore_eos=True)
-    for B in sorted({min(B, cap) for B in PROFILE_LEVELS}):
-        reqs = [Request(pool[(3 * i) % len(pool)], max_new_tokens=tokens) for i in range(B)]
-        plens = [len(r.prompt_ids) for r in reqs]
-        for c in PROFILE_CONFIGS:
-            best, best_other = float("inf"), float("inf")
-            for r in range(rounds):
+        prefill_cases.append((unique, max(min(copies, cap // unique), 1)))
+    levels = sorted({min(B, cap) for B in PROFILE_LEVELS})
+    sweeps: list[CostModel] = []
+    prefill_runs: dict[tuple[int, int], list[dict]] = {}
+    step_runs: dict[tuple[int, Any], list[tuple[dict, Recorder]]] = {}
+    _engine_run(engine, Off(), [Request(pool[0])], greedy1, 0)  # warm-up
+    for r in range(rounds):
+        if curve is None:
+            sweeps.append(calibrate(engine.model, engine.draft, rounds=1))
+        for unique, copies in prefill_cases:
+            reqs = [Request(pool[u % len(pool)]) for u in range(unique) for _ in range(copies)]
+            prefill_runs.setdefault((unique, copies), []).append(_engine_run(engine, Off(), reqs, greedy1, r))
+        for B in levels:
+            reqs = [Request(pool[(3 * i) % len(pool)], max_new_tokens=tokens) for i in range(B)]
+            for c in PROFILE_CONFIGS:
                 # "plain": plain steps under a speculating policy (TLT with threshold 0 never speculates)
                 rec = Recorder(Off() if c is None else TLT(threshold=0) if c == "plain" else Static(c))
-                run = _engine_run(engine, rec, reqs, sampling, 500 + r)
-                steps = replay_steps([(cfg, running, acc) for _, cfg, running, _, _, acc in rec.log], plens, [tokens] * B)
-                residuals = []
-                for (running, width, ctx), (_, cfg, _, _, seconds, acc) in zip(steps, rec.log):
-                    if cfg is None or acc is None:
-                        residuals.append(seconds - costs.target(running, 1, ctx, 0))
-                    else:
-                        residuals.append(seconds - costs.spec_forwards(cfg, running, width, ctx))
-                best = min(best, _trimmed_mean(residuals[2:] or residuals))
-                other = run["seconds"] - run["prefill_s"] - sum(s[3] for s in run["trace"])
-                best_other = min(best_other, other)
-            if c is None:
-                off_rows.append([1.0, B])
-                off_y.append(best)
-            elif c == "plain":
-                plain_rows.append([1.0, B])
-                plain_y.append(best)
-            else:
-                spec_rows.append([1.0, B, B * c.num_verify, c.depth])
-                spec_y.append(best)
-            steps_n = len(rec.log)
-            call_rows.append([1.0, steps_n, sum(running for _, _, running, _, _, _ in rec.log)])
-            call_y.append(best_other)
+                step_runs.setdefault((B, c), []).append((_engine_run(engine, rec, reqs, sampling, 500 + r), rec))
+    if curve is None:
+        curve = CostModel({t: min(s.target_s[t] for s in sweeps) for t in SWEEP},
+                          {t: min(s.draft_s[t] for s in sweeps) for t in SWEEP})
+    costs = CpuCosts(curve, ctx_slope, dctx_slope, (0.0, 0.0), (0.0, 0.0, 0.0, 0.0), (0.0, 0.0, 0.0), (0.0, 0.0, 0.0))
+
+    pre_rows, pre_y, call_rows, call_y = [], [], [], []
+    for (unique, copies), runs in prefill_runs.items():
+        width = max(len(pool[u % len(pool)]) for u in range(unique))
+        pre_rows.append([1.0, unique * width, unique * copies])
+        pre_y.append(min(run["prefill_s"] for run in runs))
+        call_rows.append([1.0, 0.0, 0.0])
+        call_y.append(min(run["seconds"] - run["prefill_s"] for run in runs))
+    off_rows, off_y, spec_rows, spec_y, plain_rows, plain_y = [], [], [], [], [], []
+    for (B, c), runs in step_runs.items():
+        plens = [len(pool[(3 * i) % len(pool)]) for i in range(B)]
+        best, best_other = float("inf"), float("inf")
+        for run, rec in runs:
+            steps = replay_steps([(cfg, running, acc) for _, cfg, running, _, _, acc in rec.log], plens, [tokens] * B)
+            residuals = []
+            for (running, width, ctx), (_, cfg, _, _, seconds, acc) in zip(steps, rec.log):
+                if cfg is None or acc is None:
+                    residuals.append(seconds - costs.target(running, 1, ctx, 0))
+                else:
+                    residuals.append(seconds - costs.spec_forwards(cfg, running, width, ctx))
+            best = min(best, statistics.median(residuals[2:] or residuals))
+            best_other = min(best_other, run["seconds"] - run["prefill_s"] - sum(s[3] for s in run["trace"]))
+        if c is None:
+            off_rows.append([1.0, B])
+            off_y.append(best)
+        elif c == "plain":
+            plain_rows.append([1.0, B])
+            plain_y.append(best)
+        else:
+            spec_rows.append([1.0, B, B * c.num_verify, c.depth])
+            spec_y.append(best)
+        rec = runs[0][1]
+        call_rows.append([1.0, len(rec.log), sum(running for _, _, running, _, _, _ in rec.log)])
+        call_y.append(best_other)
+    prefill_fit = _lstsq(pre_rows, pre_y)
     off_fit = _lstsq(off_rows, off_y)
+    off_spec_fit = _lstsq(plain_rows, plain_y)
     spec_fit = _lstsq(spec_rows, spec_y)
     other_fit = _lstsq(call_rows, call_y)
-    off_spec_fit = _lstsq(plain_rows, plain_y)
     costs = CpuCosts(curve, ctx_slope, dctx_slope, off_fit, spec_fit, prefill_fit, other_fit, off_spec_fit)
-    info = {"seconds": time.perf_counter() - t0, "levels": list(PROFILE_LEVELS),
+    info = {"seconds": time.perf_counter() - t0, "levels": levels, "rounds": rounds,
             "configs": ["off" if c is None else c if isinstance(c, str) else c.name for c in PROFILE_CONFIGS],
             "tokens": tokens,
-            "off_residual_s": dict(zip(map(str, PROFILE_LEVELS), off_y)),
-            "fit_rms_s": {"off": _rms(off_rows, off_y, off_fit), "plain": _rms(plain_rows, plain_y, off_spec_fit), "spec": _rms(spec_rows, spec_y, spec_fit),
+            "sweep_rounds_target_1_s": [s.target_s[1] for s in sweeps],
+            "off_residual_s": dict(zip(map(str, levels), off_y)),
+            "fit_rms_s": {"off": _rms(off_rows, off_y, off_fit), "plain": _rms(plain_rows, plain_y, off_spec_fit),
+                          "spec": _rms(spec_rows, spec_y, spec_fit),
                           "prefill": _rms(pre_rows, pre_y, prefill_fit), "other": _rms(call_rows, call_y, other_fit)}}
-    log(f"cpu costs measured in {info['seconds']:.0f}s: context slope {ctx_slope * 1e9:.2f} ns/token/ctx, "
-        f"off residual {off_fit}, plain-while-speculating {off_spec_fit}, spec residual {spec_fit}, prefill {prefill_fit}, other {other_fit}")
+    log(f"cpu costs measured in {info['seconds']:.0f}s: target forward 1 / 64 / 512 tokens "
+        f"{1e3 * curve.target(1):.1f} / {1e3 * curve.target(64):.1f} / {1e3 * curve.target(512):.1f} ms "
+        f"(sweep rounds at 1 token: {', '.join(f'{1e3 * x:.1f}' for x in info['sweep_rounds_target_1_s'])} ms); "
+        f"context slope {ctx_slope * 1e9:.2f} ns/token/ctx; residuals: off {off_fit}, plain-while-speculating "
+        f"{off_spec_fit}, spec {spec_fit}, prefill {prefill_fit}, other {other_fit}")
     return costs, info
 
 
@@ -929,19 +951,16 @@ def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = Non
     prompts = [e.prompt_ids for e in encode_problems(evals, tokenizer, cfg.model.max_context, "eval")]
     sc = cfg.speculation
     static_cfg = SpecConfig(sc.depth, sc.topk, sc.num_verify)
-    # the engine's calibration sweep (cost_model.calibrate), run afresh with three rounds (the lowest
-    # median per size): the cpu profile's forwards, and the engine's `aware` cost model in this run
-    # (the simulated `aware` gets a simulated sweep of the cpu profile, as on any simulated machine)
-    t = time.perf_counter()
-    curve = calibrate(engine.model, engine.draft, rounds=3)
-    log(f"calibration sweep in {time.perf_counter() - t:.0f}s")
+    temperature, top_p = cfg.rollout.temperature, cfg.rollout.top_p
+    # the cpu profile: the engine's calibration sweep and the engine's costs beyond it, measured in
+    # this run; the engine's `aware` gets the same sweep (no cached calibration is read or written),
+    # the simulated `aware` a simulated sweep of the cpu profile, as on any simulated machine
+    costs, cost_info = measure_cpu_costs(engine, prompts, temperature, top_p, log)
     engine_policies: dict[str, SpeculationPolicy] = {m: speculation_policy(engine, cfg, m)
                                                       for m in ("off", "static", "fastgrpo")}
-    engine_policies["aware"] = Aware(curve)
+    engine_policies["aware"] = Aware(costs.curve)
     engine_policies |= {f"static_{c.name}": Static(c) for c in STATIC_SWEEP}
     engine_policies["tlt"] = TLT(seed=cfg.seed)
-    temperature, top_p = cfg.rollout.temperature, cfg.rollout.top_p
-    costs, cost_info = measure_cpu_costs(engine, curve, prompts, temperature, top_p, log)
 
     reps = 3
     v = dict(levels=(1, 4, 16, 64), tokens=48 if quick else 128, n_prompts=4 if quick else 8, group=8,
