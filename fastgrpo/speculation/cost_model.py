@@ -48,12 +48,21 @@ class CostModel:
     def __init__(self, target_s: dict[int, float], draft_s: dict[int, float]):
         self.target_s = monotone(target_s)  # seconds per target forward, by tokens in the forward
         self.draft_s = monotone(draft_s)  # seconds per draft forward (incl. LM head and tree bookkeeping)
+        # `aware` asks for the same few sizes at every decode step: answered from a table, a plain
+        # step under `aware` costs what one under `off` costs
+        self._memo: dict[tuple[bool, float], float] = {}
 
     def target(self, tokens: float) -> float:
-        return _interp(self.target_s, tokens)
+        key = (True, tokens)
+        if (seconds := self._memo.get(key)) is None:
+            seconds = self._memo[key] = _interp(self.target_s, tokens)
+        return seconds
 
     def draft(self, tokens: float) -> float:
-        return _interp(self.draft_s, tokens)
+        key = (False, tokens)
+        if (seconds := self._memo.get(key)) is None:
+            seconds = self._memo[key] = _interp(self.draft_s, tokens)
+        return seconds
 
     def to_json(self) -> dict:
         return {"target_s": self.target_s, "draft_s": self.draft_s}

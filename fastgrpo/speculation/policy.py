@@ -171,11 +171,15 @@ class Aware(Off):
         return self.correction.get((kind, self._bucket(running)), 1.0)
 
     def predicted_seconds(self, c: SpecConfig | None, running: int) -> float:
+        return self._calibrated_seconds(c, running) * self._correction("off" if c is None else "spec", running)
+
+    def _calibrated_seconds(self, c: SpecConfig | None, running: int) -> float:
+        """The step's time by the calibration alone (before the online correction)."""
         if c is None:
-            return self.costs.target(running) * self._correction("off", running)
+            return self.costs.target(running)
         catch_up = running * self.acceptance.expected(c)  # last step's accepted states, fed to the draft
         draft = self.costs.draft(catch_up) + (c.depth - 1) * self.costs.draft(running * c.topk)
-        return (draft + self.costs.target(running * c.num_verify)) * self._correction("spec", running)
+        return draft + self.costs.target(running * c.num_verify)
 
     def goodput(self, c: SpecConfig | None, running: int) -> float:
         emitted = 1.0 if c is None else self.acceptance.expected(c)
@@ -222,8 +226,7 @@ class Aware(Off):
                 accepted: list[int] | None = None) -> None:
         kind, other = ("off", "spec") if config is None else ("spec", "off")
         b = self._bucket(running)
-        raw = self.predicted_seconds(config, running) / self._correction(kind, running)
-        ratio = min(max(seconds / max(raw, 1e-9), 0.2), 5.0)
+        ratio = min(max(seconds / max(self._calibrated_seconds(config, running), 1e-9), 0.2), 5.0)
         # the first measurement of a kind in a bucket replaces the calibration; later ones are averaged,
         # a probe (rare, and the only fresh evidence on its kind) with weight one half
         probe = self._probing == b
