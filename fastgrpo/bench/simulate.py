@@ -188,8 +188,7 @@ class CpuCosts:
     cache bookkeeping), prefill, and the engine loop between steps."""
 
     curve: CostModel
-    ctx_slope: float  # seconds per (token in the forward x cached token beyond CONTEXT), target
-    draft_ctx_slope: float
+    ctx: dict[str, float]  # seconds per row x cached token and per new token x cached token (target, draft)
     off_fit: tuple[float, ...]  # plain step beyond its forward: a + b B
     spec_fit: tuple[float, ...]  # speculative step beyond its forwards: a + b B + c B n + d depth
     prefill_fit: tuple[float, ...]  # a + b unique * width + c joined
@@ -197,13 +196,20 @@ class CpuCosts:
     off_spec_fit: tuple[float, ...] = (0.0, 0.0)  # a plain step while a speculating policy runs: a + b B
     name: str = "this CPU / bench policy"
 
+    def _context(self, kind: str, B: int, n: int, ctx_max: int) -> float:
+        """Context cost of (B rows, n tokens each, over ctx_max cached) beyond what the sweep's point of
+        B n tokens (min(B n, 64) rows over CONTEXT) already holds."""
+        tokens, rows = B * n, min(B * n, 64)
+        return (self.ctx[f"{kind}_row"] * (B * ctx_max - rows * CONTEXT)
+                + self.ctx[f"{kind}_token"] * tokens * (ctx_max - CONTEXT))
+
     def target(self, B: int, n: int, ctx_max: int, ctx_sum: int) -> float:
         base = self.curve.target(B * n)
-        return max(base + self.ctx_slope * B * n * (ctx_max - CONTEXT), 0.5 * base)
+        return max(base + self._context("target", B, n, ctx_max), 0.3 * base)
 
     def draft(self, B: int, n: int, ctx_max: int, ctx_sum: int) -> float:
         base = self.curve.draft(B * n)
-        return max(base + self.draft_ctx_slope * B * n * (ctx_max - CONTEXT), 0.5 * base)
+        return max(base + self._context("draft", B, n, ctx_max), 0.3 * base)
 
     def decode_step(self, B: int, ctx_max: int, ctx_sum: int, speculating: bool = False) -> float:
         a, b = self.off_spec_fit if speculating else self.off_fit
@@ -229,7 +235,7 @@ class CpuCosts:
         return max(self.other_fit[0], 0.0)
 
     def to_json(self) -> dict:
-        return {"curve": self.curve.to_json(), "ctx_slope": self.ctx_slope, "draft_ctx_slope": self.draft_ctx_slope,
+        return {"curve": self.curve.to_json(), "context": self.ctx,
                 "off_fit": self.off_fit, "spec_fit": self.spec_fit, "prefill_fit": self.prefill_fit,
                 "other_fit": self.other_fit, "off_spec_fit": self.off_spec_fit}
 
@@ -591,40 +597,49 @@ def _engine_run(engine, policy, requests, sampling, seed: int) -> dict:
             "lengths": [len(o.token_ids) for o in out], "accept_len": st["accept_len"]}
 
 
-def _context_slopes(engine, reps: int = 5) -> tuple[float, float]:
-    """Seconds per (token in the forward x extra cached token) of the target and of the draft: the
-    calibration sweep times every forward over CONTEXT cached tokens; real steps attend over more."""
+def _context_slopes(engine, reps: int = 5) -> dict[str, float]:
+    """What context costs beyond the sweep's fixed CONTEXT: seconds per (row x cached token) (reading
+    a row's keys and values) and per (new token x cached token) (attention), of the target and the
+    draft. Two shapes of 64 tokens (64 rows x 1, 4 rows x 16), each over CONTEXT and CONTEXT + extra
+    cached tokens, separate the two."""
     import torch
 
     from fastgrpo.engine.model import KVCache, block_mask, cache_kv
     from fastgrpo.speculation.cost_model import _time
 
     model, draft, cfg = engine.model, engine.draft, engine.model.cfg
-    extra = min(256, model.cos.shape[0] - CONTEXT - 9)  # within the engine's position tables
+    extra = min(256, model.cos.shape[0] - CONTEXT - 17)  # within the engine's position tables
     cache = KVCache(cfg, 64, CONTEXT + extra + 64)
     dcache = KVCache(cfg, 64, CONTEXT + extra + 64, layers=1)
-    slopes, dslopes = [], []
+    delta: dict[tuple[str, int], float] = {}
     with torch.inference_mode():
-        for B, n in ((16, 1), (64, 1), (4, 8)):
+        for B, n in ((64, 1), (4, 16)):
             ids = torch.randint(0, cfg.vocab_size, (B, n))
             r = slice(0, B)
-            times, dtimes = [], []
+            hidden = torch.randn(B, n, cfg.hidden_size)
+            times: dict[str, list[float]] = {"target": [], "draft": []}
             for ctx in (CONTEXT, CONTEXT + extra):
                 cache.lengths.fill_(ctx)
                 dcache.lengths.fill_(ctx)
-                times.append(min(_time(lambda: model.forward(ids, cache, r), reps) for _ in range(2)))
-                hidden = torch.randn(B, n, cfg.hidden_size)
                 pos = ctx + torch.arange(n).expand(B, n)
                 mask = block_mask(dcache.lengths[r], n, ctx + n, None)
-                dtimes.append(min(_time(lambda: draft.features(hidden, ids, pos, mask, cache_kv(dcache, 0, r, pos, ctx + n)),
-                                        reps) for _ in range(2)))
-            slopes.append((times[1] - times[0]) / (B * n * extra))
-            dslopes.append((dtimes[1] - dtimes[0]) / (B * n * extra))
-    return max(statistics.median(slopes), 0.0), max(statistics.median(dslopes), 0.0)
+                times["target"].append(min(_time(lambda: model.forward(ids, cache, r), reps) for _ in range(3)))
+                times["draft"].append(min(_time(lambda: draft.features(hidden, ids, pos, mask,
+                                                                       cache_kv(dcache, 0, r, pos, ctx + n)), reps)
+                                          for _ in range(3)))
+            for kind, (t0, t1) in times.items():
+                delta[(kind, B)] = (t1 - t0) / extra
+    out = {}
+    for kind in ("target", "draft"):
+        d1, d2 = delta[(kind, 64)], delta[(kind, 4)]  # 64 s_row + 64 s_tok, 4 s_row + 64 s_tok
+        row = max((d1 - d2) / 60, 0.0)
+        out[f"{kind}_row"] = row
+        out[f"{kind}_token"] = max((d2 - 4 * row) / 64, 0.0)
+    return out
 
 
 PROFILE_CONFIGS = (None, "plain", SpecConfig(3, 1, 4), SpecConfig(2, 2, 4), SpecConfig(4, 4, 12), SpecConfig(5, 8, 24))
-PROFILE_LEVELS = (2, 8, 32)
+PROFILE_LEVELS = (2, 8, 32, 48)
 
 
 def measure_cpu_costs(engine, prompts: list[list[int]], temperature: float, top_p: float,
@@ -644,7 +659,7 @@ def measure_cpu_costs(engine, prompts: list[list[int]], temperature: float, top_
     from fastgrpo.types import Request, SamplingParams
 
     t0 = time.perf_counter()
-    ctx_slope, dctx_slope = _context_slopes(engine)
+    context = _context_slopes(engine)
     pool = prompts[len(prompts) // 2:]  # the validation uses the first prompts
     greedy1 = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=1)
     sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=tokens, ignore_eos=True)
@@ -673,7 +688,7 @@ def measure_cpu_costs(engine, prompts: list[list[int]], temperature: float, top_
     if curve is None:
         curve = CostModel({t: min(s.target_s[t] for s in sweeps) for t in SWEEP},
                           {t: min(s.draft_s[t] for s in sweeps) for t in SWEEP})
-    costs = CpuCosts(curve, ctx_slope, dctx_slope, (0.0, 0.0), (0.0, 0.0, 0.0, 0.0), (0.0, 0.0, 0.0), (0.0, 0.0, 0.0))
+    costs = CpuCosts(curve, context, (0.0, 0.0), (0.0, 0.0, 0.0, 0.0), (0.0, 0.0, 0.0), (0.0, 0.0, 0.0))
 
     pre_rows, pre_y, call_rows, call_y = [], [], [], []
     for (unique, copies), runs in prefill_runs.items():
@@ -713,7 +728,7 @@ def measure_cpu_costs(engine, prompts: list[list[int]], temperature: float, top_
     off_spec_fit = _lstsq(plain_rows, plain_y)
     spec_fit = _lstsq(spec_rows, spec_y)
     other_fit = _lstsq(call_rows, call_y)
-    costs = CpuCosts(curve, ctx_slope, dctx_slope, off_fit, spec_fit, prefill_fit, other_fit, off_spec_fit)
+    costs = CpuCosts(curve, context, off_fit, spec_fit, prefill_fit, other_fit, off_spec_fit)
     info = {"seconds": time.perf_counter() - t0, "levels": levels, "rounds": rounds,
             "configs": ["off" if c is None else c if isinstance(c, str) else c.name for c in PROFILE_CONFIGS],
             "tokens": tokens,
@@ -725,7 +740,8 @@ def measure_cpu_costs(engine, prompts: list[list[int]], temperature: float, top_
     log(f"cpu costs measured in {info['seconds']:.0f}s: target forward 1 / 64 / 512 tokens "
         f"{1e3 * curve.target(1):.1f} / {1e3 * curve.target(64):.1f} / {1e3 * curve.target(512):.1f} ms "
         f"(sweep rounds at 1 token: {', '.join(f'{1e3 * x:.1f}' for x in info['sweep_rounds_target_1_s'])} ms); "
-        f"context slope {ctx_slope * 1e9:.2f} ns/token/ctx; residuals: off {off_fit}, plain-while-speculating "
+        f"context: {', '.join(f'{k} {1e9 * v:.1f}' for k, v in context.items())} ns per cached token; "
+        f"residuals: off {off_fit}, plain-while-speculating "
         f"{off_spec_fit}, spec {spec_fit}, prefill {prefill_fit}, other {other_fit}")
     return costs, info
 
