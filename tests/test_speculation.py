@@ -521,6 +521,29 @@ def test_aware_probes_plain_decoding_when_its_calibration_overrates_it():
     assert sum(c is not None for c in chosen[-100:]) <= 100 // 32 + 1  # probes only
 
 
+def test_aware_recovers_from_a_calibration_taken_while_the_machine_was_busy():
+    """A calibration sweep taken while another process held a core times scheduler stalls, not
+    forwards (seen here at two threads: ~250 ms per forward for 1 token and for 16 alike, so
+    speculation looked free and `aware` lost 25% at 4 and 16 sequences). The online correction must
+    undo an error of any size: once plain decoding is probed, `aware` decodes plainly where, on the
+    real costs, speculation does not pay."""
+    sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    real = CostModel({t: 0.003 + 0.0006 * t for t in sizes}, {t: 0.0005 + 0.0001 * t for t in sizes})
+    stalled = CostModel({t: s + 0.25 for t, s in real.target_s.items()}, {t: s + 0.05 for t, s in real.draft_s.items()})
+    truth, aware = Aware(real), Aware(stalled, probe_every=32)
+    assert truth.choose(16) is None  # on the real costs speculation does not pay at 16 sequences
+    assert aware.choose(16) is not None  # the stalled calibration says it does
+    chosen = []
+    for _ in range(300):
+        c = aware.choose(16)
+        chosen.append(c)
+        # each step takes its real time; a draft that gets one token right per sequence and step
+        seconds = truth.predicted_seconds(c, 16)
+        aware.observe(c, 16, 16 if c is None else 32, seconds, accepted=None if c is None else [1] * 16)
+    assert aware.choose(16) is None
+    assert sum(c is not None for c in chosen[-100:]) <= 100 // 32 + 1  # probes only
+
+
 def test_aware_probes_less_often_while_probes_confirm_its_choice():
     """Each probe that confirms plain decoding doubles the wait before the next (up to a cap); when
     speculation turns out faster, a probe overturns the choice and aware speculates from then on."""

@@ -226,7 +226,9 @@ class Aware(Off):
                 accepted: list[int] | None = None) -> None:
         kind, other = ("off", "spec") if config is None else ("spec", "off")
         b = self._bucket(running)
-        ratio = min(max(seconds / max(self._calibrated_seconds(config, running), 1e-9), 0.2), 5.0)
+        # unbounded but for absurd values: a sweep taken while another process held a core can be wrong
+        # by 80x (every forward a scheduler stall), and only this correction can undo it
+        ratio = min(max(seconds / max(self._calibrated_seconds(config, running), 1e-9), 1e-3), 1e3)
         # the first measurement of a kind in a bucket replaces the calibration; later ones are averaged,
         # a probe (rare, and the only fresh evidence on its kind) with weight one half
         probe = self._probing == b
