@@ -18,6 +18,7 @@ from fastgrpo.models.policy import new_policy, policy_config
 from fastgrpo.speculation.draft import DraftHead
 from fastgrpo.speculation.cost_model import CostModel, load_or_calibrate
 from fastgrpo.speculation.policy import Aware, FastGRPOFormula, Static
+from fastgrpo.speculation.tlt import TLT
 from fastgrpo.speculation.tree import SpecConfig
 from tests.conftest import first_divergence_is_a_near_tie
 
@@ -233,7 +234,7 @@ def test_greedy_speculative_equals_greedy_plain(small_vocab, trained_draft):
     greedy = SamplingParams(temperature=0.0, max_new_tokens=40)
     plain = [c.token_ids for c in engine_for(cfg, target, None).generate(reqs, greedy)]
     for policy, max_batch in [(Static(SpecConfig(2, 2, 3)), 2), (Static(SpecConfig(4, 3, 10)), 6),
-                              (FastGRPOFormula(), 3)]:
+                              (FastGRPOFormula(), 3), (TLT(), 6)]:
         engine = engine_for(cfg, target, draft, policy, max_batch)
         assert [c.token_ids for c in engine.generate(reqs, greedy)] == plain
         assert engine.stats()["accept_len"] > 1.0  # paths were accepted, so the KV moves were exercised
@@ -441,6 +442,14 @@ def test_bad_drafts_fall_back_or_fail_clearly(small_vocab):
     assert engine.generate([Request(PROMPT)], greedy)[0].token_ids == plain
 
 
+def plain_once(aware, *running):
+    """One plain step at each concurrency, taking exactly its calibrated time (a bucket's first step is
+    plain, and one that matches the calibration leaves every prediction as calibrated)."""
+    for r in running:
+        assert aware.choose(r) is None
+        aware.observe(None, r, r, aware.costs.target(r))
+
+
 def synthetic_costs():
     # memory-bound (flat) up to 64 tokens per forward, then compute-bound (linear); the draft is cheap
     target = {t: 0.010 * max(1.0, t / 64) for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)}
@@ -452,6 +461,7 @@ def test_aware_chooses_the_shape_of_highest_predicted_goodput_or_plain_decoding(
     """Against a search written here: at each concurrency the best candidate by goodput, taken only if
     it beats plain decoding by the margin."""
     aware = Aware(synthetic_costs())
+    plain_once(aware, 1, 2, 4, 8, 16, 32, 64, 128, 256)
     choices = {}
     for running in (1, 2, 4, 8, 16, 32, 64, 128, 256):
         best = max(aware.candidates, key=lambda c: aware.goodput(c, running))
@@ -467,8 +477,10 @@ def test_aware_speculates_only_for_a_gain_above_its_margin():
     chain = SpecConfig(1, 1, 2)
     gain = Aware(synthetic_costs(), [chain]).goodput(chain, 1) / Aware(synthetic_costs(), [chain]).goodput(None, 1)
     assert gain > 1.1
-    assert Aware(synthetic_costs(), [chain], margin=gain - 1 - 0.01).choose(1) == chain
-    assert Aware(synthetic_costs(), [chain], margin=gain - 1 + 0.01).choose(1) is None
+    for margin, choice in ((gain - 1 - 0.01, chain), (gain - 1 + 0.01, None)):
+        aware = Aware(synthetic_costs(), [chain], margin=margin)
+        plain_once(aware, 1)
+        assert aware.choose(1) == choice
 
 
 def test_aware_learns_acceptance_online():
@@ -487,6 +499,7 @@ def test_aware_learns_acceptance_online():
 def test_aware_corrects_its_cost_model_per_concurrency():
     """Speculation measured slower than predicted at 16 sequences turns it off there, and only there."""
     aware = Aware(synthetic_costs())
+    plain_once(aware, 16, 1)
     spec16, spec1 = aware.choose(16), aware.choose(1)
     assert spec16 is not None and spec1 is not None
     for _ in range(48):
@@ -501,13 +514,13 @@ def test_aware_corrects_its_cost_model_per_concurrency():
 
 
 def test_aware_probes_plain_decoding_when_its_calibration_overrates_it():
-    """A calibration that makes plain decoding look slow (here: 4x too slow at 16 sequences) keeps
-    `aware` speculating until a probe measures plain decoding; then it switches, and only probes
-    speculation now and then."""
+    """A calibration that makes plain decoding look slow (here: 4x too slow at 16 sequences) would have
+    `aware` speculate; its first step there is plain, which measures that, so it decodes plainly and
+    only probes speculation now and then."""
     costs = synthetic_costs()
     aware = Aware(costs, probe_every=32)
     real_off = costs.target(16) / 4
-    assert aware.choose(16) is not None
+    assert aware.best_tree(16)[1] > aware.goodput(None, 16) * (1 + aware.margin)  # what the calibration says
     chosen = []
     for _ in range(200):
         c = aware.choose(16)
@@ -531,8 +544,9 @@ def test_aware_recovers_from_a_calibration_taken_while_the_machine_was_busy():
     real = CostModel({t: 0.003 + 0.0006 * t for t in sizes}, {t: 0.0005 + 0.0001 * t for t in sizes})
     stalled = CostModel({t: s + 0.25 for t, s in real.target_s.items()}, {t: s + 0.05 for t, s in real.draft_s.items()})
     truth, aware = Aware(real), Aware(stalled, probe_every=32)
+    plain_once(truth, 16)
     assert truth.choose(16) is None  # on the real costs speculation does not pay at 16 sequences
-    assert aware.choose(16) is not None  # the stalled calibration says it does
+    assert aware.best_tree(16)[1] > aware.goodput(None, 16) * (1 + aware.margin)  # the stalled calibration says it does
     chosen = []
     for _ in range(300):
         c = aware.choose(16)

@@ -143,6 +143,7 @@ class Aware(Off):
         # measured / predicted step time, per kind (off, spec) and concurrency bucket: the calibration's
         # error differs between one sequence and sixty-four, so a factor learned at one must not move another
         self.correction: dict[tuple[str, int], float] = {}
+        self._measured: set[tuple[str, int]] = set()  # (kind, bucket) measured at least once
         # steps in a bucket since each kind was last measured there: the kind not being chosen is
         # measured again (one probe step) after `probe_every` steps, so that a decision never rests for
         # long on a calibration that was wrong or on a slow spell of a shared machine. A probe that
@@ -206,8 +207,14 @@ class Aware(Off):
         return tree if rate > self.goodput(None, running) * (1 + self.margin) else None
 
     def choose(self, running: int) -> SpecConfig | None:
+        b = self._bucket(running)
+        if ("off", b) not in self._measured:
+            # a bucket's first step is plain: plain decoding is never a loss, and its measured time anchors
+            # every later comparison (a calibration swept while another process held a core once read the
+            # same ~225 ms for 1 and 512 tokens, so the largest tree looked free and cost 10 plain steps)
+            return None
         choice = self._decide(running)
-        other, b = ("spec" if choice is None else "off"), self._bucket(running)
+        other = "spec" if choice is None else "off"
         if self._since.get((other, b), 0) >= self._interval(running, choice):
             self._probing = b
             return None if other == "off" else self._tree(running)[0]
@@ -230,11 +237,17 @@ class Aware(Off):
         # by 80x (every forward a scheduler stall), and only this correction can undo it
         ratio = min(max(seconds / max(self._calibrated_seconds(config, running), 1e-9), 1e-3), 1e3)
         # the first measurement of a kind in a bucket replaces the calibration; later ones are averaged,
-        # a probe (rare, and the only fresh evidence on its kind) with weight one half
+        # a probe (rare, and the only fresh evidence on its kind) with weight one half. Until the other
+        # kind is measured there, it takes the same factor: a calibration is most likely off by a common
+        # scale (a busier or faster machine than during the sweep), and so the two stay comparable
         probe = self._probing == b
-        current = self.correction.get((kind, b))
+        current = self.correction.get((kind, b)) if (kind, b) in self._measured else None
+        self._measured.add((kind, b))
         keep = 0.5 if probe else self.decay
         self.correction[(kind, b)] = ratio if current is None else keep * current + (1 - keep) * ratio
+        if (other, b) not in self._measured:
+            self.correction[(other, b)] = self.correction[(kind, b)]
+            self._trees.clear()
         self._since[(kind, b)] = 0
         self._since[(other, b)] = self._since.get((other, b), 0) + 1
         if config is not None:
@@ -257,6 +270,10 @@ def make_policy(cfg: "SpeculationConfig", costs: CostModel | None = None) -> Spe
         return Static(SpecConfig(cfg.depth, cfg.topk, cfg.num_verify))
     if cfg.policy == "fastgrpo":
         return FastGRPOFormula()
+    if cfg.policy == "tlt":
+        from fastgrpo.speculation.tlt import TLT
+
+        return TLT()
     if cfg.policy == "aware":
         if costs is None:
             raise ValueError("the aware policy needs a calibrated cost model")
