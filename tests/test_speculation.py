@@ -558,6 +558,20 @@ def test_aware_recovers_from_a_calibration_taken_while_the_machine_was_busy():
     assert sum(c is not None for c in chosen[-100:]) <= 100 // 32 + 1  # probes only
 
 
+def test_aware_does_not_search_its_trees_again_at_every_plain_step():
+    """A search over the candidate trees costs ~0.5 ms, several percent of a plain step: while `aware`
+    decodes plainly (speculation not yet measured in the bucket), the best tree found once is kept."""
+    sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # a CPU-like curve: at 16 sequences plain decoding wins
+    aware = Aware(CostModel({t: 0.003 + 0.0006 * t for t in sizes}, {t: 0.0005 + 0.0001 * t for t in sizes}))
+    plain_once(aware, 16)
+    assert aware.choose(16) is None
+    kept = aware._trees[16]
+    for _ in range(40):
+        assert aware.choose(16) is None
+        aware.observe(None, 16, 16, aware.costs.target(16) * 1.1)
+    assert aware._trees[16] is kept
+
+
 def test_aware_probes_less_often_while_probes_confirm_its_choice():
     """Each probe that confirms plain decoding doubles the wait before the next (up to a cap); when
     speculation turns out faster, a probe overturns the choice and aware speculates from then on."""
