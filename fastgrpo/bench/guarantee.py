@@ -159,7 +159,7 @@ def markdown(result: dict, command: str) -> str:
              f"parameters, fp32. {m['runs']} runs per thread count, each with fresh policies; a run's figure is "
              f"the median over {m['repetitions']} ABBA blocks (aware, off, off, aware, or the reverse, "
              f"alternating) of aware's throughput / off's. Floor: {m['floor']:.2f}x.", "",
-             "| threads | workload | runs (aware / off) | worst run | all runs >= floor | all pairs: median [95% CI] "
+             "| threads | workload | runs (aware / off) | worst run | all runs >= floor | all blocks: median [95% CI] "
              "| aware speculative steps (median) |",
              "| ---: | --- | --- | ---: | --- | --- | ---: |"]
     for t, r in result["threads"].items():
@@ -167,7 +167,7 @@ def markdown(result: dict, command: str) -> str:
             ratios, pool = r["ratios"], r["pooled"]
             lines.append(f"| {t} | {name} | {', '.join(f'{x:.3f}' for x in ratios)} | {min(ratios):.3f}x | "
                          f"{'yes' if min(ratios) >= m['floor'] else 'no'} | {pool['median']:.3f} "
-                         f"[{pool['ci95'][0]:.3f}, {pool['ci95'][1]:.3f}] ({pool['pairs']} pairs) | "
+                         f"[{pool['ci95'][0]:.3f}, {pool['ci95'][1]:.3f}] ({pool['pairs']} blocks) | "
                          f"{100 * statistics.median(r['spec_fractions']):.0f}% |")
     lines += ["", "Engine without speculation against Hugging Face `generate` (static cache) at batch 1, "
               "throughput ratio (median of paired repetitions per run):", "",
