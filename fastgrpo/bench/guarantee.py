@@ -7,18 +7,19 @@ move one generate() call by +-10%, more than the margin being checked, so the st
 in ABBA blocks: a repetition runs aware, off, off, aware (or off, aware, aware, off, alternating),
 and its figure is aware's throughput over its two calls over off's over theirs; a run reports the
 median of its repetitions' figures, which a slow spell that hits one call cannot move. Blocks, not
-pairs: at one sequence the call that follows the other mode ran up to 10-20% faster than the one
-that follows its own (measured: 2026-11-25, `bench/guarantee-quick-2026-11-25-pairs.json`), so
-pairs whose order alternated weighted the majority order; in a block each mode takes each place
+pairs: at one sequence the second call of a pair (in that sequence also the call after the other
+mode) ran up to 10-20% faster than the first (2026-11-25, `bench/guarantee-quick-2026-11-25-pairs.json`),
+so pairs whose order alternated leaned to the majority order; in a block each mode takes each place
 once, and a linear drift cancels too. (Throughputs, not seconds: on the GRPO batch a near-tie can
 change a sample's length between modes.) Each run starts fresh policies (aware knows nothing yet, as
 at the start of training) and the whole is repeated at each thread count: 1 and 2 threads give two
 different cost curves, as two machines would.
 
-A run's median of a handful of pairs still moves by a few percent on a shared machine, as much as
-the margin being checked, so the table also pools every pair of every run of a workload: the
+A run's median of a handful of blocks still moves by a few percent on a shared machine, as much as
+the margin being checked, so the table also pools every block of every run of a workload: the
 median of all of them with a bootstrap 95% interval, which tells a systematic cost of `aware` (the
-interval below 1) from a run that drew slow pairs (the interval around 1).
+interval below 1) from a run that drew slow blocks (the interval around 1). (The JSON keeps the
+name "pairs" for a run's list of blocks.)
 
 The engine's other claim, a lead over Hugging Face `generate` at batch 1 without speculation, is
 checked the same way: the two back to back, a run's figure the median of the pairs' ratios.
@@ -89,8 +90,8 @@ def one_run(engine, cfg: Config, loads: dict, reps: int) -> dict[str, dict]:
 
 
 def pooled(ratios: list[float], resamples: int = 2000, seed: int = 0) -> dict:
-    """The median of all pairs' ratios and its 95% bootstrap interval (percentiles of the medians of
-    resampled sets of pairs; a fixed seed, so the same pairs always give the same interval)."""
+    """The median of all blocks' ratios and its 95% bootstrap interval (percentiles of the medians of
+    resampled sets of blocks; a fixed seed, so the same blocks always give the same interval)."""
     rng = random.Random(seed)
     medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
     return {"median": statistics.median(ratios), "ci95": [medians[int(0.025 * resamples)],
