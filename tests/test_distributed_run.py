@@ -159,7 +159,10 @@ def test_sigterm_checkpoints_at_the_step_boundary_exits_zero_and_resumes(tmp_pat
     processes = [p for w in workers for p in [w, *w.children(recursive=True)]]
     assert len(processes) > len(workers)  # the checkpoint writer's server
     for process in processes:
-        process.send_signal(signal.SIGTERM)
+        try:
+            process.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:  # a short-lived helper that ended after it was listed (failed CI once)
+            pass
     assert launch.wait(timeout=120) == 0, launch.output()[-4000:]
     out = launch.output()
     assert "SIGTERM: stopped after step" in out
