@@ -42,7 +42,7 @@ def timed_generate(engine: EmbeddedEngine, requests: list[Request], sampling: Sa
     stats = engine.stats()
     return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds, "accept_len": stats["accept_len"],
             "spec_fraction": stats["spec_steps"] / max(stats["decode_steps"], 1), "prefill_s": stats["prefill_s"],
-            "trace": stats["trace"]}
+            "trace": stats["trace"], "lengths": [len(o.token_ids) for o in out]}
 
 
 WARMUP_STEPS = 4  # decode steps of a generate() call not counted in the per-step time

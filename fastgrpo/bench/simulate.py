@@ -30,15 +30,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from fastgrpo.bench.rollout import STATIC_SWEEP, rotated, timed_generate
+from fastgrpo.config import SpeculationConfig
+from fastgrpo.engine.engine import DRAFT_WINDOW
 from fastgrpo.speculation.cost_model import CONTEXT, SWEEP, CostModel, calibrate
 from fastgrpo.speculation.policy import Aware, FastGRPOFormula, Off, SpeculationPolicy, Static
 from fastgrpo.speculation.tlt import TLT
 from fastgrpo.speculation.tree import SpecConfig
 
-DRAFT_WINDOW = 16  # EmbeddedEngine's default draft_window: the most states a catch-up feeds per row
-# the GRPO batch's fixed trees (bench rollout's STATIC_SWEEP) and the config's static tree
-STATIC_SWEEP = (SpecConfig(2, 2, 4), SpecConfig(3, 4, 8), SpecConfig(4, 4, 12), SpecConfig(5, 8, 24))
-STATIC_DEFAULT = SpecConfig(4, 4, 12)
+# the config's default static tree (the GRPO batch's fixed trees are bench rollout's STATIC_SWEEP)
+STATIC_DEFAULT = SpecConfig(SpeculationConfig.depth, SpeculationConfig.topk, SpeculationConfig.num_verify)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -573,11 +574,6 @@ class Recorder:
         self.log.append((self.tag, config, running, emitted, seconds, None if accepted is None else list(accepted)))
 
 
-def rotated(items: list, rep: int) -> list:
-    k = rep % len(items)
-    return items[k:] + items[:k]
-
-
 # ---------------------------------------------------------------------------------------------
 # This machine: the engine's costs, measured
 # ---------------------------------------------------------------------------------------------
@@ -587,14 +583,9 @@ def _lstsq(rows: list[list[float]], y: list[float]) -> tuple[float, ...]:
 
 
 def _engine_run(engine, policy, requests, sampling, seed: int) -> dict:
-    """One timed generate() call, as `bench rollout` times it, with the outputs' lengths."""
+    """One timed generate() call of `policy`, as `bench rollout` times it."""
     engine.set_speculation(policy)
-    t = time.perf_counter()
-    out = engine.generate(requests, sampling, seed=seed)
-    seconds = time.perf_counter() - t
-    st = engine.stats()
-    return {"seconds": seconds, "prefill_s": st["prefill_s"], "trace": st["trace"],
-            "lengths": [len(o.token_ids) for o in out], "accept_len": st["accept_len"]}
+    return timed_generate(engine, requests, sampling, seed)
 
 
 def _context_slopes(engine, reps: int = 5) -> dict[str, float]:

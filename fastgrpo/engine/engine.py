@@ -31,6 +31,7 @@ from fastgrpo.speculation.tree import NonFiniteDraft, SpecConfig, Verified, draf
 
 log = logging.getLogger(__name__)
 TREE_SLACK = 256  # cache room past the context for tree tokens that are verified and then dropped
+DRAFT_WINDOW = 16  # the most target states a draft catch-up feeds per row (after a stretch of plain steps)
 
 
 @dataclass
@@ -98,7 +99,7 @@ class _PendingStates:
 
 class EmbeddedEngine:
     def __init__(self, cfg: LlamaConfig, max_batch: int, max_context: int, eos_id: int, pad_id: int = 0,
-                 policy: SpeculationPolicy | None = None, draft_window: int = 16):
+                 policy: SpeculationPolicy | None = None, draft_window: int = DRAFT_WINDOW):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.cfg = cfg
@@ -286,7 +287,7 @@ class EmbeddedEngine:
         Row i of the new rows is prefill row which[i] of `hidden` and `tokens`."""
         assert self._pending is not None
         n, window = len(lens), self._pending.window
-        following = torch.cat([tokens[which, 1:], tokens[which, :1]], 1)
+        following = tokens[which].roll(-1, 1)  # the prompt's next token; at its end, the first sampled
         following[torch.arange(n), lens - 1] = first
         # the last `window` positions; a prompt shorter than that writes position 0 several times over
         positions = (lens[:, None] - window + torch.arange(window)).clamp(min=0)

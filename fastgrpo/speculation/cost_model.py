@@ -50,19 +50,18 @@ class CostModel:
         self.draft_s = monotone(draft_s)  # seconds per draft forward (incl. LM head and tree bookkeeping)
         # `aware` asks for the same few sizes at every decode step: answered from a table, a plain
         # step under `aware` costs what one under `off` costs
-        self._memo: dict[tuple[bool, float], float] = {}
+        self._memo: dict[tuple[str, float], float] = {}
+
+    def _lookup(self, curve: str, tokens: float) -> float:
+        if (seconds := self._memo.get((curve, tokens))) is None:
+            seconds = self._memo[(curve, tokens)] = _interp(getattr(self, curve), tokens)
+        return seconds
 
     def target(self, tokens: float) -> float:
-        key = (True, tokens)
-        if (seconds := self._memo.get(key)) is None:
-            seconds = self._memo[key] = _interp(self.target_s, tokens)
-        return seconds
+        return self._lookup("target_s", tokens)
 
     def draft(self, tokens: float) -> float:
-        key = (False, tokens)
-        if (seconds := self._memo.get(key)) is None:
-            seconds = self._memo[key] = _interp(self.draft_s, tokens)
-        return seconds
+        return self._lookup("draft_s", tokens)
 
     def to_json(self) -> dict:
         return {"target_s": self.target_s, "draft_s": self.draft_s}

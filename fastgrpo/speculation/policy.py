@@ -13,6 +13,11 @@ from fastgrpo.speculation.cost_model import CostModel
 from fastgrpo.speculation.tree import SpecConfig
 
 
+def concurrency_bucket(running: int) -> int:
+    """1, 2, 4, 8, ...: the smallest power of two >= running (what policies learn per)."""
+    return 1 << max(running - 1, 0).bit_length()
+
+
 class SpeculationPolicy(Protocol):
     name: str
 
@@ -164,9 +169,7 @@ class Aware(Off):
         self._trees: dict[int, tuple[SpecConfig | None, float, float]] = {}
         self._spec_observed = 0
 
-    @staticmethod
-    def _bucket(running: int) -> int:
-        return 1 << max(running - 1, 0).bit_length()  # 1, 2, 4, 8, ...: the smallest power of two >= running
+    _bucket = staticmethod(concurrency_bucket)
 
     def _correction(self, kind: str, running: int) -> float:
         return self.correction.get((kind, self._bucket(running)), 1.0)

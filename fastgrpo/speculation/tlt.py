@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import random
 
+from fastgrpo.speculation.policy import concurrency_bucket
 from fastgrpo.speculation.tree import SpecConfig
 
 # a few EAGLE-style shapes from shallow-narrow to deep-wide (depth, top-k, tokens verified per sequence)
@@ -45,9 +46,7 @@ class TLT:
         self.pulls: dict[int, list[int]] = {}  # bucket -> pulls per arm
         self.mean: dict[int, list[float]] = {}  # bucket -> mean reward (tokens / s) per arm
 
-    @staticmethod
-    def bucket(running: int) -> int:
-        return 1 << max(running - 1, 0).bit_length()  # the smallest power of two >= running
+    bucket = staticmethod(concurrency_bucket)
 
     def _stats(self, b: int) -> tuple[list[int], list[float]]:
         if b not in self.pulls:
