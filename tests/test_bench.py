@@ -128,6 +128,20 @@ def test_bench_noise_measures_the_loops_own_gradients(tmp_path, tiny_policy):
     assert main(["bench", "noise", "--batches", "2", "--output", str(out), *overrides]) == 1
 
 
+def test_guarantee_step_accounting_prices_speculative_steps_at_off_plain_steps():
+    """Aware's plain steps against off's at the same running count; its speculative steps against the
+    plain steps that would have emitted the same tokens (off's median step at that running count)."""
+    from fastgrpo.bench.guarantee import step_accounting
+
+    off = [(4, "off", 4, 1.0), (4, "off", 4, 3.0), (4, "off", 4, 1.0), (2, "off", 2, 0.5)]
+    aware = [(4, "off", 4, 1.1), (4, "d2-k1-n3", 8, 3.0), (2, "off", 2, 0.5), (2, "d2-k1-n3", 6, 1.0),
+             (1, "off", 1, 0.4)]  # no off step ran at 1: the nearest running count's (2) is the reference
+    got = step_accounting(aware, off)
+    assert got["plain_step_vs_off"] == pytest.approx((1.1 + 0.5 + 0.4) / (1.0 + 0.5 + 0.5))
+    # speculative: 4.0 s against 8 / 4 x 1.0 + 6 / 2 x 0.5 = 3.5 s of plain steps, over 6.0 s of decoding
+    assert got["spec_net_fraction"] == pytest.approx((4.0 - 3.5) / 6.0)
+
+
 def test_bench_guarantee_pairs_aware_with_off_at_each_thread_count(tmp_path, tiny_policy, tiny_draft):
     from fastgrpo.bench.guarantee import LEVELS, bench_guarantee, markdown
 
@@ -154,6 +168,8 @@ def test_bench_guarantee_pairs_aware_with_off_at_each_thread_count(tmp_path, tin
             pool = r["pooled"]
             assert pool["pairs"] == len(every) and pool["median"] == pytest.approx(every[len(every) // 2])
             assert every[0] <= pool["ci95"][0] <= pool["median"] <= pool["ci95"][1] <= every[-1]
+            for p in (p for pairs in r["runs"] for p in pairs):  # a block without speculative steps lost nothing to them
+                assert p["probes"] >= 0 and (p["spec_fraction"] > 0 or p["spec_net_fraction"] == 0)
     table = markdown(saved, "cmd")
     worst = min(min(r["ratios"]) for passed in saved["threads"].values() for r in passed["aware_vs_off"].values())
     assert f"| {worst:.3f}x |" in table

@@ -21,6 +21,10 @@ median of all of them with a bootstrap 95% interval, which tells a systematic co
 interval below 1) from a run that drew slow blocks (the interval around 1). (The JSON keeps the
 name "pairs" for a run's list of blocks.)
 
+Each block also says where aware's time went (`step_accounting`): its plain steps against off's,
+and its speculative steps (decisions and probes) against the plain steps that would have emitted the
+same tokens, so a loss can be traced to deciding, probing or speculating.
+
 The engine's other claim, a lead over Hugging Face `generate` at batch 1 without speculation, is
 checked the same way: the two back to back, a run's figure the median of the pairs' ratios.
 """
@@ -74,19 +78,46 @@ def one_run(engine, cfg: Config, loads: dict, reps: int) -> dict[str, dict]:
         for rep in range(reps + 1):
             first, second = rotated(list(modes), rep)
             tokens, seconds, spec = {"off": 0, "aware": 0}, {"off": 0.0, "aware": 0.0}, []
+            traces: dict[str, list] = {"off": [], "aware": []}
+            probes = modes["aware"].probes
             for call, mode in enumerate((first, second, second, first)):
                 engine.set_speculation(modes[mode])
                 r = timed_generate(engine, requests, sampling, seed=1000 * rep + 100 * (call in (2, 3)) + len(requests))
                 tokens[mode] += r["tokens"]
                 seconds[mode] += r["seconds"]
+                traces[mode] += r["trace"]
                 if mode == "aware":
                     spec.append(r["spec_fraction"])
             if rep:
                 pairs.append({"off_tok_s": tokens["off"] / seconds["off"], "aware_tok_s": tokens["aware"] / seconds["aware"],
-                              "spec_fraction": statistics.mean(spec)})
+                              "spec_fraction": statistics.mean(spec), "probes": modes["aware"].probes - probes,
+                              **step_accounting(traces["aware"], traces["off"])})
         out[name] = {"ratio": statistics.median(p["aware_tok_s"] / p["off_tok_s"] for p in pairs),
                      "spec_fraction": statistics.median(p["spec_fraction"] for p in pairs), "pairs": pairs}
     return out
+
+
+def step_accounting(aware: list[tuple], off: list[tuple]) -> dict[str, float]:
+    """Where aware's decode time went, against off's steps of the same block (engine traces: running,
+    config, emitted, seconds): its plain steps over off's at the same running count (what deciding
+    costs), and the seconds its speculative steps took beyond the plain steps that would have emitted
+    the same tokens (what speculation lost, or won if negative), as a fraction of aware's decode time."""
+    by_running: dict[int, list[float]] = {}
+    for running, _, _, s in off:
+        by_running.setdefault(running, []).append(s)
+    plain = {b: statistics.median(v) for b, v in by_running.items()}
+
+    def off_step(running: int) -> float:
+        return plain[running] if running in plain else plain[min(plain, key=lambda b: abs(b - running))]
+
+    plain_s = plain_ref = spec_s = spec_ref = 0.0
+    for running, name, emitted, s in aware:
+        if name == "off":
+            plain_s, plain_ref = plain_s + s, plain_ref + off_step(running)
+        else:
+            spec_s, spec_ref = spec_s + s, spec_ref + emitted / running * off_step(running)
+    return {"plain_step_vs_off": plain_s / plain_ref if plain_ref else 1.0,
+            "spec_net_fraction": (spec_s - spec_ref) / (plain_s + spec_s)}
 
 
 def pooled(ratios: list[float], resamples: int = 2000, seed: int = 0) -> dict:
@@ -161,19 +192,31 @@ def markdown(result: dict, command: str) -> str:
              f"the median over {m['repetitions']} ABBA blocks (aware, off, off, aware, or the reverse, "
              f"alternating) of aware's throughput / off's. Floor: {m['floor']:.2f}x.", "",
              "| threads | workload | runs (aware / off) | worst run | all runs >= floor | all blocks: median [95% CI] "
-             "| aware speculative steps (median) |",
-             "| ---: | --- | --- | ---: | --- | --- | ---: |"]
+             "| aware speculative steps (median) | probes per block | aware plain step / off's | speculative steps' "
+             "net time (% of aware's) |",
+             "| ---: | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: |"]
     for t, r in result["threads"].items():
         for name, r in r["aware_vs_off"].items():
-            ratios, pool = r["ratios"], r["pooled"]
+            ratios, pool, blocks = r["ratios"], r["pooled"], [p for run in r["runs"] for p in run]
             lines.append(f"| {t} | {name} | {', '.join(f'{x:.3f}' for x in ratios)} | {min(ratios):.3f}x | "
                          f"{'yes' if min(ratios) >= m['floor'] else 'no'} | {pool['median']:.3f} "
                          f"[{pool['ci95'][0]:.3f}, {pool['ci95'][1]:.3f}] ({pool['pairs']} blocks) | "
-                         f"{100 * statistics.median(r['spec_fractions']):.0f}% |")
-    lines += ["", "Engine without speculation against Hugging Face `generate` (static cache) at batch 1, "
+                         f"{100 * statistics.median(r['spec_fractions']):.0f}% | {_mean(blocks, 'probes'):.2f} | "
+                         f"{_mean(blocks, 'plain_step_vs_off'):.3f} | {100 * _mean(blocks, 'spec_net_fraction'):+.1f}% |")
+    lines += ["", "Where aware's time went (means over all blocks): probes are speculative steps taken only to "
+              "re-measure speculation while plain decoding is chosen; aware's plain steps are timed against off's at "
+              "the same running count in the same block; speculative steps' net time is their seconds minus those of "
+              "the off plain steps that would have emitted the same tokens, over aware's decode time (negative: "
+              "speculation saved time).",
+              "", "Engine without speculation against Hugging Face `generate` (static cache) at batch 1, "
               "throughput ratio (median of paired repetitions per run):", "",
               "| threads | runs (engine / HF) | worst run |", "| ---: | --- | ---: |"]
     for t, r in result["threads"].items():
         ratios = r["engine_vs_hf_batch1"]["ratios"]
         lines.append(f"| {t} | {', '.join(f'{x:.3f}' for x in ratios)} | {min(ratios):.3f}x |")
     return "\n".join(lines)
+
+
+def _mean(blocks: list[dict], key: str) -> float:
+    """The mean of a per-block figure over every block of every run (0 for files written before it)."""
+    return statistics.mean(b.get(key, 0.0) for b in blocks)

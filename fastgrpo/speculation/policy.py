@@ -168,6 +168,7 @@ class Aware(Off):
         # search over the candidates costs more than a small model's plain step
         self._trees: dict[int, tuple[SpecConfig | None, float, float]] = {}
         self._spec_observed = 0
+        self.probes = 0  # probe steps taken (the guarantee bench reports what they cost)
 
     _bucket = staticmethod(concurrency_bucket)
 
@@ -220,6 +221,7 @@ class Aware(Off):
         other = "spec" if choice is None else "off"
         if self._since.get((other, b), 0) >= self._interval(running, choice):
             self._probing = b
+            self.probes += 1
             return None if other == "off" else self._tree(running)[0]
         return choice
 
