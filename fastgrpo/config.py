@@ -62,7 +62,7 @@ class RolloutConfig:
 
 @dataclass
 class SpeculationConfig:
-    policy: str = "off"  # off | static | fastgrpo | tlt | aware
+    policy: str = "off"  # off | static | fastgrpo | tlt | aware | aware_per_sequence
     depth: int = 4  # static: draft levels
     topk: int = 4  # static: children per expanded node
     num_verify: int = 12  # static: tokens verified per sequence (root included)
@@ -317,8 +317,8 @@ def validate(c: Config) -> None:
     _check(r.top_k >= 0, "rollout.top_k", "must be >= 0", r.top_k)
     _check(r.max_batch >= 1, "rollout.max_batch", "must be >= 1", r.max_batch)
     sp, d = c.speculation, c.draft
-    _check(sp.policy in ("off", "static", "fastgrpo", "tlt", "aware"), "speculation.policy",
-           "must be one of off, static, fastgrpo, tlt, aware", sp.policy)
+    _check(sp.policy in ("off", "static", "fastgrpo", "tlt", "aware", "aware_per_sequence"), "speculation.policy",
+           "must be one of off, static, fastgrpo, tlt, aware, aware_per_sequence", sp.policy)
     _check(sp.depth >= 1, "speculation.depth", "must be >= 1", sp.depth)
     _check(sp.topk >= 1, "speculation.topk", "must be >= 1", sp.topk)
     _check(2 <= sp.num_verify <= 1 + sp.topk + (sp.depth - 1) * sp.topk**2, "speculation.num_verify",

@@ -57,6 +57,29 @@ def test_kv_cache_logits_equal_full_forward(policy, kernel):
     assert torch.allclose(torch.cat(chunks, 1), ref, atol=1e-4)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_ragged_block_computes_each_rows_own_tokens_as_a_full_forward_does(policy, kernel):
+    """Rows of one block with different numbers of new tokens (a per-sequence verify budget): the
+    matmuls see only the valid tokens, and each valid token's logits equal a full forward over its
+    row's prefix and its valid tokens before it; the gaps come back as zeros."""
+    ids = torch.randint(3, VOCAB, (3, 14))
+    model = InferenceModel(policy.config, 128, kernel=kernel)
+    model.load(policy.state_dict().items())
+    cache = KVCache(policy.config, 3, 128)
+    model.forward(ids[:, :10], cache, slice(0, 3))
+    cache.lengths += 10
+    valid = torch.tensor([[1, 1, 0, 1], [1, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    logits, hidden = model.forward(ids[:, 10:], cache, slice(0, 3), new_mask=causal & valid[:, None, :], valid=valid)
+    assert (logits[~valid] == 0).all() and (hidden[~valid] == 0).all()
+    for b in range(3):
+        kept = ids[b, :10].tolist() + ids[b, 10:][valid[b]].tolist()
+        positions = torch.arange(10, 14)[valid[b]]
+        with torch.no_grad():  # valid tokens take RoPE positions 10.. by slot, as the tree's depths do
+            ref = policy(torch.tensor([kept]), position_ids=torch.cat([torch.arange(10), positions])[None]).logits[0, 10:]
+        assert torch.allclose(logits[b][valid[b]], ref, atol=1e-4)
+
+
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 @pytest.mark.parametrize("top_p, top_k", [(1.0, 0), (0.9, 0), (1.0, 5), (0.9, 5)])
 def test_engine_logprobs_equal_trainer_logprobs(policy, temperature, top_p, top_k):

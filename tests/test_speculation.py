@@ -1,6 +1,7 @@
 """Speculative decoding: lossless (greedy and sampled identity with plain decoding, goodness of fit of
 sampled tokens to the target), correct KV paths."""
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -17,6 +18,7 @@ from fastgrpo.grpo.batch import build_batch
 from fastgrpo.models.policy import new_policy, policy_config
 from fastgrpo.speculation.draft import DraftHead
 from fastgrpo.speculation.cost_model import CostModel, load_or_calibrate
+from fastgrpo.speculation.per_sequence import AwarePerSequence
 from fastgrpo.speculation.policy import Aware, FastGRPOFormula, Static
 from fastgrpo.speculation.tlt import TLT
 from fastgrpo.speculation.tree import SpecConfig
@@ -156,6 +158,9 @@ def spec_policy(name):
         # floor, so the choices follow this curve (flat to 256 tokens, then linear), not the machine's load
         grid = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
         return Aware(CostModel({t: 100 * max(1.0, t / 256) for t in grid}, {t: 10 * max(1.0, t / 256) for t in grid}))
+    if name == "aware_per_sequence":  # a verified node costs 1/256 of a plain step: unlikely nodes are cut
+        grid = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # (costs larger still: a stall of a loaded machine stays
+        return AwarePerSequence(CostModel({t: 1e4 * (1 + t / 256) for t in grid}, {t: 1e3 for t in grid}))  # clipped)
     depth, topk, num_verify = map(int, name.removeprefix("static-").split("-"))
     return Static(SpecConfig(depth, topk, num_verify))
 
@@ -164,7 +169,7 @@ def sampled_tokens(cfg, target, draft, policy, sampling, calls, monkeypatch):
     """Calls of 128 requests (prompts of mixed lengths, 2 to 12 new tokens: the running batch refills
     and drains): every emitted token with the target's logits before it from a full forward over its
     actual prefix, and where a verify step sampled it (record_verify_steps; None: not a verify step)."""
-    engine = engine_for(cfg, target, draft, spec_policy(policy), max_batch=48)
+    engine = engine_for(cfg, target, draft, policy, max_batch=48)
     where = record_verify_steps(engine, monkeypatch)
     g = torch.Generator().manual_seed(0)
     seqs = []
@@ -192,6 +197,7 @@ def sampled_tokens(cfg, target, draft, policy, sampling, calls, monkeypatch):
     ("fastgrpo", SamplingParams(temperature=0.7, top_k=5, max_new_tokens=12), 32),  # (by the fit's noncentrality
     ("aware", SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=12), 24),  # per token, measured)
     ("static-4-3-10", SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=12), 18),
+    ("aware_per_sequence", SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=12), 24),
 ], ids=lambda v: f"t{v.temperature}-k{v.top_k}-p{v.top_p}" if isinstance(v, SamplingParams) else str(v))
 def test_speculative_tokens_follow_the_target_distribution(spread_vocab, monkeypatch, policy, sampling, calls):
     """Every token a verify step emits is a draw from the target's sampling distribution given the
@@ -201,7 +207,10 @@ def test_speculative_tokens_follow_the_target_distribution(spread_vocab, monkeyp
     the top-k / top-p set, and the fit holds for all verify tokens, for those sampled at depth >= 2 and
     for the bonus tokens sampled at leaves. The same tokens scored at 1.04 times the temperature (a
     bias of total variation ~0.02) must fail the fit: the test can see a bias that small."""
-    logits, tokens, found = sampled_tokens(*spread_vocab, policy, sampling, calls, monkeypatch)
+    speculation = spec_policy(policy)
+    logits, tokens, found = sampled_tokens(*spread_vocab, speculation, sampling, calls, monkeypatch)
+    if policy == "aware_per_sequence":  # verify blocks were ragged: rows' trees were cut
+        assert 0.2 < speculation.verified_nodes / speculation.offered_nodes < 0.8
     logprobs = sampling_logprobs(logits, sampling)
     outside = torch.isinf(logprobs.gather(-1, tokens[:, None])[:, 0])
     assert not outside.any(), f"{int(outside.sum())} tokens outside the top-k / top-p set"
@@ -214,7 +223,7 @@ def test_speculative_tokens_follow_the_target_distribution(spread_vocab, monkeyp
     # cache, full-depth accepts of trees of depth >= 3, and (fastgrpo, aware) trees that changed
     assert sum(w[0] >= 2 and w[3] for w in info) >= 500
     assert sum(w[0] == w[2].depth >= 3 for w in info) >= 100
-    if policy in ("fastgrpo", "aware"):
+    if policy in ("fastgrpo", "aware", "aware_per_sequence"):
         assert len({w[2] for w in info}) >= 5
     logprobs, tokens = logprobs[verified], tokens[verified]
     assert rank_fit_p(logprobs, tokens) > 1e-3
@@ -233,11 +242,13 @@ def test_greedy_speculative_equals_greedy_plain(small_vocab, trained_draft):
             for n, m in [(3, 30), (5, 12), (2, 40), (7, 25), (4, 1), (6, 33)]]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=40)
     plain = [c.token_ids for c in engine_for(cfg, target, None).generate(reqs, greedy)]
+    per_sequence = AwarePerSequence(linear_costs(per_token=0.00125))  # a node costs 1/8 of a plain step
     for policy, max_batch in [(Static(SpecConfig(2, 2, 3)), 2), (Static(SpecConfig(4, 3, 10)), 6),
-                              (FastGRPOFormula(), 3), (TLT(), 6)]:
+                              (FastGRPOFormula(), 3), (TLT(), 6), (per_sequence, 6)]:
         engine = engine_for(cfg, target, draft, policy, max_batch)
         assert [c.token_ids for c in engine.generate(reqs, greedy)] == plain
         assert engine.stats()["accept_len"] > 1.0  # paths were accepted, so the KV moves were exercised
+    assert 0 < per_sequence.verified_nodes < per_sequence.offered_nodes  # verify blocks were ragged
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0, max_new_tokens=40),
@@ -253,7 +264,8 @@ def test_sampled_speculative_equals_sampled_plain(small_vocab, trained_draft, sa
     plain = [c.token_ids for c in engine_for(cfg, target, None).generate(reqs, sampling, seed=9)]
     costs = CostModel({t: 0.01 for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)},
                       {t: 0.001 for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)})  # verify is free: speculate
-    for policy, max_batch in [(Static(SpecConfig(4, 3, 10)), 16), (FastGRPOFormula(), 48), (Aware(costs), 48)]:
+    for policy, max_batch in [(Static(SpecConfig(4, 3, 10)), 16), (FastGRPOFormula(), 48), (Aware(costs), 48),
+                              (AwarePerSequence(linear_costs(per_token=0.001)), 48)]:
         engine = engine_for(cfg, target, trained_draft, policy, max_batch)
         spec = [c.token_ids for c in engine.generate(reqs, sampling, seed=9)]
         assert engine.stats()["spec_steps"] > 0 and engine.stats()["accept_len"] > 1.3
@@ -617,6 +629,56 @@ def test_aware_spends_at_most_its_probe_budget_probing_while_plain_decoding_wins
         probes_extra = spent["probe"] - (spent["probe"] / aware.predicted_seconds(aware.best_tree(256)[0], 256)) * plain_step
         assert spent["probe"] > 0  # it still probes
         assert probes_extra / (spent["plain"] + spent["probe"]) <= budget * 1.05
+
+
+def linear_costs(per_token: float = 0.002) -> CostModel:
+    """A target whose forward costs 10 ms plus `per_token` per token (a CPU: verifying is not free),
+    and a draft of 1 ms per forward."""
+    grid = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    return CostModel({t: 0.010 + per_token * t for t in grid}, {t: 0.001 for t in grid})
+
+
+def test_per_sequence_budget_verifies_the_set_of_nodes_of_highest_predicted_goodput():
+    """Against every ancestor-closed choice of nodes in three rows' trees (two children of the root,
+    one grandchild under the first), scored by the goodput the policy maximises: expected tokens
+    (B + the verified nodes' draft probabilities) over draft + verify seconds. The choice is the best
+    of all 216, so never below verifying every node (aware's uniform tree) or none."""
+    config = SpecConfig(2, 2, 4)  # drafted in 2 levels: 2 ms of draft
+    depth = torch.tensor([[1, 1, 2]] * 3)
+    closed = [(), (0,), (1,), (0, 1), (0, 2), (0, 1, 2)]  # node 2's parent is node 0
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        first = torch.rand(3, 2, generator=g)
+        p = torch.stack([first[:, 0], first[:, 1], first[:, 0] * torch.rand(3, generator=g)], 1)
+        policy = AwarePerSequence(linear_costs(per_token=float(torch.rand(1, generator=g)) * 0.004))
+        chosen = policy.select(p.log(), depth, config, 3)
+
+        def goodput(nodes) -> float:
+            return (3 + sum(float(p[b, j]) for b, row in enumerate(nodes) for j in row)) / (
+                0.002 + policy.costs.target(3 + sum(map(len, nodes))))
+
+        best = max(goodput(combo) for combo in itertools.product(closed, repeat=3))
+        got = goodput([tuple(j for j in range(3) if chosen[b, j]) for b in range(3)])
+        assert got == pytest.approx(best, rel=1e-9), trial
+        assert all(not chosen[b, 2] or chosen[b, 0] for b in range(3))  # a kept grandchild keeps its parent
+
+
+def test_per_sequence_budget_goes_to_the_rows_the_draft_is_sure_of_and_learns_its_calibration():
+    """Rows whose drafts are confident get their trees verified, the others none; a draft that is
+    over-confident (its nodes are never accepted) is believed less and less, until nothing is verified."""
+    config = SpecConfig(3, 1, 4)  # chains of 3
+    depth = torch.tensor([[1, 2, 3]] * 4)
+    sure, unsure = torch.tensor([0.95, 0.9, 0.85]).log(), torch.tensor([0.2, 0.05, 0.01]).log()
+    scores = torch.stack([sure, unsure, sure, unsure])
+    policy = AwarePerSequence(linear_costs(per_token=0.003))
+    chosen = policy.select(scores, depth, config, 4)
+    assert chosen[[0, 2]].all() and not chosen[[1, 3]].any()
+    verified = []
+    for _ in range(60):
+        chosen = policy.select(scores, depth, config, 4)
+        verified.append(int(chosen.sum()))
+        policy.observe(config, 4, 4, 0.02, accepted=[0] * 4)
+    assert verified[0] == 6 and verified[-1] == 0 and policy.calibration < 0.2
 
 
 def test_cost_model_ignores_a_noisy_calibration_point():

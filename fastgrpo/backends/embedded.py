@@ -46,7 +46,7 @@ def speculation_policy(engine: EmbeddedEngine, cfg: Config, mode: str) -> Specul
     """The configured speculation policy in mode `mode`; `aware` gets this machine's cost model
     (calibrated once per machine and model shape, then read from `speculation.cost_model_dir`)."""
     costs = None
-    if mode == "aware":
+    if mode in ("aware", "aware_per_sequence"):
         assert engine.draft is not None
         costs = load_or_calibrate(engine.model, engine.draft, Path(cfg.speculation.cost_model_dir))
     sc = cfg.speculation

@@ -325,9 +325,9 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrai
         if mode == "fastgrpo":
             tiers_file = work / "adaptive.json"
             tiers_file.write_text(json.dumps(adaptive_tiers(FastGRPOFormula(), cfg.rollout.max_batch), indent=1))
-        elif mode == "aware":
-            log.warning("speculation.policy=aware on SGLang: SGLang's own adaptive tiers decide (our cost model has "
-                        "no calibration of SGLang's GPU forwards)")
+        elif mode in ("aware", "aware_per_sequence"):
+            log.warning("speculation.policy=%s on SGLang: SGLang's own adaptive tiers decide (our cost model has "
+                        "no calibration of SGLang's GPU forwards; no per-sequence verify budget)", mode)
     base_gpu_id = int(os.environ.get("LOCAL_RANK", 0))
     engine = sglang.Engine(**server_args(cfg, mode, draft_export, tiers_file, base_gpu_id))
     adapter = SGLangEngine(engine, cfg, model_config, mode, masked)

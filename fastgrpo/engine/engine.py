@@ -347,9 +347,12 @@ class EmbeddedEngine:
         except NonFiniteDraft as e:
             log.warning("%s (draft version %d): plain decoding for this step", e, self.draft_version)
             return self._decode(running, sampling, seed), None
+        if (select := getattr(self.policy, "select", None)) is not None:  # a verify budget per sequence
+            tree = tree.restricted(select(tree.score[:, 1:], tree.depth[:, 1:], config, B))
         start = self.cache.lengths[rows].clone()
+        ragged = tree.valid is not None and not bool(tree.valid.all())
         logits, hidden = self.model.forward(tree.tokens, self.cache, rows, positions=start[:, None] + tree.depth,
-                                            new_mask=tree.mask)
+                                            new_mask=tree.mask, valid=tree.valid if ragged else None)
         result = verify_tree(sampling_logprobs(logits, sampling), tree, sampling,
                              _uniforms(running, sampling, seed, levels=int(tree.depth.max()) + 1))
         self._keep_path(rows, start, result.path, result.accepted)

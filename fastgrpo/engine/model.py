@@ -115,13 +115,19 @@ KVFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
 def decoder_layer(x: Tensor, L: dict[str, Tensor | PackedWeight], n_heads: int, n_kv: int, eps: float,
-                  cos: Tensor, sin: Tensor, mask: Tensor | None, kv: KVFn) -> Tensor:
+                  cos: Tensor, sin: Tensor, mask: Tensor | None, kv: KVFn, valid: Tensor | None = None) -> Tensor:
     """One Llama decoder layer. `kv(k, v)` turns this block's keys/values [B, KV, n, D] into the keys/values
-    to attend over: the cache after appending them (inference), or themselves (training)."""
-    B, n, _ = x.shape
+    to attend over: the cache after appending them (inference), or themselves (training).
+
+    Ragged blocks: with `valid` [B, n] bool, x holds only the valid tokens, packed [T, hidden]. The
+    matmuls (nearly all the work) run on those T tokens; attention runs on the [B, n] layout with
+    zeros in the gaps (their keys must be masked out; what their queries compute is dropped)."""
     H, KV, D = n_heads, n_kv, cos.shape[-1]
     h = rms_norm(x, L["attn_norm"], eps)
     qkv = linear(h, L["wqkv"])
+    if valid is not None:
+        qkv = unpack(qkv, valid)
+    B, n, _ = qkv.shape
     q = qkv[..., : H * D].view(B, n, H, D).transpose(1, 2)
     k = qkv[..., H * D : (H + KV) * D].view(B, n, KV, D).transpose(1, 2)
     v = qkv[..., (H + KV) * D :].view(B, n, KV, D).transpose(1, 2)
@@ -129,10 +135,18 @@ def decoder_layer(x: Tensor, L: dict[str, Tensor | PackedWeight], n_heads: int, 
     q = _rotate(q, cos, sin)
     attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
                                           enable_gqa=KV != H)
-    x = x + linear(attn.transpose(1, 2).reshape(B, n, H * D), L["wo"])
+    attn = attn.transpose(1, 2).reshape(B, n, H * D)
+    x = x + linear(attn if valid is None else attn[valid], L["wo"])
     h = rms_norm(x, L["mlp_norm"], eps)
     gate, up = linear(h, L["w_gate_up"]).chunk(2, dim=-1)
     return x + linear(F.silu(gate) * up, L["w_down"])
+
+
+def unpack(packed: Tensor, valid: Tensor) -> Tensor:
+    """[T, W] rows of the valid positions -> [B, n, W], zeros elsewhere."""
+    out = packed.new_zeros(*valid.shape, packed.shape[-1])
+    out[valid] = packed
+    return out
 
 
 def cache_kv(cache: KVCache, layer: int, rows: slice, slots: Tensor, ctx: int) -> KVFn:
@@ -243,6 +257,7 @@ class InferenceModel:
         rows: slice,
         positions: Tensor | None = None,
         new_mask: Tensor | None = None,
+        valid: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Run `tokens` [B, n] for cache rows `rows`, appending their keys/values after each row's length.
 
@@ -250,6 +265,9 @@ class InferenceModel:
         each node its depth). new_mask [B, n, n] bool: which new tokens each new token sees (default
         causal; a tree gives ancestors). The cache lengths are NOT advanced: the caller decides how
         many of the new tokens to keep (all for plain decoding, the accepted path for speculation).
+        valid [B, n] bool: run only these tokens through the matmuls (a ragged block: each row verifies
+        its own number of tree nodes); the others must be masked out as keys by new_mask, write
+        keys/values the caller never keeps, and come back as zeros.
         Returns logits [B, n, V] and final hidden states [B, n, H] (post-norm: the draft's input).
         """
         B, n = tokens.shape
@@ -261,9 +279,10 @@ class InferenceModel:
         mask = block_mask(start, n, ctx, new_mask)
         pos = slots if positions is None else positions
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, n, D]
-        x = F.embedding(tokens, self.embed)
+        x = F.embedding(tokens if valid is None else tokens[valid], self.embed)
         for li, L in enumerate(self.matmul_layers):
             x = decoder_layer(x, L, self.n_heads, self.n_kv, self.eps, cos, sin, mask,
-                              cache_kv(cache, li, rows, slots, ctx))
+                              cache_kv(cache, li, rows, slots, ctx), valid)
         hidden = rms_norm(x, self.norm, self.eps)
-        return linear(hidden, self.head), hidden
+        logits = linear(hidden, self.head)
+        return (logits, hidden) if valid is None else (unpack(logits, valid), unpack(hidden, valid))

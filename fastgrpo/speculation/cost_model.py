@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from fastgrpo.engine.model import InferenceModel, KVCache, block_mask, cache_kv
 from fastgrpo.speculation.draft import DraftHead
@@ -62,6 +63,15 @@ class CostModel:
 
     def draft(self, tokens: float) -> float:
         return self._lookup("draft_s", tokens)
+
+    def target_many(self, tokens: Tensor) -> Tensor:
+        """target() at many sizes at once (a per-sequence budget weighs every total it could verify)."""
+        xs = torch.tensor(sorted(self.target_s), dtype=torch.float64)
+        ys = torch.tensor([self.target_s[int(x)] for x in xs], dtype=torch.float64)
+        t = tokens.to(torch.float64).clamp(min=float(xs[0]))
+        i = torch.searchsorted(xs, t).clamp(1, len(xs) - 1)  # the segment [xs[i-1], xs[i]], the last one extended
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (t - x0) / (x1 - x0)
 
     def to_json(self) -> dict:
         return {"target_s": self.target_s, "draft_s": self.draft_s}

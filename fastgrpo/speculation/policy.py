@@ -182,9 +182,11 @@ class Aware(Off):
         """The step's time by the calibration alone (before the online correction)."""
         if c is None:
             return self.costs.target(running)
+        return self._draft_seconds(c, running) + self.costs.target(running * c.num_verify)
+
+    def _draft_seconds(self, c: SpecConfig, running: int) -> float:
         catch_up = running * self.acceptance.expected(c)  # last step's accepted states, fed to the draft
-        draft = self.costs.draft(catch_up) + (c.depth - 1) * self.costs.draft(running * c.topk)
-        return draft + self.costs.target(running * c.num_verify)
+        return self.costs.draft(catch_up) + (c.depth - 1) * self.costs.draft(running * c.topk)
 
     def goodput(self, c: SpecConfig | None, running: int) -> float:
         emitted = 1.0 if c is None else self.acceptance.expected(c)
@@ -280,8 +282,12 @@ def make_policy(cfg: "SpeculationConfig", costs: CostModel | None = None) -> Spe
         from fastgrpo.speculation.tlt import TLT
 
         return TLT()
-    if cfg.policy == "aware":
+    if cfg.policy in ("aware", "aware_per_sequence"):
         if costs is None:
-            raise ValueError("the aware policy needs a calibrated cost model")
-        return Aware(costs)
+            raise ValueError(f"the {cfg.policy} policy needs a calibrated cost model")
+        if cfg.policy == "aware":
+            return Aware(costs)
+        from fastgrpo.speculation.per_sequence import AwarePerSequence
+
+        return AwarePerSequence(costs)
     raise ValueError(f"speculation.policy {cfg.policy!r} is not available")

@@ -60,6 +60,14 @@ class Tree:
     parents: Tensor  # [B, N] index of each node's parent (root: 0)
     depth: Tensor  # [B, N] root 0
     mask: Tensor  # [B, N, N] ancestors (self included)
+    score: Tensor | None = None  # [B, N] cumulative draft log-probability of each node (root 0)
+    valid: Tensor | None = None  # [B, N] the nodes to verify (None: all); ancestor-closed per row
+
+    def restricted(self, nodes: Tensor) -> Tree:
+        """This tree verifying only `nodes` [B, N - 1] of each row's non-root nodes (an ancestor-closed
+        set): the others are neither attended to nor accepted, and cost no matmul work."""
+        valid = torch.cat([torch.ones(len(nodes), 1, dtype=torch.bool), nodes], 1)
+        return Tree(self.tokens, self.parents, self.depth, self.mask & valid[:, None, :], self.score, valid)
 
 
 @torch.inference_mode()
@@ -115,7 +123,8 @@ def draft_tree(draft: DraftHead, cache: KVCache, rows: slice, root_features: Ten
         raise NonFiniteDraft("draft tree is not ancestor-closed")
     tree_depth = torch.cat([torch.zeros(B, 1, dtype=torch.long), depth[bidx, keep]], 1)
     tokens = torch.cat([root_tokens[:, None], tok[bidx, keep]], 1)
-    return Tree(tokens, parents, tree_depth, ancestor_mask(parents, tree_depth))
+    tree_score = torch.cat([torch.zeros(B, 1), score[bidx, keep]], 1)
+    return Tree(tokens, parents, tree_depth, ancestor_mask(parents, tree_depth), tree_score)
 
 
 def ancestor_mask(parents: Tensor, depth: Tensor) -> Tensor:
@@ -150,6 +159,8 @@ def verify_tree(logprobs: Tensor, tree: Tree, sampling: SamplingParams, uniforms
     token_lp = torch.zeros(B, D + 1)
     path = torch.zeros(B, D, dtype=torch.long)
     not_root = torch.arange(N) > 0
+    if tree.valid is not None:  # nodes left out of a ragged verify are never accepted
+        not_root = not_root & tree.valid
     for step in range(D + 1):
         lp = logprobs[rows, cur]
         x = sample(lp, sampling, None if uniforms is None else uniforms[:, step])  # a target sample at the current node

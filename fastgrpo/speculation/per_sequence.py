@@ -1,0 +1,85 @@
+"""`aware_per_sequence`: aware's tree, with the verify budget split between the running sequences.
+
+`aware` verifies the same tree shape for every running sequence, but a draft is not equally sure of
+every row: in one the next tokens are forced, in another it is guessing. After the draft has proposed
+each row's tree, a node's cumulative draft probability p_j estimates the chance that verification
+reaches it (every token on its path must be what the target samples). Verifying an ancestor-closed
+set S of nodes then yields B + sum_{j in S} p_j tokens in expectation from a target forward of
+B + |S| tokens (a ragged forward: each row its own count). The policy verifies the M most probable
+nodes of the whole batch (the top-M set is ancestor-closed, since a child is never more probable than
+its parent), M chosen to maximise
+
+    goodput(M) = (B + c * sum_{top M} p_j) / (T_draft + T_verify(B + M))
+
+where c, the draft's calibration (accepted / predicted over the nodes verified), is learned online
+and T_* are the cost model's, rescaled by the online correction of plain steps at this concurrency.
+Sequences whose drafts are confident get deep trees, the others a few nodes or none. M = B (n - 1),
+every node, is aware's uniform tree, so the choice is never predicted slower than aware's. Lossless:
+only which proposed tokens are verified changes, never how (tree.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fastgrpo.speculation.cost_model import CostModel
+from fastgrpo.speculation.policy import Aware
+from fastgrpo.speculation.tree import SpecConfig
+
+
+class AwarePerSequence(Aware):
+    name = "aware_per_sequence"
+
+    def __init__(self, costs: CostModel, calibration_decay: float = 0.98, **aware_options):
+        super().__init__(costs, **aware_options)
+        self.calibration_decay = calibration_decay
+        # accepted and predicted draft tokens over recent steps (a prior of one token each: c starts at 1)
+        self._accepted, self._predicted = 1.0, 1.0
+        self._step_prediction: float | None = None
+        self.offered_nodes = 0  # non-root nodes drafted at speculative steps, and those verified
+        self.verified_nodes = 0
+        # tokens verified per row with each tree shape (root included), recent steps weighted most: what a
+        # step of that shape costs. Its acceptance is learned from the cut trees too, so the choice of
+        # shape (aware's) weighs what a cut tree yields against what it costs
+        self._width: dict[SpecConfig, tuple[float, float]] = {}
+
+    def _calibrated_seconds(self, c: SpecConfig | None, running: int) -> float:
+        if c is None:
+            return super()._calibrated_seconds(c, running)
+        total, weight = self._width.get(c, (float(c.num_verify), 1.0))  # an untried shape: every node
+        return self._draft_seconds(c, running) + self.costs.target(running * total / weight)
+
+    @property
+    def calibration(self) -> float:
+        return min(max(self._accepted / self._predicted, 0.05), 2.0)
+
+    def select(self, scores: Tensor, depth: Tensor, config: SpecConfig, running: int) -> Tensor:
+        """Which drafted nodes to verify: scores and depth [B, N - 1] of each row's non-root nodes
+        (cumulative draft log-probabilities, tree levels). Returns [B, N - 1] bool."""
+        B, K = scores.shape
+        p = scores.double().exp().flatten()
+        order = (p - 1e-9 * depth.flatten()).argsort(descending=True)  # exact ties: the parent first
+        reach = torch.cat([torch.zeros(1, dtype=torch.float64), p[order].cumsum(0)])  # expected accepts, M = 0..BK
+        M = torch.arange(B * K + 1)
+        scale = self._correction("off", running)  # the target's measured / calibrated time at this concurrency
+        seconds = scale * (self._draft_seconds(config, running) + self.costs.target_many(B + M))
+        best = int(((B + self.calibration * reach) / seconds).argmax())
+        nodes = torch.zeros(B * K, dtype=torch.bool)
+        nodes[order[:best]] = True
+        self._step_prediction = float(reach[best])
+        total, weight = self._width.get(config, (float(config.num_verify), 1.0))
+        d = self.calibration_decay
+        self._width[config] = (d * total + 1 + best / B, d * weight + 1)
+        self.offered_nodes += B * K
+        self.verified_nodes += best
+        return nodes.view(B, K)
+
+    def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
+                accepted: list[int] | None = None) -> None:
+        if config is not None and accepted is not None and self._step_prediction is not None:
+            d = self.calibration_decay
+            self._accepted = d * self._accepted + sum(accepted)
+            self._predicted = d * self._predicted + self._step_prediction
+        self._step_prediction = None
+        super().observe(config, running, emitted, seconds, accepted)
