@@ -25,7 +25,7 @@ def test_bench_rollout_compares_all_modes(tmp_path, tiny_policy, tiny_draft):
         assert row["static_spec_fraction"] == 1.0 and row["static_accept_len"] > 1.0  # the draft does get accepted
     g = saved["grpo_batch"]
     assert g["static_best_s"] == min(v for k, v in g["all_s"].items() if k.startswith("static"))
-    assert all(g[k] > 0 for k in ("off_s", "fastgrpo_s", "aware_s", "off_unshared_prefill_s"))
+    assert all(g[k] > 0 for k in ("off_s", "fastgrpo_s", "aware_s", "aware_per_sequence_s", "off_unshared_prefill_s"))
     assert all(saved["hf_generate"][k] > 0 for k in ("batch1_tok_s", "batch64_tok_s", "engine_batch1_tok_s"))
     b = saved["bound"]
     hf = saved["hf_generate"]

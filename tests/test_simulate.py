@@ -6,13 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastgrpo.bench.simulate import (CONTEXT, H100, LLAMA3_8B, SWEEP, AcceptanceProfile, Recorder, Roofline,
-                                     SimRequest, Workload, eagle_profile, fit_acceptance, replay_steps,
+from fastgrpo.bench.simulate import (CONTEXT, H100, LLAMA3_8B, SWEEP, AcceptanceProfile, DraftConfidence, Recorder,
+                                     Roofline, SimRequest, Workload, eagle_profile, fit_acceptance, replay_steps,
                                      sim_policies, simulate, simulated_cost_model)
 from fastgrpo.engine.engine import EmbeddedEngine
 from fastgrpo.models.policy import new_policy, policy_config
 from fastgrpo.speculation.cost_model import CostModel
 from fastgrpo.speculation.draft import DraftHead
+from fastgrpo.speculation.per_sequence import AwarePerSequence
 from fastgrpo.speculation.policy import Aware, Off, Static
 from fastgrpo.speculation.tlt import TLT
 from fastgrpo.speculation.tree import SpecConfig
@@ -207,7 +208,8 @@ def test_validation_runs_end_to_end_on_an_engine():
     draft.reset_parameters(seed=5)
     engine.update_draft(draft.state_dict().items(), 0)
     curve = calibrate(engine.model, engine.draft, reps=1, rounds=1)
-    pols = {"off": Off(), "static": Static(SpecConfig(4, 4, 12)), "aware": Aware(curve), "tlt": TLT()}
+    pols = {"off": Off(), "static": Static(SpecConfig(4, 4, 12)), "aware": Aware(curve), "tlt": TLT(),
+            "aware_per_sequence": AwarePerSequence(curve)}
     pols |= {f"static_{c.name}": Static(c) for c in STATIC_SWEEP} | {"fastgrpo": sim_policies(Roofline(H100, LLAMA3_8B), ())["fastgrpo"]}
     prompts = [[1, 2 + i % 5, 3, 4 + i % 3][: 2 + i % 3] for i in range(12)]
     costs, info = measure_cpu_costs(engine, prompts, 1.0, 1.0, print, tokens=6, rounds=1, curve=curve)
@@ -215,3 +217,56 @@ def test_validation_runs_end_to_end_on_an_engine():
     val = validate(engine, pols, costs, prompts, 1.0, 1.0, (1, 4), 6, 2, 2, 10, 64, 1, print)
     assert set(val["cpu_predicted_s"]) == set(val["cpu_measured_s"]) == set(val["error"])
     assert all(np.isfinite(e) and e > -1 for e in val["error"].values())
+
+
+def test_simulated_draft_confidence_is_calibrated_informative_and_decides_what_is_accepted():
+    """Over many rows the draft's estimated reach of each level is the profile's survival (calibrated);
+    rows that will accept more are rated higher (informative, by rho); verifying every node accepts
+    the whole-tree length, verifying only the first level caps it at one."""
+    profile, c = AcceptanceProfile([0.8, 0.6], 0.5), SpecConfig(3, 2, 7)
+    conf, rng = DraftConfidence(rho=0.5), np.random.default_rng(0)
+    scores, depth, L, w = conf.tree(profile, c, 20_000, rng)
+    assert w == 2 and scores.shape == depth.shape == (20_000, 6)
+    reach = np.exp(scores).reshape(20_000, 3, 2).sum(-1)  # each level's estimated reach, per row
+    assert reach.mean(0) == pytest.approx(profile.survival(c), abs=0.01)
+    assert reach[L == 3, 2].mean() > reach[L == 0, 2].mean() + 0.4
+    assert (conf.accepted(np.ones((20_000, 6), dtype=bool), L, w, rng) == L).all()
+    first = np.zeros((20_000, 6), dtype=bool)
+    first[:, :2] = True
+    assert (conf.accepted(first, L, w, rng) == np.minimum(L, 1)).all()
+
+
+class VerifiedCosts(ToyCosts):
+    """ToyCosts whose speculative step charges the tokens verified, recording them."""
+
+    def __init__(self):
+        self.verified = []
+
+    def spec_step(self, c, B, width, ctx_max, ctx_sum, verified=None):
+        n = verified or c.num_verify
+        self.verified.append((B, n))
+        return 2.0 + 0.1 * B * n
+
+
+def test_a_per_sequence_budget_is_charged_for_the_nodes_it_verifies():
+    costs = VerifiedCosts()
+    policy = AwarePerSequence(simulated_cost_model(costs))
+    wl = Workload("w", [SimRequest(i, 8, 40) for i in range(6)], 100, 200)
+    run = simulate(wl, costs, AcceptanceProfile([0.7], 0.3), policy, 6, np.random.default_rng(0))
+    assert run.spec_steps == len(costs.verified) > 0
+    assert sum(B * (n - 1) for B, n in costs.verified) == pytest.approx(policy.verified_nodes)
+    assert policy.verified_nodes < policy.offered_nodes  # some rows' trees were cut
+
+
+def test_per_sequence_budget_is_not_slower_than_aware_on_a_simulated_gpu():
+    """On H100 / Llama-3-8B at 16 and 64 running sequences (where verifying starts to cost), cutting
+    unlikely nodes must not make the rollout slower than aware's uniform tree."""
+    costs, acc = Roofline(H100, LLAMA3_8B), eagle_profile(0.5)
+    for B in (16, 64):
+        wl = Workload("fixed", [SimRequest(i, 256, 600) for i in range(B)], 600, 1000)
+        seconds = {}
+        for name in ("aware", "aware_per_sequence"):
+            policy = sim_policies(costs, ())[name]
+            rng = np.random.default_rng(0)
+            seconds[name] = [simulate(wl, costs, acc, policy, B, rng) for _ in range(2)][-1].seconds
+        assert seconds["aware_per_sequence"] <= 1.01 * seconds["aware"], (B, seconds)

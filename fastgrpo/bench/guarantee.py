@@ -79,6 +79,7 @@ def one_run(engine, cfg: Config, loads: dict, reps: int) -> dict[str, dict]:
             first, second = rotated(list(modes), rep)
             tokens, seconds, spec = {"off": 0, "aware": 0}, {"off": 0.0, "aware": 0.0}, []
             traces: dict[str, list] = {"off": [], "aware": []}
+            outside = {"off": 0.0, "aware": 0.0}  # seconds of the calls outside their decode steps
             probes = modes["aware"].probes
             for call, mode in enumerate((first, second, second, first)):
                 engine.set_speculation(modes[mode])
@@ -86,11 +87,14 @@ def one_run(engine, cfg: Config, loads: dict, reps: int) -> dict[str, dict]:
                 tokens[mode] += r["tokens"]
                 seconds[mode] += r["seconds"]
                 traces[mode] += r["trace"]
+                outside[mode] += r["seconds"] - sum(step[3] for step in r["trace"])
                 if mode == "aware":
                     spec.append(r["spec_fraction"])
             if rep:
                 pairs.append({"off_tok_s": tokens["off"] / seconds["off"], "aware_tok_s": tokens["aware"] / seconds["aware"],
                               "spec_fraction": statistics.mean(spec), "probes": modes["aware"].probes - probes,
+                              # prefill, the policy's decisions and the engine loop: aware's beyond off's
+                              "outside_steps_fraction": (outside["aware"] - outside["off"]) / seconds["aware"],
                               **step_accounting(traces["aware"], traces["off"])})
         out[name] = {"ratio": statistics.median(p["aware_tok_s"] / p["off_tok_s"] for p in pairs),
                      "spec_fraction": statistics.median(p["spec_fraction"] for p in pairs), "pairs": pairs}
@@ -193,8 +197,8 @@ def markdown(result: dict, command: str) -> str:
              f"alternating) of aware's throughput / off's. Floor: {m['floor']:.2f}x.", "",
              "| threads | workload | runs (aware / off) | worst run | all runs >= floor | all blocks: median [95% CI] "
              "| aware speculative steps (median) | probes per block | aware plain step / off's | speculative steps' "
-             "net time (% of aware's) |",
-             "| ---: | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: |"]
+             "net time (% of aware's) | outside the steps, beyond off's (% of aware's) |",
+             "| ---: | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for t, r in result["threads"].items():
         for name, r in r["aware_vs_off"].items():
             ratios, pool, blocks = r["ratios"], r["pooled"], [p for run in r["runs"] for p in run]
@@ -202,12 +206,14 @@ def markdown(result: dict, command: str) -> str:
                          f"{'yes' if min(ratios) >= m['floor'] else 'no'} | {pool['median']:.3f} "
                          f"[{pool['ci95'][0]:.3f}, {pool['ci95'][1]:.3f}] ({pool['pairs']} blocks) | "
                          f"{100 * statistics.median(r['spec_fractions']):.0f}% | {_mean(blocks, 'probes'):.2f} | "
-                         f"{_mean(blocks, 'plain_step_vs_off'):.3f} | {100 * _mean(blocks, 'spec_net_fraction'):+.1f}% |")
+                         f"{_mean(blocks, 'plain_step_vs_off'):.3f} | {100 * _mean(blocks, 'spec_net_fraction'):+.1f}% | "
+                         f"{100 * _mean(blocks, 'outside_steps_fraction'):+.1f}% |")
     lines += ["", "Where aware's time went (means over all blocks): probes are speculative steps taken only to "
               "re-measure speculation while plain decoding is chosen; aware's plain steps are timed against off's at "
               "the same running count in the same block; speculative steps' net time is their seconds minus those of "
               "the off plain steps that would have emitted the same tokens, over aware's decode time (negative: "
-              "speculation saved time).",
+              "speculation saved time); outside the steps: prefill, the policy's decisions and the engine loop, "
+              "aware's seconds beyond off's over aware's.",
               "", "Engine without speculation against Hugging Face `generate` (static cache) at batch 1, "
               "throughput ratio (median of paired repetitions per run):", "",
               "| threads | runs (engine / HF) | worst run |", "| ---: | --- | ---: |"]

@@ -28,7 +28,7 @@ from fastgrpo.speculation.policy import Static
 from fastgrpo.speculation.tree import SpecConfig
 from fastgrpo.tasks.source import encode_problems, load_task
 
-MODES = ("off", "static", "fastgrpo", "aware")
+MODES = ("off", "static", "fastgrpo", "aware", "aware_per_sequence")
 UNSHARED = "off_unshared_prefill"
 STATIC_SWEEP = (SpecConfig(2, 2, 4), SpecConfig(3, 4, 8), SpecConfig(4, 4, 12), SpecConfig(5, 8, 24))
 
@@ -121,6 +121,7 @@ def grpo_batch(engine, policies, prompts, cfg, n_prompts, group, max_new, reps, 
     best_static = min(statics, key=statics.get)
     result = {"off_s": med["off"], "static_best_s": med[best_static], "static_best": best_static,
               "fastgrpo_s": med["fastgrpo"], "aware_s": med["aware"], "off_unshared_prefill_s": med[UNSHARED],
+              "aware_per_sequence_s": med["aware_per_sequence"],
               "aware_accept_len": _median(runs["aware"], "accept_len"),
               "tokens_median": {m: _median(runs[m], "tokens") for m in contenders}, "all_s": med,
               # the shares of each mode's median-time repetition (medians of each part would not add up to 1)
@@ -242,18 +243,24 @@ def markdown(result: dict, command: str) -> str:
              f"{m['policy_parameters'] / 1e6:.1f}M parameters, fp32; temperature {m['temperature']}; "
              f"medians of {m['repetitions']} interleaved repetitions after a warm-up.", "",
              f"Fixed concurrency ({m['tokens_per_sequence']} tokens per sequence, EOS ignored), tokens/s:", "",
-             "| running | off | static | fastgrpo | aware | aware / off | aware accept len | aware speculative steps |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| running | off | static | fastgrpo | aware | aware / off | aware accept len | aware speculative steps "
+             "| aware per sequence | per sequence / aware |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in sw:
+        ps = r.get("aware_per_sequence_tok_s")
         lines.append(f"| {r['concurrency']} | {r['off_tok_s']:.0f} | {r['static_tok_s']:.0f} | {r['fastgrpo_tok_s']:.0f} "
                      f"| {r['aware_tok_s']:.0f} | {r['aware_tok_s'] / r['off_tok_s']:.2f}x | {r['aware_accept_len']:.2f} "
-                     f"| {100 * r['aware_spec_fraction']:.0f}% |")
+                     f"| {100 * r['aware_spec_fraction']:.0f}% | "
+                     + ("- | - |" if ps is None else f"{ps:.0f} | {ps / r['aware_tok_s']:.2f}x |"))
+    ps = g.get("aware_per_sequence_s")
     lines += ["", "GRPO-shaped batch (prompts x 8 samples, real lengths), seconds:", "",
-              "| off | best static | fastgrpo | aware | off / aware | best static / aware | fastgrpo / aware |",
-              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+              "| off | best static | fastgrpo | aware | off / aware | best static / aware | fastgrpo / aware "
+              "| aware per sequence | aware / per sequence |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
               f"| {g['off_s']:.2f} | {g['static_best_s']:.2f} ({g['static_best']}) | {g['fastgrpo_s']:.2f} | "
               f"{g['aware_s']:.2f} | {g['off_s'] / g['aware_s']:.2f}x | {g['static_best_s'] / g['aware_s']:.2f}x | "
-              f"{g['fastgrpo_s'] / g['aware_s']:.2f}x |",
+              f"{g['fastgrpo_s'] / g['aware_s']:.2f}x | "
+              + ("- | - |" if ps is None else f"{ps:.2f} | {g['aware_s'] / ps:.2f}x |"),
               "", f"Prefill of a prompt shared by its 8 samples: `off` takes {g['off_s']:.2f} s with it and "
               f"{g['off_unshared_prefill_s']:.2f} s with every sample prefilling its own copy "
               f"({g['off_unshared_prefill_s'] / g['off_s']:.2f}x).",

@@ -29,11 +29,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 
 from fastgrpo.bench.rollout import STATIC_SWEEP, rotated, timed_generate
 from fastgrpo.config import SpeculationConfig
 from fastgrpo.engine.engine import DRAFT_WINDOW
 from fastgrpo.speculation.cost_model import CONTEXT, SWEEP, CostModel, calibrate
+from fastgrpo.speculation.per_sequence import AwarePerSequence
 from fastgrpo.speculation.policy import Aware, FastGRPOFormula, Off, SpeculationPolicy, Static
 from fastgrpo.speculation.tlt import TLT
 from fastgrpo.speculation.tree import SpecConfig
@@ -58,8 +60,10 @@ class Costs(Protocol):
         """A plain step; `speculating`: under a speculating policy (the engine then keeps the states
         the draft will catch up on)."""
 
-    def spec_step(self, c: SpecConfig, B: int, width: int, ctx_max: int, ctx_sum: int) -> float:
-        """Catch-up of `width` states per row, the tree's levels, the verify forward, sampling, bookkeeping."""
+    def spec_step(self, c: SpecConfig, B: int, width: int, ctx_max: int, ctx_sum: int,
+                  verified: float | None = None) -> float:
+        """Catch-up of `width` states per row, the tree's levels, the verify forward, sampling, bookkeeping.
+        `verified`: tokens verified per row on average (a per-sequence budget; default the whole tree)."""
 
     def prefill(self, unique: int, width: int, joined: int) -> float: ...
 
@@ -165,9 +169,10 @@ class Roofline:
     def decode_step(self, B: int, ctx_max: int, ctx_sum: int, speculating: bool = False) -> float:
         return self.target(B, 1, ctx_max, ctx_sum) + self.hw.step_overhead_s
 
-    def spec_step(self, c: SpecConfig, B: int, width: int, ctx_max: int, ctx_sum: int) -> float:
+    def spec_step(self, c: SpecConfig, B: int, width: int, ctx_max: int, ctx_sum: int,
+                  verified: float | None = None) -> float:
         draft = self.draft(B, width, ctx_max, ctx_sum) + (c.depth - 1) * self.draft(B, c.topk, ctx_max, ctx_sum)
-        return (draft + self.target(B, c.num_verify, ctx_max, ctx_sum) + self.hw.step_overhead_s
+        return (draft + self.target(B, verified or c.num_verify, ctx_max, ctx_sum) + self.hw.step_overhead_s
                 + self.hw.spec_overhead_s)
 
     def prefill(self, unique: int, width: int, joined: int) -> float:
@@ -216,13 +221,15 @@ class CpuCosts:
         a, b = self.off_spec_fit if speculating else self.off_fit
         return self.target(B, 1, ctx_max, ctx_sum) + max(a + b * B, 0.0)
 
-    def spec_forwards(self, c: SpecConfig, B: int, width: int, ctx_max: int) -> float:
+    def spec_forwards(self, c: SpecConfig, B: int, width: int, ctx_max: int, verified: float | None = None) -> float:
         return (self.draft(B, width, ctx_max, 0) + (c.depth - 1) * self.draft(B, c.topk, ctx_max, 0)
-                + self.target(B, c.num_verify, ctx_max, 0))
+                + self.target(B, verified or c.num_verify, ctx_max, 0))
 
-    def spec_step(self, c: SpecConfig, B: int, width: int, ctx_max: int, ctx_sum: int) -> float:
+    def spec_step(self, c: SpecConfig, B: int, width: int, ctx_max: int, ctx_sum: int,
+                  verified: float | None = None) -> float:
         a, b, k, d = self.spec_fit
-        return self.spec_forwards(c, B, width, ctx_max) + max(a + b * B + k * B * c.num_verify + d * c.depth, 0.0)
+        n = verified or c.num_verify
+        return self.spec_forwards(c, B, width, ctx_max, verified) + max(a + b * B + k * B * n + d * c.depth, 0.0)
 
     def prefill(self, unique: int, width: int, joined: int) -> float:
         a, b, c = self.prefill_fit
@@ -299,6 +306,44 @@ class AcceptanceProfile:
         return {"alpha": self.alpha, "beta": self.beta, "source": self.source,
                 "measured_mean_emitted": {c.name: 1 + float(np.mean(v)) for c, v in self.empirical.items()},
                 "measured_samples": {c.name: len(v) for c, v in self.empirical.items()}}
+
+
+@dataclass(frozen=True)
+class DraftConfidence:
+    """What a per-sequence budget sees: each row's tree as `levels` levels of w = the profile's fill
+    nodes (w chains from the root), each node carrying a 1/w share of its level's reach, where the
+    draft's estimate that row r's step accepts >= j tokens is
+
+        s_hat_r(j) = rho * [L_r >= j] + (1 - rho) * s(j)
+
+    L_r: the row's accepted length with the whole tree, drawn from the profile as for every other
+    policy; s(j): the profile's survival. rho (0: the draft cannot tell rows apart, 1: it knows each
+    outcome) is an ASSUMPTION stated with every result; the estimate is calibrated over rows
+    (E s_hat = s). The accepted path runs along one of the w chains, uniformly: a row accepts
+    min(L_r, the levels along that chain whose node was verified)."""
+
+    rho: float = 0.5
+
+    def tree(self, profile: AcceptanceProfile, c: SpecConfig, B: int,
+             rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """(scores [B, levels * w] cumulative log-probabilities, depth [B, levels * w], L [B], w)."""
+        w = max(1, min((c.num_verify - 1) // c.depth, c.topk))
+        s = np.asarray(profile.survival(c))
+        L = profile.draw(c, B, rng)
+        reach = self.rho * (L[:, None] >= np.arange(1, c.depth + 1)[None]) + (1 - self.rho) * s[None]
+        with np.errstate(divide="ignore"):
+            scores = np.log(np.repeat(reach / w, w, axis=1))
+        depth = np.repeat(np.arange(1, c.depth + 1), w)[None].repeat(B, 0)
+        return scores, depth, L, w
+
+    @staticmethod
+    def accepted(nodes: np.ndarray, L: np.ndarray, w: int, rng: np.random.Generator) -> np.ndarray:
+        """Accepted lengths given the verified nodes [B, levels * w] (level-major, chain k at offset k)."""
+        B = len(L)
+        chain = rng.integers(0, w, size=B)
+        on_path = nodes.reshape(B, -1, w)[np.arange(B), :, chain]  # [B, levels]
+        kept = np.cumprod(on_path, axis=1).sum(1)  # levels verified along the row's chain
+        return np.minimum(L, kept)
 
 
 def fit_acceptance(measured: dict[SpecConfig, list[int]], source: str) -> AcceptanceProfile:
@@ -466,15 +511,17 @@ class SimRun:
 
 def simulate(workload: Workload, costs: Costs, acceptance: AcceptanceProfile | None, policy: SpeculationPolicy,
              max_batch: int, rng: np.random.Generator, policy_clock: bool = False,
-             share_prefill: bool = True) -> SimRun:
+             share_prefill: bool = True, confidence: DraftConfidence = DraftConfidence()) -> SimRun:
     """One engine.generate() call, step by step (the engine's loop: fastgrpo/engine/engine.py).
 
     `policy` is called exactly as the engine calls it: choose(running) before a step while
     speculating, observe(config, running, emitted, seconds, accepted) after, with the simulated
-    step seconds. With `policy_clock` the policy's own wall time is added to the clock (on this CPU
+    step seconds; a policy with a per-sequence budget (`select`) picks the nodes to verify from the
+    draft confidences of `confidence`, and the step costs what it verifies. With `policy_clock` the policy's own wall time is added to the clock (on this CPU
     the engine spends it between steps, and it is the same code on the same machine)."""
     reqs = workload.requests
     speculating = policy.name != "off"
+    select = getattr(policy, "select", None)
     if speculating and acceptance is None:
         raise ValueError("a speculating policy needs an acceptance profile")
     waiting = deque(range(len(reqs)))
@@ -504,9 +551,19 @@ def simulate(workload: Workload, costs: Costs, acceptance: AcceptanceProfile | N
                 seconds = costs.decode_step(B, ctx_max, ctx_sum, speculating)
                 accepted = None
                 emitted = rows.step_off()
-            else:
+            elif select is None:
                 seconds = costs.spec_step(config, B, rows.catch_up_width(), ctx_max, ctx_sum)
                 accepted = acceptance.draw(config, B, rng)
+                emitted = rows.step_spec(accepted)
+                spec_steps += 1
+            else:
+                scores, depth, L, w = confidence.tree(acceptance, config, B, rng)
+                t = time.perf_counter()
+                nodes = select(torch.from_numpy(scores), torch.from_numpy(depth), config, B).numpy()
+                policy_s_step += time.perf_counter() - t
+                seconds = costs.spec_step(config, B, rows.catch_up_width(), ctx_max, ctx_sum,
+                                          verified=float(1 + nodes.sum() / B))
+                accepted = confidence.accepted(nodes, L, w, rng)
                 emitted = rows.step_spec(accepted)
                 spec_steps += 1
             t = time.perf_counter()
@@ -552,6 +609,7 @@ def sim_policies(costs: Costs, statics: Sequence[SpecConfig], calibration_error:
     out["fastgrpo"] = FastGRPOFormula()
     out["tlt"] = TLT(seed=tlt_seed)
     out["aware"] = Aware(simulated_cost_model(costs, calibration_error))
+    out["aware_per_sequence"] = AwarePerSequence(simulated_cost_model(costs, calibration_error))
     return out
 
 
@@ -567,6 +625,9 @@ class Recorder:
 
     def choose(self, running: int) -> SpecConfig | None:
         return self.policy.choose(running)
+
+    def __getattr__(self, name: str) -> Any:  # select(), for a per-sequence budget
+        return getattr(self.policy, name)
 
     def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
                 accepted: list[int] | None = None) -> None:
@@ -593,8 +654,6 @@ def _context_slopes(engine, reps: int = 5) -> dict[str, float]:
     a row's keys and values) and per (new token x cached token) (attention), of the target and the
     draft. Two shapes of 64 tokens (64 rows x 1, 4 rows x 16), each over CONTEXT and CONTEXT + extra
     cached tokens, separate the two."""
-    import torch
-
     from fastgrpo.engine.model import KVCache, block_mask, cache_kv
     from fastgrpo.speculation.cost_model import _time
 
@@ -756,7 +815,7 @@ SWEEP_MODES = ("off", "static", "fastgrpo", "tlt", "aware")
 
 
 def _grpo_modes() -> list[str]:
-    return ["off", *[f"static_{c.name}" for c in STATIC_SWEEP], "fastgrpo", "tlt", "aware"]
+    return ["off", *[f"static_{c.name}" for c in STATIC_SWEEP], "fastgrpo", "tlt", "aware", "aware_per_sequence"]
 
 
 def validate(engine, engine_policies: dict[str, SpeculationPolicy], costs: CpuCosts, prompts: list[list[int]],
@@ -852,8 +911,9 @@ def _mean_emitted(log: list) -> float | None:
 # GPU scale (SIMULATED)
 # ---------------------------------------------------------------------------------------------
 GPU_STATICS = (*STATIC_SWEEP, SpecConfig(6, 8, 32), SpecConfig(6, 8, 64))
+RHO_SWEEP = (0.0, 0.25, 0.75, 1.0)  # the draft confidence's informativeness, around the assumed 0.5
 GPU_MAX_BATCH = 128  # rows an engine keeps running: bounded by KV memory at these lengths (our assumption)
-LEARNING = ("tlt", "aware")  # policies that learn: a warm-up rollout first, as in training
+LEARNING = ("tlt", "aware", "aware_per_sequence")  # policies that learn: a warm-up rollout first, as in training
 BUCKETS = ((1, 4), (5, 16), (17, 32), (33, 64), (65, 128), (129, 10**9))
 
 
@@ -871,16 +931,19 @@ def time_by_bucket(run: SimRun) -> dict[str, float]:
 
 
 def run_policies(workload: Workload, costs: Costs, acceptance: AcceptanceProfile, statics: Sequence[SpecConfig],
-                 max_batch: int, reps: int, seed: int) -> dict[str, dict]:
-    """Every policy on one workload: median simulated seconds of `reps` rollouts (learning policies
-    after a warm-up rollout), with the median run kept for its trace."""
+                 max_batch: int, reps: int, seed: int, confidence: DraftConfidence = DraftConfidence(),
+                 modes: Sequence[str] | None = None) -> dict[str, dict]:
+    """Every policy (or `modes`) on one workload: median simulated seconds of `reps` rollouts (learning
+    policies after a warm-up rollout), with the median run kept for its trace."""
     policies = sim_policies(costs, statics, tlt_seed=seed)
     rng = np.random.default_rng(seed)
     out = {}
     for mode, policy in policies.items():
+        if modes is not None and mode not in modes:
+            continue
         runs = []
         for rep in range(reps + (mode in LEARNING)):
-            run = simulate(workload, costs, acceptance, policy, max_batch, rng)
+            run = simulate(workload, costs, acceptance, policy, max_batch, rng, confidence=confidence)
             if rep or mode not in LEARNING:
                 runs.append(run)
         runs.sort(key=lambda r: r.seconds)
@@ -902,17 +965,20 @@ def gpu_results(acceptance: AcceptanceProfile, workloads: list[Workload], reps: 
                 row = {"hardware": hw.name, "model": model.name, "workload": wl.name, "acceptance": acceptance.source,
                        "off_s": res["off"]["seconds"], "static_best_s": statics[best], "static_best": best[7:],
                        "fastgrpo_s": res["fastgrpo"]["seconds"], "tlt_s": res["tlt"]["seconds"],
-                       "aware_s": res["aware"]["seconds"], "statics_s": {m[7:]: s for m, s in statics.items()},
+                       "aware_s": res["aware"]["seconds"], "aware_per_sequence_s": res["aware_per_sequence"]["seconds"],
+                       "statics_s": {m[7:]: s for m, s in statics.items()},
                        "requests": len(wl.requests), "max_batch": GPU_MAX_BATCH,
                        "tokens": sum(min(r.length, wl.max_new) for r in wl.requests),
-                       "time_by_bucket": {m: time_by_bucket(res[m]["run"]) for m in ("off", "fastgrpo", "tlt", "aware")}
+                       "time_by_bucket": {m: time_by_bucket(res[m]["run"])
+                                          for m in ("off", "fastgrpo", "tlt", "aware", "aware_per_sequence")}
                                          | {"static_best": time_by_bucket(res[best]["run"])},
                        "aware_spec_fraction": res["aware"]["run"].spec_steps / max(res["aware"]["run"].decode_steps, 1)}
                 rows.append(row)
                 detail[(hw_key, model_key, wl.name)] = res
                 log(f"SIMULATED {hw.name} {model.name} {wl.name[:40]}: off {row['off_s']:.1f}s, static best "
                     f"{row['static_best_s']:.1f}s ({row['static_best']}), fastgrpo {row['fastgrpo_s']:.1f}s, "
-                    f"tlt {row['tlt_s']:.1f}s, aware {row['aware_s']:.1f}s ({time.perf_counter() - t:.0f}s)")
+                    f"tlt {row['tlt_s']:.1f}s, aware {row['aware_s']:.1f}s, aware_per_sequence "
+                    f"{row['aware_per_sequence_s']:.1f}s ({time.perf_counter() - t:.0f}s)")
     return rows, detail
 
 
@@ -930,7 +996,8 @@ def gpu_fixed_concurrency(acceptance: AcceptanceProfile, levels: Sequence[int], 
                 statics = {m: r["seconds"] for m, r in res.items() if m.startswith("static_")}
                 out.append({"hardware": hw.name, "model": model.name, "running": B, "off_s": res["off"]["seconds"],
                             "static_best_s": min(statics.values()), "fastgrpo_s": res["fastgrpo"]["seconds"],
-                            "tlt_s": res["tlt"]["seconds"], "aware_s": res["aware"]["seconds"]})
+                            "tlt_s": res["tlt"]["seconds"], "aware_s": res["aware"]["seconds"],
+                            "aware_per_sequence_s": res["aware_per_sequence"]["seconds"]})
     return out
 
 
@@ -938,8 +1005,6 @@ def gpu_fixed_concurrency(acceptance: AcceptanceProfile, levels: Sequence[int], 
 # The command
 # ---------------------------------------------------------------------------------------------
 def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = None) -> dict:
-    import torch
-
     from fastgrpo.backends.embedded import build_engine, speculation_policy
     from fastgrpo.bench.report import command_line, publish
     from fastgrpo.models.policy import load_policy, num_parameters
@@ -966,6 +1031,7 @@ def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = Non
     engine_policies: dict[str, SpeculationPolicy] = {m: speculation_policy(engine, cfg, m)
                                                       for m in ("off", "static", "fastgrpo")}
     engine_policies["aware"] = Aware(costs.curve)
+    engine_policies["aware_per_sequence"] = AwarePerSequence(costs.curve)
     engine_policies |= {f"static_{c.name}": Static(c) for c in STATIC_SWEEP}
     engine_policies["tlt"] = TLT(seed=cfg.seed)
 
@@ -991,6 +1057,13 @@ def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = Non
     results, detail = gpu_results(accept, workloads, sim_reps, cfg.seed, log)
     fixed = gpu_fixed_concurrency(accept, (1, 4, 16, 64, 128), 128 if quick else 512, lt["prompt_len"], cfg.seed)
     key = ("h100", "llama3-8b", workloads[1].name)
+    # how much the per-sequence budget owes to the assumed informativeness of the draft's confidence
+    sensitivity = []
+    for rho in RHO_SWEEP:
+        res = run_policies(workloads[1], Roofline(ACCELERATORS["h100"], MODELS["llama3-8b"]), accept, (), GPU_MAX_BATCH,
+                           sim_reps, cfg.seed, DraftConfidence(rho), modes=("aware_per_sequence",))
+        sensitivity.append({"rho": rho, "aware_per_sequence_s": res["aware_per_sequence"]["seconds"]})
+        log(f"SIMULATED {' / '.join(key)}, rho {rho}: aware_per_sequence {sensitivity[-1]['aware_per_sequence_s']:.1f}s")
     running = {m: _downsample([(t, b) for t, b, _, _, _ in detail[key][m]["run"].trace]) for m in ("off", "tlt", "aware")}
     result = {
         "meta": {"date": datetime.date.today().isoformat(), "quick": quick, "cores": torch.get_num_threads(),
@@ -1006,6 +1079,8 @@ def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = Non
         "results": results,
         "fixed_concurrency": fixed,
         "running_over_time": {"case": " / ".join(key), "series": running},
+        "per_sequence_rho": {"case": " / ".join(key), "assumed": DraftConfidence().rho, "aware_s": detail[key]["aware"]["seconds"],
+                             "sweep": sensitivity},
     }
     result["meta"]["seconds"] = time.perf_counter() - t0
     command = command_line("simulate", quick, output, extra)
@@ -1124,22 +1199,31 @@ def markdown(result: dict, command: str) -> str:
               f"{result['gpu_acceptance']['beta']:.2f}). Validation errors of the instrument: above "
               f"(largest {100 * val['max_abs_error']:.1f}%).", "",
               "| hardware | model | workload | off s | best static s | fastgrpo s | tlt s | aware s | aware / off | "
-              "aware / fastgrpo | aware / tlt | aware / best static |",
-              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "aware / fastgrpo | aware / tlt | aware / best static | per-sequence s | per-sequence / aware |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in result["results"]:
         a = r["aware_s"]
+        ps = r.get("aware_per_sequence_s")
         lines.append(f"| {r['hardware']} | {r['model']} | {r['workload']} | {r['off_s']:.3g} | {r['static_best_s']:.3g} "
                      f"({r['static_best']}) | {r['fastgrpo_s']:.3g} | {r['tlt_s']:.3g} | {a:.3g} | "
                      f"{r['off_s'] / a:.2f}x | {r['fastgrpo_s'] / a:.2f}x | {r['tlt_s'] / a:.2f}x | "
-                     f"{r['static_best_s'] / a:.2f}x |")
+                     f"{r['static_best_s'] / a:.2f}x | " + ("- | - |" if ps is None else f"{ps:.3g} | {a / ps:.2f}x |"))
+    if "per_sequence_rho" in result:
+        rho = result["per_sequence_rho"]
+        lines += ["", f"The per-sequence budget's draft confidences are SIMULATED with informativeness rho = "
+                  f"{rho['assumed']} (an assumption: `DraftConfidence`). On {rho['case']}, per-sequence / aware by rho: "
+                  + ", ".join(f"{x['rho']}: {rho['aware_s'] / x['aware_per_sequence_s']:.2f}x" for x in rho["sweep"])
+                  + "."]
     lines += ["", f"![SIMULATED rollout time per policy]({stem}.png)",
               f"![SIMULATED running batch over time]({stem}-running.png)",
               f"![SIMULATED time by concurrency]({stem}-buckets.png)", "",
               "SIMULATED fixed concurrency (aware / off, and the best of the others / off):", "",
-              "| hardware | model | running | aware / off | best static / off | fastgrpo / off | tlt / off |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+              "| hardware | model | running | aware / off | best static / off | fastgrpo / off | tlt / off | "
+              "per-sequence / off |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in result["fixed_concurrency"]:
+        ps = r.get("aware_per_sequence_s")
         lines.append(f"| {r['hardware']} | {r['model']} | {r['running']} | {r['off_s'] / r['aware_s']:.2f}x | "
                      f"{r['off_s'] / r['static_best_s']:.2f}x | {r['off_s'] / r['fastgrpo_s']:.2f}x | "
-                     f"{r['off_s'] / r['tlt_s']:.2f}x |")
+                     f"{r['off_s'] / r['tlt_s']:.2f}x | " + ("- |" if ps is None else f"{r['off_s'] / ps:.2f}x |"))
     return "\n".join(lines)

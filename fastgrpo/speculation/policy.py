@@ -136,7 +136,7 @@ class Aware(Off):
     name = "aware"
 
     def __init__(self, costs: CostModel, candidates: list[SpecConfig] | None = None, correction_decay: float = 0.9,
-                 probe_every: int = 64, max_probe_every: int = 1024, margin: float = 0.05, probe_budget: float = 0.01):
+                 probe_every: int = 64, max_probe_every: int = 1024, margin: float = 0.05, probe_budget: float = 0.0025):
         self.costs = costs
         # speculate only for a predicted gain above this fraction: near a tie the step-time noise and
         # the costs the model leaves out (catch-up after a gap, tree bookkeeping) decide, and they lose
@@ -158,7 +158,9 @@ class Aware(Off):
         self.max_probe_every = max_probe_every
         # a probe of speculation while plain decoding is chosen costs (its predicted step time / a plain
         # step's) - 1 extra plain steps, several at high concurrency: probe no more often than keeps that
-        # extra time below `probe_budget` of the time between probes
+        # extra time below `probe_budget` of the time between probes. At 0.01 a probe came every ~140
+        # steps at 4-16 running and cost 1.3-2% of the time around it (`bench guarantee`, 2026-11-25),
+        # eating most of the 3% the guarantee allows; a quarter of that leaves room for the machine's noise
         self.probe_budget = probe_budget
         self._probe_interval: dict[int, int] = {}
         self._probing: int | None = None  # bucket of the step being probed
