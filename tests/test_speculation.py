@@ -455,13 +455,11 @@ def test_bad_drafts_fall_back_or_fail_clearly(small_vocab):
 
 
 def plain_once(aware, *running):
-    """A bucket's first plain step and its confirmation at each concurrency, each taking exactly its
-    calibrated time (a bucket's first two steps are plain, and steps that match the calibration leave
-    every prediction as calibrated)."""
+    """One plain step at each concurrency, taking exactly its calibrated time (a bucket's first step is
+    plain, and one that matches the calibration leaves every prediction as calibrated)."""
     for r in running:
-        for _ in range(2):
-            assert aware.choose(r) is None
-            aware.observe(None, r, r, aware.costs.target(r))
+        assert aware.choose(r) is None
+        aware.observe(None, r, r, aware.costs.target(r))
 
 
 def synthetic_costs():
@@ -570,25 +568,6 @@ def test_aware_recovers_from_a_calibration_taken_while_the_machine_was_busy():
         aware.observe(c, 16, 16 if c is None else 32, seconds, accepted=None if c is None else [1] * 16)
     assert aware.choose(16) is None
     assert sum(c is not None for c in chosen[-100:]) <= 100 // 32 + 1  # probes only
-
-
-def test_aware_confirms_a_first_measurement_before_trusting_it():
-    """The first speculative step of a shape builds its kernels and is slow (here 2x); if aware trusted
-    it alone, speculation at 1 sequence would look dearer than plain decoding and, with probes priced
-    by it, go untried for hundreds of steps. It measures again at once and keeps the lower."""
-    aware = Aware(synthetic_costs())
-    chosen = []
-    for step in range(40):
-        c = aware.choose(1)
-        chosen.append(c)
-        if c is None:
-            aware.observe(None, 1, 1, aware.costs.target(1))
-        else:  # a draft that is right 3 times in 4 at every depth; the first speculative step is twice as slow
-            raw = aware.predicted_seconds(c, 1) / aware._correction("spec", 1)
-            aware.observe(c, 1, 4, raw * (2.0 if sum(x is not None for x in chosen) == 1 else 1.0), accepted=[3])
-    assert chosen[0] is None and chosen[1] is None  # the bucket's first plain step, confirmed
-    assert all(c is not None for c in chosen[-20:])
-    assert aware.correction[("spec", 1)] == pytest.approx(1.0, rel=0.05)
 
 
 def test_aware_does_not_search_its_trees_again_at_every_plain_step():

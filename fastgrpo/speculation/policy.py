@@ -149,12 +149,6 @@ class Aware(Off):
         # error differs between one sequence and sixty-four, so a factor learned at one must not move another
         self.correction: dict[tuple[str, int], float] = {}
         self._measured: set[tuple[str, int]] = set()  # (kind, bucket) measured at least once
-        # measurements per (kind, bucket). A kind measured once is measured again at the next step, and
-        # its correction is the lower of the two: the first step of a tree shape in a process builds its
-        # kernels (a first 1-sequence speculative step took 4.7 ms against 2.7 after), and noise only
-        # ever slows a step down. Trusted alone, that one step made speculation at 1 sequence look 1.7x
-        # dearer, and with probes priced by that, it went unprobed for hundreds of steps
-        self._count: dict[tuple[str, int], int] = {}
         # steps in a bucket since each kind was last measured there: the kind not being chosen is
         # measured again (one probe step) after `probe_every` steps, so that a decision never rests for
         # long on a calibration that was wrong or on a slow spell of a shared machine. A probe that
@@ -229,8 +223,6 @@ class Aware(Off):
             return None
         choice = self._decide(running)
         other = "spec" if choice is None else "off"
-        if self._count.get((other, b), 0) == 1:  # confirm a first measurement before leaving its kind
-            return None if other == "off" else self._tree(running)[0]
         if self._since.get((other, b), 0) >= self._interval(running, choice):
             self._probing = b
             self.probes += 1
@@ -260,14 +252,8 @@ class Aware(Off):
         probe = self._probing == b
         current = self.correction.get((kind, b)) if (kind, b) in self._measured else None
         self._measured.add((kind, b))
-        count = self._count[(kind, b)] = self._count.get((kind, b), 0) + 1
         keep = 0.5 if probe else self.decay
-        if current is None:
-            self.correction[(kind, b)] = ratio
-        elif count == 2:
-            self.correction[(kind, b)] = min(current, ratio)
-        else:
-            self.correction[(kind, b)] = keep * current + (1 - keep) * ratio
+        self.correction[(kind, b)] = ratio if current is None else keep * current + (1 - keep) * ratio
         if (other, b) not in self._measured:
             self.correction[(other, b)] = self.correction[(kind, b)]
             if current is None:  # (searched again on the first measurement only: a search costs ~0.5 ms)
