@@ -650,7 +650,7 @@ def test_per_sequence_budget_verifies_the_set_of_nodes_of_highest_predicted_good
     for trial in range(20):
         first = torch.rand(3, 2, generator=g)
         p = torch.stack([first[:, 0], first[:, 1], first[:, 0] * torch.rand(3, generator=g)], 1)
-        policy = AwarePerSequence(linear_costs(per_token=float(torch.rand(1, generator=g)) * 0.004))
+        policy = AwarePerSequence(linear_costs(per_token=float(torch.rand(1, generator=g)) * 0.004), margin=0.0)
         chosen = policy.select(p.log(), depth, config, 3)
 
         def goodput(nodes) -> float:
@@ -661,6 +661,18 @@ def test_per_sequence_budget_verifies_the_set_of_nodes_of_highest_predicted_good
         got = goodput([tuple(j for j in range(3) if chosen[b, j]) for b in range(3)])
         assert got == pytest.approx(best, rel=1e-9), trial
         assert all(not chosen[b, 2] or chosen[b, 0] for b in range(3))  # a kept grandchild keeps its parent
+
+
+def test_per_sequence_budget_cuts_a_tree_only_for_a_clear_predicted_gain():
+    """Near a tie (cutting the least likely node gains less than the 5% margin) the whole tree is
+    verified, as aware would; with a large predicted gain the unlikely nodes are cut."""
+    config, depth = SpecConfig(2, 1, 3), torch.tensor([[1, 2]])
+    scores = torch.tensor([[0.9, 0.05]]).log()
+    tie = AwarePerSequence(linear_costs(per_token=0.0005))  # a node costs 5% of a step: cutting gains ~1%
+    assert tie.select(scores, depth, config, 1).all()
+    assert not AwarePerSequence(linear_costs(per_token=0.0005), margin=0.0).select(scores, depth, config, 1).all()
+    dear = AwarePerSequence(linear_costs(per_token=0.005))  # half a step per node: cut the 5% one
+    assert dear.select(scores, depth, config, 1).tolist() == [[True, False]]
 
 
 def test_per_sequence_budget_goes_to_the_rows_the_draft_is_sure_of_and_learns_its_calibration():

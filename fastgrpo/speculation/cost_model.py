@@ -52,6 +52,7 @@ class CostModel:
         # `aware` asks for the same few sizes at every decode step: answered from a table, a plain
         # step under `aware` costs what one under `off` costs
         self._memo: dict[tuple[str, float], float] = {}
+        self._target_table: tuple[Tensor, Tensor] | None = None  # the target curve as tensors (target_many)
 
     def _lookup(self, curve: str, tokens: float) -> float:
         if (seconds := self._memo.get((curve, tokens))) is None:
@@ -66,8 +67,10 @@ class CostModel:
 
     def target_many(self, tokens: Tensor) -> Tensor:
         """target() at many sizes at once (a per-sequence budget weighs every total it could verify)."""
-        xs = torch.tensor(sorted(self.target_s), dtype=torch.float64)
-        ys = torch.tensor([self.target_s[int(x)] for x in xs], dtype=torch.float64)
+        if self._target_table is None:
+            xs = torch.tensor(sorted(self.target_s), dtype=torch.float64)
+            self._target_table = xs, torch.tensor([self.target_s[int(x)] for x in xs], dtype=torch.float64)
+        xs, ys = self._target_table
         t = tokens.to(torch.float64).clamp(min=float(xs[0]))
         i = torch.searchsorted(xs, t).clamp(1, len(xs) - 1)  # the segment [xs[i-1], xs[i]], the last one extended
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
