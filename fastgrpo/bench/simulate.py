@@ -517,8 +517,9 @@ def simulate(workload: Workload, costs: Costs, acceptance: AcceptanceProfile | N
     `policy` is called exactly as the engine calls it: choose(running) before a step while
     speculating, observe(config, running, emitted, seconds, accepted) after, with the simulated
     step seconds; a policy with a per-sequence budget (`select`) picks the nodes to verify from the
-    draft confidences of `confidence`, and the step costs what it verifies. With `policy_clock` the policy's own wall time is added to the clock (on this CPU
-    the engine spends it between steps, and it is the same code on the same machine)."""
+    draft confidences of `confidence`, and the step costs what it verifies. With `policy_clock` the
+    policy's own wall time is added to the clock (on this CPU the engine spends it between steps, and
+    it is the same code on the same machine)."""
     reqs = workload.requests
     speculating = policy.name != "off"
     select = getattr(policy, "select", None)

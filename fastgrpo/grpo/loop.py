@@ -97,6 +97,10 @@ def train(cfg: Config, resume: bool = False) -> TrainResult:
         return _train(setup_run(cfg, resume), stop)
     finally:
         stop.restore()
+        if launched_world_size() > 1 and torch.distributed.is_initialized():
+            # a gloo group left to the interpreter's exit can abort the rank after its work is done
+            # ("terminate called without an active exception", once in a ZeRO-3 DP2 run of the suite)
+            torch.distributed.destroy_process_group()
 
 
 def _train(run: Run, stop: StopRequest) -> TrainResult:

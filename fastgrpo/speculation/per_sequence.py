@@ -15,11 +15,10 @@ where c, the draft's calibration (accepted / predicted over the nodes verified),
 and T_* are the cost model's, rescaled by the online correction of plain steps at this concurrency.
 Sequences whose drafts are confident get deep trees, the others a few nodes or none. M = B (n - 1),
 every node, is aware's uniform tree, so the choice is never predicted slower than aware's; as aware
-does for speculating at all, it cuts the tree only for a predicted gain above `margin` (5%): on this
-CPU at one sequence, cutting on thinner predicted gains lost 0.3 accepted tokens per step for less
-verify time than that cost (8% slower than aware, 2026-11-25), since one calibration factor cannot
-price every depth right. Lossless:
-only which proposed tokens are verified changes, never how (tree.py).
+does for speculating at all, it cuts the tree only for a predicted gain above `margin` (5%): one
+calibration factor cannot price every depth right (on this CPU at one sequence, cutting on thinner
+predicted gains lost 0.3 accepted tokens per step, 2026-11-25). Lossless: only which proposed tokens
+are verified changes, never how (tree.py).
 """
 
 from __future__ import annotations
