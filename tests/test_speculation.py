@@ -158,9 +158,11 @@ def spec_policy(name):
         # floor, so the choices follow this curve (flat to 256 tokens, then linear), not the machine's load
         grid = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
         return Aware(CostModel({t: 100 * max(1.0, t / 256) for t in grid}, {t: 10 * max(1.0, t / 256) for t in grid}))
-    if name == "aware_per_sequence":  # a verified node costs 1/256 of a plain step: unlikely nodes are cut
-        grid = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # (costs larger still: a stall of a loaded machine stays
-        return AwarePerSequence(CostModel({t: 1e4 * (1 + t / 256) for t in grid}, {t: 1e3 for t in grid}))  # clipped)
+    if name == "aware_per_sequence":
+        # a verified node costs 1/256 of a plain step, so unlikely nodes are cut; costs far above any step's
+        # seconds, as for aware (larger still: a loaded machine's stalls stay under the clip too)
+        grid = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+        return AwarePerSequence(CostModel({t: 1e4 * (1 + t / 256) for t in grid}, {t: 1e3 for t in grid}))
     depth, topk, num_verify = map(int, name.removeprefix("static-").split("-"))
     return Static(SpecConfig(depth, topk, num_verify))
 
