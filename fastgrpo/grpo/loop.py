@@ -95,9 +95,11 @@ def train(cfg: Config, resume: bool = False) -> TrainResult:
         result = _train(setup_run(cfg, resume), stop)
     finally:
         stop.restore()
-    if launched_world_size() > 1 and int(os.environ.get("RANK", "0")) != 0:
+    if cfg.trainer.backend == "deepspeed" and launched_world_size() > 1 and int(os.environ.get("RANK", "0")) != 0:
         # the same abort at the interpreter's exit hit a ZeRO-3 DP2 policy rank (twice in a row in the
-        # suite under load) after its last checkpoint: rank 0 writes what is left, the others leave
+        # suite under load) after its last checkpoint: rank 0 writes what is left, the others leave.
+        # DeepSpeed runs only: under Slurm with the other trainers, a rank leaving early held up the
+        # job's end by ~45 s (a 2-step job: 85 s -> 181 s), and they never showed the abort
         _leave()
     return result
 
