@@ -115,6 +115,11 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launched_rank() -> int:
+    """This process's rank in that world; 0 alone."""
+    return int(os.environ.get("RANK", "0"))
+
+
 # a receiver idle between steps is not a failure; a dead peer is seen at once (its connection closes)
 CHANNEL_TIMEOUT = datetime.timedelta(days=1)
 _channel: Channel | None = None
@@ -122,7 +127,7 @@ _channel: Channel | None = None
 
 def is_draft_rank(draft_ranks: int) -> bool:
     """This process is one of the world's last `draft_ranks` ranks: it trains the draft, not the policy."""
-    return draft_ranks > 0 and int(os.environ.get("RANK", "0")) >= launched_world_size() - draft_ranks
+    return draft_ranks > 0 and launched_rank() >= launched_world_size() - draft_ranks
 
 
 def launch_store(rank: int, size: int) -> dist.Store:

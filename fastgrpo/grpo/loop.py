@@ -31,7 +31,7 @@ from fastgrpo.backends.protocols import DraftLearner, Engine, PolicyTrainer
 from fastgrpo.bridge import WeightBridge
 from fastgrpo.checkpoint import CheckpointManager
 from fastgrpo.config import Config, ConfigError, flatten, to_yaml
-from fastgrpo.distributed import StopRequest, World, init_world, is_draft_rank, launched_world_size
+from fastgrpo.distributed import StopRequest, World, init_world, is_draft_rank, launched_rank, launched_world_size
 from fastgrpo.draft_learning.async_learner import AsyncDraftClient, serve_draft_slice
 from fastgrpo.draft_learning.online import OnlineDraftLearner
 from fastgrpo.grpo.advantages import group_advantages, informative_groups
@@ -95,7 +95,7 @@ def train(cfg: Config, resume: bool = False) -> TrainResult:
         result = _train(setup_run(cfg, resume), stop)
     finally:
         stop.restore()
-    if cfg.trainer.backend == "deepspeed" and launched_world_size() > 1 and int(os.environ.get("RANK", "0")) != 0:
+    if cfg.trainer.backend == "deepspeed" and launched_rank() > 0:
         # the same abort at the interpreter's exit hit a ZeRO-3 DP2 policy rank (twice in a row in the
         # suite under load) after its last checkpoint: rank 0 writes what is left, the others leave.
         # DeepSpeed runs only: under Slurm with the other trainers, a rank leaving early held up the

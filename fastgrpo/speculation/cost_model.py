@@ -24,15 +24,13 @@ SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 CONTEXT = 128  # typical cached length during the sweep
 
 
-def _interp(curve: dict[int, float], tokens: float) -> float:
-    xs = sorted(curve)
-    if tokens <= xs[0]:
-        return curve[xs[0]]
-    for a, b in zip(xs, xs[1:]):
-        if tokens <= b:
-            return curve[a] + (curve[b] - curve[a]) * (tokens - a) / (b - a)
-    a, b = xs[-2], xs[-1]  # extrapolate the compute-bound slope
-    return curve[b] + (curve[b] - curve[a]) * (tokens - b) / (b - a)
+def _interp(xs: Tensor, ys: Tensor, tokens: Tensor) -> Tensor:
+    """Piecewise linear through the points (xs, ys): flat below the first, the last segment's
+    (compute-bound) slope beyond the last."""
+    t = tokens.to(torch.float64).clamp(min=float(xs[0]))
+    i = torch.searchsorted(xs, t).clamp(1, len(xs) - 1)  # the segment [xs[i-1], xs[i]]: the first with t <= xs[i]
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (t - x0) / (x1 - x0)
 
 
 def monotone(curve: dict[int, float]) -> dict[int, float]:
@@ -52,11 +50,14 @@ class CostModel:
         # `aware` asks for the same few sizes at every decode step: answered from a table, a plain
         # step under `aware` costs what one under `off` costs
         self._memo: dict[tuple[str, float], float] = {}
-        self._target_table: tuple[Tensor, Tensor] | None = None  # the target curve as tensors (target_many)
+        f64 = torch.float64
+        self._points = {name: (torch.tensor(list(c), dtype=f64), torch.tensor(list(c.values()), dtype=f64))
+                        for name, c in (("target_s", self.target_s), ("draft_s", self.draft_s))}
 
     def _lookup(self, curve: str, tokens: float) -> float:
         if (seconds := self._memo.get((curve, tokens))) is None:
-            seconds = self._memo[(curve, tokens)] = _interp(getattr(self, curve), tokens)
+            t = torch.tensor([tokens], dtype=torch.float64)
+            seconds = self._memo[(curve, tokens)] = float(_interp(*self._points[curve], t))
         return seconds
 
     def target(self, tokens: float) -> float:
@@ -67,14 +68,7 @@ class CostModel:
 
     def target_many(self, tokens: Tensor) -> Tensor:
         """target() at many sizes at once (a per-sequence budget weighs every total it could verify)."""
-        if self._target_table is None:
-            xs = torch.tensor(sorted(self.target_s), dtype=torch.float64)
-            self._target_table = xs, torch.tensor([self.target_s[int(x)] for x in xs], dtype=torch.float64)
-        xs, ys = self._target_table
-        t = tokens.to(torch.float64).clamp(min=float(xs[0]))
-        i = torch.searchsorted(xs, t).clamp(1, len(xs) - 1)  # the segment [xs[i-1], xs[i]], the last one extended
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return y0 + (y1 - y0) * (t - x0) / (x1 - x0)
+        return _interp(*self._points["target_s"], tokens)
 
     def to_json(self) -> dict:
         return {"target_s": self.target_s, "draft_s": self.draft_s}

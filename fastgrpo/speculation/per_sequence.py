@@ -47,11 +47,9 @@ class AwarePerSequence(Aware):
         # shape (aware's) weighs what a cut tree yields against what it costs
         self._width: dict[SpecConfig, tuple[float, float]] = {}
 
-    def _calibrated_seconds(self, c: SpecConfig | None, running: int) -> float:
-        if c is None:
-            return super()._calibrated_seconds(c, running)
+    def _verified_tokens(self, c: SpecConfig, running: int) -> float:
         total, weight = self._width.get(c, (float(c.num_verify), 1.0))  # an untried shape: every node
-        return self._draft_seconds(c, running) + self.costs.target(running * total / weight)
+        return running * total / weight
 
     @property
     def calibration(self) -> float:

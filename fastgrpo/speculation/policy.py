@@ -184,7 +184,11 @@ class Aware(Off):
         """The step's time by the calibration alone (before the online correction)."""
         if c is None:
             return self.costs.target(running)
-        return self._draft_seconds(c, running) + self.costs.target(running * c.num_verify)
+        return self._draft_seconds(c, running) + self.costs.target(self._verified_tokens(c, running))
+
+    def _verified_tokens(self, c: SpecConfig, running: int) -> float:
+        """Tokens in the verify forward of a step of tree c: every node of every row."""
+        return running * c.num_verify
 
     def _draft_seconds(self, c: SpecConfig, running: int) -> float:
         catch_up = running * self.acceptance.expected(c)  # last step's accepted states, fed to the draft
@@ -287,9 +291,7 @@ def make_policy(cfg: "SpeculationConfig", costs: CostModel | None = None) -> Spe
     if cfg.policy in ("aware", "aware_per_sequence"):
         if costs is None:
             raise ValueError(f"the {cfg.policy} policy needs a calibrated cost model")
-        if cfg.policy == "aware":
-            return Aware(costs)
         from fastgrpo.speculation.per_sequence import AwarePerSequence
 
-        return AwarePerSequence(costs)
+        return Aware(costs) if cfg.policy == "aware" else AwarePerSequence(costs)
     raise ValueError(f"speculation.policy {cfg.policy!r} is not available")
