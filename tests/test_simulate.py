@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastgrpo.bench.simulate import (CONTEXT, H100, LLAMA3_8B, SWEEP, AcceptanceProfile, DraftConfidence, Recorder,
-                                     Roofline, SimRequest, Workload, eagle_profile, fit_acceptance, replay_steps,
-                                     sim_policies, simulate, simulated_cost_model)
+from fastgrpo.bench.simulate import (CONTEXT, H100, LLAMA3_8B, SWEEP, AcceptanceProfile, CpuCosts, DraftConfidence,
+                                     Recorder, Roofline, SimRequest, Workload, eagle_profile, fit_acceptance,
+                                     price_engine_run, replay_steps, sim_policies, simulate, simulated_cost_model)
 from fastgrpo.engine.engine import EmbeddedEngine
 from fastgrpo.models.policy import new_policy, policy_config
 from fastgrpo.speculation.cost_model import CostModel
@@ -213,10 +213,31 @@ def test_validation_runs_end_to_end_on_an_engine():
     pols |= {f"static_{c.name}": Static(c) for c in STATIC_SWEEP} | {"fastgrpo": sim_policies(Roofline(H100, LLAMA3_8B), ())["fastgrpo"]}
     prompts = [[1, 2 + i % 5, 3, 4 + i % 3][: 2 + i % 3] for i in range(12)]
     costs, info = measure_cpu_costs(engine, prompts, 1.0, 1.0, print, tokens=6, rounds=1, curve=curve)
-    assert set(info["fit_rms_s"]) == {"off", "plain", "spec", "prefill", "other"}
+    assert sorted(costs.off_extra) == sorted(costs.plain_extra) == [1, 2, 4, 8]  # the grid, capped at 8 rows
+    assert len(costs.prefill_table) == 4  # 1, 2, 4 and 8 unique prompts (16 and more capped to 8)
     val = validate(engine, pols, costs, prompts, 1.0, 1.0, (1, 4), 6, 2, 2, 10, 64, 1, print)
-    assert set(val["cpu_predicted_s"]) == set(val["cpu_measured_s"]) == set(val["error"])
+    assert set(val["cpu_predicted_s"]) == set(val["cpu_measured_s"]) == set(val["error"]) == set(val["breakdown"])
     assert all(np.isfinite(e) and e > -1 for e in val["error"].values())
+    assert all(b["priced_s"] > 0 and b["steps_s"] < b["measured_s"] for b in val["breakdown"].values())
+
+
+def test_an_engine_run_is_priced_step_by_step_at_the_shapes_it_ran():
+    """Two rows of lengths 3 and 2 under `off`: a step at 2 running, then one at 1, priced by hand."""
+    curve = CostModel(dict.fromkeys(SWEEP, 1e-3), dict.fromkeys(SWEEP, 1e-4))
+    zero = dict.fromkeys(("target_row", "target_token", "draft_row", "draft_token"), 0.0)
+    costs = CpuCosts(curve, zero, {1: 5e-4, 2: 7e-4}, (0.0, 0.0, 0.0, 0.0), {10: 2e-3, 20: 4e-3}, 1e-3,
+                     (1e-4, 2e-4, 1e-5))
+    # the first token comes from the prefill; rows retire after 2 and 1 decode steps
+    log = [(None, None, 2, 2, 0.004, None), (None, None, 1, 1, 0.003, None)]
+    run = {"seconds": 0.02, "prefill_s": 0.005, "lengths": [3, 2]}
+    priced = price_engine_run(costs, run, log, [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]] * 2, False)
+    steps = (1e-3 + 7e-4) + (1e-3 + 5e-4)
+    prefill = 3e-3 + 1e-3  # 15 prompt tokens: halfway on the table; one copy
+    around = 1e-4 + 2 * 2e-4 + 1e-5 * (2 + 1)
+    assert priced["priced_s"] == pytest.approx(steps + prefill + around)
+    assert priced["steps_error"] == pytest.approx(steps / 0.007 - 1)
+    assert priced["around_s"] == pytest.approx(0.02 - 0.005 - 0.007)
+    assert costs.prefill(3, 20, 3) == pytest.approx(4e-3 + 2e-4 * 40)  # past the table at its last slope
 
 
 def test_simulated_draft_confidence_is_calibrated_informative_and_decides_what_is_accepted():

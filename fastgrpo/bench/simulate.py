@@ -191,16 +191,37 @@ class CpuCosts:
     forwards by tokens per forward, at the sweep's fixed context) plus what the engine spends that
     the sweep does not see, each measured on the engine (`measure_cpu_costs`): attention past the
     sweep's context, the step's work around its forwards (sampling, tree build and verification,
-    cache bookkeeping), prefill, and the engine loop between steps."""
+    cache bookkeeping), prefill, and the engine loop between steps.
+
+    What is measured on a grid (running rows, prefill tokens) is interpolated piecewise linearly
+    between the grid's points, not fitted by one line: a plain step's work beyond its forward and a
+    prefill's time are not linear over 1-64 rows on this CPU (a 64-prompt prefill costs 2.8x a
+    32-prompt one)."""
 
     curve: CostModel
     ctx: dict[str, float]  # seconds per row x cached token and per new token x cached token (target, draft)
-    off_fit: tuple[float, ...]  # plain step beyond its forward: a + b B
+    off_extra: dict[int, float]  # a plain step beyond its forward, by running rows
     spec_fit: tuple[float, ...]  # speculative step beyond its forwards: a + b B + c B n + d depth
-    prefill_fit: tuple[float, ...]  # a + b unique * width + c joined
+    prefill_table: dict[int, float]  # one prefill by unique prompt tokens (unique prompts x longest)
+    copy_s: float  # per row joined beyond its prompt's first (a group's samples share one prefill)
     other_fit: tuple[float, ...]  # outside the steps: per call, per step, per running sequence per step
-    off_spec_fit: tuple[float, ...] = (0.0, 0.0)  # a plain step while a speculating policy runs: a + b B
+    plain_extra: dict[int, float] = field(default_factory=dict)  # off_extra while a speculating policy runs
     name: str = "this CPU / bench policy"
+
+    @staticmethod
+    def _grid(table: dict[int, float], x: float) -> float:
+        xs = sorted(table)
+        return float(np.interp(x, xs, [table[k] for k in xs])) if xs else 0.0
+
+    def _prefill_tokens(self, tokens: float) -> float:
+        """Past the grid's largest point at its last segment's slope (a prefill of more rows than the
+        engine holds happens in several calls)."""
+        xs = sorted(self.prefill_table)
+        if len(xs) >= 2 and tokens > xs[-1]:
+            a, b = xs[-2], xs[-1]
+            slope = (self.prefill_table[b] - self.prefill_table[a]) / (b - a)
+            return self.prefill_table[b] + slope * (tokens - b)
+        return self._grid(self.prefill_table, tokens)
 
     def _context(self, kind: str, B: int, n: int, ctx_max: int) -> float:
         """Context cost of (B rows, n tokens each, over ctx_max cached) beyond what the sweep's point of
@@ -218,8 +239,8 @@ class CpuCosts:
         return max(base + self._context("draft", B, n, ctx_max), 0.3 * base)
 
     def decode_step(self, B: int, ctx_max: int, ctx_sum: int, speculating: bool = False) -> float:
-        a, b = self.off_spec_fit if speculating else self.off_fit
-        return self.target(B, 1, ctx_max, ctx_sum) + max(a + b * B, 0.0)
+        extra = self._grid(self.plain_extra if speculating and self.plain_extra else self.off_extra, B)
+        return self.target(B, 1, ctx_max, ctx_sum) + max(extra, 0.0)
 
     def spec_forwards(self, c: SpecConfig, B: int, width: int, ctx_max: int, verified: float | None = None) -> float:
         return (self.draft(B, width, ctx_max, 0) + (c.depth - 1) * self.draft(B, c.topk, ctx_max, 0)
@@ -232,8 +253,7 @@ class CpuCosts:
         return self.spec_forwards(c, B, width, ctx_max, verified) + max(a + b * B + k * B * n + d * c.depth, 0.0)
 
     def prefill(self, unique: int, width: int, joined: int) -> float:
-        a, b, c = self.prefill_fit
-        return max(a + b * unique * width + c * joined, 0.0)
+        return max(self._prefill_tokens(unique * width) + self.copy_s * (joined - unique), 0.0)
 
     def between_steps(self, B: int) -> float:
         _, per_step, per_row = self.other_fit
@@ -243,9 +263,9 @@ class CpuCosts:
         return max(self.other_fit[0], 0.0)
 
     def to_json(self) -> dict:
-        return {"curve": self.curve.to_json(), "context": self.ctx,
-                "off_fit": self.off_fit, "spec_fit": self.spec_fit, "prefill_fit": self.prefill_fit,
-                "other_fit": self.other_fit, "off_spec_fit": self.off_spec_fit}
+        return {"curve": self.curve.to_json(), "context": self.ctx, "off_extra": self.off_extra,
+                "plain_extra": self.plain_extra, "spec_fit": self.spec_fit, "prefill_table": self.prefill_table,
+                "copy_s": self.copy_s, "other_fit": self.other_fit}
 
 
 def simulated_cost_model(costs: Costs, error: Callable[[str, int], float] | None = None) -> CostModel:
@@ -690,7 +710,9 @@ def _context_slopes(engine, reps: int = 5) -> dict[str, float]:
 
 
 PROFILE_CONFIGS = (None, "plain", SpecConfig(3, 1, 4), SpecConfig(2, 2, 4), SpecConfig(4, 4, 12), SpecConfig(5, 8, 24))
-PROFILE_LEVELS = (2, 8, 32, 48)
+PROFILE_LEVELS = (1, 2, 4, 8, 16, 32, 64)  # rows running; the grid a plain step's extra is read from
+# (unique prompts, copies of each) of the measured prefills: copies 1 make the table by tokens
+PREFILL_CASES = ((1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (32, 1), (64, 1), (2, 8), (4, 8), (8, 8), (16, 2))
 
 
 def measure_cpu_costs(engine, prompts: list[list[int]], temperature: float, top_p: float,
@@ -698,14 +720,17 @@ def measure_cpu_costs(engine, prompts: list[list[int]], temperature: float, top_
                       curve: CostModel | None = None) -> tuple[CpuCosts, dict]:
     """This machine's costs: the engine's calibration sweep (`cost_model.calibrate`) and what the
     engine spends beyond it, measured on the engine with workloads that are NOT the validation's
-    (other concurrencies, other prompts, shorter answers): the per-step residual of plain and
-    speculative steps over the sweep's forwards (by running rows, tokens verified and depth),
-    prefill (by unique prompt tokens and rows joined), and the engine's time between steps.
+    (other prompts, shorter answers, fixed tree shapes, on a grid of 1-64 running rows): the
+    per-step residual of plain steps (by running rows) and speculative steps (fitted by running rows,
+    tokens verified and depth) over the sweep's forwards, prefill (by unique prompt tokens, and per
+    copy joined), and the engine's time between steps.
 
-    On a shared machine another job's burst can slow a whole measurement several-fold, so every
-    measurement is repeated in `rounds` passes spread over the measuring time (a sweep round, then
-    the engine runs, per pass) and the fastest pass of each is kept: noise only ever slows a
-    measurement down. Per run the step residual is the median step's (robust to one slow step).
+    Every measurement is repeated in `rounds` passes spread over the measuring time (a sweep round,
+    then the engine runs, per pass). The sweep keeps the fastest of its rounds per size, as the
+    engine's own calibration does (`aware` on the engine prices with that sweep); the engine runs
+    keep the median pass, as the validation's medians do (the fastest pass made every priced step
+    2-11% cheaper than the validation's medians). Per run the step residual is the median step's
+    (robust to one slow step).
     `curve`: use this sweep instead of measuring one (tests)."""
     from fastgrpo.types import Request, SamplingParams
 
@@ -714,11 +739,9 @@ def measure_cpu_costs(engine, prompts: list[list[int]], temperature: float, top_
     pool = prompts[len(prompts) // 2:]  # the validation uses the first prompts
     greedy1 = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=1)
     sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=tokens, ignore_eos=True)
-    cap = engine.max_batch  # one prefill per call: the fit is per prefill
-    prefill_cases = []
-    for unique, copies in ((1, 1), (2, 8), (4, 8), (8, 8), (16, 2), (32, 1), (6, 4)):
-        unique = min(unique, cap)
-        prefill_cases.append((unique, max(min(copies, cap // unique), 1)))
+    cap = engine.max_batch  # one prefill per call: the table is per prefill
+    prefill_cases = sorted({(min(unique, cap), max(min(copies, cap // min(unique, cap)), 1))
+                            for unique, copies in PREFILL_CASES})
     levels = sorted({min(B, cap) for B in PROFILE_LEVELS})
     sweeps: list[CostModel] = []
     prefill_runs: dict[tuple[int, int], list[dict]] = {}
@@ -739,19 +762,24 @@ def measure_cpu_costs(engine, prompts: list[list[int]], temperature: float, top_
     if curve is None:
         curve = CostModel({t: min(s.target_s[t] for s in sweeps) for t in SWEEP},
                           {t: min(s.draft_s[t] for s in sweeps) for t in SWEEP})
-    costs = CpuCosts(curve, context, (0.0, 0.0), (0.0, 0.0, 0.0, 0.0), (0.0, 0.0, 0.0), (0.0, 0.0, 0.0))
+    costs = CpuCosts(curve, context, {}, (0.0, 0.0, 0.0, 0.0), {}, 0.0, (0.0, 0.0, 0.0))
 
-    pre_rows, pre_y, call_rows, call_y = [], [], [], []
-    for (unique, copies), runs in prefill_runs.items():
+    prefill_table, copy_rows, copy_y, call_rows, call_y = {}, [], [], [], []
+    for (unique, copies), runs in sorted(prefill_runs.items(), key=lambda kv: kv[0][1]):  # copies 1 first
         width = max(len(pool[u % len(pool)]) for u in range(unique))
-        pre_rows.append([1.0, unique * width, unique * copies])
-        pre_y.append(min(run["prefill_s"] for run in runs))
+        seconds = statistics.median(run["prefill_s"] for run in runs)
+        if copies == 1:
+            prefill_table[unique * width] = seconds
+        else:  # what the copies add beyond the unique prompts' prefill
+            copy_rows.append([unique * (copies - 1)])
+            copy_y.append(seconds - CpuCosts._grid(prefill_table, unique * width))
         call_rows.append([1.0, 0.0, 0.0])
-        call_y.append(min(run["seconds"] - run["prefill_s"] for run in runs))
-    off_rows, off_y, spec_rows, spec_y, plain_rows, plain_y = [], [], [], [], [], []
+        call_y.append(statistics.median(run["seconds"] - run["prefill_s"] for run in runs))
+    copy_s = max(_lstsq(copy_rows, copy_y)[0], 0.0) if copy_rows else 0.0
+    off_extra, plain_extra, spec_rows, spec_y = {}, {}, [], []
     for (B, c), runs in step_runs.items():
         plens = [len(pool[(3 * i) % len(pool)]) for i in range(B)]
-        best, best_other = float("inf"), float("inf")
+        per_pass, other = [], []
         for run, rec in runs:
             steps = replay_steps([(cfg, running, acc) for _, cfg, running, _, _, acc in rec.log], plens, [tokens] * B)
             residuals = []
@@ -760,40 +788,35 @@ def measure_cpu_costs(engine, prompts: list[list[int]], temperature: float, top_
                     residuals.append(seconds - costs.target(running, 1, ctx, 0))
                 else:
                     residuals.append(seconds - costs.spec_forwards(cfg, running, width, ctx))
-            best = min(best, statistics.median(residuals[2:] or residuals))
-            best_other = min(best_other, run["seconds"] - run["prefill_s"] - sum(s[3] for s in run["trace"]))
+            per_pass.append(statistics.median(residuals[2:] or residuals))
+            other.append(run["seconds"] - run["prefill_s"] - sum(s[3] for s in run["trace"]))
+        residual = statistics.median(per_pass)
         if c is None:
-            off_rows.append([1.0, B])
-            off_y.append(best)
+            off_extra[B] = residual
         elif c == "plain":
-            plain_rows.append([1.0, B])
-            plain_y.append(best)
+            plain_extra[B] = residual
         else:
             spec_rows.append([1.0, B, B * c.num_verify, c.depth])
-            spec_y.append(best)
+            spec_y.append(residual)
         rec = runs[0][1]
         call_rows.append([1.0, len(rec.log), sum(running for _, _, running, _, _, _ in rec.log)])
-        call_y.append(best_other)
-    prefill_fit = _lstsq(pre_rows, pre_y)
-    off_fit = _lstsq(off_rows, off_y)
-    off_spec_fit = _lstsq(plain_rows, plain_y)
+        call_y.append(statistics.median(other))
     spec_fit = _lstsq(spec_rows, spec_y)
     other_fit = _lstsq(call_rows, call_y)
-    costs = CpuCosts(curve, context, off_fit, spec_fit, prefill_fit, other_fit, off_spec_fit)
+    costs = CpuCosts(curve, context, off_extra, spec_fit, prefill_table, copy_s, other_fit, plain_extra)
     info = {"seconds": time.perf_counter() - t0, "levels": levels, "rounds": rounds,
             "configs": ["off" if c is None else c if isinstance(c, str) else c.name for c in PROFILE_CONFIGS],
-            "tokens": tokens,
-            "sweep_rounds_target_1_s": [s.target_s[1] for s in sweeps],
-            "off_residual_s": dict(zip(map(str, levels), off_y)),
-            "fit_rms_s": {"off": _rms(off_rows, off_y, off_fit), "plain": _rms(plain_rows, plain_y, off_spec_fit),
-                          "spec": _rms(spec_rows, spec_y, spec_fit),
-                          "prefill": _rms(pre_rows, pre_y, prefill_fit), "other": _rms(call_rows, call_y, other_fit)}}
+            "tokens": tokens, "sweep_rounds_target_1_s": [s.target_s[1] for s in sweeps],
+            "fit_rms_s": {"spec": _rms(spec_rows, spec_y, spec_fit), "other": _rms(call_rows, call_y, other_fit),
+                          "copies": _rms(copy_rows, copy_y, (copy_s,)) if copy_rows else 0.0}}
+    ms = lambda table: ", ".join(f"{k}: {1e3 * v:.2f}" for k, v in sorted(table.items()))  # noqa: E731
     log(f"cpu costs measured in {info['seconds']:.0f}s: target forward 1 / 64 / 512 tokens "
         f"{1e3 * curve.target(1):.1f} / {1e3 * curve.target(64):.1f} / {1e3 * curve.target(512):.1f} ms "
         f"(sweep rounds at 1 token: {', '.join(f'{1e3 * x:.1f}' for x in info['sweep_rounds_target_1_s'])} ms); "
         f"context: {', '.join(f'{k} {1e9 * v:.1f}' for k, v in context.items())} ns per cached token; "
-        f"residuals: off {off_fit}, plain-while-speculating "
-        f"{off_spec_fit}, spec {spec_fit}, prefill {prefill_fit}, other {other_fit}")
+        f"plain step beyond its forward by rows (ms): {ms(off_extra)}; while speculating: {ms(plain_extra)}; "
+        f"speculative step beyond its forwards: {spec_fit}; prefill by tokens (ms): {ms(prefill_table)}, "
+        f"{1e3 * copy_s:.2f} ms per copy; other {other_fit}")
     return costs, info
 
 
@@ -823,25 +846,37 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], costs: CpuCo
              temperature: float, top_p: float, levels: Sequence[int], tokens: int, n_prompts: int, group: int,
              max_new: int, max_context: int, reps: int, log: Callable[[str], None], seed: int = 0,
              static_cfg: SpecConfig = STATIC_DEFAULT) -> dict:
-    """Every case twice: on the engine (medians of `reps` interleaved repetitions after a warm-up,
-    the protocol of `bench rollout`) and in the simulator (the same protocol with fresh simulated
-    policies; the acceptance of each workload is the engine's, measured in these same runs)."""
+    """Every case twice: on the engine (medians of interleaved repetitions after a warm-up, the
+    protocol of `bench rollout`) and in the simulator (the same protocol with fresh simulated
+    policies; the acceptance of each workload is the engine's, measured in these same runs). A case
+    of B sequences repeats max(reps, 16 reps / B) times: a run of few sequences lasts a few dozen
+    steps, and how many it takes is itself a draw (what the draft gets accepted), so its median
+    needs more runs to settle than a batch's does."""
     from fastgrpo.types import Request, SamplingParams
 
     recs = {m: Recorder(p) for m, p in engine_policies.items()}
     measured: dict[str, list[float]] = {}
+    parts: dict[str, list[dict[str, float]]] = {}  # where each engine run's time went, measured and priced
+
+    def run_engine(case: str, mode: str, reqs, sampling, seed: int, rep: int) -> dict:
+        start = len(recs[mode].log)
+        r = _engine_run(engine, recs[mode], reqs, sampling, seed)
+        if rep:
+            measured.setdefault(case, []).append(r["seconds"])
+            parts.setdefault(case, []).append(price_engine_run(costs, r, recs[mode].log[start:],
+                                                               [q.prompt_ids for q in reqs], mode != "off"))
+        return r
+
     # the fixed-concurrency sweep (EOS ignored)
     sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=tokens, ignore_eos=True)
     sweep_prompts: dict[int, list[int]] = {}
     for B in levels:
         reqs = [Request(prompts[i % len(prompts)], max_new_tokens=tokens) for i in range(B)]
         sweep_prompts[B] = [len(r.prompt_ids) for r in reqs]
-        for rep in range(reps + 1):
+        for rep in range(level_reps(reps, B) + 1):
             for mode in rotated(list(SWEEP_MODES), rep):
-                recs[mode].tag = ("sweep", B, rep)
-                r = _engine_run(engine, recs[mode], reqs, sampling, 1000 * rep + B)
-                if rep:
-                    measured.setdefault(f"sweep_B{B}_{mode}", []).append(r["seconds"])
+                recs[mode].tag = (f"sweep_B{B}", B, rep)
+                run_engine(f"sweep_B{B}_{mode}", mode, reqs, sampling, 1000 * rep + B, rep)
         log(f"engine, {B} running: " + ", ".join(f"{m} {statistics.median(measured[f'sweep_B{B}_{m}']):.2f}s"
                                                  for m in SWEEP_MODES))
     # the GRPO batch (the policy's own lengths)
@@ -851,14 +886,12 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], costs: CpuCo
     for rep in range(reps + 1):
         for mode in rotated(_grpo_modes(), rep):
             recs[mode].tag = ("grpo", 0, rep)
-            r = _engine_run(engine, recs[mode], reqs, sampling, 77 + rep)
+            r = run_engine(f"grpo_{mode}", mode, reqs, sampling, 77 + rep, rep)
             grpo_lengths.setdefault(rep, r["lengths"])
-            if rep:
-                measured.setdefault(f"grpo_{mode}", []).append(r["seconds"])
     log("engine, GRPO batch: " + ", ".join(f"{m} {statistics.median(measured[f'grpo_{m}']):.2f}s" for m in _grpo_modes()))
 
-    # acceptance measured on each workload, pooled over its cases and policies
-    accepted: dict[str, dict[SpecConfig, list[int]]] = {"sweep": {}, "grpo": {}}
+    # acceptance measured on each workload (its prompts), pooled over its policies
+    accepted: dict[str, dict[SpecConfig, list[int]]] = {f"sweep_B{B}": {} for B in levels} | {"grpo": {}}
     for rec in recs.values():
         for tag, config, _, _, _, acc in rec.log:
             if config is not None and acc is not None:
@@ -870,15 +903,18 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], costs: CpuCo
     policies = sim_policies(costs, STATIC_SWEEP)
     policies["static"] = Static(static_cfg)
     predicted: dict[str, list[float]] = {}
+    sim_steps: dict[str, list[tuple[int, int]]] = {}  # (decode steps, speculative steps) per simulated run
     traces: dict[str, list] = {}
     for B in levels:
         plens = sweep_prompts[B]
         wl = Workload(f"sweep{B}", [SimRequest(i, plens[i], tokens) for i in range(B)], tokens, max_context)
-        for rep in range(reps + 1):
+        for rep in range(level_reps(reps, B) + 1):
             for mode in SWEEP_MODES:
-                run = simulate(wl, costs, profiles["sweep"], policies[mode], engine.max_batch, rng, policy_clock=True)
+                run = simulate(wl, costs, profiles[f"sweep_B{B}"], policies[mode], engine.max_batch, rng,
+                               policy_clock=True)
                 if rep:
                     predicted.setdefault(f"sweep_B{B}_{mode}", []).append(run.seconds)
+                    sim_steps.setdefault(f"sweep_B{B}_{mode}", []).append((run.decode_steps, run.spec_steps))
     plens = [len(p) for p in prompts[:n_prompts]]
     for rep in range(reps + 1):
         lengths = grpo_lengths[rep]
@@ -888,19 +924,57 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], costs: CpuCo
             run = simulate(wl, costs, profiles["grpo"], policies[mode], engine.max_batch, rng, policy_clock=True)
             if rep:
                 predicted.setdefault(f"grpo_{mode}", []).append(run.seconds)
+                sim_steps.setdefault(f"grpo_{mode}", []).append((run.decode_steps, run.spec_steps))
                 traces[mode] = run.trace
     meas = {k: statistics.median(v) for k, v in measured.items()}
     pred = {k: statistics.median(v) for k, v in predicted.items()}
     error = {k: pred[k] / meas[k] - 1 for k in meas}
     log("validation errors: " + ", ".join(f"{k} {100 * e:+.0f}%" for k, e in error.items()))
+    # the error split by where it arises: the profile pricing the engine's own steps and its time
+    # around them, apart from the simulated trajectory (decisions, acceptance draws)
+    breakdown = {k: {part: statistics.median(run[part] for run in runs) for part in runs[0]}
+                 for k, runs in parts.items()}
+    for k, b in breakdown.items():
+        b["trajectory_error"] = pred[k] / b["priced_s"] - 1 if b["priced_s"] > 0 else None
+        b["simulated_steps"] = statistics.median(n for n, _ in sim_steps[k])
+        b["simulated_spec_steps"] = statistics.median(n for _, n in sim_steps[k])
+    log("the profile pricing the engine's own runs: " + ", ".join(
+        f"{k} steps {100 * b['steps_error']:+.0f}% total {100 * b['priced_error']:+.0f}%" for k, b in breakdown.items()))
     bench_lengths = [lengths for rep, lengths in sorted(grpo_lengths.items())]
     return {"cpu_predicted_s": pred, "cpu_measured_s": meas, "error": error,
             "cpu_measured_min_s": {k: min(v) for k, v in measured.items()},
             "cpu_predicted_spread_s": {k: [min(v), max(v)] for k, v in predicted.items()},
-            "max_abs_error": max(abs(e) for e in error.values()),
+            "max_abs_error": max(abs(e) for e in error.values()), "breakdown": breakdown,
             "acceptance": {w: p.to_json() for w, p in profiles.items()},
             "grpo_lengths": bench_lengths, "grpo_prompt_lens": plens, "group": group,
             "engine_accept_len": {m: _mean_emitted(recs[m].log) for m in recs}, "_profiles": profiles}
+
+
+def price_engine_run(costs: CpuCosts, run: dict, log: list, prompts: Sequence[Sequence[int]],
+                     speculating: bool) -> dict[str, float]:
+    """A real engine run (all requests joined in its first prefill) priced by the profile step by
+    step, at the shapes it actually ran, beside what it measured: which part of a validation error is
+    the profile's (steps, prefill, time around the steps) and which the simulated trajectory's."""
+    steps = replay_steps([(cfg, running, acc) for _, cfg, running, _, _, acc in log], [len(p) for p in prompts],
+                         run["lengths"])
+    priced_steps = sum(costs.decode_step(running, ctx, 0, speculating)
+                       if cfg is None or acc is None else costs.spec_step(cfg, running, width, ctx, 0)
+                       for (running, width, ctx), (_, cfg, _, _, _, acc) in zip(steps, log))
+    measured_steps = sum(seconds for *_, seconds, _ in log)
+    spec_steps = sum(cfg is not None and acc is not None for _, cfg, _, _, _, acc in log)
+    unique = {tuple(p) for p in prompts}
+    priced_prefill = costs.prefill(len(unique), max(map(len, unique)), len(prompts))
+    priced_around = sum(costs.between_steps(running) for running, _, _ in steps) + costs.per_call(len(prompts))
+    priced = priced_steps + priced_prefill + priced_around
+    return {"measured_s": run["seconds"], "priced_s": priced,
+            "steps_s": measured_steps, "steps_error": priced_steps / measured_steps - 1,
+            "prefill_s": run["prefill_s"], "prefill_priced_s": priced_prefill,
+            "around_s": run["seconds"] - run["prefill_s"] - measured_steps, "around_priced_s": priced_around,
+            "priced_error": priced / run["seconds"] - 1, "steps": len(log), "spec_steps": spec_steps}
+
+
+def level_reps(reps: int, B: int) -> int:
+    return max(reps, math.ceil(16 * reps / B))
 
 
 def _mean_emitted(log: list) -> float | None:
