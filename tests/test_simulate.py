@@ -212,7 +212,7 @@ def test_validation_runs_end_to_end_on_an_engine():
             "aware_per_sequence": AwarePerSequence(curve)}
     pols |= {f"static_{c.name}": Static(c) for c in STATIC_SWEEP} | {"fastgrpo": sim_policies(Roofline(H100, LLAMA3_8B), ())["fastgrpo"]}
     prompts = [[1, 2 + i % 5, 3, 4 + i % 3][: 2 + i % 3] for i in range(12)]
-    costs, info = measure_cpu_costs(engine, prompts, 1.0, 1.0, print, tokens=6, rounds=1, curve=curve)
+    costs, _ = measure_cpu_costs(engine, prompts, 1.0, 1.0, print, tokens=6, rounds=1, curve=curve)
     assert sorted(costs.off_extra) == sorted(costs.plain_extra) == [1, 2, 4, 8]  # the grid, capped at 8 rows
     assert len(costs.prefill_table) == 4  # 1, 2, 4 and 8 unique prompts (16 and more capped to 8)
     val = validate(engine, pols, costs, prompts, 1.0, 1.0, (1, 4), 6, 2, 2, 10, 64, 1, print)

@@ -809,7 +809,10 @@ def measure_cpu_costs(engine, prompts: list[list[int]], temperature: float, top_
             "tokens": tokens, "sweep_rounds_target_1_s": [s.target_s[1] for s in sweeps],
             "fit_rms_s": {"spec": _rms(spec_rows, spec_y, spec_fit), "other": _rms(call_rows, call_y, other_fit),
                           "copies": _rms(copy_rows, copy_y, (copy_s,)) if copy_rows else 0.0}}
-    ms = lambda table: ", ".join(f"{k}: {1e3 * v:.2f}" for k, v in sorted(table.items()))  # noqa: E731
+
+    def ms(table: dict[int, float]) -> str:
+        return ", ".join(f"{k}: {1e3 * v:.2f}" for k, v in sorted(table.items()))
+
     log(f"cpu costs measured in {info['seconds']:.0f}s: target forward 1 / 64 / 512 tokens "
         f"{1e3 * curve.target(1):.1f} / {1e3 * curve.target(64):.1f} / {1e3 * curve.target(512):.1f} ms "
         f"(sweep rounds at 1 token: {', '.join(f'{1e3 * x:.1f}' for x in info['sweep_rounds_target_1_s'])} ms); "
