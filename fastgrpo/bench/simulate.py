@@ -854,7 +854,8 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], costs: CpuCo
     policies; the acceptance of each workload is the engine's, measured in these same runs). A case
     of B sequences repeats max(reps, 16 reps / B) times: a run of few sequences lasts a few dozen
     steps, and how many it takes is itself a draw (what the draft gets accepted), so its median
-    needs more runs to settle than a batch's does."""
+    needs more runs to settle than a batch's does. The GRPO batch repeats 2 reps times: the learning
+    policies (`tlt`'s bandit above all) settle on different shapes from one run to the next."""
     from fastgrpo.types import Request, SamplingParams
 
     recs = {m: Recorder(p) for m, p in engine_policies.items()}
@@ -886,7 +887,7 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], costs: CpuCo
     reqs = [Request(p) for p in prompts[:n_prompts] for _ in range(group)]
     sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new)
     grpo_lengths: dict[int, list[int]] = {}
-    for rep in range(reps + 1):
+    for rep in range(2 * reps + 1):
         for mode in rotated(_grpo_modes(), rep):
             recs[mode].tag = ("grpo", 0, rep)
             r = run_engine(f"grpo_{mode}", mode, reqs, sampling, 77 + rep, rep)
@@ -919,7 +920,7 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], costs: CpuCo
                     predicted.setdefault(f"sweep_B{B}_{mode}", []).append(run.seconds)
                     sim_steps.setdefault(f"sweep_B{B}_{mode}", []).append((run.decode_steps, run.spec_steps))
     plens = [len(p) for p in prompts[:n_prompts]]
-    for rep in range(reps + 1):
+    for rep in range(2 * reps + 1):
         lengths = grpo_lengths[rep]
         wl = grpo_workload("grpo", plens, [lengths[p * group:(p + 1) * group] for p in range(n_prompts)], max_new,
                            max_context)
