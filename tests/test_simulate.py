@@ -198,7 +198,7 @@ def test_roofline_is_memory_bound_at_small_batch_and_compute_bound_at_large():
 def test_validation_runs_end_to_end_on_an_engine():
     """The cpu profile is measured on an engine and the simulator predicts every case (no accuracy
     claim for a random test-size model on a busy machine: the bench reports the errors)."""
-    from fastgrpo.bench.simulate import STATIC_SWEEP, measure_cpu_costs, validate
+    from fastgrpo.bench.simulate import STATIC_SWEEP, CpuProfiler, measure_cpu_costs, validate
     from fastgrpo.speculation.cost_model import calibrate
 
     cfg = policy_config("test", VOCAB, 64, bos_id=1, eos_id=VOCAB + 1, pad_id=0)
@@ -215,7 +215,9 @@ def test_validation_runs_end_to_end_on_an_engine():
     costs, _ = measure_cpu_costs(engine, prompts, 1.0, 1.0, print, tokens=6, rounds=1, curve=curve)
     assert sorted(costs.off_extra) == sorted(costs.plain_extra) == [1, 2, 4, 8]  # the grid, capped at 8 rows
     assert len(costs.prefill_table) == 4  # 1, 2, 4 and 8 unique prompts (16 and more capped to 8)
-    val = validate(engine, pols, costs, prompts, 1.0, 1.0, (1, 4), 6, 2, 2, 10, 64, 1, print)
+    profiler = CpuProfiler(engine, prompts, 1.0, 1.0, print, tokens=6, curve=curve)
+    val = validate(engine, pols, profiler, prompts, 1.0, 1.0, (1, 4), 6, 2, 2, 10, 64, 1, print)
+    assert val["_costs"][1]["rounds"] == 3  # a pass after each of the three workloads
     assert set(val["cpu_predicted_s"]) == set(val["cpu_measured_s"]) == set(val["error"]) == set(val["breakdown"])
     assert all(np.isfinite(e) and e > -1 for e in val["error"].values())
     assert all(b["priced_s"] > 0 and b["steps_s"] < b["measured_s"] for b in val["breakdown"].values())

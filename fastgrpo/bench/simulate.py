@@ -715,9 +715,7 @@ PROFILE_LEVELS = (1, 2, 4, 8, 16, 32, 64)  # rows running; the grid a plain step
 PREFILL_CASES = ((1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (32, 1), (64, 1), (2, 8), (4, 8), (8, 8), (16, 2))
 
 
-def measure_cpu_costs(engine, prompts: list[list[int]], temperature: float, top_p: float,
-                      log: Callable[[str], None], tokens: int = 24, rounds: int = 3,
-                      curve: CostModel | None = None) -> tuple[CpuCosts, dict]:
+class CpuProfiler:
     """This machine's costs: the engine's calibration sweep (`cost_model.calibrate`) and what the
     engine spends beyond it, measured on the engine with workloads that are NOT the validation's
     (other prompts, shorter answers, fixed tree shapes, on a grid of 1-64 running rows): the
@@ -725,102 +723,134 @@ def measure_cpu_costs(engine, prompts: list[list[int]], temperature: float, top_
     tokens verified and depth) over the sweep's forwards, prefill (by unique prompt tokens, and per
     copy joined), and the engine's time between steps.
 
-    Every measurement is repeated in `rounds` passes spread over the measuring time (a sweep round,
-    then the engine runs, per pass). The sweep keeps the fastest of its rounds per size, as the
-    engine's own calibration does (`aware` on the engine prices with that sweep); the engine runs
-    keep the median pass, as the validation's medians do (the fastest pass made every priced step
-    2-11% cheaper than the validation's medians). Per run the step residual is the median step's
-    (robust to one slow step).
-    `curve`: use this sweep instead of measuring one (tests)."""
-    from fastgrpo.types import Request, SamplingParams
+    It measures in passes (a sweep round, then the engine runs), which the validation interleaves
+    with its own engine runs: this machine's speed drifts by several percent over minutes (a plain
+    one-sequence step measured 2.5 ms in one run and 2.9 ms in another), and a profile measured
+    before the validation priced that drift as an error. The sweep keeps the fastest of its rounds
+    per size, as the engine's own calibration does (`aware` on the engine prices with that sweep);
+    the engine runs keep the median pass, as the validation's medians do (the fastest pass made every
+    priced step 2-11% cheaper than the validation's medians). Per run the step residual is the
+    median step's (robust to one slow step). `curve`: use this sweep instead of measuring one (tests)."""
 
-    t0 = time.perf_counter()
-    context = _context_slopes(engine)
-    pool = prompts[len(prompts) // 2:]  # the validation uses the first prompts
-    greedy1 = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=1)
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=tokens, ignore_eos=True)
-    cap = engine.max_batch  # one prefill per call: the table is per prefill
-    prefill_cases = sorted({(min(unique, cap), max(min(copies, cap // min(unique, cap)), 1))
-                            for unique, copies in PREFILL_CASES})
-    levels = sorted({min(B, cap) for B in PROFILE_LEVELS})
-    sweeps: list[CostModel] = []
-    prefill_runs: dict[tuple[int, int], list[dict]] = {}
-    step_runs: dict[tuple[int, Any], list[tuple[dict, Recorder]]] = {}
-    _engine_run(engine, Off(), [Request(pool[0])], greedy1, 0)  # warm-up
-    for r in range(rounds):
-        if curve is None:
-            sweeps.append(calibrate(engine.model, engine.draft, rounds=1))
-        for unique, copies in prefill_cases:
+    def __init__(self, engine, prompts: list[list[int]], temperature: float, top_p: float,
+                 log: Callable[[str], None], tokens: int = 24, curve: CostModel | None = None):
+        from fastgrpo.types import Request, SamplingParams
+
+        self.engine, self.log, self.tokens, self.fixed_curve = engine, log, tokens, curve
+        self.seconds = 0.0
+        t0 = time.perf_counter()
+        self.context = _context_slopes(engine)
+        self.pool = prompts[len(prompts) // 2:]  # the validation uses the first prompts
+        self.greedy1 = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=1)
+        self.sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=tokens, ignore_eos=True)
+        cap = engine.max_batch  # one prefill per call: the table is per prefill
+        self.prefill_cases = sorted({(min(unique, cap), max(min(copies, cap // min(unique, cap)), 1))
+                                     for unique, copies in PREFILL_CASES})
+        self.levels = sorted({min(B, cap) for B in PROFILE_LEVELS})
+        self.sweeps: list[CostModel] = []
+        self.prefill_runs: dict[tuple[int, int], list[dict]] = {}
+        self.step_runs: dict[tuple[int, Any], list[tuple[dict, Recorder]]] = {}
+        _engine_run(engine, Off(), [Request(self.pool[0])], self.greedy1, 0)  # warm-up
+        self.seconds += time.perf_counter() - t0
+
+    @property
+    def first_sweep(self) -> CostModel:
+        """The engine's calibration as `aware` on the engine gets it: the first pass's sweep."""
+        return self.fixed_curve or self.sweeps[0]
+
+    def measure_pass(self) -> None:
+        from fastgrpo.types import Request
+
+        t0, r, engine, pool = time.perf_counter(), len(self.sweeps), self.engine, self.pool
+        if self.fixed_curve is None:
+            self.sweeps.append(calibrate(engine.model, engine.draft, rounds=1))
+        for unique, copies in self.prefill_cases:
             reqs = [Request(pool[u % len(pool)]) for u in range(unique) for _ in range(copies)]
-            prefill_runs.setdefault((unique, copies), []).append(_engine_run(engine, Off(), reqs, greedy1, r))
-        for B in levels:
-            reqs = [Request(pool[(3 * i) % len(pool)], max_new_tokens=tokens) for i in range(B)]
+            self.prefill_runs.setdefault((unique, copies), []).append(_engine_run(engine, Off(), reqs, self.greedy1, r))
+        for B in self.levels:
+            reqs = [Request(pool[(3 * i) % len(pool)], max_new_tokens=self.tokens) for i in range(B)]
             for c in PROFILE_CONFIGS:
                 # "plain": plain steps under a speculating policy (TLT with threshold 0 never speculates)
                 rec = Recorder(Off() if c is None else TLT(threshold=0) if c == "plain" else Static(c))
-                step_runs.setdefault((B, c), []).append((_engine_run(engine, rec, reqs, sampling, 500 + r), rec))
-    if curve is None:
-        curve = CostModel({t: min(s.target_s[t] for s in sweeps) for t in SWEEP},
-                          {t: min(s.draft_s[t] for s in sweeps) for t in SWEEP})
-    costs = CpuCosts(curve, context, {}, (0.0, 0.0, 0.0, 0.0), {}, 0.0, (0.0, 0.0, 0.0))
+                self.step_runs.setdefault((B, c), []).append((_engine_run(engine, rec, reqs, self.sampling, 500 + r), rec))
+        self.seconds += time.perf_counter() - t0
 
-    prefill_table, copy_rows, copy_y, call_rows, call_y = {}, [], [], [], []
-    for (unique, copies), runs in sorted(prefill_runs.items(), key=lambda kv: kv[0][1]):  # copies 1 first
-        width = max(len(pool[u % len(pool)]) for u in range(unique))
-        seconds = statistics.median(run["prefill_s"] for run in runs)
-        if copies == 1:
-            prefill_table[unique * width] = seconds
-        else:  # what the copies add beyond the unique prompts' prefill
-            copy_rows.append([unique * (copies - 1)])
-            copy_y.append(seconds - CpuCosts._grid(prefill_table, unique * width))
-        call_rows.append([1.0, 0.0, 0.0])
-        call_y.append(statistics.median(run["seconds"] - run["prefill_s"] for run in runs))
-    copy_s = max(_lstsq(copy_rows, copy_y)[0], 0.0) if copy_rows else 0.0
-    off_extra, plain_extra, spec_rows, spec_y = {}, {}, [], []
-    for (B, c), runs in step_runs.items():
-        plens = [len(pool[(3 * i) % len(pool)]) for i in range(B)]
-        per_pass, other = [], []
-        for run, rec in runs:
-            steps = replay_steps([(cfg, running, acc) for _, cfg, running, _, _, acc in rec.log], plens, [tokens] * B)
-            residuals = []
-            for (running, width, ctx), (_, cfg, _, _, seconds, acc) in zip(steps, rec.log):
-                if cfg is None or acc is None:
-                    residuals.append(seconds - costs.target(running, 1, ctx, 0))
-                else:
-                    residuals.append(seconds - costs.spec_forwards(cfg, running, width, ctx))
-            per_pass.append(statistics.median(residuals[2:] or residuals))
-            other.append(run["seconds"] - run["prefill_s"] - sum(s[3] for s in run["trace"]))
-        residual = statistics.median(per_pass)
-        if c is None:
-            off_extra[B] = residual
-        elif c == "plain":
-            plain_extra[B] = residual
-        else:
-            spec_rows.append([1.0, B, B * c.num_verify, c.depth])
-            spec_y.append(residual)
-        rec = runs[0][1]
-        call_rows.append([1.0, len(rec.log), sum(running for _, _, running, _, _, _ in rec.log)])
-        call_y.append(statistics.median(other))
-    spec_fit = _lstsq(spec_rows, spec_y)
-    other_fit = _lstsq(call_rows, call_y)
-    costs = CpuCosts(curve, context, off_extra, spec_fit, prefill_table, copy_s, other_fit, plain_extra)
-    info = {"seconds": time.perf_counter() - t0, "levels": levels, "rounds": rounds,
-            "configs": ["off" if c is None else c if isinstance(c, str) else c.name for c in PROFILE_CONFIGS],
-            "tokens": tokens, "sweep_rounds_target_1_s": [s.target_s[1] for s in sweeps],
-            "fit_rms_s": {"spec": _rms(spec_rows, spec_y, spec_fit), "other": _rms(call_rows, call_y, other_fit),
-                          "copies": _rms(copy_rows, copy_y, (copy_s,)) if copy_rows else 0.0}}
+    def costs(self) -> tuple[CpuCosts, dict]:
+        """The profile from every pass so far."""
+        curve, context, pool, levels, tokens = self.fixed_curve, self.context, self.pool, self.levels, self.tokens
+        sweeps, prefill_runs, step_runs = self.sweeps, self.prefill_runs, self.step_runs
+        if curve is None:
+            curve = CostModel({t: min(s.target_s[t] for s in sweeps) for t in SWEEP},
+                              {t: min(s.draft_s[t] for s in sweeps) for t in SWEEP})
+        costs = CpuCosts(curve, context, {}, (0.0, 0.0, 0.0, 0.0), {}, 0.0, (0.0, 0.0, 0.0))
 
-    def ms(table: dict[int, float]) -> str:
-        return ", ".join(f"{k}: {1e3 * v:.2f}" for k, v in sorted(table.items()))
+        prefill_table, copy_rows, copy_y, call_rows, call_y = {}, [], [], [], []
+        for (unique, copies), runs in sorted(prefill_runs.items(), key=lambda kv: kv[0][1]):  # copies 1 first
+            width = max(len(pool[u % len(pool)]) for u in range(unique))
+            seconds = statistics.median(run["prefill_s"] for run in runs)
+            if copies == 1:
+                prefill_table[unique * width] = seconds
+            else:  # what the copies add beyond the unique prompts' prefill
+                copy_rows.append([unique * (copies - 1)])
+                copy_y.append(seconds - CpuCosts._grid(prefill_table, unique * width))
+            call_rows.append([1.0, 0.0, 0.0])
+            call_y.append(statistics.median(run["seconds"] - run["prefill_s"] for run in runs))
+        copy_s = max(_lstsq(copy_rows, copy_y)[0], 0.0) if copy_rows else 0.0
+        off_extra, plain_extra, spec_rows, spec_y = {}, {}, [], []
+        for (B, c), runs in step_runs.items():
+            plens = [len(pool[(3 * i) % len(pool)]) for i in range(B)]
+            per_pass, other = [], []
+            for run, rec in runs:
+                steps = replay_steps([(cfg, running, acc) for _, cfg, running, _, _, acc in rec.log], plens, [tokens] * B)
+                residuals = []
+                for (running, width, ctx), (_, cfg, _, _, seconds, acc) in zip(steps, rec.log):
+                    if cfg is None or acc is None:
+                        residuals.append(seconds - costs.target(running, 1, ctx, 0))
+                    else:
+                        residuals.append(seconds - costs.spec_forwards(cfg, running, width, ctx))
+                per_pass.append(statistics.median(residuals[2:] or residuals))
+                other.append(run["seconds"] - run["prefill_s"] - sum(s[3] for s in run["trace"]))
+            residual = statistics.median(per_pass)
+            if c is None:
+                off_extra[B] = residual
+            elif c == "plain":
+                plain_extra[B] = residual
+            else:
+                spec_rows.append([1.0, B, B * c.num_verify, c.depth])
+                spec_y.append(residual)
+            rec = runs[0][1]
+            call_rows.append([1.0, len(rec.log), sum(running for _, _, running, _, _, _ in rec.log)])
+            call_y.append(statistics.median(other))
+        spec_fit = _lstsq(spec_rows, spec_y)
+        other_fit = _lstsq(call_rows, call_y)
+        costs = CpuCosts(curve, context, off_extra, spec_fit, prefill_table, copy_s, other_fit, plain_extra)
+        info = {"seconds": self.seconds, "levels": levels, "rounds": len(step_runs[(levels[0], None)]),
+                "configs": ["off" if c is None else c if isinstance(c, str) else c.name for c in PROFILE_CONFIGS],
+                "tokens": tokens, "sweep_rounds_target_1_s": [s.target_s[1] for s in sweeps],
+                "fit_rms_s": {"spec": _rms(spec_rows, spec_y, spec_fit), "other": _rms(call_rows, call_y, other_fit),
+                              "copies": _rms(copy_rows, copy_y, (copy_s,)) if copy_rows else 0.0}}
 
-    log(f"cpu costs measured in {info['seconds']:.0f}s: target forward 1 / 64 / 512 tokens "
-        f"{1e3 * curve.target(1):.1f} / {1e3 * curve.target(64):.1f} / {1e3 * curve.target(512):.1f} ms "
-        f"(sweep rounds at 1 token: {', '.join(f'{1e3 * x:.1f}' for x in info['sweep_rounds_target_1_s'])} ms); "
-        f"context: {', '.join(f'{k} {1e9 * v:.1f}' for k, v in context.items())} ns per cached token; "
-        f"plain step beyond its forward by rows (ms): {ms(off_extra)}; while speculating: {ms(plain_extra)}; "
-        f"speculative step beyond its forwards: {spec_fit}; prefill by tokens (ms): {ms(prefill_table)}, "
-        f"{1e3 * copy_s:.2f} ms per copy; other {other_fit}")
-    return costs, info
+        def ms(table: dict[int, float]) -> str:
+            return ", ".join(f"{k}: {1e3 * v:.2f}" for k, v in sorted(table.items()))
+
+        self.log(f"cpu costs measured in {info['seconds']:.0f}s ({info['rounds']} passes): target forward 1 / 64 / 512 tokens "
+            f"{1e3 * curve.target(1):.1f} / {1e3 * curve.target(64):.1f} / {1e3 * curve.target(512):.1f} ms "
+            f"(sweep rounds at 1 token: {', '.join(f'{1e3 * x:.1f}' for x in info['sweep_rounds_target_1_s'])} ms); "
+            f"context: {', '.join(f'{k} {1e9 * v:.1f}' for k, v in context.items())} ns per cached token; "
+            f"plain step beyond its forward by rows (ms): {ms(off_extra)}; while speculating: {ms(plain_extra)}; "
+            f"speculative step beyond its forwards: {spec_fit}; prefill by tokens (ms): {ms(prefill_table)}, "
+            f"{1e3 * copy_s:.2f} ms per copy; other {other_fit}")
+        return costs, info
+
+
+def measure_cpu_costs(engine, prompts: list[list[int]], temperature: float, top_p: float,
+                      log: Callable[[str], None], tokens: int = 24, rounds: int = 3,
+                      curve: CostModel | None = None) -> tuple[CpuCosts, dict]:
+    """The cpu profile of `rounds` passes in a row (the validation interleaves them instead)."""
+    profiler = CpuProfiler(engine, prompts, temperature, top_p, log, tokens, curve)
+    for _ in range(rounds):
+        profiler.measure_pass()
+    return profiler.costs()
 
 
 def _trimmed_mean(xs: list[float], drop: float = 0.1) -> float:
@@ -845,7 +875,7 @@ def _grpo_modes() -> list[str]:
     return ["off", *[f"static_{c.name}" for c in STATIC_SWEEP], "fastgrpo", "tlt", "aware", "aware_per_sequence"]
 
 
-def validate(engine, engine_policies: dict[str, SpeculationPolicy], costs: CpuCosts, prompts: list[list[int]],
+def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: CpuProfiler, prompts: list[list[int]],
              temperature: float, top_p: float, levels: Sequence[int], tokens: int, n_prompts: int, group: int,
              max_new: int, max_context: int, reps: int, log: Callable[[str], None], seed: int = 0,
              static_cfg: SpecConfig = STATIC_DEFAULT) -> dict:
@@ -855,20 +885,21 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], costs: CpuCo
     of B sequences repeats max(reps, 16 reps / B) times: a run of few sequences lasts a few dozen
     steps, and how many it takes is itself a draw (what the draft gets accepted), so its median
     needs more runs to settle than a batch's does. The GRPO batch repeats 2 reps times: the learning
-    policies (`tlt`'s bandit above all) settle on different shapes from one run to the next."""
+    policies (`tlt`'s bandit above all) settle on different shapes from one run to the next. A pass
+    of the cpu profile follows each workload, and the simulation prices with the profile of all
+    passes (the first one before this call)."""
     from fastgrpo.types import Request, SamplingParams
 
     recs = {m: Recorder(p) for m, p in engine_policies.items()}
     measured: dict[str, list[float]] = {}
-    parts: dict[str, list[dict[str, float]]] = {}  # where each engine run's time went, measured and priced
+    runs: dict[str, list[tuple]] = {}  # each engine run with its steps, to price once the profile is done
 
     def run_engine(case: str, mode: str, reqs, sampling, seed: int, rep: int) -> dict:
         start = len(recs[mode].log)
         r = _engine_run(engine, recs[mode], reqs, sampling, seed)
         if rep:
             measured.setdefault(case, []).append(r["seconds"])
-            parts.setdefault(case, []).append(price_engine_run(costs, r, recs[mode].log[start:],
-                                                               [q.prompt_ids for q in reqs], mode != "off"))
+            runs.setdefault(case, []).append((r, recs[mode].log[start:], [q.prompt_ids for q in reqs], mode != "off"))
         return r
 
     # the fixed-concurrency sweep (EOS ignored)
@@ -881,6 +912,7 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], costs: CpuCo
             for mode in rotated(list(SWEEP_MODES), rep):
                 recs[mode].tag = (f"sweep_B{B}", B, rep)
                 run_engine(f"sweep_B{B}_{mode}", mode, reqs, sampling, 1000 * rep + B, rep)
+        profiler.measure_pass()
         log(f"engine, {B} running: " + ", ".join(f"{m} {statistics.median(measured[f'sweep_B{B}_{m}']):.2f}s"
                                                  for m in SWEEP_MODES))
     # the GRPO batch (the policy's own lengths)
@@ -892,6 +924,8 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], costs: CpuCo
             recs[mode].tag = ("grpo", 0, rep)
             r = run_engine(f"grpo_{mode}", mode, reqs, sampling, 77 + rep, rep)
             grpo_lengths.setdefault(rep, r["lengths"])
+    profiler.measure_pass()
+    costs, cost_info = profiler.costs()
     log("engine, GRPO batch: " + ", ".join(f"{m} {statistics.median(measured[f'grpo_{m}']):.2f}s" for m in _grpo_modes()))
 
     # acceptance measured on each workload (its prompts), pooled over its policies
@@ -936,8 +970,9 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], costs: CpuCo
     log("validation errors: " + ", ".join(f"{k} {100 * e:+.0f}%" for k, e in error.items()))
     # the error split by where it arises: the profile pricing the engine's own steps and its time
     # around them, apart from the simulated trajectory (decisions, acceptance draws)
-    breakdown = {k: {part: statistics.median(run[part] for run in runs) for part in runs[0]}
-                 for k, runs in parts.items()}
+    parts = {k: [price_engine_run(costs, *run) for run in case_runs] for k, case_runs in runs.items()}
+    breakdown = {k: {part: statistics.median(run[part] for run in case_parts) for part in case_parts[0]}
+                 for k, case_parts in parts.items()}
     for k, b in breakdown.items():
         b["trajectory_error"] = pred[k] / b["priced_s"] - 1 if b["priced_s"] > 0 else None
         b["simulated_steps"] = statistics.median(n for n, _ in sim_steps[k])
@@ -951,7 +986,8 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], costs: CpuCo
             "max_abs_error": max(abs(e) for e in error.values()), "breakdown": breakdown,
             "acceptance": {w: p.to_json() for w, p in profiles.items()},
             "grpo_lengths": bench_lengths, "grpo_prompt_lens": plens, "group": group,
-            "engine_accept_len": {m: _mean_emitted(recs[m].log) for m in recs}, "_profiles": profiles}
+            "engine_accept_len": {m: _mean_emitted(recs[m].log) for m in recs}, "_profiles": profiles,
+            "_costs": (costs, cost_info)}
 
 
 def price_engine_run(costs: CpuCosts, run: dict, log: list, prompts: Sequence[Sequence[int]],
@@ -1104,23 +1140,26 @@ def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = Non
     static_cfg = SpecConfig(sc.depth, sc.topk, sc.num_verify)
     temperature, top_p = cfg.rollout.temperature, cfg.rollout.top_p
     # the cpu profile: the engine's calibration sweep and the engine's costs beyond it, measured in
-    # this run; the engine's `aware` gets the same sweep (no cached calibration is read or written),
-    # the simulated `aware` a simulated sweep of the cpu profile, as on any simulated machine
-    costs, cost_info = measure_cpu_costs(engine, prompts, temperature, top_p, log)
+    # this run in passes between the validation's workloads; the engine's `aware` gets the first
+    # pass's sweep (no cached calibration is read or written), the simulated `aware` a simulated
+    # sweep of the cpu profile, as on any simulated machine
+    profiler = CpuProfiler(engine, prompts, temperature, top_p, log)
+    profiler.measure_pass()
     engine_policies: dict[str, SpeculationPolicy] = {m: speculation_policy(engine, cfg, m)
                                                       for m in ("off", "static", "fastgrpo")}
-    engine_policies["aware"] = Aware(costs.curve)
-    engine_policies["aware_per_sequence"] = AwarePerSequence(costs.curve)
+    engine_policies["aware"] = Aware(profiler.first_sweep)
+    engine_policies["aware_per_sequence"] = AwarePerSequence(profiler.first_sweep)
     engine_policies |= {f"static_{c.name}": Static(c) for c in STATIC_SWEEP}
     engine_policies["tlt"] = TLT(seed=cfg.seed)
 
     reps = 3
     v = dict(levels=(1, 4, 16, 64), tokens=48 if quick else 128, n_prompts=4 if quick else 8, group=8,
              max_new=128 if quick else cfg.rollout.max_new_tokens)
-    val = validate(engine, engine_policies, costs, prompts, temperature, top_p, v["levels"], v["tokens"],
+    val = validate(engine, engine_policies, profiler, prompts, temperature, top_p, v["levels"], v["tokens"],
                    v["n_prompts"], v["group"], v["max_new"], cfg.model.max_context, reps, log, seed=cfg.seed,
                    static_cfg=static_cfg)
     profiles = val.pop("_profiles")
+    costs, cost_info = val.pop("_costs")
 
     # GPU scale: an EAGLE-3 acceptance profile (cited) with our draft's measured width gain
     accept = eagle_profile(profiles["grpo"].beta)
