@@ -227,7 +227,7 @@ def test_an_engine_run_is_priced_step_by_step_at_the_shapes_it_ran():
     """Two rows of lengths 3 and 2 under `off`: a step at 2 running, then one at 1, priced by hand."""
     curve = CostModel(dict.fromkeys(SWEEP, 1e-3), dict.fromkeys(SWEEP, 1e-4))
     zero = dict.fromkeys(("target_row", "target_token", "draft_row", "draft_token"), 0.0)
-    costs = CpuCosts(curve, zero, {1: 5e-4, 2: 7e-4}, (0.0, 0.0, 0.0, 0.0), {10: 2e-3, 20: 4e-3}, 1e-3,
+    costs = CpuCosts(curve, zero, {1: 5e-4, 2: 7e-4}, (0.0,) * 5, {10: 2e-3, 20: 4e-3}, 1e-3,
                      (1e-4, 2e-4, 1e-5))
     # the first token comes from the prefill; rows retire after 2 and 1 decode steps
     log = [(None, None, 2, 2, 0.004, None), (None, None, 1, 1, 0.003, None)]

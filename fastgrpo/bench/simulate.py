@@ -201,7 +201,7 @@ class CpuCosts:
     curve: CostModel
     ctx: dict[str, float]  # seconds per row x cached token and per new token x cached token (target, draft)
     off_extra: dict[int, float]  # a plain step beyond its forward, by running rows
-    spec_fit: tuple[float, ...]  # speculative step beyond its forwards: a + b B + c B n + d depth
+    spec_fit: tuple[float, ...]  # speculative step beyond its forwards: a + b B + c B n + d depth + e B depth topk^2
     prefill_table: dict[int, float]  # one prefill by unique prompt tokens (unique prompts x longest)
     copy_s: float  # per row joined beyond its prompt's first (a group's samples share one prefill)
     other_fit: tuple[float, ...]  # outside the steps: per call, per step, per running sequence per step
@@ -248,9 +248,10 @@ class CpuCosts:
 
     def spec_step(self, c: SpecConfig, B: int, width: int, ctx_max: int, ctx_sum: int,
                   verified: float | None = None) -> float:
-        a, b, k, d = self.spec_fit
+        a, b, k, d, e = self.spec_fit  # e: each level's top-k of top-k candidates per row
         n = verified or c.num_verify
-        return self.spec_forwards(c, B, width, ctx_max, verified) + max(a + b * B + k * B * n + d * c.depth, 0.0)
+        extra = a + b * B + k * B * n + d * c.depth + e * B * c.depth * c.topk**2
+        return self.spec_forwards(c, B, width, ctx_max, verified) + max(extra, 0.0)
 
     def prefill(self, unique: int, width: int, joined: int) -> float:
         return max(self._prefill_tokens(unique * width) + self.copy_s * (joined - unique), 0.0)
@@ -709,7 +710,8 @@ def _context_slopes(engine, reps: int = 5) -> dict[str, float]:
     return out
 
 
-PROFILE_CONFIGS = (None, "plain", SpecConfig(3, 1, 4), SpecConfig(2, 2, 4), SpecConfig(4, 4, 12), SpecConfig(5, 8, 24))
+PROFILE_CONFIGS = (None, "plain", SpecConfig(3, 1, 4), SpecConfig(2, 2, 4), SpecConfig(4, 4, 12), SpecConfig(5, 8, 24),
+                   SpecConfig(6, 8, 32))  # plain, then trees out to the deepest, widest corner of aware's grid
 PROFILE_LEVELS = (1, 2, 4, 8, 16, 32, 64)  # rows running; the grid a plain step's extra is read from
 # (unique prompts, copies of each) of the measured prefills: copies 1 make the table by tokens
 PREFILL_CASES = ((1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (32, 1), (64, 1), (2, 8), (4, 8), (8, 8), (16, 2))
@@ -782,7 +784,7 @@ class CpuProfiler:
         if curve is None:
             curve = CostModel({t: min(s.target_s[t] for s in sweeps) for t in SWEEP},
                               {t: min(s.draft_s[t] for s in sweeps) for t in SWEEP})
-        costs = CpuCosts(curve, context, {}, (0.0, 0.0, 0.0, 0.0), {}, 0.0, (0.0, 0.0, 0.0))
+        costs = CpuCosts(curve, context, {}, (0.0,) * 5, {}, 0.0, (0.0, 0.0, 0.0))
 
         prefill_table, copy_rows, copy_y, call_rows, call_y = {}, [], [], [], []
         for (unique, copies), runs in sorted(prefill_runs.items(), key=lambda kv: kv[0][1]):  # copies 1 first
@@ -816,7 +818,7 @@ class CpuProfiler:
             elif c == "plain":
                 plain_extra[B] = residual
             else:
-                spec_rows.append([1.0, B, B * c.num_verify, c.depth])
+                spec_rows.append([1.0, B, B * c.num_verify, c.depth, B * c.depth * c.topk**2])
                 spec_y.append(residual)
             rec = runs[0][1]
             call_rows.append([1.0, len(rec.log), sum(running for _, _, running, _, _, _ in rec.log)])
