@@ -151,6 +151,20 @@ def test_aware_gets_a_simulated_calibration_not_the_cost_function():
         assert aware.costs.target_s[tokens] <= costs.target(B, max(tokens // B, 1), CONTEXT, B * CONTEXT) + 1e-12
 
 
+def test_a_simulated_calibration_measures_what_a_row_costs_beyond_its_tokens():
+    """A machine where every row costs 0.05 s beyond its tokens: the sweep's row probes recover it, and
+    a tree of 16 tokens in one row is then priced as that machine runs it (not as 16 rows of one)."""
+
+    class RowCosts(ToyCosts):
+        def target(self, B, n, ctx_max, ctx_sum):
+            return 1.0 + 0.1 * B * n + 0.05 * B
+
+    curve = simulated_cost_model(RowCosts())
+    assert curve.row_s["target_s"] == pytest.approx(0.05)
+    assert curve.target(16, rows=1) == pytest.approx(RowCosts().target(1, 16, 0, 0))
+    assert curve.target(64, rows=4) == pytest.approx(RowCosts().target(4, 16, 0, 0))
+
+
 def test_aware_recovers_from_a_wrong_calibration_through_what_it_observes():
     """Calibrated as if every verify forward cost 8x what it does, aware at first declines to
     speculate; its probes of speculation correct the model from the simulated step times."""

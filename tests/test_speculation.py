@@ -704,6 +704,19 @@ def test_cost_model_ignores_a_noisy_calibration_point():
     assert all(costs.target(a) <= costs.target(b) for a, b in zip(range(1, 300), range(2, 301)))
 
 
+def test_a_forward_of_fewer_rows_is_priced_below_the_sweeps_point_of_as_many_tokens():
+    """The sweep's 16 tokens are 16 rows of one; a tree's 16 tokens in one row read one row's cache."""
+    grid = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    costs = CostModel({t: 0.002 + 0.0002 * t for t in grid}, {t: 0.001 for t in grid}, target_row_s=0.0001)
+    assert costs.target(16) == pytest.approx(0.0052)  # the sweep's shape, as before
+    assert costs.target(16, rows=1) == pytest.approx(0.0052 - 15 * 0.0001)
+    assert costs.target(256, rows=16) == pytest.approx(0.002 + 0.0002 * 256 - 48 * 0.0001)
+    assert costs.target(2, rows=1) >= costs.target(1)  # never below the cheapest forward
+    many = costs.target_many(torch.tensor([1, 4, 16, 100]), rows=1)
+    assert many.tolist() == pytest.approx([costs.target(t, rows=1) for t in (1, 4, 16, 100)])
+    assert CostModel.from_json(costs.to_json()).target(16, rows=1) == pytest.approx(costs.target(16, rows=1))
+
+
 def test_cost_model_calibrates_and_caches(small_vocab, tmp_path):
     cfg, target, draft = small_vocab
     engine = engine_for(cfg, target, draft)

@@ -34,7 +34,8 @@ import torch
 from fastgrpo.bench.rollout import STATIC_SWEEP, rotated, timed_generate
 from fastgrpo.config import SpeculationConfig
 from fastgrpo.engine.engine import DRAFT_WINDOW
-from fastgrpo.speculation.cost_model import CONTEXT, SWEEP, CostModel, calibrate
+from fastgrpo.speculation.cost_model import (CONTEXT, ROW_PROBES, ROWS, SWEEP, CostModel, calibrate, monotone,
+                                             row_seconds, sweep_rows)
 from fastgrpo.speculation.per_sequence import AwarePerSequence
 from fastgrpo.speculation.policy import Aware, FastGRPOFormula, Off, SpeculationPolicy, Static
 from fastgrpo.speculation.tlt import TLT
@@ -272,14 +273,17 @@ class CpuCosts:
 def simulated_cost_model(costs: Costs, error: Callable[[str, int], float] | None = None) -> CostModel:
     """What `cost_model.calibrate` would measure on the simulated machine: target and draft forwards
     at each sweep size (B = min(tokens, 64) rows of tokens / B new tokens, over CONTEXT cached tokens
-    each). `error(kind, tokens)` multiplies a point (to test that `aware` survives a bad calibration)."""
-    target_s, draft_s = {}, {}
-    for tokens in SWEEP:
-        B = min(tokens, 64)
-        n = max(tokens // B, 1)
-        target_s[tokens] = costs.target(B, n, CONTEXT, B * CONTEXT) * (error("target", tokens) if error else 1.0)
-        draft_s[tokens] = costs.draft(B, n, CONTEXT, B * CONTEXT) * (error("draft", tokens) if error else 1.0)
-    return CostModel(target_s, draft_s)
+    each), and at its row probes. `error(kind, tokens)` multiplies a point (to test that `aware`
+    survives a bad calibration)."""
+    out = []
+    for kind, forward in (("target", costs.target), ("draft", costs.draft)):
+        scale = (lambda tokens: error(kind, tokens)) if error else (lambda tokens: 1.0)
+        sweep = {t: forward(sweep_rows(t), max(t // ROWS, 1), CONTEXT, sweep_rows(t) * CONTEXT) * scale(t)
+                 for t in SWEEP}
+        probes = {(B, n): forward(B, n, CONTEXT, B * CONTEXT) * scale(B * n) for B, n in ROW_PROBES}
+        out.append((sweep, row_seconds(monotone(sweep), probes)))
+    (target_s, target_row), (draft_s, draft_row) = out
+    return CostModel(target_s, draft_s, target_row, draft_row)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,9 +1,14 @@
 """A cost model of this machine: forward latency against tokens per forward, measured, not assumed.
 
 A short calibration sweep times the target and the draft at a range of tokens per forward (the
-curve is flat while the hardware is memory-bound, then linear once it is compute-bound). The curve
-is cached per (model shape, threads, torch version) so later runs skip the sweep, and the engine
-corrects it online from real step timings.
+curve is flat while the hardware is memory-bound, then linear once it is compute-bound). The
+sweep's point of t tokens holds min(t, 64) sequences of one token each (a plain step's shape), but a
+tree's verify forward holds B sequences of n tokens, and each sequence reads its own cached keys and
+values: so the sweep also measures what a sequence costs beyond its tokens (one row of 16 tokens
+against 16 rows of one token), and a forward of fewer rows is priced that much lower (on this CPU
+one row of 16 tokens costs 3.6 ms, sixteen rows of one 5.9 ms). The curve is cached per (model
+shape, threads, torch version) so later runs skip the sweep, and the engine corrects it online from
+real step timings.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from fastgrpo.speculation.draft import DraftHead
 log = logging.getLogger(__name__)
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 CONTEXT = 128  # typical cached length during the sweep
+ROWS = 64  # the sweep's point of t tokens holds min(t, ROWS) sequences
+ROW_PROBES = ((1, 16), (4, 16))  # (rows, tokens each): the sweep's 16 and 64 tokens in fewer rows
 
 
 def _interp(xs: Tensor, ys: Tensor, tokens: Tensor) -> Tensor:
@@ -43,10 +50,23 @@ def monotone(curve: dict[int, float]) -> dict[int, float]:
     return dict(sorted(out.items()))
 
 
+def sweep_rows(tokens):
+    return tokens.clamp(max=ROWS) if isinstance(tokens, Tensor) else min(tokens, ROWS)
+
+
+def row_seconds(sweep_s: dict[int, float], probes: dict[tuple[int, int], float]) -> float:
+    """Seconds a sequence adds to a forward beyond its tokens: the sweep's point of B n tokens (B n
+    rows) against B rows of n tokens, per row saved, averaged over the probes (never below zero)."""
+    per_row = [(sweep_s[B * n] - seconds) / (sweep_rows(B * n) - B) for (B, n), seconds in probes.items()]
+    return max(sum(per_row) / len(per_row), 0.0) if per_row else 0.0
+
+
 class CostModel:
-    def __init__(self, target_s: dict[int, float], draft_s: dict[int, float]):
+    def __init__(self, target_s: dict[int, float], draft_s: dict[int, float], target_row_s: float = 0.0,
+                 draft_row_s: float = 0.0):
         self.target_s = monotone(target_s)  # seconds per target forward, by tokens in the forward
         self.draft_s = monotone(draft_s)  # seconds per draft forward (incl. LM head and tree bookkeeping)
+        self.row_s = {"target_s": target_row_s, "draft_s": draft_row_s}  # a sequence's cost beyond its tokens
         # `aware` asks for the same few sizes at every decode step: answered from a table, a plain
         # step under `aware` costs what one under `off` costs
         self._memo: dict[tuple[str, float], float] = {}
@@ -60,22 +80,37 @@ class CostModel:
             seconds = self._memo[(curve, tokens)] = float(_interp(*self._points[curve], t))
         return seconds
 
-    def target(self, tokens: float) -> float:
-        return self._lookup("target_s", tokens)
+    def _in_rows(self, curve: str, seconds, tokens, rows):
+        """A forward of `tokens` in `rows` sequences: the sweep's point, less the rows it does not
+        read; never below the sweep's cheapest forward."""
+        if rows is None:
+            return seconds
+        saved = self.row_s[curve] * (sweep_rows(tokens) - rows)
+        floor = next(iter(getattr(self, curve).values()))
+        if isinstance(seconds, Tensor):
+            return (seconds - saved.clamp(min=0.0)).clamp(min=floor)
+        return max(seconds - max(saved, 0.0), floor)
 
-    def draft(self, tokens: float) -> float:
-        return self._lookup("draft_s", tokens)
+    def target(self, tokens: float, rows: float | None = None) -> float:
+        """A target forward of `tokens` tokens in `rows` sequences (default: the sweep's shape)."""
+        return self._in_rows("target_s", self._lookup("target_s", tokens), tokens, rows)
 
-    def target_many(self, tokens: Tensor) -> Tensor:
+    def draft(self, tokens: float, rows: float | None = None) -> float:
+        return self._in_rows("draft_s", self._lookup("draft_s", tokens), tokens, rows)
+
+    def target_many(self, tokens: Tensor, rows: float | None = None) -> Tensor:
         """target() at many sizes at once (a per-sequence budget weighs every total it could verify)."""
-        return _interp(*self._points["target_s"], tokens)
+        t = tokens.to(torch.float64)
+        return self._in_rows("target_s", _interp(*self._points["target_s"], t), t, rows)
 
     def to_json(self) -> dict:
-        return {"target_s": self.target_s, "draft_s": self.draft_s}
+        return {"target_s": self.target_s, "draft_s": self.draft_s, "target_row_s": self.row_s["target_s"],
+                "draft_row_s": self.row_s["draft_s"]}
 
     @classmethod
     def from_json(cls, d: dict) -> CostModel:
-        return cls({int(k): v for k, v in d["target_s"].items()}, {int(k): v for k, v in d["draft_s"].items()})
+        return cls({int(k): v for k, v in d["target_s"].items()}, {int(k): v for k, v in d["draft_s"].items()},
+                   d.get("target_row_s", 0.0), d.get("draft_row_s", 0.0))
 
 
 def _time(fn, reps: int) -> float:
@@ -92,36 +127,40 @@ def _time(fn, reps: int) -> float:
 def calibrate(model: InferenceModel, draft: DraftHead, reps: int = 5, sweep: tuple[int, ...] = SWEEP,
               rounds: int = 2) -> CostModel:
     """Median latency of target and draft forwards at each size: B = min(tokens, 64) sequences of
-    tokens / B new tokens each, over a cache of CONTEXT tokens. The sweep runs `rounds` times and
-    keeps the lowest median per size: a shared machine's noise only ever slows a sample down."""
+    tokens / B new tokens each, over a cache of CONTEXT tokens; then the ROW_PROBES shapes, for what
+    a sequence costs beyond its tokens. The sweep runs `rounds` times and keeps the lowest median per
+    shape: a shared machine's noise only ever slows a sample down."""
     cfg = model.cfg
-    rows = 64
-    cache = KVCache(cfg, rows, CONTEXT + 512)
-    dcache = KVCache(cfg, rows, CONTEXT + 512, layers=1)
+    cache = KVCache(cfg, ROWS, CONTEXT + 512)
+    dcache = KVCache(cfg, ROWS, CONTEXT + 512, layers=1)
     cache.lengths.fill_(CONTEXT)
     dcache.lengths.fill_(CONTEXT)
-    target_s: dict[int, float] = {}
-    draft_s: dict[int, float] = {}
-    for tokens in [t for _ in range(rounds) for t in sweep]:
-        B = min(tokens, rows)
-        n = max(tokens // B, 1)
+    shapes = [(sweep_rows(t), max(t // ROWS, 1)) for t in sweep] + [p for p in ROW_PROBES if p[0] * p[1] in sweep]
+    target_s: dict[tuple[int, int], float] = {}
+    draft_s: dict[tuple[int, int], float] = {}
+    for B, n in [shape for _ in range(rounds) for shape in shapes]:
         ids = torch.randint(0, cfg.vocab_size, (B, n))
         r = slice(0, B)
-        target_s[tokens] = min(target_s.get(tokens, float("inf")), _time(lambda: model.forward(ids, cache, r), reps))
+        target_s[(B, n)] = min(target_s.get((B, n), float("inf")), _time(lambda: model.forward(ids, cache, r), reps))
         hidden = torch.randn(B, n, cfg.hidden_size)
         pos = CONTEXT + torch.arange(n).expand(B, n)
         mask = block_mask(dcache.lengths[r], n, CONTEXT + n, None)
-        draft_s[tokens] = min(draft_s.get(tokens, float("inf")), _time(
+        draft_s[(B, n)] = min(draft_s.get((B, n), float("inf")), _time(
             lambda: draft.logits(draft.features(hidden, ids, pos, mask, cache_kv(dcache, 0, r, pos, CONTEXT + n)))
             .topk(4, dim=-1), reps))
-    return CostModel(target_s, draft_s)
+    curves = []
+    for measured in (target_s, draft_s):
+        curve = {t: measured[(sweep_rows(t), max(t // ROWS, 1))] for t in sweep}
+        curves.append((curve, row_seconds(monotone(curve), {p: measured[p] for p in ROW_PROBES if p in measured})))
+    (target, target_row), (draft_curve, draft_row) = curves
+    return CostModel(target, draft_curve, target_row, draft_row)
 
 
 def load_or_calibrate(model: InferenceModel, draft: DraftHead, cache_dir: Path) -> CostModel:
     cfg = model.cfg
     key = (f"h{cfg.hidden_size}-l{cfg.num_hidden_layers}-i{cfg.intermediate_size}-v{cfg.vocab_size}"
            f"-t{torch.get_num_threads()}-torch{torch.__version__}-{model.kernel}")
-    path = Path(cache_dir) / f"cost_model-{key}.json"
+    path = Path(cache_dir) / f"cost_model-v2-{key}.json"  # v2: with the per-row costs
     if path.is_file():
         try:
             return CostModel.from_json(json.loads(path.read_text()))

@@ -64,7 +64,7 @@ class AwarePerSequence(Aware):
         reach = torch.cat([torch.zeros(1, dtype=torch.float64), p[order].cumsum(0)])  # expected accepts, M = 0..BK
         M = torch.arange(B * K + 1)
         scale = self._correction("off", running)  # the target's measured / calibrated time at this concurrency
-        seconds = scale * (self._draft_seconds(config, running) + self.costs.target_many(B + M))
+        seconds = scale * (self._draft_seconds(config, running) + self.costs.target_many(B + M, rows=B))
         rate = (B + self.calibration * reach) / seconds
         best = int(rate.argmax())
         if rate[best] < rate[-1] * (1 + self.margin):  # a near tie: verify aware's whole tree (as aware
