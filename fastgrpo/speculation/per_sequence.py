@@ -11,8 +11,10 @@ its parent), M chosen to maximise
 
     goodput(M) = (B + c * sum_{top M} p_j) / (T_draft + T_verify(B + M))
 
-where c, the draft's calibration (accepted / predicted over the nodes verified), is learned online
-and T_* are the cost model's, rescaled by the online correction of plain steps at this concurrency.
+where c, the draft's calibration (accepted / predicted over the nodes verified), is learned online,
+T_draft + T_verify is the step of this shape as aware predicts it (measured, at the width this policy
+usually verifies) and the verify's change with M is priced by the cost model in B rows, rescaled by
+the online correction of plain steps at this concurrency.
 Sequences whose drafts are confident get deep trees, the others a few nodes or none. M = B (n - 1),
 every node, is aware's uniform tree, so the choice is never predicted slower than aware's; as aware
 does for speculating at all, it cuts the tree only for a predicted gain above `margin` (5%): one
@@ -63,8 +65,14 @@ class AwarePerSequence(Aware):
         order = (p - 1e-9 * depth.flatten()).argsort(descending=True)  # exact ties: the parent first
         reach = torch.cat([torch.zeros(1, dtype=torch.float64), p[order].cumsum(0)])  # expected accepts, M = 0..BK
         M = torch.arange(B * K + 1)
-        scale = self._correction("off", running)  # the target's measured / calibrated time at this concurrency
-        seconds = scale * (self._draft_seconds(config, running) + self.costs.target_many(B + M, rows=B))
+        # a step of this shape as measured (at the width it usually verifies), less or plus the verify
+        # tokens M saves or adds, priced as the target's measured / calibrated time at this concurrency:
+        # the step's fixed work (drafting, tree building, sampling) is not saved by verifying less
+        # (pricing the step as draft + verify forwards alone, that work missing, made cutting look twice
+        # as rewarding as it is at one sequence on this CPU, 2026-11-25)
+        usual = self.costs.target(self._verified_tokens(config, running), rows=B)
+        extra = self.costs.target_many(B + M, rows=B) - usual
+        seconds = (self.predicted_seconds(config, running) + self._correction("off", running) * extra).clamp(min=1e-9)
         rate = (B + self.calibration * reach) / seconds
         best = int(rate.argmax())
         if rate[best] < rate[-1] * (1 + self.margin):  # a near tie: verify aware's whole tree (as aware
