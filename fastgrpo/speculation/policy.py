@@ -184,7 +184,7 @@ class Aware(Off):
         """The step's time by the calibration alone (before the online correction)."""
         if c is None:
             return self.costs.target(running)
-        return self._draft_seconds(c, running) + self.costs.target(self._verified_tokens(c, running), rows=running)
+        return self._draft_seconds(c, running) + self.costs.target(self._verified_tokens(c, running))
 
     def _verified_tokens(self, c: SpecConfig, running: int) -> float:
         """Tokens in the verify forward of a step of tree c: every node of every row."""
@@ -192,8 +192,7 @@ class Aware(Off):
 
     def _draft_seconds(self, c: SpecConfig, running: int) -> float:
         catch_up = running * self.acceptance.expected(c)  # last step's accepted states, fed to the draft
-        return (self.costs.draft(catch_up, rows=running)
-                + (c.depth - 1) * self.costs.draft(running * c.topk, rows=running))
+        return self.costs.draft(catch_up) + (c.depth - 1) * self.costs.draft(running * c.topk)
 
     def goodput(self, c: SpecConfig | None, running: int) -> float:
         emitted = 1.0 if c is None else self.acceptance.expected(c)
