@@ -227,7 +227,7 @@ def test_validation_runs_end_to_end_on_an_engine():
     pols |= {f"static_{c.name}": Static(c) for c in STATIC_SWEEP} | {"fastgrpo": sim_policies(Roofline(H100, LLAMA3_8B), ())["fastgrpo"]}
     prompts = [[1, 2 + i % 5, 3, 4 + i % 3][: 2 + i % 3] for i in range(12)]
     costs, _ = measure_cpu_costs(engine, prompts, 1.0, 1.0, print, tokens=6, rounds=1, curve=curve)
-    assert sorted(costs.off_extra) == sorted(costs.plain_extra) == [1, 2, 4, 8]  # the grid, capped at 8 rows
+    assert sorted(costs.off_extra) == sorted(costs.plain_extra) == sorted(costs.spec_extra) == [1, 2, 4, 8]  # capped
     assert len(costs.prefill_table) == 4  # 1, 2, 4 and 8 unique prompts (16 and more capped to 8)
     profiler = CpuProfiler(engine, prompts, 1.0, 1.0, print, tokens=6, curve=curve)
     val = validate(engine, pols, profiler, prompts, 1.0, 1.0, (1, 4), 6, 2, 2, 10, 64, 1, print)
@@ -241,7 +241,7 @@ def test_an_engine_run_is_priced_step_by_step_at_the_shapes_it_ran():
     """Two rows of lengths 3 and 2 under `off`: a step at 2 running, then one at 1, priced by hand."""
     curve = CostModel(dict.fromkeys(SWEEP, 1e-3), dict.fromkeys(SWEEP, 1e-4))
     zero = dict.fromkeys(("target_row", "target_token", "draft_row", "draft_token"), 0.0)
-    costs = CpuCosts(curve, zero, {1: 5e-4, 2: 7e-4}, (0.0,) * 5, {10: 2e-3, 20: 4e-3}, 1e-3,
+    costs = CpuCosts(curve, zero, {1: 5e-4, 2: 7e-4}, {}, (0.0,) * 3, {10: 2e-3, 20: 4e-3}, 1e-3,
                      (1e-4, 2e-4, 1e-5))
     # the first token comes from the prefill; rows retire after 2 and 1 decode steps
     log = [(None, None, 2, 2, 0.004, None), (None, None, 1, 1, 0.003, None)]

@@ -202,7 +202,8 @@ class CpuCosts:
     curve: CostModel
     ctx: dict[str, float]  # seconds per row x cached token and per new token x cached token (target, draft)
     off_extra: dict[int, float]  # a plain step beyond its forward, by running rows
-    spec_fit: tuple[float, ...]  # speculative step beyond its forwards: a + b B + c B n + d depth + e B depth topk^2
+    spec_extra: dict[int, float]  # a speculative step beyond its forwards, by running rows B, plus:
+    spec_slopes: tuple[float, ...]  # seconds per token verified (B n), per level (depth), per B depth top-k^2
     prefill_table: dict[int, float]  # one prefill by unique prompt tokens (unique prompts x longest)
     copy_s: float  # per row joined beyond its prompt's first (a group's samples share one prefill)
     other_fit: tuple[float, ...]  # outside the steps: per call, per step, per running sequence per step
@@ -249,9 +250,9 @@ class CpuCosts:
 
     def spec_step(self, c: SpecConfig, B: int, width: int, ctx_max: int, ctx_sum: int,
                   verified: float | None = None) -> float:
-        a, b, k, d, e = self.spec_fit  # e: each level's top-k of top-k candidates per row
+        k, d, e = self.spec_slopes  # e: each level's top-k of top-k candidates per row
         n = verified or c.num_verify
-        extra = a + b * B + k * B * n + d * c.depth + e * B * c.depth * c.topk**2
+        extra = self._grid(self.spec_extra, B) + k * B * n + d * c.depth + e * B * c.depth * c.topk**2
         return self.spec_forwards(c, B, width, ctx_max, verified) + max(extra, 0.0)
 
     def prefill(self, unique: int, width: int, joined: int) -> float:
@@ -266,7 +267,8 @@ class CpuCosts:
 
     def to_json(self) -> dict:
         return {"curve": self.curve.to_json(), "context": self.ctx, "off_extra": self.off_extra,
-                "plain_extra": self.plain_extra, "spec_fit": self.spec_fit, "prefill_table": self.prefill_table,
+                "plain_extra": self.plain_extra,
+                "spec_extra": self.spec_extra, "spec_slopes": self.spec_slopes, "prefill_table": self.prefill_table,
                 "copy_s": self.copy_s, "other_fit": self.other_fit}
 
 
@@ -725,9 +727,10 @@ class CpuProfiler:
     """This machine's costs: the engine's calibration sweep (`cost_model.calibrate`) and what the
     engine spends beyond it, measured on the engine with workloads that are NOT the validation's
     (other prompts, shorter answers, fixed tree shapes, on a grid of 1-64 running rows): the
-    per-step residual of plain steps (by running rows) and speculative steps (fitted by running rows,
-    tokens verified and depth) over the sweep's forwards, prefill (by unique prompt tokens, and per
-    copy joined), and the engine's time between steps.
+    per-step residual of plain steps (by running rows) and speculative steps (fitted: an intercept per
+    level of running rows, slopes by tokens verified, depth and each level's top-k x top-k candidates)
+    over the sweep's forwards, prefill (by unique prompt tokens, and per copy joined), and the engine's
+    time between steps.
 
     It measures in passes (a sweep round, then the engine runs), which the validation interleaves
     with its own engine runs: this machine's speed drifts by several percent over minutes (a plain
@@ -772,13 +775,15 @@ class CpuProfiler:
             self.sweeps.append(calibrate(engine.model, engine.draft, rounds=1))
         for unique, copies in self.prefill_cases:
             reqs = [Request(pool[u % len(pool)]) for u in range(unique) for _ in range(copies)]
-            self.prefill_runs.setdefault((unique, copies), []).append(_engine_run(engine, Off(), reqs, self.greedy1, r))
+            run = _engine_run(engine, Off(), reqs, self.greedy1, r)
+            self.prefill_runs.setdefault((unique, copies), []).append(run)
         for B in self.levels:
             reqs = [Request(pool[(3 * i) % len(pool)], max_new_tokens=self.tokens) for i in range(B)]
             for c in PROFILE_CONFIGS:
                 # "plain": plain steps under a speculating policy (TLT with threshold 0 never speculates)
                 rec = Recorder(Off() if c is None else TLT(threshold=0) if c == "plain" else Static(c))
-                self.step_runs.setdefault((B, c), []).append((_engine_run(engine, rec, reqs, self.sampling, 500 + r), rec))
+                run = _engine_run(engine, rec, reqs, self.sampling, 500 + r)
+                self.step_runs.setdefault((B, c), []).append((run, rec))
         self.seconds += time.perf_counter() - t0
 
     def costs(self) -> tuple[CpuCosts, dict]:
@@ -788,7 +793,7 @@ class CpuProfiler:
         if curve is None:
             curve = CostModel({t: min(s.target_s[t] for s in sweeps) for t in SWEEP},
                               {t: min(s.draft_s[t] for s in sweeps) for t in SWEEP})
-        costs = CpuCosts(curve, context, {}, (0.0,) * 5, {}, 0.0, (0.0, 0.0, 0.0))
+        costs = CpuCosts(curve, context, {}, {}, (0.0,) * 3, {}, 0.0, (0.0, 0.0, 0.0))
 
         prefill_table, copy_rows, copy_y, call_rows, call_y = {}, [], [], [], []
         for (unique, copies), runs in sorted(prefill_runs.items(), key=lambda kv: kv[0][1]):  # copies 1 first
@@ -802,7 +807,7 @@ class CpuProfiler:
             call_rows.append([1.0, 0.0, 0.0])
             call_y.append(statistics.median(run["seconds"] - run["prefill_s"] for run in runs))
         copy_s = max(_lstsq(copy_rows, copy_y)[0], 0.0) if copy_rows else 0.0
-        off_extra, plain_extra, spec_rows, spec_y = {}, {}, [], []
+        off_extra, plain_extra, spec_rows, spec_y, spec_residual = {}, {}, [], [], {}
         for (B, c), runs in step_runs.items():
             plens = [len(pool[(3 * i) % len(pool)]) for i in range(B)]
             per_pass, other = [], []
@@ -822,29 +827,36 @@ class CpuProfiler:
             elif c == "plain":
                 plain_extra[B] = residual
             else:
-                spec_rows.append([1.0, B, B * c.num_verify, c.depth, B * c.depth * c.topk**2])
+                # an intercept per level of rows (a step's fixed work is not linear in them), shared slopes
+                spec_rows.append([*(float(B == b) for b in levels), B * c.num_verify, c.depth, B * c.depth * c.topk**2])
                 spec_y.append(residual)
+                spec_residual[f"B{B} {c.name}"] = residual
             rec = runs[0][1]
             call_rows.append([1.0, len(rec.log), sum(running for _, _, running, _, _, _ in rec.log)])
             call_y.append(statistics.median(other))
         spec_fit = _lstsq(spec_rows, spec_y)
+        spec_extra, spec_slopes = dict(zip(levels, spec_fit[:len(levels)])), spec_fit[len(levels):]
         other_fit = _lstsq(call_rows, call_y)
-        costs = CpuCosts(curve, context, off_extra, spec_fit, prefill_table, copy_s, other_fit, plain_extra)
+        costs = CpuCosts(curve, context, off_extra, spec_extra, spec_slopes, prefill_table, copy_s, other_fit,
+                         plain_extra)
         info = {"seconds": self.seconds, "levels": levels, "rounds": len(step_runs[(levels[0], None)]),
                 "configs": ["off" if c is None else c if isinstance(c, str) else c.name for c in PROFILE_CONFIGS],
                 "tokens": tokens, "sweep_rounds_target_1_s": [s.target_s[1] for s in sweeps],
+                "spec_residual_s": spec_residual,
                 "fit_rms_s": {"spec": _rms(spec_rows, spec_y, spec_fit), "other": _rms(call_rows, call_y, other_fit),
                               "copies": _rms(copy_rows, copy_y, (copy_s,)) if copy_rows else 0.0}}
 
         def ms(table: dict[int, float]) -> str:
             return ", ".join(f"{k}: {1e3 * v:.2f}" for k, v in sorted(table.items()))
 
-        self.log(f"cpu costs measured in {info['seconds']:.0f}s ({info['rounds']} passes): target forward 1 / 64 / 512 tokens "
-            f"{1e3 * curve.target(1):.1f} / {1e3 * curve.target(64):.1f} / {1e3 * curve.target(512):.1f} ms "
+        self.log(
+            f"cpu costs measured in {info['seconds']:.0f}s ({info['rounds']} passes): target forward 1 / 64 / 512 "
+            f"tokens {1e3 * curve.target(1):.1f} / {1e3 * curve.target(64):.1f} / {1e3 * curve.target(512):.1f} ms "
             f"(sweep rounds at 1 token: {', '.join(f'{1e3 * x:.1f}' for x in info['sweep_rounds_target_1_s'])} ms); "
+            f"a row beyond its tokens {1e3 * curve.row_s['target_s']:.3f} ms; "
             f"context: {', '.join(f'{k} {1e9 * v:.1f}' for k, v in context.items())} ns per cached token; "
             f"plain step beyond its forward by rows (ms): {ms(off_extra)}; while speculating: {ms(plain_extra)}; "
-            f"speculative step beyond its forwards: {spec_fit}; prefill by tokens (ms): {ms(prefill_table)}, "
+            f"speculative step beyond its forwards by rows (ms): {ms(spec_extra)}, slopes {spec_slopes}; prefill by tokens (ms): {ms(prefill_table)}, "
             f"{1e3 * copy_s:.2f} ms per copy; other {other_fit}")
         return costs, info
 
@@ -1291,31 +1303,40 @@ def plot_all(result: dict, path: Path) -> None:
 
 def markdown(result: dict, command: str) -> str:
     m, val = result["meta"], result["validation"]
-    v = m["validation_workloads"]
+    v, reps = m["validation_workloads"], m["repetitions"]
     stem = Path(command.split("--output")[-1].strip()).stem if "--output" in command else "simulate"
     lines = [f"Command: `{command}`", "",
              f"Date {m['date']}; {m['cores']} CPU threads ({m['machine']}), torch {m['torch']}; policy "
              f"`{m.get('policy', '?')}` ({m['policy_parameters'] / 1e6:.1f}M parameters, {m.get('sft_steps', '?')} SFT "
              f"steps; its draft {m.get('draft_steps', '?')} warm-start steps); temperature {m['temperature']}.", "",
              "### Validation: the simulator against the engine on this CPU (measured and predicted)", "",
-             f"The engine (medians of {m['repetitions']} interleaved repetitions after a warm-up) and the simulator "
+             f"The engine (medians of interleaved repetitions after a warm-up) and the simulator "
              f"(same protocol, cpu profile: the engine's calibration sweep plus the step, prefill and loop costs "
-             f"measured on other workloads; acceptance measured on the engine in these runs). Fixed concurrency: "
-             f"{v['tokens']} tokens per sequence, EOS ignored; GRPO batch: {v['n_prompts']} prompts x {v['group']}, "
-             f"the policy's own lengths (max {v['max_new']}).", "",
-             "| case | measured s (median) | measured s (fastest) | predicted s | error | error against the fastest |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             f"measured on other workloads, in passes between the validation's workloads; acceptance measured on "
+             f"the engine in these runs, per workload). Fixed concurrency: {v['tokens']} tokens per sequence, EOS "
+             f"ignored (runs of B sequences repeated max({reps}, {16 * reps} / B) times); GRPO batch: {v['n_prompts']} "
+             f"prompts x {v['group']}, the policy's own lengths (max {v['max_new']}), {2 * reps} repetitions. Where each error arises: "
+             "*profile* is the profile pricing the engine's own runs step by step at the shapes they ran (its "
+             "cost model alone), *trajectory* the simulated runs against those priced runs (the policies' "
+             "decisions and the acceptance draws).", "",
+             "| case | measured s (median) | measured s (fastest) | predicted s | error | error against the fastest "
+             "| profile | trajectory |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     mins = val.get("cpu_measured_min_s", val["cpu_measured_s"])
     err_min = {k: val["cpu_predicted_s"][k] / mins[k] - 1 for k in val["cpu_measured_s"]}
+    split = val.get("breakdown", {})
     for k in val["cpu_measured_s"]:
+        b = split.get(k)
+        parts = "- | - |" if b is None else f"{100 * b['priced_error']:+.1f}% | {100 * b['trajectory_error']:+.1f}% |"
         lines.append(f"| {k} | {val['cpu_measured_s'][k]:.3g} | {mins[k]:.3g} | {val['cpu_predicted_s'][k]:.3g} | "
-                     f"{100 * val['error'][k]:+.1f}% | {100 * err_min[k]:+.1f}% |")
+                     f"{100 * val['error'][k]:+.1f}% | {100 * err_min[k]:+.1f}% | " + parts)
     within = sum(abs(e) <= 0.10 for e in val["error"].values())
     within_min = sum(abs(e) <= 0.10 for e in err_min.values())
     lines += ["", f"{within} of {len(val['error'])} cases within 10% of the median (largest error "
               f"{100 * val['max_abs_error']:.1f}%); {within_min} within 10% of the fastest repetition (largest "
-              f"{100 * max(map(abs, err_min.values())):.1f}%). The profile's costs are the fastest of repeated "
-              "measurements; on a shared machine the median carries the other jobs' load.",
+              f"{100 * max(map(abs, err_min.values())):.1f}%)."
+              + (f" The profile prices the engine's own runs within {100 * max(abs(b['priced_error']) for b in split.values()):.1f}% in every case."
+                 if split else ""),
               "", f"![SIMULATED vs measured]({stem}-validation.png)", "",
               "### SIMULATED: GRPO-batch rollout at GPU scale", "",
               "Every number in this section is SIMULATED (stated cost model, cited acceptance profile: "
