@@ -5,10 +5,12 @@ curve is flat while the hardware is memory-bound, then linear once it is compute
 sweep's point of t tokens holds min(t, 64) sequences of one token each (a plain step's shape), but a
 tree's verify forward holds B sequences of n tokens, and each sequence reads its own cached keys and
 values: so the sweep also measures what a sequence costs beyond its tokens (one row of 16 tokens
-against 16 rows of one token), and a forward of fewer rows is priced that much lower (on this CPU
-one row of 16 tokens costs 3.6 ms, sixteen rows of one 5.9 ms). The curve is cached per (model
-shape, threads, torch version) so later runs skip the sweep, and the engine corrects it online from
-real step timings.
+against 16 rows of one token), and `target(tokens, rows)` prices a forward of fewer rows that much
+lower (on this CPU, timed ad hoc on 2026-11-25: one row of 16 tokens 3.6 ms, sixteen rows of one
+5.9 ms). `aware` does not use it: its calibration lacks a speculative step's fixed work, for which
+the over-priced verify stands in (BENCHMARKS.md section 2). The curve is cached per (model shape,
+threads, torch version) so later runs skip the sweep, and the engine corrects it online from real
+step timings.
 """
 
 from __future__ import annotations
