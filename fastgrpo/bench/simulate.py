@@ -196,8 +196,8 @@ class CpuCosts:
 
     What is measured on a grid (running rows, prefill tokens) is interpolated piecewise linearly
     between the grid's points, not fitted by one line: a plain step's work beyond its forward and a
-    prefill's time are not linear over 1-64 rows on this CPU (a 64-prompt prefill costs 2.8x a
-    32-prompt one)."""
+    prefill's time are not linear over 1-64 rows on this CPU (a 64-prompt prefill costs 2.4-2.7x a
+    32-prompt one for 2.1x the tokens)."""
 
     curve: CostModel
     ctx: dict[str, float]  # seconds per row x cached token and per new token x cached token (target, draft)
