@@ -160,7 +160,7 @@ def test_a_simulated_calibration_measures_what_a_row_costs_beyond_its_tokens():
             return 1.0 + 0.1 * B * n + 0.05 * B
 
     curve = simulated_cost_model(RowCosts())
-    assert curve.row_s["target_s"] == pytest.approx(0.05)
+    assert curve.target_row_s == pytest.approx(0.05)
     assert curve.target(16, rows=1) == pytest.approx(RowCosts().target(1, 16, 0, 0))
     assert curve.target(64, rows=4) == pytest.approx(RowCosts().target(4, 16, 0, 0))
 
@@ -212,7 +212,7 @@ def test_roofline_is_memory_bound_at_small_batch_and_compute_bound_at_large():
 def test_validation_runs_end_to_end_on_an_engine():
     """The cpu profile is measured on an engine and the simulator predicts every case (no accuracy
     claim for a random test-size model on a busy machine: the bench reports the errors)."""
-    from fastgrpo.bench.simulate import STATIC_SWEEP, CpuProfiler, measure_cpu_costs, validate
+    from fastgrpo.bench.simulate import STATIC_SWEEP, CpuProfiler, validate
     from fastgrpo.speculation.cost_model import calibrate
 
     cfg = policy_config("test", VOCAB, 64, bos_id=1, eos_id=VOCAB + 1, pad_id=0)
@@ -226,12 +226,12 @@ def test_validation_runs_end_to_end_on_an_engine():
             "aware_per_sequence": AwarePerSequence(curve)}
     pols |= {f"static_{c.name}": Static(c) for c in STATIC_SWEEP} | {"fastgrpo": sim_policies(Roofline(H100, LLAMA3_8B), ())["fastgrpo"]}
     prompts = [[1, 2 + i % 5, 3, 4 + i % 3][: 2 + i % 3] for i in range(12)]
-    costs, _ = measure_cpu_costs(engine, prompts, 1.0, 1.0, print, tokens=6, rounds=1, curve=curve)
-    assert sorted(costs.off_extra) == sorted(costs.plain_extra) == sorted(costs.spec_extra) == [1, 2, 4, 8]  # capped
-    assert len(costs.prefill_table) == 4  # 1, 2, 4 and 8 unique prompts (16 and more capped to 8)
     profiler = CpuProfiler(engine, prompts, 1.0, 1.0, print, tokens=6, curve=curve)
     val = validate(engine, pols, profiler, prompts, 1.0, 1.0, (1, 4), 6, 2, 2, 10, 64, 1, print)
-    assert val["_costs"][1]["rounds"] == 3  # a pass after each of the three workloads
+    costs, info = val["_costs"]
+    assert info["rounds"] == 3  # a pass after each of the three workloads
+    assert sorted(costs.off_extra) == sorted(costs.plain_extra) == sorted(costs.spec_extra) == [1, 2, 4, 8]  # capped
+    assert len(costs.prefill_table) == 4  # 1, 2, 4 and 8 unique prompts (16 and more capped to 8)
     assert set(val["cpu_predicted_s"]) == set(val["cpu_measured_s"]) == set(val["error"]) == set(val["breakdown"])
     assert all(np.isfinite(e) and e > -1 for e in val["error"].values())
     assert all(b["priced_s"] > 0 and b["steps_s"] < b["measured_s"] for b in val["breakdown"].values())

@@ -35,7 +35,7 @@ from fastgrpo.bench.rollout import STATIC_SWEEP, rotated, timed_generate
 from fastgrpo.config import SpeculationConfig
 from fastgrpo.engine.engine import DRAFT_WINDOW
 from fastgrpo.speculation.cost_model import (CONTEXT, ROW_PROBES, ROWS, SWEEP, CostModel, calibrate, monotone,
-                                             row_seconds, sweep_rows)
+                                             piecewise_linear, row_seconds, sweep_rows)
 from fastgrpo.speculation.per_sequence import AwarePerSequence
 from fastgrpo.speculation.policy import Aware, FastGRPOFormula, Off, SpeculationPolicy, Static
 from fastgrpo.speculation.tlt import TLT
@@ -190,7 +190,7 @@ class Roofline:
 class CpuCosts:
     """This machine running the bench policy: the engine's own calibration sweep (target and draft
     forwards by tokens per forward, at the sweep's fixed context) plus what the engine spends that
-    the sweep does not see, each measured on the engine (`measure_cpu_costs`): attention past the
+    the sweep does not see, each measured on the engine (`CpuProfiler`): attention past the
     sweep's context, the step's work around its forwards (sampling, tree build and verification,
     cache bookkeeping), prefill, and the engine loop between steps.
 
@@ -201,12 +201,13 @@ class CpuCosts:
 
     curve: CostModel
     ctx: dict[str, float]  # seconds per row x cached token and per new token x cached token (target, draft)
-    off_extra: dict[int, float]  # a plain step beyond its forward, by running rows
-    spec_extra: dict[int, float]  # a speculative step beyond its forwards, by running rows B, plus:
-    spec_slopes: tuple[float, ...]  # seconds per token verified (B n), per level (depth), per B depth top-k^2
-    prefill_table: dict[int, float]  # one prefill by unique prompt tokens (unique prompts x longest)
-    copy_s: float  # per row joined beyond its prompt's first (a group's samples share one prefill)
-    other_fit: tuple[float, ...]  # outside the steps: per call, per step, per running sequence per step
+    # what the engine spends beyond the forwards (empty: nothing, as while the profile is being fitted)
+    off_extra: dict[int, float] = field(default_factory=dict)  # a plain step beyond its forward, by running rows
+    spec_extra: dict[int, float] = field(default_factory=dict)  # a speculative step beyond its forwards, by rows B,
+    spec_slopes: tuple[float, ...] = (0.0, 0.0, 0.0)  # plus per token verified (B n), per level, per B depth top-k^2
+    prefill_table: dict[int, float] = field(default_factory=dict)  # a prefill by unique prompt tokens (x longest)
+    copy_s: float = 0.0  # per row joined beyond its prompt's first (a group's samples share one prefill)
+    other_fit: tuple[float, ...] = (0.0, 0.0, 0.0)  # outside the steps: per call, per step, per running row per step
     plain_extra: dict[int, float] = field(default_factory=dict)  # off_extra while a speculating policy runs
     name: str = "this CPU / bench policy"
 
@@ -219,11 +220,11 @@ class CpuCosts:
         """Past the grid's largest point at its last segment's slope (a prefill of more rows than the
         engine holds happens in several calls)."""
         xs = sorted(self.prefill_table)
-        if len(xs) >= 2 and tokens > xs[-1]:
-            a, b = xs[-2], xs[-1]
-            slope = (self.prefill_table[b] - self.prefill_table[a]) / (b - a)
-            return self.prefill_table[b] + slope * (tokens - b)
-        return self._grid(self.prefill_table, tokens)
+        if len(xs) < 2:
+            return self._grid(self.prefill_table, tokens)
+        ys = [self.prefill_table[x] for x in xs]
+        return float(piecewise_linear(torch.tensor(xs, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64),
+                                      torch.tensor([tokens])))
 
     def _context(self, kind: str, B: int, n: int, ctx_max: int) -> float:
         """Context cost of (B rows, n tokens each, over ctx_max cached) beyond what the sweep's point of
@@ -277,15 +278,14 @@ def simulated_cost_model(costs: Costs, error: Callable[[str, int], float] | None
     at each sweep size (B = min(tokens, 64) rows of tokens / B new tokens, over CONTEXT cached tokens
     each), and at its row probes. `error(kind, tokens)` multiplies a point (to test that `aware`
     survives a bad calibration)."""
-    out = []
-    for kind, forward in (("target", costs.target), ("draft", costs.draft)):
-        scale = (lambda tokens: error(kind, tokens)) if error else (lambda tokens: 1.0)
-        sweep = {t: forward(sweep_rows(t), max(t // ROWS, 1), CONTEXT, sweep_rows(t) * CONTEXT) * scale(t)
-                 for t in SWEEP}
-        probes = {(B, n): forward(B, n, CONTEXT, B * CONTEXT) * scale(B * n) for B, n in ROW_PROBES}
-        out.append((sweep, row_seconds(monotone(sweep), probes)))
-    (target_s, target_row), (draft_s, draft_row) = out
-    return CostModel(target_s, draft_s, target_row, draft_row)
+    def measured(kind: str, B: int, n: int) -> float:
+        forward = costs.target if kind == "target" else costs.draft
+        return forward(B, n, CONTEXT, B * CONTEXT) * (error(kind, B * n) if error else 1.0)
+
+    target_s, draft_s = ({t: measured(kind, sweep_rows(t), max(t // ROWS, 1)) for t in SWEEP}
+                         for kind in ("target", "draft"))
+    probes = {(B, n): measured("target", B, n) for B, n in ROW_PROBES}
+    return CostModel(target_s, draft_s, row_seconds(monotone(target_s), probes))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -793,7 +793,7 @@ class CpuProfiler:
         if curve is None:
             curve = CostModel({t: min(s.target_s[t] for s in sweeps) for t in SWEEP},
                               {t: min(s.draft_s[t] for s in sweeps) for t in SWEEP})
-        costs = CpuCosts(curve, context, {}, {}, (0.0,) * 3, {}, 0.0, (0.0, 0.0, 0.0))
+        forwards = CpuCosts(curve, context)  # the sweep's forwards alone: what the residuals are over
 
         prefill_table, copy_rows, copy_y, call_rows, call_y = {}, [], [], [], []
         for (unique, copies), runs in sorted(prefill_runs.items(), key=lambda kv: kv[0][1]):  # copies 1 first
@@ -816,9 +816,9 @@ class CpuProfiler:
                 residuals = []
                 for (running, width, ctx), (_, cfg, _, _, seconds, acc) in zip(steps, rec.log):
                     if cfg is None or acc is None:
-                        residuals.append(seconds - costs.target(running, 1, ctx, 0))
+                        residuals.append(seconds - forwards.target(running, 1, ctx, 0))
                     else:
-                        residuals.append(seconds - costs.spec_forwards(cfg, running, width, ctx))
+                        residuals.append(seconds - forwards.spec_forwards(cfg, running, width, ctx))
                 per_pass.append(statistics.median(residuals[2:] or residuals))
                 other.append(run["seconds"] - run["prefill_s"] - sum(s[3] for s in run["trace"]))
             residual = statistics.median(per_pass)
@@ -853,22 +853,12 @@ class CpuProfiler:
             f"cpu costs measured in {info['seconds']:.0f}s ({info['rounds']} passes): target forward 1 / 64 / 512 "
             f"tokens {1e3 * curve.target(1):.1f} / {1e3 * curve.target(64):.1f} / {1e3 * curve.target(512):.1f} ms "
             f"(sweep rounds at 1 token: {', '.join(f'{1e3 * x:.1f}' for x in info['sweep_rounds_target_1_s'])} ms); "
-            f"a row beyond its tokens {1e3 * curve.row_s['target_s']:.3f} ms; "
+            f"a row beyond its tokens {1e3 * curve.target_row_s:.3f} ms; "
             f"context: {', '.join(f'{k} {1e9 * v:.1f}' for k, v in context.items())} ns per cached token; "
             f"plain step beyond its forward by rows (ms): {ms(off_extra)}; while speculating: {ms(plain_extra)}; "
             f"speculative step beyond its forwards by rows (ms): {ms(spec_extra)}, slopes {spec_slopes}; prefill by tokens (ms): {ms(prefill_table)}, "
             f"{1e3 * copy_s:.2f} ms per copy; other {other_fit}")
         return costs, info
-
-
-def measure_cpu_costs(engine, prompts: list[list[int]], temperature: float, top_p: float,
-                      log: Callable[[str], None], tokens: int = 24, rounds: int = 3,
-                      curve: CostModel | None = None) -> tuple[CpuCosts, dict]:
-    """The cpu profile of `rounds` passes in a row (the validation interleaves them instead)."""
-    profiler = CpuProfiler(engine, prompts, temperature, top_p, log, tokens, curve)
-    for _ in range(rounds):
-        profiler.measure_pass()
-    return profiler.costs()
 
 
 def _trimmed_mean(xs: list[float], drop: float = 0.1) -> float:
@@ -937,7 +927,8 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
     reqs = [Request(p) for p in prompts[:n_prompts] for _ in range(group)]
     sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new)
     grpo_lengths: dict[int, list[int]] = {}
-    for rep in range(2 * reps + 1):
+    grpo_reps = 2 * reps
+    for rep in range(grpo_reps + 1):
         for mode in rotated(_grpo_modes(), rep):
             recs[mode].tag = ("grpo", 0, rep)
             r = run_engine(f"grpo_{mode}", mode, reqs, sampling, 77 + rep, rep)
@@ -972,7 +963,7 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
                     predicted.setdefault(f"sweep_B{B}_{mode}", []).append(run.seconds)
                     sim_steps.setdefault(f"sweep_B{B}_{mode}", []).append((run.decode_steps, run.spec_steps))
     plens = [len(p) for p in prompts[:n_prompts]]
-    for rep in range(2 * reps + 1):
+    for rep in range(grpo_reps + 1):
         lengths = grpo_lengths[rep]
         wl = grpo_workload("grpo", plens, [lengths[p * group:(p + 1) * group] for p in range(n_prompts)], max_new,
                            max_context)

@@ -33,7 +33,7 @@ ROWS = 64  # the sweep's point of t tokens holds min(t, ROWS) sequences
 ROW_PROBES = ((1, 16), (4, 16))  # (rows, tokens each): the sweep's 16 and 64 tokens in fewer rows
 
 
-def _interp(xs: Tensor, ys: Tensor, tokens: Tensor) -> Tensor:
+def piecewise_linear(xs: Tensor, ys: Tensor, tokens: Tensor) -> Tensor:
     """Piecewise linear through the points (xs, ys): flat below the first, the last segment's
     (compute-bound) slope beyond the last."""
     t = tokens.to(torch.float64).clamp(min=float(xs[0]))
@@ -64,11 +64,10 @@ def row_seconds(sweep_s: dict[int, float], probes: dict[tuple[int, int], float])
 
 
 class CostModel:
-    def __init__(self, target_s: dict[int, float], draft_s: dict[int, float], target_row_s: float = 0.0,
-                 draft_row_s: float = 0.0):
+    def __init__(self, target_s: dict[int, float], draft_s: dict[int, float], target_row_s: float = 0.0):
         self.target_s = monotone(target_s)  # seconds per target forward, by tokens in the forward
         self.draft_s = monotone(draft_s)  # seconds per draft forward (incl. LM head and tree bookkeeping)
-        self.row_s = {"target_s": target_row_s, "draft_s": draft_row_s}  # a sequence's cost beyond its tokens
+        self.target_row_s = target_row_s  # a sequence's cost in a target forward beyond its tokens
         # `aware` asks for the same few sizes at every decode step: answered from a table, a plain
         # step under `aware` costs what one under `off` costs
         self._memo: dict[tuple[str, float], float] = {}
@@ -79,40 +78,39 @@ class CostModel:
     def _lookup(self, curve: str, tokens: float) -> float:
         if (seconds := self._memo.get((curve, tokens))) is None:
             t = torch.tensor([tokens], dtype=torch.float64)
-            seconds = self._memo[(curve, tokens)] = float(_interp(*self._points[curve], t))
+            seconds = self._memo[(curve, tokens)] = float(piecewise_linear(*self._points[curve], t))
         return seconds
 
-    def _in_rows(self, curve: str, seconds, tokens, rows):
-        """A forward of `tokens` in `rows` sequences: the sweep's point, less the rows it does not
-        read; never below the sweep's cheapest forward."""
-        if rows is None:
-            return seconds
-        saved = self.row_s[curve] * (sweep_rows(tokens) - rows)
-        floor = next(iter(getattr(self, curve).values()))
+    def _in_rows(self, seconds, tokens, rows):
+        """A target forward of `tokens` in `rows` sequences: the sweep's point, less the rows it does
+        not read; never below the sweep's cheapest forward."""
+        saved = self.target_row_s * (sweep_rows(tokens) - rows)
+        floor = next(iter(self.target_s.values()))
         if isinstance(seconds, Tensor):
             return (seconds - saved.clamp(min=0.0)).clamp(min=floor)
         return max(seconds - max(saved, 0.0), floor)
 
     def target(self, tokens: float, rows: float | None = None) -> float:
         """A target forward of `tokens` tokens in `rows` sequences (default: the sweep's shape)."""
-        return self._in_rows("target_s", self._lookup("target_s", tokens), tokens, rows)
+        seconds = self._lookup("target_s", tokens)  # a plain step under `aware` asks this, with no rows
+        return seconds if rows is None else self._in_rows(seconds, tokens, rows)
 
-    def draft(self, tokens: float, rows: float | None = None) -> float:
-        return self._in_rows("draft_s", self._lookup("draft_s", tokens), tokens, rows)
+    def draft(self, tokens: float) -> float:
+        return self._lookup("draft_s", tokens)
 
     def target_many(self, tokens: Tensor, rows: float | None = None) -> Tensor:
         """target() at many sizes at once (a per-sequence budget weighs every total it could verify)."""
         t = tokens.to(torch.float64)
-        return self._in_rows("target_s", _interp(*self._points["target_s"], t), t, rows)
+        seconds = piecewise_linear(*self._points["target_s"], t)
+        return seconds if rows is None else self._in_rows(seconds, t, rows)
 
     def to_json(self) -> dict:
-        return {"target_s": self.target_s, "draft_s": self.draft_s, "target_row_s": self.row_s["target_s"],
-                "draft_row_s": self.row_s["draft_s"]}
+        return {"target_s": self.target_s, "draft_s": self.draft_s, "target_row_s": self.target_row_s}
 
     @classmethod
     def from_json(cls, d: dict) -> CostModel:
         return cls({int(k): v for k, v in d["target_s"].items()}, {int(k): v for k, v in d["draft_s"].items()},
-                   d.get("target_row_s", 0.0), d.get("draft_row_s", 0.0))
+                   d.get("target_row_s", 0.0))
 
 
 def _time(fn, reps: int) -> float:
@@ -129,33 +127,33 @@ def _time(fn, reps: int) -> float:
 def calibrate(model: InferenceModel, draft: DraftHead, reps: int = 5, sweep: tuple[int, ...] = SWEEP,
               rounds: int = 2) -> CostModel:
     """Median latency of target and draft forwards at each size: B = min(tokens, 64) sequences of
-    tokens / B new tokens each, over a cache of CONTEXT tokens; then the ROW_PROBES shapes, for what
-    a sequence costs beyond its tokens. The sweep runs `rounds` times and keeps the lowest median per
-    shape: a shared machine's noise only ever slows a sample down."""
+    tokens / B new tokens each, over a cache of CONTEXT tokens; then the target at the ROW_PROBES
+    shapes, for what a sequence costs beyond its tokens. The sweep runs `rounds` times and keeps the
+    lowest median per shape: a shared machine's noise only ever slows a sample down."""
     cfg = model.cfg
     cache = KVCache(cfg, ROWS, CONTEXT + 512)
     dcache = KVCache(cfg, ROWS, CONTEXT + 512, layers=1)
     cache.lengths.fill_(CONTEXT)
     dcache.lengths.fill_(CONTEXT)
-    shapes = [(sweep_rows(t), max(t // ROWS, 1)) for t in sweep] + [p for p in ROW_PROBES if p[0] * p[1] in sweep]
+    sweep_shapes = [(sweep_rows(t), max(t // ROWS, 1)) for t in sweep]
+    probes = [p for p in ROW_PROBES if p[0] * p[1] in sweep]
     target_s: dict[tuple[int, int], float] = {}
     draft_s: dict[tuple[int, int], float] = {}
-    for B, n in [shape for _ in range(rounds) for shape in shapes]:
+    for B, n in [shape for _ in range(rounds) for shape in sweep_shapes + probes]:
         ids = torch.randint(0, cfg.vocab_size, (B, n))
         r = slice(0, B)
         target_s[(B, n)] = min(target_s.get((B, n), float("inf")), _time(lambda: model.forward(ids, cache, r), reps))
+        if (B, n) in probes:  # only the target is priced by rows
+            continue
         hidden = torch.randn(B, n, cfg.hidden_size)
         pos = CONTEXT + torch.arange(n).expand(B, n)
         mask = block_mask(dcache.lengths[r], n, CONTEXT + n, None)
         draft_s[(B, n)] = min(draft_s.get((B, n), float("inf")), _time(
             lambda: draft.logits(draft.features(hidden, ids, pos, mask, cache_kv(dcache, 0, r, pos, CONTEXT + n)))
             .topk(4, dim=-1), reps))
-    curves = []
-    for measured in (target_s, draft_s):
-        curve = {t: measured[(sweep_rows(t), max(t // ROWS, 1))] for t in sweep}
-        curves.append((curve, row_seconds(monotone(curve), {p: measured[p] for p in ROW_PROBES if p in measured})))
-    (target, target_row), (draft_curve, draft_row) = curves
-    return CostModel(target, draft_curve, target_row, draft_row)
+    target = {t: target_s[shape] for t, shape in zip(sweep, sweep_shapes)}
+    return CostModel(target, {t: draft_s[shape] for t, shape in zip(sweep, sweep_shapes)},
+                     row_seconds(monotone(target), {p: target_s[p] for p in probes}))
 
 
 def load_or_calibrate(model: InferenceModel, draft: DraftHead, cache_dir: Path) -> CostModel:
