@@ -165,6 +165,53 @@ def test_a_simulated_calibration_measures_what_a_row_costs_beyond_its_tokens():
     assert curve.target(64, rows=4) == pytest.approx(RowCosts().target(4, 16, 0, 0))
 
 
+def test_a_simulated_calibration_measures_what_context_costs():
+    """A machine where a row pays 2e-5 s per cached token and a new token 3e-6 s per cached token: the
+    context probes recover both rates, and a step over 3000-token contexts is priced as it runs."""
+
+    class ContextCosts(ToyCosts):
+        def target(self, B, n, ctx_max, ctx_sum):
+            return 1.0 + 0.1 * B * n + 2e-5 * ctx_sum + 3e-6 * B * n * ctx_max
+
+        def draft(self, B, n, ctx_max, ctx_sum):
+            return 0.01 * B * n + 1e-6 * ctx_sum
+
+    costs = ContextCosts()
+    curve = simulated_cost_model(costs)
+    assert curve.context_s["target_row"] == pytest.approx(2e-5)
+    assert curve.context_s["target_token"] == pytest.approx(3e-6)
+    assert curve.context_s["draft_row"] == pytest.approx(1e-6)
+    assert curve.context_s["draft_token"] == pytest.approx(0.0, abs=1e-12)
+    for B in (1, 16, 64):  # at the sweep's shape (B rows of one token), any context
+        assert curve.at_context("target", B, B, 3000) == pytest.approx(costs.target(B, 1, 3000, B * 3000))
+        assert curve.at_context("draft", B, B, 3000) == pytest.approx(costs.draft(B, 1, 3000, B * 3000))
+    assert curve.at_context("target", 16, 16, None) == curve.target(16)  # context unknown: the sweep's
+    assert curve.at_context("target", 16, 16, 0) >= curve.target(1)  # never below the cheapest forward
+    assert CostModel.from_json(curve.to_json()).context_s == curve.context_s
+
+
+def test_aware_told_the_context_is_near_the_best_static_tree_at_long_context():
+    """On H100 / Llama-3-8B, 128 rows over 3000-token contexts: reading the caches is most of a step and
+    costs a plain step and a tree step alike. Priced at the sweep's 128-token context and rescaled by a
+    measured ratio, trees looked dearer than they ran and aware was 9% slower than the best static tree
+    here (its choose() given no context, 2026-11-26); told the rows' context it must be within 5% of
+    the best tree of GPU_STATICS, and faster than plain decoding."""
+    from fastgrpo.bench.simulate import GPU_STATICS
+
+    costs, acc = Roofline(H100, LLAMA3_8B), eagle_profile(1.2)
+    running = 128
+    wl = Workload("fixed", [SimRequest(i, 3000, 200) for i in range(running)], 200, 3300)
+    policies = sim_policies(costs, GPU_STATICS)
+    seconds = {}
+    for name, policy in policies.items():
+        if name in ("off", "aware") or name.startswith("static_"):
+            rng = np.random.default_rng(0)
+            seconds[name] = [simulate(wl, costs, acc, policy, running, rng) for _ in range(2)][-1].seconds
+    best = min(s for name, s in seconds.items() if name.startswith("static_"))
+    assert seconds["aware"] <= 1.05 * best, seconds
+    assert seconds["aware"] < 0.9 * seconds["off"], seconds
+
+
 def test_aware_recovers_from_a_wrong_calibration_through_what_it_observes():
     """Calibrated as if every verify forward cost 8x what it does, aware at first declines to
     speculate; its probes of speculation correct the model from the simulated step times."""

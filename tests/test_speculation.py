@@ -284,9 +284,44 @@ class EveryKth(Static):
         super().__init__(config)
         self.k, self.steps = k, 0
 
-    def choose(self, running: int) -> SpecConfig | None:
+    def choose(self, running: int, context: float | None = None) -> SpecConfig | None:
         self.steps += 1
         return self.config if self.steps % self.k == 0 else None
+
+
+def test_the_engine_tells_the_policy_the_longest_rows_cached_tokens(small_vocab, trained_draft):
+    """The engine's attention reads every row to the longest row's cache, so that is the context a
+    policy prices a step at: the prompt, plus every token a step fed (one per plain step, the accepted
+    path and the bonus token per speculative step), row by row, while both rows run."""
+
+    class Recording(EveryKth):
+        def __init__(self):
+            super().__init__(SpecConfig(3, 2, 5), k=2)
+            self.seen = []
+
+        def choose(self, running, context=None):
+            self.seen.append(("choose", running, context))
+            return super().choose(running, context)
+
+        def observe(self, config, running, emitted, seconds, accepted=None):
+            self.seen.append(("observe", config, accepted))
+
+    cfg, target, _ = small_vocab
+    policy = Recording()
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
+    engine_for(cfg, target, trained_draft, policy, max_batch=2).generate(
+        [Request([1, 3, 4], max_new_tokens=30), Request([1, 5, 5, 6, 7, 2], max_new_tokens=30)], greedy)
+    cached, checked = [3, 6], 0
+    for event in policy.seen:
+        if event[0] == "choose":
+            if event[1] < 2:
+                break  # a row finished: rows move
+            assert event[2] == max(cached)
+            checked += 1
+        else:
+            _, config, accepted = event
+            cached = [c + (1 if config is None else a + 1) for c, a in zip(cached, accepted or [0, 0])]
+    assert checked > 8 and any(e[0] == "observe" and e[1] is not None and max(e[2]) > 0 for e in policy.seen)
 
 
 def test_draft_catch_up_after_plain_steps_feeds_only_a_window(small_vocab, trained_draft):

@@ -34,8 +34,9 @@ import torch
 from fastgrpo.bench.rollout import STATIC_SWEEP, rotated, timed_generate
 from fastgrpo.config import SpeculationConfig
 from fastgrpo.engine.engine import DRAFT_WINDOW
-from fastgrpo.speculation.cost_model import (CONTEXT, ROW_PROBES, ROWS, SWEEP, CostModel, calibrate, monotone,
-                                             piecewise_linear, row_seconds, sweep_rows)
+from fastgrpo.speculation.cost_model import (CONTEXT, CONTEXT_EXTRA, CONTEXT_PROBES, KINDS, ROW_PROBES, ROWS, SWEEP,
+                                             CostModel, calibrate, context_rates, monotone, piecewise_linear,
+                                             row_seconds, sweep_rows)
 from fastgrpo.speculation.per_sequence import AwarePerSequence
 from fastgrpo.speculation.policy import Aware, FastGRPOFormula, Off, SpeculationPolicy, Static
 from fastgrpo.speculation.tlt import TLT
@@ -50,6 +51,9 @@ STATIC_DEFAULT = SpecConfig(SpeculationConfig.depth, SpeculationConfig.topk, Spe
 # ---------------------------------------------------------------------------------------------
 class Costs(Protocol):
     name: str
+    # attention reads every row to the longest row's context (our engine's padded cache), not each
+    # row's own (a paged cache): what a speculation policy is told the rows' context is
+    padded: bool
 
     def target(self, B: int, n: int, ctx_max: int, ctx_sum: int) -> float:
         """One target forward of B rows x n new tokens over cached contexts (longest, summed)."""
@@ -141,6 +145,8 @@ class Roofline:
     ring all-reduces of the activations per layer. The draft (EAGLE: one decoder layer, the fusing
     projection, the target's LM head) runs on the same GPUs at the same TP."""
 
+    padded = False  # SGLang's paged KV cache: each row reads its own context
+
     def __init__(self, hw: Accelerator, model: ModelShape):
         self.hw, self.model = hw, model
         self.name = f"{hw.name} / {model.name}"
@@ -199,8 +205,7 @@ class CpuCosts:
     prefill's time are not linear over 1-64 rows on this CPU (a 64-prompt prefill costs 2.4-2.7x a
     32-prompt one for 2.1x the tokens)."""
 
-    curve: CostModel
-    ctx: dict[str, float]  # seconds per row x cached token and per new token x cached token (target, draft)
+    curve: CostModel  # with the calibration's context rates (CostModel.context_s)
     # what the engine spends beyond the forwards (empty: nothing, as while the profile is being fitted)
     off_extra: dict[int, float] = field(default_factory=dict)  # a plain step beyond its forward, by running rows
     spec_extra: dict[int, float] = field(default_factory=dict)  # a speculative step beyond its forwards, by rows B,
@@ -210,6 +215,7 @@ class CpuCosts:
     other_fit: tuple[float, ...] = (0.0, 0.0, 0.0)  # outside the steps: per call, per step, per running row per step
     plain_extra: dict[int, float] = field(default_factory=dict)  # off_extra while a speculating policy runs
     name: str = "this CPU / bench policy"
+    padded = True
 
     @staticmethod
     def _grid(table: dict[int, float], x: float) -> float:
@@ -230,8 +236,8 @@ class CpuCosts:
         """Context cost of (B rows, n tokens each, over ctx_max cached) beyond what the sweep's point of
         B n tokens (min(B n, 64) rows over CONTEXT) already holds."""
         tokens, rows = B * n, min(B * n, 64)
-        return (self.ctx[f"{kind}_row"] * (B * ctx_max - rows * CONTEXT)
-                + self.ctx[f"{kind}_token"] * tokens * (ctx_max - CONTEXT))
+        rates = self.curve.context_s
+        return rates[f"{kind}_row"] * (B * ctx_max - rows * CONTEXT) + rates[f"{kind}_token"] * tokens * (ctx_max - CONTEXT)
 
     def target(self, B: int, n: int, ctx_max: int, ctx_sum: int) -> float:
         base = self.curve.target(B * n)
@@ -267,7 +273,7 @@ class CpuCosts:
         return max(self.other_fit[0], 0.0)
 
     def to_json(self) -> dict:
-        return {"curve": self.curve.to_json(), "context": self.ctx, "off_extra": self.off_extra,
+        return {"curve": self.curve.to_json(), "off_extra": self.off_extra,
                 "plain_extra": self.plain_extra,
                 "spec_extra": self.spec_extra, "spec_slopes": self.spec_slopes, "prefill_table": self.prefill_table,
                 "copy_s": self.copy_s, "other_fit": self.other_fit}
@@ -276,16 +282,17 @@ class CpuCosts:
 def simulated_cost_model(costs: Costs, error: Callable[[str, int], float] | None = None) -> CostModel:
     """What `cost_model.calibrate` would measure on the simulated machine: target and draft forwards
     at each sweep size (B = min(tokens, 64) rows of tokens / B new tokens, over CONTEXT cached tokens
-    each), and at its row probes. `error(kind, tokens)` multiplies a point (to test that `aware`
-    survives a bad calibration)."""
-    def measured(kind: str, B: int, n: int) -> float:
+    each), at its row probes and at its context probes. `error(kind, tokens)` multiplies a point (to
+    test that `aware` survives a bad calibration)."""
+    def measured(kind: str, B: int, n: int, ctx: int = CONTEXT) -> float:
         forward = costs.target if kind == "target" else costs.draft
-        return forward(B, n, CONTEXT, B * CONTEXT) * (error(kind, B * n) if error else 1.0)
+        return forward(B, n, ctx, B * ctx) * (error(kind, B * n) if error else 1.0)
 
-    target_s, draft_s = ({t: measured(kind, sweep_rows(t), max(t // ROWS, 1)) for t in SWEEP}
-                         for kind in ("target", "draft"))
+    target_s, draft_s = ({t: measured(kind, sweep_rows(t), max(t // ROWS, 1)) for t in SWEEP} for kind in KINDS)
     probes = {(B, n): measured("target", B, n) for B, n in ROW_PROBES}
-    return CostModel(target_s, draft_s, row_seconds(monotone(target_s), probes))
+    context_extra_s = {(kind, B, n): measured(kind, B, n, CONTEXT + CONTEXT_EXTRA) - measured(kind, B, n)
+                       for kind in KINDS for B, n in CONTEXT_PROBES}
+    return CostModel(target_s, draft_s, row_seconds(monotone(target_s), probes), context_rates(context_extra_s))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -573,7 +580,7 @@ def simulate(workload: Workload, costs: Costs, acceptance: AcceptanceProfile | N
             B = rows.n
             ctx_max, ctx_sum = rows.context()
             t = time.perf_counter()
-            config = policy.choose(B) if speculating else None
+            config = policy.choose(B, ctx_max if costs.padded else ctx_sum / B) if speculating else None
             policy_s_step = time.perf_counter() - t
             if config is None:
                 seconds = costs.decode_step(B, ctx_max, ctx_sum, speculating)
@@ -651,8 +658,8 @@ class Recorder:
         self.tag: Any = None
         self.log: list[tuple[Any, SpecConfig | None, int, int, float, list[int] | None]] = []
 
-    def choose(self, running: int) -> SpecConfig | None:
-        return self.policy.choose(running)
+    def choose(self, running: int, context: float | None = None) -> SpecConfig | None:
+        return self.policy.choose(running, context)
 
     def __getattr__(self, name: str) -> Any:  # select(), for a per-sequence budget
         return getattr(self.policy, name)
@@ -675,45 +682,6 @@ def _engine_run(engine, policy, requests, sampling, seed: int) -> dict:
     """One timed generate() call of `policy`, as `bench rollout` times it."""
     engine.set_speculation(policy)
     return timed_generate(engine, requests, sampling, seed)
-
-
-def _context_slopes(engine, reps: int = 5) -> dict[str, float]:
-    """What context costs beyond the sweep's fixed CONTEXT: seconds per (row x cached token) (reading
-    a row's keys and values) and per (new token x cached token) (attention), of the target and the
-    draft. Two shapes of 64 tokens (64 rows x 1, 4 rows x 16), each over CONTEXT and CONTEXT + extra
-    cached tokens, separate the two."""
-    from fastgrpo.engine.model import KVCache, block_mask, cache_kv
-    from fastgrpo.speculation.cost_model import _time
-
-    model, draft, cfg = engine.model, engine.draft, engine.model.cfg
-    extra = min(256, model.cos.shape[0] - CONTEXT - 17)  # within the engine's position tables
-    cache = KVCache(cfg, 64, CONTEXT + extra + 64)
-    dcache = KVCache(cfg, 64, CONTEXT + extra + 64, layers=1)
-    delta: dict[tuple[str, int], float] = {}
-    with torch.inference_mode():
-        for B, n in ((64, 1), (4, 16)):
-            ids = torch.randint(0, cfg.vocab_size, (B, n))
-            r = slice(0, B)
-            hidden = torch.randn(B, n, cfg.hidden_size)
-            times: dict[str, list[float]] = {"target": [], "draft": []}
-            for ctx in (CONTEXT, CONTEXT + extra):
-                cache.lengths.fill_(ctx)
-                dcache.lengths.fill_(ctx)
-                pos = ctx + torch.arange(n).expand(B, n)
-                mask = block_mask(dcache.lengths[r], n, ctx + n, None)
-                times["target"].append(min(_time(lambda: model.forward(ids, cache, r), reps) for _ in range(3)))
-                times["draft"].append(min(_time(lambda: draft.features(hidden, ids, pos, mask,
-                                                                       cache_kv(dcache, 0, r, pos, ctx + n)), reps)
-                                          for _ in range(3)))
-            for kind, (t0, t1) in times.items():
-                delta[(kind, B)] = (t1 - t0) / extra
-    out = {}
-    for kind in ("target", "draft"):
-        d1, d2 = delta[(kind, 64)], delta[(kind, 4)]  # 64 s_row + 64 s_tok, 4 s_row + 64 s_tok
-        row = max((d1 - d2) / 60, 0.0)
-        out[f"{kind}_row"] = row
-        out[f"{kind}_token"] = max((d2 - 4 * row) / 64, 0.0)
-    return out
 
 
 PROFILE_CONFIGS = (None, "plain", SpecConfig(3, 1, 4), SpecConfig(2, 2, 4), SpecConfig(4, 4, 12), SpecConfig(5, 8, 24),
@@ -748,7 +716,6 @@ class CpuProfiler:
         self.engine, self.log, self.tokens, self.fixed_curve = engine, log, tokens, curve
         self.seconds = 0.0
         t0 = time.perf_counter()
-        self.context = _context_slopes(engine)
         self.pool = prompts[len(prompts) // 2:]  # the validation uses the first prompts
         self.greedy1 = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=1)
         self.sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=tokens, ignore_eos=True)
@@ -788,12 +755,14 @@ class CpuProfiler:
 
     def costs(self) -> tuple[CpuCosts, dict]:
         """The profile from every pass so far."""
-        curve, context, pool, levels, tokens = self.fixed_curve, self.context, self.pool, self.levels, self.tokens
+        curve, pool, levels, tokens = self.fixed_curve, self.pool, self.levels, self.tokens
         sweeps, prefill_runs, step_runs = self.sweeps, self.prefill_runs, self.step_runs
         if curve is None:
             curve = CostModel({t: min(s.target_s[t] for s in sweeps) for t in SWEEP},
-                              {t: min(s.draft_s[t] for s in sweeps) for t in SWEEP})
-        forwards = CpuCosts(curve, context)  # the sweep's forwards alone: what the residuals are over
+                              {t: min(s.draft_s[t] for s in sweeps) for t in SWEEP},
+                              context_s={k: statistics.median(s.context_s[k] for s in sweeps) for k in sweeps[0].context_s})
+        context = curve.context_s
+        forwards = CpuCosts(curve)  # the sweep's forwards alone: what the residuals are over
 
         prefill_table, copy_rows, copy_y, call_rows, call_y = {}, [], [], [], []
         for (unique, copies), runs in sorted(prefill_runs.items(), key=lambda kv: kv[0][1]):  # copies 1 first
@@ -837,7 +806,7 @@ class CpuProfiler:
         spec_fit = _lstsq(spec_rows, spec_y)
         spec_extra, spec_slopes = dict(zip(levels, spec_fit[:len(levels)])), spec_fit[len(levels):]
         other_fit = _lstsq(call_rows, call_y)
-        costs = CpuCosts(curve, context, off_extra, spec_extra, spec_slopes, prefill_table, copy_s, other_fit,
+        costs = CpuCosts(curve, off_extra, spec_extra, spec_slopes, prefill_table, copy_s, other_fit,
                          plain_extra)
         info = {"seconds": self.seconds, "levels": levels, "rounds": len(step_runs[(levels[0], None)]),
                 "configs": ["off" if c is None else c if isinstance(c, str) else c.name for c in PROFILE_CONFIGS],

@@ -211,7 +211,9 @@ class EmbeddedEngine:
                 self._swap_draft()
                 # a draft that arrives during the call (async learning) is used from the next call: the
                 # states of the steps before it were not kept
-                config = self.policy.choose(len(running)) if self._pending is not None and self.speculating else None
+                # the context a step is priced at: attention reads every row to the longest row's cache
+                config = (self.policy.choose(len(running), int(self.cache.lengths[:len(running)].max()))
+                          if self._pending is not None and self.speculating else None)
                 t = time.perf_counter()
                 self._in_step = True
                 try:

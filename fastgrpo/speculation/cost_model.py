@@ -2,15 +2,22 @@
 
 A short calibration sweep times the target and the draft at a range of tokens per forward (the
 curve is flat while the hardware is memory-bound, then linear once it is compute-bound). The
-sweep's point of t tokens holds min(t, 64) sequences of one token each (a plain step's shape), but a
-tree's verify forward holds B sequences of n tokens, and each sequence reads its own cached keys and
-values: so the sweep also measures what a sequence costs beyond its tokens (one row of 16 tokens
-against 16 rows of one token), and `target(tokens, rows)` prices a forward of fewer rows that much
-lower (on this CPU, timed ad hoc on 2026-11-25: one row of 16 tokens 3.6 ms, sixteen rows of one
-5.9 ms). `aware` does not use it: its calibration lacks a speculative step's fixed work, for which
-the over-priced verify stands in (BENCHMARKS.md section 2). The curve is cached per (model shape,
-threads, torch version) so later runs skip the sweep, and the engine corrects it online from real
-step timings.
+sweep's point of t tokens holds min(t, 64) sequences of one token each (a plain step's shape) over
+CONTEXT cached tokens each. Two things a step pays beyond that point are measured too:
+- context: each sequence reads its own cached keys and values, and each new token attends over them.
+  Two shapes of 64 tokens (64 rows of one, 4 rows of 16) timed over CONTEXT and CONTEXT + 256 cached
+  tokens separate the two rates (per row x cached token, per new token x cached token), so
+  `past_context` prices a step of B rows over the rows' real context. Where contexts run to thousands
+  of tokens (reasoning RL on a GPU) reading the caches is most of a step and costs a plain step and a
+  tree step alike; priced at the sweep's 128 tokens, a tree looked 3x dearer than it is (SIMULATED
+  H100, BENCHMARKS.md section 8).
+- rows: a tree's verify forward holds B sequences of n tokens, not min(B n, 64) of one, and each
+  sequence costs something beyond its tokens (one row of 16 tokens 3.6 ms, sixteen rows of one 5.9 ms
+  on this CPU, 2026-11-25): `target(tokens, rows)` prices a forward of fewer rows that much lower.
+  `aware` does not use it: its calibration lacks a speculative step's fixed work, for which the
+  over-priced verify stands in (BENCHMARKS.md section 2).
+The curve is cached per (model shape, threads, torch version) so later runs skip the sweep, and the
+engine corrects it online from real step timings.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 CONTEXT = 128  # typical cached length during the sweep
 ROWS = 64  # the sweep's point of t tokens holds min(t, ROWS) sequences
 ROW_PROBES = ((1, 16), (4, 16))  # (rows, tokens each): the sweep's 16 and 64 tokens in fewer rows
+CONTEXT_PROBES = ((64, 1), (4, 16))  # (rows, tokens each): 64 tokens reading 64 rows' caches, and 4 rows'
+CONTEXT_EXTRA = 256  # the probes are timed over CONTEXT and CONTEXT + CONTEXT_EXTRA cached tokens
+KINDS = ("target", "draft")
 
 
 def piecewise_linear(xs: Tensor, ys: Tensor, tokens: Tensor) -> Tensor:
@@ -63,11 +73,30 @@ def row_seconds(sweep_s: dict[int, float], probes: dict[tuple[int, int], float])
     return max(sum(per_row) / len(per_row), 0.0) if per_row else 0.0
 
 
+def context_rates(extra_s: dict[tuple[str, int, int], float], extra: int = CONTEXT_EXTRA) -> dict[str, float]:
+    """Seconds per (row x cached token) and per (new token x cached token), of the target and the draft,
+    from what `extra` more cached tokens add to each CONTEXT_PROBES shape, `extra_s[(kind, rows, n)]`:
+    64 rows of one token add 64 rows' reads and 64 tokens' attention, 4 rows of 16 add 4 rows' reads
+    and the same 64 tokens' attention. Never below zero (a noisy difference)."""
+    (B1, n1), (B2, n2) = CONTEXT_PROBES
+    out = {}
+    for kind in KINDS:
+        d1, d2 = extra_s[(kind, B1, n1)] / extra, extra_s[(kind, B2, n2)] / extra
+        row = max((d1 - d2) / (B1 - B2), 0.0)
+        out[f"{kind}_row"] = row
+        out[f"{kind}_token"] = max((d2 - B2 * row) / (B2 * n2), 0.0)
+    return out
+
+
 class CostModel:
-    def __init__(self, target_s: dict[int, float], draft_s: dict[int, float], target_row_s: float = 0.0):
+    def __init__(self, target_s: dict[int, float], draft_s: dict[int, float], target_row_s: float = 0.0,
+                 context_s: dict[str, float] | None = None):
         self.target_s = monotone(target_s)  # seconds per target forward, by tokens in the forward
         self.draft_s = monotone(draft_s)  # seconds per draft forward (incl. LM head and tree bookkeeping)
         self.target_row_s = target_row_s  # a sequence's cost in a target forward beyond its tokens
+        # seconds per row x cached token and per new token x cached token (context_rates); none: the
+        # sweep's CONTEXT is taken for every step's
+        self.context_s = context_s or {f"{kind}_{rate}": 0.0 for kind in KINDS for rate in ("row", "token")}
         # `aware` asks for the same few sizes at every decode step: answered from a table, a plain
         # step under `aware` costs what one under `off` costs
         self._memo: dict[tuple[str, float], float] = {}
@@ -98,6 +127,17 @@ class CostModel:
     def draft(self, tokens: float) -> float:
         return self._lookup("draft_s", tokens)
 
+    def at_context(self, kind: str, tokens: float, rows: float, context: float | None) -> float:
+        """A `kind` forward ("target" or "draft") of `tokens` tokens at the sweep's point, plus what its
+        `rows` rows spend on `context` cached tokens each beyond the sweep's CONTEXT (less below it, never
+        less than the sweep's cheapest forward; a context of None: the sweep's)."""
+        seconds = self._lookup(f"{kind}_s", tokens)
+        if context is None:
+            return seconds
+        rates = self.context_s
+        past = (rates[f"{kind}_row"] * rows + rates[f"{kind}_token"] * tokens) * (context - CONTEXT)
+        return max(seconds + past, next(iter(getattr(self, f"{kind}_s").values())))
+
     def target_many(self, tokens: Tensor, rows: float | None = None) -> Tensor:
         """target() at many sizes at once (a per-sequence budget weighs every total it could verify)."""
         t = tokens.to(torch.float64)
@@ -105,12 +145,13 @@ class CostModel:
         return seconds if rows is None else self._in_rows(seconds, t, rows)
 
     def to_json(self) -> dict:
-        return {"target_s": self.target_s, "draft_s": self.draft_s, "target_row_s": self.target_row_s}
+        return {"target_s": self.target_s, "draft_s": self.draft_s, "target_row_s": self.target_row_s,
+                "context_s": self.context_s}
 
     @classmethod
     def from_json(cls, d: dict) -> CostModel:
         return cls({int(k): v for k, v in d["target_s"].items()}, {int(k): v for k, v in d["draft_s"].items()},
-                   d.get("target_row_s", 0.0))
+                   d.get("target_row_s", 0.0), d.get("context_s"))
 
 
 def _time(fn, reps: int) -> float:
@@ -128,39 +169,46 @@ def calibrate(model: InferenceModel, draft: DraftHead, reps: int = 5, sweep: tup
               rounds: int = 2) -> CostModel:
     """Median latency of target and draft forwards at each size: B = min(tokens, 64) sequences of
     tokens / B new tokens each, over a cache of CONTEXT tokens; then the target at the ROW_PROBES
-    shapes, for what a sequence costs beyond its tokens. The sweep runs `rounds` times and keeps the
-    lowest median per shape: a shared machine's noise only ever slows a sample down."""
+    shapes (what a sequence costs beyond its tokens) and both at the CONTEXT_PROBES shapes over more
+    cached tokens (what context costs). Every shape is timed `rounds` times, keeping the lowest median:
+    a shared machine's noise only ever slows a sample down."""
     cfg = model.cfg
-    cache = KVCache(cfg, ROWS, CONTEXT + 512)
-    dcache = KVCache(cfg, ROWS, CONTEXT + 512, layers=1)
-    cache.lengths.fill_(CONTEXT)
-    dcache.lengths.fill_(CONTEXT)
+    extra = min(CONTEXT_EXTRA, model.cos.shape[0] - CONTEXT - 17)  # within the model's position tables
+    cache = KVCache(cfg, ROWS, CONTEXT + max(extra + 16, 512))
+    dcache = KVCache(cfg, ROWS, CONTEXT + max(extra + 16, 512), layers=1)
     sweep_shapes = [(sweep_rows(t), max(t // ROWS, 1)) for t in sweep]
     probes = [p for p in ROW_PROBES if p[0] * p[1] in sweep]
-    target_s: dict[tuple[int, int], float] = {}
-    draft_s: dict[tuple[int, int], float] = {}
-    for B, n in [shape for _ in range(rounds) for shape in sweep_shapes + probes]:
+    shapes = {(B, n, CONTEXT): KINDS for B, n in sweep_shapes}
+    shapes |= {(B, n, CONTEXT): ("target",) for B, n in probes}  # only the target is priced by rows
+    shapes |= {(B, n, ctx): KINDS for B, n in CONTEXT_PROBES for ctx in (CONTEXT, CONTEXT + extra)}
+    seconds: dict[tuple[str, int, int, int], float] = {}
+    for (B, n, ctx), kinds in [shape for _ in range(rounds) for shape in shapes.items()]:
+        cache.lengths.fill_(ctx)
+        dcache.lengths.fill_(ctx)
         ids = torch.randint(0, cfg.vocab_size, (B, n))
         r = slice(0, B)
-        target_s[(B, n)] = min(target_s.get((B, n), float("inf")), _time(lambda: model.forward(ids, cache, r), reps))
-        if (B, n) in probes:  # only the target is priced by rows
-            continue
         hidden = torch.randn(B, n, cfg.hidden_size)
-        pos = CONTEXT + torch.arange(n).expand(B, n)
-        mask = block_mask(dcache.lengths[r], n, CONTEXT + n, None)
-        draft_s[(B, n)] = min(draft_s.get((B, n), float("inf")), _time(
-            lambda: draft.logits(draft.features(hidden, ids, pos, mask, cache_kv(dcache, 0, r, pos, CONTEXT + n)))
-            .topk(4, dim=-1), reps))
-    target = {t: target_s[shape] for t, shape in zip(sweep, sweep_shapes)}
-    return CostModel(target, {t: draft_s[shape] for t, shape in zip(sweep, sweep_shapes)},
-                     row_seconds(monotone(target), {p: target_s[p] for p in probes}))
+        pos = ctx + torch.arange(n).expand(B, n)
+        mask = block_mask(dcache.lengths[r], n, ctx + n, None)
+        forwards = {"target": lambda: model.forward(ids, cache, r),
+                    "draft": lambda: draft.logits(draft.features(hidden, ids, pos, mask, cache_kv(dcache, 0, r, pos, ctx + n)))
+                    .topk(4, dim=-1)}
+        for kind in kinds:
+            key = (kind, B, n, ctx)
+            seconds[key] = min(seconds.get(key, float("inf")), _time(forwards[kind], reps))
+    target = {t: seconds[("target", B, n, CONTEXT)] for t, (B, n) in zip(sweep, sweep_shapes)}
+    context_extra_s = {(kind, B, n): seconds[(kind, B, n, CONTEXT + extra)] - seconds[(kind, B, n, CONTEXT)]
+                       for kind in KINDS for B, n in CONTEXT_PROBES}
+    return CostModel(target, {t: seconds[("draft", B, n, CONTEXT)] for t, (B, n) in zip(sweep, sweep_shapes)},
+                     row_seconds(monotone(target), {(B, n): seconds[("target", B, n, CONTEXT)] for B, n in probes}),
+                     context_rates(context_extra_s, extra))
 
 
 def load_or_calibrate(model: InferenceModel, draft: DraftHead, cache_dir: Path) -> CostModel:
     cfg = model.cfg
     key = (f"h{cfg.hidden_size}-l{cfg.num_hidden_layers}-i{cfg.intermediate_size}-v{cfg.vocab_size}"
            f"-t{torch.get_num_threads()}-torch{torch.__version__}-{model.kernel}")
-    path = Path(cache_dir) / f"cost_model-v2-{key}.json"  # v2: with the per-row costs
+    path = Path(cache_dir) / f"cost_model-v3-{key}.json"  # v3: with the context rates
     if path.is_file():
         try:
             return CostModel.from_json(json.loads(path.read_text()))

@@ -18,10 +18,19 @@ def concurrency_bucket(running: int) -> int:
     return 1 << max(running - 1, 0).bit_length()
 
 
+def context_level(context: float | None) -> float | None:
+    """Cached tokens per running row, rounded to a quarter octave (19% steps): a step is priced, and its
+    best tree searched, once per level, not at every step's context."""
+    if context is None or context <= 0:
+        return None
+    return 2 ** (round(4 * math.log2(context)) / 4)
+
+
 class SpeculationPolicy(Protocol):
     name: str
 
-    def choose(self, running: int) -> SpecConfig | None: ...
+    def choose(self, running: int, context: float | None = None) -> SpecConfig | None:
+        """`context`: the running rows' mean cached tokens (None: not known)."""
 
     def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
                 accepted: list[int] | None = None) -> None: ...
@@ -30,7 +39,7 @@ class SpeculationPolicy(Protocol):
 class Off:
     name = "off"
 
-    def choose(self, running: int) -> SpecConfig | None:
+    def choose(self, running: int, context: float | None = None) -> SpecConfig | None:
         return None
 
     def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
@@ -46,7 +55,7 @@ class Static(Off):
     def __init__(self, config: SpecConfig):
         self.config = config
 
-    def choose(self, running: int) -> SpecConfig | None:
+    def choose(self, running: int, context: float | None = None) -> SpecConfig | None:
         return self.config
 
 
@@ -59,7 +68,7 @@ class FastGRPOFormula(Off):
     name = "fastgrpo"
     capacity = 160
 
-    def choose(self, running: int) -> SpecConfig | None:
+    def choose(self, running: int, context: float | None = None) -> SpecConfig | None:
         n = min(self.capacity // max(running, 1), 160)
         topk = min(n - 1, 8)
         if n < 2 or topk < 1:
@@ -129,9 +138,9 @@ class Aware(Off):
         goodput(c) = B * E[emitted | c] / (T_draft(c, B) + T_verify(B * n_c))
 
     over a candidate set that contains plain decoding (E = 1, no draft, n = 1). T_* come from the
-    measured cost model, rescaled online by the ratio of real to predicted step times (per kind and
-    concurrency bucket); E comes from the acceptance model. A tree must beat plain decoding by
-    `margin` to be chosen."""
+    measured cost model at the running rows' context, rescaled online by the ratio of real to predicted
+    step times (per kind and concurrency bucket); E comes from the acceptance model. A tree must beat
+    plain decoding by `margin` to be chosen."""
 
     name = "aware"
 
@@ -168,7 +177,11 @@ class Aware(Off):
         # model and the speculative correction) move only when speculative steps are observed, so it is
         # refreshed then (every 16 of them, or after a probe), not searched anew at every step: a
         # search over the candidates costs more than a small model's plain step
-        self._trees: dict[int, tuple[SpecConfig | None, float, float]] = {}
+        self._trees: dict[tuple[int, float | None], tuple[SpecConfig | None, float, float]] = {}
+        # the context level (context_level) of the step being decided: every price is at it. Reading
+        # the rows' caches costs a plain step and a tree step alike, so a step priced at the sweep's
+        # context and scaled by a measured ratio makes a tree look dearer the longer the context is
+        self.context: float | None = None
         self._spec_observed = 0
         self.probes = 0  # probe steps taken (the guarantee bench reports what they cost)
 
@@ -183,8 +196,9 @@ class Aware(Off):
     def _calibrated_seconds(self, c: SpecConfig | None, running: int) -> float:
         """The step's time by the calibration alone (before the online correction)."""
         if c is None:
-            return self.costs.target(running)
-        return self._draft_seconds(c, running) + self.costs.target(self._verified_tokens(c, running))
+            return self.costs.at_context("target", running, running, self.context)
+        tokens = self._verified_tokens(c, running)
+        return self._draft_seconds(c, running) + self.costs.at_context("target", tokens, running, self.context)
 
     def _verified_tokens(self, c: SpecConfig, running: int) -> float:
         """Tokens in the verify forward of a step of tree c: every node of every row."""
@@ -192,7 +206,8 @@ class Aware(Off):
 
     def _draft_seconds(self, c: SpecConfig, running: int) -> float:
         catch_up = running * self.acceptance.expected(c)  # last step's accepted states, fed to the draft
-        return self.costs.draft(catch_up) + (c.depth - 1) * self.costs.draft(running * c.topk)
+        return (self.costs.at_context("draft", catch_up, running, self.context)
+                + (c.depth - 1) * self.costs.at_context("draft", running * c.topk, running, self.context))
 
     def goodput(self, c: SpecConfig | None, running: int) -> float:
         emitted = 1.0 if c is None else self.acceptance.expected(c)
@@ -204,21 +219,22 @@ class Aware(Off):
         return tree, rate
 
     def _tree(self, running: int) -> tuple[SpecConfig | None, float, float]:
-        if running not in self._trees:
+        if (key := (running, self.context)) not in self._trees:
             best, best_rate = None, 0.0
             for c in self.candidates:
                 rate = self.goodput(c, running)
                 if rate > best_rate:
                     best, best_rate = c, rate
             seconds = 0.0 if best is None else self.predicted_seconds(best, running)
-            self._trees[running] = (best, best_rate, seconds)
-        return self._trees[running]
+            self._trees[key] = (best, best_rate, seconds)
+        return self._trees[key]
 
     def _decide(self, running: int) -> SpecConfig | None:
         tree, rate, _ = self._tree(running)
         return tree if rate > self.goodput(None, running) * (1 + self.margin) else None
 
-    def choose(self, running: int) -> SpecConfig | None:
+    def choose(self, running: int, context: float | None = None) -> SpecConfig | None:
+        self.context = context_level(context)
         b = self._bucket(running)
         if ("off", b) not in self._measured:
             # a bucket's first step is plain: plain decoding is never a loss, and its measured time anchors

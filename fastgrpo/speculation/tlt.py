@@ -59,7 +59,7 @@ class TLT:
         pulls, mean = self._stats(self.bucket(running))
         return self.arms[max(range(len(self.arms)), key=lambda i: (pulls[i] > 0, mean[i]))]
 
-    def choose(self, running: int) -> SpecConfig | None:
+    def choose(self, running: int, context: float | None = None) -> SpecConfig | None:
         if running > self.threshold:
             return None
         pulls, mean = self._stats(self.bucket(running))
