@@ -26,6 +26,7 @@ class ToyCosts:
     """Costs simple enough to add up by hand."""
 
     name = "toy"
+    padded = False
 
     def target(self, B, n, ctx_max, ctx_sum):
         return 1.0 + 0.1 * B * n
@@ -276,9 +277,13 @@ def test_validation_runs_end_to_end_on_an_engine():
     profiler = CpuProfiler(engine, prompts, 1.0, 1.0, print, tokens=6, curve=curve)
     val = validate(engine, pols, profiler, prompts, 1.0, 1.0, (1, 4), 6, 2, 2, 10, 64, 1, print)
     costs, info = val["_costs"]
-    assert info["rounds"] == 3  # a pass after each of the three workloads
+    assert info["rounds"] == 4  # a pass after each of the three workloads, one amid the GRPO batch's runs
     assert sorted(costs.off_extra) == sorted(costs.plain_extra) == sorted(costs.spec_extra) == [1, 2, 4, 8]  # capped
     assert len(costs.prefill_table) == 4  # 1, 2, 4 and 8 unique prompts (16 and more capped to 8)
+    # the shapes the policies ran beyond the profile's five, profiled from the next pass on
+    profiled = {name for shapes in info["shapes_profiled"].values() for name in shapes}
+    assert "d5k8n160" in profiled  # fastgrpo's tree at one running sequence
+    assert {c.name for c in costs.spec_measured} >= profiled
     assert set(val["cpu_predicted_s"]) == set(val["cpu_measured_s"]) == set(val["error"]) == set(val["breakdown"])
     assert all(np.isfinite(e) and e > -1 for e in val["error"].values())
     assert all(b["priced_s"] > 0 and b["steps_s"] < b["measured_s"] for b in val["breakdown"].values())
@@ -287,9 +292,8 @@ def test_validation_runs_end_to_end_on_an_engine():
 def test_an_engine_run_is_priced_step_by_step_at_the_shapes_it_ran():
     """Two rows of lengths 3 and 2 under `off`: a step at 2 running, then one at 1, priced by hand."""
     curve = CostModel(dict.fromkeys(SWEEP, 1e-3), dict.fromkeys(SWEEP, 1e-4))
-    zero = dict.fromkeys(("target_row", "target_token", "draft_row", "draft_token"), 0.0)
-    costs = CpuCosts(curve, zero, {1: 5e-4, 2: 7e-4}, {}, (0.0,) * 3, {10: 2e-3, 20: 4e-3}, 1e-3,
-                     (1e-4, 2e-4, 1e-5))
+    costs = CpuCosts(curve, off_extra={1: 5e-4, 2: 7e-4}, prefill_table={10: 2e-3, 20: 4e-3}, copy_s=1e-3,
+                     other_fit=(1e-4, 2e-4, 1e-5))
     # the first token comes from the prefill; rows retire after 2 and 1 decode steps
     log = [(None, None, 2, 2, 0.004, None), (None, None, 1, 1, 0.003, None)]
     run = {"seconds": 0.02, "prefill_s": 0.005, "lengths": [3, 2]}
@@ -301,6 +305,19 @@ def test_an_engine_run_is_priced_step_by_step_at_the_shapes_it_ran():
     assert priced["steps_error"] == pytest.approx(steps / 0.007 - 1)
     assert priced["around_s"] == pytest.approx(0.02 - 0.005 - 0.007)
     assert costs.prefill(3, 20, 3) == pytest.approx(4e-3 + 2e-4 * 40)  # past the table at its last slope
+
+
+def test_a_profiled_shape_is_priced_as_measured_and_others_by_the_fit():
+    """The fit prices every shape; one measured at 1 and 4 rows adds its own residual there, half of
+    each halfway between (by rows), the nearest level's beyond them, and nothing to another shape."""
+    curve = CostModel(dict.fromkeys(SWEEP, 1e-3), dict.fromkeys(SWEEP, 1e-4))
+    measured, other = SpecConfig(6, 8, 48), SpecConfig(3, 1, 4)
+    fit = CpuCosts(curve, spec_extra={1: 1e-3, 4: 2e-3}, spec_slopes=(0.0, 1e-4, 0.0))
+    costs = CpuCosts(curve, spec_extra={1: 1e-3, 4: 2e-3}, spec_slopes=(0.0, 1e-4, 0.0),
+                     spec_measured={measured: {1: 4e-3, 4: -1e-3}})
+    for B, added in ((1, 4e-3), (4, -1e-3), (2, 4e-3 - 5e-3 / 3), (8, -1e-3)):
+        assert costs.spec_step(measured, B, 1, 100, 0) == pytest.approx(fit.spec_step(measured, B, 1, 100, 0) + added)
+    assert costs.spec_step(other, 2, 1, 100, 0) == fit.spec_step(other, 2, 1, 100, 0)
 
 
 def test_simulated_draft_confidence_is_calibrated_informative_and_decides_what_is_accepted():

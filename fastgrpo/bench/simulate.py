@@ -22,7 +22,7 @@ import platform
 import random
 import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -210,6 +210,9 @@ class CpuCosts:
     off_extra: dict[int, float] = field(default_factory=dict)  # a plain step beyond its forward, by running rows
     spec_extra: dict[int, float] = field(default_factory=dict)  # a speculative step beyond its forwards, by rows B,
     spec_slopes: tuple[float, ...] = (0.0, 0.0, 0.0)  # plus per token verified (B n), per level, per B depth top-k^2
+    # a profiled shape's measured residual less the fit's, by rows: where a shape was measured it is
+    # priced as measured (between two levels interpolated, beyond them the nearest level's)
+    spec_measured: dict[SpecConfig, dict[int, float]] = field(default_factory=dict)
     prefill_table: dict[int, float] = field(default_factory=dict)  # a prefill by unique prompt tokens (x longest)
     copy_s: float = 0.0  # per row joined beyond its prompt's first (a group's samples share one prefill)
     other_fit: tuple[float, ...] = (0.0, 0.0, 0.0)  # outside the steps: per call, per step, per running row per step
@@ -259,7 +262,8 @@ class CpuCosts:
                   verified: float | None = None) -> float:
         k, d, e = self.spec_slopes  # e: each level's top-k of top-k candidates per row
         n = verified or c.num_verify
-        extra = self._grid(self.spec_extra, B) + k * B * n + d * c.depth + e * B * c.depth * c.topk**2
+        extra = (self._grid(self.spec_extra, B) + k * B * n + d * c.depth + e * B * c.depth * c.topk**2
+                 + self._grid(self.spec_measured.get(c, {}), B))
         return self.spec_forwards(c, B, width, ctx_max, verified) + max(extra, 0.0)
 
     def prefill(self, unique: int, width: int, joined: int) -> float:
@@ -275,7 +279,9 @@ class CpuCosts:
     def to_json(self) -> dict:
         return {"curve": self.curve.to_json(), "off_extra": self.off_extra,
                 "plain_extra": self.plain_extra,
-                "spec_extra": self.spec_extra, "spec_slopes": self.spec_slopes, "prefill_table": self.prefill_table,
+                "spec_extra": self.spec_extra, "spec_slopes": self.spec_slopes,
+                "spec_measured": {c.name: table for c, table in self.spec_measured.items()},
+                "prefill_table": self.prefill_table,
                 "copy_s": self.copy_s, "other_fit": self.other_fit}
 
 
@@ -687,6 +693,7 @@ def _engine_run(engine, policy, requests, sampling, seed: int) -> dict:
 PROFILE_CONFIGS = (None, "plain", SpecConfig(3, 1, 4), SpecConfig(2, 2, 4), SpecConfig(4, 4, 12), SpecConfig(5, 8, 24),
                    SpecConfig(6, 8, 32))  # plain, then trees out to the deepest, widest corner of aware's grid
 PROFILE_LEVELS = (1, 2, 4, 8, 16, 32, 64)  # rows running; the grid a plain step's extra is read from
+SHAPES_PER_LEVEL = 4  # shapes the validation's policies ran, profiled per level beyond PROFILE_CONFIGS
 # (unique prompts, copies of each) of the measured prefills: copies 1 make the table by tokens
 PREFILL_CASES = ((1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (32, 1), (64, 1), (2, 8), (4, 8), (8, 8), (16, 2))
 
@@ -707,7 +714,13 @@ class CpuProfiler:
     per size, as the engine's own calibration does (`aware` on the engine prices with that sweep);
     the engine runs keep the median pass, as the validation's medians do (the fastest pass made every
     priced step 2-11% cheaper than the validation's medians). Per run the step residual is the
-    median step's (robust to one slow step). `curve`: use this sweep instead of measuring one (tests)."""
+    median step's (robust to one slow step). `curve`: use this sweep instead of measuring one (tests).
+
+    Beyond its five trees it profiles, from the next pass on, the shapes the policies ran on the
+    workloads so far (`add_shapes`: the most used per level of rows), and prices a shape it measured
+    as measured: through the fit alone, shapes off the five (fastgrpo's 160-token tree, the learning
+    policies' choices) were priced 10-16% low at one running sequence while the five were within 4%
+    (BENCHMARKS.md section 8)."""
 
     def __init__(self, engine, prompts: list[list[int]], temperature: float, top_p: float,
                  log: Callable[[str], None], tokens: int = 24, curve: CostModel | None = None):
@@ -726,6 +739,7 @@ class CpuProfiler:
         self.sweeps: list[CostModel] = []
         self.prefill_runs: dict[tuple[int, int], list[dict]] = {}
         self.step_runs: dict[tuple[int, Any], list[tuple[dict, Recorder]]] = {}
+        self.shapes: dict[int, list[SpecConfig]] = {B: [] for B in self.levels}  # profiled beyond PROFILE_CONFIGS
         _engine_run(engine, Off(), [Request(self.pool[0])], self.greedy1, 0)  # warm-up
         self.seconds += time.perf_counter() - t0
 
@@ -733,6 +747,19 @@ class CpuProfiler:
     def first_sweep(self) -> CostModel:
         """The engine's calibration as `aware` on the engine gets it: the first pass's sweep."""
         return self.fixed_curve or self.sweeps[0]
+
+    def add_shapes(self, steps: Sequence[tuple[int, SpecConfig | None]]) -> None:
+        """Profile from the next pass on the shapes of these (running rows, shape) steps, each at the
+        level of rows nearest its running rows (in ratio), the most used first, SHAPES_PER_LEVEL a level."""
+        used: dict[int, Counter] = {}
+        for running, c in steps:
+            if c is not None and c not in PROFILE_CONFIGS:
+                level = min(self.levels, key=lambda B: abs(math.log2(B / running)))
+                used.setdefault(level, Counter())[c] += 1
+        for level, counts in used.items():
+            for c, _ in counts.most_common():
+                if len(self.shapes[level]) < SHAPES_PER_LEVEL and c not in self.shapes[level]:
+                    self.shapes[level].append(c)
 
     def measure_pass(self) -> None:
         from fastgrpo.types import Request
@@ -746,7 +773,7 @@ class CpuProfiler:
             self.prefill_runs.setdefault((unique, copies), []).append(run)
         for B in self.levels:
             reqs = [Request(pool[(3 * i) % len(pool)], max_new_tokens=self.tokens) for i in range(B)]
-            for c in PROFILE_CONFIGS:
+            for c in (*PROFILE_CONFIGS, *self.shapes[B]):
                 # "plain": plain steps under a speculating policy (TLT with threshold 0 never speculates)
                 rec = Recorder(Off() if c is None else TLT(threshold=0) if c == "plain" else Static(c))
                 run = _engine_run(engine, rec, reqs, self.sampling, 500 + r)
@@ -776,7 +803,7 @@ class CpuProfiler:
             call_rows.append([1.0, 0.0, 0.0])
             call_y.append(statistics.median(run["seconds"] - run["prefill_s"] for run in runs))
         copy_s = max(_lstsq(copy_rows, copy_y)[0], 0.0) if copy_rows else 0.0
-        off_extra, plain_extra, spec_rows, spec_y, spec_residual = {}, {}, [], [], {}
+        off_extra, plain_extra, spec_rows, spec_y, spec_cases, spec_residual = {}, {}, [], [], [], {}
         for (B, c), runs in step_runs.items():
             plens = [len(pool[(3 * i) % len(pool)]) for i in range(B)]
             per_pass, other = [], []
@@ -799,17 +826,22 @@ class CpuProfiler:
                 # an intercept per level of rows (a step's fixed work is not linear in them), shared slopes
                 spec_rows.append([*(float(B == b) for b in levels), B * c.num_verify, c.depth, B * c.depth * c.topk**2])
                 spec_y.append(residual)
+                spec_cases.append((B, c))
                 spec_residual[f"B{B} {c.name}"] = residual
             rec = runs[0][1]
             call_rows.append([1.0, len(rec.log), sum(running for _, _, running, _, _, _ in rec.log)])
             call_y.append(statistics.median(other))
         spec_fit = _lstsq(spec_rows, spec_y)
         spec_extra, spec_slopes = dict(zip(levels, spec_fit[:len(levels)])), spec_fit[len(levels):]
+        spec_measured: dict[SpecConfig, dict[int, float]] = {}
+        for (B, c), x, y in zip(spec_cases, spec_rows, spec_y):
+            spec_measured.setdefault(c, {})[B] = y - float(np.dot(x, spec_fit))
         other_fit = _lstsq(call_rows, call_y)
-        costs = CpuCosts(curve, off_extra, spec_extra, spec_slopes, prefill_table, copy_s, other_fit,
+        costs = CpuCosts(curve, off_extra, spec_extra, spec_slopes, spec_measured, prefill_table, copy_s, other_fit,
                          plain_extra)
         info = {"seconds": self.seconds, "levels": levels, "rounds": len(step_runs[(levels[0], None)]),
                 "configs": ["off" if c is None else c if isinstance(c, str) else c.name for c in PROFILE_CONFIGS],
+                "shapes_profiled": {B: [c.name for c in shapes] for B, shapes in self.shapes.items()},
                 "tokens": tokens, "sweep_rounds_target_1_s": [s.target_s[1] for s in sweeps],
                 "spec_residual_s": spec_residual,
                 "fit_rms_s": {"spec": _rms(spec_rows, spec_y, spec_fit), "other": _rms(call_rows, call_y, other_fit),
@@ -863,13 +895,18 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
     steps, and how many it takes is itself a draw (what the draft gets accepted), so its median
     needs more runs to settle than a batch's does. The GRPO batch repeats 2 reps times: the learning
     policies (`tlt`'s bandit above all) settle on different shapes from one run to the next. A pass
-    of the cpu profile follows each workload, and the simulation prices with the profile of all
+    of the cpu profile follows each workload (and one comes amid the GRPO batch's runs), each also
+    profiling the shapes the policies ran so far, and the simulation prices with the profile of all
     passes (the first one before this call)."""
     from fastgrpo.types import Request, SamplingParams
 
     recs = {m: Recorder(p) for m, p in engine_policies.items()}
     measured: dict[str, list[float]] = {}
     runs: dict[str, list[tuple]] = {}  # each engine run with its steps, to price once the profile is done
+
+    def ran(workload: str) -> list[tuple[int, SpecConfig | None]]:
+        """(running rows, shape) of every step the policies took on this workload."""
+        return [(running, c) for rec in recs.values() for tag, c, running, *_ in rec.log if tag[0] == workload]
 
     def run_engine(case: str, mode: str, reqs, sampling, seed: int, rep: int) -> dict:
         start = len(recs[mode].log)
@@ -889,6 +926,7 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
             for mode in rotated(list(SWEEP_MODES), rep):
                 recs[mode].tag = (f"sweep_B{B}", B, rep)
                 run_engine(f"sweep_B{B}_{mode}", mode, reqs, sampling, 1000 * rep + B, rep)
+        profiler.add_shapes(ran(f"sweep_B{B}"))
         profiler.measure_pass()
         log(f"engine, {B} running: " + ", ".join(f"{m} {statistics.median(measured[f'sweep_B{B}_{m}']):.2f}s"
                                                  for m in SWEEP_MODES))
@@ -902,6 +940,9 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
             recs[mode].tag = ("grpo", 0, rep)
             r = run_engine(f"grpo_{mode}", mode, reqs, sampling, 77 + rep, rep)
             grpo_lengths.setdefault(rep, r["lengths"])
+        if rep == grpo_reps // 2:  # a pass amid the batch's runs, with the shapes they ran so far
+            profiler.add_shapes(ran("grpo"))
+            profiler.measure_pass()
     profiler.measure_pass()
     costs, cost_info = profiler.costs()
     log("engine, GRPO batch: " + ", ".join(f"{m} {statistics.median(measured[f'grpo_{m}']):.2f}s" for m in _grpo_modes()))
