@@ -862,13 +862,6 @@ class CpuProfiler:
         return costs, info
 
 
-def _trimmed_mean(xs: list[float], drop: float = 0.1) -> float:
-    """The mean without the slowest `drop` share: a total is a sum (a median would miss the engine's
-    occasional slow steps), but a shared machine's worst spikes are not the engine's."""
-    xs = sorted(xs)
-    return float(np.mean(xs[: max(1, math.ceil(len(xs) * (1 - drop)))]))
-
-
 def _rms(rows: list[list[float]], y: list[float], coef: tuple[float, ...]) -> float:
     pred = np.asarray(rows) @ np.asarray(coef)
     return float(np.sqrt(np.mean((pred - np.asarray(y)) ** 2)))
@@ -1313,7 +1306,8 @@ def markdown(result: dict, command: str) -> str:
              "### Validation: the simulator against the engine on this CPU (measured and predicted)", "",
              f"The engine (medians of interleaved repetitions after a warm-up) and the simulator "
              f"(same protocol, cpu profile: the engine's calibration sweep plus the step, prefill and loop costs "
-             f"measured on other workloads, in passes between the validation's workloads; acceptance measured on "
+             f"measured on other workloads, in passes between the validation's workloads, with the tree shapes "
+             f"the policies ran; acceptance measured on "
              f"the engine in these runs, per workload). Fixed concurrency: {v['tokens']} tokens per sequence, EOS "
              f"ignored (runs of B sequences repeated max({reps}, {16 * reps} / B) times); GRPO batch: {v['n_prompts']} "
              f"prompts x {v['group']}, the policy's own lengths (max {v['max_new']}), {2 * reps} repetitions. Where each error arises: "
