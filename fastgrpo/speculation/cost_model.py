@@ -180,7 +180,8 @@ def calibrate(model: InferenceModel, draft: DraftHead, reps: int = 5, sweep: tup
     probes = [p for p in ROW_PROBES if p[0] * p[1] in sweep]
     shapes = {(B, n, CONTEXT): KINDS for B, n in sweep_shapes}
     shapes |= {(B, n, CONTEXT): ("target",) for B, n in probes}  # only the target is priced by rows
-    shapes |= {(B, n, ctx): KINDS for B, n in CONTEXT_PROBES for ctx in (CONTEXT, CONTEXT + extra)}
+    if extra > 0:
+        shapes |= {(B, n, ctx): KINDS for B, n in CONTEXT_PROBES for ctx in (CONTEXT, CONTEXT + extra)}
     seconds: dict[tuple[str, int, int, int], float] = {}
     for (B, n, ctx), kinds in [shape for _ in range(rounds) for shape in shapes.items()]:
         cache.lengths.fill_(ctx)
@@ -198,10 +199,10 @@ def calibrate(model: InferenceModel, draft: DraftHead, reps: int = 5, sweep: tup
             seconds[key] = min(seconds.get(key, float("inf")), _time(forwards[kind], reps))
     target = {t: seconds[("target", B, n, CONTEXT)] for t, (B, n) in zip(sweep, sweep_shapes)}
     context_extra_s = {(kind, B, n): seconds[(kind, B, n, CONTEXT + extra)] - seconds[(kind, B, n, CONTEXT)]
-                       for kind in KINDS for B, n in CONTEXT_PROBES}
+                       for kind in KINDS for B, n in CONTEXT_PROBES} if extra > 0 else None
     return CostModel(target, {t: seconds[("draft", B, n, CONTEXT)] for t, (B, n) in zip(sweep, sweep_shapes)},
                      row_seconds(monotone(target), {(B, n): seconds[("target", B, n, CONTEXT)] for B, n in probes}),
-                     context_rates(context_extra_s, extra))
+                     context_extra_s and context_rates(context_extra_s, extra))
 
 
 def load_or_calibrate(model: InferenceModel, draft: DraftHead, cache_dir: Path) -> CostModel:
