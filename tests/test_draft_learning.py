@@ -331,7 +331,10 @@ def test_a_data_parallel_draft_slice_steps_as_one_trainer_on_all_its_batches(tmp
     trainer = DraftTrainer(one, lr=3e-3)
     trainer.step(hidden, tokens, mask)
     trainer.step(*halves[1])
-    moved = max((one.state_dict()[k] - state[k]).abs().max().item() for k in state)
-    assert moved > 1e-4
+    # per tensor, against how far the two steps moved it (Adam: reduction-order rounding in near-zero
+    # gradients moves a coordinate by up to the learning rate; 1.4e-6 against an absolute 1e-6 on one
+    # machine, 2026-11-26), where a lost or misweighted batch moves it by the order of the step
     for k, v in one.state_dict().items():
-        torch.testing.assert_close(rank0[k], v, rtol=1e-5, atol=1e-6)
+        moved = float((v - state[k]).norm())
+        assert moved > 1e-4, k
+        assert float((rank0[k] - v).norm()) <= 3e-3 * moved, k

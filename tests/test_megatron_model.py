@@ -266,8 +266,11 @@ def assert_same_step_as_torch(results, policy_dir, kind):
         if name.endswith("k_proj.bias"):
             assert float((weights[name] - t).abs().max()) < 1e-4, name
         else:
+            moved = float((t - initial[name]).norm())
             assert float((weights[name] - initial[name]).norm()) > 1e-3, name  # every tensor did move
-            assert float((weights[name] - t).norm() / t.norm()) <= 1e-5, name
+            # against how far the update moved the tensor (the rounding above scales with the learning
+            # rate, not the weights; a wrong update moves it by the order of the update itself)
+            assert float((weights[name] - t).norm()) <= 3e-3 * moved, name
 
 
 @pytest.mark.parametrize("tp, pp, world, kind", [(2, 1, 2, "qwen2"), (1, 1, 2, "qwen2"),
