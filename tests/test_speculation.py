@@ -19,7 +19,7 @@ from fastgrpo.models.policy import new_policy, policy_config
 from fastgrpo.speculation.draft import DraftHead
 from fastgrpo.speculation.cost_model import CostModel, load_or_calibrate
 from fastgrpo.speculation.per_sequence import AwarePerSequence
-from fastgrpo.speculation.policy import Aware, FastGRPOFormula, Static
+from fastgrpo.speculation.policy import Aware, FastGRPOFormula, Static, context_level
 from fastgrpo.speculation.tlt import TLT
 from fastgrpo.speculation.tree import SpecConfig
 from tests.conftest import first_divergence_is_a_near_tie
@@ -610,16 +610,18 @@ def test_aware_recovers_from_a_calibration_taken_while_the_machine_was_busy():
 
 def test_aware_does_not_search_its_trees_again_at_every_plain_step():
     """A search over the candidate trees costs ~0.5 ms, several percent of a plain step: while `aware`
-    decodes plainly (speculation not yet measured in the bucket), the best tree found once is kept."""
+    decodes plainly (speculation not yet measured in the bucket), the best tree found once is kept, per
+    level of context (one search per quarter octave of context, not one per step as the rows grow)."""
     sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # a CPU-like curve: at 16 sequences plain decoding wins
     aware = Aware(CostModel({t: 0.003 + 0.0006 * t for t in sizes}, {t: 0.0005 + 0.0001 * t for t in sizes}))
     plain_once(aware, 16)
-    assert aware.choose(16) is None
-    kept = aware._trees[16]
-    for _ in range(40):
-        assert aware.choose(16) is None
+    assert aware.choose(16, 100) is None
+    kept = aware._trees[(16, aware.context)]
+    for context in range(100, 140):  # 100 to 139 cached tokens: two levels (2^6.75 ~ 108, 2^7 = 128)
+        assert aware.choose(16, context) is None
         aware.observe(None, 16, 16, aware.costs.target(16) * 1.1)
-    assert aware._trees[16] is kept
+    assert aware._trees[(16, context_level(100))] is kept
+    assert sorted(level for running, level in aware._trees if running == 16) == [2**6.75, 2**7]
 
 
 def test_aware_probes_less_often_while_probes_confirm_its_choice():
