@@ -718,9 +718,8 @@ class CpuProfiler:
 
     Beyond its five trees it profiles, from the next pass on, the shapes the policies ran on the
     workloads so far (`add_shapes`: the most used per level of rows), and prices a shape it measured
-    as measured: through the fit alone, shapes off the five (fastgrpo's 160-token tree, the learning
-    policies' choices) were priced 10-16% low at one running sequence while the five were within 4%
-    (BENCHMARKS.md section 8)."""
+    as measured: through the fit alone, the learning policies' steps at one running sequence were
+    priced 16% (`aware`) and 12% (`tlt`) low in one run (BENCHMARKS.md section 8)."""
 
     def __init__(self, engine, prompts: list[list[int]], temperature: float, top_p: float,
                  log: Callable[[str], None], tokens: int = 24, curve: CostModel | None = None):
