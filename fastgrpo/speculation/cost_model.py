@@ -7,7 +7,7 @@ CONTEXT cached tokens each. Two things a step pays beyond that point are measure
 - context: each sequence reads its own cached keys and values, and each new token attends over them.
   Two shapes of 64 tokens (64 rows of one, 4 rows of 16) timed over CONTEXT and CONTEXT + 256 cached
   tokens separate the two rates (per row x cached token, per new token x cached token), so
-  `past_context` prices a step of B rows over the rows' real context. Where contexts run to thousands
+  `at_context` prices a step of B rows over the rows' real context. Where contexts run to thousands
   of tokens (reasoning RL on a GPU) reading the caches is most of a step and costs a plain step and a
   tree step alike; priced at the sweep's 128 tokens, a tree looked 3x dearer than it is (SIMULATED
   H100, BENCHMARKS.md section 8).
@@ -99,7 +99,7 @@ class CostModel:
         self.context_s = context_s or {f"{kind}_{rate}": 0.0 for kind in KINDS for rate in ("row", "token")}
         # `aware` asks for the same few sizes at every decode step: answered from a table, a plain
         # step under `aware` costs what one under `off` costs
-        self._memo: dict[tuple[str, float], float] = {}
+        self._memo: dict[tuple, float] = {}
         f64 = torch.float64
         self._points = {name: (torch.tensor(list(c), dtype=f64), torch.tensor(list(c.values()), dtype=f64))
                         for name, c in (("target_s", self.target_s), ("draft_s", self.draft_s))}
@@ -134,9 +134,12 @@ class CostModel:
         seconds = self._lookup(f"{kind}_s", tokens)
         if context is None:
             return seconds
-        rates = self.context_s
-        past = (rates[f"{kind}_row"] * rows + rates[f"{kind}_token"] * tokens) * (context - CONTEXT)
-        return max(seconds + past, next(iter(getattr(self, f"{kind}_s").values())))
+        key = (kind, tokens, rows, context)  # `aware` asks at a few context levels: from the table too
+        if (priced := self._memo.get(key)) is None:
+            rates = self.context_s
+            past = (rates[f"{kind}_row"] * rows + rates[f"{kind}_token"] * tokens) * (context - CONTEXT)
+            priced = self._memo[key] = max(seconds + past, next(iter(getattr(self, f"{kind}_s").values())))
+        return priced
 
     def target_many(self, tokens: Tensor, rows: float | None = None) -> Tensor:
         """target() at many sizes at once (a per-sequence budget weighs every total it could verify)."""
@@ -198,11 +201,13 @@ def calibrate(model: InferenceModel, draft: DraftHead, reps: int = 5, sweep: tup
             key = (kind, B, n, ctx)
             seconds[key] = min(seconds.get(key, float("inf")), _time(forwards[kind], reps))
     target = {t: seconds[("target", B, n, CONTEXT)] for t, (B, n) in zip(sweep, sweep_shapes)}
-    context_extra_s = {(kind, B, n): seconds[(kind, B, n, CONTEXT + extra)] - seconds[(kind, B, n, CONTEXT)]
-                       for kind in KINDS for B, n in CONTEXT_PROBES} if extra > 0 else None
+    context_s = None  # no room for the context probes: the sweep's context is taken for every step's
+    if extra > 0:
+        context_s = context_rates({(kind, B, n): seconds[(kind, B, n, CONTEXT + extra)] - seconds[(kind, B, n, CONTEXT)]
+                                   for kind in KINDS for B, n in CONTEXT_PROBES}, extra)
     return CostModel(target, {t: seconds[("draft", B, n, CONTEXT)] for t, (B, n) in zip(sweep, sweep_shapes)},
                      row_seconds(monotone(target), {(B, n): seconds[("target", B, n, CONTEXT)] for B, n in probes}),
-                     context_extra_s and context_rates(context_extra_s, extra))
+                     context_s)
 
 
 def load_or_calibrate(model: InferenceModel, draft: DraftHead, cache_dir: Path) -> CostModel:

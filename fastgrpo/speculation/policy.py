@@ -30,7 +30,8 @@ class SpeculationPolicy(Protocol):
     name: str
 
     def choose(self, running: int, context: float | None = None) -> SpecConfig | None:
-        """`context`: the running rows' mean cached tokens (None: not known)."""
+        """`context`: cached tokens a step's attention reads per running row (the embedded engine: its
+        longest row's, its cache is padded to it; a paged cache: the rows' mean); None: not known."""
 
     def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
                 accepted: list[int] | None = None) -> None: ...
