@@ -275,7 +275,7 @@ def test_validation_runs_end_to_end_on_an_engine():
     pols |= {f"static_{c.name}": Static(c) for c in STATIC_SWEEP} | {"fastgrpo": sim_policies(Roofline(H100, LLAMA3_8B), ())["fastgrpo"]}
     prompts = [[1, 2 + i % 5, 3, 4 + i % 3][: 2 + i % 3] for i in range(12)]
     profiler = CpuProfiler(engine, prompts, 1.0, 1.0, print, tokens=6, curve=curve)
-    val = validate(engine, pols, profiler, prompts, 1.0, 1.0, (1, 4), 6, 2, 2, 10, 64, 1, print)
+    val = validate(engine, pols, profiler, prompts, 1.0, 1.0, (1, 4), 6, 2, 2, 10, 64, 1, print, replays=3)
     costs, info = val["_costs"]
     assert info["rounds"] == 4  # a pass after each of the three workloads, one amid the GRPO batch's runs
     assert sorted(costs.off_extra) == sorted(costs.plain_extra) == sorted(costs.spec_extra) == [1, 2, 4, 8]  # capped
@@ -285,6 +285,9 @@ def test_validation_runs_end_to_end_on_an_engine():
     assert "d5k8n160" in profiled  # fastgrpo's tree at one running sequence
     assert {c.name for c in costs.spec_measured} >= profiled
     assert set(val["cpu_predicted_s"]) == set(val["cpu_measured_s"]) == set(val["error"]) == set(val["breakdown"])
+    # every case simulated as often as the engine ran it, in each of the three replays
+    assert val["runs"]["sweep_B1_tlt"] == {"engine": 16, "simulated": 48}
+    assert val["runs"]["grpo_aware"] == {"engine": 2, "simulated": 6}
     assert all(np.isfinite(e) and e > -1 for e in val["error"].values())
     assert all(b["priced_s"] > 0 and b["steps_s"] < b["measured_s"] for b in val["breakdown"].values())
 

@@ -870,6 +870,7 @@ def _rms(rows: list[list[float]], y: list[float], coef: tuple[float, ...]) -> fl
 # Validation: the real engine and the simulator on the same workloads
 # ---------------------------------------------------------------------------------------------
 SWEEP_MODES = ("off", "static", "fastgrpo", "tlt", "aware")
+VALIDATION_REPLAYS = 5  # the simulated protocol's replays (simulated runs are cheap; the engine's are not)
 
 
 def _grpo_modes() -> list[str]:
@@ -879,7 +880,7 @@ def _grpo_modes() -> list[str]:
 def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: CpuProfiler, prompts: list[list[int]],
              temperature: float, top_p: float, levels: Sequence[int], tokens: int, n_prompts: int, group: int,
              max_new: int, max_context: int, reps: int, log: Callable[[str], None], seed: int = 0,
-             static_cfg: SpecConfig = STATIC_DEFAULT) -> dict:
+             static_cfg: SpecConfig = STATIC_DEFAULT, replays: int = 1) -> dict:
     """Every case twice: on the engine (medians of interleaved repetitions after a warm-up, the
     protocol of `bench rollout`) and in the simulator (the same protocol with fresh simulated
     policies; the acceptance of each workload is the engine's, measured in these same runs). A case
@@ -889,7 +890,10 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
     policies (`tlt`'s bandit above all) settle on different shapes from one run to the next. A pass
     of the cpu profile follows each workload (and one comes amid the GRPO batch's runs), each also
     profiling the shapes the policies ran so far, and the simulation prices with the profile of all
-    passes (the first one before this call)."""
+    passes (the first one before this call). The simulated protocol is replayed `replays` times with
+    fresh policies (TLT's bandit seeded per replay) and its median taken over every replay's runs:
+    the simulator's own draws (acceptance, the learning policies' path) then add little to the
+    engine's (one replay's simulated `tlt` runs on the GRPO batch spread 27% min to max, 2026-11-25)."""
     from fastgrpo.types import Request, SamplingParams
 
     recs = {m: Recorder(p) for m, p in engine_policies.items()}
@@ -947,34 +951,35 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
                 accepted[tag[0]].setdefault(config, []).extend(acc)
     profiles = {w: fit_acceptance(a, f"our draft on the bench policy, measured ({w} workload)")
                 for w, a in accepted.items()}
-    # the same protocol, simulated
-    rng = np.random.default_rng(seed)
-    policies = sim_policies(costs, STATIC_SWEEP)
-    policies["static"] = Static(static_cfg)
+    # the same protocol, simulated, replayed `replays` times with fresh policies: the prediction is
+    # the median over all replays' runs, not one more draw as noisy as the engine's own median
+    rng, t_sim = np.random.default_rng(seed), time.perf_counter()
     predicted: dict[str, list[float]] = {}
     sim_steps: dict[str, list[tuple[int, int]]] = {}  # (decode steps, speculative steps) per simulated run
-    traces: dict[str, list] = {}
-    for B in levels:
-        plens = sweep_prompts[B]
-        wl = Workload(f"sweep{B}", [SimRequest(i, plens[i], tokens) for i in range(B)], tokens, max_context)
-        for rep in range(level_reps(reps, B) + 1):
-            for mode in SWEEP_MODES:
-                run = simulate(wl, costs, profiles[f"sweep_B{B}"], policies[mode], engine.max_batch, rng,
-                               policy_clock=True)
-                if rep:
-                    predicted.setdefault(f"sweep_B{B}_{mode}", []).append(run.seconds)
-                    sim_steps.setdefault(f"sweep_B{B}_{mode}", []).append((run.decode_steps, run.spec_steps))
     plens = [len(p) for p in prompts[:n_prompts]]
-    for rep in range(grpo_reps + 1):
-        lengths = grpo_lengths[rep]
-        wl = grpo_workload("grpo", plens, [lengths[p * group:(p + 1) * group] for p in range(n_prompts)], max_new,
-                           max_context)
-        for mode in _grpo_modes():
-            run = simulate(wl, costs, profiles["grpo"], policies[mode], engine.max_batch, rng, policy_clock=True)
-            if rep:
-                predicted.setdefault(f"grpo_{mode}", []).append(run.seconds)
-                sim_steps.setdefault(f"grpo_{mode}", []).append((run.decode_steps, run.spec_steps))
-                traces[mode] = run.trace
+    for replay in range(replays):
+        policies = sim_policies(costs, STATIC_SWEEP, tlt_seed=replay)
+        policies["static"] = Static(static_cfg)
+        for B in levels:
+            wl = Workload(f"sweep{B}", [SimRequest(i, sweep_prompts[B][i], tokens) for i in range(B)], tokens,
+                          max_context)
+            for rep in range(level_reps(reps, B) + 1):
+                for mode in SWEEP_MODES:
+                    run = simulate(wl, costs, profiles[f"sweep_B{B}"], policies[mode], engine.max_batch, rng,
+                                   policy_clock=True)
+                    if rep:
+                        predicted.setdefault(f"sweep_B{B}_{mode}", []).append(run.seconds)
+                        sim_steps.setdefault(f"sweep_B{B}_{mode}", []).append((run.decode_steps, run.spec_steps))
+        for rep in range(grpo_reps + 1):
+            lengths = grpo_lengths[rep]
+            wl = grpo_workload("grpo", plens, [lengths[p * group:(p + 1) * group] for p in range(n_prompts)],
+                               max_new, max_context)
+            for mode in _grpo_modes():
+                run = simulate(wl, costs, profiles["grpo"], policies[mode], engine.max_batch, rng, policy_clock=True)
+                if rep:
+                    predicted.setdefault(f"grpo_{mode}", []).append(run.seconds)
+                    sim_steps.setdefault(f"grpo_{mode}", []).append((run.decode_steps, run.spec_steps))
+    log(f"the validation simulated {replays} times in {time.perf_counter() - t_sim:.0f}s")
     meas = {k: statistics.median(v) for k, v in measured.items()}
     pred = {k: statistics.median(v) for k, v in predicted.items()}
     error = {k: pred[k] / meas[k] - 1 for k in meas}
@@ -993,7 +998,9 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
     bench_lengths = [lengths for rep, lengths in sorted(grpo_lengths.items())]
     return {"cpu_predicted_s": pred, "cpu_measured_s": meas, "error": error,
             "cpu_measured_min_s": {k: min(v) for k, v in measured.items()},
+            "cpu_measured_spread_s": {k: [min(v), max(v)] for k, v in measured.items()},
             "cpu_predicted_spread_s": {k: [min(v), max(v)] for k, v in predicted.items()},
+            "runs": {k: {"engine": len(measured[k]), "simulated": len(predicted[k])} for k in measured},
             "max_abs_error": max(abs(e) for e in error.values()), "breakdown": breakdown,
             "acceptance": {w: p.to_json() for w, p in profiles.items()},
             "grpo_lengths": bench_lengths, "grpo_prompt_lens": plens, "group": group,
@@ -1168,7 +1175,7 @@ def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = Non
              max_new=128 if quick else cfg.rollout.max_new_tokens)
     val = validate(engine, engine_policies, profiler, prompts, temperature, top_p, v["levels"], v["tokens"],
                    v["n_prompts"], v["group"], v["max_new"], cfg.model.max_context, reps, log, seed=cfg.seed,
-                   static_cfg=static_cfg)
+                   static_cfg=static_cfg, replays=VALIDATION_REPLAYS)
     profiles = val.pop("_profiles")
     costs, cost_info = val.pop("_costs")
 
@@ -1298,13 +1305,15 @@ def markdown(result: dict, command: str) -> str:
     m, val = result["meta"], result["validation"]
     v, reps = m["validation_workloads"], m["repetitions"]
     stem = Path(command.split("--output")[-1].strip()).stem if "--output" in command else "simulate"
+    runs = next(iter(val.get("runs", {}).values()), None)
+    replayed = f", replayed {runs['simulated'] // runs['engine']} times with fresh policies, median over all" if runs else ""
     lines = [f"Command: `{command}`", "",
              f"Date {m['date']}; {m['cores']} CPU threads ({m['machine']}), torch {m['torch']}; policy "
              f"`{m.get('policy', '?')}` ({m['policy_parameters'] / 1e6:.1f}M parameters, {m.get('sft_steps', '?')} SFT "
              f"steps; its draft {m.get('draft_steps', '?')} warm-start steps); temperature {m['temperature']}.", "",
              "### Validation: the simulator against the engine on this CPU (measured and predicted)", "",
              f"The engine (medians of interleaved repetitions after a warm-up) and the simulator "
-             f"(same protocol, cpu profile: the engine's calibration sweep plus the step, prefill and loop costs "
+             f"(same protocol{replayed}, cpu profile: the engine's calibration sweep plus the step, prefill and loop costs "
              f"measured on other workloads, in passes between the validation's workloads, with the tree shapes "
              f"the policies ran; acceptance measured on "
              f"the engine in these runs, per workload). Fixed concurrency: {v['tokens']} tokens per sequence, EOS "
@@ -1313,7 +1322,7 @@ def markdown(result: dict, command: str) -> str:
              "*profile* is the profile pricing the engine's own runs step by step at the shapes they ran (its "
              "cost model alone), *trajectory* the simulated runs against those priced runs (the policies' "
              "decisions and the acceptance draws).", "",
-             "| case | measured s (median) | measured s (fastest) | predicted s | error | error against the fastest "
+             "| case | measured s (median) | measured s (fastest - slowest) | predicted s | error | error against the fastest "
              "| profile | trajectory |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     mins = val.get("cpu_measured_min_s", val["cpu_measured_s"])
@@ -1322,7 +1331,9 @@ def markdown(result: dict, command: str) -> str:
     for k in val["cpu_measured_s"]:
         b = split.get(k)
         parts = "- | - |" if b is None else f"{100 * b['priced_error']:+.1f}% | {100 * b['trajectory_error']:+.1f}% |"
-        lines.append(f"| {k} | {val['cpu_measured_s'][k]:.3g} | {mins[k]:.3g} | {val['cpu_predicted_s'][k]:.3g} | "
+        slowest = val.get("cpu_measured_spread_s", {}).get(k, [None, None])[1]
+        lines.append(f"| {k} | {val['cpu_measured_s'][k]:.3g} | {mins[k]:.3g}"
+                     + ("" if slowest is None else f" - {slowest:.3g}") + f" | {val['cpu_predicted_s'][k]:.3g} | "
                      f"{100 * val['error'][k]:+.1f}% | {100 * err_min[k]:+.1f}% | " + parts)
     within = sum(abs(e) <= 0.10 for e in val["error"].values())
     within_min = sum(abs(e) <= 0.10 for e in err_min.values())
