@@ -75,3 +75,17 @@ def first_divergence_is_a_near_tie(model, prompt: list[int], a: list[int], b: li
     boundary = probs[: lo + 1].sum().item()  # the upper edge of the lower token's CDF interval...
     between = probs[lo + 1 : hi].sum().item()  # ...which meets the other's if nothing lies between
     return abs(u - boundary) < tol and between < tol
+
+
+def assert_same_update(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], start: dict[str, torch.Tensor],
+                       names=None, min_moved: float = 0.0) -> None:
+    """Two ways of taking the same optimiser steps (`want` from `start`) agree, per tensor, against how
+    far the steps moved it. Adam divides each gradient by its own running scale, so reduction-order
+    rounding in a near-zero gradient moves that coordinate by up to the learning rate (1.6e-5 of the
+    weights' norm, and 1.4e-6 against an absolute 1e-6, on one machine, 2026-11-26), while a wrong
+    update, a lost minibatch or a rank's rows missing moves it by the order of the update itself
+    (4.4e-4 of it at most measured where all is right)."""
+    for name in names or want:
+        moved = float((want[name] - start[name]).norm())
+        assert moved > min_moved, f"{name} did not move ({moved:.3g})"
+        assert float((got[name] - want[name]).norm()) <= 3e-3 * moved, name

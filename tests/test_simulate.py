@@ -3,6 +3,8 @@ never hands a policy the truth; the TLT-style policy does what TLT does."""
 
 from __future__ import annotations
 
+import statistics
+
 import numpy as np
 import pytest
 
@@ -275,9 +277,10 @@ def test_validation_runs_end_to_end_on_an_engine():
     pols |= {f"static_{c.name}": Static(c) for c in STATIC_SWEEP} | {"fastgrpo": sim_policies(Roofline(H100, LLAMA3_8B), ())["fastgrpo"]}
     prompts = [[1, 2 + i % 5, 3, 4 + i % 3][: 2 + i % 3] for i in range(12)]
     profiler = CpuProfiler(engine, prompts, 1.0, 1.0, print, tokens=6, curve=curve)
+    profiler.measure_pass()  # as `bench simulate` does, before the validation
     val = validate(engine, pols, profiler, prompts, 1.0, 1.0, (1, 4), 6, 2, 2, 10, 64, 1, print, replays=3)
     costs, info = val["_costs"]
-    assert info["rounds"] == 4  # a pass after each of the three workloads, one amid the GRPO batch's runs
+    assert info["rounds"] == 5  # before, a pass after each of the three workloads, one amid the GRPO batch's runs
     assert sorted(costs.off_extra) == sorted(costs.plain_extra) == sorted(costs.spec_extra) == [1, 2, 4, 8]  # capped
     assert len(costs.prefill_table) == 4  # 1, 2, 4 and 8 unique prompts (16 and more capped to 8)
     # the shapes the policies ran beyond the profile's five, profiled from the next pass on
@@ -285,6 +288,13 @@ def test_validation_runs_end_to_end_on_an_engine():
     assert "d5k8n160" in profiled  # fastgrpo's tree at one running sequence
     assert {c.name for c in costs.spec_measured} >= profiled
     assert set(val["cpu_predicted_s"]) == set(val["cpu_measured_s"]) == set(val["error"]) == set(val["breakdown"])
+    # each workload priced by the passes either side of it; a pass's own profile is its runs alone
+    assert val["profile_passes"] == {"sweep_B1": [0, 1], "sweep_B4": [1, 2], "grpo": [2, 3, 4]}
+    single = [profiler.costs({p})[0].off_extra for p in range(5)]
+    assert len({round(extra[1], 9) for extra in single}) > 1  # five passes, five timings
+    for B in costs.off_extra:
+        assert costs.off_extra[B] == pytest.approx(statistics.median(extra[B] for extra in single))
+        assert profiler.costs({0, 1})[0].off_extra[B] == pytest.approx((single[0][B] + single[1][B]) / 2)
     # every case simulated as often as the engine ran it, in each of the three replays
     assert val["runs"]["sweep_B1_tlt"] == {"engine": 16, "simulated": 48}
     assert val["runs"]["grpo_aware"] == {"engine": 2, "simulated": 6}

@@ -23,7 +23,7 @@ import random
 import statistics
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -735,9 +735,11 @@ class CpuProfiler:
         self.prefill_cases = sorted({(min(unique, cap), max(min(copies, cap // min(unique, cap)), 1))
                                      for unique, copies in PREFILL_CASES})
         self.levels = sorted({min(B, cap) for B in PROFILE_LEVELS})
-        self.sweeps: list[CostModel] = []
-        self.prefill_runs: dict[tuple[int, int], list[dict]] = {}
-        self.step_runs: dict[tuple[int, Any], list[tuple[dict, Recorder]]] = {}
+        self.passes = 0
+        self.sweeps: list[CostModel] = []  # one per pass (unless `curve` is given)
+        # each run with the pass that measured it
+        self.prefill_runs: dict[tuple[int, int], list[tuple[int, dict]]] = {}
+        self.step_runs: dict[tuple[int, Any], list[tuple[int, dict, Recorder]]] = {}
         self.shapes: dict[int, list[SpecConfig]] = {B: [] for B in self.levels}  # profiled beyond PROFILE_CONFIGS
         _engine_run(engine, Off(), [Request(self.pool[0])], self.greedy1, 0)  # warm-up
         self.seconds += time.perf_counter() - t0
@@ -763,30 +765,40 @@ class CpuProfiler:
     def measure_pass(self) -> None:
         from fastgrpo.types import Request
 
-        t0, r, engine, pool = time.perf_counter(), len(self.sweeps), self.engine, self.pool
+        t0, r, engine, pool = time.perf_counter(), self.passes, self.engine, self.pool
         if self.fixed_curve is None:
             self.sweeps.append(calibrate(engine.model, engine.draft, rounds=1))
         for unique, copies in self.prefill_cases:
             reqs = [Request(pool[u % len(pool)]) for u in range(unique) for _ in range(copies)]
             run = _engine_run(engine, Off(), reqs, self.greedy1, r)
-            self.prefill_runs.setdefault((unique, copies), []).append(run)
+            self.prefill_runs.setdefault((unique, copies), []).append((r, run))
         for B in self.levels:
             reqs = [Request(pool[(3 * i) % len(pool)], max_new_tokens=self.tokens) for i in range(B)]
             for c in (*PROFILE_CONFIGS, *self.shapes[B]):
                 # "plain": plain steps under a speculating policy (TLT with threshold 0 never speculates)
                 rec = Recorder(Off() if c is None else TLT(threshold=0) if c == "plain" else Static(c))
                 run = _engine_run(engine, rec, reqs, self.sampling, 500 + r)
-                self.step_runs.setdefault((B, c), []).append((run, rec))
+                self.step_runs.setdefault((B, c), []).append((r, run, rec))
+        self.passes += 1
         self.seconds += time.perf_counter() - t0
 
-    def costs(self) -> tuple[CpuCosts, dict]:
-        """The profile from every pass so far."""
+    def costs(self, passes: Collection[int] | None = None) -> tuple[CpuCosts, dict]:
+        """The profile from every pass so far, or from `passes` alone (a shape none of them measured:
+        from every pass that did). The context rates, a small difference of two timings, come from
+        every pass's sweep either way."""
         curve, pool, levels, tokens = self.fixed_curve, self.pool, self.levels, self.tokens
-        sweeps, prefill_runs, step_runs = self.sweeps, self.prefill_runs, self.step_runs
+
+        def chosen(runs: list[tuple]) -> list[tuple]:
+            return [run[1:] for run in runs if passes is None or run[0] in passes] or [run[1:] for run in runs]
+
+        prefill_runs = {k: [run for run, in chosen(v)] for k, v in self.prefill_runs.items()}
+        step_runs = {k: chosen(v) for k, v in self.step_runs.items()}
         if curve is None:
+            sweeps = [s for _, s in chosen(list(enumerate(self.sweeps)))]
             curve = CostModel({t: min(s.target_s[t] for s in sweeps) for t in SWEEP},
                               {t: min(s.draft_s[t] for s in sweeps) for t in SWEEP},
-                              context_s={k: statistics.median(s.context_s[k] for s in sweeps) for k in sweeps[0].context_s})
+                              context_s={k: statistics.median(s.context_s[k] for s in self.sweeps)
+                                         for k in self.sweeps[0].context_s})
         context = curve.context_s
         forwards = CpuCosts(curve)  # the sweep's forwards alone: what the residuals are over
 
@@ -839,9 +851,10 @@ class CpuProfiler:
         costs = CpuCosts(curve, off_extra, spec_extra, spec_slopes, spec_measured, prefill_table, copy_s, other_fit,
                          plain_extra)
         info = {"seconds": self.seconds, "levels": levels, "rounds": len(step_runs[(levels[0], None)]),
+                "passes": sorted(passes) if passes is not None else list(range(self.passes)),
                 "configs": ["off" if c is None else c if isinstance(c, str) else c.name for c in PROFILE_CONFIGS],
                 "shapes_profiled": {B: [c.name for c in shapes] for B, shapes in self.shapes.items()},
-                "tokens": tokens, "sweep_rounds_target_1_s": [s.target_s[1] for s in sweeps],
+                "tokens": tokens, "sweep_rounds_target_1_s": [s.target_s[1] for s in self.sweeps],
                 "spec_residual_s": spec_residual,
                 "fit_rms_s": {"spec": _rms(spec_rows, spec_y, spec_fit), "other": _rms(call_rows, call_y, other_fit),
                               "copies": _rms(copy_rows, copy_y, (copy_s,)) if copy_rows else 0.0}}
@@ -849,7 +862,7 @@ class CpuProfiler:
         def ms(table: dict[int, float]) -> str:
             return ", ".join(f"{k}: {1e3 * v:.2f}" for k, v in sorted(table.items()))
 
-        self.log(
+        (self.log if passes is None else lambda _: None)(
             f"cpu costs measured in {info['seconds']:.0f}s ({info['rounds']} passes): target forward 1 / 64 / 512 "
             f"tokens {1e3 * curve.target(1):.1f} / {1e3 * curve.target(64):.1f} / {1e3 * curve.target(512):.1f} ms "
             f"(sweep rounds at 1 token: {', '.join(f'{1e3 * x:.1f}' for x in info['sweep_rounds_target_1_s'])} ms); "
@@ -889,8 +902,11 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
     needs more runs to settle than a batch's does. The GRPO batch repeats 2 reps times: the learning
     policies (`tlt`'s bandit above all) settle on different shapes from one run to the next. A pass
     of the cpu profile follows each workload (and one comes amid the GRPO batch's runs), each also
-    profiling the shapes the policies ran so far, and the simulation prices with the profile of all
-    passes (the first one before this call). The simulated protocol is replayed `replays` times with
+    profiling the shapes the policies ran so far, and a workload is simulated and its engine runs
+    priced with the profile of the passes either side of it (the first one before this call): this
+    machine's speed drifts over minutes (the sweep's one-token forward 9.9-17.9 ms across the seven
+    passes of one run, 2026-11-26), and a profile of every pass priced the workloads measured in a
+    fast spell 11-22% high and those in a slow one 8-12% low, alike for every policy. The simulated protocol is replayed `replays` times with
     fresh policies (TLT's bandit seeded per replay) and its median taken over every replay's runs:
     the simulator's own draws (acceptance, the learning policies' path) then add little to the
     engine's (one replay's simulated `tlt` runs on the GRPO batch spread 27% min to max, 2026-11-25)."""
@@ -899,6 +915,7 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
     recs = {m: Recorder(p) for m, p in engine_policies.items()}
     measured: dict[str, list[float]] = {}
     runs: dict[str, list[tuple]] = {}  # each engine run with its steps, to price once the profile is done
+    workload_of: dict[str, str] = {}
 
     def ran(workload: str) -> list[tuple[int, SpecConfig | None]]:
         """(running rows, shape) of every step the policies took on this workload."""
@@ -908,6 +925,7 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
         start = len(recs[mode].log)
         r = _engine_run(engine, recs[mode], reqs, sampling, seed)
         if rep:
+            workload_of[case] = recs[mode].tag[0]
             measured.setdefault(case, []).append(r["seconds"])
             runs.setdefault(case, []).append((r, recs[mode].log[start:], [q.prompt_ids for q in reqs], mode != "off"))
         return r
@@ -915,7 +933,9 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
     # the fixed-concurrency sweep (EOS ignored)
     sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=tokens, ignore_eos=True)
     sweep_prompts: dict[int, list[int]] = {}
+    window: dict[str, set[int]] = {}  # the profile passes either side of each workload's engine runs
     for B in levels:
+        window[f"sweep_B{B}"] = {profiler.passes - 1, profiler.passes}
         reqs = [Request(prompts[i % len(prompts)], max_new_tokens=tokens) for i in range(B)]
         sweep_prompts[B] = [len(r.prompt_ids) for r in reqs]
         for rep in range(level_reps(reps, B) + 1):
@@ -931,6 +951,7 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
     sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new)
     grpo_lengths: dict[int, list[int]] = {}
     grpo_reps = 2 * reps
+    window["grpo"] = {profiler.passes - 1, profiler.passes, profiler.passes + 1}
     for rep in range(grpo_reps + 1):
         for mode in rotated(_grpo_modes(), rep):
             recs[mode].tag = ("grpo", 0, rep)
@@ -941,6 +962,9 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
             profiler.measure_pass()
     profiler.measure_pass()
     costs, cost_info = profiler.costs()
+    local = {w: profiler.costs(passes)[0] for w, passes in window.items()}
+    log("the sweep's one-token target forward by workload, from the passes either side of it (ms): " + ", ".join(
+        f"{w} {1e3 * c.curve.target(1):.1f}" for w, c in local.items()))
     log("engine, GRPO batch: " + ", ".join(f"{m} {statistics.median(measured[f'grpo_{m}']):.2f}s" for m in _grpo_modes()))
 
     # acceptance measured on each workload (its prompts), pooled over its policies
@@ -965,7 +989,7 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
                           max_context)
             for rep in range(level_reps(reps, B) + 1):
                 for mode in SWEEP_MODES:
-                    run = simulate(wl, costs, profiles[f"sweep_B{B}"], policies[mode], engine.max_batch, rng,
+                    run = simulate(wl, local[f"sweep_B{B}"], profiles[f"sweep_B{B}"], policies[mode], engine.max_batch, rng,
                                    policy_clock=True)
                     if rep:
                         predicted.setdefault(f"sweep_B{B}_{mode}", []).append(run.seconds)
@@ -975,7 +999,8 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
             wl = grpo_workload("grpo", plens, [lengths[p * group:(p + 1) * group] for p in range(n_prompts)],
                                max_new, max_context)
             for mode in _grpo_modes():
-                run = simulate(wl, costs, profiles["grpo"], policies[mode], engine.max_batch, rng, policy_clock=True)
+                run = simulate(wl, local["grpo"], profiles["grpo"], policies[mode], engine.max_batch, rng,
+                               policy_clock=True)
                 if rep:
                     predicted.setdefault(f"grpo_{mode}", []).append(run.seconds)
                     sim_steps.setdefault(f"grpo_{mode}", []).append((run.decode_steps, run.spec_steps))
@@ -986,7 +1011,7 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
     log("validation errors: " + ", ".join(f"{k} {100 * e:+.0f}%" for k, e in error.items()))
     # the error split by where it arises: the profile pricing the engine's own steps and its time
     # around them, apart from the simulated trajectory (decisions, acceptance draws)
-    parts = {k: [price_engine_run(costs, *run) for run in case_runs] for k, case_runs in runs.items()}
+    parts = {k: [price_engine_run(local[workload_of[k]], *run) for run in case_runs] for k, case_runs in runs.items()}
     breakdown = {k: {part: statistics.median(run[part] for run in case_parts) for part in case_parts[0]}
                  for k, case_parts in parts.items()}
     for k, b in breakdown.items():
@@ -1001,6 +1026,8 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
             "cpu_measured_spread_s": {k: [min(v), max(v)] for k, v in measured.items()},
             "cpu_predicted_spread_s": {k: [min(v), max(v)] for k, v in predicted.items()},
             "runs": {k: {"engine": len(measured[k]), "simulated": len(predicted[k])} for k in measured},
+            "profile_passes": {w: sorted(passes) for w, passes in window.items()},
+            "target_1_s": {w: c.curve.target(1) for w, c in local.items()},
             "max_abs_error": max(abs(e) for e in error.values()), "breakdown": breakdown,
             "acceptance": {w: p.to_json() for w, p in profiles.items()},
             "grpo_lengths": bench_lengths, "grpo_prompt_lens": plens, "group": group,
