@@ -905,8 +905,9 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
     profiling the shapes the policies ran so far, and a workload is simulated and its engine runs
     priced with the profile of the passes either side of it (the first one before this call): this
     machine's speed drifts over minutes (the sweep's one-token forward 9.9-17.9 ms across the seven
-    passes of one run, 2026-11-26), and a profile of every pass priced the workloads measured in a
-    fast spell 11-22% high and those in a slow one 8-12% low, alike for every policy. The simulated protocol is replayed `replays` times with
+    passes of one run, 2026-11-26), and in that run a profile of every pass priced the engine's own
+    runs of the first workload (one sequence) 10-23% high for four of its five policies and those of
+    the last (the GRPO batch) 3-17% low for all nine. The simulated protocol is replayed `replays` times with
     fresh policies (TLT's bandit seeded per replay) and its median taken over every replay's runs:
     the simulator's own draws (acceptance, the learning policies' path) then add little to the
     engine's (one replay's simulated `tlt` runs on the GRPO batch spread 27% min to max, 2026-11-25)."""
