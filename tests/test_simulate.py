@@ -276,7 +276,7 @@ def test_validation_runs_end_to_end_on_an_engine():
             "aware_per_sequence": AwarePerSequence(curve)}
     pols |= {f"static_{c.name}": Static(c) for c in STATIC_SWEEP} | {"fastgrpo": sim_policies(Roofline(H100, LLAMA3_8B), ())["fastgrpo"]}
     prompts = [[1, 2 + i % 5, 3, 4 + i % 3][: 2 + i % 3] for i in range(12)]
-    profiler = CpuProfiler(engine, prompts, 1.0, 1.0, print, tokens=6, curve=curve)
+    profiler = CpuProfiler(engine, prompts, 1.0, 1.0, print, tokens=6)  # a calibration sweep per pass
     profiler.measure_pass()  # as `bench simulate` does, before the validation
     val = validate(engine, pols, profiler, prompts, 1.0, 1.0, (1, 4), 6, 2, 2, 10, 64, 1, print, replays=3)
     costs, info = val["_costs"]
@@ -290,10 +290,15 @@ def test_validation_runs_end_to_end_on_an_engine():
     assert set(val["cpu_predicted_s"]) == set(val["cpu_measured_s"]) == set(val["error"]) == set(val["breakdown"])
     # each workload priced by the passes either side of it; a pass's own profile is its runs alone
     assert val["profile_passes"] == {"sweep_B1": [0, 1], "sweep_B4": [1, 2], "grpo": [2, 3, 4]}
+    sweeps = info["sweep_rounds_target_1_s"]  # each pass's calibration sweep: the fastest of a window's
+    assert val["target_1_s"] == pytest.approx({"sweep_B1": min(sweeps[:2]), "sweep_B4": min(sweeps[1:3]),
+                                               "grpo": min(sweeps[2:5])})
+    # with one curve for every selection of passes, a step's extra is the median of the passes' own
+    profiler.fixed_curve = curve
     single = [profiler.costs({p})[0].off_extra for p in range(5)]
     assert len({round(extra[1], 9) for extra in single}) > 1  # five passes, five timings
-    for B in costs.off_extra:
-        assert costs.off_extra[B] == pytest.approx(statistics.median(extra[B] for extra in single))
+    for B, extra in profiler.costs()[0].off_extra.items():
+        assert extra == pytest.approx(statistics.median(one[B] for one in single))
         assert profiler.costs({0, 1})[0].off_extra[B] == pytest.approx((single[0][B] + single[1][B]) / 2)
     # every case simulated as often as the engine ran it, in each of the three replays
     assert val["runs"]["sweep_B1_tlt"] == {"engine": 16, "simulated": 48}

@@ -794,7 +794,7 @@ class CpuProfiler:
         prefill_runs = {k: [run for run, in chosen(v)] for k, v in self.prefill_runs.items()}
         step_runs = {k: chosen(v) for k, v in self.step_runs.items()}
         if curve is None:
-            sweeps = [s for _, s in chosen(list(enumerate(self.sweeps)))]
+            sweeps = [sweep for sweep, in chosen(list(enumerate(self.sweeps)))]
             curve = CostModel({t: min(s.target_s[t] for s in sweeps) for t in SWEEP},
                               {t: min(s.draft_s[t] for s in sweeps) for t in SWEEP},
                               context_s={k: statistics.median(s.context_s[k] for s in self.sweeps)
