@@ -12,9 +12,9 @@ from fastgrpo.draft_learning.trainer import DraftTrainer
 from fastgrpo.engine.engine import EmbeddedEngine
 from fastgrpo.models.policy import new_policy, policy_config
 from fastgrpo.speculation.draft import DraftHead
-from tests.conftest import assert_same_update
 from fastgrpo.speculation.policy import Static
 from fastgrpo.speculation.tree import SpecConfig
+from tests.conftest import assert_same_update
 
 VOCAB = 16
 EOS = VOCAB - 1

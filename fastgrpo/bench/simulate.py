@@ -907,8 +907,8 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
     machine's speed drifts over minutes (the sweep's one-token forward 9.9-17.9 ms across the seven
     passes of one run, 2026-11-26), and in that run a profile of every pass priced the engine's own
     runs of the first workload (one sequence) 10-23% high for four of its five policies and those of
-    the last (the GRPO batch) 3-17% low for all nine. The simulated protocol is replayed `replays` times with
-    fresh policies (TLT's bandit seeded per replay) and its median taken over every replay's runs:
+    the last (the GRPO batch) 3-17% low for all nine. The simulated protocol is replayed `replays`
+    times with fresh policies (TLT's bandit seeded per replay), its median taken over all their runs:
     the simulator's own draws (acceptance, the learning policies' path) then add little to the
     engine's (one replay's simulated `tlt` runs on the GRPO batch spread 27% min to max, 2026-11-25)."""
     from fastgrpo.types import Request, SamplingParams
@@ -990,8 +990,8 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
                           max_context)
             for rep in range(level_reps(reps, B) + 1):
                 for mode in SWEEP_MODES:
-                    run = simulate(wl, local[f"sweep_B{B}"], profiles[f"sweep_B{B}"], policies[mode], engine.max_batch, rng,
-                                   policy_clock=True)
+                    run = simulate(wl, local[f"sweep_B{B}"], profiles[f"sweep_B{B}"], policies[mode],
+                                   engine.max_batch, rng, policy_clock=True)
                     if rep:
                         predicted.setdefault(f"sweep_B{B}_{mode}", []).append(run.seconds)
                         sim_steps.setdefault(f"sweep_B{B}_{mode}", []).append((run.decode_steps, run.spec_steps))
@@ -1012,7 +1012,8 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
     log("validation errors: " + ", ".join(f"{k} {100 * e:+.0f}%" for k, e in error.items()))
     # the error split by where it arises: the profile pricing the engine's own steps and its time
     # around them, apart from the simulated trajectory (decisions, acceptance draws)
-    parts = {k: [price_engine_run(local[workload_of[k]], *run) for run in case_runs] for k, case_runs in runs.items()}
+    parts = {k: [price_engine_run(local[workload_of[k]], *run) for run in case_runs]
+             for k, case_runs in runs.items()}
     breakdown = {k: {part: statistics.median(run[part] for run in case_parts) for part in case_parts[0]}
                  for k, case_parts in parts.items()}
     for k, b in breakdown.items():
