@@ -742,6 +742,17 @@ def test_cost_model_ignores_a_noisy_calibration_point():
     assert all(costs.target(a) <= costs.target(b) for a, b in zip(range(1, 300), range(2, 301)))
 
 
+def test_one_size_is_priced_as_the_curve_prices_many():
+    """`aware` asks one size at a time (plain Python, memoised), the per-sequence budget many at once
+    (torch): the same curve below, between and beyond its points, at fractional sizes."""
+    costs = CostModel({1: 1e-3, 4: 1.5e-3, 64: 8e-3, 512: 9e-2}, {1: 2e-4, 64: 1e-3})
+    sizes = [0.5, 1, 2.7, 4, 33.3, 64, 100.25, 512, 900.5]
+    many = costs.target_many(torch.tensor(sizes, dtype=torch.float64)).tolist()
+    assert [costs.target(t) for t in sizes] == pytest.approx(many, rel=1e-12)
+    assert costs.target(0.5) == 1e-3 and costs.target(900.5) == pytest.approx(9e-2 + (9e-2 - 8e-3) * 388.5 / 448)
+    assert costs.draft(32.5) == pytest.approx(2e-4 + (1e-3 - 2e-4) * 31.5 / 63)
+
+
 def test_a_forward_of_fewer_rows_is_priced_below_the_sweeps_point_of_as_many_tokens():
     """The sweep's 16 tokens are 16 rows of one; a tree's 16 tokens in one row read one row's cache."""
     grid = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
