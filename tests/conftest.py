@@ -78,7 +78,7 @@ def first_divergence_is_a_near_tie(model, prompt: list[int], a: list[int], b: li
 
 
 def assert_same_update(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], start: dict[str, torch.Tensor],
-                       names=None, min_moved: float = 0.0) -> None:
+                       names: list[str] | None = None, min_moved: float = 0.0) -> None:
     """Two ways of taking the same optimiser steps (`want` from `start`) agree, per tensor, against how
     far the steps moved it. Adam divides each gradient by its own running scale, so reduction-order
     rounding in a near-zero gradient moves that coordinate by up to the learning rate (1.6e-5 of the

@@ -743,7 +743,7 @@ def test_cost_model_ignores_a_noisy_calibration_point():
 
 
 def test_one_size_is_priced_as_the_curve_prices_many():
-    """`aware` asks one size at a time (plain Python, memoised), the per-sequence budget many at once
+    """`aware` asks one size at a time (plain Python), the per-sequence budget many at once
     (torch): the same curve below, between and beyond its points, at fractional sizes."""
     costs = CostModel({1: 1e-3, 4: 1.5e-3, 64: 8e-3, 512: 9e-2}, {1: 2e-4, 64: 1e-3})
     sizes = [0.5, 1, 2.7, 4, 33.3, 64, 100.25, 512, 900.5]

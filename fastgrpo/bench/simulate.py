@@ -789,12 +789,13 @@ class CpuProfiler:
         curve, pool, levels, tokens = self.fixed_curve, self.pool, self.levels, self.tokens
 
         def chosen(runs: list[tuple]) -> list[tuple]:
-            return [run[1:] for run in runs if passes is None or run[0] in passes] or [run[1:] for run in runs]
+            """The (pass, ...) entries of the chosen passes, or all of them if none is of those."""
+            return [run for run in runs if passes is None or run[0] in passes] or runs
 
-        prefill_runs = {k: [run for run, in chosen(v)] for k, v in self.prefill_runs.items()}
-        step_runs = {k: chosen(v) for k, v in self.step_runs.items()}
+        prefill_runs = {k: [run for _, run in chosen(v)] for k, v in self.prefill_runs.items()}
+        step_runs = {k: [(run, rec) for _, run, rec in chosen(v)] for k, v in self.step_runs.items()}
         if curve is None:
-            sweeps = [sweep for sweep, in chosen(list(enumerate(self.sweeps)))]
+            sweeps = [sweep for _, sweep in chosen(list(enumerate(self.sweeps)))]
             curve = CostModel({t: min(s.target_s[t] for s in sweeps) for t in SWEEP},
                               {t: min(s.draft_s[t] for s in sweeps) for t in SWEEP},
                               context_s={k: statistics.median(s.context_s[k] for s in self.sweeps)
@@ -859,10 +860,13 @@ class CpuProfiler:
                 "fit_rms_s": {"spec": _rms(spec_rows, spec_y, spec_fit), "other": _rms(call_rows, call_y, other_fit),
                               "copies": _rms(copy_rows, copy_y, (copy_s,)) if copy_rows else 0.0}}
 
+        if passes is not None:  # a window's profile is not logged, the profile of every pass is
+            return costs, info
+
         def ms(table: dict[int, float]) -> str:
             return ", ".join(f"{k}: {1e3 * v:.2f}" for k, v in sorted(table.items()))
 
-        (self.log if passes is None else lambda _: None)(
+        self.log(
             f"cpu costs measured in {info['seconds']:.0f}s ({info['rounds']} passes): target forward 1 / 64 / 512 "
             f"tokens {1e3 * curve.target(1):.1f} / {1e3 * curve.target(64):.1f} / {1e3 * curve.target(512):.1f} ms "
             f"(sweep rounds at 1 token: {', '.join(f'{1e3 * x:.1f}' for x in info['sweep_rounds_target_1_s'])} ms); "
@@ -1334,7 +1338,7 @@ def markdown(result: dict, command: str) -> str:
     m, val = result["meta"], result["validation"]
     v, reps = m["validation_workloads"], m["repetitions"]
     stem = Path(command.split("--output")[-1].strip()).stem if "--output" in command else "simulate"
-    runs = next(iter(val.get("runs", {}).values()), None)
+    runs = next(iter(val.get("runs", {}).values()), None)  # older results: one replay, no counts
     replayed = f", replayed {runs['simulated'] // runs['engine']} times with fresh policies, median over all" if runs else ""
     lines = [f"Command: `{command}`", "",
              f"Date {m['date']}; {m['cores']} CPU threads ({m['machine']}), torch {m['torch']}; policy "

@@ -53,6 +53,15 @@ def piecewise_linear(xs: Tensor, ys: Tensor, tokens: Tensor) -> Tensor:
     return y0 + (y1 - y0) * (t - x0) / (x1 - x0)
 
 
+def piecewise_linear_at(xs: list[float], ys: list[float], tokens: float) -> float:
+    """piecewise_linear at one size, in plain Python: `aware` prices ~100 candidate trees per search, at
+    the draft's catch-up tokens (a float that moves with acceptance), and a torch call per price made
+    its searches ~9% of a one-sequence rollout on this CPU (2026-11-26)."""
+    t = max(tokens, xs[0])
+    i = min(max(bisect.bisect_left(xs, t), 1), len(xs) - 1)  # as piecewise_linear's searchsorted
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (t - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+
 def monotone(curve: dict[int, float]) -> dict[int, float]:
     """More tokens per forward never cost less: a point above a later one is a noisy sample (a busy
     machine during calibration), lowered to the cheapest later point."""
@@ -98,25 +107,16 @@ class CostModel:
         # seconds per row x cached token and per new token x cached token (context_rates); none: the
         # sweep's CONTEXT is taken for every step's
         self.context_s = context_s or {f"{kind}_{rate}": 0.0 for kind in KINDS for rate in ("row", "token")}
-        # `aware` asks for the same few sizes at every decode step: answered from a table, a plain
-        # step under `aware` costs what one under `off` costs
-        self._memo: dict[tuple, float] = {}
-        f64 = torch.float64
-        self._points = {name: (torch.tensor(list(c), dtype=f64), torch.tensor(list(c.values()), dtype=f64))
+        # the curves' points as float lists (one size at a time) and tensors (many at once); no memo: a
+        # price is a bisection and a few multiplications, and the draft's catch-up sizes are floats
+        # that move with acceptance, which would grow a memo without bound over a training run
+        self._points = {name: ([float(x) for x in c], [float(y) for y in c.values()])
                         for name, c in (("target_s", self.target_s), ("draft_s", self.draft_s))}
-        self._lists = {name: ([float(x) for x in c], [float(y) for y in c.values()])
-                       for name, c in (("target_s", self.target_s), ("draft_s", self.draft_s))}
+        self._tensors = {name: tuple(torch.tensor(v, dtype=torch.float64) for v in xy)
+                         for name, xy in self._points.items()}
 
     def _lookup(self, curve: str, tokens: float) -> float:
-        """piecewise_linear at one size, in plain Python: `aware` asks at the draft's catch-up tokens, a
-        float that moves with acceptance, so most asks miss the memo, and a torch call per ask made its
-        tree searches cost ~9% of a one-sequence rollout on this CPU (2026-11-26)."""
-        if (seconds := self._memo.get((curve, tokens))) is None:
-            xs, ys = self._lists[curve]
-            t = max(tokens, xs[0])
-            i = min(max(bisect.bisect_left(xs, t), 1), len(xs) - 1)  # as piecewise_linear's searchsorted
-            seconds = self._memo[(curve, tokens)] = ys[i - 1] + (ys[i] - ys[i - 1]) * (t - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return seconds
+        return piecewise_linear_at(*self._points[curve], tokens)
 
     def _in_rows(self, seconds, tokens, rows):
         """A target forward of `tokens` in `rows` sequences: the sweep's point, less the rows it does
@@ -142,17 +142,14 @@ class CostModel:
         seconds = self._lookup(f"{kind}_s", tokens)
         if context is None:
             return seconds
-        key = (kind, tokens, rows, context)  # `aware` asks at a few context levels: from the table too
-        if (priced := self._memo.get(key)) is None:
-            rates = self.context_s
-            past = (rates[f"{kind}_row"] * rows + rates[f"{kind}_token"] * tokens) * (context - CONTEXT)
-            priced = self._memo[key] = max(seconds + past, next(iter(getattr(self, f"{kind}_s").values())))
-        return priced
+        rates = self.context_s
+        past = (rates[f"{kind}_row"] * rows + rates[f"{kind}_token"] * tokens) * (context - CONTEXT)
+        return max(seconds + past, self._points[f"{kind}_s"][1][0])  # never below the cheapest forward
 
     def target_many(self, tokens: Tensor, rows: float | None = None) -> Tensor:
         """target() at many sizes at once (a per-sequence budget weighs every total it could verify)."""
         t = tokens.to(torch.float64)
-        seconds = piecewise_linear(*self._points["target_s"], t)
+        seconds = piecewise_linear(*self._tensors["target_s"], t)
         return seconds if rows is None else self._in_rows(seconds, t, rows)
 
     def to_json(self) -> dict:
