@@ -276,30 +276,36 @@ def test_validation_runs_end_to_end_on_an_engine():
             "aware_per_sequence": AwarePerSequence(curve)}
     pols |= {f"static_{c.name}": Static(c) for c in STATIC_SWEEP} | {"fastgrpo": sim_policies(Roofline(H100, LLAMA3_8B), ())["fastgrpo"]}
     prompts = [[1, 2 + i % 5, 3, 4 + i % 3][: 2 + i % 3] for i in range(12)]
-    profiler = CpuProfiler(engine, prompts, 1.0, 1.0, print, tokens=6)  # a calibration sweep per pass
+    profiler = CpuProfiler(engine, prompts, 1.0, 1.0, print, tokens=6)  # a calibration sweep per whole pass
     profiler.measure_pass()  # as `bench simulate` does, before the validation
     val = validate(engine, pols, profiler, prompts, 1.0, 1.0, (1, 4), 6, 2, 2, 10, 64, 1, print, replays=3)
     costs, info = val["_costs"]
-    assert info["rounds"] == 5  # before, a pass after each of the three workloads, one amid the GRPO batch's runs
-    assert sorted(costs.off_extra) == sorted(costs.plain_extra) == sorted(costs.spec_extra) == [1, 2, 4, 8]  # capped
+    # the whole pass, then level passes amid each workload's runs: after its warm-up and every few
+    # repetitions (16 of one sequence: every 2nd; 4 of four: each; 2 of the GRPO batch: each)
+    windows = {"sweep_B1": list(range(1, 10)), "sweep_B4": list(range(10, 15)), "grpo": [15, 16, 17]}
+    assert val["profile_passes"] == windows
+    assert info["passes"] == list(range(18))
+    assert info["runs_by_level"] == {1: 1 + 9 + 3, 2: 1 + 3, 4: 1 + 5 + 3, 8: 1 + 3}  # levels capped at 8 rows
+    assert len(info["sweep_rounds_target_1_s"]) == 1  # level passes measure no sweep
+    assert sorted(costs.off_extra) == sorted(costs.plain_extra) == sorted(costs.spec_extra) == [1, 2, 4, 8]
     assert len(costs.prefill_table) == 4  # 1, 2, 4 and 8 unique prompts (16 and more capped to 8)
     # the shapes the policies ran beyond the profile's five, profiled from the next pass on
     profiled = {name for shapes in info["shapes_profiled"].values() for name in shapes}
     assert "d5k8n160" in profiled  # fastgrpo's tree at one running sequence
     assert {c.name for c in costs.spec_measured} >= profiled
     assert set(val["cpu_predicted_s"]) == set(val["cpu_measured_s"]) == set(val["error"]) == set(val["breakdown"])
-    # each workload priced by the passes either side of it; a pass's own profile is its runs alone
-    assert val["profile_passes"] == {"sweep_B1": [0, 1], "sweep_B4": [1, 2], "grpo": [2, 3, 4]}
-    sweeps = info["sweep_rounds_target_1_s"]  # each pass's calibration sweep: the fastest of a window's
-    assert val["target_1_s"] == pytest.approx({"sweep_B1": min(sweeps[:2]), "sweep_B4": min(sweeps[1:3]),
-                                               "grpo": min(sweeps[2:5])})
-    # with one curve for every selection of passes, a step's extra is the median of the passes' own
+    # each workload priced by the passes amid its runs: a plain step's extra at its level is the
+    # median of those passes' own; a level they did not measure, from every pass that did
     profiler.fixed_curve = curve
-    single = [profiler.costs({p})[0].off_extra for p in range(5)]
-    assert len({round(extra[1], 9) for extra in single}) > 1  # five passes, five timings
-    for B, extra in profiler.costs()[0].off_extra.items():
-        assert extra == pytest.approx(statistics.median(one[B] for one in single))
-        assert profiler.costs({0, 1})[0].off_extra[B] == pytest.approx((single[0][B] + single[1][B]) / 2)
+    single = {p: profiler.costs({p})[0].off_extra for p in range(18)}
+    assert len({round(single[p][1], 9) for p in windows["sweep_B1"]}) > 1  # nine passes, nine timings
+    for w, B in (("sweep_B1", 1), ("sweep_B4", 4)):
+        extra = profiler.costs(set(windows[w]))[0].off_extra
+        assert extra[B] == pytest.approx(statistics.median(single[p][B] for p in windows[w]))
+        assert extra[8] == profiler.costs()[0].off_extra[8]
+    everywhere = profiler.costs()[0].off_extra  # the whole pass, its level's passes and the GRPO batch's
+    for B, w in ((1, "sweep_B1"), (4, "sweep_B4")):
+        assert everywhere[B] == pytest.approx(statistics.median(single[p][B] for p in [0, *windows[w], *windows["grpo"]]))
     # every case simulated as often as the engine ran it, in each of the three replays
     assert val["runs"]["sweep_B1_tlt"] == {"engine": 16, "simulated": 48}
     assert val["runs"]["grpo_aware"] == {"engine": 2, "simulated": 6}
@@ -323,6 +329,10 @@ def test_an_engine_run_is_priced_step_by_step_at_the_shapes_it_ran():
     assert priced["steps_error"] == pytest.approx(steps / 0.007 - 1)
     assert priced["around_s"] == pytest.approx(0.02 - 0.005 - 0.007)
     assert costs.prefill(3, 20, 3) == pytest.approx(4e-3 + 2e-4 * 40)  # past the table at its last slope
+    # below the table's first point as the sweep's forward of one row scales
+    sloped = CpuCosts(CostModel({t: 1e-3 + 1e-4 * t for t in SWEEP}, dict.fromkeys(SWEEP, 1e-4)),
+                      prefill_table={10: 2e-3, 20: 4e-3})
+    assert sloped.prefill(1, 5, 1) == pytest.approx(2e-3 * (1e-3 + 5e-4) / (1e-3 + 1e-3))
 
 
 def test_a_profiled_shape_is_priced_as_measured_and_others_by_the_fit():

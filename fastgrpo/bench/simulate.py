@@ -227,8 +227,13 @@ class CpuCosts:
 
     def _prefill_tokens(self, tokens: float) -> float:
         """Past the grid's largest point at its last segment's slope (a prefill of more rows than the
-        engine holds happens in several calls)."""
+        engine holds happens in several calls); below its smallest (one prompt) as the sweep's target
+        forward of one row scales (the profile's prompt is longer than some of the validation's: held
+        flat, a 12-token prompt's prefill was priced 79% high)."""
         xs = sorted(self.prefill_table)
+        if xs and tokens < xs[0]:
+            scale = self.curve.target(max(tokens, 1), rows=1) / self.curve.target(xs[0], rows=1)
+            return self.prefill_table[xs[0]] * scale
         if len(xs) < 2:
             return self._grid(self.prefill_table, tokens)
         ys = [self.prefill_table[x] for x in xs]
@@ -707,14 +712,18 @@ class CpuProfiler:
     over the sweep's forwards, prefill (by unique prompt tokens, and per copy joined), and the engine's
     time between steps.
 
-    It measures in passes (a sweep round, then the engine runs), which the validation interleaves
-    with its own engine runs: this machine's speed drifts by several percent over minutes (a plain
-    one-sequence step measured 2.5 ms in one run and 2.9 ms in another), and a profile measured
-    before the validation priced that drift as an error. The sweep keeps the fastest of its rounds
-    per size, as the engine's own calibration does (`aware` on the engine prices with that sweep);
-    the engine runs keep the median pass, as the validation's medians do (the fastest pass made every
-    priced step 2-11% cheaper than the validation's medians). Per run the step residual is the
-    median step's (robust to one slow step). `curve`: use this sweep instead of measuring one (tests).
+    It measures in passes: a whole pass (a sweep round, the prefills, the engine runs at every level
+    of rows) before the validation, then level passes (the engine runs at some levels and the
+    prefills of as many prompts, no sweep) which the validation interleaves with its own runs at
+    those rows. This machine's speed drifts by 10-25% within a minute (a one-sequence plain step
+    11.0 ms, then 8.8 ms a minute later, 2026-11-26), so a profile measured minutes away from the
+    runs it prices priced that drift as an error (every one-sequence case 9-13% high in one run);
+    a level pass sees the machine at the speed the validation's runs do. The sweep keeps the fastest
+    of its rounds per size, as the engine's own calibration does (`aware` on the engine prices with
+    that sweep); a step's residual over the sweep absorbs the drift since. The engine runs keep the
+    median pass, as the validation's medians do (the fastest pass made every priced step 2-11%
+    cheaper than the validation's medians). Per run the step residual is the median step's (robust
+    to one slow step). `curve`: use this sweep instead of measuring one (tests).
 
     Beyond its five trees it profiles, from the next pass on, the shapes the policies ran on the
     workloads so far (`add_shapes`: the most used per level of rows), and prices a shape it measured
@@ -736,7 +745,7 @@ class CpuProfiler:
                                      for unique, copies in PREFILL_CASES})
         self.levels = sorted({min(B, cap) for B in PROFILE_LEVELS})
         self.passes = 0
-        self.sweeps: list[CostModel] = []  # one per pass (unless `curve` is given)
+        self.sweeps: list[tuple[int, CostModel]] = []  # (pass, its sweep) of each whole pass (unless `curve`)
         # each run with the pass that measured it
         self.prefill_runs: dict[tuple[int, int], list[tuple[int, dict]]] = {}
         self.step_runs: dict[tuple[int, Any], list[tuple[int, dict, Recorder]]] = {}
@@ -747,7 +756,11 @@ class CpuProfiler:
     @property
     def first_sweep(self) -> CostModel:
         """The engine's calibration as `aware` on the engine gets it: the first pass's sweep."""
-        return self.fixed_curve or self.sweeps[0]
+        return self.fixed_curve or self.sweeps[0][1]
+
+    def nearest_level(self, running: int) -> int:
+        """The profiled level of rows nearest `running` (in ratio)."""
+        return min(self.levels, key=lambda B: abs(math.log2(B / running)))
 
     def add_shapes(self, steps: Sequence[tuple[int, SpecConfig | None]]) -> None:
         """Profile from the next pass on the shapes of these (running rows, shape) steps, each at the
@@ -755,24 +768,28 @@ class CpuProfiler:
         used: dict[int, Counter] = {}
         for running, c in steps:
             if c is not None and c not in PROFILE_CONFIGS:
-                level = min(self.levels, key=lambda B: abs(math.log2(B / running)))
-                used.setdefault(level, Counter())[c] += 1
+                used.setdefault(self.nearest_level(running), Counter())[c] += 1
         for level, counts in used.items():
             for c, _ in counts.most_common():
                 if len(self.shapes[level]) < SHAPES_PER_LEVEL and c not in self.shapes[level]:
                     self.shapes[level].append(c)
 
-    def measure_pass(self) -> None:
+    def measure_pass(self, levels: Collection[int] | None = None) -> int:
+        """A whole pass, or only the engine runs at `levels` of rows and the prefills of as many
+        unique prompts (no sweep): a piece to interleave with the validation's runs at those rows.
+        Returns the pass's index."""
         from fastgrpo.types import Request
 
         t0, r, engine, pool = time.perf_counter(), self.passes, self.engine, self.pool
-        if self.fixed_curve is None:
-            self.sweeps.append(calibrate(engine.model, engine.draft, rounds=1))
+        if levels is None and self.fixed_curve is None:
+            self.sweeps.append((r, calibrate(engine.model, engine.draft, rounds=1)))
+        levels = self.levels if levels is None else sorted(levels)
         for unique, copies in self.prefill_cases:
-            reqs = [Request(pool[u % len(pool)]) for u in range(unique) for _ in range(copies)]
-            run = _engine_run(engine, Off(), reqs, self.greedy1, r)
-            self.prefill_runs.setdefault((unique, copies), []).append((r, run))
-        for B in self.levels:
+            if unique in levels:
+                reqs = [Request(pool[u % len(pool)]) for u in range(unique) for _ in range(copies)]
+                run = _engine_run(engine, Off(), reqs, self.greedy1, r)
+                self.prefill_runs.setdefault((unique, copies), []).append((r, run))
+        for B in levels:
             reqs = [Request(pool[(3 * i) % len(pool)], max_new_tokens=self.tokens) for i in range(B)]
             for c in (*PROFILE_CONFIGS, *self.shapes[B]):
                 # "plain": plain steps under a speculating policy (TLT with threshold 0 never speculates)
@@ -781,6 +798,7 @@ class CpuProfiler:
                 self.step_runs.setdefault((B, c), []).append((r, run, rec))
         self.passes += 1
         self.seconds += time.perf_counter() - t0
+        return r
 
     def costs(self, passes: Collection[int] | None = None) -> tuple[CpuCosts, dict]:
         """The profile from every pass so far, or from `passes` alone (a shape none of them measured:
@@ -795,11 +813,12 @@ class CpuProfiler:
         prefill_runs = {k: [run for _, run in chosen(v)] for k, v in self.prefill_runs.items()}
         step_runs = {k: [(run, rec) for _, run, rec in chosen(v)] for k, v in self.step_runs.items()}
         if curve is None:
-            sweeps = [sweep for _, sweep in chosen(list(enumerate(self.sweeps)))]
+            sweeps = [sweep for _, sweep in chosen(self.sweeps)]
+            every = [sweep for _, sweep in self.sweeps]
             curve = CostModel({t: min(s.target_s[t] for s in sweeps) for t in SWEEP},
                               {t: min(s.draft_s[t] for s in sweeps) for t in SWEEP},
-                              context_s={k: statistics.median(s.context_s[k] for s in self.sweeps)
-                                         for k in self.sweeps[0].context_s})
+                              context_s={k: statistics.median(s.context_s[k] for s in every)
+                                         for k in every[0].context_s})
         context = curve.context_s
         forwards = CpuCosts(curve)  # the sweep's forwards alone: what the residuals are over
 
@@ -851,11 +870,12 @@ class CpuProfiler:
         other_fit = _lstsq(call_rows, call_y)
         costs = CpuCosts(curve, off_extra, spec_extra, spec_slopes, spec_measured, prefill_table, copy_s, other_fit,
                          plain_extra)
-        info = {"seconds": self.seconds, "levels": levels, "rounds": len(step_runs[(levels[0], None)]),
+        info = {"seconds": self.seconds, "levels": levels,
                 "passes": sorted(passes) if passes is not None else list(range(self.passes)),
+                "runs_by_level": {B: len(step_runs[(B, None)]) for B in levels},
                 "configs": ["off" if c is None else c if isinstance(c, str) else c.name for c in PROFILE_CONFIGS],
                 "shapes_profiled": {B: [c.name for c in shapes] for B, shapes in self.shapes.items()},
-                "tokens": tokens, "sweep_rounds_target_1_s": [s.target_s[1] for s in self.sweeps],
+                "tokens": tokens, "sweep_rounds_target_1_s": [s.target_s[1] for _, s in self.sweeps],
                 "spec_residual_s": spec_residual,
                 "fit_rms_s": {"spec": _rms(spec_rows, spec_y, spec_fit), "other": _rms(call_rows, call_y, other_fit),
                               "copies": _rms(copy_rows, copy_y, (copy_s,)) if copy_rows else 0.0}}
@@ -867,7 +887,8 @@ class CpuProfiler:
             return ", ".join(f"{k}: {1e3 * v:.2f}" for k, v in sorted(table.items()))
 
         self.log(
-            f"cpu costs measured in {info['seconds']:.0f}s ({info['rounds']} passes): target forward 1 / 64 / 512 "
+            f"cpu costs measured in {info['seconds']:.0f}s ({self.passes} passes, runs by level "
+            f"{info['runs_by_level']}): target forward 1 / 64 / 512 "
             f"tokens {1e3 * curve.target(1):.1f} / {1e3 * curve.target(64):.1f} / {1e3 * curve.target(512):.1f} ms "
             f"(sweep rounds at 1 token: {', '.join(f'{1e3 * x:.1f}' for x in info['sweep_rounds_target_1_s'])} ms); "
             f"a row beyond its tokens {1e3 * curve.target_row_s:.3f} ms; "
@@ -888,6 +909,8 @@ def _rms(rows: list[list[float]], y: list[float], coef: tuple[float, ...]) -> fl
 # ---------------------------------------------------------------------------------------------
 SWEEP_MODES = ("off", "static", "fastgrpo", "tlt", "aware")
 VALIDATION_REPLAYS = 5  # the simulated protocol's replays (simulated runs are cheap; the engine's are not)
+LEVEL_PASSES = 8  # level passes amid a fixed-concurrency workload's timed runs (and one before them)
+GRPO_PASSES = 3  # passes of every level amid the GRPO batch's runs, the first after its warm-up
 
 
 def _grpo_modes() -> list[str]:
@@ -904,14 +927,13 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
     of B sequences repeats max(reps, 16 reps / B) times: a run of few sequences lasts a few dozen
     steps, and how many it takes is itself a draw (what the draft gets accepted), so its median
     needs more runs to settle than a batch's does. The GRPO batch repeats 2 reps times: the learning
-    policies (`tlt`'s bandit above all) settle on different shapes from one run to the next. A pass
-    of the cpu profile follows each workload (and one comes amid the GRPO batch's runs), each also
-    profiling the shapes the policies ran so far, and a workload is simulated and its engine runs
-    priced with the profile of the passes either side of it (the first one before this call): this
-    machine's speed drifts over minutes (the sweep's one-token forward 9.9-17.9 ms across the seven
-    passes of one run, 2026-11-26), and in that run a profile of every pass priced the engine's own
-    runs of the first workload (one sequence) 10-23% high for four of its five policies and those of
-    the last (the GRPO batch) 3-17% low for all nine. The simulated protocol is replayed `replays`
+    policies (`tlt`'s bandit above all) settle on different shapes from one run to the next. Level
+    passes of the cpu profile come amid each workload's repetitions (at its level of rows; every
+    level amid the GRPO batch's), each profiling the shapes the policies ran so far, and a workload
+    is simulated and its engine runs priced with the profile of those passes: this machine's speed
+    drifts within minutes, and with whole passes between the workloads (the profile of a workload
+    from the passes either side of it, 2026-11-26) the engine's own one-sequence runs were priced
+    9-13% high, for every policy, in one run. The simulated protocol is replayed `replays`
     times with fresh policies (TLT's bandit seeded per replay), its median taken over all their runs:
     the simulator's own draws (acceptance, the learning policies' path) then add little to the
     engine's (one replay's simulated `tlt` runs on the GRPO batch spread 27% min to max, 2026-11-25)."""
@@ -935,41 +957,45 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
             runs.setdefault(case, []).append((r, recs[mode].log[start:], [q.prompt_ids for q in reqs], mode != "off"))
         return r
 
+    def level_pass(workload: str, levels: Collection[int] | None = None) -> None:
+        """A piece of the profile amid a workload's runs, with the shapes its policies ran so far."""
+        profiler.add_shapes(ran(workload))
+        window.setdefault(workload, set()).add(profiler.measure_pass(levels))
+
     # the fixed-concurrency sweep (EOS ignored)
     sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=tokens, ignore_eos=True)
     sweep_prompts: dict[int, list[int]] = {}
-    window: dict[str, set[int]] = {}  # the profile passes either side of each workload's engine runs
+    window: dict[str, set[int]] = {}  # the profile passes amid each workload's engine runs
     for B in levels:
-        window[f"sweep_B{B}"] = {profiler.passes - 1, profiler.passes}
         reqs = [Request(prompts[i % len(prompts)], max_new_tokens=tokens) for i in range(B)]
         sweep_prompts[B] = [len(r.prompt_ids) for r in reqs]
+        every = max(1, round(level_reps(reps, B) / LEVEL_PASSES))
         for rep in range(level_reps(reps, B) + 1):
             for mode in rotated(list(SWEEP_MODES), rep):
                 recs[mode].tag = (f"sweep_B{B}", B, rep)
                 run_engine(f"sweep_B{B}_{mode}", mode, reqs, sampling, 1000 * rep + B, rep)
-        profiler.add_shapes(ran(f"sweep_B{B}"))
-        profiler.measure_pass()
+            if rep % every == 0:  # the first after the warm-up: passes either side of the timed runs
+                level_pass(f"sweep_B{B}", [profiler.nearest_level(B)])
         log(f"engine, {B} running: " + ", ".join(f"{m} {statistics.median(measured[f'sweep_B{B}_{m}']):.2f}s"
                                                  for m in SWEEP_MODES))
-    # the GRPO batch (the policy's own lengths)
+    # the GRPO batch (the policy's own lengths): its rows retire from all running to one, so its
+    # passes are of every level
     reqs = [Request(p) for p in prompts[:n_prompts] for _ in range(group)]
     sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new)
     grpo_lengths: dict[int, list[int]] = {}
     grpo_reps = 2 * reps
-    window["grpo"] = {profiler.passes - 1, profiler.passes, profiler.passes + 1}
     for rep in range(grpo_reps + 1):
         for mode in rotated(_grpo_modes(), rep):
             recs[mode].tag = ("grpo", 0, rep)
             r = run_engine(f"grpo_{mode}", mode, reqs, sampling, 77 + rep, rep)
             grpo_lengths.setdefault(rep, r["lengths"])
-        if rep == grpo_reps // 2:  # a pass amid the batch's runs, with the shapes they ran so far
-            profiler.add_shapes(ran("grpo"))
-            profiler.measure_pass()
-    profiler.measure_pass()
+        if rep % max(1, grpo_reps // (GRPO_PASSES - 1)) == 0:
+            level_pass("grpo", profiler.levels)
     costs, cost_info = profiler.costs()
     local = {w: profiler.costs(passes)[0] for w, passes in window.items()}
-    log("the sweep's one-token target forward by workload, from the passes either side of it (ms): " + ", ".join(
-        f"{w} {1e3 * c.curve.target(1):.1f}" for w, c in local.items()))
+    log("a plain step at its level beyond the sweep's forward, by workload from the passes amid its runs (ms): "
+        + ", ".join(f"{w} {1e3 * local[w].off_extra[profiler.nearest_level(B)]:.2f}" for w, B in
+                    [*((f"sweep_B{B}", B) for B in levels), ("grpo", 1)]))
     log("engine, GRPO batch: " + ", ".join(f"{m} {statistics.median(measured[f'grpo_{m}']):.2f}s" for m in _grpo_modes()))
 
     # acceptance measured on each workload (its prompts), pooled over its policies
@@ -1033,7 +1059,7 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
             "cpu_predicted_spread_s": {k: [min(v), max(v)] for k, v in predicted.items()},
             "runs": {k: {"engine": len(measured[k]), "simulated": len(predicted[k])} for k in measured},
             "profile_passes": {w: sorted(passes) for w, passes in window.items()},
-            "target_1_s": {w: c.curve.target(1) for w, c in local.items()},
+            "off_extra_s": {w: c.off_extra for w, c in local.items()},
             "max_abs_error": max(abs(e) for e in error.values()), "breakdown": breakdown,
             "acceptance": {w: p.to_json() for w, p in profiles.items()},
             "grpo_lengths": bench_lengths, "grpo_prompt_lens": plens, "group": group,
@@ -1191,8 +1217,8 @@ def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = Non
     static_cfg = SpecConfig(sc.depth, sc.topk, sc.num_verify)
     temperature, top_p = cfg.rollout.temperature, cfg.rollout.top_p
     # the cpu profile: the engine's calibration sweep and the engine's costs beyond it, measured in
-    # this run in passes between the validation's workloads; the engine's `aware` gets the first
-    # pass's sweep (no cached calibration is read or written), the simulated `aware` a simulated
+    # this run: a whole pass first, then level passes amid the validation's runs; the engine's
+    # `aware` gets the first pass's sweep (no cached calibration is read or written), the simulated `aware` a simulated
     # sweep of the cpu profile, as on any simulated machine
     profiler = CpuProfiler(engine, prompts, temperature, top_p, log)
     profiler.measure_pass()
@@ -1347,8 +1373,8 @@ def markdown(result: dict, command: str) -> str:
              "### Validation: the simulator against the engine on this CPU (measured and predicted)", "",
              f"The engine (medians of interleaved repetitions after a warm-up) and the simulator "
              f"(same protocol{replayed}, cpu profile: the engine's calibration sweep plus the step, prefill and loop costs "
-             f"measured on other workloads, in passes between the validation's workloads, with the tree shapes "
-             f"the policies ran; acceptance measured on "
+             f"measured on other workloads, in passes amid each validation workload's repetitions at its rows, "
+             f"with the tree shapes the policies ran; acceptance measured on "
              f"the engine in these runs, per workload). Fixed concurrency: {v['tokens']} tokens per sequence, EOS "
              f"ignored (runs of B sequences repeated max({reps}, {16 * reps} / B) times); GRPO batch: {v['n_prompts']} "
              f"prompts x {v['group']}, the policy's own lengths (max {v['max_new']}), {2 * reps} repetitions. Where each error arises: "
