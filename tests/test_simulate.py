@@ -285,7 +285,8 @@ def test_validation_runs_end_to_end_on_an_engine():
     windows = {"sweep_B1": list(range(1, 10)), "sweep_B4": list(range(10, 15)), "grpo": [15, 16, 17]}
     assert val["profile_passes"] == windows
     assert info["passes"] == list(range(18))
-    assert info["runs_by_level"] == {1: 1 + 9 + 3, 2: 1 + 3, 4: 1 + 5 + 3, 8: 1 + 3}  # levels capped at 8 rows
+    # levels capped at the engine's 8 rows; the GRPO batch's passes up to its 4 rows
+    assert info["runs_by_level"] == {1: 1 + 9 + 3, 2: 1 + 3, 4: 1 + 5 + 3, 8: 1}
     assert len(info["sweep_rounds_target_1_s"]) == 1  # level passes measure no sweep
     assert sorted(costs.off_extra) == sorted(costs.plain_extra) == sorted(costs.spec_extra) == [1, 2, 4, 8]
     assert len(costs.prefill_table) == 4  # 1, 2, 4 and 8 unique prompts (16 and more capped to 8)

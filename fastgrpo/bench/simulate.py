@@ -712,15 +712,15 @@ class CpuProfiler:
     over the sweep's forwards, prefill (by unique prompt tokens, and per copy joined), and the engine's
     time between steps.
 
-    It measures in passes: a whole pass (a sweep round, the prefills, the engine runs at every level
-    of rows) before the validation, then level passes (the engine runs at some levels and the
+    It measures in passes: a whole pass (the engine's calibration sweep, the prefills, the engine
+    runs at every level of rows) before the validation, then level passes (the engine runs at some levels and the
     prefills of as many prompts, no sweep) which the validation interleaves with its own runs at
     those rows. This machine's speed drifts by 10-25% within a minute (a one-sequence plain step
     11.0 ms, then 8.8 ms a minute later, 2026-11-26), so a profile measured minutes away from the
     runs it prices priced that drift as an error (every one-sequence case 9-13% high in one run);
-    a level pass sees the machine at the speed the validation's runs do. The sweep keeps the fastest
-    of its rounds per size, as the engine's own calibration does (`aware` on the engine prices with
-    that sweep); a step's residual over the sweep absorbs the drift since. The engine runs keep the
+    a level pass sees the machine at the speed the validation's runs do. The sweep is the engine's
+    own calibration (`aware` on the engine prices with it: the fastest of its rounds per size); a
+    step's residual over the sweep absorbs the drift since. The engine runs keep the
     median pass, as the validation's medians do (the fastest pass made every priced step 2-11%
     cheaper than the validation's medians). Per run the step residual is the median step's (robust
     to one slow step). `curve`: use this sweep instead of measuring one (tests).
@@ -782,7 +782,7 @@ class CpuProfiler:
 
         t0, r, engine, pool = time.perf_counter(), self.passes, self.engine, self.pool
         if levels is None and self.fixed_curve is None:
-            self.sweeps.append((r, calibrate(engine.model, engine.draft, rounds=1)))
+            self.sweeps.append((r, calibrate(engine.model, engine.draft)))  # as the engine calibrates
         levels = self.levels if levels is None else sorted(levels)
         for unique, copies in self.prefill_cases:
             if unique in levels:
@@ -910,7 +910,6 @@ def _rms(rows: list[list[float]], y: list[float], coef: tuple[float, ...]) -> fl
 SWEEP_MODES = ("off", "static", "fastgrpo", "tlt", "aware")
 VALIDATION_REPLAYS = 5  # the simulated protocol's replays (simulated runs are cheap; the engine's are not)
 LEVEL_PASSES = 8  # level passes amid a fixed-concurrency workload's timed runs (and one before them)
-GRPO_PASSES = 3  # passes of every level amid the GRPO batch's runs, the first after its warm-up
 
 
 def _grpo_modes() -> list[str]:
@@ -929,12 +928,12 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
     needs more runs to settle than a batch's does. The GRPO batch repeats 2 reps times: the learning
     policies (`tlt`'s bandit above all) settle on different shapes from one run to the next. Level
     passes of the cpu profile come amid each workload's repetitions (at its level of rows; every
-    level amid the GRPO batch's), each profiling the shapes the policies ran so far, and a workload
-    is simulated and its engine runs priced with the profile of those passes: this machine's speed
-    drifts within minutes, and with whole passes between the workloads (the profile of a workload
-    from the passes either side of it, 2026-11-26) the engine's own one-sequence runs were priced
-    9-13% high, for every policy, in one run. The simulated protocol is replayed `replays`
-    times with fresh policies (TLT's bandit seeded per replay), its median taken over all their runs:
+    level up to its rows after each of the GRPO batch's), each profiling the shapes the policies ran
+    so far, and a workload is simulated and its engine runs priced with the profile of those passes:
+    this machine's speed drifts within minutes, and with whole passes between the workloads (the
+    profile of a workload from the passes either side of it, 2026-11-26) the engine's own
+    one-sequence runs were priced 9-13% high, for every policy, in one run. The simulated protocol
+    is replayed `replays` times with fresh policies (TLT's bandit seeded per replay), its median taken over all their runs:
     the simulator's own draws (acceptance, the learning policies' path) then add little to the
     engine's (one replay's simulated `tlt` runs on the GRPO batch spread 27% min to max, 2026-11-25)."""
     from fastgrpo.types import Request, SamplingParams
@@ -979,8 +978,9 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
         log(f"engine, {B} running: " + ", ".join(f"{m} {statistics.median(measured[f'sweep_B{B}_{m}']):.2f}s"
                                                  for m in SWEEP_MODES))
     # the GRPO batch (the policy's own lengths): its rows retire from all running to one, so its
-    # passes are of every level
+    # passes are of every level up to its rows
     reqs = [Request(p) for p in prompts[:n_prompts] for _ in range(group)]
+    grpo_levels = [B for B in profiler.levels if B <= profiler.nearest_level(len(reqs))]
     sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new)
     grpo_lengths: dict[int, list[int]] = {}
     grpo_reps = 2 * reps
@@ -989,8 +989,7 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
             recs[mode].tag = ("grpo", 0, rep)
             r = run_engine(f"grpo_{mode}", mode, reqs, sampling, 77 + rep, rep)
             grpo_lengths.setdefault(rep, r["lengths"])
-        if rep % max(1, grpo_reps // (GRPO_PASSES - 1)) == 0:
-            level_pass("grpo", profiler.levels)
+        level_pass("grpo", grpo_levels)  # after each: its steps are as noisy as its runs (3 passes priced it 20% high)
     costs, cost_info = profiler.costs()
     local = {w: profiler.costs(passes)[0] for w, passes in window.items()}
     log("a plain step at its level beyond the sweep's forward, by workload from the passes amid its runs (ms): "
