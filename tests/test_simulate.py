@@ -400,3 +400,13 @@ def test_per_sequence_budget_is_not_slower_than_aware_on_a_simulated_gpu():
             rng = np.random.default_rng(0)
             seconds[name] = [simulate(wl, costs, acc, policy, B, rng) for _ in range(2)][-1].seconds
         assert seconds["aware_per_sequence"] <= 1.01 * seconds["aware"], (B, seconds)
+
+
+def test_the_standard_error_of_a_median_shrinks_with_runs_and_vanishes_without_spread():
+    from fastgrpo.bench.simulate import median_se
+
+    rng = np.random.default_rng(0)
+    few, many = np.linspace(0.8, 1.2, 4), np.linspace(0.8, 1.2, 64)  # runs spread +-20%
+    assert median_se([2.0] * 5, rng) == 0.0
+    assert 0.05 < median_se(few, rng) < 0.15
+    assert median_se(many, rng) < median_se(few, rng) / 2  # 16x the runs: about a quarter

@@ -923,7 +923,7 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
     """Every case twice: on the engine (medians of interleaved repetitions after a warm-up, the
     protocol of `bench rollout`) and in the simulator (the same protocol with fresh simulated
     policies; the acceptance of each workload is the engine's, measured in these same runs). A case
-    of B sequences repeats max(reps, 16 reps / B) times: a run of few sequences lasts a few dozen
+    of B sequences repeats max(2 reps, 16 reps / B) times: a run of few sequences lasts a few dozen
     steps, and how many it takes is itself a draw (what the draft gets accepted), so its median
     needs more runs to settle than a batch's does. The GRPO batch repeats 2 reps times: the learning
     policies (`tlt`'s bandit above all) settle on different shapes from one run to the next. Level
@@ -1054,6 +1054,8 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
     bench_lengths = [lengths for rep, lengths in sorted(grpo_lengths.items())]
     return {"cpu_predicted_s": pred, "cpu_measured_s": meas, "error": error,
             "cpu_measured_min_s": {k: min(v) for k, v in measured.items()},
+            "cpu_measured_runs_s": measured,
+            "cpu_measured_median_se": {k: median_se(v, np.random.default_rng(seed)) for k, v in measured.items()},
             "cpu_measured_spread_s": {k: [min(v), max(v)] for k, v in measured.items()},
             "cpu_predicted_spread_s": {k: [min(v), max(v)] for k, v in predicted.items()},
             "runs": {k: {"engine": len(measured[k]), "simulated": len(predicted[k])} for k in measured},
@@ -1089,8 +1091,19 @@ def price_engine_run(costs: CpuCosts, run: dict, log: list, prompts: Sequence[Se
             "priced_error": priced / run["seconds"] - 1, "steps": len(log), "spec_steps": spec_steps}
 
 
+def median_se(values: Sequence[float], rng: np.random.Generator, resamples: int = 2000) -> float:
+    """The relative standard error of the median of `values`, bootstrapped: how far a median of this
+    many runs moves on this machine, from one set of runs to the next. A validation error well
+    inside it is this machine's noise, not the simulator's."""
+    x = np.asarray(values, dtype=float)
+    medians = np.median(rng.choice(x, size=(resamples, len(x)), replace=True), axis=1)
+    return float(np.std(medians) / np.median(x))
+
+
 def level_reps(reps: int, B: int) -> int:
-    return max(reps, math.ceil(16 * reps / B))
+    """Twice `bench rollout`'s repetitions at least: of three runs on this machine one can be far
+    off the others (64 sequences under `off`: 3.41, 4.42 and 6.04 s, 2026-11-26)."""
+    return max(2 * reps, math.ceil(16 * reps / B))
 
 
 def _mean_emitted(log: list) -> float | None:
@@ -1359,6 +1372,17 @@ def plot_all(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _noise_summary(error: dict[str, float], se: dict[str, float]) -> str:
+    """How the misses compare with the measured medians' own noise."""
+    ses = sorted(se.values())
+    beyond = [k for k, e in error.items() if abs(e) > 0.10 + 2 * se[k]]
+    return (f" The measured medians' own standard error (bootstrap over each case's repetitions) is "
+            f"{100 * statistics.median(ses):.1f}% (median case) to {100 * ses[-1]:.1f}%; "
+            f"{len(beyond)} case(s) miss 10% by more than two of their standard errors"
+            + (f" ({', '.join(beyond)})." if beyond else ".")
+            + " The profile's own noise (its runs at the same shapes) is not in these standard errors.")
+
+
 def markdown(result: dict, command: str) -> str:
     m, val = result["meta"], result["validation"]
     v, reps = m["validation_workloads"], m["repetitions"]
@@ -1375,14 +1399,15 @@ def markdown(result: dict, command: str) -> str:
              f"measured on other workloads, in passes amid each validation workload's repetitions at its rows, "
              f"with the tree shapes the policies ran; acceptance measured on "
              f"the engine in these runs, per workload). Fixed concurrency: {v['tokens']} tokens per sequence, EOS "
-             f"ignored (runs of B sequences repeated max({reps}, {16 * reps} / B) times); GRPO batch: {v['n_prompts']} "
+             f"ignored (runs of B sequences repeated max({2 * reps}, {16 * reps} / B) times); GRPO batch: {v['n_prompts']} "
              f"prompts x {v['group']}, the policy's own lengths (max {v['max_new']}), {2 * reps} repetitions. Where each error arises: "
              "*profile* is the profile pricing the engine's own runs step by step at the shapes they ran (its "
              "cost model alone), *trajectory* the simulated runs against those priced runs (the policies' "
              "decisions and the acceptance draws).", "",
-             "| case | measured s (median) | measured s (fastest - slowest) | predicted s | error | error against the fastest "
-             "| profile | trajectory |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| case | measured s (median) | its standard error | measured s (fastest - slowest) | predicted s | error "
+             "| error against the fastest | profile | trajectory |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    se = val.get("cpu_measured_median_se", {})  # older results: none
     mins = val.get("cpu_measured_min_s", val["cpu_measured_s"])
     err_min = {k: val["cpu_predicted_s"][k] / mins[k] - 1 for k in val["cpu_measured_s"]}
     split = val.get("breakdown", {})
@@ -1390,7 +1415,8 @@ def markdown(result: dict, command: str) -> str:
         b = split.get(k)
         parts = "- | - |" if b is None else f"{100 * b['priced_error']:+.1f}% | {100 * b['trajectory_error']:+.1f}% |"
         slowest = val.get("cpu_measured_spread_s", {}).get(k, [None, None])[1]
-        lines.append(f"| {k} | {val['cpu_measured_s'][k]:.3g} | {mins[k]:.3g}"
+        lines.append(f"| {k} | {val['cpu_measured_s'][k]:.3g} | " + (f"{100 * se[k]:.1f}%" if k in se else "-")
+                     + f" | {mins[k]:.3g}"
                      + ("" if slowest is None else f" - {slowest:.3g}") + f" | {val['cpu_predicted_s'][k]:.3g} | "
                      f"{100 * val['error'][k]:+.1f}% | {100 * err_min[k]:+.1f}% | " + parts)
     within = sum(abs(e) <= 0.10 for e in val["error"].values())
@@ -1399,7 +1425,7 @@ def markdown(result: dict, command: str) -> str:
               f"{100 * val['max_abs_error']:.1f}%); {within_min} within 10% of the fastest repetition (largest "
               f"{100 * max(map(abs, err_min.values())):.1f}%)."
               + (f" The profile prices the engine's own runs within {100 * max(abs(b['priced_error']) for b in split.values()):.1f}% in every case."
-                 if split else ""),
+                 if split else "") + (_noise_summary(val["error"], se) if se else ""),
               "", f"![SIMULATED vs measured]({stem}-validation.png)", "",
               "### SIMULATED: GRPO-batch rollout at GPU scale", "",
               "Every number in this section is SIMULATED (stated cost model, cited acceptance profile: "
