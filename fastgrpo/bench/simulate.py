@@ -713,17 +713,17 @@ class CpuProfiler:
     time between steps.
 
     It measures in passes: a whole pass (the engine's calibration sweep, the prefills, the engine
-    runs at every level of rows) before the validation, then level passes (the engine runs at some levels and the
-    prefills of as many prompts, no sweep) which the validation interleaves with its own runs at
-    those rows. This machine's speed drifts by 10-25% within a minute (a one-sequence plain step
-    11.0 ms, then 8.8 ms a minute later, 2026-11-26), so a profile measured minutes away from the
-    runs it prices priced that drift as an error (every one-sequence case 9-13% high in one run);
-    a level pass sees the machine at the speed the validation's runs do. The sweep is the engine's
-    own calibration (`aware` on the engine prices with it: the fastest of its rounds per size); a
-    step's residual over the sweep absorbs the drift since. The engine runs keep the
-    median pass, as the validation's medians do (the fastest pass made every priced step 2-11%
-    cheaper than the validation's medians). Per run the step residual is the median step's (robust
-    to one slow step). `curve`: use this sweep instead of measuring one (tests).
+    runs at every level of rows) before the validation, then level passes (the engine runs at some
+    levels and the prefills of as many prompts, no sweep) which the validation interleaves with its
+    own runs at those rows. This machine's speed drifts by 10-25% within a minute (a one-sequence
+    plain step 11.0 ms, then 8.8 ms a minute later, 2026-11-26), so a profile measured minutes away
+    from the runs it prices priced that drift as an error (every one-sequence case 9-13% high in one
+    run); a level pass sees the machine at the speed the validation's runs do. The sweep is the
+    engine's own calibration (`aware` on the engine prices with it: the fastest of its rounds per
+    size); a step's residual over the sweep absorbs the drift since. The engine runs keep the median
+    pass, as the validation's medians do (the fastest pass made every priced step 2-11% cheaper than
+    the validation's medians). Per run the step residual is the median step's (robust to one slow
+    step). `curve`: use this sweep instead of measuring one (tests).
 
     Beyond its five trees it profiles, from the next pass on, the shapes the policies ran on the
     workloads so far (`add_shapes`: the most used per level of rows), and prices a shape it measured
@@ -933,9 +933,10 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
     this machine's speed drifts within minutes, and with whole passes between the workloads (the
     profile of a workload from the passes either side of it, 2026-11-26) the engine's own
     one-sequence runs were priced 9-13% high, for every policy, in one run. The simulated protocol
-    is replayed `replays` times with fresh policies (TLT's bandit seeded per replay), its median taken over all their runs:
-    the simulator's own draws (acceptance, the learning policies' path) then add little to the
-    engine's (one replay's simulated `tlt` runs on the GRPO batch spread 27% min to max, 2026-11-25)."""
+    is replayed `replays` times with fresh policies (TLT's bandit seeded per replay), its median
+    taken over all their runs: the simulator's own draws (acceptance, the learning policies' path)
+    then add little to the engine's (one replay's simulated `tlt` runs on the GRPO batch spread 27%
+    min to max, 2026-11-25)."""
     from fastgrpo.types import Request, SamplingParams
 
     recs = {m: Recorder(p) for m, p in engine_policies.items()}
@@ -989,7 +990,7 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
             recs[mode].tag = ("grpo", 0, rep)
             r = run_engine(f"grpo_{mode}", mode, reqs, sampling, 77 + rep, rep)
             grpo_lengths.setdefault(rep, r["lengths"])
-        level_pass("grpo", grpo_levels)  # after each: its steps are as noisy as its runs (3 passes priced it 20% high)
+        level_pass("grpo", grpo_levels)  # after each: with three, its plain steps were priced 20% high
     costs, cost_info = profiler.costs()
     local = {w: profiler.costs(passes)[0] for w, passes in window.items()}
     log("a plain step at its level beyond the sweep's forward, by workload from the passes amid its runs (ms): "
@@ -1230,8 +1231,8 @@ def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = Non
     temperature, top_p = cfg.rollout.temperature, cfg.rollout.top_p
     # the cpu profile: the engine's calibration sweep and the engine's costs beyond it, measured in
     # this run: a whole pass first, then level passes amid the validation's runs; the engine's
-    # `aware` gets the first pass's sweep (no cached calibration is read or written), the simulated `aware` a simulated
-    # sweep of the cpu profile, as on any simulated machine
+    # `aware` gets the first pass's sweep (no cached calibration is read or written), the simulated
+    # `aware` a simulated sweep of the cpu profile, as on any simulated machine
     profiler = CpuProfiler(engine, prompts, temperature, top_p, log)
     profiler.measure_pass()
     engine_policies: dict[str, SpeculationPolicy] = {m: speculation_policy(engine, cfg, m)
