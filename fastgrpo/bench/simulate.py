@@ -715,10 +715,11 @@ class CpuProfiler:
     It measures in passes: a whole pass (the engine's calibration sweep, the prefills, the engine
     runs at every level of rows) before the validation, then level passes (the engine runs at some
     levels and the prefills of as many prompts, no sweep) which the validation interleaves with its
-    own runs at those rows. This machine's speed drifts by 10-25% within a minute (a one-sequence
-    plain step 11.0 ms, then 8.8 ms a minute later, 2026-11-26), so a profile measured minutes away
-    from the runs it prices priced that drift as an error (every one-sequence case 9-13% high in one
-    run); a level pass sees the machine at the speed the validation's runs do. The sweep is the
+    own runs at those rows. This machine's speed drifts within minutes (the sweep's one-token
+    forward 9.9-17.9 ms across the seven passes of one run, 2026-11-26), so a profile measured
+    minutes away from the runs it prices priced that drift as an error (the engine's own
+    one-sequence runs priced 11-23% high for four of five policies in that run); a level pass sees
+    the machine at the speed the validation's runs do. The sweep is the
     engine's own calibration (`aware` on the engine prices with it: the fastest of its rounds per
     size); a step's residual over the sweep absorbs the drift since. The engine runs keep the median
     pass, as the validation's medians do (the fastest pass made every priced step 2-11% cheaper than
@@ -932,7 +933,7 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
     so far, and a workload is simulated and its engine runs priced with the profile of those passes:
     this machine's speed drifts within minutes, and with whole passes between the workloads (the
     profile of a workload from the passes either side of it, 2026-11-26) the engine's own
-    one-sequence runs were priced 9-13% high, for every policy, in one run. The simulated protocol
+    one-sequence runs were priced 11-13% high for three of five policies in one run. The simulated protocol
     is replayed `replays` times with fresh policies (TLT's bandit seeded per replay), its median
     taken over all their runs: the simulator's own draws (acceptance, the learning policies' path)
     then add little to the engine's (one replay's simulated `tlt` runs on the GRPO batch spread 27%
