@@ -35,7 +35,7 @@ from fastgrpo.bench.rollout import STATIC_SWEEP, rotated, timed_generate
 from fastgrpo.config import SpeculationConfig
 from fastgrpo.engine.engine import DRAFT_WINDOW
 from fastgrpo.speculation.cost_model import (CONTEXT, CONTEXT_EXTRA, CONTEXT_PROBES, KINDS, ROW_PROBES, ROWS, SWEEP,
-                                             CostModel, calibrate, context_rates, monotone, piecewise_linear,
+                                             CostModel, calibrate, context_rates, monotone, piecewise_linear_at,
                                              row_seconds, sweep_rows)
 from fastgrpo.speculation.per_sequence import AwarePerSequence
 from fastgrpo.speculation.policy import Aware, FastGRPOFormula, Off, SpeculationPolicy, Static
@@ -236,9 +236,7 @@ class CpuCosts:
             return self.prefill_table[xs[0]] * scale
         if len(xs) < 2:
             return self._grid(self.prefill_table, tokens)
-        ys = [self.prefill_table[x] for x in xs]
-        return float(piecewise_linear(torch.tensor(xs, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64),
-                                      torch.tensor([tokens])))
+        return piecewise_linear_at(xs, [self.prefill_table[x] for x in xs], tokens)
 
     def _context(self, kind: str, B: int, n: int, ctx_max: int) -> float:
         """Context cost of (B rows, n tokens each, over ctx_max cached) beyond what the sweep's point of
@@ -958,7 +956,7 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
             runs.setdefault(case, []).append((r, recs[mode].log[start:], [q.prompt_ids for q in reqs], mode != "off"))
         return r
 
-    def level_pass(workload: str, levels: Collection[int] | None = None) -> None:
+    def level_pass(workload: str, levels: Collection[int]) -> None:
         """A piece of the profile amid a workload's runs, with the shapes its policies ran so far."""
         profiler.add_shapes(ran(workload))
         window.setdefault(workload, set()).add(profiler.measure_pass(levels))

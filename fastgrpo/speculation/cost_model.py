@@ -122,7 +122,7 @@ class CostModel:
         """A target forward of `tokens` in `rows` sequences: the sweep's point, less the rows it does
         not read; never below the sweep's cheapest forward."""
         saved = self.target_row_s * (sweep_rows(tokens) - rows)
-        floor = next(iter(self.target_s.values()))
+        floor = self._points["target_s"][1][0]  # the cheapest forward
         if isinstance(seconds, Tensor):
             return (seconds - saved.clamp(min=0.0)).clamp(min=floor)
         return max(seconds - max(saved, 0.0), floor)
