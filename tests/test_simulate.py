@@ -336,6 +336,17 @@ def test_an_engine_run_is_priced_step_by_step_at_the_shapes_it_ran():
     assert sloped.prefill(1, 5, 1) == pytest.approx(2e-3 * (1e-3 + 5e-4) / (1e-3 + 1e-3))
 
 
+def test_a_step_cheaper_than_the_sweeps_forwards_is_priced_so_down_to_half_of_them():
+    """A measured extra below zero (the engine's step cheaper than the sweep's forwards at its shape)
+    lowers the price; the floor, half the forwards, only guards a far extrapolation."""
+    curve = CostModel(dict.fromkeys(SWEEP, 1e-2), dict.fromkeys(SWEEP, 1e-3))
+    costs = CpuCosts(curve, off_extra={1: -2e-3, 64: -2e-2}, spec_extra={1: -3e-3})
+    assert costs.decode_step(1, CONTEXT, 0) == pytest.approx(8e-3)
+    assert costs.decode_step(64, CONTEXT, 0) == pytest.approx(5e-3)  # -20 ms on a 10 ms forward: half of it
+    # a tree of depth 2: the draft's catch-up and one more draft forward, then the verify
+    assert costs.spec_step(SpecConfig(2, 1, 3), 1, 1, CONTEXT, 0) == pytest.approx(1e-3 + 1e-3 + 1e-2 - 3e-3)
+
+
 def test_a_profiled_shape_is_priced_as_measured_and_others_by_the_fit():
     """The fit prices every shape; one measured at 1 and 4 rows adds its own residual there, half of
     each halfway between (by rows), the nearest level's beyond them, and nothing to another shape."""

@@ -255,7 +255,15 @@ class CpuCosts:
 
     def decode_step(self, B: int, ctx_max: int, ctx_sum: int, speculating: bool = False) -> float:
         extra = self._grid(self.plain_extra if speculating and self.plain_extra else self.off_extra, B)
-        return self.target(B, 1, ctx_max, ctx_sum) + max(extra, 0.0)
+        return self._plus_extra(self.target(B, 1, ctx_max, ctx_sum), extra)
+
+    @staticmethod
+    def _plus_extra(forwards: float, extra: float) -> float:
+        """A step's forwards plus its measured extra, which is negative where the engine's step costs
+        less than the sweep's forwards at its shape (a verify of 64 rows x 12 tokens 68 ms less than
+        the sweep's 768 tokens, 2026-11-26; held at zero, such steps were priced 15-25% high). Never
+        below half the forwards: a guard against a fit extrapolated far from what it measured."""
+        return max(forwards + extra, 0.5 * forwards)
 
     def spec_forwards(self, c: SpecConfig, B: int, width: int, ctx_max: int, verified: float | None = None) -> float:
         return (self.draft(B, width, ctx_max, 0) + (c.depth - 1) * self.draft(B, c.topk, ctx_max, 0)
@@ -267,7 +275,7 @@ class CpuCosts:
         n = verified or c.num_verify
         extra = (self._grid(self.spec_extra, B) + k * B * n + d * c.depth + e * B * c.depth * c.topk**2
                  + self._grid(self.spec_measured.get(c, {}), B))
-        return self.spec_forwards(c, B, width, ctx_max, verified) + max(extra, 0.0)
+        return self._plus_extra(self.spec_forwards(c, B, width, ctx_max, verified), extra)
 
     def prefill(self, unique: int, width: int, joined: int) -> float:
         return max(self._prefill_tokens(unique * width) + self.copy_s * (joined - unique), 0.0)
@@ -906,7 +914,10 @@ def _rms(rows: list[list[float]], y: list[float], coef: tuple[float, ...]) -> fl
 # ---------------------------------------------------------------------------------------------
 # Validation: the real engine and the simulator on the same workloads
 # ---------------------------------------------------------------------------------------------
-SWEEP_MODES = ("off", "static", "fastgrpo", "tlt", "aware")
+# every policy the GRPO batch compares but the static sweep: `aware_per_sequence` learns here what
+# `aware` does (run on the GRPO batch alone, it met it with two speculative steps of 85 where `aware`,
+# taught by the sweep, took 20 of 66, and was 7% slower, 2026-11-26)
+SWEEP_MODES = ("off", "static", "fastgrpo", "tlt", "aware", "aware_per_sequence")
 VALIDATION_REPLAYS = 5  # the simulated protocol's replays (simulated runs are cheap; the engine's are not)
 LEVEL_PASSES = 8  # level passes amid a fixed-concurrency workload's timed runs (and one before them)
 
