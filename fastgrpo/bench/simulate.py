@@ -260,9 +260,10 @@ class CpuCosts:
     @staticmethod
     def _plus_extra(forwards: float, extra: float) -> float:
         """A step's forwards plus its measured extra, which is negative where the engine's step costs
-        less than the sweep's forwards at its shape (a verify of 64 rows x 12 tokens 68 ms less than
-        the sweep's 768 tokens, 2026-11-26; held at zero, such steps were priced 15-25% high). Never
-        below half the forwards: a guard against a fit extrapolated far from what it measured."""
+        less than the sweep's forwards at its shape (a step of d4k4n12 at 64 rows 84 ms less, in
+        `bench/simulate-quick-2026-11-26-run5.json`; held at zero, such steps were priced 10-22% high
+        in three runs). Never below half the forwards: a guard against a fit extrapolated far from
+        what it measured."""
         return max(forwards + extra, 0.5 * forwards)
 
     def spec_forwards(self, c: SpecConfig, B: int, width: int, ctx_max: int, verified: float | None = None) -> float:
@@ -915,8 +916,8 @@ def _rms(rows: list[list[float]], y: list[float], coef: tuple[float, ...]) -> fl
 # Validation: the real engine and the simulator on the same workloads
 # ---------------------------------------------------------------------------------------------
 # every policy the GRPO batch compares but the static sweep: `aware_per_sequence` learns here what
-# `aware` does (run on the GRPO batch alone, it met it with two speculative steps of 85 where `aware`,
-# taught by the sweep, took 20 of 66, and was 7% slower, 2026-11-26)
+# `aware` does (run on the GRPO batch alone, it met it untaught, where `aware` had learned on the sweep:
+# 3.5 speculative steps of 84.5 against `aware`'s 19 of 60.5, bench/simulate-quick-2026-11-26-run5.json)
 SWEEP_MODES = ("off", "static", "fastgrpo", "tlt", "aware", "aware_per_sequence")
 VALIDATION_REPLAYS = 5  # the simulated protocol's replays (simulated runs are cheap; the engine's are not)
 LEVEL_PASSES = 8  # level passes amid a fixed-concurrency workload's timed runs (and one before them)
