@@ -733,6 +733,29 @@ def test_per_sequence_budget_goes_to_the_rows_the_draft_is_sure_of_and_learns_it
     assert verified[0] == 6 and verified[-1] == 0 and policy.calibration < 0.2
 
 
+def test_a_cut_tree_teaches_acceptance_only_the_levels_it_verified():
+    """Rows of a chain of 3 whose budget verified only its first level, and accepted it: the second
+    and third levels were never tried, so the chance of accepting them is not lowered (counted as
+    rejections, one-sequence runs of cut trees made every deeper tree look worse and turned the
+    policy off at four sequences); a row that verified all three and rejected the second lowers it."""
+    config, depth = SpecConfig(3, 1, 4), torch.tensor([[1, 2, 3]] * 4)
+    policy = AwarePerSequence(linear_costs(per_token=0.003))
+    before = [policy.acceptance.alpha(d) for d in (1, 2, 3)]
+    sure, unsure = torch.tensor([0.95, 0.02, 0.01]).log(), torch.tensor([0.2, 0.05, 0.01]).log()
+    for _ in range(20):
+        chosen = policy.select(torch.stack([sure, unsure, sure, unsure]), depth, config, 4)
+        assert chosen.sum(1).tolist() == [1, 0, 1, 0]  # the sure rows' first level only
+        policy.observe(config, 4, 6, 0.02, accepted=[1, 0, 1, 0])
+    assert policy.acceptance.alpha(1) > before[0]  # 40 tries of level one, all accepted
+    assert [policy.acceptance.alpha(d) for d in (2, 3)] == before[1:]  # never tried
+    policy.select(torch.stack([sure] * 4), depth, config, 4)  # (a fresh select: every row verifies level 1)
+    policy.observe(config, 4, 4, 0.02, accepted=[0, 0, 0, 0])
+    whole = AwarePerSequence(linear_costs(per_token=0.0))  # verifying every level of every row
+    whole.select(torch.stack([sure] * 4), depth, config, 4)
+    whole.observe(config, 4, 8, 0.02, accepted=[1, 1, 1, 1])  # each rejects level two
+    assert whole.acceptance.alpha(2) < before[1]
+
+
 def test_cost_model_ignores_a_noisy_calibration_point():
     """A sample slowed by a busy machine (64 tokens measured slower than 128) must not make plain
     decoding at 64 sequences look expensive."""

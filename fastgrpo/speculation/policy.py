@@ -124,9 +124,14 @@ class AcceptanceModel:
         n = self.count.get(c, 0.0)
         return (self.prior(c) * self.prior_weight + self.sum_emitted.get(c, 0.0)) / (self.prior_weight + n)
 
-    def observe(self, c: SpecConfig, accepted: list[int]) -> None:
-        for a in accepted:
-            for d in range(1, min(a + 1, c.depth) + 1):
+    def observe(self, c: SpecConfig, accepted: list[int], verified_depth: list[int] | None = None) -> None:
+        """`verified_depth`: per sequence, the deepest level of its tree that was verified at all (a
+        per-sequence budget verifies part of a tree): a level past it was never tried, so a sequence
+        that accepted everything up to it says nothing of alpha beyond (counted as a rejection, the
+        cut trees at one sequence pulled every shape's prior down, and so speculation at four)."""
+        for i, a in enumerate(accepted):
+            tried = c.depth if verified_depth is None else min(c.depth, verified_depth[i])
+            for d in range(1, min(a + 1, tried) + 1):
                 self.reached[d] += 1
                 self.passed[d] += d <= a
         self.sum_emitted[c] = self.sum_emitted.get(c, 0.0) + sum(a + 1 for a in accepted)
@@ -204,6 +209,10 @@ class Aware(Off):
     def _verified_tokens(self, c: SpecConfig, running: int) -> float:
         """Tokens in the verify forward of a step of tree c: every node of every row."""
         return running * c.num_verify
+
+    def _verified_depth(self, rows: int) -> list[int] | None:
+        """Per sequence, the deepest tree level the last step verified (None: every level)."""
+        return None
 
     def _draft_seconds(self, c: SpecConfig, running: int) -> float:
         catch_up = running * self.acceptance.expected(c)  # last step's accepted states, fed to the draft
@@ -283,7 +292,7 @@ class Aware(Off):
         self._since[(other, b)] = self._since.get((other, b), 0) + 1
         if config is not None:
             if accepted is not None:
-                self.acceptance.observe(config, accepted)
+                self.acceptance.observe(config, accepted, self._verified_depth(len(accepted)))
             self._spec_observed += 1
             if self._spec_observed % 16 == 0 or probe or current is None:
                 self._trees.clear()  # fresh evidence on speculation: search the trees again
