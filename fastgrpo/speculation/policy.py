@@ -128,7 +128,9 @@ class AcceptanceModel:
         """`verified_depth`: per sequence, the deepest level of its tree that was verified at all (a
         per-sequence budget verifies part of a tree): a level past it was never tried, so a sequence
         that accepted everything up to it says nothing of alpha beyond (counted as a rejection, the
-        cut trees at one sequence pulled every shape's prior down, and so speculation at four)."""
+        cut trees at one sequence pulled every shape's prior down, and so speculation at four). The
+        deepest over the row's whole tree: a level verified on another branch than the accepted path
+        still counts as tried there, a slight undercount of alpha the budget's cuts cause."""
         for i, a in enumerate(accepted):
             tried = c.depth if verified_depth is None else min(c.depth, verified_depth[i])
             for d in range(1, min(a + 1, tried) + 1):
