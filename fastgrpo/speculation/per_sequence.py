@@ -42,7 +42,6 @@ class AwarePerSequence(Aware):
         # accepted and predicted draft tokens over recent steps (a prior of one token each: c starts at 1)
         self._accepted, self._predicted = 1.0, 1.0
         self._step_prediction: float | None = None
-        self._deepest: list[int] | None = None  # per row, the deepest level the last select() verified
         self.offered_nodes = 0  # non-root nodes drafted at speculative steps, and those verified
         self.verified_nodes = 0
         # tokens verified per row with each tree shape (root included), recent steps weighted most: what a
@@ -53,9 +52,6 @@ class AwarePerSequence(Aware):
     def _verified_tokens(self, c: SpecConfig, running: int) -> float:
         total, weight = self._width.get(c, (float(c.num_verify), 1.0))  # an untried shape: every node
         return running * total / weight
-
-    def _verified_depth(self, rows: int) -> list[int] | None:
-        return self._deepest if self._deepest is not None and len(self._deepest) == rows else None
 
     @property
     def calibration(self) -> float:
@@ -83,7 +79,7 @@ class AwarePerSequence(Aware):
             best = B * K  # speculates only for a clear gain: a single calibration factor misjudges depths)
         nodes = torch.zeros(B * K, dtype=torch.bool)
         nodes[order[:best]] = True
-        self._deepest = (depth * nodes.view(B, K)).amax(1).tolist() if K else [0] * B
+        self.verified_depth = (depth * nodes.view(B, K)).amax(1).tolist()  # what acceptance may learn
         self._step_prediction = float(reach[best])
         total, weight = self._width.get(config, (float(config.num_verify), 1.0))
         d = self.calibration_decay
@@ -100,4 +96,3 @@ class AwarePerSequence(Aware):
             self._predicted = d * self._predicted + self._step_prediction
         self._step_prediction = None
         super().observe(config, running, emitted, seconds, accepted)
-        self._deepest = None

@@ -190,6 +190,9 @@ class Aware(Off):
         # the rows' caches costs a plain step and a tree step alike, so a step priced at the sweep's
         # context and scaled by a measured ratio makes a tree look dearer the longer the context is
         self.context: float | None = None
+        # per sequence, the deepest tree level this step verifies: set by a budget that cuts the tree
+        # (aware_per_sequence), None for every level; acceptance learns only the levels tried
+        self.verified_depth: list[int] | None = None
         self._spec_observed = 0
         self.probes = 0  # probe steps taken (the guarantee bench reports what they cost)
 
@@ -211,10 +214,6 @@ class Aware(Off):
     def _verified_tokens(self, c: SpecConfig, running: int) -> float:
         """Tokens in the verify forward of a step of tree c: every node of every row."""
         return running * c.num_verify
-
-    def _verified_depth(self, rows: int) -> list[int] | None:
-        """Per sequence, the deepest tree level the last step verified (None: every level)."""
-        return None
 
     def _draft_seconds(self, c: SpecConfig, running: int) -> float:
         catch_up = running * self.acceptance.expected(c)  # last step's accepted states, fed to the draft
@@ -294,7 +293,8 @@ class Aware(Off):
         self._since[(other, b)] = self._since.get((other, b), 0) + 1
         if config is not None:
             if accepted is not None:
-                self.acceptance.observe(config, accepted, self._verified_depth(len(accepted)))
+                self.acceptance.observe(config, accepted, self.verified_depth)
+                self.verified_depth = None  # this step's
             self._spec_observed += 1
             if self._spec_observed % 16 == 0 or probe or current is None:
                 self._trees.clear()  # fresh evidence on speculation: search the trees again
