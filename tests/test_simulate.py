@@ -10,7 +10,8 @@ import pytest
 
 from fastgrpo.bench.simulate import (CONTEXT, H100, LLAMA3_8B, SWEEP, AcceptanceProfile, CpuCosts, DraftConfidence,
                                      Recorder, Roofline, SimRequest, Workload, eagle_profile, fit_acceptance,
-                                     price_engine_run, replay_steps, sim_policies, simulate, simulated_cost_model)
+                                     price_engine_run, replay_steps, sim_policies, simulate, simulated_cost_model,
+                                     whole_tree_acceptance)
 from fastgrpo.engine.engine import EmbeddedEngine
 from fastgrpo.models.policy import new_policy, policy_config
 from fastgrpo.speculation.cost_model import CostModel
@@ -397,6 +398,22 @@ def test_a_per_sequence_budget_is_charged_for_the_nodes_it_verifies():
     assert run.spec_steps == len(costs.verified) > 0
     assert sum(B * (n - 1) for B, n in costs.verified) == pytest.approx(policy.verified_nodes)
     assert policy.verified_nodes < policy.offered_nodes  # some rows' trees were cut
+
+
+def test_acceptance_is_measured_on_whole_trees_only():
+    """A per-sequence budget's steps log the whole shape but verify part of it: pooled, they would
+    teach the simulator that the shape accepts less than it does."""
+    costs, profile = VerifiedCosts(), AcceptanceProfile([0.7], 0.3)
+    wl = Workload("w", [SimRequest(i, 8, 40) for i in range(6)], 100, 200)
+    whole = Recorder(Static(SpecConfig(4, 4, 12)))
+    cut = Recorder(AwarePerSequence(simulated_cost_model(costs), margin=0.0))
+    for rec in (whole, cut):
+        rec.tag = ("w", 6, 1)
+        simulate(wl, costs, profile, rec, 6, np.random.default_rng(0))
+    assert cut.policy.verified_nodes < cut.policy.offered_nodes  # it cut trees, and logged them
+    assert any(acc for _, config, *_, acc in cut.log if config is not None)
+    pooled = whole_tree_acceptance([whole, cut], ["w"])
+    assert pooled == {"w": {SpecConfig(4, 4, 12): [a for *_, acc in whole.log for a in acc]}}
 
 
 def test_per_sequence_budget_is_not_slower_than_aware_on_a_simulated_gpu():

@@ -23,7 +23,7 @@ import random
 import statistics
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -1009,12 +1009,7 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
                     [*((f"sweep_B{B}", B) for B in levels), ("grpo", 1)]))
     log("engine, GRPO batch: " + ", ".join(f"{m} {statistics.median(measured[f'grpo_{m}']):.2f}s" for m in _grpo_modes()))
 
-    # acceptance measured on each workload (its prompts), pooled over its policies
-    accepted: dict[str, dict[SpecConfig, list[int]]] = {f"sweep_B{B}": {} for B in levels} | {"grpo": {}}
-    for rec in recs.values():
-        for tag, config, _, _, _, acc in rec.log:
-            if config is not None and acc is not None:
-                accepted[tag[0]].setdefault(config, []).extend(acc)
+    accepted = whole_tree_acceptance(recs.values(), [f"sweep_B{B}" for B in levels] + ["grpo"])
     profiles = {w: fit_acceptance(a, f"our draft on the bench policy, measured ({w} workload)")
                 for w, a in accepted.items()}
     # the same protocol, simulated, replayed `replays` times with fresh policies: the prediction is
@@ -1078,6 +1073,21 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
             "grpo_lengths": bench_lengths, "grpo_prompt_lens": plens, "group": group,
             "engine_accept_len": {m: _mean_emitted(recs[m].log) for m in recs}, "_profiles": profiles,
             "_costs": (costs, cost_info)}
+
+
+def whole_tree_acceptance(recorders: Iterable[Recorder], workloads: Sequence[str]) -> dict[str, dict[SpecConfig, list[int]]]:
+    """Accepted lengths per workload (its prompts) and tree shape, pooled over the policies that
+    verify whole trees: the profile is what a whole tree of a shape accepts. A per-sequence budget's
+    steps verify part of their tree (its log names the whole shape), so pooled they would pull the
+    shape's draws down for every policy, and the simulated budget would then cut an already cut tree."""
+    accepted: dict[str, dict[SpecConfig, list[int]]] = {w: {} for w in workloads}
+    for rec in recorders:
+        if hasattr(rec.policy, "select"):
+            continue
+        for tag, config, _, _, _, acc in rec.log:
+            if config is not None and acc is not None:
+                accepted[tag[0]].setdefault(config, []).extend(acc)
+    return accepted
 
 
 def price_engine_run(costs: CpuCosts, run: dict, log: list, prompts: Sequence[Sequence[int]],
