@@ -109,7 +109,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
                "learning": lambda cfg, quick, output, extra: bench_learning(cfg, quick, output, args.seeds,
                                                                             args.steps, args.every, modes, extra=extra),
                "noise": lambda cfg, quick, output, extra: bench_noise(cfg, quick, output, args.batches, extra=extra),
-               "trainer": bench_trainer, "simulate": bench_simulate,
+               "trainer": bench_trainer,
+               "simulate": lambda cfg, quick, output, extra: bench_simulate(cfg, quick, output, extra,
+                                                                            args.repetitions or 3),
                "guarantee": lambda cfg, quick, output, extra: bench_guarantee(cfg, quick, output, args.runs,
                                                                               args.threads, extra=extra)}
     if args.what not in benches:
@@ -117,7 +119,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.policy and args.what != "draft":
         raise ValueError(f"--policy is for `bench draft`, not `bench {args.what}`")
     for flag, owner in (("seeds", "learning"), ("steps", "learning"), ("every", "learning"), ("modes", "learning"),
-                        ("batches", "noise"), ("runs", "guarantee"), ("threads", "guarantee")):
+                        ("batches", "noise"), ("runs", "guarantee"), ("threads", "guarantee"),
+                        ("repetitions", "simulate")):
         if getattr(args, flag) is not None and args.what != owner:
             raise ValueError(f"--{flag} is for `bench {owner}`, not `bench {args.what}`")
         if flag not in ("modes", "threads") and getattr(args, flag) is not None and getattr(args, flag) < 1:
@@ -201,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--runs", type=int, help="bench guarantee: runs per thread count (default 5; 2 with --quick)")
     bench.add_argument("--threads", type=_thread_counts, help="bench guarantee: torch thread counts, comma-separated "
                        "(default 1,2)")
+    bench.add_argument("--repetitions", type=int, help="bench simulate: the validation's repetitions R (default 3): "
+                       "a fixed-concurrency workload of B sequences runs max(2R, 16R/B) times, the GRPO batch 2R, "
+                       "and the profile's passes amid them scale with R")
 
     # key=value overrides may come anywhere on the line, also after options (argparse alone would
     # take them only right after the command's positionals)

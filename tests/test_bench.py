@@ -174,3 +174,12 @@ def test_bench_guarantee_pairs_aware_with_off_at_each_thread_count(tmp_path, tin
     worst = min(min(r["ratios"]) for passed in saved["threads"].values() for r in passed["aware_vs_off"].values())
     assert f"| {worst:.3f}x |" in table
     assert table.count("| yes |") + table.count("| no |") == 2 * (len(LEVELS) + 1)
+
+
+def test_simulate_repetitions_are_checked_before_any_work(tmp_path):
+    from fastgrpo.cli import main
+
+    out = tmp_path / "x.json"
+    assert main(["bench", "rollout", "--repetitions", "6", "--output", str(out)]) == 1  # not rollout's flag
+    assert main(["bench", "simulate", "--repetitions", "0", "--output", str(out)]) == 1
+    assert not out.exists()

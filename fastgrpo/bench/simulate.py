@@ -920,7 +920,8 @@ def _rms(rows: list[list[float]], y: list[float], coef: tuple[float, ...]) -> fl
 # 3.5 speculative steps of 84.5 against `aware`'s 19 of 60.5, bench/simulate-quick-2026-11-26-run5.json)
 SWEEP_MODES = ("off", "static", "fastgrpo", "tlt", "aware", "aware_per_sequence")
 VALIDATION_REPLAYS = 5  # the simulated protocol's replays (simulated runs are cheap; the engine's are not)
-LEVEL_PASSES = 8  # level passes amid a fixed-concurrency workload's timed runs (and one before them)
+REPETITIONS = 3  # the validation's default repetitions R (`bench simulate --repetitions`)
+LEVEL_PASSES = 8  # level passes amid a fixed-concurrency workload's timed runs at R = 3 (and one before them)
 
 
 def _grpo_modes() -> list[str]:
@@ -980,7 +981,9 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
     for B in levels:
         reqs = [Request(prompts[i % len(prompts)], max_new_tokens=tokens) for i in range(B)]
         sweep_prompts[B] = [len(r.prompt_ids) for r in reqs]
-        every = max(1, round(level_reps(reps, B) / LEVEL_PASSES))
+        # passes as often at any R: more runs to price, priced by more passes (the profile's own noise
+        # shrinks with the engine's)
+        every = max(1, round(level_reps(REPETITIONS, B) / LEVEL_PASSES))
         for rep in range(level_reps(reps, B) + 1):
             for mode in rotated(list(SWEEP_MODES), rep):
                 recs[mode].tag = (f"sweep_B{B}", B, rep)
@@ -1230,7 +1233,7 @@ def gpu_fixed_concurrency(acceptance: AcceptanceProfile, levels: Sequence[int], 
 # ---------------------------------------------------------------------------------------------
 # The command
 # ---------------------------------------------------------------------------------------------
-def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = None) -> dict:
+def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = None, reps: int = REPETITIONS) -> dict:
     from fastgrpo.backends.embedded import build_engine, speculation_policy
     from fastgrpo.bench.report import command_line, publish
     from fastgrpo.models.policy import load_policy, num_parameters
@@ -1263,7 +1266,6 @@ def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = Non
     engine_policies |= {f"static_{c.name}": Static(c) for c in STATIC_SWEEP}
     engine_policies["tlt"] = TLT(seed=cfg.seed)
 
-    reps = 3
     v = dict(levels=(1, 4, 16, 64), tokens=48 if quick else 128, n_prompts=4 if quick else 8, group=8,
              max_new=128 if quick else cfg.rollout.max_new_tokens)
     val = validate(engine, engine_policies, profiler, prompts, temperature, top_p, v["levels"], v["tokens"],
@@ -1312,7 +1314,7 @@ def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = Non
                              "sweep": sensitivity},
     }
     result["meta"]["seconds"] = time.perf_counter() - t0
-    command = command_line("simulate", quick, output, extra)
+    command = command_line("simulate", quick, output, (extra or []) + ([f"--repetitions {reps}"] if reps != REPETITIONS else []))
     publish(result, output, command, markdown, plot=lambda path: plot_all(result, path))
     output.with_suffix(".md").write_text(markdown(result, command) + "\n")  # the section, for BENCHMARKS.md
     return result
