@@ -101,7 +101,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from fastgrpo.bench.trainer import bench_trainer
     from fastgrpo.bench.rollout import bench_rollout
     from fastgrpo.bench.shapes import bench_shapes
-    from fastgrpo.bench.simulate import REPETITIONS, bench_simulate
+    from fastgrpo.bench.simulate import bench_simulate
 
     modes = args.modes.split(",") if args.modes else None
     benches = {"rollout": bench_rollout, "e2e": bench_e2e, "forward": bench_forward, "shapes": bench_shapes,
@@ -110,8 +110,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
                                                                             args.steps, args.every, modes, extra=extra),
                "noise": lambda cfg, quick, output, extra: bench_noise(cfg, quick, output, args.batches, extra=extra),
                "trainer": bench_trainer,
-               "simulate": lambda cfg, quick, output, extra: bench_simulate(cfg, quick, output, extra,
-                                                                            args.repetitions or REPETITIONS),
+               "simulate": lambda cfg, quick, output, extra: bench_simulate(cfg, quick, output, extra, args.repetitions),
                "guarantee": lambda cfg, quick, output, extra: bench_guarantee(cfg, quick, output, args.runs,
                                                                               args.threads, extra=extra)}
     if args.what not in benches:

@@ -1085,7 +1085,7 @@ def whole_tree_acceptance(recorders: Iterable[Recorder], workloads: Sequence[str
     shape's draws down for every policy, and the simulated budget would then cut an already cut tree."""
     accepted: dict[str, dict[SpecConfig, list[int]]] = {w: {} for w in workloads}
     for rec in recorders:
-        if hasattr(rec.policy, "select"):
+        if hasattr(rec, "select"):  # a per-sequence budget, as `simulate` tells it
             continue
         for tag, config, _, _, _, acc in rec.log:
             if config is not None and acc is not None:
@@ -1233,7 +1233,7 @@ def gpu_fixed_concurrency(acceptance: AcceptanceProfile, levels: Sequence[int], 
 # ---------------------------------------------------------------------------------------------
 # The command
 # ---------------------------------------------------------------------------------------------
-def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = None, reps: int = REPETITIONS) -> dict:
+def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = None, reps: int | None = None) -> dict:
     from fastgrpo.backends.embedded import build_engine, speculation_policy
     from fastgrpo.bench.report import command_line, publish
     from fastgrpo.models.policy import load_policy, num_parameters
@@ -1266,6 +1266,7 @@ def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = Non
     engine_policies |= {f"static_{c.name}": Static(c) for c in STATIC_SWEEP}
     engine_policies["tlt"] = TLT(seed=cfg.seed)
 
+    reps = reps or REPETITIONS
     v = dict(levels=(1, 4, 16, 64), tokens=48 if quick else 128, n_prompts=4 if quick else 8, group=8,
              max_new=128 if quick else cfg.rollout.max_new_tokens)
     val = validate(engine, engine_policies, profiler, prompts, temperature, top_p, v["levels"], v["tokens"],
