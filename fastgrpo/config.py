@@ -169,6 +169,9 @@ class EngineConfig:
     # sglang: the share of each GPU's memory the engine holds for its weights and KV cache (SGLang's
     # mem_fraction_static); colocated with training, it is released while the policy trains
     mem_fraction: float = 0.5
+    # GPUs per engine (SGLang's tp_size; the embedded engine runs on one rank: 1). Engines tile every
+    # policy rank whatever the trainer's layout: policy ranks / tensor of them, none spanning a node
+    tensor: int = 1
 
 
 @dataclass
@@ -295,6 +298,12 @@ def validate(c: Config) -> None:
                "torchrun world: use trainer.backend=megatron or deepspeed", c.parallel.draft_ranks)
         _check(c.draft.online == "async", "parallel.draft_ranks", "> 0 trains the draft there: needs "
                "draft.online=async", c.parallel.draft_ranks)
+    _check(c.engine.tensor >= 1, "engine.tensor", "must be >= 1", c.engine.tensor)
+    _check(c.engine.tensor == 1 or c.engine.backend != "embedded", "engine.tensor",
+           "must be 1 with engine.backend=embedded (it runs on one rank)", c.engine.tensor)
+    _check(c.engine.backend != "sglang" or c.cluster.gpus_per_node % c.engine.tensor == 0, "engine.tensor",
+           f"must divide cluster.gpus_per_node={c.cluster.gpus_per_node} (an engine never spans a node)",
+           c.engine.tensor)
     _check(0 < c.engine.mem_fraction < 1, "engine.mem_fraction", "must be in (0, 1)", c.engine.mem_fraction)
     _check(c.cluster.nodes >= 1, "cluster.nodes", "must be >= 1", c.cluster.nodes)
     _check(c.cluster.gpus_per_node >= 1, "cluster.gpus_per_node", "must be >= 1", c.cluster.gpus_per_node)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fastgrpo.types import Placement
+from fastgrpo.types import EngineMap, Placement
 
 
 def free_port() -> int:
@@ -181,16 +181,19 @@ class Channel:
 
 @dataclass(frozen=True)
 class World:
-    """This process's part in the run: its rank, and its place among the data-parallel replicas."""
+    """This process's part in the run: its rank, its place among the trainer's data-parallel
+    replicas, and the rollout engines' map over the policy ranks (which engine it belongs to)."""
 
     rank: int = 0
     size: int = 1
     placement: Placement = Placement()
+    engines: EngineMap = EngineMap()
 
     @classmethod
-    def of(cls, placement: Placement) -> World:
+    def of(cls, placement: Placement, engine_tensor: int = 1) -> World:
         if dist.is_initialized():
-            return cls(dist.get_rank(), dist.get_world_size(), placement)
+            size = dist.get_world_size()
+            return cls(dist.get_rank(), size, placement, EngineMap(size, engine_tensor))
         return cls(placement=placement)
 
     @property
@@ -198,27 +201,30 @@ class World:
         """Rank 0: the one that prints, tracks and writes the run's files."""
         return self.rank == 0
 
-    def share(self, items: list) -> list:
-        """This replica's contiguous share of `items` (whole prompts: a group never splits)."""
-        p, k = self.placement, len(items)
-        return items[p.replica * k // p.replicas: (p.replica + 1) * k // p.replicas]
+    @property
+    def engine(self) -> int | None:
+        """The engine this rank belongs to."""
+        return self.engines.engine_of(self.rank)
+
+    @property
+    def leads_engine(self) -> bool:
+        """This rank drives its engine: builds it, feeds it weights and prompts, returns its answers."""
+        return self.engines.leads(self.rank)
+
+    def share(self, items: list) -> tuple[int, list]:
+        """This rank's engine's contiguous share of `items` (whole prompts: a group never splits), with
+        the index of its first item."""
+        start, stop = self.engines.bounds(len(items), self.engine)
+        return start, items[start:stop]
 
     def gather(self, mine: Any) -> list:
-        """Every replica leader's `mine`, in replica order, on every rank (other ranks pass None);
-        what a rollout step exchanges: token ids, log-probabilities, rewards, engine statistics."""
+        """Every engine leader's `mine`, in engine order, on every rank (other ranks pass None); what a
+        rollout step exchanges: token ids, log-probabilities, rewards, engine statistics."""
         if self.size == 1:
             return [mine]
         everyone: list = [None] * self.size
-        dist.all_gather_object(everyone, (self.placement.replica, mine) if self.placement.leads_replica else None)
-        return [m for _, m in sorted(x for x in everyone if x is not None)]
-
-    def leaders(self) -> list[int]:
-        """The ranks that lead a replica (where its engine runs), in replica order."""
-        if self.size == 1:
-            return [self.rank]
-        everyone: list = [None] * self.size
-        dist.all_gather_object(everyone, self.placement)
-        return [rank for rank, p in sorted(enumerate(everyone), key=lambda x: x[1].replica) if p.leads_replica]
+        dist.all_gather_object(everyone, mine if self.leads_engine else None)
+        return [everyone[r] for r in self.engines.leaders()]
 
     def any(self, flag: bool) -> bool:
         """True on every rank if `flag` is true on any rank."""

@@ -2,7 +2,8 @@
 
 Three questions, answered from the config and the model's Hugging Face `config.json` alone (no
 weights, no GPU): does the layout divide (heads, key/value groups and MLP width by TP, layers by PP,
-the GPUs into TP x PP x DP replicas plus the draft slice); which GPU holds which rank, engine and
+the GPUs into TP x PP x DP replicas plus the draft slice, and into engines of `engine.tensor` GPUs
+within a node); which GPU holds which rank, engine and
 draft rank; and does each GPU's memory hold what that rank keeps there, in both phases of a
 colocated step (rollout: the trainer's state stays while the engine holds its share; training:
 the engine has released its memory and the micro-batch's activations need room).
@@ -112,8 +113,9 @@ def kv_bytes_per_token(s: Layout, dtype_bytes: int) -> int:
     return 2 * s.layers * s.kv_heads * s.head_dim * dtype_bytes
 
 
-def _check_layout(plan: Plan, cfg: Config, config: PretrainedConfig, s: Layout, world: int) -> int:
-    """Divisibility and sizes; returns the data-parallel size (0 when the world does not divide)."""
+def _check_layout(plan: Plan, cfg: Config, config: PretrainedConfig, s: Layout, world: int, gpus_per_node: int) -> int:
+    """Divisibility and sizes, the trainer's and the engines'; returns the data-parallel size (0 when
+    the world does not divide)."""
     t, p, d_ranks = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.draft_ranks
     check = plan.checks.append
     check((s.heads % t == 0, f"tensor {t} divides the {s.heads} attention heads"))
@@ -137,21 +139,25 @@ def _check_layout(plan: Plan, cfg: Config, config: PretrainedConfig, s: Layout, 
     if not ok:
         return 0
     dp = policy // (t * p)
-    r = cfg.rollout
-    check((r.prompts_per_step >= dp, f"{r.prompts_per_step} prompts per step give each of the {dp} replicas at "
-                                     f"least one group of {r.group_size}"))
+    r, et = cfg.rollout, cfg.engine.tensor
+    check((r.prompts_per_step >= dp, f"{r.prompts_per_step} prompts per step give each of the {dp} trainer replicas "
+                                     f"at least one group of {r.group_size}"))
+    check((policy % et == 0, f"engine.tensor {et} divides the {policy} policy GPUs into engines"))
+    check((cfg.cluster.gpus_per_node % et == 0 and gpus_per_node % et == 0,
+           f"engine.tensor {et} divides the {gpus_per_node} GPUs of a node (an engine never spans nodes)"))
+    if policy % et:
+        return 0
+    engines = policy // et
+    if cfg.engine.backend == "sglang":
+        check((s.heads % et == 0, f"engine.tensor {et} divides the {s.heads} attention heads (SGLang's tensor parallelism)"))
+    if r.prompts_per_step < engines:
+        plan.notes.append(f"{engines - r.prompts_per_step} of the {engines} engines get no prompt in a step "
+                          f"({r.prompts_per_step} prompts per step): a larger engine.tensor or more prompts use them")
     if cfg.draft.online == "sync":
-        check((dp == 1, f"draft.online=sync learns beside the one engine (data {dp})"))
+        check((engines == 1, f"draft.online=sync learns beside the one engine ({engines} engines)"))
     if cfg.draft.online == "async":
         check((d_ranks >= 1 or cfg.trainer.backend == "torch",
                f"draft.online=async has {d_ranks} reserved draft rank(s)"))
-    if cfg.engine.backend == "sglang":
-        check((cfg.cluster.gpus_per_node > 0, "engine.backend=sglang runs on GPUs"))
-        t, p = cfg.parallel.tensor, cfg.parallel.pipeline
-        if t * p > cfg.cluster.gpus_per_node or (p > 1 and dp > 1):
-            plan.notes.append(f"the SGLang adapter starts one engine per replica on contiguous GPUs of one node; "
-                              f"a replica of tensor {t} x pipeline {p} (data {dp}) is not that, so `fastgrpo train` "
-                              f"stops when it builds the engine (several engines per replica are not built)")
     return dp
 
 
@@ -163,7 +169,7 @@ def coordinates(rank: int, tensor: int, data: int) -> tuple[int, int, int]:
 
 def _rank_map(plan: Plan, cfg: Config, nodes: int, per_node: int, dp: int) -> None:
     """Megatron's default order (tensor fastest, then data, then pipeline); the draft slice last;
-    replica k's engine spans its ranks and is led by its tensor-0 stage-0 rank."""
+    engines of `engine.tensor` consecutive policy ranks tile them, each led by its first rank."""
     t, p = cfg.parallel.tensor, cfg.parallel.pipeline
     policy = t * p * dp
     for node in range(nodes):
@@ -174,15 +180,16 @@ def _rank_map(plan: Plan, cfg: Config, nodes: int, per_node: int, dp: int) -> No
                 cells.append(f"draft{rank - policy}")
                 continue
             tp, stage, replica = coordinates(rank, t, dp)
-            lead = "*" if tp == 0 and stage == 0 else ""
+            lead = "*" if rank % cfg.engine.tensor == 0 else ""
             cells.append(f"t{tp}p{stage}d{replica}{lead}")
         plan.rank_map.append(f"node {node:>3}: " + " ".join(f"{c:<10}" for c in cells).rstrip())
-    engines = []
-    for replica in range(dp):
-        ranks = [r for r in range(t * p * dp) if coordinates(r, t, dp)[2] == replica]
-        spans = sorted({r // per_node for r in ranks})
-        engines.append(f"engine {replica}: ranks {_ranges(ranks)} on node(s) {_ranges(spans)}, led by rank {ranks[0]}")
-    plan.rank_map += engines
+    et = cfg.engine.tensor
+    r = cfg.rollout
+    for e in range(policy // et):
+        ranks = list(range(e * et, (e + 1) * et))
+        first, last = e * r.prompts_per_step // (policy // et), (e + 1) * r.prompts_per_step // (policy // et)
+        plan.rank_map.append(f"engine {e}: ranks {_ranges(ranks)} on node {ranks[0] // per_node}, led by rank "
+                             f"{ranks[0]}; {last - first} prompt(s) x {r.group_size} per step")
 
 
 def _ranges(xs: list[int]) -> str:
@@ -225,37 +232,38 @@ def _policy_phases(plan: Plan, cfg: Config, s: Layout, dp: int, capacity: float)
     reserve = Term("runtime allowance", RESERVE_GIB[cfg.engine.backend], "fixed (CUDA context, buffers, fragmentation)")
 
     # rollout: the engine holds its share while the trainer's state stays
-    r = cfg.rollout
-    seqs = r.prompts_per_step * r.group_size // dp  # sequences a replica samples per step
+    r, et = cfg.rollout, cfg.engine.tensor
+    engines = t * p * dp // et
+    seqs = math.ceil(r.prompts_per_step / engines) * r.group_size  # sequences the busiest engine samples per step
     L = cfg.model.max_context
     if cfg.engine.backend == "sglang":
         f = cfg.engine.mem_fraction
-        engine_w = BF16 * (parameters(s) + draft_parameters(s)) / (t * p)
-        per_token = kv_bytes_per_token(s, BF16) / (t * p)
+        engine_w = BF16 * (parameters(s) + draft_parameters(s)) / et
+        per_token = kv_bytes_per_token(s, BF16) / et
         kv_tokens = (f * capacity * GIB - engine_w) / per_token
         engine = [Term("engine: weights + draft (bf16)", _gib(engine_w),
-                       f"2 B x {(parameters(s) + draft_parameters(s)) / 1e9:.1f}B / (TP {t} x PP {p}); inside its "
+                       f"2 B x {(parameters(s) + draft_parameters(s)) / 1e9:.1f}B / engine.tensor {et}; inside its "
                        f"fraction"),
                   Term("engine: KV cache pool", f * capacity - _gib(engine_w),
                        f"engine.mem_fraction {f} x {capacity:g} GiB - weights = {kv_tokens / 1e6:.2f}M tokens "
                        f"at {per_token / 1024:.1f} KiB/token/GPU")]
-    else:  # the embedded engine: the whole policy on the replica's leading rank, a static fp32 cache
+    else:  # the embedded engine: the whole policy on every policy rank, a static fp32 cache
         per_token = kv_bytes_per_token(s, FP32)
         kv_tokens = r.max_batch * L
-        engine = [Term("engine: weights (fp32, leading rank)", _gib(FP32 * parameters(s)), "4 B x all parameters"),
+        engine = [Term("engine: weights (fp32)", _gib(FP32 * parameters(s)), "4 B x all parameters"),
                   Term("engine: KV cache (fp32)", _gib(per_token * kv_tokens),
                        f"{r.max_batch} slots x {L} tokens x {per_token / 1024:.1f} KiB/token")]
     full_seqs = int(kv_tokens // L) if kv_tokens > 0 else 0
     plan.checks.append((full_seqs >= 1, f"the engine's KV cache holds {max(full_seqs, 0)} full-length sequences "
                                         f"({L} tokens) at once"))
     if 0 < full_seqs < min(seqs, r.max_batch):
-        plan.notes.append(f"the engine runs at most {full_seqs} of a replica's {seqs} sequences at once (the rest "
-                          f"wait); a larger engine.mem_fraction or more tensor/pipeline ranks run more at once")
+        plan.notes.append(f"an engine runs at most {full_seqs} of its {seqs} sequences at once (the rest wait); a "
+                          f"larger engine.mem_fraction or engine.tensor runs more at once")
     plan.phases.append(Phase("policy GPU", "rollout", resident + engine + [reserve], capacity))
 
     # training: the engine has released its memory; activations of the micro-batches in flight
     b = cfg.grpo.micro_batch_size
-    rows = math.ceil(seqs / cfg.grpo.minibatches)
+    rows = math.ceil(r.prompts_per_step * r.group_size / dp / cfg.grpo.minibatches)  # a replica's minibatch
     in_flight = min(p, math.ceil(rows / b))  # 1F1B: stage 0 holds up to PP micro-batches
     h, q, kv, ff = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.ffn
     layer_elems = b * L * (4 * h + (3 * q + 3 * kv) // t + 4 * ff // t)
@@ -301,7 +309,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gb: float)
     config, source = model_config(cfg)
     s = Layout.of(config)  # the shape (at TP1 x PP1, which always divides)
     plan = Plan()
-    dp = _check_layout(plan, cfg, config, s, nodes * gpus_per_node)
+    dp = _check_layout(plan, cfg, config, s, nodes * gpus_per_node, gpus_per_node)
     if not dp:
         t, p = cfg.parallel.tensor, cfg.parallel.pipeline
         plan.advice.append(f"the policy needs a multiple of {t * p} GPUs (tensor x pipeline) after the "
@@ -329,7 +337,7 @@ def render(plan: Plan, cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_g
              f"{cfg.trainer.backend}, engine {cfg.engine.backend}", ""]
     lines += [f"  [{'ok' if ok else 'NO'}] {text}" for ok, text in plan.checks]
     if plan.rank_map:
-        lines += ["", "rank map (t<tensor>p<pipeline stage>d<data replica>; * leads its replica's engine):"]
+        lines += ["", "rank map (t<tensor>p<pipeline stage>d<data replica>; * leads a rollout engine):"]
         lines += ["  " + row for row in plan.rank_map]
     for phase in plan.phases:
         lines += ["", f"{phase.device}, {phase.phase} (estimates, GiB):"]

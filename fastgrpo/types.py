@@ -47,6 +47,9 @@ class SamplingParams:
 class Request:
     prompt_ids: list[int]
     max_new_tokens: int | None = None  # None: the sampling params' limit
+    # the request's sampling key (with the call's seed it keys every random draw of the request); None:
+    # its index in the call. Keys that follow a request across engines make where it runs irrelevant.
+    key: int | None = None
 
     def check(self, index: int, max_context: int, vocab_size: int) -> None:
         """What every engine refuses before any work (the engine contract suite holds them to it)."""
@@ -59,6 +62,8 @@ class Request:
             raise ValueError(f"request {index}: token ids outside the vocabulary of {vocab_size}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"request {index}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.key is not None and self.key < 0:
+            raise ValueError(f"request {index}: key must be >= 0, got {self.key}")
 
 
 @dataclass
@@ -70,6 +75,9 @@ class Completion:
     # with capture on: the target's final hidden states at positions 0..T-2 of prompt + response, taken
     # from the forwards that rollout ran anyway; hidden[t] is the state after reading token t
     hidden: Tensor | None = None
+    # when top-k or top-p cut the distribution: for each token, the ids of the set it was sampled from
+    # (the trainer scores in that set, not in one it recomputes from its own, slightly different logits)
+    sample_sets: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,45 @@ class Placement:
     replica: int = 0
     replicas: int = 1
     leads_replica: bool = True
+
+
+@dataclass(frozen=True)
+class EngineMap:
+    """Which policy ranks serve rollout, whatever the trainer's layout: engines of `tensor`
+    consecutive policy ranks each (an engine's own tensor-parallel size; 1 for the embedded engine)
+    tile all of them, so every policy GPU samples. Engine e runs on ranks e*tensor .. (e+1)*tensor - 1
+    and is led (driven, fed weights and prompts) by the first of them. The draft slice, after the
+    policy ranks, holds no engine."""
+
+    policy_ranks: int = 1
+    tensor: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor < 1 or self.policy_ranks < 1 or self.policy_ranks % self.tensor:
+            raise ValueError(f"engine.tensor={self.tensor} does not divide the {self.policy_ranks} policy ranks")
+
+    @property
+    def engines(self) -> int:
+        return self.policy_ranks // self.tensor
+
+    def engine_of(self, rank: int) -> int | None:
+        """The engine rank `rank` belongs to (None: a draft rank)."""
+        return rank // self.tensor if 0 <= rank < self.policy_ranks else None
+
+    def leads(self, rank: int) -> bool:
+        return 0 <= rank < self.policy_ranks and rank % self.tensor == 0
+
+    def leaders(self) -> list[int]:
+        """The ranks that lead an engine, in engine order."""
+        return list(range(0, self.policy_ranks, self.tensor))
+
+    def ranks(self, engine: int) -> range:
+        return range(engine * self.tensor, (engine + 1) * self.tensor)
+
+    def bounds(self, items: int, engine: int) -> tuple[int, int]:
+        """Engine `engine`'s contiguous share [start, stop) of `items` whole prompts (a group never
+        splits), as even as the count allows: shares differ by at most one prompt."""
+        return engine * items // self.engines, (engine + 1) * items // self.engines
 
 
 @dataclass
@@ -97,6 +144,9 @@ class RolloutBatch:
     response_mask: Tensor  # 1 on response tokens (the ones trained)
     engine_logprobs: Tensor  # the engine's sampling log-probabilities of the response tokens
     advantages: Tensor  # [N]
+    # [N, L, K] token ids of the set each response token was sampled from, -1 padded (every entry -1 at
+    # positions that are no sampled token); None when nothing cut the distribution (no top-k / top-p)
+    sample_sets: Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -109,6 +159,7 @@ class RolloutBatch:
         return RolloutBatch(
             self.input_ids[idx, :width], self.attention_mask[idx, :width], self.response_mask[idx, :width],
             self.engine_logprobs[idx, :width], self.advantages[idx],
+            None if self.sample_sets is None else self.sample_sets[idx, :width],
         )
 
     def shard(self, rank: int, world: int, group_size: int) -> RolloutBatch:

@@ -191,7 +191,7 @@ def test_the_draft_trains_on_its_reserved_slice_and_reaches_every_engine(tmp_pat
     assert history(tmp_path / "run", "weights_version") == {1: 0.0, 2: 1.0, 3: 2.0, 4: 3.0}  # both engines
     versions = history(tmp_path / "run", "draft_version")
     assert versions[4] >= 1 and list(versions.values()) == sorted(versions.values())
-    assert history(tmp_path / "run", "replica_draft_version_min")[4] >= 1  # the other engine swapped drafts too
+    assert history(tmp_path / "run", "engine_draft_version_min")[4] >= 1  # the other engine swapped drafts too
     saved = tmp_path / "run" / "checkpoints" / "step_00000004"
     assert (saved / "draft" / "draft.safetensors").is_file() and (saved / "megatron" / "fastgrpo.json").is_file()
     assert {p.name for p in (saved / "draft").glob("draft_sampler*.pt")} == {"draft_sampler.pt", "draft_sampler.shard1.pt"}

@@ -71,11 +71,13 @@ def check_sampling(sampling: SamplingParams, speculating: bool, mask_max_tokens:
 
 
 def sampling_params(sampling: SamplingParams, request: Request, seed: int, index: int) -> dict[str, Any]:
-    """One request's SGLang sampling parameters (top_k -1: off; a seed of its own per request)."""
+    """One request's SGLang sampling parameters (top_k -1: off; a seed of its own per request, from its
+    key, else its index in the call)."""
+    key = index if request.key is None else request.key
     return {"temperature": sampling.temperature, "top_p": sampling.top_p,
             "top_k": sampling.top_k if sampling.top_k > 0 else -1,
             "max_new_tokens": request.max_new_tokens or sampling.max_new_tokens,
-            "ignore_eos": sampling.ignore_eos, "sampling_seed": (seed * 1_000_003 + index) % 2**63}
+            "ignore_eos": sampling.ignore_eos, "sampling_seed": (seed * 1_000_003 + key) % 2**63}
 
 
 def flatten_hidden(chunks: list) -> Tensor:
@@ -139,11 +141,10 @@ def adaptive_tiers(policy: SpeculationPolicy, max_batch: int) -> dict[str, dict]
 
 def server_args(cfg: Config, mode: str, draft_export: Path | None, tiers_file: Path | None,
                 base_gpu_id: int) -> dict[str, Any]:
-    """The keyword arguments of `sglang.Engine` for this run's engine (one per data-parallel replica,
-    on the replica's tensor x pipeline GPUs of its node)."""
-    gpus = cfg.parallel.tensor * cfg.parallel.pipeline
+    """The keyword arguments of `sglang.Engine` for this rank's engine: `engine.tensor` GPUs of its
+    node from `base_gpu_id` (the GPUs of the engine's own ranks, colocated with the trainer)."""
     args: dict[str, Any] = dict(
-        model_path=cfg.model.path, tp_size=gpus, base_gpu_id=base_gpu_id, mem_fraction_static=cfg.engine.mem_fraction,
+        model_path=cfg.model.path, tp_size=cfg.engine.tensor, base_gpu_id=base_gpu_id, mem_fraction_static=cfg.engine.mem_fraction,
         context_length=cfg.model.max_context, max_running_requests=cfg.rollout.max_batch, random_seed=cfg.seed,
         skip_tokenizer_init=True, enable_memory_saver=True, enable_draft_weights_cpu_backup=True,
         enable_return_hidden_states=cfg.draft.online != "off", sampling_mask_max_tokens=max(cfg.rollout.top_k, 64),
@@ -169,7 +170,7 @@ class SGLangEngine:
         self._engine = engine
         self.cfg = model_config
         self.max_context = cfg.model.max_context
-        self.tp = cfg.parallel.tensor * cfg.parallel.pipeline
+        self.tp = cfg.engine.tensor
         self.mode = mode
         self.masked_sampling = masked_sampling  # the rollout's sampling needs SGLang's renormalised log-probabilities
         self.weights_version: int | None = -1  # None: a push is under way
@@ -291,7 +292,7 @@ class SGLangEngine:
 
 def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase,
                  weights: NamedTensors | None = None, speculation: str | None = None) -> SGLangEngine:
-    """An SGLang engine on this replica's GPUs (from LOCAL_RANK, the replica's leading rank), started
+    """An SGLang engine on `engine.tensor` GPUs from this rank's (LOCAL_RANK: the engine's leading rank), started
     with the policy at `model.path`, then given `weights` if any; with speculation, our draft exported
     to SGLang's EAGLE format next to the run."""
     if not torch.cuda.is_available():
@@ -302,15 +303,7 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrai
     if sglang.__version__ != SGLANG_VERSION:
         log.warning("the SGLang adapter was written against sglang %s; this is %s", SGLANG_VERSION,
                     sglang.__version__)
-    gpus = cfg.parallel.tensor * cfg.parallel.pipeline
-    data = (int(os.environ.get("WORLD_SIZE", 1)) - cfg.parallel.draft_ranks) // gpus
-    if gpus > cfg.cluster.gpus_per_node:
-        raise BackendUnavailable(f"an SGLang engine over a replica of {gpus} GPUs spans nodes; the adapter starts one "
-                                 f"engine per replica within a node (multi-node engines are not built)")
-    if cfg.parallel.pipeline > 1 and data > 1:
-        raise BackendUnavailable("with pipeline and data parallelism a replica's GPUs are not contiguous (megatron's "
-                                 "rank order puts the other replicas between its stages), and an SGLang engine takes "
-                                 "contiguous GPUs: not built")
+    gpus = cfg.engine.tensor  # the loop's layout check: they divide the node's GPUs, so they are this node's
     mode = speculation or cfg.speculation.policy
     masked = check_sampling(SamplingParams.of(cfg.rollout), mode != "off", max(cfg.rollout.top_k, 64))
     work = Path(tempfile.mkdtemp(prefix="fastgrpo-sglang-"))

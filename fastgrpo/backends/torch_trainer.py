@@ -20,11 +20,12 @@ from fastgrpo.grpo.loss import policy_loss
 
 def token_logprobs(model: PreTrainedModel, batch: RolloutBatch, sampling: SamplingParams) -> tuple[Tensor, Tensor]:
     """Position-aligned log-probabilities of each token under the engine's sampling distribution
-    (temperature, top-k, top-p: the one definition in `sampling_logprobs`) and that distribution's
-    entropy, [N, L]."""
+    (temperature, top-k, top-p: the one definition in `sampling_logprobs`, in the sets the engine
+    sampled from when the batch carries them) and that distribution's entropy, [N, L]."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
     tokens = batch.input_ids[:, 1:]
-    logp_all = sampling_logprobs(logits, sampling, sampled=tokens)
+    sets = None if batch.sample_sets is None else batch.sample_sets[:, 1:]
+    logp_all = sampling_logprobs(logits, sampling, sampled=tokens, sets=sets)
     logp = logp_all.gather(-1, tokens[..., None])[..., 0]
     entropy = -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)
     pad = torch.zeros_like(logp[:, :1])

@@ -24,7 +24,7 @@ from transformers import LlamaConfig
 from fastgrpo.bridge import checksum
 from fastgrpo.types import SamplingParams, Request, Completion
 from fastgrpo.engine.model import InferenceModel, KVCache, block_mask, cache_kv
-from fastgrpo.engine.sampling import sample, sampling_logprobs, sampling_uniforms
+from fastgrpo.engine.sampling import cuts, kept_sets, sample, sampling_logprobs, sampling_uniforms
 from fastgrpo.speculation.draft import DraftHead
 from fastgrpo.speculation.policy import Off, SpeculationPolicy
 from fastgrpo.speculation.tree import NonFiniteDraft, SpecConfig, Verified, draft_tree, verify_tree
@@ -37,11 +37,13 @@ DRAFT_WINDOW = 16  # the most target states a draft catch-up feeds per row (afte
 @dataclass
 class _Sequence:
     index: int  # position in the caller's request list
+    key: int  # sampling key: the request's own, else its index
     prompt_len: int
     max_new: int
     pending: int = -1  # last sampled token, not yet in the target cache
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    sample_sets: list[list[int]] = field(default_factory=list)  # when top-k / top-p cut: each token's set
     finish: str | None = None
     spec_steps: int = 0
     spec_emitted: int = 0
@@ -230,7 +232,8 @@ class EmbeddedEngine:
         out = [done[i] for i in range(len(requests))]
         self._finish_stats(out, time.perf_counter() - t0)
         return [Completion(s.tokens, s.logprobs, s.finish or "length",
-                           {"spec_steps": s.spec_steps, "spec_emitted": s.spec_emitted}, self._captured(s))
+                           {"spec_steps": s.spec_steps, "spec_emitted": s.spec_emitted}, self._captured(s),
+                           s.sample_sets[: len(s.tokens)] if cuts(sampling) else None)
                 for s in out]
 
     def _swap_draft(self) -> None:
@@ -268,7 +271,8 @@ class EmbeddedEngine:
                 c[:, rows, :width] = c[:, first_row : first_row + len(unique), :width][:, which]
         lens = torch.tensor([len(p) for p in prompts])
         self.cache.lengths[rows] = lens  # padding keys beyond a prompt's length are never visible
-        seqs = [_Sequence(index=i, prompt_len=len(p), max_new=requests[i].max_new_tokens or sampling.max_new_tokens)
+        seqs = [_Sequence(index=i, key=i if requests[i].key is None else requests[i].key, prompt_len=len(p),
+                          max_new=requests[i].max_new_tokens or sampling.max_new_tokens)
                 for i, p in zip(joined, prompts)]
         first = self._sample_one(seqs, logits[which, lens - 1], sampling, seed)
         if self.draft_cache is not None:
@@ -316,15 +320,20 @@ class EmbeddedEngine:
         chosen = sample(logprobs, sampling, _uniforms(seqs, sampling, seed))
         chosen_lp = logprobs.gather(-1, chosen[:, None])[:, 0]
         toks = chosen.tolist()
-        for s, tok, lp in zip(seqs, toks, chosen_lp.tolist()):
-            self._append(s, [tok], [lp], sampling.ignore_eos)
+        sets = kept_sets(logprobs) if cuts(sampling) else [None] * len(seqs)
+        for s, tok, lp, kept in zip(seqs, toks, chosen_lp.tolist(), sets):
+            self._append(s, [tok], [lp], sampling.ignore_eos, None if kept is None else [kept])
         return toks
 
-    def _append(self, s: _Sequence, tokens: list[int], logprobs: list[float], ignore_eos: bool) -> None:
-        """Add emitted tokens, stopping at EOS, the token limit or the context."""
-        for tok, lp in zip(tokens, logprobs):
+    def _append(self, s: _Sequence, tokens: list[int], logprobs: list[float], ignore_eos: bool,
+                sets: list[list[int]] | None = None) -> None:
+        """Add emitted tokens (with the sets they were sampled from, when cut), stopping at EOS, the
+        token limit or the context."""
+        for i, (tok, lp) in enumerate(zip(tokens, logprobs)):
             s.tokens.append(tok)
             s.logprobs.append(lp)
+            if sets is not None:
+                s.sample_sets.append(sets[i])
             s.pending = tok
             if tok == self.eos_id and not ignore_eos:
                 s.finish = "stop"
@@ -355,7 +364,8 @@ class EmbeddedEngine:
         ragged = tree.valid is not None and not bool(tree.valid.all())
         logits, hidden = self.model.forward(tree.tokens, self.cache, rows, positions=start[:, None] + tree.depth,
                                             new_mask=tree.mask, valid=tree.valid if ragged else None)
-        result = verify_tree(sampling_logprobs(logits, sampling), tree, sampling,
+        node_logprobs = sampling_logprobs(logits, sampling)
+        result = verify_tree(node_logprobs, tree, sampling,
                              _uniforms(running, sampling, seed, levels=int(tree.depth.max()) + 1))
         self._keep_path(rows, start, result.path, result.accepted)
         self.cache.lengths[rows] = start + result.accepted + 1
@@ -365,7 +375,9 @@ class EmbeddedEngine:
         for b, s in enumerate(running):
             a = accepted[b]
             before = len(s.tokens)
-            self._append(s, tokens[b][: a + 1], logprobs[b][: a + 1], sampling.ignore_eos)
+            # emitted token k was sampled at the root (k = 0) or at the k-th accepted node
+            sets = kept_sets(node_logprobs[b, [0] + path[b][:a]]) if cuts(sampling) else None
+            self._append(s, tokens[b][: a + 1], logprobs[b][: a + 1], sampling.ignore_eos, sets)
             emitted += len(s.tokens) - before
             s.spec_steps += 1
             s.spec_emitted += a + 1
@@ -491,7 +503,7 @@ def _uniforms(seqs: list[_Sequence], sampling: SamplingParams, seed: int, levels
     ([B, levels], for a verify step): keyed by (seed, request, position), never by batch row."""
     if sampling.greedy:
         return None
-    request = torch.tensor([s.index for s in seqs])
+    request = torch.tensor([s.key for s in seqs])
     position = torch.tensor([len(s.tokens) for s in seqs])
     if levels:
         request, position = request[:, None], position[:, None] + torch.arange(levels)

@@ -21,19 +21,31 @@ from torch import Tensor
 from fastgrpo.types import SamplingParams
 
 
-def sampling_logprobs(logits: Tensor, p: SamplingParams, sampled: Tensor | None = None) -> Tensor:
+def cuts(p: SamplingParams) -> bool:
+    """Top-k or top-p cut the sampling distribution (which tokens can be sampled depends on the ranking)."""
+    return not p.greedy and (p.top_k > 0 or p.top_p < 1.0)
+
+
+def sampling_logprobs(logits: Tensor, p: SamplingParams, sampled: Tensor | None = None,
+                      sets: Tensor | None = None) -> Tensor:
     """Log-probabilities of the sampling distribution, -inf outside the top-k / top-p set.
 
     Greedy decoding reports the temperature-1 log-probabilities (its own distribution is a point mass).
-    The trainer scores tokens the engine sampled with this same function on its own logits; `sampled`
-    ([...] token ids) are kept in the set even if the trainer's logits, a rounding error away from
-    the engine's, would put one just outside it (its log-probability stays finite).
+    The trainer scores tokens the engine sampled with this same function on its own logits. Which
+    tokens top-k / top-p keep depends on the ranking, and the trainer's logits are a rounding error
+    away from the engine's: a token near the cut can fall on the other side and change the
+    normaliser. So the trainer passes `sets` ([..., K] token ids, -1 padded), the sets the engine
+    sampled each token from, and the distribution is renormalised over exactly those (positions whose
+    set is all -1 keep the set computed here). Without them, `sampled` ([...] token ids) are at least
+    kept in the set (their log-probabilities stay finite).
     """
     logits = logits.float()
     if p.greedy:
         return torch.log_softmax(logits, dim=-1)
     logits = logits / p.temperature
     scaled = logits
+    if not cuts(p):
+        return torch.log_softmax(logits, dim=-1)
     if p.top_k > 0 and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -44,10 +56,23 @@ def sampling_logprobs(logits: Tensor, p: SamplingParams, sampled: Tensor | None 
         drop_sorted = (probs.cumsum(-1) - probs) >= p.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    if sampled is not None and (p.top_k or p.top_p < 1.0):
+    if sets is not None:
+        given = sets >= 0
+        # (scatter_add: the padding's index 0 must not overwrite a real token 0)
+        inside = torch.zeros(logits.shape, dtype=torch.int32).scatter_add(-1, sets.clamp(min=0), given.int()) > 0
+        logits = torch.where(given.any(-1, keepdim=True), scaled.masked_fill(~inside, float("-inf")), logits)
+    elif sampled is not None:
         idx = sampled[..., None]
         logits = logits.scatter(-1, idx, scaled.gather(-1, idx))
     return torch.log_softmax(logits, dim=-1)
+
+
+def kept_sets(logprobs: Tensor) -> list[list[int]]:
+    """The token ids each row of `logprobs` [R, V] can sample (finite entries): what an engine returns
+    with each token when top-k / top-p cut, so that the trainer scores in the same set."""
+    rows, ids = torch.isfinite(logprobs).nonzero(as_tuple=True)
+    counts = torch.bincount(rows, minlength=logprobs.shape[0]).tolist()
+    return [chunk.tolist() for chunk in ids.split(counts)]
 
 
 _M32 = 0xFFFFFFFF

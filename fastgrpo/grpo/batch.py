@@ -9,7 +9,9 @@ from fastgrpo.types import RolloutBatch
 
 
 def build_batch(prompts: list[list[int]], responses: list[list[int]], engine_logprobs: list[list[float]],
-                advantages: Tensor, pad_id: int) -> RolloutBatch:
+                advantages: Tensor, pad_id: int, sample_sets: list[list[list[int]] | None] | None = None) -> RolloutBatch:
+    """Right-padded rows of prompt + response; `sample_sets`: each response token's sampling set (from
+    the engine's completions; None where nothing cut the distribution)."""
     if not (len(prompts) == len(responses) == len(engine_logprobs) == advantages.shape[0]):
         raise ValueError("prompts, responses, logprobs and advantages must have one entry per sequence")
     n = len(prompts)
@@ -26,4 +28,13 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], engine_log
         attn[i, :b] = 1
         resp[i, a:b] = True
         lps[i, a:b] = torch.tensor(lp)
-    return RolloutBatch(ids, attn, resp, lps, advantages.float())
+    sets = None
+    if sample_sets is not None and any(x is not None for x in sample_sets):
+        if len(sample_sets) != n or any(x is None or len(x) != len(r) for x, r in zip(sample_sets, responses)):
+            raise ValueError("sample_sets must give every response token its set, or be None")
+        K = max(len(kept) for row in sample_sets for kept in row)
+        sets = torch.full((n, width, K), -1, dtype=torch.long)
+        for i, (p, row) in enumerate(zip(prompts, sample_sets)):
+            for t, kept in enumerate(row):
+                sets[i, len(p) + t, : len(kept)] = torch.tensor(kept)
+    return RolloutBatch(ids, attn, resp, lps, advantages.float(), sets)

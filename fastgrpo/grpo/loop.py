@@ -1,11 +1,12 @@
 """The GRPO training loop: sample prompts, roll out, score, compute advantages, train the policy,
 sync weights, log, checkpoint.
 
-The same loop runs in one process and on every rank of a torchrun world (`trainer.backend=megatron`):
-every rank draws the same prompts; each data-parallel replica's leading rank rolls out and scores its
-share of them on its engine; every rank receives all answers (token ids, log-probabilities, rewards:
-small next to the weights) and builds the same batch, of which the trainer's data-parallel ranks
-each train their part; the weight push reaches every engine. Rank 0 alone prints, tracks, evaluates
+The same loop runs in one process and on every rank of a torchrun world (`trainer.backend=megatron`
+or `deepspeed`): every rank draws the same prompts; the rollout engines tile the policy ranks
+(`engine.tensor` ranks each, whatever the trainer's layout: every policy GPU samples), and each
+engine's leading rank rolls out and scores its share of the prompts; every rank receives all answers
+(token ids, log-probabilities, rewards: small next to the weights) and builds the same batch, of
+which the trainer's data-parallel ranks each train their part; the weight push reaches every engine. Rank 0 alone prints, tracks, evaluates
 and writes the run's files. SIGTERM checkpoints at the next step boundary and ends the run."""
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ class Rollout:
 
     completions: list[Completion]
     rewards: torch.Tensor  # [prompts, G]
-    engine_stats: list[dict]  # one per replica
-    local: list[Completion] = field(default_factory=list)  # this replica's own, with captured states (its leader)
+    engine_stats: list[dict]  # one per engine, in engine order
+    local: list[Completion] = field(default_factory=list)  # this engine's own, with captured states (its leader)
 
 
 @dataclass
@@ -70,7 +71,7 @@ class Run:
     cfg: Config
     tokenizer: PreTrainedTokenizerBase
     trainer: PolicyTrainer
-    engine: Engine | None  # on the ranks that lead a data-parallel replica
+    engine: Engine | None  # on the ranks that lead an engine
     bridge: WeightBridge
     data: PromptSource
     eval_problems: list[EncodedProblem]
@@ -137,7 +138,7 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
         train_s = time.perf_counter() - t0
 
         sync = run.bridge.push(run.trainer.export_weights(), version=step + 1)
-        draft_metrics = learn_draft(run, run.world.share(problems), answers.local, policy_version=step,
+        draft_metrics = learn_draft(run, run.world.share(problems)[1], answers.local, policy_version=step,
                                     budget_s=cfg.draft.sync_budget * (rollout_s + train_s))
 
         run.step = step + 1
@@ -149,7 +150,7 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
             run.tracker.log_metrics(metrics, step=run.step)
             if cfg.speculation.policy != "off":
                 stats = [rollout_stats(s) for s in answers.engine_stats]
-                run.tracker.log_dict(stats[0] if len(stats) == 1 else {"replicas": stats},
+                run.tracker.log_dict(stats[0] if len(stats) == 1 else {"engines": stats},
                                      f"rollout_stats/step_{run.step:06d}.json")
             print_step(run.step, cfg.grpo.steps, metrics)
 
@@ -181,10 +182,17 @@ def check_layout(cfg: Config) -> None:
                           f"{launched_world_size()} ranks: use trainer.backend=megatron or deepspeed under torchrun")
     model_parallel = cfg.parallel.tensor * cfg.parallel.pipeline
     policy_ranks = launched_world_size() - cfg.parallel.draft_ranks
+    world = (f"a world of {launched_world_size()} ranks, {cfg.parallel.draft_ranks} reserved by "
+             f"parallel.draft_ranks")
     if policy_ranks < 1 or policy_ranks % model_parallel:
         raise ConfigError(f"parallel.tensor x parallel.pipeline = {model_parallel} ranks per replica does not divide "
-                          f"the {policy_ranks} policy ranks (a world of {launched_world_size()} ranks, "
-                          f"{cfg.parallel.draft_ranks} reserved by parallel.draft_ranks)")
+                          f"the {policy_ranks} policy ranks ({world})")
+    if policy_ranks % cfg.engine.tensor:
+        raise ConfigError(f"engine.tensor={cfg.engine.tensor} does not divide the {policy_ranks} policy ranks ({world})")
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", launched_world_size()))
+    if per_node % cfg.engine.tensor:
+        raise ConfigError(f"engine.tensor={cfg.engine.tensor} does not divide the {per_node} ranks per node: an "
+                          f"engine would span two nodes")
 
 
 def setup_run(cfg: Config, resume: bool) -> Run:
@@ -207,19 +215,18 @@ def setup_run(cfg: Config, resume: bool) -> Run:
     evals = encode_problems(eval_problems, tokenizer, cfg.model.max_context, "eval")
 
     trainer = build_trainer(cfg)  # the policy of model.path; a resume loads its checkpoint over it
-    world = World.of(trainer.placement())
+    world = World.of(trainer.placement(), cfg.engine.tensor)
     if cfg.rollout.prompts_per_step < world.placement.replicas:
         raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} leaves a data-parallel replica "
-                          f"without prompts ({world.placement.replicas} replicas)")
-    if cfg.draft.online == "sync" and world.placement.replicas > 1:
-        raise ConfigError(f"draft.online=sync learns beside one engine, but this run has {world.placement.replicas} "
-                          f"data-parallel replicas (one engine each): use draft.online=async with "
-                          f"parallel.draft_ranks=1, or off")
+                          f"of the trainer without prompts ({world.placement.replicas} replicas)")
+    if cfg.draft.online == "sync" and world.engines.engines > 1:
+        raise ConfigError(f"draft.online=sync learns beside one engine, but this run has {world.engines.engines} "
+                          f"engines: use draft.online=async with parallel.draft_ranks=1, or off")
     model_config = AutoConfig.from_pretrained(cfg.model.path)
     engine = None
-    if world.placement.leads_replica:  # its weights come with the bridge's first push
+    if world.leads_engine:  # its weights come with the bridge's first push
         engine = build_engine(cfg, model_config, tokenizer)
-    engine_ranks = world.leaders() if channel is not None else None  # (collective over the policy ranks)
+    engine_ranks = world.engines.leaders() if channel is not None else None
     draft_learner: DraftLearner | None = None
     if cfg.draft.online != "off" and engine is not None:
         draft = DraftHead.load(draft_dir(cfg), model_config, cfg.model.max_context)
@@ -231,7 +238,8 @@ def setup_run(cfg: Config, resume: bool) -> Run:
                                              draft_ranks=draft_ranks, engine_ranks=engine_ranks)
             engine.draft_source = draft_learner.poll
     # the draft's embedding and LM head are the policy's: it gets them with every push, as engines do
-    # (every policy rank takes part in a push: it gathers the shards; ranks without an engine drop them)
+    # (every policy rank takes part in a push: it gathers the shards; a rank that leads no engine drops
+    # them as they pass, so no rank holds more than a bucket beyond its own shards)
     bridge = WeightBridge([c for c in (engine, draft_learner) if c is not None])
 
     if world.main:
@@ -249,21 +257,18 @@ def setup_run(cfg: Config, resume: bool) -> Run:
     return run
 
 
-REPLICA_SEED_STRIDE = 1_000_003 ** 2  # replica r samples with seed + r * stride: no two replicas or steps share one
-
-
 def rollout(run: Run, problems: list[EncodedProblem], seed: int) -> Rollout:
-    """G samples of every prompt, scored. Each data-parallel replica's engine answers its share of
-    the prompts (replica 0 alone: all of them, with `seed`, as in one process); every rank gets
-    every replica's answers."""
+    """G samples of every prompt, scored. Each engine answers its share of the prompts, and sample j
+    of prompt i is keyed i * G + j with the step's seed on whichever engine runs it: keyed sampling
+    makes the answers those of one engine answering all. Every rank gets every engine's answers."""
     r, world = run.cfg.rollout, run.world
-    mine = world.share(problems)
+    start, mine = world.share(problems)
     local = None
     if run.engine is not None:
-        requests = [Request(p.prompt_ids) for p in mine for _ in range(r.group_size)]
+        G = r.group_size
+        requests = [Request(p.prompt_ids, key=(start + i) * G + j) for i, p in enumerate(mine) for j in range(G)]
         # with a draft learner, keep the target states rollout computes anyway
-        completions = run.engine.generate(requests, SamplingParams.of(r),
-                                          seed=seed + world.placement.replica * REPLICA_SEED_STRIDE,
+        completions = run.engine.generate(requests, SamplingParams.of(r), seed=seed,
                                           capture=run.draft_learner is not None)
         local = (completions, score_completions(run, mine, completions), run.engine.stats())
     if world.size == 1:
@@ -272,10 +277,10 @@ def rollout(run: Run, problems: list[EncodedProblem], seed: int) -> Rollout:
         parts = world.gather(None if local is None else (
             [dataclasses.replace(c, hidden=None) for c in local[0]], *local[1:]))
         if local is not None:
-            parts[world.placement.replica] = local
+            parts[world.engine] = local
     versions = {part[2]["weights_version"] for part in parts}
     if len(versions) != 1:  # the push reaches every engine or the run stops
-        raise RuntimeError(f"the replicas' engines hold different weight versions: {sorted(versions, key=str)}")
+        raise RuntimeError(f"the engines hold different weight versions: {sorted(versions, key=str)}")
     return Rollout([c for part in parts for c in part[0]], torch.cat([part[1] for part in parts]),
                    [part[2] for part in parts], local[0] if local is not None else [])
 
@@ -317,26 +322,26 @@ def training_batch(run: Run, problems: list[EncodedProblem], completions: list[C
         return None, 0
     batch = build_batch([problems[i // G].prompt_ids for i in rows], [completions[i].token_ids for i in rows],
                         [completions[i].logprobs for i in rows], advantages.flatten()[rows],
-                        pad_id=run.tokenizer.pad_token_id)
+                        pad_id=run.tokenizer.pad_token_id, sample_sets=[completions[i].sample_sets for i in rows])
     return batch, int(keep.sum())
 
 
-def step_metrics(completions: list[Completion], rewards: torch.Tensor, replica_stats: list[dict],
+def step_metrics(completions: list[Completion], rewards: torch.Tensor, engine_stats: list[dict],
                  kept_groups: int) -> dict[str, float]:
-    """The step's metrics; rollout throughput is the replicas' total (they run side by side), with
-    the slowest replica's alongside when there are several."""
+    """The step's metrics; rollout throughput is the engines' total (they run side by side), with
+    the slowest engine's alongside when there are several."""
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
-    spec_steps = sum(s.get("spec_steps", 0) for s in replica_stats)
-    decode_steps = sum(s.get("decode_steps", 0) for s in replica_stats)
+    spec_steps = sum(s.get("spec_steps", 0) for s in engine_stats)
+    decode_steps = sum(s.get("decode_steps", 0) for s in engine_stats)
     # accepted length is only defined when some step speculated; plain steps emit one token by construction
     optional = {}
     if spec_steps:
-        optional["accept_len"] = replica_stats[0]["accept_len"] if len(replica_stats) == 1 else sum(
-            s["accept_len"] * s["spec_steps"] for s in replica_stats if s.get("spec_steps", 0)) / spec_steps
-    throughput = [s.get("tokens_per_s", 0.0) for s in replica_stats]
-    if len(replica_stats) > 1:  # the slowest replica, and the engine furthest behind on drafts
-        optional["replica_tokens_per_s_min"] = min(throughput)
-        optional["replica_draft_version_min"] = float(min(s.get("draft_version", -1) for s in replica_stats))
+        optional["accept_len"] = engine_stats[0]["accept_len"] if len(engine_stats) == 1 else sum(
+            s["accept_len"] * s["spec_steps"] for s in engine_stats if s.get("spec_steps", 0)) / spec_steps
+    throughput = [s.get("tokens_per_s", 0.0) for s in engine_stats if s.get("sequences", 1)]
+    if len(engine_stats) > 1:  # the slowest engine, and the engine furthest behind on drafts
+        optional["engine_tokens_per_s_min"] = min(throughput, default=0.0)
+        optional["engine_draft_version_min"] = float(min(s.get("draft_version", -1) for s in engine_stats))
     return optional | {
         "reward_mean": rewards.mean().item(),
         "reward_std": rewards.std().item(),
@@ -345,10 +350,11 @@ def step_metrics(completions: list[Completion], rewards: torch.Tensor, replica_s
         "response_len_max": lengths.max().item(),
         "truncated_fraction": sum(c.finish_reason != "stop" for c in completions) / len(completions),
         "gen_tokens_per_s": sum(throughput),
-        "mean_running": statistics.mean(s.get("mean_running", 0.0) for s in replica_stats),
+        "mean_running": statistics.mean(s.get("mean_running", 0.0) for s in engine_stats),
         "spec_step_fraction": spec_steps / max(decode_steps, 1),
         "groups_kept": float(kept_groups),
-        "weights_version": float(replica_stats[0].get("weights_version", -1)),  # the same on every engine
+        "rollout_engines": float(len(engine_stats)),
+        "weights_version": float(engine_stats[0].get("weights_version", -1)),  # the same on every engine
     }
 
 

@@ -22,9 +22,11 @@ from fastgrpo.engine.sampling import sampling_logprobs
 from fastgrpo.types import SamplingParams
 
 
-def vocab_parallel_logprobs(logits: Tensor, tokens: Tensor, sampling: SamplingParams, vocab: int) -> tuple[Tensor, Tensor]:
+def vocab_parallel_logprobs(logits: Tensor, tokens: Tensor, sampling: SamplingParams, vocab: int,
+                            sets: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """logits [..., V/tp] of this TP rank, tokens [...] -> (log-probability of each token, entropy of
-    the sampling distribution at that position), both [...]."""
+    the sampling distribution at that position), both [...]; `sets` [..., K]: the sets the engine
+    sampled from (see `sampling_logprobs`)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import (gather_from_tensor_model_parallel_region,
                                                         reduce_from_tensor_model_parallel_region)
@@ -35,7 +37,7 @@ def vocab_parallel_logprobs(logits: Tensor, tokens: Tensor, sampling: SamplingPa
     first = tp_rank * per_rank
     if sampling.top_k or sampling.top_p < 1.0:
         full = gather_from_tensor_model_parallel_region(logits, group)[..., :vocab]
-        logp_all = sampling_logprobs(full, sampling, sampled=tokens)
+        logp_all = sampling_logprobs(full, sampling, sampled=tokens, sets=sets)
         logp = logp_all.gather(-1, tokens[..., None])[..., 0]
         entropy = -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)
         return logp, entropy

@@ -195,7 +195,8 @@ class MegatronPolicyTrainer:
 
     def _score(self, micro: RolloutBatch, logits: Tensor) -> tuple[Tensor, Tensor]:
         """Log-probability and entropy of tokens 1.. of `micro`, [n, width - 1] each."""
-        return vocab_parallel_logprobs(logits[:, :-1], micro.input_ids[:, 1:], self.sampling, self.layout.vocab)
+        sets = None if micro.sample_sets is None else micro.sample_sets[:, 1:]
+        return vocab_parallel_logprobs(logits[:, :-1], micro.input_ids[:, 1:], self.sampling, self.layout.vocab, sets)
 
     # -- training --------------------------------------------------------------------------
     def _backward(self, batch: RolloutBatch, rows: list[int], old: Tensor | None, ref: Tensor | None,
