@@ -26,14 +26,16 @@ policy: $(STAMP)
 train: policy
 	$(BIN)/fastgrpo train --config $(CONFIG)
 
-# a small distributed run on this machine: torchrun, the Megatron trainer, one engine per replica
+# a small distributed run on this machine: torchrun, the Megatron trainer on NPROC ranks, an embedded
+# engine on each of them, and one more rank (the draft slice) training the draft from every engine
 NPROC ?= 2
 TP ?= $(NPROC)
 PP ?= 1
 ARGS ?=
 train-distributed: policy
-	$(BIN)/torchrun --nproc-per-node $(NPROC) -m fastgrpo train --config $(CONFIG) trainer.backend=megatron \
-		parallel.tensor=$(TP) parallel.pipeline=$(PP) threads=1 grpo.steps=5 task.eval_size=100 \
+	$(BIN)/torchrun --nproc-per-node $$(( $(NPROC) + 1 )) -m fastgrpo train --config $(CONFIG) trainer.backend=megatron \
+		parallel.tensor=$(TP) parallel.pipeline=$(PP) parallel.draft_ranks=1 draft.online=async threads=1 \
+		grpo.steps=5 task.eval_size=100 \
 		run_dir=runs/distributed $(ARGS)
 
 bench: policy

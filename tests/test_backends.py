@@ -1,5 +1,6 @@
 """The seams: backends chosen by config through one factory, and the batch a trainer receives."""
 
+import dataclasses
 import sys
 
 import pytest
@@ -70,3 +71,93 @@ def test_a_batch_shards_by_whole_groups_across_data_parallel_ranks():
         batch.shard(0, 6, G)
     with pytest.raises(ValueError, match="groups of 3"):
         batch.shard(0, 2, 3)
+
+
+def _engine_and_trainer(tmp_path, policy, **extra):
+    cfg = tiny_config(tmp_path, policy, **{"speculation.policy": "off", "draft.online": "off"} | extra)
+    trainer = build_trainer(cfg)
+    engine = build_engine(cfg, AutoConfig.from_pretrained(policy), load_tokenizer(policy))
+    engine.update_weights(trainer.export_weights(), version=0)
+    return cfg, trainer, engine
+
+
+def test_keyed_requests_sample_the_same_wherever_they_run(tmp_path, tiny_policy):
+    """Requests split over two engines' calls, each request keyed by its place in the whole batch,
+    give the tokens one call over all of them gives: what lets rollout deal prompts to any number of
+    engines without changing a sample."""
+    _, _, engine = _engine_and_trainer(tmp_path, tiny_policy)
+    prompts = [[1, 5 + i % 3, 6, 7] for i in range(8)]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=12)
+    whole = engine.generate([Request(p) for p in prompts], sampling, seed=11)
+    first = engine.generate([Request(p, key=i) for i, p in enumerate(prompts[:3])], sampling, seed=11)
+    rest = engine.generate([Request(p, key=3 + i) for i, p in enumerate(prompts[3:])], sampling, seed=11)
+    assert [c.token_ids for c in first + rest] == [c.token_ids for c in whole]
+    unkeyed = engine.generate([Request(p) for p in prompts[3:]], sampling, seed=11)  # keys 0.. again: other samples
+    assert [c.token_ids for c in unkeyed] != [c.token_ids for c in whole[3:]]
+
+
+@pytest.mark.parametrize("speculation", ["off", "static"])
+def test_the_engine_returns_each_tokens_sampling_set_and_the_trainer_scores_in_it(tmp_path, tiny_policy, tiny_draft,
+                                                                                  speculation):
+    """With top-k and top-p, each token comes with the set it was sampled from (it holds the token; at
+    most top_k ids), plain and speculative decoding alike, and the trainer scoring in those sets gives
+    the engine's log-probabilities to float rounding: `kl_engine_trainer` below 1e-5 after a step.
+    Without the sets the trainer recomputes them from its own logits and disagrees at the cut."""
+    extra = {"draft.path": str(tiny_draft), "speculation.policy": speculation} if speculation != "off" else {}
+    cfg, trainer, engine = _engine_and_trainer(tmp_path, tiny_policy, **extra, **{  # static: the draft of draft.path
+        "rollout.top_k": 5, "rollout.top_p": 0.9, "rollout.max_new_tokens": 24})
+    sampling = SamplingParams.of(cfg.rollout)
+    prompts = [[1, 5 + i % 4, 6, 7, 8] for i in range(16)]
+    out = engine.generate([Request(p) for p in prompts], sampling, seed=4)
+    if speculation != "off":
+        assert engine.stats()["spec_steps"] > 0
+    for c in out:
+        assert c.sample_sets is not None and len(c.sample_sets) == len(c.token_ids)
+        assert all(tok in kept and 1 <= len(kept) <= 5 for tok, kept in zip(c.token_ids, c.sample_sets))
+    batch = build_batch(prompts, [c.token_ids for c in out], [c.logprobs for c in out],
+                        torch.linspace(-1, 1, len(out)), pad_id=0, sample_sets=[c.sample_sets for c in out])
+    scored = trainer.logprobs(batch)
+    for i, c in enumerate(out):
+        got = scored[i, len(prompts[i]): len(prompts[i]) + len(c.token_ids)]
+        torch.testing.assert_close(got, torch.tensor(c.logprobs), atol=2e-5, rtol=0)
+    recomputed = dataclasses.replace(batch, sample_sets=None)
+    assert trainer.logprobs(recomputed).isfinite().all()
+    metrics = trainer.train_step(batch)
+    assert abs(metrics["kl_engine_trainer"]) < 1e-5 and metrics["updates"] == 1, metrics
+
+
+def test_sampling_sets_fall_back_and_pad_correctly():
+    """`sampling_logprobs` with sets: renormalised over exactly the given ids (token 0 included, with
+    -1 padding that must not drop it); positions without a set keep the computed top-k set."""
+    from fastgrpo.engine.sampling import sampling_logprobs
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.1], [0.0, 3.0, 1.0, 2.0]])
+    p = SamplingParams(temperature=1.0, top_k=2)
+    sets = torch.tensor([[0, 2, -1], [-1, -1, -1]])
+    lp = sampling_logprobs(logits, p, sets=sets)
+    torch.testing.assert_close(lp[0], torch.log_softmax(torch.tensor([2.0, -float("inf"), 0.5, -float("inf")]), -1))
+    torch.testing.assert_close(lp[1], sampling_logprobs(logits[1:], p)[0])
+
+
+def test_a_rounding_error_at_the_cut_changes_a_recomputed_set_but_not_the_engines():
+    """Tokens 1 and 2 tie at the top-k cut to 1e-6: the engine's logits keep token 1, the trainer's
+    (a rounding error away) would keep token 2. Scored in the engine's set, the trainer's
+    log-probability of the sampled token is the engine's to float rounding; recomputing the set
+    changes the normaliser by the weight of a whole token."""
+    from fastgrpo.engine.sampling import kept_sets, sampling_logprobs
+
+    p = SamplingParams(temperature=1.0, top_k=2)
+    engine_logits = torch.tensor([[3.0, 1.0 + 1e-6, 1.0, -2.0]])
+    trainer_logits = torch.tensor([[3.0, 1.0, 1.0 + 1e-6, -2.0]])
+    engine_lp = sampling_logprobs(engine_logits, p)
+    sets = torch.tensor(kept_sets(engine_lp))
+    assert sets.tolist() == [[0, 1]]
+    token = torch.tensor([0])
+    in_set = sampling_logprobs(trainer_logits, p, sampled=token, sets=sets)[0, 0]
+    recomputed = sampling_logprobs(trainer_logits, p, sampled=token)[0, 0]
+    assert abs(float(in_set - engine_lp[0, 0])) < 1e-5
+    assert abs(float(recomputed - engine_lp[0, 0])) < 1e-5  # token 0's own probability: the same normaliser here...
+    second = torch.tensor([1])  # ...but the token at the cut: in the engine's set, outside the recomputed one
+    engine_second = engine_lp[0, 1]
+    assert abs(float(sampling_logprobs(trainer_logits, p, sampled=second, sets=sets)[0, 1] - engine_second)) < 1e-5
+    assert abs(float(sampling_logprobs(trainer_logits, p, sampled=second)[0, 1] - engine_second)) > 1e-2

@@ -32,16 +32,40 @@ def test_the_70b_plan_maps_every_gpu_and_prices_both_phases(capsys):
     status, out = plan(capsys, "--config", "configs/llama3_70b.yaml")
     assert status == 0
     assert "72 GPUs = tensor 8 x pipeline 4 x data 2 + 8 draft rank(s)" in out
-    assert "node   8: draft0" in out and "engine 1: ranks 8-15,24-31,40-47,56-63" in out
+    assert "node   8: draft0" in out
+    # engines sized apart from the trainer: 8 of engine.tensor 8, one per node, every policy GPU in one
+    engines = [line.strip() for line in out.splitlines() if line.strip().startswith("engine ") and "led by" in line]
+    assert engines == [f"engine {e}: ranks {8 * e}-{8 * e + 7} on node {e}, led by rank {8 * e}; 4 prompt(s) x 16 "
+                       f"per step" for e in range(8)]
+    assert "engine: weights + draft (bf16)            16.66" in out  # 71.5B x 2 B / 8 GPUs of an engine
     for phase in ("policy GPU, rollout", "policy GPU, training", "draft GPU, training"):
         assert phase in out
 
 
-def test_the_tiny_config_plans_at_tp2_on_two_processes(capsys):
-    """What slurm/train.sh runs before the tiny job of make test-slurm."""
+def test_an_engine_layout_train_cannot_build_does_not_plan(capsys):
+    """engine.tensor that does not divide the policy GPUs, spans a node, or is not 1 for the embedded
+    engine: the plan says no (exit 1), or the config is refused naming the key (exit 2)."""
+    status, out = plan(capsys, "--config", "configs/llama3_8b.yaml", "engine.tensor=8")  # 4 policy GPUs
+    assert status == 1 and "[NO] engine.tensor 8 divides the 4 policy GPUs into engines" in out
+    status, out = plan(capsys, "--config", "configs/llama3_70b.yaml", "engine.tensor=16")
+    assert status == 2 and "engine.tensor must divide cluster.gpus_per_node=8 (an engine never spans a node)" in out
+    status, out = plan(capsys, "--config", "configs/llama3_70b.yaml", "--gpus-per-node", "4", "--nodes", "18")
+    assert status == 1 and "[NO] engine.tensor 8 divides the 4 GPUs of a node" in out
+    status, out = plan(capsys, "--config", "configs/tiny_cpu.yaml", "engine.tensor=2")
+    assert status == 2 and "engine.tensor must be 1 with engine.backend=embedded" in out
+
+
+def test_the_tiny_config_plans_at_the_70b_topology_on_five_processes(capsys):
+    """What slurm/train.sh runs before the tiny job of make test-slurm: TP2 x PP2 and a draft rank, an
+    embedded engine on every policy rank (so on both pipeline stages)."""
+    status, out = plan(capsys, "--config", "configs/tiny_cpu.yaml", "--nodes", "1", "--gpus-per-node", "5",
+                       "--gpu-memory-gb", "8", "trainer.backend=megatron", "parallel.tensor=2", "parallel.pipeline=2",
+                       "parallel.draft_ranks=1", "draft.online=async")
+    assert status == 0 and "t0p0d0*    t1p0d0*    t0p1d0*    t1p1d0*    draft0" in out and "verdict: fits" in out, out
+    assert "engine 3: ranks 3 on node 0, led by rank 3; 4 prompt(s) x 8 per step" in out
     status, out = plan(capsys, "--config", "configs/tiny_cpu.yaml", "--nodes", "1", "--gpus-per-node", "2",
                        "--gpu-memory-gb", "8", "trainer.backend=megatron", "parallel.tensor=2")
-    assert status == 0 and "t0p0d0*    t1p0d0" in out and "verdict: fits" in out, out
+    assert status == 1 and "[NO] draft.online=sync learns beside the one engine (2 engines)" in out
 
 
 def test_a_world_that_does_not_divide_fails_with_what_to_change(capsys):

@@ -63,11 +63,11 @@ def test_the_fastgrpo_rule_becomes_sglang_batch_size_tiers():
 
 
 def test_engine_arguments_follow_the_config():
-    cfg = load_config(None, ["engine.backend=sglang", "trainer.backend=megatron", "parallel.tensor=2",
-                             "engine.mem_fraction=0.4", "speculation.depth=5", "speculation.topk=2",
+    cfg = load_config(None, ["engine.backend=sglang", "trainer.backend=megatron", "parallel.tensor=4",
+                             "parallel.pipeline=2", "engine.tensor=2", "engine.mem_fraction=0.4", "speculation.depth=5", "speculation.topk=2",
                              "speculation.num_verify=8", "speculation.policy=static", "draft.online=sync"])
     off = server_args(cfg, "off", None, None, base_gpu_id=2)
-    assert off["tp_size"] == 2 and off["base_gpu_id"] == 2 and off["mem_fraction_static"] == 0.4
+    assert off["tp_size"] == 2 and off["base_gpu_id"] == 2  # engine.tensor, whatever the trainer's layout and off["mem_fraction_static"] == 0.4
     assert off["enable_return_hidden_states"] and off["skip_tokenizer_init"] and "speculative_algorithm" not in off
     static = server_args(cfg, "static", "draft-dir", None, 0)
     assert (static["speculative_algorithm"], static["speculative_num_steps"], static["speculative_eagle_topk"],

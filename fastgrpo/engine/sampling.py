@@ -36,8 +36,8 @@ def sampling_logprobs(logits: Tensor, p: SamplingParams, sampled: Tensor | None 
     away from the engine's: a token near the cut can fall on the other side and change the
     normaliser. So the trainer passes `sets` ([..., K] token ids, -1 padded), the sets the engine
     sampled each token from, and the distribution is renormalised over exactly those (positions whose
-    set is all -1 keep the set computed here). Without them, `sampled` ([...] token ids) are at least
-    kept in the set (their log-probabilities stay finite).
+    set is all -1 keep the set computed here). There, `sampled` ([...] token ids) are at least kept in
+    the set (their log-probabilities stay finite).
     """
     logits = logits.float()
     if p.greedy:
@@ -56,14 +56,14 @@ def sampling_logprobs(logits: Tensor, p: SamplingParams, sampled: Tensor | None 
         drop_sorted = (probs.cumsum(-1) - probs) >= p.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if sampled is not None:
+        idx = sampled[..., None]
+        logits = logits.scatter(-1, idx, scaled.gather(-1, idx))
     if sets is not None:
         given = sets >= 0
         # (scatter_add: the padding's index 0 must not overwrite a real token 0)
         inside = torch.zeros(logits.shape, dtype=torch.int32).scatter_add(-1, sets.clamp(min=0), given.int()) > 0
         logits = torch.where(given.any(-1, keepdim=True), scaled.masked_fill(~inside, float("-inf")), logits)
-    elif sampled is not None:
-        idx = sampled[..., None]
-        logits = logits.scatter(-1, idx, scaled.gather(-1, idx))
     return torch.log_softmax(logits, dim=-1)
 
 

@@ -1,5 +1,7 @@
 """`sbatch slurm/train_70b.sh` on a real one-node Slurm cluster, with the tiny CPU configuration through
-overrides (world 2, Megatron TP2, speculation and online draft learning): the job's exit code, its
+overrides at the 70B config's topology in miniature (a world of 5: Megatron TP2 x PP2, an embedded engine
+on every policy rank, so engines on both pipeline stages, and the draft slice of one rank learning from
+all four engines, with `aware` speculation): the job's exit code, its
 MLflow run and checkpoint; a second submission resumes; a cancelled job checkpoints and the next
 submission resumes from it; the time-limit warning (USR1 to the batch shell) checkpoints, requeues the
 job and the requeued job resumes and finishes. Run by `make test-slurm` (FASTGRPO_TEST_SLURM=1)."""
@@ -36,16 +38,16 @@ def slurm(tmp_path_factory):
 def run_overrides(tmp: Path, policy: Path, draft: Path, steps: int) -> list[str]:
     """The tiny run as key=value arguments of the sbatch script (run_dir comes from FASTGRPO_RUN_DIR)."""
     args = tiny_overrides(tmp, policy, **{
-        "trainer.backend": "megatron", "parallel.tensor": 2, "threads": 1, "grpo.steps": steps,
-        "checkpoint.every": 1, "draft.path": draft, "speculation.policy": "aware", "draft.online": "sync",
-        "eval.at_start": "false", "task.eval_size": 4})
+        "trainer.backend": "megatron", "parallel.tensor": 2, "parallel.pipeline": 2, "parallel.draft_ranks": 1,
+        "threads": 1, "grpo.steps": steps, "checkpoint.every": 1, "draft.path": draft, "speculation.policy": "aware",
+        "draft.online": "async", "draft.async_publish_s": 0.5, "eval.at_start": "false", "task.eval_size": 4})
     return [a for a in args if not a.startswith("run_dir=")]
 
 
 def submit(slurm: LocalSlurm, tmp: Path, run_dir: Path, args: list[str], wait: bool = True) -> str:
     """sbatch the 70B script with the tiny config: the #SBATCH header overridden for one CPU node."""
     env = slurm.env(FASTGRPO_HOME=str(REPO), FASTGRPO_VENV=sys.prefix, FASTGRPO_CONFIG="configs/tiny_cpu.yaml",
-                    FASTGRPO_RUN_DIR=str(run_dir), FASTGRPO_NPROC_PER_NODE="2", FASTGRPO_GPU_MEMORY_GB="8",
+                    FASTGRPO_RUN_DIR=str(run_dir), FASTGRPO_NPROC_PER_NODE="5", FASTGRPO_GPU_MEMORY_GB="8",
                     FASTGRPO_STOP_GRACE_S="60", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     argv = ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--time=20", f"--output={tmp}/job-%j.out",
             *(["--wait"] if wait else []), str(REPO / "slurm" / "train_70b.sh"), *args]
@@ -66,14 +68,18 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
 
 
-def logged_steps(run_dir: Path) -> list[int]:
-    """The steps of the one MLflow run's reward history (a resume logs into the same run)."""
+def logged(run_dir: Path, key: str) -> dict[int, float]:
+    """One metric of the one MLflow run, by step (a resume logs into the same run)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(default_tracking_uri(run_dir))
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert len(runs) == 1, [r.info.run_id for r in runs]
-    return sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "reward_mean"))
+    return {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, key)}
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    return sorted(logged(run_dir, "reward_mean"))
 
 
 def test_sbatch_runs_the_job_and_a_second_submission_resumes(slurm, tmp_path, tiny_policy, tiny_draft):
@@ -85,6 +91,9 @@ def test_sbatch_runs_the_job_and_a_second_submission_resumes(slurm, tmp_path, ti
     assert "no checkpoint in" in log and "run finished" in log and "fits" in log  # fastgrpo plan ran first
     assert checkpoint_steps(run_dir)[-1] == 2 and (run_dir / "summary.json").exists()
     assert logged_steps(run_dir) == [1, 2]
+    assert "engine 3: ranks 3 on node 0, led by rank 3" in log  # the plan's engine map: one per policy rank
+    assert logged(run_dir, "rollout_engines") == {1: 4.0, 2: 4.0}
+    assert logged(run_dir, "weights_version") == {1: 0.0, 2: 1.0}  # every engine served every push
 
     again = submit(slurm, tmp_path, run_dir, run_overrides(tmp_path, tiny_policy, tiny_draft, steps=3))
     log = output(tmp_path, again)
