@@ -1,5 +1,5 @@
 """The distributed GRPO run on gloo, launched as on a cluster: `torchrun -m fastgrpo train` with the
-Megatron trainer (TP, PP, DP), one rollout engine per data-parallel replica fed by the weight push,
+Megatron trainer (TP, PP, DP), an embedded rollout engine on every policy rank fed by the weight push,
 rank 0 tracking and checkpointing for all; and how it ends: resumed (at the same layout, bit for bit,
 and at another), stopped by SIGTERM, failed on one rank."""
 
@@ -80,19 +80,21 @@ def run(nproc: int, args: list[str], log: Path) -> str:
 
 
 def _push_and_compare(rank, world, args):
-    """Two GRPO steps through the loop's own pieces, comparing after every weight push each engine's
-    tensors with what the trainer exports (full Hugging Face tensors)."""
+    """Two GRPO steps through the loop's own pieces: every rollout's tokens, the first step's training
+    metrics, and after every weight push the engine's tensors against what the trainer exports (full
+    Hugging Face tensors)."""
     from fastgrpo.config import load_config
     from fastgrpo.grpo.loop import rollout, setup_run, training_batch
 
     run = setup_run(load_config(None, args), resume=False)
     initial = {n: t.clone() for n, t in run.trainer.export_weights()}
-    seen = []
+    seen, tokens, metrics = [], [], []
     for step in range(2):
         problems = run.data.next_batch(run.cfg.rollout.prompts_per_step)
         answers = rollout(run, problems, seed=step)
+        tokens.append([c.token_ids for c in answers.completions])
         batch, _ = training_batch(run, problems, answers.completions, answers.rewards)
-        run.trainer.train_step(batch)
+        metrics.append(run.trainer.train_step(batch))
         run.bridge.push(run.trainer.export_weights(), version=step + 1)
         exported = {n: t.clone() for n, t in run.trainer.export_weights()}
         if run.engine is not None:
@@ -100,21 +102,31 @@ def _push_and_compare(rank, world, args):
             seen.append({"version": run.engine.weights_version, "tensors": len(held),
                          "bit_exact": all(torch.equal(t, exported[n]) for n, t in held.items()),
                          "moved": max(float((exported[n] - initial[n]).abs().max()) for n in held)})
-    return run.world.placement, seen
+    return {"engine": run.world.engine, "engines": run.world.engines.engines, "seen": seen, "tokens": tokens,
+            "metrics": metrics}
 
 
-def test_every_engine_holds_the_trainers_weights_bit_for_bit_after_each_push(tmp_path, tiny_policy, tiny_draft):
-    """TP2 x DP2 (a world of 4, two replicas): both replicas' engines, on their leading ranks, hold
-    exactly the tensors the trainer exports (TP shards gathered, Megatron names made Hugging Face
-    ones), at the same version, after every push; the weights did change."""
-    args = overrides(tmp_path, tiny_policy, tiny_draft, **{"parallel.tensor": 2, "tracking.enabled": "false"})
+def test_a_tp2_pp2_world_runs_an_engine_on_every_rank_and_equals_one_process(tmp_path, tiny_policy, tiny_draft):
+    """TP2 x PP2 (a world of 4, one trainer replica): an embedded engine on each of the 4 ranks (on both
+    pipeline stages), each holding exactly the tensors the trainer exports (TP shards gathered, stages
+    broadcast, Megatron names made Hugging Face ones) at the same version after every push; the
+    prompts dealt over the 4 engines give token for token the rollouts of one process's one engine
+    (keyed sampling), and the first step's loss and gradient norm are that process's."""
+    args = overrides(tmp_path, tiny_policy, tiny_draft, **{"parallel.tensor": 2, "parallel.pipeline": 2,
+                                                           "tracking.enabled": "false"})
     results = run_world(_push_and_compare, 4, tmp_path / "world", args, timeout_s=300.0)
-    leaders = [(placement, seen) for placement, seen in results if placement.leads_replica]
-    assert sorted(p.replica for p, _ in leaders) == [0, 1] and all(p.replicas == 2 for p, _ in results)
-    for _, seen in leaders:
-        assert [s["version"] for s in seen] == [1, 2]
-        assert all(s["bit_exact"] and s["tensors"] >= 9 for s in seen)
-        assert seen[-1]["moved"] > 1e-4  # two updates at lr 1e-3 moved the weights the engines serve
+    one = run_world(_push_and_compare, 1, tmp_path / "one", [*args, "trainer.backend=torch", "parallel.tensor=1",
+                                                              "parallel.pipeline=1", f"run_dir={tmp_path / 'one'}"])[0]
+    assert [r["engine"] for r in results] == [0, 1, 2, 3] and all(r["engines"] == 4 for r in results)
+    for r in results:
+        assert [s["version"] for s in r["seen"]] == [1, 2]
+        assert all(s["bit_exact"] and s["tensors"] >= 9 for s in r["seen"])
+        assert r["seen"][-1]["moved"] > 1e-4  # two updates at lr 1e-3 moved the weights the engines serve
+        assert r["tokens"][0] == one["tokens"][0]  # step 0: the same weights, the same samples
+    first = results[0]["metrics"][0]
+    for key in ("loss", "grad_norm"):
+        assert first[key] == pytest.approx(one["metrics"][0][key], rel=1e-6), key
+    assert all(r["metrics"][0]["grad_norm"] == first["grad_norm"] for r in results)
 
 
 def test_torchrun_run_equals_one_process_and_resumes_exactly_and_at_another_layout(tmp_path, tiny_policy, tiny_draft):
@@ -203,8 +215,8 @@ def test_the_draft_trains_on_its_reserved_slice_and_reaches_every_engine(tmp_pat
 
 def test_a_world_of_five_tp2_pp2_and_a_draft_rank(tmp_path, tiny_policy, tiny_draft):
     """TP2 x PP2 + 1 draft rank (a world of 5, the largest the tests use): 6 GRPO steps with `aware`
-    speculation and the draft learning on its rank; the one engine serves every pushed version and
-    swaps in the draft rank's versions; a checkpoint of both."""
+    speculation and the draft learning on its rank from all four engines (one per policy rank); every
+    engine serves every pushed version, and they swap in the draft rank's versions; a checkpoint of both."""
     args = overrides(tmp_path, tiny_policy, tiny_draft, **SLICE, **{
         "parallel.tensor": 2, "parallel.pipeline": 2, "grpo.steps": 6, "checkpoint.every": 6,
         "draft.async_publish_s": 0.5})  # five processes on two cores: a step takes ~0.7 s, and the first
@@ -212,28 +224,47 @@ def test_a_world_of_five_tp2_pp2_and_a_draft_rank(tmp_path, tiny_policy, tiny_dr
     out = run(5, args, tmp_path / "five.log")
     assert "step 6/6" in out and "summary:" in out
     assert history(tmp_path / "run", "weights_version") == {s: float(s - 1) for s in range(1, 7)}
+    assert set(history(tmp_path / "run", "rollout_engines").values()) == {4.0}
     versions = history(tmp_path / "run", "draft_version")
     assert versions[6] >= 1 and list(versions.values()) == sorted(versions.values()), versions
     saved = tmp_path / "run" / "checkpoints" / "step_00000006"
     assert (saved / "draft" / "draft.safetensors").is_file() and (saved / "megatron" / "fastgrpo.json").is_file()
 
 
-@pytest.mark.parametrize("victim", ["policy", "draft"])
-def test_a_rank_that_dies_ends_every_rank_within_a_bound(tmp_path, tiny_policy, tiny_draft, victim):
-    """One rank killed mid-run (SIGKILL: no chance to say goodbye), a policy rank or the draft rank of
-    a DP2 + 1 draft rank world: torchrun ends the others and exits non-zero well within 60 s, and
-    none of the run's processes is left behind."""
-    launch = Torchrun(3, overrides(tmp_path, tiny_policy, tiny_draft, **SLICE, **{
-        "grpo.steps": 200, "checkpoint.every": 1000}), tmp_path / "kill.log")
-    launch.wait_for("step 1/200")
+def _kill_and_wait(launch: Torchrun, victim: int) -> None:
+    """SIGKILL rank `victim` (no chance to say goodbye): torchrun ends the others and exits non-zero
+    well within 60 s, and none of the run's processes is left behind."""
     processes = [psutil.Process(launch.proc.pid), *psutil.Process(launch.proc.pid).children(recursive=True)]
     t0 = time.monotonic()
-    launch.workers()[1 if victim == "policy" else 2].kill()
+    launch.workers()[victim].kill()
     code = launch.proc.wait(timeout=120)
     elapsed = time.monotonic() - t0
     kill_tree(launch.proc.pid)
-    print(f"killed the {victim} rank: torchrun exited {code} after {elapsed:.1f} s")
+    print(f"killed rank {victim}: torchrun exited {code} after {elapsed:.1f} s")
     assert code != 0 and elapsed < 60, (code, elapsed)
     time.sleep(1.0)
     left = [p.pid for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, f"processes left behind: {left}"
+
+
+def test_a_killed_rank_of_a_tp2_pp2_world_ends_it_and_resume_continues(tmp_path, tiny_policy, tiny_draft):
+    """A stage-1 policy rank (an engine's too) of TP2 x PP2 + the draft slice killed mid-run: the world
+    ends within the bound, and `--resume` continues from the last complete checkpoint to the end."""
+    layout = SLICE | {"parallel.tensor": 2, "parallel.pipeline": 2}
+    launch = Torchrun(5, overrides(tmp_path, tiny_policy, tiny_draft, **layout, **{
+        "grpo.steps": 200, "checkpoint.every": 1}), tmp_path / "kill.log")
+    launch.wait_for("step 2/200")
+    _kill_and_wait(launch, victim=3)
+    saved = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert saved and saved[-1] >= 1
+    out = run(5, ["--resume", *overrides(tmp_path, tiny_policy, tiny_draft, **layout, **{
+        "grpo.steps": saved[-1] + 1})], tmp_path / "resume.log")
+    assert f"at step {saved[-1]}" in out and f"step {saved[-1] + 1}/{saved[-1] + 1}" in out, out[-3000:]
+
+
+def test_a_killed_draft_rank_ends_every_rank_within_a_bound(tmp_path, tiny_policy, tiny_draft):
+    """The draft rank of a DP2 + 1 draft rank world killed mid-run ends the world within the bound."""
+    launch = Torchrun(3, overrides(tmp_path, tiny_policy, tiny_draft, **SLICE, **{
+        "grpo.steps": 200, "checkpoint.every": 1000}), tmp_path / "kill.log")
+    launch.wait_for("step 1/200")
+    _kill_and_wait(launch, victim=2)

@@ -29,10 +29,12 @@ trainer's micro-batches (contiguous rows) and pay the shape message.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import math
 import multiprocessing
+import os
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -52,12 +54,25 @@ from fastgrpo.types import Placement, RolloutBatch, SamplingParams
 _write_results_manager = None  # see _start_write_results_queue
 
 
+def _writer_server_init(rank_pid: int) -> None:
+    """In the checkpoint writer's server: deaf to SIGTERM, killed when its rank dies (Linux's parent-
+    death signal; elsewhere it ends when the job's processes are ended)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != rank_pid:  # the rank died before the signal was armed
+        os._exit(1)
+
+
 def _start_write_results_queue() -> None:
     """dist_checkpointing's torch_dist writer reports through a multiprocessing Manager that it starts
     at the first save and keeps (`filesystem_async._get_write_results_queue`). Slurm signals every
     process of a job, and a SIGTERM that killed that server would fail the very checkpoint the signal
-    asks the ranks to write; started here first, with SIGTERM ignored, it outlives the signal (and
-    ends with the rank, like megatron's own)."""
+    asks the ranks to write; started here first, with SIGTERM ignored, it outlives the signal, and it
+    ends with its rank (the kernel kills it when the rank dies, however: a SIGKILLed rank must not
+    leave it behind)."""
     global _write_results_manager
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -65,7 +80,7 @@ def _start_write_results_queue() -> None:
         from multiprocessing.managers import SyncManager
 
         _write_results_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        _write_results_manager.start(initializer=signal.signal, initargs=(signal.SIGTERM, signal.SIG_IGN))
+        _write_results_manager.start(initializer=_writer_server_init, initargs=(os.getpid(),))
         filesystem_async._results_queue = _write_results_manager.Queue()
 
 Micro = tuple[list[int], RolloutBatch]  # batch rows (empty: a placeholder that trains nothing) and their data
