@@ -94,6 +94,7 @@ def _thread_counts(text: str) -> list[int]:
 def cmd_bench(args: argparse.Namespace) -> None:
     from fastgrpo.bench.draft_fit import bench_draft
     from fastgrpo.bench.e2e import bench_e2e
+    from fastgrpo.bench.engines import bench_engines
     from fastgrpo.bench.forward import bench_forward
     from fastgrpo.bench.guarantee import bench_guarantee
     from fastgrpo.bench.learning import bench_learning
@@ -109,7 +110,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
                "learning": lambda cfg, quick, output, extra: bench_learning(cfg, quick, output, args.seeds,
                                                                             args.steps, args.every, modes, extra=extra),
                "noise": lambda cfg, quick, output, extra: bench_noise(cfg, quick, output, args.batches, extra=extra),
-               "trainer": bench_trainer,
+               "trainer": bench_trainer, "engines": bench_engines,
                "simulate": lambda cfg, quick, output, extra: bench_simulate(cfg, quick, output, extra, args.repetitions),
                "guarantee": lambda cfg, quick, output, extra: bench_guarantee(cfg, quick, output, args.runs,
                                                                               args.threads, extra=extra)}
@@ -187,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                 "`learning` (held-out accuracy curves of GRPO over seeds, with and without speculation) "
                 "`noise` (how much of one GRPO update is signal: the gradient noise scale) "
                 "`trainer` (one GRPO step of the torch and Megatron trainers at world 1, 2 and 4) "
+                "`engines` (a GRPO batch's rollout in a world of two ranks on one engine or two) "
                 "`guarantee` (aware against plain decoding, paired, over runs and thread counts) "
                 "or `simulate` (rollout at GPU scale, simulated, validated against this CPU's engine)",
                 before="what")

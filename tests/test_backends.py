@@ -161,3 +161,21 @@ def test_a_rounding_error_at_the_cut_changes_a_recomputed_set_but_not_the_engine
     engine_second = engine_lp[0, 1]
     assert abs(float(sampling_logprobs(trainer_logits, p, sampled=second, sets=sets)[0, 1] - engine_second)) < 1e-5
     assert abs(float(sampling_logprobs(trainer_logits, p, sampled=second)[0, 1] - engine_second)) > 1e-2
+
+
+def test_an_engine_layout_the_launched_world_cannot_hold_fails_before_any_work(monkeypatch):
+    """engine.tensor against the world torchrun launched: it must divide the policy ranks and the ranks
+    of a node (an engine never spans nodes); the error names the key, before any group is made."""
+    from fastgrpo.grpo.loop import check_layout
+
+    cfg = load_config(None, ["engine.backend=sglang", "engine.tensor=2", "trainer.backend=megatron",
+                             "speculation.policy=off", "draft.online=off"])
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match=r"engine\.tensor=2 does not divide the 3 policy ranks"):
+        check_layout(cfg)
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    with pytest.raises(ConfigError, match=r"engine\.tensor=2 does not divide the 3 ranks per node"):
+        check_layout(cfg)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    check_layout(cfg)  # 3 engines of 2 GPUs, each within one of 3 nodes of 2

@@ -53,6 +53,20 @@ def test_bench_forward_times_every_shape_with_every_kernel(tmp_path, tiny_policy
     assert all(r["counter_ms"] > 0 and r["multinomial_ms"] > 0 for r in saved["sampling"])
 
 
+def test_bench_engines_times_one_engine_against_two_on_the_same_tokens(tmp_path, tiny_policy):
+    """A world of two ranks rolls out one batch on one engine (one thread, then two) and on two
+    engines; the bench refuses a run whose modes returned different tokens, so reaching the table
+    means keyed requests gave every mode the same samples."""
+    from fastgrpo.bench.engines import MODES, bench_engines
+
+    out = bench_engines(tiny_config(tmp_path, tiny_policy), quick=True, output=tmp_path / "engines.json")
+    saved = json.loads((tmp_path / "engines.json").read_text())
+    assert list(saved["modes"]) == list(MODES) == list(out["modes"])
+    assert saved["meta"]["sequences"] == 16 and saved["meta"]["tokens"] > 16
+    assert all(len(m["runs"]) == 3 and m["median_s"] > 0 for m in saved["modes"].values())
+    assert saved["modes"]["one engine"]["speedup_vs_one_engine"] == 1.0
+
+
 def test_bench_shapes_keeps_the_size_and_deepens_the_policy(tmp_path, tiny_policy):
     from fastgrpo.bench.shapes import DEPTHS, bench_shapes, markdown
 

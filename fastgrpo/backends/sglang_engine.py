@@ -280,9 +280,10 @@ class SGLangEngine:
                            masked, capture) for o, r in zip(outs, requests)]
         tokens = sum(len(c.token_ids) for c in done)
         verify = sum(c.spec["spec_steps"] for c in done)
+        emitted = sum(c.spec["spec_emitted"] for c in done)
         self._stats = dict(sequences=len(done), tokens=tokens, seconds=seconds, tokens_per_s=tokens / max(seconds, 1e-9),
-                           spec_steps=verify, decode_steps=verify or tokens, mean_running=0.0,
-                           accept_len=sum(c.spec["spec_emitted"] for c in done) / verify if verify else 1.0,
+                           spec_steps=verify, spec_seq_steps=verify, spec_emitted=emitted, decode_steps=verify or tokens,
+                           mean_running=0.0, accept_len=emitted / verify if verify else 1.0,
                            config_by_concurrency={}, trace=[])
         return done
 

@@ -490,7 +490,7 @@ class EmbeddedEngine:
             sequences=len(out), tokens=tokens, seconds=seconds, tokens_per_s=tokens / max(seconds, 1e-9),
             decode_steps=c["decode_steps"], mean_running=c["running_sum"] / max(c["decode_steps"], 1),
             prefill_s=c["prefill_s"], decode_s=sum(step[3] for step in self._trace),
-            spec_steps=c["spec_steps"],
+            spec_steps=c["spec_steps"], spec_seq_steps=c["spec_seq_steps"], spec_emitted=c["spec_emitted"],
             # tokens emitted per sequence per verify forward (accepted draft tokens + 1)
             accept_len=c["spec_emitted"] / c["spec_seq_steps"] if c["spec_seq_steps"] else 1.0,
             config_by_concurrency={b: dict(v) for b, v in sorted(self._by_config.items())},

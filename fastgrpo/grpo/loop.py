@@ -333,11 +333,13 @@ def step_metrics(completions: list[Completion], rewards: torch.Tensor, engine_st
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
     spec_steps = sum(s.get("spec_steps", 0) for s in engine_stats)
     decode_steps = sum(s.get("decode_steps", 0) for s in engine_stats)
-    # accepted length is only defined when some step speculated; plain steps emit one token by construction
+    # accepted length is only defined when some step speculated; plain steps emit one token by construction.
+    # Over engines: tokens emitted per sequence per verify, from the engines' totals (the same totals, so
+    # the same figure, whichever engines ran which sequences)
     optional = {}
     if spec_steps:
-        optional["accept_len"] = engine_stats[0]["accept_len"] if len(engine_stats) == 1 else sum(
-            s["accept_len"] * s["spec_steps"] for s in engine_stats if s.get("spec_steps", 0)) / spec_steps
+        optional["accept_len"] = (sum(s["spec_emitted"] for s in engine_stats)
+                                  / sum(s["spec_seq_steps"] for s in engine_stats))
     throughput = [s.get("tokens_per_s", 0.0) for s in engine_stats if s.get("sequences", 1)]
     if len(engine_stats) > 1:  # the slowest engine, and the engine furthest behind on drafts
         optional["engine_tokens_per_s_min"] = min(throughput, default=0.0)
