@@ -47,20 +47,22 @@ def initial_weights(args):
     return load_policy(load_config(None, args).model.path).state_dict()
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_a_zero_step_at_dp2_equals_the_torch_trainer(tmp_path, tiny_policy, stage):
+@pytest.mark.parametrize("stage,kl_coef", [(2, 0.0), (3, 0.0), (3, 0.5)])
+def test_a_zero_step_at_dp2_equals_the_torch_trainer(tmp_path, tiny_policy, stage, kl_coef):
     """Five rows over two ranks (shares of 2 and 3 rows, micro-batches of 2: one rank pads), two
-    minibatches (two updates, the second off-policy), clipping on: the same loss, gradient norm and
-    weights as one process's torch trainer on the whole batch."""
+    minibatches (two updates, the second off-policy), clipping on, and the KL to the reference: the
+    same loss, gradient norm, KL and weights as one process's torch trainer on the whole batch."""
     args = tiny_overrides(tmp_path, tiny_policy, **{"grpo.micro_batch_size": 2, "grpo.minibatches": 2,
                                                      "optim.grad_clip": 0.5, "optim.lr": 1e-3,
-                                                     "deepspeed.zero_stage": stage})
+                                                     "deepspeed.zero_stage": stage, "grpo.kl_coef": kl_coef})
     reference, weights = _one_step(0, 1, args, "torch")
     results = run_world(_one_step, 2, tmp_path / "world", args, "deepspeed", timeout_s=240.0)
     assert reference["updates"] == 2.0 and reference["grad_norm"] > 0.5  # clipping did act
     for metrics, exported in results:
         for key in ("loss", "grad_norm", "clip_fraction", "entropy", "kl_engine_trainer", "updates", "lr"):
             assert metrics[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-9), key
+        assert metrics["kl_ref"] == pytest.approx(reference["kl_ref"], rel=1e-5, abs=1e-7)
+        assert (reference["kl_ref"] > 1e-7) == (kl_coef > 0)  # the second update is away from the reference
         assert exported.keys() == weights.keys()
         assert_same_update(exported, weights, initial_weights(args))
 

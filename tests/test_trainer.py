@@ -12,7 +12,9 @@ from fastgrpo.models.policy import new_policy, policy_config
 
 def make(seed=0, **grpo):
     policy = new_policy(policy_config("test", 50, 64, 1, 2, 0), seed=seed)
-    trainer = TorchPolicyTrainer(policy, GRPOConfig(**grpo), OptimConfig(lr=1e-2), SamplingParams(temperature=1.0))
+    reference = new_policy(policy_config("test", 50, 64, 1, 2, 0), seed=seed) if grpo.get("kl_coef") else None
+    trainer = TorchPolicyTrainer(policy, GRPOConfig(**grpo), OptimConfig(lr=1e-2), SamplingParams(temperature=1.0),
+                                 reference)
     return policy, trainer
 
 
@@ -86,19 +88,21 @@ def test_save_load_roundtrip(tmp_path):
 
 
 def oracle_grpo(policy, prompts, responses, engine_lp, rewards, G, *, lr, epochs, minibatches, eps_low, eps_high,
-                tis_cap, aggregation, grad_clip):
+                tis_cap, aggregation, grad_clip, kl_coef=0.0):
     """GRPO written out plainly, one sequence at a time, from the formulas (DESIGN.md 5.1): the
-    reference the trainer is checked against. Returns the loss and gradient norm of every optimiser step."""
+    reference the trainer is checked against, with the k3 KL to the starting policy when `kl_coef`.
+    Returns the loss and gradient norm of every optimiser step."""
     r = torch.tensor(rewards, dtype=torch.float64).view(-1, G)
     adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).flatten().tolist()
 
-    def seq_logp(i):
+    def logp_of(model, i):
         ids = torch.tensor([prompts[i] + responses[i]])
-        logits = policy(input_ids=ids).logits[0, len(prompts[i]) - 1 : -1].float()
+        logits = model(input_ids=ids).logits[0, len(prompts[i]) - 1 : -1].float()
         return torch.log_softmax(logits, -1).gather(-1, torch.tensor(responses[i])[:, None])[:, 0]
 
     with torch.no_grad():
-        old = [seq_logp(i) for i in range(len(prompts))]
+        old = [logp_of(policy, i) for i in range(len(prompts))]
+    ref = old  # the KL's reference is the starting policy, which sampled the batch
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     n, per_mb, losses, norms = len(prompts), -(-len(prompts) // minibatches), [], []
     for _ in range(epochs):
@@ -107,10 +111,12 @@ def oracle_grpo(policy, prompts, responses, engine_lp, rewards, G, *, lr, epochs
             opt.zero_grad()
             total, count = 0.0, 0
             for i in rows:
-                ratio = torch.exp(seq_logp(i) - old[i])
+                logp = logp_of(policy, i)
+                ratio = torch.exp(logp - old[i])
                 objective = torch.minimum(ratio * adv[i], ratio.clamp(1 - eps_low, 1 + eps_high) * adv[i])
                 w = torch.exp(old[i] - torch.tensor(engine_lp[i])).clamp(max=tis_cap)
-                per_token = -objective * w
+                d = ref[i] - logp
+                per_token = -objective * w + kl_coef * (torch.exp(d) - d - 1)
                 total = total + (per_token.sum() if aggregation == "token_mean" else per_token.mean())
                 count += len(responses[i]) if aggregation == "token_mean" else 1
             loss = total / count
@@ -121,12 +127,13 @@ def oracle_grpo(policy, prompts, responses, engine_lp, rewards, G, *, lr, epochs
     return losses, norms
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
-def test_train_step_matches_a_plain_grpo_oracle(aggregation):
-    """Advantages, token alignment, masking, normalisation, clipping, TIS and the optimiser loop of
-    the trainer, against the plain implementation above on the same batch (two epochs of two
-    minibatches at a learning rate high enough that the clip is active in the second epoch). Adam
-    is blind to a constant scale of the gradient, so the losses and gradient norms are compared too."""
+@pytest.mark.parametrize("aggregation,kl_coef", [("token_mean", 0.0), ("seq_mean", 0.0), ("token_mean", 0.5)])
+def test_train_step_matches_a_plain_grpo_oracle(aggregation, kl_coef):
+    """Advantages, token alignment, masking, normalisation, clipping, TIS, the KL to the starting
+    policy and the optimiser loop of the trainer, against the plain implementation above on the same
+    batch (two epochs of two minibatches at a learning rate high enough that the clip is active in the
+    second epoch). Adam is blind to a constant scale of the gradient, so the losses and gradient
+    norms are compared too."""
     import copy
 
     from fastgrpo.grpo.advantages import group_advantages
@@ -137,7 +144,7 @@ def test_train_step_matches_a_plain_grpo_oracle(aggregation):
     prompts = [prompts[i // G * G] for i in range(8)]  # two prompts, a group of 4 each
     responses = [torch.randint(3, 50, (int(n),), generator=gen).tolist() for n in (4, 7, 2, 9, 5, 3, 8, 6)]
     rewards = [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0]
-    policy, trainer = make(seed=4, epochs=2, minibatches=2, loss_aggregation=aggregation, tis_cap=1.5)
+    policy, trainer = make(seed=4, epochs=2, minibatches=2, loss_aggregation=aggregation, tis_cap=1.5, kl_coef=kl_coef)
     reference, start = copy.deepcopy(policy), copy.deepcopy(policy.state_dict())
     advantages = group_advantages(torch.tensor(rewards).view(-1, G)).flatten()
     batch = build_batch(prompts, responses, [[0.0] * len(r) for r in responses], advantages, pad_id=0)
@@ -148,8 +155,10 @@ def test_train_step_matches_a_plain_grpo_oracle(aggregation):
                  for i, (p, r) in enumerate(zip(prompts, responses))]
     metrics = trainer.train_step(batch)
     losses, norms = oracle_grpo(reference, prompts, responses, engine_lp, rewards, G, lr=1e-2, epochs=2, minibatches=2,
-                         eps_low=0.2, eps_high=0.28, tis_cap=1.5, aggregation=aggregation, grad_clip=1.0)
+                         eps_low=0.2, eps_high=0.28, tis_cap=1.5, aggregation=aggregation, grad_clip=1.0,
+                         kl_coef=kl_coef)
     assert metrics["updates"] == 4
+    assert (metrics["kl_ref"] > 1e-6) == (kl_coef > 0)  # the KL term was there, measured after the first update
     assert metrics["clip_fraction"] > 0  # the clipped branch was exercised
     assert metrics["loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-4, abs=1e-6)
     assert metrics["grad_norm"] == pytest.approx(sum(norms) / len(norms), rel=1e-4)

@@ -1,8 +1,8 @@
 """The DeepSpeed policy trainer: ZeRO (stage 1, 2 or 3) data parallelism of the Hugging Face policy
 itself, for policies megatron-core's GPT model does not cover.
 
-It is the torch trainer (the same loss function, micro-batching, clipping, warm-up and NaN-skip
-semantics) with DeepSpeed's engine as the model and optimizer:
+It is the torch trainer (the same GRPO step, `grpo.step`, micro-batching, clipping, warm-up and
+NaN-skip semantics) with DeepSpeed's engine as the model and optimizer:
 - each data-parallel rank scores and trains its share of every minibatch; ranks pad their shares to
   the same number of micro-batches, because ZeRO's collectives run inside forward (stage 3 gathers
   parameters) and backward (stages 2 and 3 reduce gradients);
@@ -35,7 +35,6 @@ from fastgrpo.backends.torch_trainer import TorchPolicyTrainer
 from fastgrpo.config import DeepSpeedConfig, GRPOConfig, OptimConfig
 from fastgrpo.types import Placement, RolloutBatch, SamplingParams
 
-STATS = ("clip", "entropy", "kl_engine", "kl_ref", "tokens")
 CHECKPOINT_TAG = "state"  # DeepSpeed's tag inside a checkpoint's `deepspeed/` directory
 LAYER = re.compile(r"^(.*?layers\.\d+)\.")
 
@@ -120,29 +119,15 @@ class DeepSpeedPolicyTrainer(TorchPolicyTrainer):
     def _backprop(self, loss: Tensor) -> None:
         self.model.backward(loss * self.dp_size, scale_wrt_gas=False)
 
-    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        c = self.cfg
-        self.model.train()
-        old = self.logprobs(batch) if c.epochs * c.minibatches > 1 else None
-        ref = self.logprobs(batch, self.reference) if c.kl_coef > 0 else None
-        rows = list(range(batch.size))
-        per_mb = -(-batch.size // c.minibatches)
-        totals = dict(loss=0.0, grad_norm=0.0, **dict.fromkeys(STATS, 0.0))
-        updates = skipped = 0
-        for _ in range(c.epochs):
-            for start in range(0, batch.size, per_mb):
-                local = self._backward(batch, rows[start: start + per_mb], old, ref, totals)
-                mb_loss = float(self._sum(torch.tensor([local], dtype=torch.float64)))
-                self.model.step()  # ZeRO skips a non-finite update (and the schedule with it)
-                if self.model.was_step_applied():
-                    updates += 1
-                    totals["loss"] += mb_loss
-                    totals["grad_norm"] += float(self.model.get_global_grad_norm())
-                else:
-                    skipped += 1
-        self.model.eval()
-        summed = self._sum(torch.tensor([totals[k] for k in STATS], dtype=torch.float64)).tolist()
-        return self._report(totals | dict(zip(STATS, summed)), updates, skipped)
+    def zero_grad(self) -> None:
+        """Nothing to do: DeepSpeed's step() zeroes the gradients it applied or skipped."""
+
+    def update(self, loss_finite: bool) -> float | None:
+        self.model.step()  # ZeRO skips a non-finite update (and the schedule with it): its overflow check
+        return float(self.model.get_global_grad_norm()) if self.model.was_step_applied() else None
+
+    def all_sum(self, t: Tensor) -> Tensor:
+        return self._sum(t)
 
     def placement(self) -> Placement:
         return Placement(self.dp_rank, self.dp_size, leads_replica=True)  # every rank holds the whole policy

@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 from fastgrpo.config import GRPOConfig, OptimConfig
 from fastgrpo.engine.sampling import sampling_logprobs
 from fastgrpo.types import Placement, RolloutBatch, SamplingParams
-from fastgrpo.grpo.loss import policy_loss
+from fastgrpo.grpo.step import STATS, LossFn, grpo_step, minibatch_loss
 
 
 def token_logprobs(model: PreTrainedModel, batch: RolloutBatch, sampling: SamplingParams) -> tuple[Tensor, Tensor]:
@@ -70,92 +70,54 @@ class TorchPolicyTrainer:
         return out
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        """All optimiser steps for one rollout batch: `epochs` passes of `minibatches` steps each."""
-        c = self.cfg
+        """All optimiser steps for one rollout batch (`grpo.step.grpo_step`)."""
         self.model.train()
-        multi_update = c.epochs * c.minibatches > 1
-        old = self.logprobs(batch) if multi_update else None  # else old = current, from the same forward
-        ref = self.logprobs(batch, self.reference) if c.kl_coef > 0 else None
-        rows = list(range(batch.size))
-        per_mb = math.ceil(batch.size / c.minibatches)
-        totals = dict(loss=0.0, clip=0.0, kl_ref=0.0, kl_engine=0.0, entropy=0.0, tokens=0.0, grad_norm=0.0)
-        updates = skipped = 0
-        for _ in range(c.epochs):
-            for start in range(0, batch.size, per_mb):
-                mb_rows = rows[start : start + per_mb]
-                self.optimizer.zero_grad(set_to_none=True)
-                mb_loss = self._backward(batch, mb_rows, old, ref, totals)
-                max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-                if math.isfinite(mb_loss) and math.isfinite(grad_norm):
-                    self.optimizer.step()
-                    self.scheduler.step()
-                    updates += 1
-                    totals["loss"] += mb_loss
-                    totals["grad_norm"] += grad_norm
-                else:  # a NaN/inf update would corrupt the policy: skip it, keep the weights
-                    skipped += 1
-                self.optimizer.zero_grad(set_to_none=True)
-        self.model.eval()
-        return self._report(totals, updates, skipped)
+        try:
+            return grpo_step(self, batch, self.cfg)
+        finally:
+            self.model.eval()
 
-    def _report(self, totals: dict[str, float], updates: int, skipped: int) -> dict[str, float]:
-        tokens = max(totals["tokens"], 1.0)
-        return {
-            "loss": totals["loss"] / max(updates, 1),
-            "grad_norm": totals["grad_norm"] / max(updates, 1),
-            "clip_fraction": totals["clip"] / tokens,
-            "entropy": totals["entropy"] / tokens,
-            "kl_ref": totals["kl_ref"] / tokens,
-            "kl_engine_trainer": totals["kl_engine"] / tokens,
-            "updates": float(updates),
-            "skipped_updates": float(skipped),
-            "lr": self.scheduler.get_last_lr()[0],
-        }
+    # -- what the GRPO step asks of a backend (`grpo.step.StepBackend`) -------------------------------
+    def reference_logprobs(self, batch: RolloutBatch) -> Tensor:
+        if self.reference is None:
+            raise ValueError("grpo.kl_coef > 0 needs a reference policy")
+        return self.logprobs(batch, self.reference)
 
-    def _backward(self, batch: RolloutBatch, rows: list[int], old: Tensor | None, ref: Tensor | None,
-                  totals: dict[str, float]) -> float:
-        """Accumulate the gradient of the minibatch `rows`' loss (normalised over the whole minibatch,
-        micro-batch by micro-batch); returns the loss and adds the step's statistics to `totals`."""
-        c = self.cfg
-        mask = batch.response_mask[rows]
-        normaliser = float(mask.sum()) if c.loss_aggregation == "token_mean" else float(len(rows))
-        loss = 0.0
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def accumulate(self, batch: RolloutBatch, rows: list[int], loss_of: LossFn) -> None:
         for micro_rows, micro in self._micro_batches(batch, rows):
             logp, entropy = token_logprobs(self.model, micro, self.sampling)
-            width = logp.shape[1]
-            # (a micro-batch without rows pads a data-parallel rank's share: it trains nothing)
-            old_logp = old[micro_rows, :width] if old is not None and micro_rows else logp.detach()
-            tis = None
-            if c.tis_cap > 0:
-                tis = torch.exp(old_logp - micro.engine_logprobs).clamp(max=c.tis_cap)
-            terms = policy_loss(
-                logp, old_logp, micro.advantages, micro.response_mask,
-                eps_low=c.eps_low, eps_high=c.eps_high, aggregation=c.loss_aggregation,
-                normaliser=max(normaliser, 1.0), tis_weight=tis,
-                ref_logp=None if ref is None else ref[micro_rows, :width] if micro_rows else logp.detach(),
-                kl_coef=c.kl_coef,
-            )
-            self._backprop(terms.loss)
-            m = micro.response_mask.float()
-            loss += terms.loss.item()
-            totals["clip"] += terms.clipped_tokens.item()
-            totals["kl_ref"] += terms.kl_ref_sum.item()
-            totals["entropy"] += (entropy.detach() * m).sum().item()
-            totals["kl_engine"] += ((micro.engine_logprobs - logp.detach()) * m).sum().item()
-            totals["tokens"] += m.sum().item()
-        return loss
+            self._backprop(loss_of(micro_rows, micro, logp, entropy))
 
     def _backprop(self, loss: Tensor) -> None:
         loss.backward()
+
+    def update(self, loss_finite: bool) -> float | None:
+        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        applied = loss_finite and math.isfinite(norm)
+        if applied:  # a NaN/inf update would corrupt the policy: skipped, the weights kept
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm if applied else None
+
+    def all_sum(self, t: Tensor) -> Tensor:
+        return t
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
 
     def loss_gradient(self, batch: RolloutBatch) -> Tensor:
         """The gradient of the GRPO loss on the whole batch at the current weights (on-policy: ratio 1),
         flattened, without an update: what `bench noise` compares across independent batches."""
         self.model.zero_grad(set_to_none=True)
-        ref = self.logprobs(batch, self.reference) if self.cfg.kl_coef > 0 else None
-        self._backward(batch, list(range(batch.size)), None, ref, dict.fromkeys(
-            ("clip", "kl_ref", "entropy", "kl_engine", "tokens"), 0.0))
+        ref = self.reference_logprobs(batch) if self.cfg.kl_coef > 0 else None
+        rows = list(range(batch.size))
+        self.accumulate(batch, rows, minibatch_loss(self.cfg, batch, rows, None, ref,
+                                                    torch.zeros(len(STATS), dtype=torch.float64)))
         grad = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel())
                           for p in self.model.parameters()])
         self.model.zero_grad(set_to_none=True)

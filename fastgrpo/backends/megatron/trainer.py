@@ -1,13 +1,14 @@
 """The GRPO policy trainer on megatron-core: tensor, pipeline and data parallelism.
 
-The loss is the torch trainer's (`grpo.loss.policy_loss`, one definition), scored on the engine's
-sampling distribution from vocab-parallel logits (`logprobs.py`). A minibatch is split across
+The GRPO step is every trainer's (`grpo.step.grpo_step`: minibatches, loss, statistics, NaN skip);
+this backend scores on the engine's sampling distribution from vocab-parallel logits
+(`logprobs.py`) and runs megatron's schedules and optimizer. A minibatch is split across
 data-parallel ranks and normalised over the whole minibatch (its tokens, or its sequences: every
 rank holds the whole batch, so every rank knows the normaliser without a collective), so the
 ranks' gradients add up to the minibatch's: megatron's DistributedDataParallel sums them
 (`calculate_per_token_loss`, and our `finalize_model_grads_func` does not divide by a token
 count), and megatron's optimizer clips by the global norm (over TP and PP; DP gradients are already
-summed) and steps. The warm-up, NaN/inf skipping and the reported metrics are the torch trainer's.
+summed) and steps.
 
 Every forward and backward, with or without pipeline stages, goes through megatron's
 `get_forward_backward_func` (1F1B when PP > 1; a plain loop over micro-batches when PP = 1), one
@@ -48,7 +49,7 @@ from fastgrpo.backends.megatron.layout import Layout, LayoutError
 from fastgrpo.backends.megatron.logprobs import vocab_parallel_logprobs
 from fastgrpo.backends.megatron.model import build_model, export_hf, initialize, load_hf_state
 from fastgrpo.config import GRPOConfig, OptimConfig
-from fastgrpo.grpo.loss import policy_loss
+from fastgrpo.grpo.step import LossFn, grpo_step
 from fastgrpo.types import Placement, RolloutBatch, SamplingParams
 
 _write_results_manager = None  # see _start_write_results_queue
@@ -70,7 +71,8 @@ def _start_write_results_queue() -> None:
     """dist_checkpointing's torch_dist writer reports through a multiprocessing Manager that it starts
     at the first save and keeps (`filesystem_async._get_write_results_queue`). Slurm signals every
     process of a job, and a SIGTERM that killed that server would fail the very checkpoint the signal
-    asks the ranks to write; started here first, with SIGTERM ignored, it outlives the signal, and it
+    asks the ranks to write; started here first (when the trainer is built, not at the first save, so
+    that a job's signal meets a running server), with SIGTERM ignored, it outlives the signal, and it
     ends with its rank (the kernel kills it when the rank dies, however: a SIGKILLed rank must not
     leave it behind)."""
     global _write_results_manager
@@ -79,12 +81,19 @@ def _start_write_results_queue() -> None:
     if filesystem_async._results_queue is None:
         from multiprocessing.managers import SyncManager
 
-        _write_results_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        _write_results_manager.start(initializer=_writer_server_init, initargs=(os.getpid(),))
+        # a SIGTERM that comes while the server starts, before its initializer ignores the signal, ends
+        # it (a new process's mask and handlers are reset at exec): it is started again
+        for attempt in range(3):
+            _write_results_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+            try:
+                _write_results_manager.start(initializer=_writer_server_init, initargs=(os.getpid(),))
+                break
+            except EOFError:
+                if attempt == 2:
+                    raise
         filesystem_async._results_queue = _write_results_manager.Queue()
 
 Micro = tuple[list[int], RolloutBatch]  # batch rows (empty: a placeholder that trains nothing) and their data
-STATS = ("clip", "entropy", "kl_engine", "kl_ref", "tokens")
 
 
 class MegatronPolicyTrainer:
@@ -140,6 +149,7 @@ class MegatronPolicyTrainer:
         config.no_sync_func = self.model.no_sync
         config.finalize_model_grads_func = _finalize_model_grads
         self.model.eval()
+        _start_write_results_queue()
 
     # -- the schedule ------------------------------------------------------------------------
     def _micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[Micro]:
@@ -213,92 +223,60 @@ class MegatronPolicyTrainer:
         sets = None if micro.sample_sets is None else micro.sample_sets[:, 1:]
         return vocab_parallel_logprobs(logits[:, :-1], micro.input_ids[:, 1:], self.sampling, self.layout.vocab, sets)
 
-    # -- training --------------------------------------------------------------------------
-    def _backward(self, batch: RolloutBatch, rows: list[int], old: Tensor | None, ref: Tensor | None,
-                  totals: dict[str, float]) -> float:
-        """Gradients of this rank's share of the minibatch `rows`, its loss normalised over the whole
-        minibatch; returns the share's loss on the last stage (0 elsewhere) and adds its statistics
-        to `totals` there."""
-        c = self.cfg
-        mask = batch.response_mask[rows]
-        normaliser = max(float(mask.sum()) if c.loss_aggregation == "token_mean" else float(len(rows)), 1.0)
-        loss = [0.0]
+    # -- training: what the GRPO step (`grpo.step.grpo_step`) asks of a backend --------------------
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        self.model.train()
+        try:
+            return grpo_step(self, batch, self.cfg)
+        finally:
+            self.model.eval()
 
-        def loss_of(micro_rows: list[int], micro: RolloutBatch, logits: Tensor) -> Tensor:
+    def reference_logprobs(self, batch: RolloutBatch) -> Tensor:
+        if self.reference is None:
+            raise ValueError("grpo.kl_coef > 0 needs a reference policy")
+        return self.logprobs_and_entropy(batch, self.reference)[0]
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def accumulate(self, batch: RolloutBatch, rows: list[int], loss_of: LossFn) -> None:
+        """This data-parallel rank's share of `rows` through the pipeline schedule; the last stage
+        scores each micro-batch's logits and the loss is backpropagated through every stage."""
+        def on_logits(micro_rows: list[int], micro: RolloutBatch, logits: Tensor) -> Tensor:
             logp, entropy = self._score(micro, logits)
             pad = torch.zeros_like(logp[:, :1])
-            logp, entropy = torch.cat([pad, logp], 1), torch.cat([pad, entropy], 1)
-            width = logp.shape[1]
-            old_logp = old[micro_rows, :width] if old is not None and micro_rows else logp.detach()
-            tis = torch.exp(old_logp - micro.engine_logprobs).clamp(max=c.tis_cap) if c.tis_cap > 0 else None
-            ref_logp = None if ref is None else ref[micro_rows, :width] if micro_rows else logp.detach()
-            terms = policy_loss(logp, old_logp, micro.advantages, micro.response_mask, eps_low=c.eps_low,
-                                eps_high=c.eps_high, aggregation=c.loss_aggregation, normaliser=normaliser,
-                                tis_weight=tis, ref_logp=ref_logp, kl_coef=c.kl_coef)
-            m = micro.response_mask.float()
-            loss[0] += terms.loss.item()
-            totals["clip"] += terms.clipped_tokens.item()
-            totals["kl_ref"] += terms.kl_ref_sum.item()
-            totals["entropy"] += (entropy.detach() * m).sum().item()
-            totals["kl_engine"] += ((micro.engine_logprobs - logp.detach()) * m).sum().item()
-            totals["tokens"] += m.sum().item()
-            return terms.loss
+            return loss_of(micro_rows, micro, torch.cat([pad, logp], 1), torch.cat([pad, entropy], 1))
 
-        self._run(self._micro_batches(batch, self._my_rows(rows)), loss_of, forward_only=False)
-        return loss[0]
+        self._run(self._micro_batches(batch, self._my_rows(rows)), on_logits, forward_only=False)
 
-    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        c = self.cfg
-        self.model.train()
-        old = self.logprobs(batch) if c.epochs * c.minibatches > 1 else None
-        ref = self.logprobs_and_entropy(batch, self.reference)[0] if self.reference is not None else None
-        rows = list(range(batch.size))
-        per_mb = math.ceil(batch.size / c.minibatches)
-        totals = dict(loss=0.0, grad_norm=0.0, **dict.fromkeys(STATS, 0.0))
-        updates = skipped = 0
-        for _ in range(c.epochs):
-            for start in range(0, batch.size, per_mb):
-                self.model.zero_grad_buffer()
-                self.optimizer.zero_grad()
-                local_loss = self._backward(batch, rows[start: start + per_mb], old, ref, totals)
-                mb_loss = self._sum_over_stages_and_replicas(torch.tensor([local_loss])).item()
-                grad_norm = self._prepare_and_norm()
-                if math.isfinite(mb_loss) and math.isfinite(grad_norm):  # the same verdict on every rank
-                    for group in self.optimizer.param_groups:
-                        group["lr"] = self.base_lr * (min(1.0, (self.updates + 1) / self.warmup) if self.warmup else 1.0)
-                    self._clip_and_step(grad_norm)
-                    self.updates += 1
-                    updates += 1
-                    totals["loss"] += mb_loss
-                    totals["grad_norm"] += grad_norm
-                else:
-                    skipped += 1
-        self.model.eval()
-        # every rank reports the whole batch's statistics
-        stats = self._sum_over_stages_and_replicas(torch.tensor([totals[k] for k in STATS]))
-        clip, entropy, kl_engine, kl_ref, tokens = stats.tolist()
-        tokens = max(tokens, 1.0)
-        return {"loss": totals["loss"] / max(updates, 1), "grad_norm": totals["grad_norm"] / max(updates, 1),
-                "clip_fraction": clip / tokens, "entropy": entropy / tokens, "kl_ref": kl_ref / tokens,
-                "kl_engine_trainer": kl_engine / tokens, "updates": float(updates), "skipped_updates": float(skipped),
-                "lr": self.optimizer.param_groups[0]["lr"]}
-
-    # megatron's optimizer.step() is prepare, norm, clip, update, unconditionally; a NaN/inf update
-    # must be skipped, so the four are called here with the check between the norm and the update
-    def _prepare_and_norm(self) -> float:
+    def update(self, loss_finite: bool) -> float | None:
+        """megatron's optimizer.step() is prepare, norm, clip, update, unconditionally; a NaN/inf
+        update must be skipped, so the four are called here with the check between the norm and the
+        update (the same verdict on every rank: the loss and the norm are global)."""
         with self._cpu():
             self.optimizer.prepare_grads()  # the gradient buffers' sums become the parameters' .grad
-            return float(self.optimizer.get_grad_norm())  # over TP and PP (and every DP rank has the sum)
-
-    def _clip_and_step(self, grad_norm: float) -> None:
+            norm = float(self.optimizer.get_grad_norm())  # over TP and PP (and every DP rank has the sum)
+        if not (loss_finite and math.isfinite(norm)):
+            return None
         from megatron.core.optimizer import optimizer as megatron_optimizer
 
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.base_lr * (min(1.0, (self.updates + 1) / self.warmup) if self.warmup else 1.0)
         with self._cpu():
             for opt in self.optimizer.chained_optimizers:
                 if opt.config.clip_grad > 0 and opt.get_parameters():
                     megatron_optimizer.clip_grad_by_total_norm_fp32(opt.get_parameters(), max_norm=opt.config.clip_grad,
-                                                                    total_norm=grad_norm)
+                                                                    total_norm=norm)
             self.optimizer.step_with_ready_grads()
+        self.updates += 1
+        return norm
+
+    def all_sum(self, t: Tensor) -> Tensor:
+        return self._sum_over_stages_and_replicas(t)
+
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
 
     def placement(self) -> Placement:
         from megatron.core import parallel_state

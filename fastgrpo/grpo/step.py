@@ -1,0 +1,118 @@
+"""One GRPO optimisation step over a rollout batch, written once for every trainer.
+
+The algorithm is here: `epochs` passes of `minibatches` optimiser steps; each minibatch's loss
+normalised over the whole minibatch (its tokens, or its sequences), so that micro-batches and
+data-parallel shares add up to it; the truncated importance weight against the engine's
+log-probabilities; the k3 KL to the frozen reference; the statistics; and the NaN skip (a
+non-finite loss or gradient norm leaves the weights and the optimiser untouched). A trainer backend
+(`StepBackend`: torch, Megatron-core, DeepSpeed) supplies only what depends on how it holds the model:
+scoring a batch, a forward/backward of its share of rows micro-batch by micro-batch, an optimiser
+update with clipping, and a sum over its ranks. This is veRL's split of losses from engines.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from fastgrpo.config import GRPOConfig
+from fastgrpo.grpo.loss import policy_loss
+from fastgrpo.types import RolloutBatch
+
+# (rows of the batch, their micro-batch, position-aligned log-probabilities and entropy [n, width])
+# -> the micro-batch's share of the minibatch loss, to backpropagate
+LossFn = Callable[[list[int], RolloutBatch, Tensor, Tensor], Tensor]
+STATS = ("loss", "clip", "entropy", "kl_engine", "kl_ref", "tokens")
+
+
+class StepBackend(Protocol):
+    def logprobs(self, batch: RolloutBatch) -> Tensor:
+        """The policy's log-probabilities of every token of the batch, [N, L] position-aligned
+        (column 0 padding), on every rank."""
+        ...
+
+    def reference_logprobs(self, batch: RolloutBatch) -> Tensor:
+        """The same of the frozen reference policy (the KL term's)."""
+        ...
+
+    def zero_grad(self) -> None: ...
+
+    def accumulate(self, batch: RolloutBatch, rows: list[int], loss_of: LossFn) -> None:
+        """Forward and backward of this rank's share of `rows`, micro-batch by micro-batch: wherever
+        the logits are, `loss_of` turns them into the loss that is backpropagated (gradients add up)."""
+        ...
+
+    def update(self, loss_finite: bool) -> float | None:
+        """Clip and apply the accumulated gradient, unless the loss or the gradient norm is not
+        finite; the norm of an applied update, None for a skipped one (weights unchanged)."""
+        ...
+
+    def all_sum(self, t: Tensor) -> Tensor:
+        """`t` summed over the ranks that each hold part of the step's statistics (pipeline stages,
+        data-parallel replicas); `t` itself in one process."""
+        ...
+
+    def lr(self) -> float: ...
+
+
+def minibatch_loss(cfg: GRPOConfig, batch: RolloutBatch, rows: list[int], old: Tensor | None, ref: Tensor | None,
+                   stats: Tensor) -> LossFn:
+    """The loss function of the minibatch `rows`: each micro-batch's clipped, importance-weighted
+    GRPO loss (with the KL term) over the whole minibatch's normaliser; adds its statistics to
+    `stats` (the order of STATS) without leaving the device. `old` None: on-policy (the ratio is 1,
+    its gradient the policy gradient); a micro-batch without rows pads a rank's share and trains nothing."""
+    mask = batch.response_mask[rows]
+    normaliser = max(float(mask.sum()) if cfg.loss_aggregation == "token_mean" else float(len(rows)), 1.0)
+
+    def loss_of(micro_rows: list[int], micro: RolloutBatch, logp: Tensor, entropy: Tensor) -> Tensor:
+        width = logp.shape[1]
+        old_logp = old[micro_rows, :width] if old is not None and micro_rows else logp.detach()
+        ref_logp = None if ref is None else ref[micro_rows, :width] if micro_rows else logp.detach()
+        tis = torch.exp(old_logp - micro.engine_logprobs).clamp(max=cfg.tis_cap) if cfg.tis_cap > 0 else None
+        terms = policy_loss(logp, old_logp, micro.advantages, micro.response_mask, eps_low=cfg.eps_low,
+                            eps_high=cfg.eps_high, aggregation=cfg.loss_aggregation, normaliser=normaliser,
+                            tis_weight=tis, ref_logp=ref_logp, kl_coef=cfg.kl_coef)
+        m = micro.response_mask.to(logp.dtype)
+        stats.add_(torch.stack([terms.loss.detach(), terms.clipped_tokens, (entropy.detach() * m).sum(),
+                                ((micro.engine_logprobs - logp.detach()) * m).sum(), terms.kl_ref_sum,
+                                m.sum()]).to(stats))
+        return terms.loss
+
+    return loss_of
+
+
+def grpo_step(backend: StepBackend, batch: RolloutBatch, cfg: GRPOConfig) -> dict[str, float]:
+    """Every optimiser step for one rollout batch; the metrics of the whole batch, on every rank."""
+    several = cfg.epochs * cfg.minibatches > 1
+    old = backend.logprobs(batch) if several else None  # else old = current, from the same forward
+    ref = backend.reference_logprobs(batch) if cfg.kl_coef > 0 else None
+    per_minibatch = math.ceil(batch.size / cfg.minibatches)
+    totals = torch.zeros(len(STATS), dtype=torch.float64)  # every minibatch's, this rank's part
+    loss_sum = norm_sum = 0.0
+    updates = skipped = 0
+    for _ in range(cfg.epochs):
+        for start in range(0, batch.size, per_minibatch):
+            rows = list(range(start, min(start + per_minibatch, batch.size)))
+            stats = torch.zeros(len(STATS), dtype=torch.float64)
+            backend.zero_grad()
+            backend.accumulate(batch, rows, minibatch_loss(cfg, batch, rows, old, ref, stats))
+            # the skip decision needs the whole minibatch's loss on the host, on every rank alike
+            loss = float(backend.all_sum(stats[:1].clone()))
+            norm = backend.update(math.isfinite(loss))
+            if norm is None:
+                skipped += 1
+                continue
+            updates += 1
+            loss_sum += loss
+            norm_sum += norm
+            totals += stats
+    _, clip, entropy, kl_engine, kl_ref, tokens = backend.all_sum(totals).tolist()
+    tokens = max(tokens, 1.0)
+    return {"loss": loss_sum / max(updates, 1), "grad_norm": norm_sum / max(updates, 1),
+            "clip_fraction": clip / tokens, "entropy": entropy / tokens, "kl_ref": kl_ref / tokens,
+            "kl_engine_trainer": kl_engine / tokens, "updates": float(updates), "skipped_updates": float(skipped),
+            "lr": backend.lr()}
