@@ -153,6 +153,12 @@ class TrainerConfig:
     # megatron: full activation recompute, one layer at a time (only each layer's input is kept for the
     # backward): the same gradients for one more forward; what sequences of thousands of tokens need
     recompute: bool = False
+    # auto (bf16 on CUDA, fp32 on a CPU), bf16 (bf16 weights and activations, fp32 master weights and fp32
+    # gradient reduction, as megatron-core and DeepSpeed do them) or fp32
+    precision: str = "auto"
+    # megatron: the optimizer state (fp32 master weights and Adam's moments) sharded over the data-
+    # parallel ranks (megatron-core's DistributedOptimizer)
+    distributed_optimizer: bool = False
 
 
 @dataclass
@@ -198,6 +204,7 @@ class Config:
     run_dir: str = "runs/default"
     seed: int = 0
     threads: int = 0  # torch intra-op threads; 0 = all cores
+    device: str = "auto"  # auto (CUDA when present), cpu or cuda: where engine, trainer and draft learner compute
     model: ModelConfig = field(default_factory=ModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
@@ -217,6 +224,8 @@ class Config:
 
 
 TRAINER_BACKENDS = ("torch", "megatron", "deepspeed")  # what `backends.build_trainer` can build
+DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("auto", "bf16", "fp32")
 ENGINE_BACKENDS = ("embedded", "sglang")  # what `backends.build_engine` can build
 LAYER_SPECS = ("auto", "local", "transformer_engine")  # megatron layer specs `backends/megatron/model.py` builds
 MODEL_PARALLEL_TRAINERS = ("megatron",)  # trainers that split the policy over ranks (parallel.tensor/pipeline)
@@ -275,6 +284,12 @@ def validate(c: Config) -> None:
            c.engine.backend)
     _check(not c.trainer.recompute or c.trainer.backend == "megatron", "trainer.recompute",
            "is megatron's activation recompute: trainer.backend=megatron only", c.trainer.recompute)
+    _check(c.device in DEVICES, "device", f"must be one of {', '.join(DEVICES)}", c.device)
+    _check(c.trainer.precision in PRECISIONS, "trainer.precision", f"must be one of {', '.join(PRECISIONS)}",
+           c.trainer.precision)
+    _check(not c.trainer.distributed_optimizer or c.trainer.backend == "megatron", "trainer.distributed_optimizer",
+           "is megatron's DistributedOptimizer: trainer.backend=megatron only (ZeRO shards DeepSpeed's)",
+           c.trainer.distributed_optimizer)
     for key in ("tensor", "pipeline"):
         size = getattr(c.parallel, key)
         _check(size >= 1, f"parallel.{key}", "must be >= 1", size)

@@ -1,0 +1,47 @@
+"""Where a run computes and in what precision: `device` and `trainer.precision` resolved against the
+machine, once, before any work (a config that asks for what the machine lacks fails naming its key).
+
+`fastgrpo plan` does not resolve them: it plans GPU clusters from a login node without one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastgrpo.config import Config, ConfigError
+
+
+@dataclass(frozen=True)
+class Compute:
+    device: torch.device
+    dtype: torch.dtype  # the weights' and activations' dtype (master weights and reductions stay fp32)
+
+    @property
+    def bf16(self) -> bool:
+        return self.dtype == torch.bfloat16
+
+
+def cpu_has_bf16() -> bool:
+    """A CPU whose matmuls run in bf16 natively (AVX512-BF16 or AMX): elsewhere torch emulates them,
+    slowly, and a bf16 run is not worth it."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def resolve(cfg: Config) -> Compute:
+    """The device and dtype of `cfg` on this machine."""
+    cuda = torch.cuda.is_available()
+    if cfg.device == "cuda" and not cuda:
+        raise ConfigError("device cuda: this machine has no CUDA device (torch.cuda.is_available() is false); "
+                          "use device=cpu or auto")
+    device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and cuda) else "cpu")
+    precision = cfg.trainer.precision
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    if precision == "bf16":
+        supported = torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_bf16()
+        if not supported:
+            raise ConfigError(f"trainer.precision bf16: this {device.type.upper()} has no native bf16 "
+                              f"(use trainer.precision=fp32)")
+    return Compute(device, torch.bfloat16 if precision == "bf16" else torch.float32)
