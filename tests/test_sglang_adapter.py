@@ -1,53 +1,71 @@
-"""The SGLang adapter's own logic, which runs without SGLang: reading SGLang 0.5.23's outputs into
-completions, the speculation tiers and engine arguments it derives from a config, and the sampling
-settings it refuses. (The adapter against a live SGLang is the engine contract suite, skipped here.)"""
+"""The SGLang adapter: its own logic (reading SGLang 0.5.23's outputs into completions, the tiers,
+engine arguments and draft export it derives from a config, the settings it refuses), then each
+defect the adapter had against SGLang's real behaviour, shown on the emulated SGLang
+(tests/sglang_emulation, whose interface tests/test_sglang_conformance.py checks against the
+source): each of those tests fails on the adapter before its fix."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
+import torch
+from transformers import AutoConfig
 
-from fastgrpo.backends.sglang_engine import adaptive_tiers, check_sampling, completion, server_args
+from fastgrpo.backends import build_engine
+from fastgrpo.backends.sglang_engine import (
+    SGLANG_MASK_CAP, TIE_HEADROOM, adaptive_tiers, check_sampling, completion, eagle_draft_config, eagle_reservation,
+    fill_prefixes, sampling_mask_cap, server_args)
+from fastgrpo.bridge import WeightBridge
 from fastgrpo.config import load_config
+from fastgrpo.models.policy import load_policy
+from fastgrpo.models.tokenizer import load_tokenizer
 from fastgrpo.speculation.policy import FastGRPOFormula
-from fastgrpo.types import SamplingParams
+from fastgrpo.types import Request, SamplingParams
+from tests.conftest import tiny_config
+from tests.sglang_emulated import emulated_sglang, scheduler
 
 
-def output(tokens, reason="length", masked=None, hidden=None, verify=0):
-    """An `Engine.generate` result in the shape of sglang 0.5.23 (tokenizer_manager.py)."""
+def output(tokens, reason="length", masked=None, sets=None, verify=0):
+    """A generate output in the shape of sglang 0.5.23 (tokenizer_manager.py)."""
     meta = {"finish_reason": {"type": reason}, "output_token_logprobs": [(-0.5 - i, t, None) for i, t in enumerate(tokens)],
             "completion_tokens": len(tokens)}
     if masked is not None:
         meta["output_token_sampling_logprobs"] = masked
-    if hidden is not None:
-        meta["hidden_states"] = hidden
+        meta["output_token_sampling_mask"] = sets
     if verify:
         meta["spec_verify_ct"] = verify
     return {"output_ids": tokens, "meta_info": meta}
 
 
 def test_sglang_outputs_become_completions():
-    c = completion(output([7, 8, 2], "stop", verify=2), prompt_len=3, max_new_tokens=10, max_context=64,
-                   masked=False, capture=False)
+    c = completion(output([7, 8, 2], "stop", verify=2), prompt_len=3, requested=10, limit=10, masked=False)
     assert c.token_ids == [7, 8, 2] and c.logprobs == [-0.5, -1.5, -2.5] and c.finish_reason == "stop"
-    assert c.spec == {"spec_steps": 2, "spec_emitted": 3} and c.hidden is None
-    # with top-k / top-p the renormalised log-probabilities, not the temperature-only ones
-    c = completion(output([7, 8], masked=[-0.1, -0.2]), 3, 2, 64, masked=True, capture=False)
-    assert c.logprobs == [-0.1, -0.2] and c.finish_reason == "length"
-    # a length stop short of max_new_tokens at the context's end is a context stop
-    assert completion(output([7, 8]), 62, 10, 64, masked=False, capture=False).finish_reason == "context"
-    # the prompt's states arrive as one chunk, then one row per accepted token; the last token's is never computed
-    prompt_rows = [[float(i)] * 4 for i in range(3)]
-    c = completion(output([7, 8, 9], hidden=[prompt_rows, [3.0] * 4, [4.0] * 4]), 3, 3, 64, masked=False,
-                   capture=True)
-    assert c.hidden.shape == (5, 4) and c.hidden[:, 0].tolist() == [0, 1, 2, 3, 4]
-    with pytest.raises(RuntimeError, match="hidden states"):
-        completion(output([7, 8, 9], hidden=[prompt_rows]), 3, 3, 64, masked=False, capture=True)
+    assert c.spec == {"spec_steps": 2, "spec_emitted": 3} and c.hidden is None and c.sample_sets is None
+    # with top-k / top-p: the renormalised log-probabilities and each token's sampling set
+    c = completion(output([7, 8], masked=[-0.1, -0.2], sets=[[7, 3], [9, 8]]), 3, 2, 2, masked=True)
+    assert c.logprobs == [-0.1, -0.2] and c.sample_sets == [[7, 3], [9, 8]] and c.finish_reason == "length"
+    with pytest.raises(RuntimeError, match="sampling sets"):
+        completion(output([7, 8], masked=[-0.1, -0.2], sets=[[7, 3], [9, 1]]), 3, 2, 2, masked=True)
+    # a length stop at a max_new_tokens clamped to the context is a context stop
+    assert completion(output([7, 8]), 62, requested=10, limit=2, masked=False).finish_reason == "context"
+    assert completion(output([7, 8]), 62, requested=2, limit=2, masked=False).finish_reason == "length"
     with pytest.raises(RuntimeError, match="abort"):
-        completion(output([7], "abort"), 3, 3, 64, masked=False, capture=False)
+        completion(output([7], "abort"), 3, 3, 3, masked=False)
     bad = output([7, 8])
     bad["meta_info"]["output_token_logprobs"][1] = (-1.0, 9, None)
     with pytest.raises(RuntimeError, match="other tokens"):
-        completion(bad, 3, 3, 64, masked=False, capture=False)
+        completion(bad, 3, 3, 3, masked=False)
+
+
+def test_states_a_cache_hit_skipped_come_from_the_request_that_computed_them():
+    states = torch.arange(8.0)[:, None].expand(8, 2)  # the state at position p is [p, p]
+    a, b, c = [1, 2, 3, 4, 5], [1, 2, 3, 9, 9, 9], [1, 2, 7]
+    full = fill_prefixes([a, b, c], [(0, states[:4]), (3, states[3:5]), (2, states[2:2])])
+    assert [f[:, 0].tolist() for f in full] == [[0, 1, 2, 3], [0, 1, 2, 3, 4], [0, 1]]
+    with pytest.raises(RuntimeError, match="positions 0..1"):
+        fill_prefixes([a, c], [(2, states[2:4]), (2, states[2:2])])  # nobody computed positions 0, 1
 
 
 def test_the_fastgrpo_rule_becomes_sglang_batch_size_tiers():
@@ -64,26 +82,233 @@ def test_the_fastgrpo_rule_becomes_sglang_batch_size_tiers():
 
 def test_engine_arguments_follow_the_config():
     cfg = load_config(None, ["engine.backend=sglang", "trainer.backend=megatron", "parallel.tensor=4",
-                             "parallel.pipeline=2", "engine.tensor=2", "engine.mem_fraction=0.4", "speculation.depth=5", "speculation.topk=2",
-                             "speculation.num_verify=8", "speculation.policy=static", "draft.online=sync"])
-    off = server_args(cfg, "off", None, None, base_gpu_id=2)
-    assert off["tp_size"] == 2 and off["base_gpu_id"] == 2  # engine.tensor, whatever the trainer's layout and off["mem_fraction_static"] == 0.4
+                             "parallel.pipeline=2", "engine.tensor=2", "engine.mem_fraction=0.4", "speculation.depth=5",
+                             "speculation.topk=2", "speculation.num_verify=8", "speculation.policy=static",
+                             "draft.online=sync", "rollout.top_k=0"])
+    off = server_args(cfg, "off", None, None, base_gpu_id=2, dtype="float16")
+    assert off["tp_size"] == 2 and off["base_gpu_id"] == 2 and off["mem_fraction_static"] == 0.4
     assert off["enable_return_hidden_states"] and off["skip_tokenizer_init"] and "speculative_algorithm" not in off
+    assert off["dtype"] == "float16" and off["enable_deterministic_inference"]  # seeds are ignored without it
+    assert off["chunked_prefill_size"] == -1  # the draft learns online: whole prompts, every state returned
+    assert "sampling_mask_max_tokens" not in off  # no top-k: SGLang's default
     static = server_args(cfg, "static", "draft-dir", None, 0)
     assert (static["speculative_algorithm"], static["speculative_num_steps"], static["speculative_eagle_topk"],
             static["speculative_num_draft_tokens"]) == ("EAGLE", 5, 2, 8)
+    assert eagle_reservation(static, None) == 10  # top-k x steps
     adaptive = server_args(cfg, "fastgrpo", "draft-dir", "tiers.json", 0)
     assert adaptive["speculative_adaptive"] and adaptive["speculative_eagle_topk"] == 1
     assert adaptive["speculative_adaptive_config"] == "tiers.json"
+    assert eagle_reservation(adaptive, {"1": {"candidate_steps": [4]}, "8": {"candidate_steps": [0]}}) == 5
+    assert eagle_reservation(adaptive, None) == 8  # SGLang's default tiers: at most 7 steps
+    masked = load_config(None, ["engine.backend=sglang", "rollout.top_k=20", "draft.online=off"])
+    args = server_args(masked, "off", None, None, 0)
+    assert args["sampling_mask_max_tokens"] == sampling_mask_cap(20) == 20 + TIE_HEADROOM
+    assert "chunked_prefill_size" not in args
 
 
 def test_sampling_sglang_cannot_report_is_refused_by_its_key():
     assert check_sampling(SamplingParams(temperature=0.7), speculating=True, mask_max_tokens=64) is False
     assert check_sampling(SamplingParams(temperature=0.0, top_p=0.5), speculating=True, mask_max_tokens=64) is False
-    assert check_sampling(SamplingParams(top_k=5, top_p=0.9), speculating=False, mask_max_tokens=64) is True
+    assert check_sampling(SamplingParams(top_k=5, top_p=0.9), speculating=False, mask_max_tokens=69) is True
     with pytest.raises(ValueError, match="rollout.top_k / rollout.top_p: with speculation"):
-        check_sampling(SamplingParams(top_k=5), speculating=True, mask_max_tokens=64)
+        check_sampling(SamplingParams(top_k=5), speculating=True, mask_max_tokens=SGLANG_MASK_CAP)
     with pytest.raises(ValueError, match="rollout.top_p < 1 needs a finite rollout.top_k"):
-        check_sampling(SamplingParams(top_p=0.9), speculating=False, mask_max_tokens=64)
-    with pytest.raises(ValueError, match="rollout.top_k 100"):
-        check_sampling(SamplingParams(top_k=100), speculating=False, mask_max_tokens=64)
+        check_sampling(SamplingParams(top_p=0.9), speculating=False, mask_max_tokens=SGLANG_MASK_CAP)
+    with pytest.raises(ValueError, match="rollout.top_k 6"):  # no headroom left for ties
+        check_sampling(SamplingParams(top_k=6), speculating=False, mask_max_tokens=69)
+    with pytest.raises(ValueError, match="rollout.top_k 1"):
+        check_sampling(SamplingParams(top_k=1), speculating=False, mask_max_tokens=69)
+
+
+def test_the_eagle_draft_config_is_what_sglang_can_load(tiny_policy):
+    target = AutoConfig.from_pretrained(tiny_policy)
+    assert target.tie_word_embeddings  # the test policy ties its head to its embedding, as Llama 3.2 1B does
+    cfg = eagle_draft_config(target, "bfloat16")
+    assert cfg["tie_word_embeddings"] is False and cfg["dtype"] == "bfloat16" and "torch_dtype" not in cfg
+    assert cfg["rope_parameters"] == target.to_dict()["rope_parameters"]
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle"] and cfg["num_hidden_layers"] == 1
+
+
+# -- on the emulated SGLang --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def reference(tiny_policy):
+    return load_policy(tiny_policy).eval()
+
+
+@pytest.fixture
+def sglang(tiny_policy, tiny_draft, reference, tmp_path):
+    """make(policy=..., **overrides): an SGLang adapter over the emulated SGLang, built by the factory."""
+    engines = []
+    with emulated_sglang() as emulator:
+        def make(policy=tiny_policy, **overrides):
+            sections = {"engine.backend": "sglang", "speculation.policy": "off", "draft.path": tiny_draft,
+                        "draft.online": "off", "speculation.depth": 3, "speculation.topk": 2,
+                        "speculation.num_verify": 4} | overrides
+            cfg = tiny_config(tmp_path, policy, **{k: str(v) for k, v in sections.items()})
+            engine = build_engine(cfg, AutoConfig.from_pretrained(policy), load_tokenizer(policy),
+                                  weights=reference.state_dict().items())
+            engines.append(engine)
+            return engine
+        make.emulator = emulator
+        yield make
+        for engine in engines:
+            engine.close()
+
+
+def states(model, prompt, tokens):
+    with torch.no_grad():
+        return model(torch.tensor([prompt + tokens]), output_hidden_states=True).hidden_states[-1][0, :-1]
+
+
+def test_generate_sends_a_request_object_with_the_sampling_mask(sglang, reference):
+    """Engine.generate has no return_sampling_mask (a TypeError for every call before the fix); the
+    request object carries it, and the mask's kept ids become each token's sampling set."""
+    engine = sglang(**{"rollout.top_k": 5})
+    with pytest.raises(TypeError, match="return_sampling_mask"):
+        engine._engine.generate(input_ids=[[1, 5, 6]], return_logprob=True, return_sampling_mask=True)
+    sampling = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, max_new_tokens=8)
+    prompts = [[1, 9, 10, 11], [1, 12, 13]]
+    out = engine.generate([Request(p) for p in prompts], sampling, seed=4)
+    for p, c in zip(prompts, out):
+        assert c.sample_sets is not None and len(c.sample_sets) == len(c.token_ids)
+        assert all(t in s and 1 <= len(s) <= 5 for t, s in zip(c.token_ids, c.sample_sets))
+        with torch.no_grad():
+            logits = reference(torch.tensor([p + c.token_ids])).logits[0, len(p) - 1:-1] / sampling.temperature
+        for t, (token, kept) in enumerate(zip(c.token_ids, c.sample_sets)):  # renormalised over the set
+            want = logits[t, token] - torch.logsumexp(logits[t, kept], -1)
+            assert abs(c.logprobs[t] - float(want)) < 1e-4
+
+
+def test_a_seed_repeats_only_with_deterministic_inference(sglang):
+    """SGLang ignores sampling_seed unless started with enable_deterministic_inference."""
+    engine = sglang()
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True)
+    requests = [Request([1, 20, 21, 22], key=k) for k in (3, 4)]
+    a, b = (engine.generate(requests, sampling, seed=9) for _ in range(2))
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert scheduler(engine).args.enable_deterministic_inference
+    scheduler(engine).args.enable_deterministic_inference = False  # the engine as started before the fix
+    a, b = (engine.generate(requests, sampling, seed=9) for _ in range(2))
+    assert [c.token_ids for c in a] != [c.token_ids for c in b]
+
+
+def test_a_top_k_beyond_the_engines_mask_cap_is_refused_before_sglang_aborts(sglang):
+    engine = sglang(**{"rollout.top_k": 5})
+    assert scheduler(engine).mask_cap == sampling_mask_cap(5)  # top-k and headroom for ties
+    calls = len(scheduler(engine).calls)
+    with pytest.raises(ValueError, match="rollout.top_k 20"):
+        engine.generate([Request([1, 5, 6])], SamplingParams(top_k=20, max_new_tokens=4))
+    assert len(scheduler(engine).calls) == calls
+    # what SGLang does with it (before the fix the adapter sent it, sized against its own top-k)
+    engine.mask_cap = 10_000
+    with pytest.raises(ValueError, match="sampling-mask-max-tokens"):
+        engine.generate([Request([1, 5, 6])], SamplingParams(top_k=100, max_new_tokens=4))
+
+
+def test_every_group_member_gets_all_its_states_despite_radix_cache_hits(sglang, reference):
+    """A group shares its prompt: SGLang returns prompt states only for what the radix cache did not
+    hold (every member after the first), which the adapter fills from the member that computed them."""
+    engine = sglang()
+    prompt = [1, 30, 31, 32, 33, 34]
+    out = engine.generate([Request(prompt, key=k) for k in range(4)] + [Request(prompt[:4] + [40])],
+                          SamplingParams(temperature=1.0, max_new_tokens=6), seed=2, capture=True)
+    hits = [r["meta_info"]["cached_tokens"] for r in scheduler(engine).last_outputs]
+    assert hits[0] == 0 and all(h > 0 for h in hits[1:])
+    for p, c in zip([prompt] * 4 + [prompt[:4] + [40]], out):
+        torch.testing.assert_close(c.hidden, states(reference, p, c.token_ids), atol=1e-4, rtol=1e-4)
+
+
+def test_capture_with_prompts_longer_than_a_prefill_chunk(sglang, reference, monkeypatch):
+    """Chunked prefill returns no states for a prompt's middle chunks: an engine whose draft learns
+    online starts without chunking; one that does not says why its capture fails."""
+    monkeypatch.setattr(sglang.emulator, "DEFAULT_CHUNKED_PREFILL", 4)  # prompts longer than SGLang's chunk
+    prompt = [1] + list(range(40, 50))
+    engine = sglang(**{"speculation.policy": "static", "draft.online": "sync"})
+    out = engine.generate([Request(prompt)], SamplingParams(max_new_tokens=5), seed=1, capture=True)
+    torch.testing.assert_close(out[0].hidden, states(reference, prompt, out[0].token_ids), atol=1e-4, rtol=1e-4)
+    chunked = sglang(**{"speculation.policy": "static"})
+    with pytest.raises(RuntimeError, match="chunked_prefill_size"):
+        chunked.generate([Request(prompt)], SamplingParams(max_new_tokens=5), seed=1, capture=True)
+
+
+def test_each_tensor_parallel_rank_gets_its_own_payload(sglang, reference):
+    """SGLang's ranks each deserialise their own copy (CUDA IPC reference counts), made after
+    monkey_patch_torch_reductions(); the emulation refuses a copy read twice or an unpatched one."""
+    engine = sglang(**{"engine.tensor": 2})
+    assert scheduler(engine).tp == 2
+    moved = [(n, t + 0.01) for n, t in reference.state_dict().items()]
+    WeightBridge([engine], bucket_bytes=1 << 14).push(iter(moved), version=1)
+    assert engine.stats()["weights_version"] == 1 and scheduler(engine).weight_version == "1"
+    sglang.emulator.reset_ipc()
+    engine.update_weights(moved[:1], version=2, complete=False)  # patched again before serialising
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    payload = MultiprocessingSerializer.serialize(moved[:1])
+    with pytest.raises(sglang.emulator.EmulationError, match="one serialised copy per rank"):
+        engine._run(engine._engine.tokenizer_manager.update_weights_from_tensor(
+            UpdateWeightsFromTensorReqInput(serialized_named_tensors=[payload] * 2, selector="target"), None))
+    sglang.emulator.reset_ipc()
+    unpatched = [MultiprocessingSerializer.serialize(moved[:1]) for _ in range(2)]
+    with pytest.raises(sglang.emulator.EmulationError, match="monkey_patch_torch_reductions"):
+        engine._run(engine._engine.tokenizer_manager.update_weights_from_tensor(
+            UpdateWeightsFromTensorReqInput(serialized_named_tensors=unpatched, selector="target"), None))
+
+
+def test_the_eagle_draft_starts_in_the_targets_dtype(sglang, tiny_policy, tmp_path):
+    """A tied policy's draft config must be untied (SGLang deletes the shared weight twice at start);
+    a bfloat16 policy's draft must say bfloat16 (else SGLang reads float32 and runs it in float16)."""
+    policy = tmp_path / "policy-bf16"
+    shutil.copytree(tiny_policy, policy)
+    config = json.loads((policy / "config.json").read_text())
+    (policy / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16"}))
+    engine = sglang(policy, **{"speculation.policy": "static"})
+    s = scheduler(engine)
+    assert s.target_dtype == s.draft_dtype == torch.bfloat16
+    assert s.args.dtype == "bfloat16" and not s.draft_config["tie_word_embeddings"]
+
+
+def test_max_new_tokens_are_clamped_to_the_context_sglang_leaves(sglang):
+    """SGLang refuses a whole call when a prompt, its max_new_tokens and EAGLE's reserved slots
+    exceed the context: the adapter asks for what fits and reports the clamp as a context stop."""
+    engine = sglang(**{"speculation.policy": "static"})  # reserves max(2 x 3, 4) = 6 slots
+    assert engine.reserved == 6 == scheduler(engine).reserved
+    prompt = [1] + [7] * 149  # 150 of the context's 160
+    out = engine.generate([Request(prompt), Request([1, 5, 6], max_new_tokens=3)],
+                          SamplingParams(max_new_tokens=48, ignore_eos=True), seed=1)
+    assert len(out[0].token_ids) == 4 and out[0].finish_reason == "context"
+    assert len(out[1].token_ids) == 3 and out[1].finish_reason == "length"
+    with pytest.raises(ValueError, match="request 1: prompt of 154 tokens leaves no room .* EAGLE"):
+        engine.generate([Request([1, 5]), Request([1] * 154)], SamplingParams(max_new_tokens=4))
+
+
+def test_a_new_version_pushed_over_an_uncommitted_one_continues_its_session(sglang, reference):
+    engine = sglang()
+    weights = list(reference.state_dict().items())
+    engine.update_weights(weights[:2], version=1, complete=False)
+    with pytest.raises(RuntimeError, match="incomplete"):
+        engine.generate([Request([1, 5, 6])], SamplingParams(max_new_tokens=2))
+    WeightBridge([engine]).push(iter(weights), version=2)  # SGLang refuses a second begin_weight_update
+    assert engine.stats()["weights_version"] == 2 and scheduler(engine).session is None
+    assert len(engine.generate([Request([1, 5, 6])], SamplingParams(max_new_tokens=2, ignore_eos=True))[0].token_ids) == 2
+
+
+def test_released_weights_are_stale_until_the_next_push_and_memory_returns_in_stages(sglang, reference):
+    """Resume brings back the weights' memory (garbage until pushed), the KV cache and CUDA graphs
+    after the push; generating in between is refused instead of sampling from garbage."""
+    engine = sglang(**{"speculation.policy": "static"})
+    s = scheduler(engine)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    before = engine.generate([Request([1, 5, 6, 7])], greedy)
+    engine.release_memory()
+    assert s.offloaded == {"kv_cache", "weights", "cuda_graph"}
+    with pytest.raises(RuntimeError, match="released"):
+        engine.generate([Request([1, 5, 6, 7])], greedy)
+    engine.resume_memory()
+    assert s.offloaded == {"kv_cache", "cuda_graph"} and s.garbage  # the weights' memory, not their values
+    with pytest.raises(RuntimeError, match="released"):
+        engine.generate([Request([1, 5, 6, 7])], greedy)
+    WeightBridge([engine], bucket_bytes=1 << 15).push(iter(reference.state_dict().items()), version=1)
+    assert not s.offloaded and not s.garbage and not s.draft_garbage  # the draft came back from its CPU backup
+    assert [c.token_ids for c in engine.generate([Request([1, 5, 6, 7])], greedy)] == [c.token_ids for c in before]

@@ -1,20 +1,44 @@
 """Rollout on SGLang's offline `Engine` (GPU nodes): the Engine protocol over sglang 0.5.23.
 
-Written against the source of sglang 0.5.23 (the version pyproject's `sglang` extra pins) and never
-run: SGLang needs CUDA and this project's machines have none. What it relies on, all in 0.5.23:
-- `Engine.generate(input_ids=..., return_logprob=True)`: `meta_info["output_token_logprobs"]` are
-  `log_softmax(logits / T)` (layers/sampler.py), the sampling distribution only when neither top-k nor
-  top-p cuts it. With a finite top-k and no speculation, `return_sampling_mask=True` returns each
-  token's log-probability renormalised over the kept set (`output_token_sampling_logprobs`), exactly
-  what our trainer scores; SGLang refuses that option with EAGLE, and for top-p without a finite top-k.
-  Other settings are refused here, before any work (`check_sampling`).
-- Weights: `begin_weight_update(selector)`, `update_weights_from_tensor` one bucket at a time (the
-  request's `selector` picks the target or the draft runner), `end_weight_update`, then `flush_cache`.
-  The draft swap is `selector="draft"`: no patch to SGLang is needed for it at 0.5.23.
-- `release_memory_occupation()` / `resume_memory_occupation()` around training (memory saver on; the
-  draft's weights come back from SGLang's CPU backup, the policy's with the next push).
-- `return_hidden_states=True` (server flag `enable_return_hidden_states`): the post-norm states of the
-  prompt, then of every accepted token (`meta_info["hidden_states"]`), which is our `Completion.hidden`.
+Written against the source of sglang 0.5.23 (the version `make install-gpu` pins) and never run on a
+GPU: SGLang needs CUDA and this project's machines have none. Instead it is proven two ways here:
+tests/test_sglang_conformance.py reads the pinned wheel's source (ast, no import) and checks every
+SGLang import, attribute, call, keyword, field and output key this module uses, and the engine
+contract suite runs this module's own code against an emulation of SGLang's engine
+(tests/sglang_emulation) whose interface the same test checks against that source. What it relies
+on, all in 0.5.23 (paths in the wheel, under sglang/srt/):
+- Generation sends one `GenerateReqInput` through `tokenizer_manager.generate_request(obj, None)` on
+  the engine's event loop, as `Engine.generate` does (entrypoints/engine.py), because
+  `Engine.generate` has no `return_sampling_mask` parameter (the request object has the field).
+- Seeds: `sampling_seed` is honoured only with `enable_deterministic_inference` (which forces the
+  pytorch sampling backend: arg_groups/overrides.py, sampling/sampling_batch_info.py); the engine
+  starts with it, so a request's samples follow its key wherever it runs.
+- `output_token_logprobs` are `log_softmax(logits / T)` (layers/sampler.py): the sampling
+  distribution only when neither top-k nor top-p cuts it. With a finite top-k and no speculation,
+  `return_sampling_mask` returns each token's sampling support (`output_token_sampling_mask`: the
+  kept token ids) and its log-probability renormalised over it (`output_token_sampling_logprobs`),
+  which become `Completion.sample_sets` and `.logprobs`. SGLang refuses the mask with EAGLE and
+  unless `1 < top_k <= sampling_mask_max_tokens` (managers/scheduler.py), and aborts a request whose
+  support outgrows the cap (ties at the cutoff): the cap is set at start with headroom
+  (`sampling_mask_cap`), and a call's top-k must fit it with that headroom (`check_sampling`).
+- Context: SGLang refuses the whole call when a prompt plus `max_new_tokens` plus EAGLE's reserved
+  draft slots exceeds the context (managers/tokenizer_manager.py, managers/utils.py): each request's
+  `max_new_tokens` is clamped to what is left, and the clamp reported as a context stop.
+- Weights: `begin_weight_update(selector)`, `update_weights_from_tensor` one bucket at a time (one
+  serialised payload per tensor-parallel rank, made after `monkey_patch_torch_reductions()`:
+  managers/tp_worker.py, utils/patch_torch.py), `end_weight_update`, then `flush_cache`. A new
+  version pushed over an uncommitted one continues SGLang's open session (a second begin is refused).
+- Memory: `release_memory_occupation` frees the KV cache, the weights and the CUDA graphs; resume
+  brings the weights' memory back first (their contents are garbage until the next push: generate
+  refuses until it commits), the KV cache and CUDA graphs only after that push (peak memory beside
+  the trainer); the draft comes back from SGLang's CPU backup (scheduler_components/weight_updater.py).
+- `return_hidden_states=True` (server flag `enable_return_hidden_states`): post-norm states, prefill
+  rows for the prompt's uncached part only (a radix-cache hit: every GRPO group member after the
+  first), then one row per emitted token. Chunked prefill (whose middle chunks return no rows) is off
+  when states are captured; a capture call starts from an empty cache, so the rows a cache hit
+  skipped were computed by another request of the same call and are taken from it (`fill_prefixes`).
+- EAGLE: the draft is exported with its own config (`eagle_draft_config`: untied head, the target's
+  dtype and rope), and the engine gets the dtype explicitly.
 - Speculation is fixed when the engine starts: `static` is EAGLE with our depth / top-k / verify count;
   `fastgrpo` is SGLang's adaptive EAGLE (chains, top-k 1) with one tier per concurrency range taken
   from our policy's own choice (`adaptive_tiers`); `aware` is SGLang's adaptive EAGLE with its default
@@ -31,29 +55,47 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from fastgrpo.backends import BackendUnavailable
 from fastgrpo.backends.protocols import DraftUpdate, NamedTensors
 from fastgrpo.config import Config
-from fastgrpo.speculation.draft import DRAFT_WEIGHTS, export_sglang_eagle, sglang_eagle_tensors
+from fastgrpo.speculation.draft import DRAFT_WEIGHTS, sglang_eagle_config, sglang_eagle_tensors
 from fastgrpo.speculation.policy import FastGRPOFormula, SpeculationPolicy
 from fastgrpo.types import Completion, Request, SamplingParams
+
+if TYPE_CHECKING:
+    import sglang
 
 log = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
 FINISH_REASONS = {"stop": "stop", "length": "length"}  # SGLang's meta_info["finish_reason"]["type"] -> ours
+# SGLang's own values these depend on (the conformance test checks each against its source)
+SGLANG_MASK_CAP = 4096  # sampling_mask_max_tokens' default (arg_groups/fields/exec_.py)
+SGLANG_DEFAULT_ADAPTIVE_STEPS = 7  # the most steps of SGLang's default adaptive tiers (adaptive_spec_params.py)
+TIE_HEADROOM = 64  # sampling-mask slots beyond top-k for tokens tied at the cutoff
+
+
+def gpus_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def sampling_mask_cap(top_k: int) -> int:
+    """The `sampling_mask_max_tokens` an engine sampling with `top_k` needs: the top-k, plus headroom
+    for tokens tied with the k-th (SGLang aborts a request whose support outgrows the cap)."""
+    return top_k + max(top_k, TIE_HEADROOM)
 
 
 def check_sampling(sampling: SamplingParams, speculating: bool, mask_max_tokens: int) -> bool:
     """Whether SGLang can report the log-probabilities of the distribution it samples from with these
     settings (raises if not, naming the config key); True: the kept-set renormalised ones are needed
-    (`return_sampling_mask`)."""
+    (`return_sampling_mask`). `mask_max_tokens`: the engine's `sampling_mask_max_tokens`."""
     cut = not sampling.greedy and (sampling.top_k > 0 or sampling.top_p < 1)
     if not cut:
         return False
@@ -64,25 +106,27 @@ def check_sampling(sampling: SamplingParams, speculating: bool, mask_max_tokens:
     if sampling.top_k == 0:
         raise ValueError("rollout.top_p < 1 needs a finite rollout.top_k with engine.backend=sglang (SGLang 0.5.23 "
                          "returns the renormalised log-probabilities only for 1 < top_k <= sampling_mask_max_tokens)")
-    if not 1 < sampling.top_k <= mask_max_tokens:
-        raise ValueError(f"rollout.top_k {sampling.top_k}: SGLang 0.5.23 returns renormalised log-probabilities "
-                         f"only for 1 < top_k <= {mask_max_tokens}")
+    if sampling.top_k < 2 or sampling_mask_cap(sampling.top_k) > mask_max_tokens:
+        raise ValueError(f"rollout.top_k {sampling.top_k}: this SGLang engine returns renormalised log-probabilities "
+                         f"for 1 < top_k with top_k + {TIE_HEADROOM} (or 2 top_k) <= sampling_mask_max_tokens "
+                         f"{mask_max_tokens} (headroom for ties); start it with that top-k")
     return True
 
 
-def sampling_params(sampling: SamplingParams, request: Request, seed: int, index: int) -> dict[str, Any]:
+def sampling_params(sampling: SamplingParams, request: Request, seed: int, index: int,
+                    max_new_tokens: int | None = None) -> dict[str, Any]:
     """One request's SGLang sampling parameters (top_k -1: off; a seed of its own per request, from its
-    key, else its index in the call)."""
+    key, else its index in the call; `max_new_tokens`: the clamped limit)."""
     key = index if request.key is None else request.key
     return {"temperature": sampling.temperature, "top_p": sampling.top_p,
             "top_k": sampling.top_k if sampling.top_k > 0 else -1,
-            "max_new_tokens": request.max_new_tokens or sampling.max_new_tokens,
+            "max_new_tokens": max_new_tokens or request.max_new_tokens or sampling.max_new_tokens,
             "ignore_eos": sampling.ignore_eos, "sampling_seed": (seed * 1_000_003 + key) % 2**63}
 
 
 def flatten_hidden(chunks: list) -> Tensor:
     """`meta_info["hidden_states"]` as one [positions, H] tensor: prefill chunks arrive as lists of
-    rows, decode steps as rows (one per accepted token)."""
+    rows, decode steps as rows (one per emitted token)."""
     rows: list[list[float]] = []
     for chunk in chunks:
         if chunk and isinstance(chunk[0], list):
@@ -92,20 +136,66 @@ def flatten_hidden(chunks: list) -> Tensor:
     return torch.tensor(rows, dtype=torch.float32)
 
 
-def completion(out: dict, prompt_len: int, max_new_tokens: int, max_context: int, masked: bool,
-               capture: bool) -> Completion:
-    """One SGLang output as our Completion: tokens, the sampling distribution's log-probabilities,
-    why it ended, its speculation counts and (capture) the target states of positions 0..T-2."""
+def captured(meta: dict, prompt_len: int, n_tokens: int) -> tuple[int, Tensor]:
+    """(first position, states of positions first..prompt_len + n_tokens - 2) of one output: SGLang
+    returns no rows for the `cached_tokens` a radix-cache hit skipped."""
+    if int(meta.get("num_retractions", 0)):
+        raise RuntimeError("SGLang retracted a request (KV memory ran short) and prefilled it again: its hidden "
+                           "states cannot be aligned with positions; lower rollout.max_batch or raise "
+                           "engine.mem_fraction")
+    first = int(meta.get("cached_tokens", 0))
+    rows = flatten_hidden(meta["hidden_states"])
+    need = prompt_len + n_tokens - 1 - first
+    if rows.shape[0] < need:
+        raise RuntimeError(f"SGLang returned {rows.shape[0]} hidden states for positions {first}.."
+                           f"{prompt_len + n_tokens - 2} (a prompt longer than SGLang's chunked_prefill_size gets "
+                           f"none for its middle chunks: an engine started with draft.online on does not chunk)")
+    return first, rows[:need]
+
+
+def fill_prefixes(sequences: list[list[int]], parts: list[tuple[int, Tensor]]) -> list[Tensor]:
+    """Each sequence's states at every position 0..len(rows) + first - 1: the positions a cache hit
+    skipped (before `first`) come from another sequence of the call with the same tokens up to
+    there (a state depends only on the tokens up to it)."""
+    node_of: dict[tuple[int, int], int] = {}
+    state_at: dict[int, Tensor] = {}
+    paths = []
+    for tokens, (first, rows) in zip(sequences, parts):
+        node, path = 0, []
+        for position in range(first + rows.shape[0]):
+            node = node_of.setdefault((node, tokens[position]), len(node_of) + 1)
+            path.append(node)
+            if position >= first:
+                state_at.setdefault(node, rows[position - first])
+        paths.append(path)
+    out = []
+    for (first, rows), path in zip(parts, paths):
+        missing = [p for p in range(first) if path[p] not in state_at]
+        if missing:
+            raise RuntimeError(f"no request of the call computed the states of positions {missing[0]}..{missing[-1]} "
+                               f"(a radix-cache hit on a prefix from an earlier call)")
+        out.append(torch.cat([torch.stack([state_at[path[p]] for p in range(first)]), rows]) if first else rows)
+    return out
+
+
+def completion(out: dict, prompt_len: int, requested: int, limit: int, masked: bool) -> Completion:
+    """One SGLang output as our Completion: tokens, the sampling distribution's log-probabilities (and
+    with the sampling mask each token's sampling set), why it ended (`limit`: the max_new_tokens sent,
+    `requested` clamped to the context) and its speculation counts."""
     meta = out["meta_info"]
     tokens = list(out["output_ids"])
     reason = meta["finish_reason"] or {"type": "length"}
     if reason["type"] not in FINISH_REASONS:
         raise RuntimeError(f"SGLang ended a request with {reason}")
     finish = FINISH_REASONS[reason["type"]]
-    if finish == "length" and len(tokens) < max_new_tokens and prompt_len + len(tokens) >= max_context:
+    if finish == "length" and limit < requested and len(tokens) >= limit:
         finish = "context"
+    sets = None
     if masked:
         logprobs = [float(x) for x in meta["output_token_sampling_logprobs"]]
+        sets = [list(s) for s in meta["output_token_sampling_mask"]]
+        if len(sets) != len(tokens) or any(t not in s for t, s in zip(tokens, sets)):
+            raise RuntimeError("SGLang's sampling sets do not hold the tokens it sampled")
     else:
         triples = meta["output_token_logprobs"]
         if [t for _, t, _ in triples] != tokens:
@@ -114,14 +204,52 @@ def completion(out: dict, prompt_len: int, max_new_tokens: int, max_context: int
     if len(logprobs) != len(tokens):
         raise RuntimeError(f"SGLang returned {len(logprobs)} log-probabilities for {len(tokens)} tokens")
     verify = int(meta.get("spec_verify_ct", 0))
-    hidden = None
-    if capture:
-        hidden = flatten_hidden(meta["hidden_states"])[: prompt_len + len(tokens) - 1]
-        if hidden.shape[0] != prompt_len + len(tokens) - 1:
-            raise RuntimeError(f"SGLang returned {hidden.shape[0]} hidden states for {prompt_len + len(tokens) - 1} "
-                               f"positions")
     return Completion(tokens, logprobs, finish, {"spec_steps": verify, "spec_emitted": len(tokens) if verify else 0},
-                      hidden)
+                      None, sets)
+
+
+def eagle_reservation(args: dict[str, Any], tiers: dict[str, dict] | None) -> int:
+    """Context slots SGLang reserves per request for EAGLE's draft tokens (managers/utils.py
+    compute_num_reserved_tokens): top-k x steps or the draft-token count; adaptive: the most steps of
+    any tier + 1."""
+    if args.get("speculative_algorithm") != "EAGLE":
+        return 0
+    if args.get("speculative_adaptive"):
+        steps = (max(s for t in tiers.values() for s in t["candidate_steps"]) if tiers
+                 else SGLANG_DEFAULT_ADAPTIVE_STEPS)
+        return steps + 1
+    return max(args["speculative_eagle_topk"] * args["speculative_num_steps"], args["speculative_num_draft_tokens"])
+
+
+def engine_dtype(model_config: PretrainedConfig) -> str:
+    """The dtype SGLang runs target and draft in: the policy's own half precision, else bfloat16
+    (SGLang's "auto" turns a float32 config into float16)."""
+    dtype = getattr(model_config, "dtype", None)
+    name = str(dtype).removeprefix("torch.") if dtype is not None else ""
+    return name if name in ("bfloat16", "float16") else "bfloat16"
+
+
+def eagle_draft_config(target_cfg: PretrainedConfig, dtype: str) -> dict:
+    """The config.json SGLang builds the EAGLE draft from: the target's shape and rope, one layer, an
+    untied head (tied, SGLang's LlamaForCausalLMEagle makes lm_head the embedding and set_embed_and_head
+    then deletes that one weight twice), and `dtype` (what transformers 5 reads; without it SGLang reads
+    float32 and runs the draft in float16 beside a bfloat16 target)."""
+    cfg = {k: v for k, v in sglang_eagle_config(target_cfg).items() if k != "torch_dtype"}
+    rope = target_cfg.to_dict().get("rope_parameters")
+    if rope is not None:
+        cfg["rope_parameters"] = rope
+    return cfg | {"tie_word_embeddings": False, "dtype": dtype}
+
+
+def export_eagle_draft(draft_path: Path, target_cfg: PretrainedConfig, out: Path, dtype: str) -> list[str]:
+    """Our draft at `draft_path` as an SGLang EAGLE draft directory (weights in `dtype` +
+    config.json); returns the norms it leaves out (see `sglang_eagle_tensors`)."""
+    tensors, dropped = sglang_eagle_tensors(load_file(str(draft_path)), target_cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    torch_dtype = getattr(torch, dtype)
+    save_file({k: v.to(torch_dtype).contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(eagle_draft_config(target_cfg, dtype), indent=2))
+    return dropped
 
 
 def adaptive_tiers(policy: SpeculationPolicy, max_batch: int) -> dict[str, dict]:
@@ -140,15 +268,20 @@ def adaptive_tiers(policy: SpeculationPolicy, max_batch: int) -> dict[str, dict]
 
 
 def server_args(cfg: Config, mode: str, draft_export: Path | None, tiers_file: Path | None,
-                base_gpu_id: int) -> dict[str, Any]:
+                base_gpu_id: int, dtype: str = "bfloat16") -> dict[str, Any]:
     """The keyword arguments of `sglang.Engine` for this rank's engine: `engine.tensor` GPUs of its
     node from `base_gpu_id` (the GPUs of the engine's own ranks, colocated with the trainer)."""
     args: dict[str, Any] = dict(
         model_path=cfg.model.path, tp_size=cfg.engine.tensor, base_gpu_id=base_gpu_id, mem_fraction_static=cfg.engine.mem_fraction,
         context_length=cfg.model.max_context, max_running_requests=cfg.rollout.max_batch, random_seed=cfg.seed,
-        skip_tokenizer_init=True, enable_memory_saver=True, enable_draft_weights_cpu_backup=True,
-        enable_return_hidden_states=cfg.draft.online != "off", sampling_mask_max_tokens=max(cfg.rollout.top_k, 64),
+        dtype=dtype, skip_tokenizer_init=True, enable_memory_saver=True, enable_draft_weights_cpu_backup=True,
+        enable_deterministic_inference=True,  # sampling_seed is ignored without it
+        enable_return_hidden_states=True,  # generate(capture=True) at any time (EAGLE keeps the states anyway)
         log_level="warning")
+    if cfg.draft.online != "off":
+        args["chunked_prefill_size"] = -1  # a chunked prompt's middle chunks return no hidden states
+    if cfg.rollout.top_k > 0:
+        args["sampling_mask_max_tokens"] = sampling_mask_cap(cfg.rollout.top_k)
     if mode == "off":
         return args
     sc = cfg.speculation
@@ -164,26 +297,35 @@ def server_args(cfg: Config, mode: str, draft_export: Path | None, tiers_file: P
 
 
 class SGLangEngine:
-    """The Engine protocol over one `sglang.Engine`; see the module docstring for what it relies on."""
+    """The Engine protocol over one `sglang.Engine`; see the module docstring for what it relies on.
+    `args`: the engine's keyword arguments (`server_args`); `tiers`: its adaptive tiers, if any."""
 
-    def __init__(self, engine: Any, cfg: Config, model_config: PretrainedConfig, mode: str, masked_sampling: bool):
+    def __init__(self, engine: sglang.Engine, cfg: Config, model_config: PretrainedConfig, mode: str,
+                 args: dict[str, Any], tiers: dict[str, dict] | None = None):
         self._engine = engine
         self.cfg = model_config
         self.max_context = cfg.model.max_context
-        self.tp = cfg.engine.tensor
+        self.tp = args.get("tp_size", 1)
         self.mode = mode
-        self.masked_sampling = masked_sampling  # the rollout's sampling needs SGLang's renormalised log-probabilities
+        self.mask_cap = args.get("sampling_mask_max_tokens", SGLANG_MASK_CAP)
+        self.capture = bool(args.get("enable_return_hidden_states"))
+        self.reserved = eagle_reservation(args, tiers)
         self.weights_version: int | None = -1  # None: a push is under way
         self._incoming = -1
         self._names: set[str] = set()
+        self._released: list[str] = []  # memory tags released and not yet resumed
+        self._stale = False  # target weights released: garbage until the next push commits
         self.draft_version = -1
         self.draft_source = None
         self._dropped_warned = False
         self._stats: dict[str, Any] = {}
 
     # -- weights --------------------------------------------------------------------------
-    def _call(self, what: str, coroutine) -> None:
-        result = self._engine.loop.run_until_complete(coroutine)
+    def _run(self, coroutine):
+        return self._engine.loop.run_until_complete(coroutine)
+
+    @staticmethod
+    def _check(what: str, result) -> None:
         success, message = result if isinstance(result, tuple) else (getattr(result, "success", True), "")
         if not success:
             raise RuntimeError(f"SGLang {what} failed: {message}")
@@ -191,31 +333,33 @@ class SGLangEngine:
     def _push(self, named_tensors: list[tuple[str, Tensor]], selector: str, version: int) -> None:
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
         from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
-        payload = MultiprocessingSerializer.serialize(named_tensors)
-        request = UpdateWeightsFromTensorReqInput(serialized_named_tensors=[payload] * self.tp, flush_cache=False,
+        monkey_patch_torch_reductions()  # CUDA IPC handles name devices by UUID, as SGLang's ranks read them
+        payloads = [MultiprocessingSerializer.serialize(named_tensors) for _ in range(self.tp)]  # one per rank
+        request = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, flush_cache=False,
                                                   weight_version=str(version), selector=selector)
-        self._call("update_weights_from_tensor", self._engine.tokenizer_manager.update_weights_from_tensor(request))
+        self._check("update_weights_from_tensor", self._run(self._engine.tokenizer_manager.update_weights_from_tensor(
+            request, None)))
 
     def _begin(self, selector: str) -> None:
-        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput
-
-        self._call("begin_weight_update",
-                   self._engine.tokenizer_manager.begin_weight_update(BeginWeightUpdateReqInput(selector=selector)))
+        self._check("begin_weight_update", self._engine.begin_weight_update(selector=selector))
 
     def _end(self) -> None:
-        from sglang.srt.managers.io_struct import EndWeightUpdateReqInput
-
-        self._call("end_weight_update", self._engine.tokenizer_manager.end_weight_update(EndWeightUpdateReqInput()))
-        self._call("flush_cache", self._engine.tokenizer_manager.flush_cache())
+        self._check("end_weight_update", self._engine.end_weight_update())
+        self._check("flush_cache", self._engine.flush_cache())
 
     def update_weights(self, named_tensors: NamedTensors, version: int, complete: bool = True) -> None:
         """A bucket of policy `version` (SGLang stacks q/k/v and gate/up and slices by its own TP);
-        until the commit closes SGLang's update session, generate() refuses to run."""
+        until the commit closes SGLang's update session, generate() refuses to run. A new version
+        pushed over one never committed continues the session that one opened."""
         if self._incoming != version:
             if self.weights_version is None:
-                raise RuntimeError(f"weight version {version} began before the push of {self._incoming} was committed")
-            self._begin("target")
+                log.warning("weight version %d pushed over version %d, which was never committed", version,
+                            self._incoming)
+            else:
+                self.resume_memory()  # a push straight after a release: the weights' memory comes back first
+                self._begin("target")
             self._incoming, self.weights_version, self._names = version, None, set()
         bucket = [(name, t.detach().contiguous()) for name, t in named_tensors]
         self._push(bucket, "target", version)
@@ -225,13 +369,18 @@ class SGLangEngine:
 
     def commit_weights(self, version: int, checksums: dict[str, int] | None = None) -> None:
         """SGLang holds the tensors fused and sharded, so the sender's per-tensor checksums cannot be
-        compared with what it loaded; what is checked is that every tensor the sender summed arrived."""
+        compared with what it loaded; what is checked is that every tensor the sender summed arrived
+        (and, after a release, that the push was whole: the rest would be garbage)."""
         if self._incoming != version:
             raise RuntimeError(f"commit of weight version {version}, but the push under way is of {self._incoming}")
         if checksums is not None and (missing := sorted(set(checksums) - self._names)):
             raise RuntimeError(f"weight version {version} did not include {missing[:3]}")
         self._end()
         self.weights_version = version
+        self._stale = False
+        if self._released:  # the KV cache and CUDA graphs come back once the weights are in
+            self._engine.resume_memory_occupation(tags=self._released)
+            self._released = []
 
     def update_draft(self, named_tensors: NamedTensors, version: int) -> None:
         """Our draft under SGLang's EAGLE names, into the draft runner only; between generate() calls."""
@@ -251,33 +400,72 @@ class SGLangEngine:
                              f"{policy.name} needs an engine started with it")
 
     def release_memory(self) -> None:
-        self._engine.release_memory_occupation()
+        """All of the engine's GPU memory goes to training: KV cache, weights, CUDA graphs."""
+        from sglang.srt.constants import GPU_MEMORY_ALL_TYPES
+
+        if self._released:
+            return
+        self._engine.release_memory_occupation(tags=list(GPU_MEMORY_ALL_TYPES))
+        self._released = list(GPU_MEMORY_ALL_TYPES)
+        self._stale = True
 
     def resume_memory(self) -> None:
-        self._engine.resume_memory_occupation()
+        """The weights' memory comes back for the push that follows (their contents are garbage until
+        it commits); the KV cache and CUDA graphs come back after it (`commit_weights`)."""
+        from sglang.srt.constants import GPU_MEMORY_TYPE_WEIGHTS
+
+        if GPU_MEMORY_TYPE_WEIGHTS in self._released:
+            self._engine.resume_memory_occupation(tags=[GPU_MEMORY_TYPE_WEIGHTS])
+            self._released.remove(GPU_MEMORY_TYPE_WEIGHTS)
 
     def stats(self) -> dict[str, Any]:
         return dict(self._stats, weights_version=self.weights_version, draft_version=self.draft_version)
 
     # -- generation -----------------------------------------------------------------------
+    def limit(self, request: Request, sampling: SamplingParams, index: int) -> int:
+        """The max_new_tokens SGLang can take for `request`: what it asks, within the context left
+        after its prompt and EAGLE's reserved slots."""
+        room = self.max_context - len(request.prompt_ids) - self.reserved
+        if room < 1:
+            raise ValueError(f"request {index}: prompt of {len(request.prompt_ids)} tokens leaves no room in the "
+                             f"context of {self.max_context} beside SGLang's {self.reserved} slots for EAGLE's drafts")
+        return min(request.max_new_tokens or sampling.max_new_tokens, room)
+
     def generate(self, requests: list[Request], sampling: SamplingParams, seed: int = 0,
                  capture: bool = False) -> list[Completion]:
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        if self._stale:
+            raise RuntimeError("the engine's weights were released for training: no generation until the next "
+                               "weight push commits")
         if self.weights_version is None:
             raise RuntimeError(f"the push of weight version {self._incoming} is incomplete: no generation until it "
                                f"is committed")
         for i, r in enumerate(requests):
             r.check(i, self.max_context, self.cfg.vocab_size)
-        masked = check_sampling(sampling, self.mode != "off", max(sampling.top_k, 64))
+        limits = [self.limit(r, sampling, i) for i, r in enumerate(requests)]
+        masked = check_sampling(sampling, self.mode != "off", self.mask_cap)
+        if capture and not self.capture:
+            raise ValueError("capture needs an SGLang engine started with enable_return_hidden_states (draft.online "
+                             "sync or async)")
         if self.draft_source is not None and (update := self.draft_source()) is not None:
             self.update_draft(*update)
+        if capture:  # every prefix this call reads from the cache is then computed by one of its requests
+            self._check("flush_cache", self._engine.flush_cache())
         t0 = time.perf_counter()
-        outs = self._engine.generate(
-            input_ids=[r.prompt_ids for r in requests],
-            sampling_params=[sampling_params(sampling, r, seed, i) for i, r in enumerate(requests)],
-            return_logprob=True, return_sampling_mask=masked or None, return_hidden_states=capture)
+        obj = GenerateReqInput(
+            input_ids=[list(r.prompt_ids) for r in requests],
+            sampling_params=[sampling_params(sampling, r, seed, i, limits[i]) for i, r in enumerate(requests)],
+            return_logprob=True, return_sampling_mask=masked, return_hidden_states=capture)
+        outs = self._run(self._engine.tokenizer_manager.generate_request(obj, None).__anext__())
         seconds = time.perf_counter() - t0
-        done = [completion(o, len(r.prompt_ids), r.max_new_tokens or sampling.max_new_tokens, self.max_context,
-                           masked, capture) for o, r in zip(outs, requests)]
+        done = [completion(o, len(r.prompt_ids), r.max_new_tokens or sampling.max_new_tokens, limit, masked)
+                for o, r, limit in zip(outs, requests, limits)]
+        if capture:
+            parts = [captured(o["meta_info"], len(r.prompt_ids), len(c.token_ids)) for o, r, c in zip(outs, requests, done)]
+            states = fill_prefixes([r.prompt_ids + c.token_ids for r, c in zip(requests, done)], parts)
+            for c, h in zip(done, states):
+                c.hidden = h
         tokens = sum(len(c.token_ids) for c in done)
         verify = sum(c.spec["spec_steps"] for c in done)
         emitted = sum(c.spec["spec_emitted"] for c in done)
@@ -296,7 +484,7 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrai
     """An SGLang engine on `engine.tensor` GPUs from this rank's (LOCAL_RANK: the engine's leading rank), started
     with the policy at `model.path`, then given `weights` if any; with speculation, our draft exported
     to SGLang's EAGLE format next to the run."""
-    if not torch.cuda.is_available():
+    if not gpus_available():
         raise BackendUnavailable("engine.backend=sglang needs CUDA GPUs; this machine has none (use engine.backend="
                                  "embedded)")
     import sglang
@@ -306,29 +494,31 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrai
                     sglang.__version__)
     gpus = cfg.engine.tensor  # the loop's layout check: they divide the node's GPUs, so they are this node's
     mode = speculation or cfg.speculation.policy
-    masked = check_sampling(SamplingParams.of(cfg.rollout), mode != "off", max(cfg.rollout.top_k, 64))
+    check_sampling(SamplingParams.of(cfg.rollout), mode != "off",
+                   sampling_mask_cap(cfg.rollout.top_k) if cfg.rollout.top_k > 0 else SGLANG_MASK_CAP)
+    dtype = engine_dtype(model_config)
     work = Path(tempfile.mkdtemp(prefix="fastgrpo-sglang-"))
-    draft_export = tiers_file = None
+    draft_export = tiers_file = tiers = None
     if mode != "off":
         from fastgrpo.backends.embedded import draft_dir
 
         if not (draft_dir(cfg) / DRAFT_WEIGHTS).is_file():
             raise FileNotFoundError(f"speculation.policy={mode} needs a draft at {draft_dir(cfg) / DRAFT_WEIGHTS}")
         draft_export = work / "eagle-draft"
-        export_sglang_eagle(draft_dir(cfg), model_config, draft_export)
+        export_eagle_draft(draft_dir(cfg) / DRAFT_WEIGHTS, model_config, draft_export, dtype)
         if mode == "fastgrpo":
+            tiers = adaptive_tiers(FastGRPOFormula(), cfg.rollout.max_batch)
             tiers_file = work / "adaptive.json"
-            tiers_file.write_text(json.dumps(adaptive_tiers(FastGRPOFormula(), cfg.rollout.max_batch), indent=1))
+            tiers_file.write_text(json.dumps(tiers, indent=1))
         elif mode in ("aware", "aware_per_sequence"):
             log.warning("speculation.policy=%s on SGLang: SGLang's own adaptive tiers decide (our cost model has "
                         "no calibration of SGLang's GPU forwards; no per-sequence verify budget)", mode)
     base_gpu_id = int(os.environ.get("LOCAL_RANK", 0))
-    engine = sglang.Engine(**server_args(cfg, mode, draft_export, tiers_file, base_gpu_id))
-    adapter = SGLangEngine(engine, cfg, model_config, mode, masked)
+    args = server_args(cfg, mode, draft_export, tiers_file, base_gpu_id, dtype)
+    engine = sglang.Engine(**args)
+    adapter = SGLangEngine(engine, cfg, model_config, mode, args, tiers)
     if weights is not None:
         adapter.update_weights(weights, version=0)
     log.info("SGLang engine on GPUs %d-%d (speculation %s, %s)", base_gpu_id, base_gpu_id + gpus - 1, mode,
              "tiers " + str(tiers_file) if tiers_file else "static" if mode == "static" else "no tiers file")
     return adapter
-
-
