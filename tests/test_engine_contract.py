@@ -2,11 +2,15 @@
 distribution it samples from, weight versions served whole, greedy and seeded determinism, the
 target's states on request, and bad input refused before any work.
 
-Each test runs once per engine backend: `embedded` here; `sglang` wherever SGLang and a GPU are
-installed (skipped here, with the reason). The reference is the Hugging Face policy itself.
+Each test runs once per engine: `embedded`; `sglang-emulated`, the SGLang adapter's own code over
+the emulated SGLang of tests/sglang_emulation (its interface checked against sglang 0.5.23's source
+by tests/test_sglang_conformance.py); and `sglang`, the adapter over a real SGLang wherever it and a
+GPU are installed (skipped here, with the reason). The reference is the Hugging Face policy itself.
 """
 
 from __future__ import annotations
+
+from contextlib import ExitStack
 
 import pytest
 import torch
@@ -19,8 +23,9 @@ from fastgrpo.models.policy import load_policy
 from fastgrpo.models.tokenizer import load_tokenizer
 from fastgrpo.types import Request, SamplingParams
 from tests.conftest import tiny_config
+from tests.sglang_emulated import emulated_sglang
 
-ENGINES = ["embedded", "sglang"]
+ENGINES = ["embedded", "sglang-emulated", "sglang"]
 
 
 @pytest.fixture(scope="module")
@@ -32,24 +37,28 @@ def reference(tiny_policy):
 def make_engine(request, tmp_path, tiny_policy, tiny_draft, reference):
     """Builds the parametrised backend's engine through the one factory, holding the tiny policy."""
     engines = []
+    backend = request.param.removesuffix("-emulated")
+    with ExitStack() as stack:
+        if request.param == "sglang-emulated":
+            stack.enter_context(emulated_sglang())
 
-    def make(speculation: str = "off"):
-        cfg = tiny_config(tmp_path, tiny_policy, **{"engine.backend": request.param, "speculation.policy": speculation,
-                                                    "draft.path": tiny_draft, "draft.online": "off",
-                                                    "speculation.depth": 3, "speculation.topk": 2,
-                                                    "speculation.num_verify": 4})
-        try:
-            engine = build_engine(cfg, AutoConfig.from_pretrained(tiny_policy), load_tokenizer(tiny_policy),
-                                  weights=reference.state_dict().items())
-        except BackendUnavailable as e:
-            pytest.skip(str(e))
-        engines.append(engine)
-        return engine
+        def make(speculation: str = "off", **overrides):
+            cfg = tiny_config(tmp_path, tiny_policy, **{"engine.backend": backend, "speculation.policy": speculation,
+                                                        "draft.path": tiny_draft, "draft.online": "off",
+                                                        "speculation.depth": 3, "speculation.topk": 2,
+                                                        "speculation.num_verify": 4} | overrides)
+            try:
+                engine = build_engine(cfg, AutoConfig.from_pretrained(tiny_policy), load_tokenizer(tiny_policy),
+                                      weights=reference.state_dict().items())
+            except BackendUnavailable as e:
+                pytest.skip(str(e))
+            engines.append(engine)
+            return engine
 
-    yield make
-    for engine in engines:
-        if hasattr(engine, "close"):
-            engine.close()
+        yield make
+        for engine in engines:
+            if hasattr(engine, "close"):
+                engine.close()
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -58,23 +67,31 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
             for _ in range(n)]
 
 
-def scored(model, prompt: list[int], tokens: list[int], sampling: SamplingParams) -> torch.Tensor:
-    """The reference: the policy's log-probability of each sampled token under `sampling`."""
+def scored(model, prompt: list[int], tokens: list[int], sampling: SamplingParams,
+           sets: list[list[int]] | None = None) -> torch.Tensor:
+    """The reference: the policy's log-probability of each sampled token under `sampling`, in the
+    sets the engine sampled from when it returns them (as the trainer scores)."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: len(prompt) + len(tokens) - 1]
     sampled = torch.tensor(tokens)
-    return sampling_logprobs(logits, sampling, sampled).gather(-1, sampled[:, None])[:, 0]
+    padded = None
+    if sets is not None:
+        padded = torch.full((len(sets), max(map(len, sets))), -1)
+        for i, s in enumerate(sets):
+            padded[i, : len(s)] = torch.tensor(s)
+    return sampling_logprobs(logits, sampling, sampled, padded).gather(-1, sampled[:, None])[:, 0]
 
 
 @pytest.mark.parametrize("temperature, top_p, top_k", [(1.0, 1.0, 0), (0.7, 1.0, 5), (0.7, 0.9, 5)])
 def test_logprobs_are_those_of_the_sampling_distribution(make_engine, reference, temperature, top_p, top_k):
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=12)
-    engine = make_engine()
+    engine = make_engine(**{"rollout.top_k": top_k, "rollout.top_p": top_p})  # SGLang sizes its sampling mask at start
     ps = prompts(4)
     out = engine.generate([Request(p) for p in ps], sampling, seed=11)
     for p, c in zip(ps, out):
         assert len(c.logprobs) == len(c.token_ids) >= 1
-        ref = scored(reference, p, c.token_ids, sampling)
+        assert (c.sample_sets is not None) == (top_k > 0 or top_p < 1)  # each token's set when they cut
+        ref = scored(reference, p, c.token_ids, sampling, c.sample_sets)
         assert torch.isfinite(ref).all()  # no token outside the top-k / top-p set
         torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=1e-4, rtol=0)
 
@@ -147,6 +164,19 @@ def test_the_target_states_come_back_on_request(make_engine, reference):
         assert c.hidden is not None and c.hidden.shape == states.shape
         torch.testing.assert_close(c.hidden, states, atol=1e-4, rtol=1e-4)
     assert all(c.hidden is None for c in engine.generate([Request(ps[0])], SamplingParams(max_new_tokens=3)))
+
+
+def test_every_member_of_a_group_gets_its_states(make_engine, reference):
+    """GRPO samples each prompt several times: members after the first share its prompt (SGLang's
+    radix cache, the embedded engine's shared prefill), and each still gets every state."""
+    engine = make_engine()
+    ps = prompts(2, seed=6)
+    requests = [Request(p, key=k) for p in ps for k in range(3)]
+    out = engine.generate(requests, SamplingParams(temperature=1.0, max_new_tokens=5), seed=3, capture=True)
+    for r, c in zip(requests, out):
+        with torch.no_grad():
+            states = reference(torch.tensor([r.prompt_ids + c.token_ids]), output_hidden_states=True).hidden_states[-1]
+        torch.testing.assert_close(c.hidden, states[0, :-1], atol=1e-4, rtol=1e-4)
 
 
 def test_bad_requests_are_refused_before_any_work(make_engine):
