@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 POLICY := artifacts/policy-bench
 CONFIG ?= configs/tiny_cpu.yaml
 
-.PHONY: install train train-distributed test test-slurm policy bench bench-quick bench-e2e bench-forward clean
+.PHONY: install install-gpu check-gpu-install train train-distributed test test-slurm policy bench bench-quick bench-e2e bench-forward clean
 
 install: $(STAMP)
 
@@ -17,6 +17,22 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[test,megatron,deepspeed]"
 	touch $(STAMP)
+
+# GPU nodes (SGLang rollout): sglang 0.5.23 pins its own CUDA torch (torch==2.14.1), which the CPU pin
+# above cannot share, so a GPU install is its own: tools/gpu_requirements.py lists fastgrpo's
+# requirements without the CPU torch pin, the test, megatron and sglang extras, and SGLang's torch;
+# fastgrpo itself goes in without dependencies. `make check-gpu-install` resolves that list with
+# pip --dry-run (nothing installed; tests/test_sglang_conformance.py does too, and checks the pins).
+install-gpu:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/python tools/gpu_requirements.py > $(VENV)/gpu-requirements.txt
+	$(BIN)/pip install -q -r $(VENV)/gpu-requirements.txt
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(STAMP)
+
+check-gpu-install: $(STAMP)
+	$(BIN)/python tools/gpu_requirements.py --resolve
 
 # the policy (SFT warm start) and its draft are built once, then reused
 policy: $(STAMP)

@@ -121,14 +121,28 @@ def metadata_requirements() -> list[str]:
 
 # -- reading modules ------------------------------------------------------------------------------------
 
-def _literal(node: ast.AST | None):
-    """A node's value when it is a literal, else the sentinel NOT_LITERAL."""
+_OPERATORS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+              ast.LShift: lambda a, b: a << b if b < 256 else NOT_LITERAL, ast.RShift: lambda a, b: a >> b,
+              ast.BitOr: lambda a, b: a | b}
+
+
+def literal(node: ast.AST | None):
+    """A node's value when it is a literal or integer arithmetic on literals (`1 << 30`), else the
+    sentinel NOT_LITERAL."""
     if node is None:
+        return NOT_LITERAL
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        a, b = literal(node.left), literal(node.right)
+        if isinstance(a, int) and isinstance(b, int) and not isinstance(a, bool) and not isinstance(b, bool):
+            return _OPERATORS[type(node.op)](a, b)
         return NOT_LITERAL
     try:
         return ast.literal_eval(node)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return NOT_LITERAL
+
+
+_literal = literal
 
 
 NOT_LITERAL = object()
@@ -488,7 +502,7 @@ class ClassInfo:
     @cached_property
     def fields(self) -> dict[str, ast.AST | None]:
         """Dataclass / msgspec fields (annotated class attributes, bases first; ClassVar left out)."""
-        if self.qualname == "sglang.srt.server_args.ServerArgs":
+        if self.qualname == "sglang.srt.server_args.ServerArgs" and "_INPUT_NAMESPACES" in self.module.defs:
             return self.src.server_args_fields
         out: dict[str, ast.AST | None] = {}
         for c in reversed(self.mro):

@@ -1,0 +1,306 @@
+"""The SGLang adapter and its emulation against sglang 0.5.23's own source (the pinned wheel, read
+with ast by tests/sglang_conformance.py: nothing of SGLang is imported, nothing needs CUDA), and
+the GPU install against the wheel's pins. Skipped, with the reason, only when the wheel cannot be
+downloaded."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+from fastgrpo.backends import sglang_engine
+from fastgrpo.backends.sglang_engine import SGLANG_VERSION, sampling_params, server_args
+from fastgrpo.config import load_config
+from fastgrpo.types import Request, SamplingParams
+from tests import sglang_conformance as conformance
+from tests.sglang_conformance import ATTRIBUTE_TYPES, EMULATION, check_adapter, check_emulation, check_keys
+
+ADAPTER = Path(sglang_engine.__file__)
+
+# keys the adapter reads that are not SGLang's: its own dicts, the environment, Hugging Face configs
+ADAPTER_OWN_KEYS = {
+    "spec_steps": "Completion.spec",
+    "spec_emitted": "Completion.spec",
+    "LOCAL_RANK": "the environment (torchrun)",
+    "rope_parameters": "a Hugging Face config (transformers 5)",
+    "candidate_steps": "SGLang's adaptive tiers file (checked below against adaptive_spec_params.py)",
+}
+
+
+@pytest.fixture(scope="module")
+def src():
+    try:
+        return conformance.source()
+    except conformance.SourceUnavailable as e:
+        pytest.skip(f"the sglang {SGLANG_VERSION} wheel could not be downloaded: {e}")
+
+
+def test_the_source_read_is_the_pinned_sglang(src):
+    version = src.module("sglang._version").defs["__version__"]
+    assert ast.literal_eval(version.value) == SGLANG_VERSION
+    assert hashlib.sha256(conformance.fetch_wheel().read_bytes()).hexdigest() == conformance.WHEEL_SHA256
+
+
+def test_every_sglang_use_of_the_adapter_is_in_sglangs_source(src):
+    scan = check_adapter(src, ADAPTER.read_text(), ADAPTER.name)
+    assert scan.problems == []
+    uses = set(scan.uses)
+    # the scan saw what the adapter does (a scan that typed nothing would pass vacuously)
+    for expected in [
+        "sglang.srt.managers.io_struct.GenerateReqInput(input_ids, sampling_params, return_logprob, "
+        "return_sampling_mask, return_hidden_states)",
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request()",
+        "sglang.srt.managers.io_struct.UpdateWeightsFromTensorReqInput(serialized_named_tensors, flush_cache, "
+        "weight_version, selector)",
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.update_weights_from_tensor()",
+        "sglang.srt.entrypoints.engine.Engine.begin_weight_update(selector)",
+        "sglang.srt.entrypoints.engine.Engine.release_memory_occupation(tags)",
+        "sglang.srt.entrypoints.engine.Engine.resume_memory_occupation(tags)",
+        "sglang.srt.entrypoints.engine.Engine.flush_cache()",
+        "sglang.srt.entrypoints.engine.Engine.loop",
+        "sglang.srt.utils.patch_torch.monkey_patch_torch_reductions()",
+        "sglang.srt.utils.common.MultiprocessingSerializer.serialize()",
+        "from sglang.srt.constants import GPU_MEMORY_ALL_TYPES",
+        "sglang.__version__",
+    ]:
+        assert expected in uses, expected
+
+
+WRONG = '''
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import sglang
+
+
+class Adapter:
+    def __init__(self, engine: sglang.Engine):
+        self._engine = engine
+
+    def generate(self, requests, masked, capture):
+        # the adapter's call before the fix: Engine.generate has no return_sampling_mask
+        return self._engine.generate(input_ids=[r.prompt_ids for r in requests], sampling_params=[],
+                                     return_logprob=True, return_sampling_mask=masked or None,
+                                     return_hidden_states=capture)
+
+    def more(self):
+        from sglang.srt.managers.io_struct import GenerateReqInput, UpdateWeightsFromTensorReqInput
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorRequest
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        UpdateWeightsFromTensorReqInput(serialized_named_tensors=[], selectors="draft")
+        UpdateWeightsFromTensorReqInput(flush_cache=False)
+        self._engine.update_weights_from_tensor([], selector="draft")
+        self._engine.loop.run_until_complete(self._engine.tokenizer_manager.begin_weight_update(None, None, None))
+        self._engine.tokenizer_manager.flush_cache()
+        self._engine.loop.run_until_complete(self._engine.tokenizer_manager.flush_cache().__anext__())
+        self._engine.scheduler.run()
+        self._engine.release_memory_occupation(tag=["weights"])
+        MultiprocessingSerializer.serialise([])
+        obj = GenerateReqInput(input_ids=[[1]], return_hidden_state=True)
+'''
+
+
+def test_the_checker_catches_wrong_uses_of_sglang(src):
+    """A deliberately wrong adapter: the call the adapter made before its fix, and one of each kind
+    of mistake the checker reads for."""
+    problems = check_adapter(src, WRONG, "wrong.py").problems
+    expected = [
+        "Engine.generate has no parameter 'return_sampling_mask'",
+        "has no such name",  # UpdateWeightsFromTensorRequest
+        "UpdateWeightsFromTensorReqInput has no field 'selectors'",
+        "UpdateWeightsFromTensorReqInput requires 'serialized_named_tensors'",
+        "Engine.update_weights_from_tensor has no parameter 'selector'",
+        "TokenizerManager.begin_weight_update takes at most 2 positional arguments, the call passes 3",
+        "TokenizerManager.flush_cache(...) is a coroutine and is never run",
+        "is a coroutine, not an async generator: it has no __anext__",
+        "Engine has no attribute 'scheduler'",
+        "Engine.release_memory_occupation has no parameter 'tag'",
+        "MultiprocessingSerializer has no attribute 'serialise'",
+        "GenerateReqInput has no field 'return_hidden_state'",
+    ]
+    for message in expected:
+        assert any(message in p for p in problems), (message, problems)
+    assert len(problems) == len(expected), problems
+
+
+def test_the_keys_the_adapter_reads_are_sglangs(src):
+    scan = check_adapter(src, ADAPTER.read_text(), ADAPTER.name)
+    keys = {k for k, _ in scan.string_keys}
+    sglang_keys = src.output_keys | set(src.server_args_fields)
+    assert sorted(keys - sglang_keys - set(ADAPTER_OWN_KEYS)) == []
+    assert {"output_token_sampling_mask", "output_token_sampling_logprobs", "output_token_logprobs", "cached_tokens",
+            "hidden_states", "finish_reason", "spec_verify_ct", "num_retractions"} <= keys & src.output_keys
+    tiers = src.module("sglang.srt.speculative.adaptive_spec_params").path.read_text()
+    assert 'entry.get("candidate_steps")' in tiers and 'entry["candidate_steps"]' in tiers
+    assert set(sglang_engine.FINISH_REASONS) <= src.finish_types == {"stop", "length", "abort"}
+
+
+CONFIGS = [[f"speculation.policy={policy}", f"draft.online={online}", f"rollout.top_k={top_k}", "engine.tensor=2"]
+           for policy in ("off", "static", "fastgrpo", "aware") for online in ("off", "sync")
+           for top_k in (0, 20) if not (policy == "off" and online != "off")]
+
+
+def test_the_engine_arguments_are_serverargs_fields_the_emulation_models(src):
+    emulated = conformance.Source(EMULATION).class_named("sglang.srt.server_args.ServerArgs").fields
+    for overrides in CONFIGS:
+        cfg = load_config(None, ["engine.backend=sglang", "trainer.backend=megatron", "parallel.tensor=2", *overrides])
+        mode = cfg.speculation.policy
+        args = server_args(cfg, mode, Path("draft") if mode != "off" else None,
+                           Path("tiers.json") if mode == "fastgrpo" else None, 0)
+        assert check_keys(src, "server_args", args, owner=f"{overrides}: ") == []
+        assert sorted(set(args) - set(emulated)) == []
+
+
+def test_the_sampling_parameters_are_sglangs(src):
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.0), SamplingParams(top_k=5, top_p=0.9)):
+        params = sampling_params(sampling, Request([1, 2], key=3), seed=1, index=0, max_new_tokens=7)
+        assert check_keys(src, "sampling_params", params) == []
+
+
+def test_the_emulation_declares_only_what_sglang_has(src):
+    problems, checked = check_emulation(src)
+    assert problems == []
+    for name in ["sglang.srt.entrypoints.engine.Engine", "sglang.srt.managers.tokenizer_manager.TokenizerManager",
+                 "sglang.srt.managers.io_struct.GenerateReqInput", "sglang.srt.server_args.ServerArgs",
+                 "sglang.srt.sampling.sampling_params.SamplingParams", "sglang.srt.utils.MultiprocessingSerializer",
+                 "sglang.srt.utils.patch_torch.monkey_patch_torch_reductions", "sglang.srt.constants.GPU_MEMORY_ALL_TYPES",
+                 "sglang.__version__"]:
+        assert name in checked
+
+
+DRIFTS = [  # (file, old, new, what the checker says)
+    ("sglang/srt/entrypoints/engine.py", 'def begin_weight_update(self, selector: str = "all"):',
+     'def begin_weight_update(self, selector: str = "target"):', "'selector' defaults to 'target' here, 'all'"),
+    ("sglang/srt/entrypoints/engine.py", "        rid: Optional[Union[List[str], str]] = None,\n    ):",
+     "        rid: Optional[Union[List[str], str]] = None,\n        return_sampling_mask=None,\n    ):",
+     "parameter 'return_sampling_mask' is not sglang's"),
+    ("sglang/srt/managers/io_struct.py", "    timeout_s: Optional[float] = None",
+     "    timeout_s: Optional[float] = None\n    force: bool = False", "FlushCacheReqInput.force: no such field"),
+    ("sglang/srt/managers/tokenizer_manager.py", "async def flush_cache(", "def flush_cache(",
+     "flush_cache is a sync here, a coroutine in sglang"),
+    ("sglang/srt/server_args.py", "    sampling_mask_max_tokens: int = 4096", "    sampling_mask_max_tokens: int = 64",
+     "sampling_mask_max_tokens defaults to 64 here, 4096 in sglang"),
+    ("sglang/srt/constants.py", 'GPU_MEMORY_TYPE_WEIGHTS = "weights"', 'GPU_MEMORY_TYPE_WEIGHTS = "weight"',
+     "GPU_MEMORY_TYPE_WEIGHTS = 'weight' here, 'weights' in sglang"),
+    ("sglang/srt/entrypoints/engine.py", "        self.loop = asyncio.new_event_loop()",
+     "        self.loop = asyncio.new_event_loop()\n        self.scheduler = None", "Engine.scheduler: sglang's Engine has no"),
+]
+
+
+@pytest.mark.parametrize("path, old, new, message", DRIFTS, ids=[d[3][:40] for d in DRIFTS])
+def test_the_emulation_checker_catches_drift(src, tmp_path, path, old, new, message):
+    copy = tmp_path / "emulation"
+    shutil.copytree(EMULATION, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    text = (copy / path).read_text()
+    assert old in text
+    (copy / path).write_text(text.replace(old, new, 1))
+    problems, _ = check_emulation(src, copy)
+    assert any(message in p for p in problems), problems
+
+
+def test_sglang_values_the_adapter_and_the_emulation_mirror(src):
+    fields = src.server_args_fields
+    assert ast.literal_eval(fields["sampling_mask_max_tokens"]) == sglang_engine.SGLANG_MASK_CAP
+    default_tiers = ast.literal_eval(src.module("sglang.srt.speculative.adaptive_spec_params")
+                                     .defs["DEFAULT_ADAPTIVE_CONFIG"].value)
+    steps = {k: v["candidate_steps"] for k, v in default_tiers.items()}
+    assert max(max(v) for v in steps.values()) == sglang_engine.SGLANG_DEFAULT_ADAPTIVE_STEPS
+    emulator = (EMULATION / "_sglang_emulator.py").read_text()
+    assert f"DEFAULT_ADAPTIVE_CONFIG = {json.dumps(steps)}" in emulator
+    assert conformance.literal(src.module("sglang.srt.sampling.sampling_params").defs["TOP_K_ALL"].value) == 1 << 30
+    assert "TOP_K_ALL = 1 << 30" in emulator
+    engine = src.class_named("sglang.srt.entrypoints.engine.Engine")
+    for (owner, attribute), _ in ATTRIBUTE_TYPES.items():  # the attribute types the adapter scan relies on
+        assert owner == engine.qualname and attribute in engine.attributes
+    # reserved context slots for EAGLE: what eagle_reservation reproduces
+    reserved = src.resolve("sglang.srt.managers.utils", "compute_num_reserved_tokens").node
+    assert "spec.speculative_eagle_topk * spec.speculative_num_steps" in ast.unparse(reserved)
+    assert "max_speculative_num_draft_tokens()" in ast.unparse(reserved)
+    adaptive = src.resolve("sglang.srt.speculative.spec_info", "SpeculativeAlgorithm").node
+    assert "return max(candidate_steps) + 1" in ast.unparse(adaptive)
+
+
+@pytest.fixture(scope="module")
+def small_llama(tmp_path_factory) -> Path:
+    """A randomly initialised Llama of a few thousand parameters (what runs does not matter here)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                 eos_token_id=2)).save_pretrained(path)
+    return path
+
+
+def test_the_emulated_outputs_carry_sglangs_keys(src, small_llama):
+    from tests.sglang_emulated import emulated_sglang
+
+    with emulated_sglang():
+        import sglang
+
+        engine = sglang.Engine(model_path=str(small_llama), enable_return_hidden_states=True,
+                               enable_deterministic_inference=True)
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        obj = GenerateReqInput(input_ids=[[1, 5, 6], [1, 5, 7]], return_logprob=True, return_sampling_mask=True,
+                               return_hidden_states=True,
+                               sampling_params=[{"top_k": 3, "max_new_tokens": 3, "sampling_seed": 1}] * 2)
+        outs = engine.loop.run_until_complete(engine.tokenizer_manager.generate_request(obj, None).__anext__())
+        engine.shutdown()
+    keys = {k for o in outs for k in o} | {k for o in outs for k in o["meta_info"]} | {
+        k for o in outs for k in o["meta_info"]["finish_reason"]}
+    assert check_keys(src, "output", keys) == []
+    assert {o["meta_info"]["finish_reason"]["type"] for o in outs} <= src.finish_types
+
+
+# -- the GPU install ----------------------------------------------------------------------------------------
+
+def gpu_requirements() -> list[str]:
+    from tools.gpu_requirements import requirements
+
+    return requirements()
+
+
+def test_the_gpu_install_takes_sglangs_own_pins(src):
+    reqs = {Requirement(r).name.lower(): Requirement(r) for r in gpu_requirements()}
+    pins = {}
+    for line in conformance.metadata_requirements():
+        r = Requirement(line)
+        if r.marker is None or r.marker.evaluate({"extra": "", "sys_platform": "linux", "platform_machine": "x86_64"}):
+            pins[r.name.lower()] = r
+    assert str(reqs["sglang"].specifier) == f"=={SGLANG_VERSION}"
+    assert str(reqs["torch"].specifier) == str(pins["torch"].specifier) == "==2.14.1"  # not the CPU pin
+    for name, r in reqs.items():  # every exact pin of SGLang's satisfies what fastgrpo asks of that package
+        exact = [s.version for s in pins[name].specifier if s.operator == "=="] if name in pins else []
+        for version in exact:
+            assert r.specifier.contains(version), f"{r} excludes sglang's {name}=={version}"
+
+
+def test_the_gpu_install_resolves(src):
+    """pip resolves the GPU install (`--dry-run`, nothing installed); a success is remembered per
+    requirement list in the cache, so this reaches PyPI once per change of the list."""
+    from tools.gpu_requirements import resolve
+
+    reqs = gpu_requirements()
+    marker = conformance.cache_dir() / f"gpu-resolves-{hashlib.sha256(json.dumps(reqs).encode()).hexdigest()[:16]}.json"
+    if not marker.is_file():
+        ok, chosen, out = resolve(reqs)
+        if not ok:
+            if "ResolutionImpossible" in out or "conflict" in out.lower():
+                pytest.fail(f"the GPU install does not resolve:\n{out[-3000:]}")
+            pytest.skip(f"pip could not reach the package index to resolve the GPU install: {out.strip()[-300:]}")
+        marker.write_text(json.dumps(chosen))
+    chosen = json.loads(marker.read_text())
+    assert chosen["torch"] == "2.14.1" and chosen["sglang"] == SGLANG_VERSION
+    assert Requirement(next(r for r in reqs if r.startswith("transformers"))).specifier.contains(chosen["transformers"])
