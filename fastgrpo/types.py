@@ -162,6 +162,12 @@ class RolloutBatch:
             None if self.sample_sets is None else self.sample_sets[idx, :width],
         )
 
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        """The same rows on `device` (a no-op where they are already)."""
+        return RolloutBatch(*(None if t is None else t.to(device, non_blocking=True) for t in (
+            self.input_ids, self.attention_mask, self.response_mask, self.engine_logprobs, self.advantages,
+            self.sample_sets)))
+
     def shard(self, rank: int, world: int, group_size: int) -> RolloutBatch:
         """This data-parallel rank's share: whole groups, as even as the group count allows (ranks
         differ by at most one group). A loss normalised over the whole batch needs the total token

@@ -14,6 +14,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from fastgrpo.backends.protocols import Engine, NamedTensors, PolicyTrainer
 from fastgrpo.config import Config, ConfigError
+from fastgrpo.device import resolve
 from fastgrpo.types import SamplingParams
 
 
@@ -39,7 +40,7 @@ def build_trainer(cfg: Config) -> PolicyTrainer:
 
         reference = load_policy(cfg.model.path) if cfg.grpo.kl_coef > 0 else None
         return torch_trainer.TorchPolicyTrainer(load_policy(cfg.model.path), cfg.grpo, cfg.optim,
-                                                SamplingParams.of(cfg.rollout), reference)
+                                                SamplingParams.of(cfg.rollout), reference, resolve(cfg))
     if name == "megatron":
         megatron = _backend("fastgrpo.backends.megatron.trainer", "trainer.backend", name, extra="megatron")
         return megatron.MegatronPolicyTrainer(cfg.model.path, cfg.grpo, cfg.optim, SamplingParams.of(cfg.rollout),
@@ -51,7 +52,8 @@ def build_trainer(cfg: Config) -> PolicyTrainer:
         from fastgrpo.backends.deepspeed_trainer import DeepSpeedPolicyTrainer
 
         return DeepSpeedPolicyTrainer(cfg.model.path, cfg.grpo, cfg.optim, SamplingParams.of(cfg.rollout), cfg.deepspeed,
-                                      reference_dir=cfg.model.path if cfg.grpo.kl_coef > 0 else None)
+                                      reference_dir=cfg.model.path if cfg.grpo.kl_coef > 0 else None,
+                                      compute=resolve(cfg))
     raise ConfigError(f"trainer.backend {name!r} has no builder")
 
 

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from fastgrpo.backends.torch_trainer import TorchPolicyTrainer
 from fastgrpo.config import DeepSpeedConfig, GRPOConfig, OptimConfig
+from fastgrpo.device import Compute
 from fastgrpo.types import Placement, RolloutBatch, SamplingParams
 
 CHECKPOINT_TAG = "state"  # DeepSpeed's tag inside a checkpoint's `deepspeed/` directory
@@ -58,19 +59,21 @@ def _start_deepspeed():
     return deepspeed
 
 
-def ds_config(ds: DeepSpeedConfig, grpo: GRPOConfig, optim: OptimConfig) -> dict:
+def ds_config(ds: DeepSpeedConfig, grpo: GRPOConfig, optim: OptimConfig, bf16: bool = False) -> dict:
+    """DeepSpeed's config; `bf16`: DeepSpeed's own mixed precision (bf16 weights and activations, fp32
+    master weights and optimizer state in its optimizer)."""
     zero: dict = {"stage": ds.zero_stage}
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu"}
     return {"train_micro_batch_size_per_gpu": grpo.micro_batch_size, "gradient_accumulation_steps": 1,
             "managed_gradient_accumulation": False, "gradient_clipping": optim.grad_clip,
             "zero_optimization": zero, "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
-            "steps_per_print": 2**31 - 1}
+            "steps_per_print": 2**31 - 1, "bf16": {"enabled": bf16}}
 
 
 class DeepSpeedPolicyTrainer(TorchPolicyTrainer):
     def __init__(self, policy_dir: str | Path, grpo: GRPOConfig, optim: OptimConfig, sampling: SamplingParams,
-                 ds: DeepSpeedConfig, reference_dir: str | Path | None = None):
+                 ds: DeepSpeedConfig, reference_dir: str | Path | None = None, compute: Compute | None = None):
         from fastgrpo.models.policy import load_policy
 
         deepspeed = _start_deepspeed()
@@ -79,14 +82,17 @@ class DeepSpeedPolicyTrainer(TorchPolicyTrainer):
         model = load_policy(policy_dir)
         self.hf_config = model.config
         reference = load_policy(reference_dir).eval() if reference_dir is not None else None
-        super().__init__(model, grpo, optim, sampling, reference)  # AdamW and the warm-up schedule
+        compute = compute or Compute(torch.device("cpu"), torch.float32)
+        # AdamW and the warm-up schedule over the fp32 model: DeepSpeed casts it for bf16 itself
+        super().__init__(model, grpo, optim, sampling, reference, Compute(compute.device, torch.float32))
         # the policy ranks' group is the data-parallel world; torchrun's WORLD_SIZE also counts the draft
         # slice, which ZeRO-3 would take for a misconfigured launch when the policy has one rank
         launched = os.environ.get("WORLD_SIZE")
         os.environ["WORLD_SIZE"] = str(dist.get_world_size())
         try:
             self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=model, optimizer=self.optimizer, lr_scheduler=self.scheduler, config=ds_config(ds, grpo, optim))
+                model=model, optimizer=self.optimizer, lr_scheduler=self.scheduler,
+                config=ds_config(ds, grpo, optim, bf16=compute.bf16))
         finally:
             if launched is not None:
                 os.environ["WORLD_SIZE"] = launched

@@ -9,6 +9,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from fastgrpo.backends.protocols import NamedTensors
 from fastgrpo.config import Config
+from fastgrpo.device import resolve
 from fastgrpo.engine.engine import EmbeddedEngine
 from fastgrpo.speculation.cost_model import load_or_calibrate
 from fastgrpo.speculation.draft import DRAFT_WEIGHTS, DraftHead
@@ -26,8 +27,10 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrai
     """An engine for a policy of `model_config`, holding `weights` if given (else the first push of
     the weight bridge brings them); with speculation, the draft from `draft.path` (or next to the
     policy) and the configured policy (`speculation` overrides `cfg.speculation.policy`)."""
+    compute = resolve(cfg)  # the trainer's device and dtype: pushed weights arrive as they are held
     engine = EmbeddedEngine(model_config, cfg.rollout.max_batch, cfg.model.max_context,
-                            eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+                            eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, device=compute.device,
+                            dtype=compute.dtype)
     if weights is not None:
         engine.update_weights(weights, version=0)
     mode = speculation or cfg.speculation.policy

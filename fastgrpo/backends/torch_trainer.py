@@ -1,4 +1,9 @@
-"""The embedded policy trainer: a Hugging Face model trained with plain PyTorch on one process."""
+"""The embedded policy trainer: a Hugging Face model trained with plain PyTorch on one process.
+
+On its device (`fastgrpo.device`), in fp32, or in bf16 as megatron-core and DeepSpeed train: the
+model's weights and activations in bf16, each micro-batch's bf16 gradients added into fp32 gradients
+of fp32 master weights, which the optimizer clips and steps and the bf16 weights are copied from.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from fastgrpo.config import GRPOConfig, OptimConfig
+from fastgrpo.device import Compute
 from fastgrpo.engine.sampling import sampling_logprobs
 from fastgrpo.types import Placement, RolloutBatch, SamplingParams
 from fastgrpo.grpo.step import STATS, LossFn, grpo_step, minibatch_loss
@@ -34,8 +40,12 @@ def token_logprobs(model: PreTrainedModel, batch: RolloutBatch, sampling: Sampli
 
 class TorchPolicyTrainer:
     def __init__(self, model: PreTrainedModel, grpo: GRPOConfig, optim: OptimConfig, sampling: SamplingParams,
-                 reference: PreTrainedModel | None = None):
-        self.model = model
+                 reference: PreTrainedModel | None = None, compute: Compute | None = None):
+        compute = compute or Compute(torch.device("cpu"), torch.float32)
+        self.device, self.dtype = compute.device, compute.dtype
+        self.model = model.to(self.device, self.dtype)
+        if reference is not None:
+            reference = reference.to(self.device, self.dtype)
         self.cfg = grpo
         self.grad_clip = optim.grad_clip
         self.sampling = sampling  # trainer and engine score the same distribution
@@ -47,7 +57,11 @@ class TorchPolicyTrainer:
             raise ValueError(f"optim.trainable={optim.trainable!r} matches no parameter of the policy")
         for name, p in model.named_parameters():
             p.requires_grad_(bool(re.search(optim.trainable, name)))
-        self.optimizer = torch.optim.AdamW(trainable, lr=optim.lr, betas=tuple(optim.betas),
+        self.trainable = trainable
+        # what the optimizer steps: the weights themselves in fp32; fp32 master copies of them in bf16
+        self.master = trainable if self.dtype == torch.float32 else [
+            p.detach().float().clone().requires_grad_(True) for p in trainable]
+        self.optimizer = torch.optim.AdamW(self.master, lr=optim.lr, betas=tuple(optim.betas),
                                            weight_decay=optim.weight_decay)
         warmup = optim.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -57,12 +71,12 @@ class TorchPolicyTrainer:
         m = self.cfg.micro_batch_size
         for i in range(0, len(rows), m):
             chunk = rows[i : i + m]
-            yield chunk, batch.select(chunk)
+            yield chunk, batch.select(chunk).to(self.device)
 
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch, model: PreTrainedModel | None = None) -> Tensor:
         model = model or self.model
-        out = torch.zeros(batch.input_ids.shape)
+        out = torch.zeros(batch.input_ids.shape, device=self.device)
         for rows, mb in self._micro_batches(batch, list(range(batch.size))):
             lp, _ = token_logprobs(model, mb, self.sampling)
             if rows:
@@ -85,6 +99,7 @@ class TorchPolicyTrainer:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
 
     def accumulate(self, batch: RolloutBatch, rows: list[int], loss_of: LossFn) -> None:
         for micro_rows, micro in self._micro_batches(batch, rows):
@@ -93,15 +108,25 @@ class TorchPolicyTrainer:
 
     def _backprop(self, loss: Tensor) -> None:
         loss.backward()
+        if self.master is not self.trainable:  # bf16: the gradient accumulates in fp32
+            for p, m in zip(self.trainable, self.master):
+                if p.grad is not None:
+                    m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
+                    p.grad = None
 
     def update(self, loss_finite: bool) -> float | None:
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        # the norm is needed on the host for the skip decision (on purpose: one sync per minibatch)
+        norm = float(torch.nn.utils.clip_grad_norm_(self.master, max_norm))
         applied = loss_finite and math.isfinite(norm)
         if applied:  # a NaN/inf update would corrupt the policy: skipped, the weights kept
             self.optimizer.step()
             self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            if self.master is not self.trainable:
+                with torch.no_grad():
+                    for p, m in zip(self.trainable, self.master):
+                        p.copy_(m)
+        self.zero_grad()
         return norm if applied else None
 
     def all_sum(self, t: Tensor) -> Tensor:
@@ -118,9 +143,10 @@ class TorchPolicyTrainer:
         rows = list(range(batch.size))
         self.accumulate(batch, rows, minibatch_loss(self.cfg, batch, rows, None, ref,
                                                     torch.zeros(len(STATS), dtype=torch.float64)))
-        grad = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel())
-                          for p in self.model.parameters()])
-        self.model.zero_grad(set_to_none=True)
+        grads = {id(p): m.grad for p, m in zip(self.trainable, self.master)}
+        grad = torch.cat([grads[id(p)].reshape(-1).float() if grads.get(id(p)) is not None
+                          else torch.zeros(p.numel(), device=self.device) for p in self.model.parameters()])
+        self.zero_grad()
         return grad
 
     def placement(self) -> Placement:
@@ -133,8 +159,10 @@ class TorchPolicyTrainer:
 
     def save(self, directory: Path) -> None:
         self.model.save_pretrained(directory / "policy")
-        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                   directory / "trainer.pt")
+        extra = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        if self.master is not self.trainable:  # bf16: the policy/ weights are rounded; resume needs these
+            extra["master"] = [m.detach() for m in self.master]
+        torch.save(extra, directory / "trainer.pt")
 
     def load(self, directory: Path) -> None:
         state = load_file(str(directory / "policy" / "model.safetensors"))
@@ -142,6 +170,12 @@ class TorchPolicyTrainer:
         missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
         if missing or unexpected:
             raise ValueError(f"checkpoint {directory} does not match the policy: missing {missing}, unexpected {unexpected}")
-        extra = torch.load(directory / "trainer.pt", weights_only=False)
+        extra = torch.load(directory / "trainer.pt", weights_only=False, map_location=self.device)
+        if self.master is not self.trainable:
+            with torch.no_grad():
+                for p, m, saved in zip(self.trainable, self.master,
+                                       extra.get("master") or [p.detach().float() for p in self.trainable]):
+                    m.copy_(saved)
+                    p.copy_(m)
         self.optimizer.load_state_dict(extra["optimizer"])
         self.scheduler.load_state_dict(extra["scheduler"])

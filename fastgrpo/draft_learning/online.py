@@ -26,7 +26,8 @@ from fastgrpo.speculation.draft import DraftHead, TargetTensors
 
 def training_rows(prompts: list[list[int]], completions: list[Completion]) -> list[tuple[Tensor, Tensor, Tensor]]:
     """(states, tokens, mask) per completion from its captured states; prompt positions are kept as
-    context but not learned from (the draft never drafts inside a prompt)."""
+    context but not learned from (the draft never drafts inside a prompt). The states are kept in
+    fp32 in host memory whatever the engine computed them in: the draft learner trains there in fp32."""
     rows = []
     for prompt, c in zip(prompts, completions):
         if c.hidden is None:
@@ -34,7 +35,7 @@ def training_rows(prompts: list[list[int]], completions: list[Completion]) -> li
         tokens = torch.tensor(prompt + c.token_ids)[: c.hidden.shape[0]]
         if tokens.shape[0] >= 2:
             learned = torch.arange(tokens.shape[0]) >= len(prompt) - 1  # from the state that predicts token 1
-            rows.append((c.hidden, tokens, learned))
+            rows.append((c.hidden.float().cpu(), tokens, learned))
     return rows
 
 

@@ -10,6 +10,7 @@ rows 0..B-1 of the caches.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter, deque
@@ -100,17 +101,34 @@ class _PendingStates:
 
 
 class EmbeddedEngine:
+    """On `device` (its tensors made there: every factory call of a generate() runs inside the device's
+    context, which on a CPU is skipped since it costs a Python call per torch op) in `dtype` (weights,
+    activations and KV cache; sampling in fp32). Host round trips in a decode step, on purpose: the
+    emitted tokens (`tolist`: the Python bookkeeping of stops and limits), the longest row's length
+    (the attention's context width) and, with speculation, the accepted lengths."""
+
     def __init__(self, cfg: LlamaConfig, max_batch: int, max_context: int, eos_id: int, pad_id: int = 0,
-                 policy: SpeculationPolicy | None = None, draft_window: int = DRAFT_WINDOW):
+                 policy: SpeculationPolicy | None = None, draft_window: int = DRAFT_WINDOW,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.device, self.dtype = torch.device(device), dtype
+        with self._on_device():
+            self._build(cfg, max_batch, max_context, eos_id, pad_id, policy, draft_window)
+
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self.device.type == "cpu" else self.device
+
+    def _build(self, cfg: LlamaConfig, max_batch: int, max_context: int, eos_id: int, pad_id: int,
+               policy: SpeculationPolicy | None, draft_window: int) -> None:
         self.cfg = cfg
         self.max_batch = max_batch
         self.max_context = max_context
         self.eos_id = eos_id
         self.pad_id = pad_id
-        self.model = InferenceModel(cfg, max_context + TREE_SLACK)
-        self.cache = KVCache(cfg, max_batch, max_context + TREE_SLACK)
+        self.model = InferenceModel(cfg, max_context + TREE_SLACK, self.dtype,
+                                    kernel="auto" if self.device.type == "cpu" else "dense")
+        self.cache = KVCache(cfg, max_batch, max_context + TREE_SLACK, self.dtype)
         self.draft: DraftHead | None = None
         self.draft_cache: KVCache | None = None
         self.policy: SpeculationPolicy = policy or Off()
@@ -157,10 +175,14 @@ class EmbeddedEngine:
         inside one (a tree drafted by one version is verified against the same version's KV)."""
         if self._in_step:
             raise RuntimeError("update_draft inside a decode step")
+        with self._on_device():
+            self._install_draft(named_tensors, version)
+
+    def _install_draft(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         if self.draft is None:
-            self.draft = DraftHead(self.cfg, self.max_context + TREE_SLACK)
+            self.draft = DraftHead(self.cfg, self.max_context + TREE_SLACK).to(self.device, self.dtype)
             self.draft.pack()
-            self.draft_cache = KVCache(self.cfg, self.max_batch, self.max_context + TREE_SLACK, layers=1)
+            self.draft_cache = KVCache(self.cfg, self.max_batch, self.max_context + TREE_SLACK, self.dtype, layers=1)
         self.draft.load_named(named_tensors)
         self.draft.bind_target(self.model.embed, self.model.lm_head)
         self.draft_version = version
@@ -188,6 +210,11 @@ class EmbeddedEngine:
     # -- generation -----------------------------------------------------------------------
     def generate(self, requests: list[Request], sampling: SamplingParams, seed: int = 0,
                  capture: bool = False) -> list[Completion]:
+        with self._on_device():
+            return self._generate(requests, sampling, seed, capture)
+
+    def _generate(self, requests: list[Request], sampling: SamplingParams, seed: int,
+                  capture: bool) -> list[Completion]:
         self._check(requests)
         self._capture = capture
         self._pending = (_PendingStates(self.max_batch, self.draft_window, self.cfg.hidden_size)

@@ -87,7 +87,10 @@ def linear(x: Tensor, w: Tensor | PackedWeight) -> Tensor:
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    """Normalised in fp32 whatever x's dtype, then scaled in it, as Hugging Face's Llama does (bf16
+    engine and bf16 trainer then round alike)."""
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def block_mask(start: Tensor, n: int, ctx: int, new_mask: Tensor | None, visible_from: Tensor | None = None) -> Tensor:
@@ -213,7 +216,7 @@ class InferenceModel:
                 p + "input_layernorm.weight": L["attn_norm"],
                 p + "post_attention_layernorm.weight": L["mlp_norm"],
             }
-        self.cos, self.sin = rope_tables(cfg, max_len)
+        self.cos, self.sin = (t.to(dtype) for t in rope_tables(cfg, max_len))  # computed in fp32, as HF's
         # what forward() multiplies by: the weights themselves, or their packed copies
         self.matmul_layers: list[dict[str, Tensor | PackedWeight]] = list(self.layers)
         self.head: Tensor | PackedWeight = self.lm_head

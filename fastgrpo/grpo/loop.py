@@ -32,6 +32,7 @@ from fastgrpo.backends.protocols import DraftLearner, Engine, PolicyTrainer
 from fastgrpo.bridge import WeightBridge
 from fastgrpo.checkpoint import CheckpointManager
 from fastgrpo.config import Config, ConfigError, flatten, to_yaml
+from fastgrpo.device import resolve
 from fastgrpo.distributed import StopRequest, World, init_world, is_draft_rank, launched_rank, launched_world_size
 from fastgrpo.draft_learning.async_learner import AsyncDraftClient, serve_draft_slice
 from fastgrpo.draft_learning.online import OnlineDraftLearner
@@ -85,6 +86,7 @@ class Run:
 
 def train(cfg: Config, resume: bool = False) -> TrainResult:
     check_layout(cfg)
+    resolve(cfg)  # a device or precision this machine lacks fails here, before any work
     if is_draft_rank(cfg.parallel.draft_ranks):  # a rank of the reserved draft slice: it serves the engines
         serve_draft_slice(cfg, init_world(cfg.parallel.draft_ranks))
         # its receiving threads stay blocked in the store's C++ receive; an interpreter exit that

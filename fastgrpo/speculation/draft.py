@@ -88,7 +88,7 @@ class DraftHead(nn.Module):
         """Freeze for inference and keep oneDNN-packed copies of the matrices (the engine's draft: its
         small per-level matmuls are what speculation pays for each step). load_named() repacks."""
         self.requires_grad_(False)
-        if onednn_available():
+        if onednn_available() and self.fc.device.type == "cpu" and self.fc.dtype == torch.float32:
             self.packed = {k: PackedWeight(w) for k, w in [("fc", self.fc), *self.layer.items()] if k in ("fc", *MATRICES)}
 
     def bind_target(self, embed: Tensor, lm_head: Tensor) -> None:
@@ -96,7 +96,10 @@ class DraftHead(nn.Module):
         if embed.shape[1] != self.cfg.hidden_size or lm_head.shape[1] != self.cfg.hidden_size:
             raise ValueError(f"draft hidden size {self.cfg.hidden_size} does not match the target's "
                              f"embedding {tuple(embed.shape)} / LM head {tuple(lm_head.shape)}")
-        self.embed, self.lm_head = embed.detach(), lm_head.detach()
+        # in the draft's own dtype and device: the engine's draft shares its target's tensors (the same
+        # dtype and device, so `to` returns them and a push updates them in place); a learner's fp32
+        # draft gets fp32 copies of a bf16 policy's
+        self.embed, self.lm_head = (t.detach().to(self.fc.device, self.fc.dtype) for t in (embed, lm_head))
 
     def features(self, hidden: Tensor, next_tokens: Tensor, positions: Tensor, mask: Tensor | None,
                  kv: KVFn) -> Tensor:
