@@ -217,6 +217,10 @@ def test_every_group_member_gets_all_its_states_despite_radix_cache_hits(sglang,
     assert hits[0] == 0 and all(h > 0 for h in hits[1:])
     for p, c in zip([prompt] * 4 + [prompt[:4] + [40]], out):
         torch.testing.assert_close(c.hidden, states(reference, p, c.token_ids), atol=1e-4, rtol=1e-4)
+    # the next capture call does not meet this call's prefixes in the cache (nobody would compute them)
+    again = engine.generate([Request(prompt, key=9)], SamplingParams(temperature=1.0, max_new_tokens=3), seed=2,
+                            capture=True)
+    torch.testing.assert_close(again[0].hidden, states(reference, prompt, again[0].token_ids), atol=1e-4, rtol=1e-4)
 
 
 def test_capture_with_prompts_longer_than_a_prefill_chunk(sglang, reference, monkeypatch):
@@ -294,7 +298,7 @@ def test_a_new_version_pushed_over_an_uncommitted_one_continues_its_session(sgla
     assert len(engine.generate([Request([1, 5, 6])], SamplingParams(max_new_tokens=2, ignore_eos=True))[0].token_ids) == 2
 
 
-def test_released_weights_are_stale_until_the_next_push_and_memory_returns_in_stages(sglang, reference):
+def test_released_weights_are_stale_until_the_next_push_and_memory_returns_in_stages(sglang, reference, tiny_draft):
     """Resume brings back the weights' memory (garbage until pushed), the KV cache and CUDA graphs
     after the push; generating in between is refused instead of sampling from garbage."""
     engine = sglang(**{"speculation.policy": "static"})
@@ -311,4 +315,14 @@ def test_released_weights_are_stale_until_the_next_push_and_memory_returns_in_st
         engine.generate([Request([1, 5, 6, 7])], greedy)
     WeightBridge([engine], bucket_bytes=1 << 15).push(iter(reference.state_dict().items()), version=1)
     assert not s.offloaded and not s.garbage and not s.draft_garbage  # the draft came back from its CPU backup
+    # a draft or a push arriving while released brings the weights' memory back first
+    from safetensors.torch import load_file
+
+    engine.release_memory()
+    engine.update_draft(load_file(str(tiny_draft / "draft.safetensors")).items(), version=3)
+    assert s.offloaded == {"kv_cache", "cuda_graph"} and engine.draft_version == 3
+    with pytest.raises(RuntimeError, match="released"):
+        engine.generate([Request([1, 5, 6, 7])], greedy)
+    engine.update_weights(reference.state_dict().items(), version=2)
+    assert not s.offloaded and engine.stats()["weights_version"] == 2
     assert [c.token_ids for c in engine.generate([Request([1, 5, 6, 7])], greedy)] == [c.token_ids for c in before]

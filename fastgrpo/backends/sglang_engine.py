@@ -389,6 +389,7 @@ class SGLangEngine:
             log.warning("SGLang's EAGLE Llama draft has no place for the draft's %s: SGLang runs the draft without "
                         "them (lossless; acceptance may be lower than the embedded engine's)", ", ".join(dropped))
             self._dropped_warned = True
+        self.resume_memory()  # released: the draft's memory comes back with the weights' (the target stays stale)
         self._begin("draft")
         self._push(list(tensors.items()), "draft", version)
         self._end()

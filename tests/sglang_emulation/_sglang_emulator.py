@@ -270,6 +270,8 @@ class Scheduler:
         self.calls.append(f"update_weights_from_tensor({req.selector})")
         if self.session is None:
             return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+        if "weights" in self.offloaded:
+            raise EmulationError("weights loaded into released memory (resume_memory_occupation(['weights']) first)")
         payloads = req.serialized_named_tensors
         per_rank = []
         for rank in range(self.tp):
