@@ -16,7 +16,7 @@ from transformers import AutoConfig
 from fastgrpo.backends import build_engine
 from fastgrpo.backends.sglang_engine import (
     SGLANG_MASK_CAP, TIE_HEADROOM, adaptive_tiers, check_sampling, completion, eagle_draft_config, eagle_reservation,
-    fill_prefixes, sampling_mask_cap, server_args)
+    engine_dtype, fill_prefixes, sampling_mask_cap, server_args)
 from fastgrpo.bridge import WeightBridge
 from fastgrpo.config import load_config
 from fastgrpo.models.policy import load_policy
@@ -89,6 +89,8 @@ def test_engine_arguments_follow_the_config():
     assert off["tp_size"] == 2 and off["base_gpu_id"] == 2 and off["mem_fraction_static"] == 0.4
     assert off["enable_return_hidden_states"] and off["skip_tokenizer_init"] and "speculative_algorithm" not in off
     assert off["dtype"] == "float16" and off["enable_deterministic_inference"]  # seeds are ignored without it
+    assert engine_dtype(cfg) == "bfloat16"  # the trainer's precision (auto: bf16 on GPUs)
+    assert engine_dtype(load_config(None, ["engine.backend=sglang", "trainer.precision=fp32"])) == "float32"
     assert off["chunked_prefill_size"] == -1  # the draft learns online: whole prompts, every state returned
     assert "sampling_mask_max_tokens" not in off  # no top-k: SGLang's default
     static = server_args(cfg, "static", "draft-dir", None, 0)
@@ -262,7 +264,8 @@ def test_each_tensor_parallel_rank_gets_its_own_payload(sglang, reference):
 
 def test_the_eagle_draft_starts_in_the_targets_dtype(sglang, tiny_policy, tmp_path):
     """A tied policy's draft config must be untied (SGLang deletes the shared weight twice at start);
-    a bfloat16 policy's draft must say bfloat16 (else SGLang reads float32 and runs it in float16)."""
+    target and draft run in one dtype (with "auto", a bfloat16 policy beside a draft config without
+    dtype runs the draft in float16)."""
     policy = tmp_path / "policy-bf16"
     shutil.copytree(tiny_policy, policy)
     config = json.loads((policy / "config.json").read_text())

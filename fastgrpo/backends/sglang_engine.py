@@ -221,12 +221,11 @@ def eagle_reservation(args: dict[str, Any], tiers: dict[str, dict] | None) -> in
     return max(args["speculative_eagle_topk"] * args["speculative_num_steps"], args["speculative_num_draft_tokens"])
 
 
-def engine_dtype(model_config: PretrainedConfig) -> str:
-    """The dtype SGLang runs target and draft in: the policy's own half precision, else bfloat16
-    (SGLang's "auto" turns a float32 config into float16)."""
-    dtype = getattr(model_config, "dtype", None)
-    name = str(dtype).removeprefix("torch.") if dtype is not None else ""
-    return name if name in ("bfloat16", "float16") else "bfloat16"
+def engine_dtype(cfg: Config) -> str:
+    """The dtype SGLang runs target and draft in: the trainer's (`trainer.precision`; auto is bf16 on
+    GPUs), so that pushed weights arrive as the trainer holds them. Passed explicitly: SGLang's "auto"
+    would read each config (a float32 one becomes float16)."""
+    return "float32" if cfg.trainer.precision == "fp32" else "bfloat16"
 
 
 def eagle_draft_config(target_cfg: PretrainedConfig, dtype: str) -> dict:
@@ -497,7 +496,7 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrai
     mode = speculation or cfg.speculation.policy
     check_sampling(SamplingParams.of(cfg.rollout), mode != "off",
                    sampling_mask_cap(cfg.rollout.top_k) if cfg.rollout.top_k > 0 else SGLANG_MASK_CAP)
-    dtype = engine_dtype(model_config)
+    dtype = engine_dtype(cfg)
     work = Path(tempfile.mkdtemp(prefix="fastgrpo-sglang-"))
     draft_export = tiers_file = tiers = None
     if mode != "off":
