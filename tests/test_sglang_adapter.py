@@ -169,6 +169,7 @@ def test_generate_sends_a_request_object_with_the_sampling_mask(sglang, referenc
     engine = sglang(**{"rollout.top_k": 5})
     with pytest.raises(TypeError, match="return_sampling_mask"):
         engine._engine.generate(input_ids=[[1, 5, 6]], return_logprob=True, return_sampling_mask=True)
+    assert engine.generate([], SamplingParams()) == []  # SGLang refuses an empty batch
     sampling = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, max_new_tokens=8)
     prompts = [[1, 9, 10, 11], [1, 12, 13]]
     out = engine.generate([Request(p) for p in prompts], sampling, seed=4)

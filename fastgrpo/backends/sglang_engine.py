@@ -443,6 +443,8 @@ class SGLangEngine:
                                f"is committed")
         for i, r in enumerate(requests):
             r.check(i, self.max_context, self.cfg.vocab_size)
+        if not requests:  # SGLang refuses an empty batch ("input_ids cannot be empty")
+            return []
         limits = [self.limit(r, sampling, i) for i, r in enumerate(requests)]
         masked = check_sampling(sampling, self.mode != "off", self.mask_cap)
         if capture and not self.capture:

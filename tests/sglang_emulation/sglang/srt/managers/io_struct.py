@@ -22,7 +22,9 @@ class GenerateReqInput:
     def normalize_batch_and_arguments(self):
         if self.text is not None:
             raise ValueError("the emulation runs token ids only (skip_tokenizer_init)")
-        self.is_single = not (self.input_ids and isinstance(self.input_ids[0], list))
+        if self.input_ids is None or len(self.input_ids) == 0:
+            raise ValueError("input_ids cannot be empty.")
+        self.is_single = not isinstance(self.input_ids[0], list)
         n = 1 if self.is_single else len(self.input_ids)
 
         def per_request(value, default):
