@@ -9,9 +9,18 @@ Rules (DESIGN.md section 3):
 - Applied by `fastgrpo.backends.megatron` only, never at import, and only when CUDA is absent: on
   GPUs megatron-core runs unpatched.
 - Each patch names what it replaces, why, and the megatron-core version it was written for; it
-  carries a fingerprint of the source it replaces, and `apply()` refuses (with the list of what
+  carries a fingerprint of the source it replaces (and of the source it reaches into, where a
+  wrapper changes what a function it calls sees), and `apply()` refuses (with the list of what
   changed) to patch a megatron-core whose source no longer matches, instead of silently patching
   the wrong thing.
+
+The distributed optimizer (`trainer.distributed_optimizer`) and bf16 (`Float16Module`, the bf16
+optimizer with fp32 main parameters) need two more: the optimizers' constructors sort parameters by
+`Tensor.type()` names that only CUDA tensors have, and the distributed optimizer's checkpoint
+gather moves a CPU buffer to the GPU. What else they need on CPU is not a patch: tensors megatron
+allocates on "cuda" go to the CPU under `cpu_device_literals` (the trainer builds the optimizer
+inside it), and the checkpoint format is the trainer's choice (`dp_reshardable`: the default
+`fully_sharded_model_space` fails on any device in 0.16.1, "flattened_range is not supported").
 """
 
 from __future__ import annotations
@@ -42,6 +51,9 @@ class Patch:
     why: str
     fingerprint: str  # sha256 prefix of the replaced function's source in MEGATRON_CORE_VERSION
     make: Callable[[Any], Callable]  # original -> replacement
+    # functions of the same module the replacement's effect reaches (it runs inside them), with the
+    # fingerprints of their source: what the patch relies on them doing
+    reaches: tuple[tuple[str, str], ...] = ()
 
 
 def _fingerprint(fn: Callable) -> str:
@@ -87,6 +99,37 @@ def _without_tensor_cuda(original: Callable) -> Callable:
     return run
 
 
+# what megatron-core's optimizers expect `Tensor.type()` to say of a parameter they may hold
+_CUDA_TYPE_NAMES = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
+                    torch.bfloat16: "torch.cuda.BFloat16Tensor"}
+
+
+@contextlib.contextmanager
+def _tensor_type_names_cuda() -> Iterator[None]:
+    """`Tensor.type()` (no argument: the name) of a CPU float tensor says the CUDA name of its dtype;
+    `type(dtype)` (a conversion) is untouched."""
+    original = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and self.device.type == "cpu" and self.dtype in _CUDA_TYPE_NAMES:
+            return _CUDA_TYPE_NAMES[self.dtype]
+        return original(self, dtype, non_blocking, **kwargs) if dtype is not None or kwargs else original(self)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _with_cuda_type_names(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def run(*args, **kwargs):
+        with _tensor_type_names_cuda():
+            return original(*args, **kwargs)
+    return run
+
+
 PATCHES = (
     Patch("megatron.core.tensor_parallel.random", "_get_cuda_rng_state",
           "the TP RNG tracker saves and restores the CUDA generator around dropout and initialisation; on "
@@ -98,6 +141,15 @@ PATCHES = (
           "with tied embeddings and PP > 1 it moves the last stage's copy of the embedding to the GPU "
           "(`weight.data.cuda()`) before the all-reduce that makes it equal to the first stage's; on CPU "
           "the tensor stays where it is", "005bdd3315b0611b", _without_tensor_cuda),
+    Patch("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__",
+          "the distributed optimizer sorts the parameters it shards into fp32 and bf16/fp16 ones by "
+          "`param.type()` in ('torch.cuda.FloatTensor', 'torch.cuda.BFloat16Tensor', ...) and refuses any "
+          "other name (a CPU tensor's is 'torch.FloatTensor'); while it is built, a CPU tensor's type name "
+          "is its dtype's CUDA name", "3275f640fc1b7377", _with_cuda_type_names,
+          reaches=(("DistributedOptimizer._build_model_and_main_param_groups", "1b9f0ec06718f817"),)),
+    Patch("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__",
+          "the bf16 optimizer (fp32 main copies of bf16 parameters) sorts its parameters by the same CUDA "
+          "type names", "1d470dedcf8e2f0e", _with_cuda_type_names),
     Patch("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32",
           "gradient clipping asserts CUDA gradients and scales them with a CUDA multi-tensor kernel; on CPU "
           "the same coefficient scales them in place (the total norm, `get_grad_norm_fp32`, already works "
@@ -140,10 +192,11 @@ _applied: dict[tuple[str, str], Callable] = {}
 _torch_cuda_originals: dict[str, Callable] = {}
 
 
-def _owner(p: Patch) -> tuple[Any, str]:
-    """The object holding the patched attribute (the module, or a class in it) and the attribute's name."""
+def _owner(p: Patch, name: str | None = None) -> tuple[Any, str]:
+    """The object holding the patched attribute (the module, or a class in it) and the attribute's
+    name; of `name` (a function the patch reaches) instead of the patched one if given."""
     owner: Any = importlib.import_module(p.module)
-    *path, attr = p.name.split(".")
+    *path, attr = (name or p.name).split(".")
     for part in path:
         owner = getattr(owner, part, None)
     return owner, attr
@@ -169,6 +222,14 @@ def mismatches() -> list[str]:
         elif _fingerprint(target) != p.fingerprint:
             problems.append(f"{p.module}.{p.name} changed (source fingerprint {_fingerprint(target)}, "
                             f"the patch was written for {p.fingerprint})")
+        for name, fingerprint in p.reaches:
+            owner, attr = _owner(p, name)
+            reached = getattr(owner, attr, None) if owner is not None else None
+            if reached is None:
+                problems.append(f"{p.module}.{name} (which the patch of {p.name} relies on) no longer exists")
+            elif _fingerprint(reached) != fingerprint:
+                problems.append(f"{p.module}.{name} changed (source fingerprint {_fingerprint(reached)}, the "
+                                f"patch of {p.name} was written for {fingerprint})")
     return problems
 
 

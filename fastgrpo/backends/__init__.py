@@ -46,7 +46,8 @@ def build_trainer(cfg: Config) -> PolicyTrainer:
         return megatron.MegatronPolicyTrainer(cfg.model.path, cfg.grpo, cfg.optim, SamplingParams.of(cfg.rollout),
                                               tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline,
                                               seed=cfg.seed, layer_spec=cfg.trainer.layer_spec,
-                                              recompute=cfg.trainer.recompute)
+                                              recompute=cfg.trainer.recompute, compute=resolve(cfg),
+                                              distributed_optimizer=cfg.trainer.distributed_optimizer)
     if name == "deepspeed":
         _backend("deepspeed", "trainer.backend", name, extra="deepspeed")  # not installed: say how to install it
         from fastgrpo.backends.deepspeed_trainer import DeepSpeedPolicyTrainer

@@ -8,6 +8,7 @@ The same code runs on GPUs (NCCL, unpatched megatron-core) and on CPU over gloo 
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -42,6 +43,8 @@ def initialize(tp: int, pp: int, seed: int = 0) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    if torch.cuda.is_available():  # one GPU per rank, before any NCCL communicator exists (torchrun's LOCAL_RANK)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     init_world()  # torchrun's world, when launched by it
     if not dist.is_initialized():  # started alone: a world of one
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -64,9 +67,11 @@ def ranks() -> tuple[int, int]:
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
 
 
-def transformer_config(hf_config, layout: Layout, recompute: bool = False):
+def transformer_config(hf_config, layout: Layout, recompute: bool = False, dtype: torch.dtype = torch.float32):
     """`recompute`: keep only each layer's input for the backward and run the layer's forward again
-    there (megatron's full, uniform, one-layer recompute): what long reasoning sequences need."""
+    there (megatron's full, uniform, one-layer recompute): what long reasoning sequences need.
+    `dtype`: the weights' and activations' (bf16: megatron's `bf16`, the model wrapped in its
+    `Float16Module` by the trainer; softmax and the rotary tables stay fp32 as megatron keeps them)."""
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
@@ -75,7 +80,8 @@ def transformer_config(hf_config, layout: Layout, recompute: bool = False):
         normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, add_qkv_bias=layout.qkv_bias,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not torch.cuda.is_available(),
         # fused kernels are CUDA-only; with them off the mathematics is the same
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
@@ -122,15 +128,17 @@ def _module_name(model, local_name: str) -> str:
     return local_name
 
 
-def build_model(hf_config, layout: Layout, spec: str = "auto", recompute: bool = False):
+def build_model(hf_config, layout: Layout, spec: str = "auto", recompute: bool = False,
+                dtype: torch.dtype = torch.float32):
     """This rank's pipeline stage of the policy, on the CPU or the current GPU, with megatron's layer
-    spec `spec` (`layer_spec`); weights uninitialised in meaning: load them with `load_hf_state`."""
+    spec `spec` (`layer_spec`), its weights in `dtype`; weights uninitialised in meaning: load them
+    with `load_hf_state`."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     module_spec, renames = layer_spec(spec)
     model = GPTModel(
-        transformer_config(hf_config, layout, recompute), module_spec,
+        transformer_config(hf_config, layout, recompute, dtype), module_spec,
         vocab_size=layout.padded_vocab, max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=layout.tied, position_embedding_type="rope",
@@ -155,7 +163,8 @@ def export_hf(model, layout: Layout, grads: bool = False) -> Iterator[tuple[str,
     """Full Hugging Face tensors, one Megatron parameter at a time, on every rank of the model-parallel
     group: TP shards are all-gathered, and each pipeline stage broadcasts its own layers to the other
     stages. No rank ever holds more than one full tensor beyond its own shard. `grads`: the
-    parameters' gradients instead (zeros where there is none), under the same names."""
+    parameters' gradients instead (zeros where there is none), under the same names. In the
+    parameters' dtype and on their device, as held (every parameter of a model has the same dtype)."""
     from megatron.core import parallel_state
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -163,6 +172,8 @@ def export_hf(model, layout: Layout, grads: bool = False) -> Iterator[tuple[str,
     pp_ranks = dist.get_process_group_ranks(pp_group)
     _, pp_rank = ranks()
     params = dict(model.named_parameters())
+    first = next(iter(params.values()))
+    dtype, device = first.dtype, first.device
     for stage in range(layout.pp):
         for local in _stage_parameter_names(layout, stage):
             name = layout.global_name(local, stage)
@@ -178,7 +189,7 @@ def export_hf(model, layout: Layout, grads: bool = False) -> Iterator[tuple[str,
                 else:
                     full = shard.clone()
             else:
-                full = torch.empty(_full_shape(layout, name), dtype=torch.float32)
+                full = torch.empty(_full_shape(layout, name), dtype=dtype, device=device)
             if layout.pp > 1:
                 dist.broadcast(full, src=pp_ranks[stage], group=pp_group)
             yield from layout.to_hf(name, full)

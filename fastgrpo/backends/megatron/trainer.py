@@ -49,6 +49,7 @@ from fastgrpo.backends.megatron.layout import Layout, LayoutError
 from fastgrpo.backends.megatron.logprobs import vocab_parallel_logprobs
 from fastgrpo.backends.megatron.model import build_model, export_hf, initialize, load_hf_state
 from fastgrpo.config import GRPOConfig, OptimConfig
+from fastgrpo.device import Compute
 from fastgrpo.grpo.step import LossFn, grpo_step
 from fastgrpo.types import Placement, RolloutBatch, SamplingParams
 
@@ -99,16 +100,31 @@ Micro = tuple[list[int], RolloutBatch]  # batch rows (empty: a placeholder that 
 class MegatronPolicyTrainer:
     def __init__(self, policy_dir: str | Path, grpo: GRPOConfig, optim: OptimConfig, sampling: SamplingParams,
                  tensor: int = 1, pipeline: int = 1, seed: int = 0, layer_spec: str = "auto",
-                 recompute: bool = False):
+                 recompute: bool = False, compute: Compute | None = None, distributed_optimizer: bool = False):
+        """`compute`: the device and dtype (`fastgrpo.device.resolve`; fp32 on this machine's device by
+        default). bf16 is megatron-core's: bf16 weights and activations (`Float16Module`), gradients
+        accumulated and reduced in fp32 (`grad_reduce_in_fp32`), an optimizer stepping fp32 main
+        copies of the weights and copying them back to bf16. `distributed_optimizer`: megatron-core's
+        DistributedOptimizer, the fp32 main weights and Adam's moments sharded over the data-parallel
+        ranks (gradients reduce-scattered, updated weights all-gathered)."""
         if optim.trainable:
             raise ValueError("optim.trainable: the Megatron trainer trains every parameter")
         from transformers import AutoConfig
 
+        here = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        compute = compute or Compute(here, torch.float32)
+        if compute.device.type != here.type:  # megatron_patches (the CPU path) apply only without CUDA
+            raise ValueError(f"the Megatron trainer runs on this machine's {here.type.upper()}, not on "
+                             f"{compute.device.type} (device={compute.device.type})")
+        if compute.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the Megatron trainer trains in fp32 or bf16, not {compute.dtype}")
+        self.compute = compute
         if not (Path(policy_dir) / "config.json").is_file():
             raise FileNotFoundError(f"no Hugging Face policy at {policy_dir} (config.json missing)")
         # the layout is checked on the config alone, before any group or weight exists
         self.layout = Layout.of(AutoConfig.from_pretrained(policy_dir), tensor, pipeline)
-        initialize(tensor, pipeline, seed)
+        initialize(tensor, pipeline, seed)  # on CUDA: this rank's GPU (LOCAL_RANK) made current
+        self.device = torch.device("cuda", torch.cuda.current_device()) if here.type == "cuda" else here
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -118,18 +134,24 @@ class MegatronPolicyTrainer:
 
         hf = load_policy(policy_dir)
         self.hf_config = hf.config
-        module = build_model(hf.config, self.layout, layer_spec, recompute)
-        load_hf_state(module, hf.state_dict(), self.layout)
-        # the k3 KL's reference: the initial policy, frozen, in the same layout (each rank holds its own
-        # shard of it, as of the policy), scored through the same schedule
+        dtype = compute.dtype
+        # `gpt`: this rank's GPTModel (its parameters' names are the layout's); `module`: what the
+        # schedules run (bf16: wrapped in megatron's Float16Module, which casts the first stage's
+        # inputs to bf16 and the last stage's logits back to fp32)
+        self.gpt = build_model(hf.config, self.layout, layer_spec, recompute, dtype)
+        load_hf_state(self.gpt, hf.state_dict(), self.layout)
+        module = _precision_wrapper(self.gpt)
+        # the k3 KL's reference: the initial policy, frozen, in the same layout and precision (each rank
+        # holds its own shard of it, as of the policy), scored through the same schedule
         self.reference = None
         if grpo.kl_coef > 0:
-            self.reference = build_model(hf.config, self.layout, layer_spec)
-            load_hf_state(self.reference, hf.state_dict(), self.layout)
-            self.reference.requires_grad_(False).eval()
-            self.reference.config.variable_seq_lengths = True
+            reference = build_model(hf.config, self.layout, layer_spec, dtype=dtype)
+            load_hf_state(reference, hf.state_dict(), self.layout)
+            reference.requires_grad_(False).eval()
+            reference.config.variable_seq_lengths = True
+            self.reference = _precision_wrapper(reference)
         del hf
-        config = module.config
+        config = self.gpt.config
         config.calculate_per_token_loss = True  # DDP sums the ranks' gradients: the loss is normalised globally
         config.variable_seq_lengths = True  # each micro-batch its own shape (module docstring)
         self.cfg, self.sampling = grpo, sampling
@@ -138,14 +160,15 @@ class MegatronPolicyTrainer:
         self.dp_rank, self.dp_size = dist.get_rank(self.dp_group), dist.get_world_size(self.dp_group)
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.last_stage = parallel_state.is_pipeline_last_stage()
+        self.distributed_optimizer = distributed_optimizer
         self._cpu = megatron_patches.cpu_device_literals
         with self._cpu():
-            self.model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
-                                                 module)
+            self.model = DistributedDataParallel(config, DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer), module)
             self.optimizer = get_megatron_optimizer(OptimizerConfig(
                 optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.betas[0],
-                adam_beta2=optim.betas[1], adam_eps=1e-8, clip_grad=optim.grad_clip, params_dtype=torch.float32),
-                [self.model])
+                adam_beta2=optim.betas[1], adam_eps=1e-8, clip_grad=optim.grad_clip, params_dtype=dtype,
+                bf16=dtype == torch.bfloat16, use_distributed_optimizer=distributed_optimizer), [self.model])
         config.no_sync_func = self.model.no_sync
         config.finalize_model_grads_func = _finalize_model_grads
         self.model.eval()
@@ -156,9 +179,9 @@ class MegatronPolicyTrainer:
         """This rank's micro-batches of `rows`; at least one (a rank with no rows still takes part
         in the pipeline's and the data-parallel group's collectives, with a row that trains nothing)."""
         m = self.cfg.micro_batch_size
-        micros = [(rows[i: i + m], batch.select(rows[i: i + m])) for i in range(0, len(rows), m)]
+        micros = [(rows[i: i + m], batch.select(rows[i: i + m]).to(self.device)) for i in range(0, len(rows), m)]
         if not micros:
-            empty = batch.select([0])
+            empty = batch.select([0]).to(self.device)
             empty.response_mask = torch.zeros_like(empty.response_mask)
             micros = [([], empty)]
         return micros
@@ -178,8 +201,9 @@ class MegatronPolicyTrainer:
         def forward_step(data_iterator, model):
             rows, micro = next(data_iterator)
             n, width = micro.input_ids.shape
-            out = model(micro.input_ids, torch.arange(width).expand(n, -1),
-                        attention_mask=torch.triu(torch.ones(width, width, dtype=torch.bool), 1)[None, None])
+            device = micro.input_ids.device
+            out = model(micro.input_ids, torch.arange(width, device=device).expand(n, -1),
+                        attention_mask=torch.triu(torch.ones(width, width, dtype=torch.bool, device=device), 1)[None, None])
             return out, functools.partial(_loss_func, on_logits, rows, micro)
 
         with self._cpu():
@@ -202,7 +226,7 @@ class MegatronPolicyTrainer:
         """As the torch trainer's `token_logprobs` over the whole batch, of `model` (the policy by
         default): [N, L] each, position-aligned, column 0 padding; on every rank (each data-parallel
         rank scores its share of the rows)."""
-        out = torch.zeros(2, *batch.input_ids.shape)
+        out = torch.zeros(2, *batch.input_ids.shape, device=self.device)
 
         def score(rows: list[int], micro: RolloutBatch, logits: Tensor) -> None:
             logp, entropy = self._score(micro, logits)
@@ -273,7 +297,8 @@ class MegatronPolicyTrainer:
         return norm
 
     def all_sum(self, t: Tensor) -> Tensor:
-        return self._sum_over_stages_and_replicas(t)
+        # the step's statistics are host tensors; NCCL sums device tensors (on CPU, `to` is `t` itself)
+        return self._sum_over_stages_and_replicas(t.to(self.device)).to(t.device)
 
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
@@ -285,8 +310,11 @@ class MegatronPolicyTrainer:
         return Placement(self.dp_rank, self.dp_size, leads)
 
     def export_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """Full tensors under Hugging Face names, on every rank of the model-parallel group."""
-        return export_hf(self.model.module, self.layout)
+        """Full tensors under Hugging Face names, on every rank of the model-parallel group, on the
+        trainer's device, in its dtype: fp32, or in bf16 the bf16 weights the forward uses (each the
+        bf16 rounding of its fp32 main weight, as megatron's optimizer copies them after a step), which
+        is what engines on CUDA serve; the embedded engine on a CPU holds them in the dtype it gets."""
+        return export_hf(self.gpt, self.layout)
 
     # -- checkpoints -------------------------------------------------------------------------
     # A checkpoint directory holds two things:
@@ -303,14 +331,53 @@ class MegatronPolicyTrainer:
         return checkpoint_identity(self.hf_config, self.layout)
 
     def _sharded_state_dict(self, loading: bool) -> dict:
-        model = self.model.module.sharded_state_dict()
-        return {"model": model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading)}
+        model = self.gpt.sharded_state_dict()
+        # the distributed optimizer's state in megatron's `dp_reshardable` format (what Megatron-LM saves
+        # by default): each rank writes and reads its own shard, no gather; it reloads at another data-
+        # parallel size, not at another TP x PP (`load` says so before reading)
+        metadata = {"distrib_optim_sharding_type": "dp_reshardable"} if self.distributed_optimizer else None
+        if loading:
+            self._init_adam_state()
+        return {"model": model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading,
+                                                                               metadata=metadata)}
+
+    def _distributed_optimizers(self) -> list:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        return [o for o in self.optimizer.chained_optimizers if isinstance(o, DistributedOptimizer)]
+
+    def _init_adam_state(self) -> None:
+        """Before building the request that loads a distributed optimizer's state: a fresh optimizer has
+        no Adam state yet, and megatron's distributed optimizer (with torch's Adam, where neither Apex nor
+        Transformer Engine is installed) asserts on building its state dict without one. Its own remedy:
+        one step of zero gradients (what is loaded overwrites every value it sets)."""
+        for opt in self._distributed_optimizers():
+            if not opt.optimizer.state:
+                opt._init_optimizer_states_with_dummy_values()
+
+    def _restore_adam_steps(self) -> None:
+        """After a distributed optimizer's state is loaded, with torch's Adam (no Apex or Transformer
+        Engine), megatron-core 0.16.1 leaves Adam's step count wrong in two ways: one step tensor is
+        shared by every parameter (`DistributedOptimizer.load_state_dict`; torch's Adam adds 1 to it
+        per parameter at each step), and its shard loader then copies the step of the state that was
+        there before the load over it. The saved count is in the inner optimizer's parameter groups
+        (where megatron puts it); each parameter gets its own tensor of it."""
+        from megatron.core.optimizer import distrib_optimizer
+
+        if distrib_optimizer.HAVE_APEX_OR_TE:
+            return
+        for opt in self._distributed_optimizers():
+            inner = opt.optimizer
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    if "step" in inner.state.get(p, {}):
+                        inner.state[p]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
 
     def save(self, directory: Path) -> None:
         from megatron.core import dist_checkpointing
 
         directory = Path(directory)
-        tensors = {name: t.contiguous().clone() for name, t in self.export_weights()}  # every rank takes part
+        tensors = {name: t.to("cpu", copy=True).contiguous() for name, t in self.export_weights()}  # every rank takes part
         megatron_dir = directory / "megatron"
         if dist.get_rank() == 0:
             save_policy_tensors(directory / "policy", tensors, self.hf_config, self.layout.tied)
@@ -325,7 +392,8 @@ class MegatronPolicyTrainer:
             l = self.layout
             (megatron_dir / "fastgrpo.json").write_text(json.dumps(
                 {"model": self._identity(), "saved_at": {"tensor": l.tp, "pipeline": l.pp, "data": self.dp_size},
-                 "updates": self.updates}, indent=1))
+                 "updates": self.updates, "precision": self._precision(),
+                 "distributed_optimizer": self.distributed_optimizer}, indent=1))
         dist.barrier()
 
     def load(self, directory: Path) -> None:
@@ -343,15 +411,45 @@ class MegatronPolicyTrainer:
         # a model-only checkpoint (`tools/convert_checkpoint.py hf-to-megatron`, `reshard`) starts a fresh
         # optimizer; the trainer's own checkpoints resume it
         with_optimizer = saved.get("optimizer", True)
+        if with_optimizer:
+            self._check_optimizer_state(directory, saved)
         with self._cpu():
             # (the optimizer's sharded state dict for loading initialises its state: not asked for here)
             request = (self._sharded_state_dict(loading=True) if with_optimizer
-                       else {"model": self.model.module.sharded_state_dict()})
+                       else {"model": self.gpt.sharded_state_dict()})
             state = dist_checkpointing.load(request, str(megatron_dir))
-            self.model.module.load_state_dict(state["model"])
+            with torch.no_grad():  # (the shard loader copies into views of parameters)
+                self.gpt.load_state_dict(state["model"])
+                if with_optimizer:
+                    self.optimizer.load_state_dict(state["optimizer"])
             if with_optimizer:
-                self.optimizer.load_state_dict(state["optimizer"])
+                self._restore_adam_steps()
+            elif self.compute.dtype != torch.float32:  # fresh main weights: the loaded ones, not the built ones
+                self.optimizer.reload_model_params()
         self.updates = saved["updates"]
+
+    def _precision(self) -> str:
+        return "bf16" if self.compute.dtype == torch.bfloat16 else "fp32"
+
+    def _check_optimizer_state(self, directory: Path, saved: dict) -> None:
+        """A training checkpoint's optimizer state loads into an optimizer of the same kind and precision
+        (their state dicts differ: the bf16 optimizer keeps fp32 main weights, the distributed one keeps
+        its shards in buckets), and a distributed optimizer's only at the saved TP x PP. Refused before
+        anything is read, naming what differs."""
+        was = {"precision": saved.get("precision", "fp32"),
+               "distributed_optimizer": saved.get("distributed_optimizer", False)}
+        now = {"precision": self._precision(), "distributed_optimizer": self.distributed_optimizer}
+        differs = {k: (v, now[k]) for k, v in was.items() if now[k] != v}
+        hint = (" (its weights alone load through a model-only checkpoint: `python tools/convert_checkpoint.py "
+                "reshard`, which starts a fresh optimizer)")
+        if differs:
+            raise LayoutError(f"the checkpoint {directory} holds the optimizer state of another trainer setting "
+                              f"(saved, now: {differs}){hint}")
+        at = saved["saved_at"]
+        if self.distributed_optimizer and (at["tensor"], at["pipeline"]) != (self.layout.tp, self.layout.pp):
+            raise LayoutError(f"the checkpoint {directory} holds a distributed optimizer's state saved at tensor "
+                              f"{at['tensor']} x pipeline {at['pipeline']}: it reloads at another data-parallel size, "
+                              f"not at tensor {self.layout.tp} x pipeline {self.layout.pp}{hint}")
 
 
 def checkpoint_identity(hf_config, layout: Layout) -> dict:
@@ -363,12 +461,22 @@ def checkpoint_identity(hf_config, layout: Layout) -> dict:
             "qkv_bias": l.qkv_bias}
 
 
+def _precision_wrapper(gpt):
+    """What the schedules run: the GPTModel itself in fp32; in bf16 megatron's Float16Module around it
+    (inputs of the first stage cast to bf16, the last stage's logits returned in fp32)."""
+    if not gpt.config.bf16:
+        return gpt
+    from megatron.core.transformer.module import Float16Module
+
+    return Float16Module(gpt.config, gpt)
+
+
 def _loss_func(on_logits, rows: list[int], micro: RolloutBatch, logits: Tensor):
     """megatron's loss function contract (last stage only): (loss, token count, reduced dict). With
     `calculate_per_token_loss` the schedule neither divides the loss by the token count nor by the
     micro-batch count; our loss is already normalised over the whole minibatch."""
     loss = on_logits(rows, micro, logits)
-    return (loss if loss is not None else logits.new_zeros(())), torch.zeros((), dtype=torch.int), {}
+    return (loss if loss is not None else logits.new_zeros(())), torch.zeros((), dtype=torch.int, device=logits.device), {}
 
 
 def _finalize_model_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
