@@ -114,6 +114,7 @@ def test_the_layer_spec_is_transformer_engines_only_where_it_is_installed():
 def test_patches_refuse_a_megatron_core_they_were_not_written_for(monkeypatch):
     import megatron.core
     import megatron.core.tensor_parallel.random as tp_random
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     import megatron_patches
 
@@ -125,9 +126,17 @@ def test_patches_refuse_a_megatron_core_they_were_not_written_for(monkeypatch):
 
     monkeypatch.setattr(tp_random, "_get_cuda_rng_state", _get_cuda_rng_state)
     monkeypatch.setattr(megatron.core, "__version__", "0.17.0")
+
+    def _build_model_and_main_param_groups(*args):  # what a wrapped constructor calls, changed upstream
+        return None
+
+    monkeypatch.setattr(DistributedOptimizer, "_build_model_and_main_param_groups",
+                        staticmethod(_build_model_and_main_param_groups))
     problems = megatron_patches.mismatches()
     assert any("megatron-core 0.17.0 is installed" in p for p in problems)
     assert any("_get_cuda_rng_state changed" in p for p in problems)
+    assert any("DistributedOptimizer._build_model_and_main_param_groups changed" in p
+               and "the patch of DistributedOptimizer.__init__" in p for p in problems), problems
     if megatron_patches.needed():
         with pytest.raises(megatron_patches.PatchMismatch, match="_get_cuda_rng_state changed"):
             megatron_patches.apply()

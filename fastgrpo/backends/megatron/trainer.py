@@ -296,6 +296,23 @@ class MegatronPolicyTrainer:
         self.updates += 1
         return norm
 
+    def optimizer_bytes(self) -> int:
+        """What this rank's optimizer holds beyond the model's weights and gradient buffer: Adam's two
+        moments and, in bf16, the fp32 main weights (in fp32 the optimizer steps the weights
+        themselves: no copy). 8 B per parameter of this rank's shard in fp32, 12 B in bf16, and with
+        the distributed optimizer a 1/DP share of it (plus its bucket padding). Adam's state exists from
+        the first step on."""
+        weights = {p.untyped_storage().data_ptr() for p in self.gpt.parameters()}
+        total = 0
+        for opt in self.optimizer.chained_optimizers:
+            for group in opt.optimizer.param_groups:
+                for p in group["params"]:
+                    if p.untyped_storage().data_ptr() not in weights:  # a main copy, not a view of the weights
+                        total += p.numel() * p.element_size()
+                    total += sum(t.numel() * t.element_size() for k, t in opt.optimizer.state.get(p, {}).items()
+                                 if k != "step" and isinstance(t, Tensor))
+        return total
+
     def all_sum(self, t: Tensor) -> Tensor:
         # the step's statistics are host tensors; NCCL sums device tensors (on CPU, `to` is `t` itself)
         return self._sum_over_stages_and_replicas(t.to(self.device)).to(t.device)
