@@ -327,15 +327,33 @@ def test_fastgrpo_train_on_the_megatron_backend_matches_torch_and_resumes_exactl
 def test_bench_trainer_times_the_torch_and_megatron_steps(tmp_path, tiny_policy):
     import json
 
+    from fastgrpo.backends.megatron.layout import Layout
     from fastgrpo.bench.trainer import bench_trainer
+    from fastgrpo.models.policy import load_policy
+    from fastgrpo.plan import parameters
     from tests.conftest import tiny_config
 
     out = tmp_path / "trainer.json"
-    bench_trainer(tiny_config(tmp_path, tiny_policy), quick=True, output=out, layouts=(("torch", 1, 1, 1), ("megatron", 2, 2, 1)))
+    bench_trainer(tiny_config(tmp_path, tiny_policy), quick=True, output=out,
+                  layouts=(("torch", 1, 1, 1), ("megatron", 2, 2, 1), ("megatron-distopt", 2, 1, 1)))
     rows = json.loads(out.read_text())["rows"]
-    assert [r["layout"] for r in rows] == ["torch", "megatron TP2"] and rows[0]["vs_torch"] == 1.0
+    assert [r["layout"] for r in rows] == ["torch", "megatron TP2", "megatron DP2 distributed optimizer"]
+    assert rows[0]["vs_torch"] == 1.0
     assert rows[0]["comm_s"] == 0.0  # one process: no collectives
     assert 0 < rows[1]["comm_s"] < rows[1]["step_s"]  # TP all-reduces inside the step, and compute besides
     # the push carries the same Hugging Face tensors whatever the layout (TP shards gathered first)
-    assert rows[0]["sync_bytes"] == rows[1]["sync_bytes"] > 4 * 296 * 64 and [r["engines"] for r in rows] == [1, 1]
+    assert rows[0]["sync_bytes"] == rows[1]["sync_bytes"] == rows[2]["sync_bytes"] > 4 * 296 * 64
+    assert [r["engines"] for r in rows] == [1, 1, 2]
     assert all(r["sync_s"] > 0 and r["memcpy_gb_s"] > 0 and 0 < r["sync_share"] < 1 for r in rows)
+    # optimizer bytes per rank: Adam's two fp32 moments (8 B) of every parameter in one process (the
+    # torch trainer steps the fp32 weights themselves); in megatron, of the parameters with the
+    # vocabulary padded (to 384 rows at TP1, 512 at TP2), half of them per rank at TP2 (the model's
+    # shards) and with the distributed optimizer at DP2 (the replicas' shards of the state): 1/DP
+    config = load_policy(tiny_policy).config
+    assert rows[0]["optimizer_bytes"] == 8 * parameters(Layout.of(config))
+
+    def padded(tp):
+        s = Layout.of(config, tp, 1)
+        return parameters(s) + (s.padded_vocab - s.vocab) * s.hidden * (1 if s.tied else 2)
+    assert rows[1]["optimizer_bytes"] == pytest.approx(8 * padded(2) / 2, rel=0.01)  # (norms are replicated)
+    assert rows[2]["optimizer_bytes"] == pytest.approx(8 * padded(1) / 2, rel=0.01)

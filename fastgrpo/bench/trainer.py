@@ -9,6 +9,9 @@ wrapping them (a transfer's time is from its start to the end of its `wait`), so
 communication. Communication time includes waiting for a peer that is still computing (a pipeline
 stage waits out the other stage's share of the micro-batches: the pipeline bubble). On 2 cores a
 world of 2 or 4 is not expected to be faster than a world of 1: the point is the overhead, measured.
+Each rank also reports the bytes its optimizer holds beyond the model's weights (Adam's moments,
+master copies where it steps copies): what TP and PP shard with the model, and what megatron's
+distributed optimizer and ZeRO shard over the data-parallel ranks (1/DP).
 
 The weight push is the run's own (`bridge.WeightBridge` from `export_weights` into an embedded
 engine on each replica's leading rank, checksummed and committed), timed after a warm-up push, and
@@ -29,10 +32,11 @@ from fastgrpo.bench.report import command_line, publish
 from fastgrpo.config import Config
 from fastgrpo.distributed import run_world
 
-# backend, world, tensor, pipeline (data parallelism: what remains of the world); deepspeed-zN: ZeRO stage N
+# backend, world, tensor, pipeline (data parallelism: what remains of the world); deepspeed-zN: ZeRO stage N;
+# megatron-distopt: megatron with its distributed optimizer (trainer.distributed_optimizer)
 LAYOUTS = (("torch", 1, 1, 1), ("megatron", 1, 1, 1), ("megatron", 2, 2, 1), ("megatron", 2, 1, 1),
-           ("megatron", 4, 2, 2), ("deepspeed-z2", 1, 1, 1), ("deepspeed-z2", 2, 1, 1), ("deepspeed-z3", 1, 1, 1),
-           ("deepspeed-z3", 2, 1, 1))
+           ("megatron-distopt", 2, 1, 1), ("megatron", 4, 2, 2), ("megatron-distopt", 4, 1, 1),
+           ("deepspeed-z2", 1, 1, 1), ("deepspeed-z2", 2, 1, 1), ("deepspeed-z3", 1, 1, 1), ("deepspeed-z3", 2, 1, 1))
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier")
 
 
@@ -109,7 +113,7 @@ def _rank(rank: int, world: int, backend: str, tensor: int, pipeline: int, cfg: 
         from fastgrpo.backends.megatron.trainer import MegatronPolicyTrainer
 
         trainer = MegatronPolicyTrainer(cfg.model.path, cfg.grpo, cfg.optim, sampling, tensor=tensor, pipeline=pipeline,
-                                        seed=cfg.seed)
+                                        seed=cfg.seed, distributed_optimizer=backend == "megatron-distopt")
         vocab = trainer.layout.vocab
     batch = _batch(vocab, sequences)
     batch.engine_logprobs = trainer.logprobs(batch) * batch.response_mask
@@ -121,7 +125,29 @@ def _rank(rank: int, world: int, backend: str, tensor: int, pipeline: int, cfg: 
         trainer.train_step(batch)
         steps.append(time.perf_counter() - t)
         comms.append(spent["seconds"])
-    return {"step_s": statistics.median(steps), "comm_s": statistics.median(comms)} | _time_push(trainer, cfg, reps)
+    return ({"step_s": statistics.median(steps), "comm_s": statistics.median(comms),
+             "optimizer_bytes": _optimizer_bytes(trainer)} | _time_push(trainer, cfg, reps))
+
+
+def _optimizer_bytes(trainer) -> int:
+    """What this rank's optimizer holds beyond the model's own weights, after a step (Adam's state
+    exists from the first one): Adam's moments, and master copies of the weights where the optimizer
+    steps copies (bf16 masters; DeepSpeed's fp32 partitions). Megatron's trainer counts its own
+    (`optimizer_bytes`); elsewhere the torch optimizer inside is walked."""
+    if hasattr(trainer, "optimizer_bytes"):
+        return trainer.optimizer_bytes()
+    opt = trainer.optimizer
+    while not isinstance(opt, torch.optim.Optimizer):  # DeepSpeed's ZeRO optimizer wraps a torch one
+        opt = opt.optimizer
+    weights = {p.untyped_storage().data_ptr() for p in trainer.model.parameters() if p.numel()}
+    total = 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.untyped_storage().data_ptr() not in weights:
+                total += p.numel() * p.element_size()
+            total += sum(t.numel() * t.element_size() for k, t in opt.state.get(p, {}).items()
+                         if k != "step" and isinstance(t, torch.Tensor))
+    return total
 
 
 def _time_push(trainer, cfg: Config, reps: int) -> dict:
@@ -170,11 +196,13 @@ def bench_trainer(cfg: Config, quick: bool, output: Path, extra: list[str] | Non
         memcpy = statistics.median(r["memcpy_s"] for r in leaders)
         name = "torch" if backend == "torch" else _layout_name(backend, world, tensor, pipeline)
         rows.append({"layout": name, "world": world, "step_s": step, "comm_s": comm, "sync_s": sync,
+                     "optimizer_bytes": max(r["optimizer_bytes"] for r in ranks),  # per rank: the largest
                      "sync_bytes": ranks[0]["sync_bytes"], "engines": len(leaders), "memcpy_s": memcpy,
                      "sync_gb_s": ranks[0]["sync_bytes"] / sync / 1e9,
                      "memcpy_gb_s": leaders[0]["memcpy_bytes"] / memcpy / 1e9,
                      "sync_share": sync / (step + sync)})
-        print(f"{name}: step {step:.3f} s, collectives {comm:.3f} s; weight push {sync:.3f} s "
+        print(f"{name}: step {step:.3f} s, collectives {comm:.3f} s, optimizer {rows[-1]['optimizer_bytes'] / 1e6:.2f} "
+              f"MB per rank; weight push {sync:.3f} s "
               f"({rows[-1]['sync_gb_s']:.2f} GB/s, memcpy {rows[-1]['memcpy_gb_s']:.2f} GB/s)", flush=True)
     base = rows[0]["step_s"]
     for r in rows:
@@ -188,11 +216,12 @@ def bench_trainer(cfg: Config, quick: bool, output: Path, extra: list[str] | Non
 
 
 def _layout_name(backend: str, world: int, tensor: int, pipeline: int) -> str:
-    """"megatron", "megatron TP2", "megatron DP2", "megatron TP2xPP2", "deepspeed ZeRO-3 DP2", ..."""
+    """"megatron", "megatron TP2", "megatron DP2", "megatron TP2xPP2", "megatron DP2 distributed optimizer",
+    "deepspeed ZeRO-3 DP2", ..."""
     data = world // (tensor * pipeline)
     parts = [f"{k}{n}" for k, n in (("TP", tensor), ("PP", pipeline), ("DP", data)) if n > 1]
-    name = f"deepspeed ZeRO-{backend[-1]}" if backend.startswith("deepspeed") else backend
-    return name + (" " + "x".join(parts) if parts else "")
+    name = f"deepspeed ZeRO-{backend[-1]}" if backend.startswith("deepspeed") else backend.removesuffix("-distopt")
+    return name + (" " + "x".join(parts) if parts else "") + (" distributed optimizer" if backend.endswith("-distopt") else "")
 
 
 def markdown(r: dict, command: str) -> str:
@@ -201,12 +230,15 @@ def markdown(r: dict, command: str) -> str:
              f"Date {m['date']}, {m['cores']} threads in all (shared by a world's ranks), torch {m['torch']}; policy "
              f"`{m['policy']}`; one GRPO step of {m['sequences']} sequences in {m['minibatches']} minibatches, median of "
              f"{m['repetitions']} after a warm-up.", "",
-             "Collectives: TP/DP/PP all-reduces, broadcasts and pipeline transfers, waiting for peers included.", "",
-             "| trainer | ranks | step s | in collectives s | compute s | step / torch |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             "Collectives: TP/DP/PP all-reduces, broadcasts and pipeline transfers, waiting for peers included. "
+             "Optimizer: what a rank's optimizer holds beyond the model's weights (Adam's moments; master copies "
+             "where it steps copies), the largest rank's.", "",
+             "| trainer | ranks | step s | in collectives s | compute s | step / torch | optimizer MB per rank |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in r["rows"]:
         lines.append(f"| {row['layout']} | {row['world']} | {row['step_s']:.3f} | {row['comm_s']:.3f} | "
-                     f"{row['step_s'] - row['comm_s']:.3f} | {row['vs_torch']:.2f}x |")
+                     f"{row['step_s'] - row['comm_s']:.3f} | {row['vs_torch']:.2f}x | "
+                     f"{row.get('optimizer_bytes', 0) / 1e6:.2f} |")
     lines += ["", "The weight push after the step, into an embedded engine on each replica's leading rank (median "
               "of as many pushes; bytes are the Hugging Face tensors of one copy), against the memcpy bound (the "
               "same tensors copied once in memory on that rank); share: push / (train step + push).", "",
