@@ -22,11 +22,11 @@ class BackendUnavailable(ImportError):
     """A configured backend whose libraries are not installed."""
 
 
-def _backend(module: str, key: str, name: str, extra: str | None = None) -> ModuleType:
+def _backend(module: str, key: str, name: str, extra: str | None = None, hint: str | None = None) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        hint = f"; install it with `pip install -e \".[{extra}]\"`" if extra else ""
+        hint = f"; {hint}" if hint else f"; install it with `pip install -e \".[{extra}]\"`" if extra else ""
         raise BackendUnavailable(f"{key}={name} cannot be used here: {e}{hint}") from e
 
 
@@ -67,7 +67,8 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrai
         embedded = _backend("fastgrpo.backends.embedded", "engine.backend", name)
         return embedded.build_engine(cfg, model_config, tokenizer, weights, speculation)
     if name == "sglang":
-        _backend("sglang", "engine.backend", name, extra="sglang")  # not installed: say how to install it
+        # not installed: say how (sglang pins its own CUDA torch, which the CPU pin cannot share)
+        _backend("sglang", "engine.backend", name, hint="install it on a GPU node with `make install-gpu`")
         from fastgrpo.backends import sglang_engine
 
         return sglang_engine.build_engine(cfg, model_config, tokenizer, weights, speculation)
