@@ -9,9 +9,14 @@ colocated step (rollout: the trainer's state stays while the engine holds its sh
 the engine has released its memory and the micro-batch's activations need room).
 
 Every memory figure is an estimate from the formula printed beside it, for the trainer as
-fastgrpo builds it (`backends/megatron`): fp32 parameters, an fp32 gradient buffer, Adam's two
-fp32 moments per parameter, replicated across data-parallel ranks (megatron's distributed
-optimizer and bf16 training need CUDA tensors and are not used yet). Nothing here is measured.
+fastgrpo builds it (`backends/megatron`, megatron-core's own mixed precision): in fp32, 4 B of
+weights, 4 B of gradient buffer and 8 B of Adam moments per parameter (the optimizer steps the
+weights themselves); in bf16 (`trainer.precision`), 2 B of bf16 weights, 4 B of fp32 gradient
+buffer (`grad_reduce_in_fp32`) and 12 B of fp32 main weights and Adam moments. The optimizer's part
+(8 B or 12 B) is replicated over the data-parallel ranks, or divided by their number with
+`trainer.distributed_optimizer` (megatron's DistributedOptimizer); the weights and the gradient
+buffer are not (the gradients are reduce-scattered inside the full buffer). Activations are held in
+the training dtype, the last stage's logits in fp32. Nothing here is measured.
 """
 
 from __future__ import annotations
@@ -205,6 +210,33 @@ def _gib(n_bytes: float) -> float:
     return n_bytes / GIB
 
 
+def planned_precision(cfg: Config) -> str:
+    """`trainer.precision` as the planned machines resolve it (`fastgrpo.device.resolve`, which the plan
+    does not call: it plans GPU clusters from a login node): auto is bf16 on CUDA (device=cuda, or auto
+    with SGLang engines, which run on GPUs only) and fp32 on a CPU (the embedded engine's worlds)."""
+    if cfg.trainer.precision != "auto":
+        return cfg.trainer.precision
+    cuda = cfg.device == "cuda" or (cfg.device == "auto" and cfg.engine.backend == "sglang")
+    return "bf16" if cuda else "fp32"
+
+
+def _megatron_state(cfg: Config, P: float, dp: int) -> list[Term]:
+    """What megatron's DDP and optimizer keep per GPU for `P` parameters of this rank's shard."""
+    bf16 = planned_precision(cfg) == "bf16"
+    shard = dp if cfg.trainer.distributed_optimizer else 1
+    where = (f"/ data {dp} (trainer.distributed_optimizer)" if cfg.trainer.distributed_optimizer
+             else "replicated over data ranks")
+    weights = (Term("weights (bf16)", _gib(BF16 * P), f"2 B x {P / 1e9:.2f}B parameters (largest stage / TP)") if bf16
+               else Term("weights (fp32)", _gib(FP32 * P), f"4 B x {P / 1e9:.2f}B parameters (largest stage / TP)"))
+    grads = Term("gradients (fp32)", _gib(FP32 * P), "4 B x parameters (megatron's fp32 gradient buffer"
+                 + (", grad_reduce_in_fp32)" if bf16 else ")"))
+    if bf16:
+        optimizer = Term("main weights + Adam moments (fp32)", _gib(3 * FP32 * P / shard), f"12 B x parameters {where}")
+    else:
+        optimizer = Term("Adam moments (fp32)", _gib(2 * FP32 * P / shard), f"8 B x parameters {where}")
+    return [weights, grads, optimizer]
+
+
 def _policy_phases(plan: Plan, cfg: Config, s: Layout, dp: int, capacity: float) -> None:
     t, p = cfg.parallel.tensor, cfg.parallel.pipeline
     stage_layers = s.layers // p
@@ -224,11 +256,12 @@ def _policy_phases(plan: Plan, cfg: Config, s: Layout, dp: int, capacity: float)
                          "in CPU memory (deepspeed.offload_optimizer)" if ds.offload_optimizer
                          else f"8 B x parameters / data {dp} (ZeRO)")]
     else:
-        resident = [Term("weights (fp32)", _gib(FP32 * P), f"4 B x {P / 1e9:.2f}B parameters (largest stage / TP)"),
-                    Term("gradients (fp32)", _gib(FP32 * P), "4 B x parameters (megatron's fp32 gradient buffer)"),
-                    Term("Adam moments (fp32)", _gib(2 * FP32 * P), "8 B x parameters, replicated over data ranks")]
+        resident = _megatron_state(cfg, P, dp)
+    # the torch and DeepSpeed trainers are planned in fp32 (their terms above); megatron in its precision
+    dtype = planned_precision(cfg) if cfg.trainer.backend == "megatron" else "fp32"
+    width = BF16 if dtype == "bf16" else FP32
     if ref:
-        resident.append(Term("reference policy (fp32)", _gib(FP32 * P), "4 B x parameters (grpo.kl_coef > 0)"))
+        resident.append(Term(f"reference policy ({dtype})", _gib(width * P), f"{width} B x parameters (grpo.kl_coef > 0)"))
     reserve = Term("runtime allowance", RESERVE_GIB[cfg.engine.backend], "fixed (CUDA context, buffers, fragmentation)")
 
     # rollout: the engine holds its share while the trainer's state stays
@@ -267,22 +300,22 @@ def _policy_phases(plan: Plan, cfg: Config, s: Layout, dp: int, capacity: float)
     in_flight = min(p, math.ceil(rows / b))  # 1F1B: stage 0 holds up to PP micro-batches
     h, q, kv, ff = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.ffn
     layer_elems = b * L * (4 * h + (3 * q + 3 * kv) // t + 4 * ff // t)
-    formula = f"4 B x b{b} x s{L} x (4h + (3q + 3kv)/TP + 4 ffn/TP)"
+    formula = f"{width} B x b{b} x s{L} x (4h + (3q + 3kv)/TP + 4 ffn/TP)"
     scores = 0
     if cfg.trainer.layer_spec == "local":  # unfused attention keeps the s x s scores and probabilities
         scores = 2 * b * (s.heads // t) * L * L
         formula += " + 2 b heads/TP s^2 (local spec: unfused attention)"
     if cfg.trainer.recompute:
-        act = FP32 * (b * L * h * stage_layers * in_flight + layer_elems + scores)
-        what = f"recompute: 4 B x b s h x {stage_layers} layers x {in_flight} in flight + one layer: {formula}"
+        act = width * (b * L * h * stage_layers * in_flight + layer_elems + scores)
+        what = f"recompute: {width} B x b s h x {stage_layers} layers x {in_flight} in flight + one layer: {formula}"
     else:
-        act = FP32 * (layer_elems + scores) * stage_layers * in_flight
+        act = width * (layer_elems + scores) * stage_layers * in_flight
         what = f"{stage_layers} layers x {in_flight} in flight x {formula}"
     padded = padded_vocab(s.vocab, t) // t  # per TP rank
     logits = 3 * FP32 * b * L * padded
-    train = resident + [Term("activations", _gib(act), what),
+    train = resident + [Term(f"activations ({dtype})", _gib(act), what),
                         Term("logits (last stage)", _gib(logits), f"3 x 4 B x b{b} x s{L} x {padded} vocab/TP "
-                                                                   f"(logits, log-softmax, gradient)"), reserve]
+                                                                   f"(fp32 logits, log-softmax, gradient)"), reserve]
     plan.phases.append(Phase("policy GPU", "training", train, capacity))
     if not plan.phases[-1].fits and not cfg.trainer.recompute:
         plan.advice.append("trainer.recompute=true keeps one input per layer instead of every activation")

@@ -45,8 +45,8 @@ def test_the_70b_plan_maps_every_gpu_and_prices_both_phases(capsys):
 def test_an_engine_layout_train_cannot_build_does_not_plan(capsys):
     """engine.tensor that does not divide the policy GPUs, spans a node, or is not 1 for the embedded
     engine: the plan says no (exit 1), or the config is refused naming the key (exit 2)."""
-    status, out = plan(capsys, "--config", "configs/llama3_8b.yaml", "engine.tensor=8")  # 4 policy GPUs
-    assert status == 1 and "[NO] engine.tensor 8 divides the 4 policy GPUs into engines" in out
+    status, out = plan(capsys, "--config", "configs/llama3_8b.yaml", "engine.tensor=8")  # 6 policy GPUs
+    assert status == 1 and "[NO] engine.tensor 8 divides the 6 policy GPUs into engines" in out
     status, out = plan(capsys, "--config", "configs/llama3_70b.yaml", "engine.tensor=16")
     assert status == 2 and "engine.tensor must divide cluster.gpus_per_node=8 (an engine never spans a node)" in out
     status, out = plan(capsys, "--config", "configs/llama3_70b.yaml", "--gpus-per-node", "4", "--nodes", "18")
@@ -76,10 +76,14 @@ def test_a_world_that_does_not_divide_fails_with_what_to_change(capsys):
 
 
 def test_a_layout_out_of_memory_names_the_term_and_the_fix(capsys):
-    """70B at TP8 x PP1: 8.8B fp32 parameters with gradients and Adam on each GPU (141 GiB)."""
+    """70B at TP8 x PP1: 8.8B parameters on each GPU (109 GiB in bf16 with the distributed optimizer,
+    its fp32 gradient buffer the largest term; 141 GiB in fp32, Adam's moments the largest)."""
     status, out = plan(capsys, "--config", "configs/llama3_70b.yaml", "parallel.pipeline=1")
     assert status == 1 and "DOES NOT FIT" in out
-    assert "the largest term is Adam moments (fp32)" in out and "more tensor or pipeline ranks" in out
+    assert "the largest term is gradients (fp32)" in out and "more tensor or pipeline ranks" in out
+    status, out = plan(capsys, "--config", "configs/llama3_70b.yaml", "parallel.pipeline=1", "trainer.precision=fp32",
+                       "trainer.distributed_optimizer=false")
+    assert status == 1 and "the largest term is Adam moments (fp32)" in out
     status, out = plan(capsys, "--config", "configs/llama3_70b.yaml", "trainer.recompute=false")
     assert status == 1 and "the largest term is activations" in out and "trainer.recompute=true" in out
     status, out = plan(capsys, "--config", "configs/llama3_70b.yaml", "parallel.tensor=3")
@@ -130,7 +134,7 @@ def test_zero_stages_shard_what_they_say(capsys):
     Adam over the 8 data ranks, ZeRO-2 the gradients too, ZeRO-3 the weights too; offload moves Adam
     off the GPU."""
     base = ["--config", "configs/llama3_8b.yaml", "trainer.backend=deepspeed", "parallel.tensor=1",
-            "parallel.draft_ranks=0", "draft.online=off", "trainer.recompute=false"]
+            "parallel.draft_ranks=0", "draft.online=off", "trainer.recompute=false", "trainer.distributed_optimizer=false"]
 
     def terms(*extra):
         _, out = plan(capsys, *base, *extra)
@@ -145,3 +149,43 @@ def test_zero_stages_shard_what_they_say(capsys):
     assert two["gradients (fp32)"] == pytest.approx(p / 8, abs=0.01) and two["weights (fp32)"] == pytest.approx(p, abs=0.01)
     assert three["weights (fp32)"] == pytest.approx(p / 8, abs=0.01)
     assert terms("deepspeed.zero_stage=3", "deepspeed.offload_optimizer=true")["Adam moments (fp32)"] == 0.0
+
+
+def test_precision_and_the_distributed_optimizer_price_what_megatron_keeps(capsys):
+    """Per parameter of a GPU's shard, with the formula printed beside each term: fp32 keeps 4 B of
+    weights, 4 B of gradient buffer and 8 B of Adam moments; bf16 2 B of bf16 weights, 4 B of fp32
+    gradient buffer and 12 B of fp32 main weights and moments; the distributed optimizer divides the
+    optimizer's part (only) by the data-parallel size. Activations follow the training dtype;
+    precision auto plans bf16 for SGLang's GPUs and fp32 for the embedded engine's CPU worlds."""
+    base = ["--config", "configs/llama3_70b.yaml"]  # TP8 x PP4 x DP2: 2.27B parameters a GPU
+
+    def terms(*extra):
+        _, out = plan(capsys, *base, *extra)
+        section = out.split("policy GPU, training")[1].split("\n\n")[0]
+        rows = {}
+        for line in section.splitlines()[1:]:
+            name, rest = line[2:40].strip(), line[40:].split(None, 1)
+            rows[name] = (float(rest[0]), rest[1] if len(rest) > 1 else "")
+        return rows
+
+    p = 2.27e9 / 2**30  # GiB per byte per parameter, to the plan's rounding
+    fp32 = terms("trainer.precision=fp32", "trainer.distributed_optimizer=false")
+    assert fp32["weights (fp32)"][0] == pytest.approx(4 * p, rel=0.01) and "4 B x 2.27B" in fp32["weights (fp32)"][1]
+    assert fp32["gradients (fp32)"][0] == pytest.approx(4 * p, rel=0.01)
+    assert fp32["Adam moments (fp32)"][0] == pytest.approx(8 * p, rel=0.01)
+    assert "8 B x parameters replicated over data ranks" in fp32["Adam moments (fp32)"][1]
+    sharded = terms("trainer.precision=fp32", "trainer.distributed_optimizer=true")
+    assert sharded["Adam moments (fp32)"][0] == pytest.approx(8 * p / 2, rel=0.01)
+    assert "/ data 2 (trainer.distributed_optimizer)" in sharded["Adam moments (fp32)"][1]
+    assert sharded["weights (fp32)"] == fp32["weights (fp32)"] and sharded["gradients (fp32)"] == fp32["gradients (fp32)"]
+    bf16 = terms("trainer.precision=bf16", "trainer.distributed_optimizer=false")
+    assert bf16["weights (bf16)"][0] == pytest.approx(2 * p, rel=0.01) and "2 B x 2.27B" in bf16["weights (bf16)"][1]
+    assert bf16["gradients (fp32)"][0] == pytest.approx(4 * p, rel=0.01) and "grad_reduce_in_fp32" in bf16["gradients (fp32)"][1]
+    assert bf16["main weights + Adam moments (fp32)"][0] == pytest.approx(12 * p, rel=0.01)
+    assert bf16["activations (bf16)"][0] == pytest.approx(fp32["activations (fp32)"][0] / 2, rel=0.01)
+    shipped = terms()  # the config's own: bf16 with the distributed optimizer
+    assert shipped["main weights + Adam moments (fp32)"][0] == pytest.approx(12 * p / 2, rel=0.01)
+    assert "12 B x parameters / data 2 (trainer.distributed_optimizer)" in shipped["main weights + Adam moments (fp32)"][1]
+    assert terms("trainer.precision=auto") == shipped  # SGLang engines: GPUs, bf16
+    _, out = plan(capsys, "--config", "configs/tiny_cpu.yaml", "--gpu-memory-gb", "8")
+    assert "weights (fp32)" in out and "activations (fp32)" in out  # auto with the embedded engine: a CPU, fp32
