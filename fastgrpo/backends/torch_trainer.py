@@ -142,7 +142,7 @@ class TorchPolicyTrainer:
         ref = self.reference_logprobs(batch) if self.cfg.kl_coef > 0 else None
         rows = list(range(batch.size))
         self.accumulate(batch, rows, minibatch_loss(self.cfg, batch, rows, None, ref,
-                                                    torch.zeros(len(STATS), dtype=torch.float64)))
+                                                    torch.zeros(len(STATS), dtype=torch.float64, device=self.device)))
         grads = {id(p): m.grad for p, m in zip(self.trainable, self.master)}
         grad = torch.cat([grads[id(p)].reshape(-1).float() if grads.get(id(p)) is not None
                           else torch.zeros(p.numel(), device=self.device) for p in self.model.parameters()])

@@ -30,6 +30,8 @@ STATS = ("loss", "clip", "entropy", "kl_engine", "kl_ref", "tokens")
 
 
 class StepBackend(Protocol):
+    device: torch.device  # where its micro-batches, log-probabilities and statistics live
+
     def logprobs(self, batch: RolloutBatch) -> Tensor:
         """The policy's log-probabilities of every token of the batch, [N, L] position-aligned
         (column 0 padding), on every rank."""
@@ -91,13 +93,13 @@ def grpo_step(backend: StepBackend, batch: RolloutBatch, cfg: GRPOConfig) -> dic
     old = backend.logprobs(batch) if several else None  # else old = current, from the same forward
     ref = backend.reference_logprobs(batch) if cfg.kl_coef > 0 else None
     per_minibatch = math.ceil(batch.size / cfg.minibatches)
-    totals = torch.zeros(len(STATS), dtype=torch.float64)  # every minibatch's, this rank's part
+    totals = torch.zeros(len(STATS), dtype=torch.float64, device=backend.device)  # every minibatch's, this rank's part
     loss_sum = norm_sum = 0.0
     updates = skipped = 0
     for _ in range(cfg.epochs):
         for start in range(0, batch.size, per_minibatch):
             rows = list(range(start, min(start + per_minibatch, batch.size)))
-            stats = torch.zeros(len(STATS), dtype=torch.float64)
+            stats = torch.zeros(len(STATS), dtype=torch.float64, device=backend.device)
             backend.zero_grad()
             backend.accumulate(batch, rows, minibatch_loss(cfg, batch, rows, old, ref, stats))
             # the skip decision needs the whole minibatch's loss on the host, on every rank alike
