@@ -49,8 +49,9 @@ def cmd_draft_pretrain(args: argparse.Namespace) -> None:
     pretrain_draft(cfg)
 
 
-def ensure_policy_and_draft(cfg: Config) -> None:
-    """Benchmarks and speculative training build what they need: the policy (SFT), then its draft."""
+def ensure_policy_and_draft(cfg: Config, draft: bool = True) -> None:
+    """Benchmarks and speculative training build what they need: the policy (SFT), then its draft
+    (unless `draft` is false: a benchmark without speculation)."""
     from fastgrpo.backends.embedded import draft_dir
     from fastgrpo.draft_learning.pretrain import pretrain_draft
     from fastgrpo.models.sft import build_policy
@@ -59,7 +60,7 @@ def ensure_policy_and_draft(cfg: Config) -> None:
     if not (Path(cfg.model.path) / "config.json").is_file():
         print(f"no policy at {cfg.model.path}: building it (fastgrpo sft)")
         build_policy(cfg)
-    if not (draft_dir(cfg) / DRAFT_WEIGHTS).is_file():
+    if draft and not (draft_dir(cfg) / DRAFT_WEIGHTS).is_file():
         print(f"no draft at {draft_dir(cfg)}: building it (fastgrpo draft-pretrain)")
         pretrain_draft(cfg)
 
@@ -126,7 +127,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         if flag not in ("modes", "threads") and getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     cfg = _config(args)
-    ensure_policy_and_draft(cfg)
+    ensure_policy_and_draft(cfg, draft=args.what != "engines")
     extra = [*(["--config", args.config] if args.config else []), *args.overrides,
              *(["--policy", args.policy] if args.policy else [])]
     benches[args.what](cfg, args.quick, Path(args.output or f"bench/{args.what}.json"), extra=extra)
