@@ -140,13 +140,15 @@ def _optimizer_bytes(trainer) -> int:
     while not isinstance(opt, torch.optim.Optimizer):  # DeepSpeed's ZeRO optimizer wraps a torch one
         opt = opt.optimizer
     weights = {p.untyped_storage().data_ptr() for p in trainer.model.parameters() if p.numel()}
+    # what it steps: its groups' parameters, and the keys of its state (ZeRO-3 puts its fp32 partitions
+    # in the groups only while it steps)
+    held = {id(p): p for group in opt.param_groups for p in group["params"]} | {id(p): p for p in opt.state}
     total = 0
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if p.untyped_storage().data_ptr() not in weights:
-                total += p.numel() * p.element_size()
-            total += sum(t.numel() * t.element_size() for k, t in opt.state.get(p, {}).items()
-                         if k != "step" and isinstance(t, torch.Tensor))
+    for p in held.values():
+        if p.untyped_storage().data_ptr() not in weights:
+            total += p.numel() * p.element_size()
+        total += sum(t.numel() * t.element_size() for k, t in opt.state.get(p, {}).items()
+                     if k != "step" and isinstance(t, torch.Tensor))
     return total
 
 
