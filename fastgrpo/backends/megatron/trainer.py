@@ -17,6 +17,14 @@ it computes the log-probabilities, the loss and the statistics; they reach the o
 sum over the pipeline group (every other stage contributes zeros, so the sum is exact), and every
 rank returns the same metrics and takes the same skip-on-NaN verdict.
 
+Precision and the optimizer (`compute`, `distributed_optimizer`) are megatron-core's own: in bf16 its
+Float16Module, fp32 gradient buffers and an optimizer of fp32 main weights; with the distributed
+optimizer, gradients reduce-scattered and the optimizer state sharded over the data-parallel ranks.
+On a CPU build of torch both run over gloo with `megatron_patches` (what they need is named there).
+On CUDA (one GPU per rank, LOCAL_RANK's) every batch moves to the device micro-batch by micro-batch,
+and the step's statistics and skip decision cross to the host once per minibatch (grpo.step), on
+purpose.
+
 Variable sequence lengths: each micro-batch keeps its own shape (its rows, trimmed to its longest
 sequence, as the torch trainer does) and the schedules run with `config.variable_seq_lengths`, so
 megatron's point-to-point layer sends each activation's shape (3 integers) before the activation.
@@ -336,14 +344,19 @@ class MegatronPolicyTrainer:
     # -- checkpoints -------------------------------------------------------------------------
     # A checkpoint directory holds two things:
     # - `policy/`: the policy as a Hugging Face directory (full tensors gathered layer by layer and
-    #   written by rank 0): what the rollout engine, `fastgrpo eval` and any Hugging Face tool read.
+    #   written by rank 0, in the training dtype): what the rollout engine, `fastgrpo eval` and any
+    #   Hugging Face tool read.
     # - `megatron/`: megatron's distributed checkpoint (`dist_checkpointing`, torch_dist format) of
-    #   the model and the optimizer state (Adam's moments and step), each rank writing its shards
-    #   of the global tensors, plus `fastgrpo.json` (the model's shape, the layout it was saved at,
-    #   the update count for the warm-up). It loads at any TP x PP x DP layout of the same model:
-    #   each rank reads the slices of the global tensors its own layout needs. The vocabulary
-    #   padding differs between TP sizes; its rows are zero (never sampled, zero gradient, zero
-    #   moments), and megatron loads padded tensors of another length as their common prefix.
+    #   the model (in the training dtype) and the optimizer state (Adam's moments and step; in bf16
+    #   the fp32 main weights too), each rank writing its shards of the global tensors, plus
+    #   `fastgrpo.json` (the model's shape, the layout it was saved at, the update count for the
+    #   warm-up, the precision and the optimizer kind). With the replicated optimizer it loads at any
+    #   TP x PP x DP layout of the same model: each rank reads the slices of the global tensors its
+    #   own layout needs. The vocabulary padding differs between TP sizes; its rows are zero (never
+    #   sampled, zero gradient, zero moments), and megatron loads padded tensors of another length as
+    #   their common prefix. The distributed optimizer's state is in megatron's `dp_reshardable`
+    #   buckets: it loads at any DP size of the saved TP x PP. Optimizer state loads into an optimizer
+    #   of the same kind and precision (`_check_optimizer_state`); a model-only checkpoint into any.
     def _identity(self) -> dict:
         return checkpoint_identity(self.hf_config, self.layout)
 
