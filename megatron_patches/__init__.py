@@ -15,12 +15,15 @@ Rules (DESIGN.md section 3):
   the wrong thing.
 
 The distributed optimizer (`trainer.distributed_optimizer`) and bf16 (`Float16Module`, the bf16
-optimizer with fp32 main parameters) need two more: the optimizers' constructors sort parameters by
-`Tensor.type()` names that only CUDA tensors have, and the distributed optimizer's checkpoint
-gather moves a CPU buffer to the GPU. What else they need on CPU is not a patch: tensors megatron
-allocates on "cuda" go to the CPU under `cpu_device_literals` (the trainer builds the optimizer
-inside it), and the checkpoint format is the trainer's choice (`dp_reshardable`: the default
-`fully_sharded_model_space` fails on any device in 0.16.1, "flattened_range is not supported").
+optimizer with fp32 main parameters) need two more: both optimizers' constructors sort parameters
+by `Tensor.type()` names that only CUDA tensors have. What else they need on CPU is not a patch:
+tensors megatron allocates on "cuda" go to the CPU under `cpu_device_literals` (the trainer builds
+the optimizer inside it), and the checkpoint format is the trainer's choice: `dp_reshardable` (the
+default `fully_sharded_model_space` fails on any device in 0.16.1, "flattened_range is not
+supported"), which never reaches the `.cuda()` of the state gather over data-parallel ranks
+(`DistributedOptimizer.get_parameter_state_dp_zero`, the other formats'). The distributed
+optimizer's Adam step count on load, wrong with torch's Adam on any device, is mended by the
+trainer (`MegatronPolicyTrainer._restore_adam_steps`), not here.
 """
 
 from __future__ import annotations
