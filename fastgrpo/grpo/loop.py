@@ -59,7 +59,7 @@ class TrainResult:
 
 @dataclass
 class Rollout:
-    """One step's answers: every replica's, in prompt order (completions[i * G + j] answers prompt i)."""
+    """One step's answers: every engine's, in prompt order (completions[i * G + j] answers prompt i)."""
 
     completions: list[Completion]
     rewards: torch.Tensor  # [prompts, G]
