@@ -84,12 +84,8 @@ class TorchPolicyTrainer:
         return out
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        """All optimiser steps for one rollout batch (`grpo.step.grpo_step`)."""
-        self.model.train()
-        try:
-            return grpo_step(self, batch, self.cfg)
-        finally:
-            self.model.eval()
+        """All optimiser steps for one rollout batch: the GRPO step (`grpo.step.grpo_step`)."""
+        return grpo_step(self, batch, self.cfg)
 
     # -- what the GRPO step asks of a backend (`grpo.step.StepBackend`) -------------------------------
     def reference_logprobs(self, batch: RolloutBatch) -> Tensor:

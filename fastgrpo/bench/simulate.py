@@ -261,7 +261,7 @@ class CpuCosts:
     def _plus_extra(forwards: float, extra: float) -> float:
         """A step's forwards plus its measured extra, which is negative where the engine's step costs
         less than the sweep's forwards at its shape (a step of d4k4n12 at 64 rows 84 ms less, in
-        `bench/simulate-quick-2026-11-26-run5.json`; held at zero, such steps were priced 10-22% high
+        `bench/simulate-quick-2026-11-26-run5.json` in git history; held at zero, such steps were priced 10-22% high
         in three runs). Never below half the forwards: a guard against a fit extrapolated far from
         what it measured."""
         return max(forwards + extra, 0.5 * forwards)
@@ -917,7 +917,7 @@ def _rms(rows: list[list[float]], y: list[float], coef: tuple[float, ...]) -> fl
 # ---------------------------------------------------------------------------------------------
 # every policy the GRPO batch compares but the static sweep: `aware_per_sequence` learns here what
 # `aware` does (run on the GRPO batch alone, it met it untaught, where `aware` had learned on the sweep:
-# 3.5 speculative steps of 84.5 against `aware`'s 19 of 60.5, bench/simulate-quick-2026-11-26-run5.json)
+# 3.5 speculative steps of 84.5 against `aware`'s 19 of 60.5, bench/simulate-quick-2026-11-26-run5.json in git history)
 SWEEP_MODES = ("off", "static", "fastgrpo", "tlt", "aware", "aware_per_sequence")
 VALIDATION_REPLAYS = 5  # the simulated protocol's replays (simulated runs are cheap; the engine's are not)
 REPETITIONS = 3  # the validation's default repetitions R (`bench simulate --repetitions`)

@@ -31,6 +31,7 @@ STATS = ("loss", "clip", "entropy", "kl_engine", "kl_ref", "tokens")
 
 class StepBackend(Protocol):
     device: torch.device  # where its micro-batches, log-probabilities and statistics live
+    model: torch.nn.Module  # in training mode for the step's duration
 
     def logprobs(self, batch: RolloutBatch) -> Tensor:
         """The policy's log-probabilities of every token of the batch, [N, L] position-aligned
@@ -88,7 +89,16 @@ def minibatch_loss(cfg: GRPOConfig, batch: RolloutBatch, rows: list[int], old: T
 
 
 def grpo_step(backend: StepBackend, batch: RolloutBatch, cfg: GRPOConfig) -> dict[str, float]:
-    """Every optimiser step for one rollout batch; the metrics of the whole batch, on every rank."""
+    """Every optimiser step for one rollout batch, the model in training mode meanwhile; the metrics of
+    the whole batch, on every rank."""
+    backend.model.train()
+    try:
+        return _steps(backend, batch, cfg)
+    finally:
+        backend.model.eval()
+
+
+def _steps(backend: StepBackend, batch: RolloutBatch, cfg: GRPOConfig) -> dict[str, float]:
     several = cfg.epochs * cfg.minibatches > 1
     old = backend.logprobs(batch) if several else None  # else old = current, from the same forward
     ref = backend.reference_logprobs(batch) if cfg.kl_coef > 0 else None

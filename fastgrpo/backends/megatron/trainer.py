@@ -257,11 +257,8 @@ class MegatronPolicyTrainer:
 
     # -- training: what the GRPO step (`grpo.step.grpo_step`) asks of a backend --------------------
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        self.model.train()
-        try:
-            return grpo_step(self, batch, self.cfg)
-        finally:
-            self.model.eval()
+        """All optimiser steps for one rollout batch: the GRPO step (`grpo.step.grpo_step`)."""
+        return grpo_step(self, batch, self.cfg)
 
     def reference_logprobs(self, batch: RolloutBatch) -> Tensor:
         if self.reference is None:
