@@ -61,9 +61,10 @@ class Torchrun:
             time.sleep(0.5)
 
     def workers(self) -> list[psutil.Process]:
-        """The ranks, by their RANK."""
+        """The ranks, by their RANK: torchrun's own children only (a rank's forked helpers, such as
+        the checkpoint writer's manager, carry the same RANK and command line)."""
         ranks = {}
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
+        for child in psutil.Process(self.proc.pid).children(recursive=False):
             try:
                 rank, command = child.environ().get("RANK"), " ".join(child.cmdline())
             except psutil.NoSuchProcess:  # a short-lived helper process that ended meanwhile
