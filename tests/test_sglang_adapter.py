@@ -330,3 +330,32 @@ def test_released_weights_are_stale_until_the_next_push_and_memory_returns_in_st
     engine.update_weights(reference.state_dict().items(), version=2)
     assert not s.offloaded and engine.stats()["weights_version"] == 2
     assert [c.token_ids for c in engine.generate([Request([1, 5, 6, 7])], greedy)] == [c.token_ids for c in before]
+
+
+def test_aware_sets_sglangs_adaptive_slots_and_refreshes_them(sglang, monkeypatch):
+    """speculation.policy=aware on SGLang: a slot per captured batch size, each set (through fastgrpo's
+    scheduler plugin) to aware's chain and frozen; after a call the acceptance SGLang's histograms
+    report is learned and the slots follow aware's new picks; a depth outside a slot's candidates is
+    refused by name, and an SGLANG_PLUGINS that leaves the plugin out is refused at start."""
+    from fastgrpo.speculation.sglang_tiers import spec_capture_sizes
+
+    engine = sglang(**{"speculation.policy": "aware", "rollout.max_batch": 8})
+    slots = scheduler(engine).draft_worker.adaptive_controller.params._slots
+    assert sorted(slots) == spec_capture_sizes(8)
+    assert {k: s.current_steps for k, s in slots.items()} == engine.aware.table
+    assert all(s.warmup_batches == float("inf") for s in slots.values())
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True)
+    reached = engine.aware.aware.acceptance.reached[1]
+    out = engine.generate([Request([1, 20 + i, 21, 22], key=i) for i in range(4)], sampling, seed=3)
+    assert all(len(c.token_ids) == 16 for c in out)
+    assert any(engine.aware.table.values())  # it speculated, and SGLang's histograms taught aware
+    assert engine.aware.aware.acceptance.reached[1] > reached
+    engine.aware.count([10_000])  # every draft rejected: speculation no longer pays anywhere
+    engine._learn([])
+    assert {k: s.current_steps for k, s in slots.items()} == engine.aware.table
+    assert set(engine.aware.table.values()) == {0}
+    with pytest.raises(RuntimeError, match="slot 1: 99 steps is not among its candidates"):
+        engine.set_tiers({1: 99})
+    monkeypatch.setenv("SGLANG_PLUGINS", "someone_else")
+    with pytest.raises(RuntimeError, match="SGLANG_PLUGINS=someone_else leaves out fastgrpo's plugin"):
+        sglang(**{"speculation.policy": "aware"})

@@ -30,6 +30,7 @@ ADAPTER_OWN_KEYS = {
     "LOCAL_RANK": "the environment (torchrun)",
     "rope_parameters": "a Hugging Face config (transformers 5)",
     "candidate_steps": "SGLang's adaptive tiers file (checked below against adaptive_spec_params.py)",
+    "SGLANG_PLUGINS": "the environment (SGLang's plugin allow-list: test_the_plugin_reaches_what_sglang_loads_and_calls)",
 }
 
 
@@ -138,7 +139,8 @@ def test_the_keys_the_adapter_reads_are_sglangs(src):
     sglang_keys = src.output_keys | set(src.server_args_fields)
     assert sorted(keys - sglang_keys - set(ADAPTER_OWN_KEYS)) == []
     assert {"output_token_sampling_mask", "output_token_sampling_logprobs", "output_token_logprobs", "cached_tokens",
-            "hidden_states", "finish_reason", "spec_verify_ct", "num_retractions"} <= keys & src.output_keys
+            "hidden_states", "finish_reason", "spec_verify_ct", "num_retractions",
+            "spec_correct_drafts_histogram"} <= keys & src.output_keys
     tiers = src.module("sglang.srt.speculative.adaptive_spec_params").path.read_text()
     assert 'entry.get("candidate_steps")' in tiers and 'entry["candidate_steps"]' in tiers
     assert set(sglang_engine.FINISH_REASONS) <= src.finish_types == {"stop", "length", "abort"}
@@ -304,3 +306,118 @@ def test_the_gpu_install_resolves(src):
     chosen = json.loads(marker.read_text())
     assert chosen["torch"] == "2.14.1" and chosen["sglang"] == SGLANG_VERSION
     assert Requirement(next(r for r in reqs if r.startswith("transformers"))).specifier.contains(chosen["transformers"])
+
+
+# -- aware on SGLang: the plugin, the slots, the capture sizes, the EMA (speculation/sglang_tiers.py) --
+def _source_of(src, module: str, name: str) -> str:
+    return ast.unparse(src.resolve(module, name).node)
+
+
+def test_the_plugin_reaches_what_sglang_loads_and_calls(src):
+    """fastgrpo's entry point is in the group SGLang loads in each scheduler process before the
+    Scheduler exists; collective_rpc calls a Scheduler method by name with flat scalar arguments; the
+    chain of attributes the plugin follows is assigned where SGLang builds it."""
+    plugins = src.module("sglang.srt.plugins")
+    assert ast.literal_eval(plugins.defs["GENERAL_PLUGINS_GROUP"].value) == "sglang.srt.plugins"
+    assert "allowed_str = envs.SGLANG_PLUGINS.get()" in plugins.path.read_text()
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert '[project.entry-points."sglang.srt.plugins"]\nfastgrpo = "fastgrpo.backends.sglang_plugin:register"' in pyproject
+    run = _source_of(src, "sglang.srt.managers.scheduler", "run_scheduler_process")
+    assert run.index("load_plugins()") < run.index("Scheduler(")
+    rpc = src.class_named("sglang.srt.entrypoints.engine.Engine").method("collective_rpc")
+    assert [a.arg for a in rpc.args.args] == ["self", "method"] and rpc.args.kwarg is not None
+    assert "RpcReqInput(method=method, parameters=kwargs)" in ast.unparse(rpc)
+    scheduler = src.class_named("sglang.srt.managers.scheduler.Scheduler")
+    handle = ast.unparse(scheduler.method("handle_rpc_request"))
+    assert "getattr(self, recv_req.method)" in handle and "func(**recv_req.parameters)" in handle
+    assert "self.draft_worker = DraftWorkerClass(**draft_worker_kwargs)" in ast.unparse(scheduler.method("maybe_init_draft_worker"))
+    worker = src.class_named("sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2")
+    assert "self.adaptive_controller = AdaptiveController(" in ast.unparse(worker.method("__init__"))
+    assert "self.activate_step_by_batch(batch.seq_lens.shape[0])" in ast.unparse(worker.method("forward_batch_generation"))
+    controller = src.class_named("sglang.srt.speculative.adaptive_runtime_state.AdaptiveController")
+    assert "self.params: AdaptiveSpecPolicy = policy" in ast.unparse(controller.method("__init__"))
+    assert "self.params.get_steps_for_batch(batch_size)" in ast.unparse(controller.method("activate_step_by_batch"))
+    params = src.class_named("sglang.srt.speculative.adaptive_spec_params.AdaptiveSpeculativeParams")
+    assert "self._slots[bs] = AdaptiveStepSlot(" in ast.unparse(params.method("__init__"))
+    assert "return self._route(batch_size).current_steps" in ast.unparse(params.method("get_steps_for_batch"))
+    slot = src.class_named("sglang.srt.speculative.adaptive_spec_params.AdaptiveStepSlot")
+    assert {"candidate_steps", "current_steps", "warmup_batches"} <= slot.attributes
+    assert "if self._batch_count <= self.warmup_batches:\n        return False" in ast.unparse(slot.method("update"))
+
+
+def test_the_tiers_model_is_sglangs(src):
+    """SGLang's default tiers and its captured decode sizes with speculation, as sglang_tiers has them."""
+    from fastgrpo.speculation.sglang_tiers import SGLANG_DEFAULT_TIERS, SLOT_DEFAULTS, spec_capture_sizes
+
+    module = src.module("sglang.srt.speculative.adaptive_spec_params")
+    assert ast.literal_eval(module.defs["DEFAULT_ADAPTIVE_CONFIG"].value) == SGLANG_DEFAULT_TIERS
+    init = ast.unparse(src.class_named("sglang.srt.speculative.adaptive_spec_params.AdaptiveStepSlot").method("__init__"))
+    for key, value in SLOT_DEFAULTS.items():
+        assert f"cfg.get('{key}', {value!r})" in init, key
+    fn = src.resolve("sglang.srt.arg_groups.cuda_graph_hook", "generate_decode_cuda_graph_batch_sizes").node
+    namespace = {"resolving_view": lambda args: args}
+    exec(compile(ast.Module([fn], []), "cuda_graph_hook.py", "exec"), namespace)
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(disable_cuda_graph_padding=False, speculative_algorithm="EAGLE")
+    for max_bs in (1, 7, 8, 48, 128, 200, 512):
+        assert spec_capture_sizes(max_bs) == namespace["generate_decode_cuda_graph_batch_sizes"](args, max_bs), max_bs
+
+
+def _real_adaptive_params(src):
+    """adaptive_spec_params.py itself, run with its sglang imports stubbed (they only log and check
+    server arguments): SGLang's own slot and routing code."""
+    import sys
+    import types
+
+    stubs = {"sglang.srt.arg_groups.overrides": dict(resolved_view=None, resolving_view=None),
+             "sglang.srt.runtime_context": dict(attn_dp_enabled_of=None),
+             "sglang.srt.speculative.spec_info": dict(SpeculativeAlgorithm=None),
+             "sglang.srt.utils": dict(log_info_on_rank0=lambda logger, msg: None)}
+    saved = {name: sys.modules.get(name) for name in stubs}
+    try:
+        for name, attrs in stubs.items():
+            sys.modules[name] = types.SimpleNamespace(**attrs)
+        namespace: dict = {"__name__": "sglang_adaptive_spec_params"}
+        path = src.module("sglang.srt.speculative.adaptive_spec_params").path
+        exec(compile(path.read_text(), str(path), "exec"), namespace)
+        return namespace
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+def test_the_simulated_sglang_controller_decides_as_sglangs_own_code(src, tmp_path):
+    """On random decode traces (batch sizes, accepted drafts per row), our model of SGLang's adaptive
+    controller (which the simulator's `sglang_adaptive` runs) picks the same depth at every step as
+    SGLang's AdaptiveSpeculativeParams, for its default tiers and for aware's."""
+    import random
+
+    from fastgrpo.speculation.sglang_tiers import SGLANG_DEFAULT_TIERS, AdaptiveSlots, spec_capture_sizes
+
+    real = _real_adaptive_params(src)
+    sizes = spec_capture_sizes(64)
+    aware_like = {str(s): {"candidate_steps": sorted({0, 1, s % 5 + 1, 7}), "down_hysteresis": 0.0} for s in sizes[::3]}
+    for config in (SGLANG_DEFAULT_TIERS, aware_like):
+        path = tmp_path / "tiers.json"
+        path.write_text(json.dumps(config))
+        union = sorted({s for e in config.values() for s in e["candidate_steps"]})
+        theirs = real["AdaptiveSpeculativeParams"](initial_steps=union[len(union) // 2], cfg_path=str(path))
+        theirs.set_cuda_graph_bs(sizes)
+        ours = AdaptiveSlots(config, sizes)
+        rng = random.Random(0)
+        moves = 0
+        for step in range(3000):
+            batch = rng.choice([1, 2, 3, 5, 9, 17, 33, 50, 64])
+            assert ours.steps(batch) == theirs.get_steps_for_batch(batch), (step, batch)
+            depth = ours.steps(batch)
+            skill = 0.9 if (step // 500) % 2 == 0 else 0.3  # acceptance drifts, so depths move both ways
+            correct = [next(a for a in range(depth + 1) if a == depth or rng.random() > skill) for _ in range(batch)]
+            before = ours.steps(batch)
+            ours.verified(correct, batch)
+            theirs.on_verify_complete(correct, batch)
+            moves += ours.steps(batch) != before
+        assert moves > 10  # the trace moved the depths (a comparison of frozen slots would be vacuous)

@@ -8,11 +8,11 @@ import statistics
 import numpy as np
 import pytest
 
-from fastgrpo.bench.simulate import (CONTEXT, H100, LLAMA3_8B, SWEEP, AcceptanceProfile, CpuCosts, DraftConfidence,
-                                     Recorder, Roofline, SimRequest, Workload, eagle_profile, fit_acceptance,
-                                     price_engine_run, replay_steps, sim_policies, simulate, simulated_cost_model,
-                                     whole_tree_acceptance)
+from fastgrpo.bench.simulate import (CONTEXT, SWEEP, AcceptanceProfile, CpuCosts, DraftConfidence, Recorder,
+                                     SimRequest, Workload, eagle_profile, fit_acceptance, price_engine_run,
+                                     replay_steps, sim_policies, simulate, whole_tree_acceptance)
 from fastgrpo.engine.engine import EmbeddedEngine
+from fastgrpo.speculation.roofline import H100, LLAMA3_8B, Roofline, simulated_cost_model
 from fastgrpo.models.policy import new_policy, policy_config
 from fastgrpo.speculation.cost_model import CostModel
 from fastgrpo.speculation.draft import DraftHead

@@ -39,10 +39,16 @@ on, all in 0.5.23 (paths in the wheel, under sglang/srt/):
   skipped were computed by another request of the same call and are taken from it (`fill_prefixes`).
 - EAGLE: the draft is exported with its own config (`eagle_draft_config`: untied head, the target's
   dtype and rope), and the engine gets the dtype explicitly.
-- Speculation is fixed when the engine starts: `static` is EAGLE with our depth / top-k / verify count;
-  `fastgrpo` is SGLang's adaptive EAGLE (chains, top-k 1) with one tier per concurrency range taken
-  from our policy's own choice (`adaptive_tiers`); `aware` is SGLang's adaptive EAGLE with its default
-  tiers, since our cost model has no calibration of SGLang's GPU forwards (not built).
+- Speculation: `static` is EAGLE with our depth / top-k / verify count; `fastgrpo` is SGLang's
+  adaptive EAGLE (chains, top-k 1) with one tier per concurrency range taken from our policy's own
+  choice (`adaptive_tiers`); `aware` is SGLang's adaptive EAGLE driven by aware
+  (speculation/sglang_tiers.py `AwareTiers`): a slot per captured CUDA-graph batch size whose
+  candidates cover every chain aware would pick there, the depths set at start and after every
+  generate call from the acceptance learned from SGLang's per-request histograms of accepted drafts
+  (`spec_correct_drafts_histogram`), through fastgrpo's scheduler plugin (backends/sglang_plugin.py,
+  an `sglang.srt.plugins` entry point) called with `Engine.collective_rpc`. Its costs are the
+  roofline of the GPU and model (speculation/roofline.py) until SGLang's forwards are calibrated.
+  `aware_per_sequence` runs as `aware` (SGLang has no per-sequence verify budget).
 - The draft SGLang runs is our draft under its EAGLE Llama names (`sglang_eagle_tensors`) without the
   two norms that class has no place for: still lossless, acceptance unmeasured.
 """
@@ -67,6 +73,7 @@ from fastgrpo.backends.protocols import DraftUpdate, NamedTensors
 from fastgrpo.config import Config
 from fastgrpo.speculation.draft import DRAFT_WEIGHTS, sglang_eagle_config, sglang_eagle_tensors
 from fastgrpo.speculation.policy import FastGRPOFormula, SpeculationPolicy
+from fastgrpo.speculation.sglang_tiers import AwareTiers, spec_capture_sizes
 from fastgrpo.types import Completion, Request, SamplingParams
 
 if TYPE_CHECKING:
@@ -289,7 +296,8 @@ def server_args(cfg: Config, mode: str, draft_export: Path | None, tiers_file: P
         args.update(speculative_num_steps=sc.depth, speculative_eagle_topk=sc.topk,
                     speculative_num_draft_tokens=sc.num_verify)
     else:  # adaptive: chains (top-k 1), the depth chosen per batch-size slot
-        args.update(speculative_eagle_topk=1, speculative_adaptive=True)
+        # chains (top-k 1); graphs captured up to max_running_requests, the sizes aware's slots assume
+        args.update(speculative_eagle_topk=1, speculative_adaptive=True, cuda_graph_max_bs_decode=cfg.rollout.max_batch)
         if tiers_file is not None:
             args["speculative_adaptive_config"] = str(tiers_file)
     return args
@@ -300,8 +308,9 @@ class SGLangEngine:
     `args`: the engine's keyword arguments (`server_args`); `tiers`: its adaptive tiers, if any."""
 
     def __init__(self, engine: sglang.Engine, cfg: Config, model_config: PretrainedConfig, mode: str,
-                 args: dict[str, Any], tiers: dict[str, dict] | None = None):
+                 args: dict[str, Any], tiers: dict[str, dict] | None = None, aware: AwareTiers | None = None):
         self._engine = engine
+        self.aware = aware  # aware's chain per slot: set now and after every generate call
         self.cfg = model_config
         self.max_context = cfg.model.max_context
         self.tp = args.get("tp_size", 1)
@@ -318,6 +327,26 @@ class SGLangEngine:
         self.draft_source = None
         self._dropped_warned = False
         self._stats: dict[str, Any] = {}
+        if aware is not None:
+            self.set_tiers(aware.table)
+
+    # -- speculation ----------------------------------------------------------------------
+    def set_tiers(self, table: dict[int, int]) -> None:
+        """Each adaptive slot's chain depth (0: plain decoding), through fastgrpo's scheduler plugin."""
+        from fastgrpo.backends.sglang_plugin import SET_STEPS
+
+        try:
+            self._engine.collective_rpc(SET_STEPS, tiers=json.dumps({str(k): v for k, v in table.items()}))
+        except AssertionError as e:  # collective_rpc asserts the schedulers' success
+            raise RuntimeError(f"SGLang's schedulers refused fastgrpo's adaptive depths: {e}") from None
+
+    def _learn(self, outs: list[dict]) -> None:
+        """aware learns the call's accepted drafts and sets the slots for the next call."""
+        for o in outs:
+            self.aware.count(o["meta_info"].get("spec_correct_drafts_histogram") or [])
+        before = dict(self.aware.table)
+        if self.aware.refresh() != before:
+            self.set_tiers(self.aware.table)
 
     # -- weights --------------------------------------------------------------------------
     def _run(self, coroutine):
@@ -468,6 +497,8 @@ class SGLangEngine:
             states = fill_prefixes([r.prompt_ids + c.token_ids for r, c in zip(requests, done)], parts)
             for c, h in zip(done, states):
                 c.hidden = h
+        if self.aware is not None:
+            self._learn(outs)
         tokens = sum(len(c.token_ids) for c in done)
         verify = sum(c.spec["spec_steps"] for c in done)
         emitted = sum(c.spec["spec_emitted"] for c in done)
@@ -479,6 +510,31 @@ class SGLangEngine:
 
     def close(self) -> None:
         self._engine.shutdown()
+
+
+def check_plugin() -> None:
+    """SGLang will load fastgrpo's scheduler plugin: its entry point is installed and SGLANG_PLUGINS, if
+    set, allows it."""
+    from importlib.metadata import entry_points
+
+    names = {ep.name for ep in entry_points(group="sglang.srt.plugins") if ep.value.startswith("fastgrpo.")}
+    if not names:
+        raise RuntimeError("speculation.policy=aware on SGLang needs fastgrpo's SGLang plugin, an entry point of the "
+                           "installed fastgrpo: reinstall it (`pip install -e .`)")
+    allowed = {x.strip() for x in os.environ.get("SGLANG_PLUGINS", "").split(",") if x.strip()}
+    if allowed and not names & allowed:
+        raise RuntimeError(f"SGLANG_PLUGINS={os.environ['SGLANG_PLUGINS']} leaves out fastgrpo's plugin "
+                           f"({', '.join(sorted(names))}), which speculation.policy=aware needs")
+
+
+def aware_tiers(cfg: Config, model_config: PretrainedConfig) -> AwareTiers:
+    """aware for this engine's SGLang slots, priced by the roofline of this GPU and the policy's shape
+    at `engine.tensor` GPUs (no calibration of SGLang's own forwards exists yet)."""
+    from fastgrpo.speculation.roofline import Roofline, accelerator_named, model_shape, simulated_cost_model
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""  # the emulation in tests: H100
+    costs = Roofline(accelerator_named(gpu), model_shape(model_config, cfg.engine.tensor))
+    return AwareTiers(simulated_cost_model(costs), spec_capture_sizes(cfg.rollout.max_batch))
 
 
 def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase,
@@ -500,7 +556,7 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrai
                    sampling_mask_cap(cfg.rollout.top_k) if cfg.rollout.top_k > 0 else SGLANG_MASK_CAP)
     dtype = engine_dtype(cfg)
     work = Path(tempfile.mkdtemp(prefix="fastgrpo-sglang-"))
-    draft_export = tiers_file = tiers = None
+    draft_export = tiers_file = tiers = aware = None
     if mode != "off":
         from fastgrpo.backends.embedded import draft_dir
 
@@ -510,15 +566,20 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrai
         export_eagle_draft(draft_dir(cfg) / DRAFT_WEIGHTS, model_config, draft_export, dtype)
         if mode == "fastgrpo":
             tiers = adaptive_tiers(FastGRPOFormula(), cfg.rollout.max_batch)
+        elif mode in ("aware", "aware_per_sequence"):
+            if mode == "aware_per_sequence":
+                log.warning("speculation.policy=aware_per_sequence on SGLang runs as aware: SGLang has no "
+                            "per-sequence verify budget")
+            check_plugin()
+            aware = aware_tiers(cfg, model_config)
+            tiers = aware.sglang_config()
+        if tiers is not None:
             tiers_file = work / "adaptive.json"
             tiers_file.write_text(json.dumps(tiers, indent=1))
-        elif mode in ("aware", "aware_per_sequence"):
-            log.warning("speculation.policy=%s on SGLang: SGLang's own adaptive tiers decide (our cost model has "
-                        "no calibration of SGLang's GPU forwards; no per-sequence verify budget)", mode)
     base_gpu_id = int(os.environ.get("LOCAL_RANK", 0))
     args = server_args(cfg, mode, draft_export, tiers_file, base_gpu_id, dtype)
     engine = sglang.Engine(**args)
-    adapter = SGLangEngine(engine, cfg, model_config, mode, args, tiers)
+    adapter = SGLangEngine(engine, cfg, model_config, mode, args, tiers, aware)
     if weights is not None:
         adapter.update_weights(weights, version=0)
     log.info("SGLang engine on GPUs %d-%d (speculation %s, %s)", base_gpu_id, base_gpu_id + gpus - 1, mode,

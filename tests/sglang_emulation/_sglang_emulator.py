@@ -125,11 +125,29 @@ class _Request:
     finish: dict | None = None
     verify_ct: int = 0
     cached: int = 0
+    histogram: list[int] = field(default_factory=list)  # verify steps by accepted drafts
+
+
+@dataclass
+class _Slot:  # AdaptiveStepSlot's attributes that fastgrpo's plugin touches
+    candidate_steps: list[int]
+    current_steps: int
+    warmup_batches: float = 10
+
+
+class _Namespace:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
 
 
 class Scheduler:
     def __init__(self, args):
         from transformers import AutoModelForCausalLM
+
+        from sglang.srt.plugins import load_plugins
+
+        load_plugins()  # run_scheduler_process: plugins may add Scheduler methods (collective_rpc's targets)
+        self.draft_worker = None
 
         self.args = args
         path = Path(args.model_path)
@@ -208,6 +226,12 @@ class Scheduler:
             self.tiers = dict(sorted(tiers.items()))
             every = sorted({s for steps in tiers.values() for s in steps})
             self.reserved = max(every) + 1  # topk 1 x num_steps <= max + 1 draft tokens
+            # the adaptive controller on the EAGLE worker (eagle_worker_v2.py), one slot per key
+            # (adaptive_spec_params.py): each starts at the server's num_steps (the middle of all
+            # candidates) if it is one of its own, else at its own middle; the EMA is not emulated
+            initial = every[len(every) // 2]
+            slots = {k: _Slot(v, initial if initial in v else v[len(v) // 2]) for k, v in self.tiers.items()}
+            self.draft_worker = _Namespace(adaptive_controller=_Namespace(params=_Namespace(_slots=slots)))
         else:
             steps, topk, tokens = args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens
             if steps is None:
@@ -219,9 +243,8 @@ class Scheduler:
     def _steps(self, batch: int) -> int:
         if self.tiers is None:
             return self.static_steps
-        key = max([k for k in self.tiers if k <= batch] or [min(self.tiers)])
-        steps = self.tiers[key]
-        return steps[len(steps) // 2]  # AdaptiveStepSlot starts at the middle candidate
+        key = max([k for k in self.tiers if k <= batch] or [min(self.tiers)])  # no CUDA graphs: no padding
+        return self.draft_worker.adaptive_controller.params._slots[key].current_steps
 
     def _load_draft(self, named) -> None:
         for name, t in named:
@@ -470,13 +493,16 @@ class Scheduler:
             out = self._forward([[pending] + drafted], cache)
             cache, fed_states = out.past_key_values, out.hidden_states[-1][0]
             r.verify_ct += 1
-            accepted = 0
+            accepted = correct = 0
             for i in range(steps + 1):
                 sampled = self._sample(out.logits[0, i], r, n + 1 + i)
                 done = self._emit(r, sampled)
                 accepted = i + 1
+                correct += i < steps and sampled[0] == drafted[i]
                 if done or i == steps or sampled[0] != drafted[i]:
                     break
+            r.histogram.extend([0] * (correct + 1 - len(r.histogram)))  # schedule_batch.py
+            r.histogram[correct] += 1
             if r.hidden:
                 r.hidden_states.extend(fed_states[:accepted].tolist())
             last_state = fed_states[accepted - 1]
@@ -500,6 +526,7 @@ class Scheduler:
         if r.verify_ct:
             meta["spec_verify_ct"] = r.verify_ct
             meta["spec_accept_length"] = len(r.out) / r.verify_ct
+            meta["spec_correct_drafts_histogram"] = list(r.histogram)
         if r.hidden:
             meta["hidden_states"] = r.hidden_states
         return {"output_ids": list(r.out), "meta_info": meta}

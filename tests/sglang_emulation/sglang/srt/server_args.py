@@ -31,3 +31,4 @@ class ServerArgs:
     speculative_num_draft_tokens: Optional[int] = None
     speculative_adaptive: bool = False
     speculative_adaptive_config: Optional[str] = None
+    cuda_graph_max_bs_decode: Optional[int] = None

@@ -67,6 +67,17 @@ class Engine:
         obj = ResumeMemoryOccupationReqInput(tags=tags)
         return self.loop.run_until_complete(self.tokenizer_manager.resume_memory_occupation(obj, None))
 
+    def collective_rpc(self, method: str, **kwargs):
+        # managers/io_struct.py RpcReqInput: flat scalar parameters; scheduler.py handle_rpc_request:
+        # getattr(scheduler, method)(**parameters), a failure returned as success=False and asserted here
+        if not all(v is None or isinstance(v, (bool, int, float, str)) for v in kwargs.values()):
+            raise TypeError("RpcReqInput.parameters: flat scalars only")
+        scheduler = self.tokenizer_manager._scheduler
+        try:
+            getattr(scheduler, method)(**kwargs)
+        except Exception as e:
+            raise AssertionError(str(e)) from None
+
     def shutdown(self):
         if not self.loop.is_closed():
             self.loop.close()

@@ -1,0 +1,258 @@
+"""Speculation on SGLang: what its adaptive EAGLE can run, and `aware`'s decisions in that form.
+
+What SGLang 0.5.23 lets an outside scheduler choose (read in its source, under sglang/srt/):
+- Static EAGLE (`speculative_num_steps`, `speculative_eagle_topk`, `speculative_num_draft_tokens`)
+  runs one tree shape, trees included, for the engine's whole life.
+- Adaptive EAGLE (`speculative_adaptive`, speculative/adaptive_spec_params.py) runs chains only
+  (top-k 1, `steps + 1` verified tokens; steps 0 is plain decoding). Its JSON config has one slot per
+  lowest batch size; a decode step's batch is padded up to a captured CUDA-graph size
+  (`spec_capture_sizes`) and served by the slot with the largest key not above it. Each slot keeps a
+  current depth among its `candidate_steps`, moved by an EMA of accepted drafts (`AdaptiveSlots`,
+  our model of `AdaptiveSpeculativeParams`). Every candidate depth gets its own CUDA graphs at start,
+  so candidates are fixed for the engine's life; the current depth of a slot is not.
+- Nothing in SGLang's API sets a slot's depth. Its general plugin mechanism (plugins/__init__.py: the
+  `sglang.srt.plugins` entry points, loaded in every scheduler process) and `Engine.collective_rpc`
+  (a Scheduler method by name, flat scalar arguments) let fastgrpo add one scheduler method that does
+  (fastgrpo/backends/sglang_plugin.py).
+
+So `aware` on SGLang (`AwareTiers`) is aware restricted to chains and to SGLang's slots: for each
+captured size its cost model and learned acceptance pick the chain depth (or plain decoding) of
+highest predicted goodput; the candidates of a slot are every depth it would pick for a per-level
+acceptance anywhere in `ACCEPTANCE_BAND` (so a later choice is always one SGLang has graphs for); after
+each generate call the acceptance learned from SGLang's per-request histograms of accepted drafts
+refreshes the depths, and SGLang's EMA is frozen. What SGLang cannot run: trees under adaptive,
+a per-sequence verify budget, and a choice that changes within a call as acceptance drifts.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+
+from fastgrpo.speculation.cost_model import CostModel
+from fastgrpo.speculation.policy import AcceptanceModel, Aware, Off
+from fastgrpo.speculation.tree import SpecConfig
+
+# adaptive_spec_params.py DEFAULT_ADAPTIVE_CONFIG (the conformance test compares it with the source)
+SGLANG_DEFAULT_TIERS: dict[str, dict] = {
+    "1": {"candidate_steps": [1, 3, 5, 7], "up_hysteresis": 0.0, "down_hysteresis": -0.25, "ceiling_coeff": 0},
+    "8": {"candidate_steps": [0, 1, 3], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0},
+    "32": {"candidate_steps": [0, 1], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0},
+    "64": {"candidate_steps": [0], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0},
+}
+# AdaptiveStepSlot's defaults for keys a slot's entry leaves out
+SLOT_DEFAULTS = {"ema_alpha": 0.2, "update_interval": 5, "warmup_batches": 10, "down_hysteresis": -0.25,
+                 "up_hysteresis": 0.0, "ceiling_coeff": 0}
+MAX_STEPS = 7  # the deepest chain we ask for (SGLang's default tiers' deepest)
+ACCEPTANCE_BAND = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # per-level acceptance a slot's candidates cover
+
+
+def spec_capture_sizes(max_bs: int) -> list[int]:
+    """The decode batch sizes SGLang captures CUDA graphs for with speculation on and padding allowed
+    (arg_groups/cuda_graph_hook.py generate_decode_cuda_graph_batch_sizes), up to `max_bs`
+    (max_running_requests), which is always captured."""
+    sizes = [*range(1, 9), *range(10, 33, 2), *range(40, 65, 4), *range(72, 257, 8), *range(272, max_bs + 1, 16)]
+    sizes = [s for s in sizes if s <= max_bs]
+    return sizes if max_bs in sizes else [*sizes, max_bs]
+
+
+def pad(batch: int, sizes: Sequence[int]) -> int:
+    """The captured size a decode batch of `batch` rows runs at (itself beyond the largest)."""
+    i = bisect.bisect_left(sizes, batch)
+    return sizes[i] if i < len(sizes) else batch
+
+
+def chain(steps: int) -> SpecConfig | None:
+    return None if steps == 0 else SpecConfig(steps, 1, steps + 1)
+
+
+class _Slot:
+    """One batch-size slot of SGLang's adaptive EAGLE: its candidate depths, its current one, and the
+    EMA rule that moves it (probe one step beyond the EMA of accepted drafts, with hysteresis; a zero
+    slot probes its smallest positive candidate at its next update)."""
+
+    def __init__(self, initial: int, entry: dict):
+        e = SLOT_DEFAULTS | entry
+        self.candidates = sorted(set(e["candidate_steps"]))
+        self.alpha, self.interval, self.warmup = e["ema_alpha"], e["update_interval"], e["warmup_batches"]
+        self.down, self.up, self.ceiling = e["down_hysteresis"], e["up_hysteresis"], e["ceiling_coeff"]
+        self.current = initial if initial in self.candidates else self.candidates[len(self.candidates) // 2]
+        self.ema = float(self.current - 1)
+        self.batches = 0
+
+    def update(self, correct: Sequence[int]) -> bool:
+        if not correct:
+            return False
+        if self.current > 0:
+            self.ema = (1 - self.alpha) * self.ema + self.alpha * sum(correct) / len(correct)
+        self.batches += 1
+        if self.batches <= self.warmup or (self.batches - self.warmup) % self.interval:
+            return False
+        return self._move()
+
+    def _move(self) -> bool:
+        old = self.current
+        i = self.candidates.index(old)
+        if old == 0:
+            i = min(i + 1, len(self.candidates) - 1)
+            if self.candidates[i] > 0 and self.ema < 0:
+                self.ema = float(self.candidates[i] - 1)
+            return self._set(self.candidates[i])
+        start = i
+        while i > 0:
+            below = self.candidates[i - 1]
+            if self.ema <= (0.5 if below == 0 else below - 0.5) + self.down:
+                i -= 1
+            else:
+                break
+        if i == start:
+            while i < len(self.candidates) - 1 and self.ema > self.candidates[i] - 0.5 + self.up:
+                i += 1
+        target = self.candidates[i]
+        if self.ceiling > 0:
+            cap = max(1, math.ceil(self.ema * self.ceiling))
+            if cap < target <= old:
+                while i > 0 and self.candidates[i] > cap:
+                    i -= 1
+                target = self.candidates[i]
+        return self._set(target)
+
+    def _set(self, target: int) -> bool:
+        changed, self.current = target != self.current, target
+        return changed
+
+
+class AdaptiveSlots:
+    """SGLang's adaptive EAGLE controller as the scheduler runs it: `steps(batch)` before a decode step
+    (padded to a captured size, then the slot), `verified(correct, batch)` after it with each row's
+    accepted drafts. `config`: SGLang's JSON config (keys: lowest batch size); `initial`: the server's
+    speculative_num_steps (SGLang's default: the middle of all slots' candidates)."""
+
+    def __init__(self, config: dict[str, dict], capture_sizes: Sequence[int] | None, initial: int | None = None):
+        entries = {int(k): v for k, v in config.items() if k.isdigit()}
+        union = sorted({s for e in entries.values() for s in e["candidate_steps"]})
+        initial = union[len(union) // 2] if initial is None else initial
+        shared = {k: v for k, v in config.items() if not k.isdigit()}
+        self.keys = sorted(entries)
+        self.slots = {k: _Slot(initial, shared | entries[k]) for k in self.keys}
+        self.sizes = sorted(capture_sizes) if capture_sizes else None
+
+    def slot(self, batch: int) -> _Slot:
+        padded = batch if self.sizes is None else pad(batch, self.sizes)
+        return self.slots[self.keys[max(0, bisect.bisect_right(self.keys, padded) - 1)]]
+
+    def steps(self, batch: int) -> int:
+        return self.slot(batch).current
+
+    def verified(self, correct: Sequence[int], batch: int) -> None:
+        self.slot(batch).update(correct)
+
+
+class SGLangAdaptive(Off):
+    """SGLang's adaptive EAGLE as a policy (for the simulator): its slots and EMA decide every step.
+    Called on every decode step, plain ones too (their rows report zero accepted drafts)."""
+
+    name = "sglang_adaptive"
+
+    def __init__(self, config: dict[str, dict] | None = None, capture_sizes: Sequence[int] | None = None):
+        self.controller = AdaptiveSlots(config or SGLANG_DEFAULT_TIERS, capture_sizes)
+
+    def choose(self, running: int, context: float | None = None) -> SpecConfig | None:
+        return chain(self.controller.steps(running))
+
+    def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
+                accepted: list[int] | None = None) -> None:
+        self.controller.verified(accepted if accepted is not None else [0] * running, running)
+
+
+def observe_histogram(acceptance: AcceptanceModel, histogram: Sequence[int], shortest: int) -> None:
+    """Per-level acceptance from SGLang's histogram of accepted drafts per verify step
+    (`spec_correct_drafts_histogram`, summed over requests). The histogram does not say which chain
+    a step ran, so only the levels every chain of the call drafted, 1..`shortest` (its shallowest
+    chain), are evidence: a step that accepted a drafts passed levels 1..a and failed level a + 1 when
+    a < shortest. Deeper levels take the pooled acceptance of those (the constant per-level acceptance
+    aware's prior assumes too): counting only their passes, as a histogram alone would, drives their
+    estimate to 1."""
+    if shortest <= 0 or not any(histogram):
+        return
+    for a, n in enumerate(histogram):
+        for d in range(1, min(a + 1, shortest) + 1):
+            acceptance.reached[d] += n
+            acceptance.passed[d] += n * (d <= a)
+    reached = sum(acceptance.reached[1:shortest + 1])
+    pooled = sum(acceptance.passed[1:shortest + 1]) / reached
+    for d in range(shortest + 1, len(acceptance.reached)):
+        acceptance.reached[d] = reached / shortest
+        acceptance.passed[d] = pooled * reached / shortest
+
+
+class AwareTiers(Off):
+    """`aware` restricted to what SGLang's adaptive EAGLE runs (see the module docstring): a depth per
+    captured batch size from aware's goodput rule over chains, fixed within a generate call (`begin`
+    starts one: the acceptance learned in the calls before refreshes every slot)."""
+
+    name = "aware_sglang"
+
+    def __init__(self, costs: CostModel, capture_sizes: Sequence[int], max_steps: int = MAX_STEPS):
+        self.sizes = list(capture_sizes)
+        self.aware = Aware(costs, candidates=[chain(d) for d in range(1, max_steps + 1)])
+        self.histogram: list[int] = []
+        self.table = self.depths()
+        self.candidates = self.band()
+
+    def _pick(self, batch: int) -> int:
+        self.aware.context = None
+        choice = self.aware._decide(batch)
+        return 0 if choice is None else choice.depth
+
+    def depths(self) -> dict[int, int]:
+        """The chain depth (0: plain decoding) aware picks at each captured size now."""
+        self.aware._trees.clear()
+        return {s: self._pick(s) for s in self.sizes}
+
+    def band(self) -> dict[int, list[int]]:
+        """Each captured size's candidates: the depths picked at every per-level acceptance in
+        ACCEPTANCE_BAND, and the current pick."""
+        learned = self.aware.acceptance
+        out = {s: {d} for s, d in self.table.items()}
+        for alpha in ACCEPTANCE_BAND:
+            self.aware.acceptance = AcceptanceModel(prior_alpha=alpha)
+            for s, d in self.depths().items():
+                out[s].add(d)
+        self.aware.acceptance = learned
+        self.aware._trees.clear()
+        return {s: sorted(v) for s, v in out.items()}
+
+    def sglang_config(self) -> dict[str, dict]:
+        """SGLang's adaptive config: a slot per captured size with its candidates (the EMA never runs:
+        the plugin freezes it)."""
+        return {str(s): {"candidate_steps": c, "up_hysteresis": 0.0, "down_hysteresis": 0.0}
+                for s, c in self.candidates.items()}
+
+    def refresh(self) -> dict[int, int]:
+        """Learn from the last call's histogram and pick again, within each slot's candidates."""
+        if any(self.histogram):
+            shortest = min((d for d in self.table.values() if d > 0), default=0)
+            observe_histogram(self.aware.acceptance, self.histogram, shortest)
+        self.histogram = []
+        picks = self.depths()
+        self.table = {s: min(self.candidates[s], key=lambda c, d=d: (abs(c - d), c)) for s, d in picks.items()}
+        return self.table
+
+    def count(self, histogram: Sequence[int]) -> None:
+        """Add a request's histogram of accepted drafts per verify step."""
+        self.histogram.extend([0] * (len(histogram) - len(self.histogram)))
+        for a, n in enumerate(histogram):
+            self.histogram[a] += n
+
+    def begin(self) -> None:
+        self.refresh()
+
+    def choose(self, running: int, context: float | None = None) -> SpecConfig | None:
+        return chain(self.table.get(pad(running, self.sizes), 0))
+
+    def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
+                accepted: list[int] | None = None) -> None:
+        if accepted:
+            self.count([accepted.count(a) for a in range(max(accepted) + 1)])

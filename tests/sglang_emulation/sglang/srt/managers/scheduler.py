@@ -1,0 +1,3 @@
+"""sglang/srt/managers/scheduler.py: the Scheduler class (the emulator's), which plugins extend."""
+
+from _sglang_emulator import Scheduler  # noqa: F401
