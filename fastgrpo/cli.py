@@ -103,6 +103,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from fastgrpo.bench.trainer import bench_trainer
     from fastgrpo.bench.rollout import bench_rollout
     from fastgrpo.bench.shapes import bench_shapes
+    from fastgrpo.bench.sglang_tiers import bench_sglang_tiers
     from fastgrpo.bench.simulate import bench_simulate
 
     modes = args.modes.split(",") if args.modes else None
@@ -113,6 +114,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
                "noise": lambda cfg, quick, output, extra: bench_noise(cfg, quick, output, args.batches, extra=extra),
                "trainer": bench_trainer, "engines": bench_engines,
                "simulate": lambda cfg, quick, output, extra: bench_simulate(cfg, quick, output, extra, args.repetitions),
+               "sglang-tiers": bench_sglang_tiers,
                "guarantee": lambda cfg, quick, output, extra: bench_guarantee(cfg, quick, output, args.runs,
                                                                               args.threads, extra=extra)}
     if args.what not in benches:
@@ -127,7 +129,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         if flag not in ("modes", "threads") and getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     cfg = _config(args)
-    ensure_policy_and_draft(cfg, draft=args.what != "engines")
+    if args.what != "sglang-tiers":  # simulated only: no policy runs
+        ensure_policy_and_draft(cfg, draft=args.what != "engines")
     extra = [*(["--config", args.config] if args.config else []), *args.overrides,
              *(["--policy", args.policy] if args.policy else [])]
     benches[args.what](cfg, args.quick, Path(args.output or f"bench/{args.what}.json"), extra=extra)
@@ -191,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                 "`trainer` (one GRPO step of the torch and Megatron trainers at world 1, 2 and 4) "
                 "`engines` (a GRPO batch's rollout in a world of two ranks on one engine or two) "
                 "`guarantee` (aware against plain decoding, paired, over runs and thread counts) "
-                "or `simulate` (rollout at GPU scale, simulated, validated against this CPU's engine)",
+                "`simulate` (rollout at GPU scale, simulated, validated against this CPU's engine) "
+                "or `sglang-tiers` (aware on SGLang's adaptive EAGLE against SGLang's own speculation, simulated)",
                 before="what")
     bench.add_argument("--quick", action="store_true", help="smaller workloads (minutes, not tens of minutes)")
     bench.add_argument("--output", help="JSON results, default bench/<what>.json (a PNG plot is written beside it)")

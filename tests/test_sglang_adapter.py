@@ -345,13 +345,13 @@ def test_aware_sets_sglangs_adaptive_slots_and_refreshes_them(sglang, monkeypatc
     assert {k: s.current_steps for k, s in slots.items()} == engine.aware.table
     assert all(s.warmup_batches == float("inf") for s in slots.values())
     sampling = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True)
-    reached = engine.aware.aware.acceptance.reached[1]
+    reached = engine.aware.acceptance.reached[1]
     out = engine.generate([Request([1, 20 + i, 21, 22], key=i) for i in range(4)], sampling, seed=3)
     assert all(len(c.token_ids) == 16 for c in out)
     assert any(engine.aware.table.values())  # it speculated, and SGLang's histograms taught aware
-    assert engine.aware.aware.acceptance.reached[1] > reached
+    assert engine.aware.acceptance.reached[1] > reached
     engine.aware.count([10_000])  # every draft rejected: speculation no longer pays anywhere
-    engine._learn([])
+    engine._learn([], [], [])
     assert {k: s.current_steps for k, s in slots.items()} == engine.aware.table
     assert set(engine.aware.table.values()) == {0}
     with pytest.raises(RuntimeError, match="slot 1: 99 steps is not among its candidates"):

@@ -313,6 +313,7 @@ class SGLangEngine:
         self.aware = aware  # aware's chain per slot: set now and after every generate call
         self.cfg = model_config
         self.max_context = cfg.model.max_context
+        self.max_running = cfg.rollout.max_batch
         self.tp = args.get("tp_size", 1)
         self.mode = mode
         self.mask_cap = args.get("sampling_mask_max_tokens", SGLANG_MASK_CAP)
@@ -340,10 +341,11 @@ class SGLangEngine:
         except AssertionError as e:  # collective_rpc asserts the schedulers' success
             raise RuntimeError(f"SGLang's schedulers refused fastgrpo's adaptive depths: {e}") from None
 
-    def _learn(self, outs: list[dict]) -> None:
+    def _learn(self, requests: list[Request], done: list[Completion], outs: list[dict]) -> None:
         """aware learns the call's accepted drafts and sets the slots for the next call."""
         for o in outs:
             self.aware.count(o["meta_info"].get("spec_correct_drafts_histogram") or [])
+        self.aware.saw_call([len(r.prompt_ids) for r in requests], [len(c.token_ids) for c in done], self.max_running)
         before = dict(self.aware.table)
         if self.aware.refresh() != before:
             self.set_tiers(self.aware.table)
@@ -498,7 +500,7 @@ class SGLangEngine:
             for c, h in zip(done, states):
                 c.hidden = h
         if self.aware is not None:
-            self._learn(outs)
+            self._learn(requests, done, outs)
         tokens = sum(len(c.token_ids) for c in done)
         verify = sum(c.spec["spec_steps"] for c in done)
         emitted = sum(c.spec["spec_emitted"] for c in done)
@@ -530,11 +532,11 @@ def check_plugin() -> None:
 def aware_tiers(cfg: Config, model_config: PretrainedConfig) -> AwareTiers:
     """aware for this engine's SGLang slots, priced by the roofline of this GPU and the policy's shape
     at `engine.tensor` GPUs (no calibration of SGLang's own forwards exists yet)."""
-    from fastgrpo.speculation.roofline import Roofline, accelerator_named, model_shape, simulated_cost_model
+    from fastgrpo.speculation.roofline import Roofline, accelerator_named, model_shape
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""  # the emulation in tests: H100
-    costs = Roofline(accelerator_named(gpu), model_shape(model_config, cfg.engine.tensor))
-    return AwareTiers(simulated_cost_model(costs), spec_capture_sizes(cfg.rollout.max_batch))
+    prices = Roofline(accelerator_named(gpu), model_shape(model_config, cfg.engine.tensor))
+    return AwareTiers(prices, spec_capture_sizes(cfg.rollout.max_batch), cfg.model.max_context)
 
 
 def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase,

@@ -9,7 +9,10 @@ as SGLang can run them (speculation/sglang_tiers.py):
 - `static_*`: SGLang's static EAGLE, every shape of bench simulate's GPU sweep plus every chain of
   1-7 steps; the best is reported;
 - `sglang_adaptive`: SGLang's adaptive EAGLE with its default tiers and EMA;
-- `aware_sglang`: aware's chain per captured size, refreshed between generate calls;
+- `aware_sglang`: aware's chain per captured size, refreshed between generate calls, priced by the
+  same roofline the simulator runs (SGLang has no calibration of its own forwards, so a deployment
+  prices with the roofline too: here it is exact, the optimistic case), and `aware_sglang_misprices`,
+  priced by a roofline whose efficiencies and overheads are off by a third;
 - `aware` (reference, not runnable on SGLang): aware with trees and per-step decisions.
 Learning policies (the two adaptive ones and aware) get a warm-up rollout first, as in training where
 the engine lives across steps. Each policy's rollout is repeated; medians, ratios and the bootstrapped
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +39,7 @@ MAX_RUNNING = 128  # bench simulate's GPU_MAX_BATCH: SGLang's max_running_reques
 # the width gain of a tree over a chain (AcceptanceProfile.beta) as our draft's fit in bench simulate's
 # full run (bench/simulate.json gpu_acceptance.beta); it prices static trees only (chains do not use it)
 BETA = 0.9
-LEARNING = ("sglang_adaptive", "aware_sglang", "aware")
+LEARNING = ("sglang_adaptive", "aware_sglang", "aware_sglang_misprices", "aware")
 
 
 def plain_capture_sizes(max_bs: int) -> list[int]:
@@ -64,12 +68,17 @@ class Padded:
         return getattr(self.costs, name)
 
 
-def policies(spec_costs: Padded) -> dict[str, SpeculationPolicy]:
+def policies(spec_costs: Padded, max_context: int) -> dict[str, SpeculationPolicy]:
     sizes = spec_capture_sizes(MAX_RUNNING)
     calibrated = simulated_cost_model(spec_costs)
     statics = {c.name: c for c in (*GPU_STATICS, *(chain(d) for d in range(1, MAX_STEPS + 1)))}
+    # aware_sglang prices steps with a roofline (SGLang offers no calibration of its forwards): the
+    # simulator's own, the optimistic case, and one whose efficiencies and overheads are off by a
+    # third, so that what a wrong price costs is measured too
+    wrong = replace(spec_costs.costs.hw, bw_eff=0.6, flops_eff=0.8, target_overhead_s=0.8e-3, spec_overhead_s=0.1e-3)
     return ({"off": Off()} | {f"static_{n}": Static(c) for n, c in statics.items()}
-            | {"sglang_adaptive": SGLangAdaptive(capture_sizes=sizes), "aware_sglang": AwareTiers(calibrated, sizes),
+            | {"sglang_adaptive": SGLangAdaptive(capture_sizes=sizes), "aware_sglang": AwareTiers(spec_costs, sizes, max_context),
+               "aware_sglang_misprices": AwareTiers(Roofline(wrong, spec_costs.costs.model), sizes, max_context),
                "aware": Aware(calibrated)})
 
 
@@ -95,7 +104,7 @@ def bench_sglang_tiers(cfg, quick: bool, output: Path, extra: list[str] | None =
     rng = np.random.default_rng(cfg.seed)
     seconds: dict[str, list[float]] = {}
     extras: dict[str, dict] = {}
-    for mode, policy in policies(spec_costs).items():
+    for mode, policy in policies(spec_costs, workload.max_context).items():
         costs = plain_costs if mode == "off" else spec_costs
         runs = [simulate(workload, costs, accept, policy, MAX_RUNNING, rng)
                 for _ in range(reps + (mode in LEARNING))][1 if mode in LEARNING else 0:]
@@ -110,7 +119,8 @@ def bench_sglang_tiers(cfg, quick: bool, output: Path, extra: list[str] | None =
     best_chain = min((m for m in statics if "k1n" in m), key=statics.get)
     compare = {"sglang_adaptive": "aware_sglang vs SGLang's default adaptive tiers",
                best: "aware_sglang vs SGLang's best static EAGLE", best_chain: "aware_sglang vs the best static chain",
-               "off": "aware_sglang vs no speculation", "aware": "aware_sglang vs aware with trees (not on SGLang)"}
+               "off": "aware_sglang vs no speculation", "aware": "aware_sglang vs aware with trees (not on SGLang)",
+               "aware_sglang_misprices": "aware_sglang vs itself priced by a wrong roofline"}
     ratios = {m: {"what": what, "speedup": med[m] / med["aware_sglang"],
                   "se": ratio_se(seconds[m], seconds["aware_sglang"], rng)} for m, what in compare.items()}
     result = {
@@ -137,7 +147,8 @@ def markdown(result: dict, command: str) -> str:
         ratio = r.get(mode)
         label = {"sglang_adaptive": "SGLang adaptive, default tiers", "off": "SGLang, no speculation",
                  "aware": "aware, trees (reference: not runnable on SGLang)",
-                 "aware_sglang": "**aware_sglang** (chains per captured size, refreshed per call)"}.get(
+                 "aware_sglang": "**aware_sglang** (chains per captured size, refreshed per call)",
+                 "aware_sglang_misprices": "aware_sglang priced by a roofline a third off"}.get(
                      mode, f"SGLang static EAGLE {mode[7:]}")
         lines.append(f"| {label} | {s:.1f} | " + (f"{ratio['speedup']:.3f}x ± {ratio['se']:.3f}" if ratio else "—") + " |")
     t = result["targets"]

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import deque
 from collections.abc import Sequence
 
-from fastgrpo.speculation.cost_model import CostModel
-from fastgrpo.speculation.policy import AcceptanceModel, Aware, Off
+from fastgrpo.speculation.policy import AcceptanceModel, Off
 from fastgrpo.speculation.tree import SpecConfig
 
 # adaptive_spec_params.py DEFAULT_ADAPTIVE_CONFIG (the conformance test compares it with the source)
@@ -46,6 +46,7 @@ SLOT_DEFAULTS = {"ema_alpha": 0.2, "update_interval": 5, "warmup_batches": 10, "
                  "up_hysteresis": 0.0, "ceiling_coeff": 0}
 MAX_STEPS = 7  # the deepest chain we ask for (SGLang's default tiers' deepest)
 ACCEPTANCE_BAND = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # per-level acceptance a slot's candidates cover
+FIRST_CONTEXT = 256  # cached tokens per row assumed before any call has shown the real ones
 
 
 def spec_capture_sizes(max_bs: int) -> list[int]:
@@ -188,40 +189,57 @@ def observe_histogram(acceptance: AcceptanceModel, histogram: Sequence[int], sho
 
 
 class AwareTiers(Off):
-    """`aware` restricted to what SGLang's adaptive EAGLE runs (see the module docstring): a depth per
-    captured batch size from aware's goodput rule over chains, fixed within a generate call (`begin`
-    starts one: the acceptance learned in the calls before refreshes every slot)."""
+    """`aware` restricted to what SGLang's adaptive EAGLE runs (see the module docstring): at each
+    captured batch size the chain depth of highest predicted goodput, B * E[emitted | chain] / step
+    seconds, against plain decoding (which a chain must beat by `margin`), E from the acceptance
+    learned online, fixed within a generate call (`begin` starts one). A slot is keyed by batch size
+    alone, but what a deeper chain costs depends on the rows' context (at long contexts a step reads
+    the KV cache far more than the weights, and verifying more tokens adds little), so each size is
+    priced at the mean context its rows had in the calls before (`contexts`).
+
+    `prices`: the step seconds of the GPU and model (decode_step / spec_step, as speculation/roofline.py
+    gives them). aware's own cost model is not used: its sweep, timed at one short context and
+    extended linearly, misses that memory and compute overlap, and on SGLang there is no calibration
+    of the engine's own forwards to sweep anyway."""
 
     name = "aware_sglang"
 
-    def __init__(self, costs: CostModel, capture_sizes: Sequence[int], max_steps: int = MAX_STEPS):
-        self.sizes = list(capture_sizes)
-        self.aware = Aware(costs, candidates=[chain(d) for d in range(1, max_steps + 1)])
+    def __init__(self, prices, capture_sizes: Sequence[int], max_context: int, max_steps: int = MAX_STEPS,
+                 margin: float = 0.05):
+        self.prices, self.sizes, self.max_steps, self.margin = prices, list(capture_sizes), max_steps, margin
+        self.max_context = max_context
+        self.acceptance = AcceptanceModel()
         self.histogram: list[int] = []
+        self.seen: dict[int, tuple[float, int]] = {}  # this call: padded size -> (context sum, steps)
+        self.contexts: dict[int, float] = {}  # the calls before: padded size -> mean context per row
         self.table = self.depths()
         self.candidates = self.band()
 
-    def _pick(self, batch: int) -> int:
-        self.aware.context = None
-        choice = self.aware._decide(batch)
-        return 0 if choice is None else choice.depth
+    def _pick(self, size: int, acceptance: AcceptanceModel, ctx: float | None = None) -> int:
+        ctx = ctx or self.contexts.get(size, FIRST_CONTEXT)
+        best, best_rate = 0, size / self.prices.decode_step(size, ctx, ctx * size) * (1 + self.margin)
+        for d in range(1, self.max_steps + 1):
+            emitted = acceptance.expected(chain(d))
+            rate = size * emitted / self.prices.spec_step(chain(d), size, math.ceil(emitted), ctx, ctx * size)
+            if rate > best_rate:
+                best, best_rate = d, rate
+        return best
 
-    def depths(self) -> dict[int, int]:
-        """The chain depth (0: plain decoding) aware picks at each captured size now."""
-        self.aware._trees.clear()
-        return {s: self._pick(s) for s in self.sizes}
+    def depths(self, acceptance: AcceptanceModel | None = None, ctx: float | None = None) -> dict[int, int]:
+        """The chain depth (0: plain decoding) picked at each captured size now (at `ctx` cached tokens
+        per row, else at the context each size had before)."""
+        return {s: self._pick(s, acceptance or self.acceptance, ctx) for s in self.sizes}
 
     def band(self) -> dict[int, list[int]]:
-        """Each captured size's candidates: the depths picked at every per-level acceptance in
-        ACCEPTANCE_BAND, and the current pick."""
-        learned = self.aware.acceptance
+        """Each captured size's candidates (SGLang builds graphs for them once, at start): the depths
+        picked at every per-level acceptance in ACCEPTANCE_BAND and every context from FIRST_CONTEXT
+        to `max_context` in factors of 4, and the current pick."""
         out = {s: {d} for s, d in self.table.items()}
+        contexts = [FIRST_CONTEXT * 4**i for i in range(8) if FIRST_CONTEXT * 4**i < self.max_context] + [self.max_context]
         for alpha in ACCEPTANCE_BAND:
-            self.aware.acceptance = AcceptanceModel(prior_alpha=alpha)
-            for s, d in self.depths().items():
-                out[s].add(d)
-        self.aware.acceptance = learned
-        self.aware._trees.clear()
+            for ctx in contexts:
+                for s, d in self.depths(AcceptanceModel(prior_alpha=alpha), ctx).items():
+                    out[s].add(d)
         return {s: sorted(v) for s, v in out.items()}
 
     def sglang_config(self) -> dict[str, dict]:
@@ -234,8 +252,13 @@ class AwareTiers(Off):
         """Learn from the last call's histogram and pick again, within each slot's candidates."""
         if any(self.histogram):
             shortest = min((d for d in self.table.values() if d > 0), default=0)
-            observe_histogram(self.aware.acceptance, self.histogram, shortest)
+            observe_histogram(self.acceptance, self.histogram, shortest)
         self.histogram = []
+        if self.seen:
+            seen = {s: total / n for s, (total, n) in self.seen.items()}
+            # a size no step ran at takes the context of the nearest size that did
+            self.contexts = {s: seen[min(seen, key=lambda t, s=s: (abs(t - s), t))] for s in self.sizes}
+            self.seen = {}
         picks = self.depths()
         self.table = {s: min(self.candidates[s], key=lambda c, d=d: (abs(c - d), c)) for s, d in picks.items()}
         return self.table
@@ -249,7 +272,30 @@ class AwareTiers(Off):
     def begin(self) -> None:
         self.refresh()
 
+    def saw(self, running: int, context: float, steps: int = 1) -> None:
+        """`steps` decode steps ran with `running` rows of `context` cached tokens each."""
+        total, n = self.seen.get(size := pad(running, self.sizes), (0.0, 0))
+        self.seen[size] = (total + context * steps, n + steps)
+
+    def saw_call(self, prompt_lens: Sequence[int], lengths: Sequence[int], max_running: int) -> None:
+        """The contexts of a call whose requests were all submitted at once (a GRPO batch), replayed
+        from their lengths as one token per step: rows join in order as others finish. (SGLang
+        reports no per-step context; speculation shortens every row alike, so the profile holds.)"""
+        waiting = deque(range(len(lengths)))  # in submission order
+        running: list[tuple[int, int]] = []  # (row, tokens so far)
+        while waiting or running:
+            while waiting and len(running) < max_running:
+                running.append((waiting.popleft(), 0))
+            # run until the next row finishes: every row gains the same tokens meanwhile
+            advance = min(lengths[i] - done for i, done in running)
+            if advance > 0:
+                mean = sum(prompt_lens[i] + done for i, done in running) / len(running) + advance / 2
+                self.saw(len(running), mean, advance)
+            running = [(i, done + advance) for i, done in running if done + advance < lengths[i]]
+
     def choose(self, running: int, context: float | None = None) -> SpecConfig | None:
+        if context is not None:
+            self.saw(running, context)
         return chain(self.table.get(pad(running, self.sizes), 0))
 
     def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
