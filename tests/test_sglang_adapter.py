@@ -15,12 +15,13 @@ from transformers import AutoConfig
 
 from fastgrpo.backends import build_engine
 from fastgrpo.backends.sglang_engine import (
-    SGLANG_MASK_CAP, TIE_HEADROOM, adaptive_tiers, check_sampling, completion, eagle_draft_config, eagle_reservation,
+    SGLANG_MASK_CAP, TIE_HEADROOM, adaptive_tiers, check_sampling, completion, eagle_reservation,
     engine_dtype, fill_prefixes, sampling_mask_cap, server_args)
 from fastgrpo.bridge import WeightBridge
 from fastgrpo.config import load_config
 from fastgrpo.models.policy import load_policy
 from fastgrpo.models.tokenizer import load_tokenizer
+from fastgrpo.speculation.draft import sglang_eagle_config
 from fastgrpo.speculation.policy import FastGRPOFormula
 from fastgrpo.types import Request, SamplingParams
 from tests.conftest import tiny_config
@@ -125,7 +126,7 @@ def test_sampling_sglang_cannot_report_is_refused_by_its_key():
 def test_the_eagle_draft_config_is_what_sglang_can_load(tiny_policy):
     target = AutoConfig.from_pretrained(tiny_policy)
     assert target.tie_word_embeddings  # the test policy ties its head to its embedding, as Llama 3.2 1B does
-    cfg = eagle_draft_config(target, "bfloat16")
+    cfg = sglang_eagle_config(target, "bfloat16")
     assert cfg["tie_word_embeddings"] is False and cfg["dtype"] == "bfloat16" and "torch_dtype" not in cfg
     assert cfg["rope_parameters"] == target.to_dict()["rope_parameters"]
     assert cfg["architectures"] == ["LlamaForCausalLMEagle"] and cfg["num_hidden_layers"] == 1

@@ -924,7 +924,9 @@ def export_draft(draft: Path, policy: Path, out: Path, drop_norms: bool = False)
         for n, t in tensors.items():
             writer.write(n, t)
         writer.close()
-        (tmp / "config.json").write_text(json.dumps(sglang_eagle_config(config), indent=2))
+        # SGLang runs the draft in the dtype its config names: the policy's (bfloat16 unless it says)
+        dtype = str(getattr(config, "dtype", None) or "bfloat16").removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(sglang_eagle_config(config, dtype), indent=2))
         meta = json.loads((draft / DRAFT_CONFIG).read_text()) if (draft / DRAFT_CONFIG).is_file() else {}
         (tmp / "fastgrpo-export.json").write_text(json.dumps(
             {"format": "sglang-eagle", "sglang_class": SGLANG_EAGLE_ARCHITECTURE,

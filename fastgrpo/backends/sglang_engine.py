@@ -37,7 +37,7 @@ on, all in 0.5.23 (paths in the wheel, under sglang/srt/):
   first), then one row per emitted token. Chunked prefill (whose middle chunks return no rows) is off
   when states are captured; a capture call starts from an empty cache, so the rows a cache hit
   skipped were computed by another request of the same call and are taken from it (`fill_prefixes`).
-- EAGLE: the draft is exported with its own config (`eagle_draft_config`: untied head, the target's
+- EAGLE: the draft is exported with its own config (`speculation/draft.py sglang_eagle_config`: untied head, the target's
   dtype and rope), and the engine gets the dtype explicitly.
 - Speculation: `static` is EAGLE with our depth / top-k / verify count; `fastgrpo` is SGLang's
   adaptive EAGLE (chains, top-k 1) with one tier per concurrency range taken from our policy's own
@@ -64,14 +64,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from fastgrpo.backends import BackendUnavailable
-from fastgrpo.backends.protocols import DraftUpdate, NamedTensors
+from fastgrpo.backends.protocols import NamedTensors
 from fastgrpo.config import Config
-from fastgrpo.speculation.draft import DRAFT_WEIGHTS, sglang_eagle_config, sglang_eagle_tensors
+from fastgrpo.speculation.draft import DRAFT_WEIGHTS, export_sglang_eagle, sglang_eagle_tensors
 from fastgrpo.speculation.policy import FastGRPOFormula, SpeculationPolicy
 from fastgrpo.speculation.sglang_tiers import AwareTiers, spec_capture_sizes
 from fastgrpo.types import Completion, Request, SamplingParams
@@ -233,29 +232,6 @@ def engine_dtype(cfg: Config) -> str:
     GPUs), so that pushed weights arrive as the trainer holds them. Passed explicitly: SGLang's "auto"
     would read each config (a float32 one becomes float16)."""
     return "float32" if cfg.trainer.precision == "fp32" else "bfloat16"
-
-
-def eagle_draft_config(target_cfg: PretrainedConfig, dtype: str) -> dict:
-    """The config.json SGLang builds the EAGLE draft from: the target's shape and rope, one layer, an
-    untied head (tied, SGLang's LlamaForCausalLMEagle makes lm_head the embedding and set_embed_and_head
-    then deletes that one weight twice), and `dtype` (what transformers 5 reads; without it SGLang reads
-    float32 and runs the draft in float16 beside a bfloat16 target)."""
-    cfg = {k: v for k, v in sglang_eagle_config(target_cfg).items() if k != "torch_dtype"}
-    rope = target_cfg.to_dict().get("rope_parameters")
-    if rope is not None:
-        cfg["rope_parameters"] = rope
-    return cfg | {"tie_word_embeddings": False, "dtype": dtype}
-
-
-def export_eagle_draft(draft_path: Path, target_cfg: PretrainedConfig, out: Path, dtype: str) -> list[str]:
-    """Our draft at `draft_path` as an SGLang EAGLE draft directory (weights in `dtype` +
-    config.json); returns the norms it leaves out (see `sglang_eagle_tensors`)."""
-    tensors, dropped = sglang_eagle_tensors(load_file(str(draft_path)), target_cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    torch_dtype = getattr(torch, dtype)
-    save_file({k: v.to(torch_dtype).contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(eagle_draft_config(target_cfg, dtype), indent=2))
-    return dropped
 
 
 def adaptive_tiers(policy: SpeculationPolicy, max_batch: int) -> dict[str, dict]:
@@ -565,7 +541,7 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrai
         if not (draft_dir(cfg) / DRAFT_WEIGHTS).is_file():
             raise FileNotFoundError(f"speculation.policy={mode} needs a draft at {draft_dir(cfg) / DRAFT_WEIGHTS}")
         draft_export = work / "eagle-draft"
-        export_eagle_draft(draft_dir(cfg) / DRAFT_WEIGHTS, model_config, draft_export, dtype)
+        export_sglang_eagle(draft_dir(cfg) / DRAFT_WEIGHTS, model_config, draft_export, dtype)
         if mode == "fastgrpo":
             tiers = adaptive_tiers(FastGRPOFormula(), cfg.rollout.max_batch)
         elif mode in ("aware", "aware_per_sequence"):

@@ -209,22 +209,28 @@ def sglang_eagle_tensors(weights: dict[str, Tensor], target_cfg) -> tuple[dict[s
             "layers.0.post_attention_layernorm.weight": w["layer.mlp_norm"]}, dropped
 
 
-def sglang_eagle_config(target_cfg) -> dict:
-    """The config.json SGLang builds the EAGLE draft's LlamaConfig from: the target's shape, one layer."""
-    raw = {k: v for k, v in target_cfg.to_dict().items() if k in (
+def sglang_eagle_config(target_cfg, dtype: str) -> dict:
+    """The config.json SGLang builds the EAGLE draft from: the target's shape and rope, one layer, an
+    untied head (tied, SGLang's LlamaForCausalLMEagle makes lm_head the embedding and set_embed_and_head
+    then deletes that one weight twice), and `dtype` (what transformers 5 reads; without it SGLang reads
+    float32 and runs the draft in float16 beside a bfloat16 target)."""
+    raw = target_cfg.to_dict()
+    cfg = {k: v for k, v in raw.items() if k in (
         "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-        "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "tie_word_embeddings", "hidden_act",
-        "bos_token_id", "eos_token_id", "torch_dtype")}
-    return raw | dict(architectures=[SGLANG_EAGLE_ARCHITECTURE], model_type="llama", num_hidden_layers=1,
-                      attention_bias=False, mlp_bias=False, hidden_act=raw.get("hidden_act", "silu"))
+        "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "hidden_act",
+        "bos_token_id", "eos_token_id") and v is not None}
+    return cfg | dict(architectures=[SGLANG_EAGLE_ARCHITECTURE], model_type="llama", num_hidden_layers=1,
+                      attention_bias=False, mlp_bias=False, hidden_act=raw.get("hidden_act", "silu"),
+                      tie_word_embeddings=False, dtype=dtype)
 
 
-def export_sglang_eagle(draft_dir: str | Path, target_cfg, out: str | Path) -> list[str]:
-    """Write the draft at `draft_dir` as an SGLang EAGLE draft directory (weights + config.json) and
-    return the norms it leaves out (see `sglang_eagle_tensors`)."""
-    tensors, dropped = sglang_eagle_tensors(load_file(str(Path(draft_dir) / DRAFT_WEIGHTS)), target_cfg)
+def export_sglang_eagle(draft_path: str | Path, target_cfg, out: str | Path, dtype: str) -> list[str]:
+    """Our draft at `draft_path` (its safetensors file) as an SGLang EAGLE draft directory (weights in
+    `dtype` + config.json); returns the norms it leaves out (see `sglang_eagle_tensors`)."""
+    tensors, dropped = sglang_eagle_tensors(load_file(str(draft_path)), target_cfg)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(sglang_eagle_config(target_cfg), indent=2))
+    torch_dtype = getattr(torch, dtype)
+    save_file({k: v.to(torch_dtype).contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(sglang_eagle_config(target_cfg, dtype), indent=2))
     return dropped
