@@ -23,7 +23,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     path: str = "artifacts/policy-bench"  # Hugging Face directory of the policy (and its tokenizer)
-    size: str = "bench"  # recipe used by `fastgrpo sft` when building the policy: "test" or "bench"
+    size: str = "bench"  # recipe used by `fastgrpo sft` when building the policy: "test", "bench" or "gpu" (~300M)
     max_context: int = 512  # prompt + response tokens
     # a Hugging Face config.json of the policy's shape, for `fastgrpo plan` where model.path is not on this
     # machine (a login node planning a cluster run); empty: <model.path>/config.json
@@ -275,7 +275,7 @@ def validate(c: Config) -> None:
     """Range and consistency checks that types alone cannot express."""
     r, g, o, t, s = c.rollout, c.grpo, c.optim, c.task, c.sft
     _check(c.threads >= 0, "threads", "must be >= 0", c.threads)
-    _check(c.model.size in ("test", "bench"), "model.size", "must be 'test' or 'bench'", c.model.size)
+    _check(c.model.size in ("test", "bench", "gpu"), "model.size", "must be 'test', 'bench' or 'gpu'", c.model.size)
     _check(c.trainer.backend in TRAINER_BACKENDS, "trainer.backend", f"must be one of {', '.join(TRAINER_BACKENDS)}",
            c.trainer.backend)
     _check(c.trainer.layer_spec in LAYER_SPECS, "trainer.layer_spec", f"must be one of {', '.join(LAYER_SPECS)}",

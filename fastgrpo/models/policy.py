@@ -13,12 +13,15 @@ from safetensors.torch import save_file
 from torch import Tensor
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel
 
-# test: trains in seconds; bench: ~20M parameters, the size the benchmarks and `make train` use.
+# test: trains in seconds; bench: ~20M parameters, the size the benchmarks and `make train` use; gpu: ~308M
+# parameters (24 layers of 1024), what `fastgrpo bench gpu-check` trains on one GPU in bf16.
 SIZES: dict[str, dict[str, int]] = {
     "test": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128),
     "bench": dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8,
                   intermediate_size=1536),
+    "gpu": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
+                intermediate_size=2816),
 }
 
 
