@@ -58,9 +58,9 @@ class _PendingStates:
     in one batch when they are needed or the rows change (`flush`), so the plain steps `aware` takes
     cost what plain decoding costs."""
 
-    def __init__(self, rows: int, window: int, hidden_size: int):
+    def __init__(self, rows: int, window: int, hidden_size: int, dtype: torch.dtype = torch.float32):
         self.window = window
-        self.hidden = torch.zeros(rows, window, hidden_size)
+        self.hidden = torch.zeros(rows, window, hidden_size, dtype=dtype)  # the target's states, in its dtype
         self.next_token = torch.zeros(rows, window, dtype=torch.long)
         # plain steps not yet written, oldest first: (states [B, H], next tokens) of rows 0..B-1
         self._deferred: deque[tuple[Tensor, list[int]]] = deque(maxlen=window)
@@ -217,7 +217,7 @@ class EmbeddedEngine:
                   capture: bool) -> list[Completion]:
         self._check(requests)
         self._capture = capture
-        self._pending = (_PendingStates(self.max_batch, self.draft_window, self.cfg.hidden_size)
+        self._pending = (_PendingStates(self.max_batch, self.draft_window, self.cfg.hidden_size, self.dtype)
                          if self.speculating else None)
         self.cache.lengths.zero_()
         if self.draft_cache is not None:

@@ -162,12 +162,15 @@ class CostModel:
                    d.get("target_row_s", 0.0), d.get("context_s"))
 
 
-def _time(fn, reps: int) -> float:
+def _time(fn, reps: int, sync=lambda: None) -> float:
+    """`sync`: waits for the device's queued work (a CUDA forward returns before its kernels end)."""
     fn()  # warm-up
+    sync()
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2]
 
@@ -180,10 +183,21 @@ def calibrate(model: InferenceModel, draft: DraftHead, reps: int = 5, sweep: tup
     shapes (what a sequence costs beyond its tokens) and both at the CONTEXT_PROBES shapes over more
     cached tokens (what context costs). Every shape is timed `rounds` times, keeping the lowest median:
     a shared machine's noise only ever slows a sample down."""
+    # on the model's device and in its dtype (an engine's on a GPU, bf16): caches, inputs and timing alike
+    device, dtype = model.embed.device, model.embed.dtype
+    if device.type != "cpu":
+        with device:
+            return _calibrate(model, draft, reps, sweep, rounds, dtype, torch.cuda.synchronize if device.type == "cuda"
+                              else lambda: None)
+    return _calibrate(model, draft, reps, sweep, rounds, dtype, lambda: None)
+
+
+def _calibrate(model: InferenceModel, draft: DraftHead, reps: int, sweep: tuple[int, ...], rounds: int,
+               dtype: torch.dtype, sync) -> CostModel:
     cfg = model.cfg
     extra = min(CONTEXT_EXTRA, model.cos.shape[0] - CONTEXT - 17)  # within the model's position tables
-    cache = KVCache(cfg, ROWS, CONTEXT + max(extra + 16, 512))
-    dcache = KVCache(cfg, ROWS, CONTEXT + max(extra + 16, 512), layers=1)
+    cache = KVCache(cfg, ROWS, CONTEXT + max(extra + 16, 512), dtype)
+    dcache = KVCache(cfg, ROWS, CONTEXT + max(extra + 16, 512), dtype, layers=1)
     sweep_shapes = [(sweep_rows(t), max(t // ROWS, 1)) for t in sweep]
     probes = [p for p in ROW_PROBES if p[0] * p[1] in sweep]
     shapes = {(B, n, CONTEXT): KINDS for B, n in sweep_shapes}
@@ -196,7 +210,7 @@ def calibrate(model: InferenceModel, draft: DraftHead, reps: int = 5, sweep: tup
         dcache.lengths.fill_(ctx)
         ids = torch.randint(0, cfg.vocab_size, (B, n))
         r = slice(0, B)
-        hidden = torch.randn(B, n, cfg.hidden_size)
+        hidden = torch.randn(B, n, cfg.hidden_size, dtype=dtype)
         pos = ctx + torch.arange(n).expand(B, n)
         mask = block_mask(dcache.lengths[r], n, ctx + n, None)
         forwards = {"target": lambda: model.forward(ids, cache, r),
@@ -204,7 +218,7 @@ def calibrate(model: InferenceModel, draft: DraftHead, reps: int = 5, sweep: tup
                     .topk(4, dim=-1)}
         for kind in kinds:
             key = (kind, B, n, ctx)
-            seconds[key] = min(seconds.get(key, float("inf")), _time(forwards[kind], reps))
+            seconds[key] = min(seconds.get(key, float("inf")), _time(forwards[kind], reps, sync))
     target = {t: seconds[("target", B, n, CONTEXT)] for t, (B, n) in zip(sweep, sweep_shapes)}
     context_s = None  # no room for the context probes: the sweep's context is taken for every step's
     if extra > 0:
@@ -219,6 +233,9 @@ def load_or_calibrate(model: InferenceModel, draft: DraftHead, cache_dir: Path) 
     cfg = model.cfg
     key = (f"h{cfg.hidden_size}-l{cfg.num_hidden_layers}-i{cfg.intermediate_size}-v{cfg.vocab_size}"
            f"-t{torch.get_num_threads()}-torch{torch.__version__}-{model.kernel}")
+    device, dtype = model.embed.device, model.embed.dtype
+    if (device.type, dtype) != ("cpu", torch.float32):  # a GPU's (or a bf16) curve is not the CPU's fp32 one
+        key += f"-{device.type}-{str(dtype).removeprefix('torch.')}"
     path = Path(cache_dir) / f"cost_model-v3-{key}.json"  # v3: with the context rates
     if path.is_file():
         try:
