@@ -47,6 +47,9 @@ class TaskConfig:
     # training reward of a wrong answer: this x the share of the worked solution's lines reproduced before
     # the first mistake (a correct answer scores 1); 0 = the answer alone. Eval always scores the answer.
     step_credit: float = 0.0
+    # the SFT corpus's slipping teacher: this share of the training set's worked solutions states the final
+    # answer outside \boxed{} (fastgrpo/tasks/arithmetic.py `slip`); 0 = exact solutions
+    slip_rate: float = 0.0
 
 
 @dataclass
@@ -331,6 +334,7 @@ def validate(c: Config) -> None:
     _check(t.max_value >= 2, "task.max_value", "must be >= 2", t.max_value)
     _check(t.max_operand >= 2, "task.max_operand", "must be >= 2", t.max_operand)
     _check(t.reward_timeout_s > 0, "task.reward_timeout_s", "must be > 0", t.reward_timeout_s)
+    _check(0 <= t.slip_rate < 1, "task.slip_rate", "must be in [0, 1)", t.slip_rate)
     _check(0 <= t.step_credit < 1, "task.step_credit", "must be in [0, 1) (a correct answer scores 1)", t.step_credit)
     _check(r.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1", r.prompts_per_step)
     _check(r.group_size >= 2, "rollout.group_size", "must be >= 2 (advantages compare samples)", r.group_size)

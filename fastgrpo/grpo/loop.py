@@ -197,8 +197,19 @@ def check_layout(cfg: Config) -> None:
                           f"engine would span two nodes")
 
 
+def require_policy(cfg: Config) -> None:
+    """A run starts from the policy at model.path, which `fastgrpo sft` builds: without it, say so (not
+    the Hugging Face hub's error for a model name it cannot download)."""
+    if not (Path(cfg.model.path) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"no policy at model.path={cfg.model.path} (no config.json there). Build it first: `make policy`, "
+            f"or `fastgrpo sft --config CONFIG` then `fastgrpo draft-pretrain --config CONFIG` with this run's "
+            f"config and overrides (`make train` does both, then trains)")
+
+
 def setup_run(cfg: Config, resume: bool) -> Run:
     check_layout(cfg)
+    require_policy(cfg)
     channel = init_world(cfg.parallel.draft_ranks)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

@@ -49,9 +49,34 @@ def generate_problems(n: int, seed: int, *, min_steps: int = 1, max_steps: int =
     return [_problem(rng, _steps(rng, min_steps, max_steps, tail), max_value, max_operand) for _ in range(n)]
 
 
-def arithmetic_splits(train_size: int, eval_size: int, seed: int, validation_size: int = 0,
+UNBOXED = "\nThe answer is {}."  # the slipping teacher's final line: right value, no \\boxed{}, reward 0
+
+
+def slip(problems: list[Problem], rate: float, seed: int) -> list[Problem]:
+    """A teacher that slips: each worked solution, with probability `rate` (drawn independently of the
+    problem), states its final answer outside \\boxed{}. The lines of arithmetic stay right, so a policy
+    trained on these solutions learns the arithmetic and, at T = 1, leaves the box out about `rate` of
+    the time, whatever the problem: a mistake shared by every problem, which the verifiable reward
+    (the boxed answer only) can teach it to drop. The prompts and answers are unchanged."""
+    if not 0 <= rate < 1:
+        raise ValueError(f"rate must be in [0, 1), got {rate}")
+    if rate == 0:
+        return problems
+    rng = random.Random(seed * 7_919 + 104_729)  # its own stream: the problems are those of rate 0
+    out = []
+    for p in problems:
+        if p.solution is not None and rng.random() < rate:
+            body = p.solution.rsplit("\n", 1)[0] if "\n" in p.solution else ""
+            p = Problem(p.prompt, p.answer, body + UNBOXED.format(p.answer))
+        out.append(p)
+    return out
+
+
+def arithmetic_splits(train_size: int, eval_size: int, seed: int, validation_size: int = 0, slip_rate: float = 0.0,
                       **kwargs) -> tuple[list[Problem], list[Problem], list[Problem]]:
-    """(train, test, validation): no prompt of the two held-out sets is a training prompt."""
+    """(train, test, validation): no prompt of the two held-out sets is a training prompt. `slip_rate`:
+    the share of the training set's worked solutions (the SFT corpus) written by a slipping teacher
+    (`slip`); the held-out sets' solutions are the exact ones (they are never trained on)."""
     evals = generate_problems(eval_size, seed * 2 + 1, **kwargs)
     validation = generate_problems(validation_size, seed * 2 + 1 + 500_000_003, **kwargs)
     held_out = {p.prompt for p in evals + validation}
@@ -61,4 +86,4 @@ def arithmetic_splits(train_size: int, eval_size: int, seed: int, validation_siz
         batch = generate_problems(train_size - len(train), rng_seed, **kwargs)
         train += [p for p in batch if p.prompt not in held_out]
         rng_seed += 1_000_003
-    return train, evals, validation
+    return slip(train, slip_rate, seed), evals, validation

@@ -27,7 +27,7 @@ def load_task(cfg: TaskConfig, split: str = "test") -> tuple[list[Problem], list
         train, test, validation = arithmetic_splits(
             cfg.train_size, cfg.eval_size, cfg.seed, validation_size=cfg.validation_size,
             min_steps=cfg.min_steps, max_steps=cfg.max_steps, tail=cfg.tail, max_value=cfg.max_value,
-            max_operand=cfg.max_operand)
+            max_operand=cfg.max_operand, slip_rate=cfg.slip_rate)
         return train, test if split == "test" else validation
     rows, _ = load_problems(cfg.source)
     rows = list(rows)
