@@ -1,8 +1,13 @@
 """Offline warm start of the draft on the target's hidden states over a text corpus of the task's
-domain (the SFT corpus), the way static speculative systems get their drafts."""
+domain (the SFT corpus), the way static speculative systems get their drafts.
+
+On the configured device (`fastgrpo.device.resolve`): the target computes its states there in the run's
+dtype (bf16 on a GPU: the states a bf16 engine hands its draft), and the draft trains there in fp32, as
+the online learner trains it."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 
@@ -11,6 +16,7 @@ from tqdm import tqdm
 
 from fastgrpo.backends.embedded import draft_dir
 from fastgrpo.config import Config
+from fastgrpo.device import resolve
 from fastgrpo.draft_learning.trainer import DraftTrainer
 from fastgrpo.models.policy import load_policy
 from fastgrpo.models.tokenizer import encode_prompt, encode_response, load_tokenizer
@@ -19,12 +25,15 @@ from fastgrpo.tasks.source import load_task
 
 
 def target_states(policy, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The target's final (post-norm) hidden states over right-padded sequences: [B, T, H], tokens, mask."""
+    """The target's final (post-norm) hidden states over right-padded sequences: [B, T, H], tokens, mask
+    (on the policy's device)."""
     width = max(map(len, sequences))
     ids = torch.zeros(len(sequences), width, dtype=torch.long)
     mask = torch.zeros(len(sequences), width, dtype=torch.bool)
     for i, s in enumerate(sequences):
         ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), True
+    device = policy.model.embed_tokens.weight.device
+    ids, mask = ids.to(device), mask.to(device)  # on a CPU: the same tensors
     with torch.no_grad():
         hidden = policy.model(input_ids=ids, attention_mask=mask.long()).last_hidden_state.float()
     return hidden, ids, mask
@@ -50,8 +59,10 @@ def fill_buffer(trainer: DraftTrainer, policy, corpus: list[list[int]], max_toke
 def pretrain_draft(cfg: Config) -> dict[str, float]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    compute = resolve(cfg)
     policy, tokenizer = load_policy(cfg.model.path), load_tokenizer(cfg.model.path)
     policy.requires_grad_(False)
+    policy.to(compute.device, compute.dtype)  # fp32 on a CPU: unchanged
     train, evals = load_task(cfg.task)
 
     def text(p) -> list[int]:
@@ -59,10 +70,22 @@ def pretrain_draft(cfg: Config) -> dict[str, float]:
         return (encode_prompt(tokenizer, p.prompt) + encode_response(tokenizer, response))[: cfg.model.max_context]
 
     corpus, held_out = [text(p) for p in train], [text(p) for p in evals]
-    draft = DraftHead(policy.config, cfg.model.max_context)
+    draft = DraftHead(policy.config, cfg.model.max_context).to(compute.device)  # initialised on the CPU, then moved
     draft.bind_target(policy.model.embed_tokens.weight, policy.lm_head.weight)
     d = cfg.draft
     trainer = DraftTrainer(draft, lr=d.lr, max_tokens=d.buffer_tokens, batch_size=d.batch_size, seed=cfg.seed)
+    # the trainer's batches and the draft's positions are made where the states are (a CPU needs no context)
+    with contextlib.nullcontext() if compute.device.type == "cpu" else compute.device:
+        report = _train(cfg, policy, draft, trainer, corpus, held_out)
+    out = draft_dir(cfg)
+    draft.to("cpu").save(out, extra={"pretrain": report})
+    print("draft-pretrain done: " + ", ".join(f"{k} {v:.4g}" for k, v in report.items()) + f"; saved to {out}", flush=True)
+    return report
+
+
+def _train(cfg: Config, policy, draft: DraftHead, trainer: DraftTrainer, corpus: list[list[int]],
+           held_out: list[list[int]]) -> dict[str, float]:
+    d = cfg.draft
     t0 = time.perf_counter()
     fill_buffer(trainer, policy, corpus, d.buffer_tokens)
     print(f"draft-pretrain: {trainer.buffered_tokens} target states from {len(trainer.buffer)} sequences "
@@ -82,9 +105,5 @@ def pretrain_draft(cfg: Config) -> dict[str, float]:
     draft.eval()
     with torch.no_grad():
         _, held = draft_loss(draft, *target_states(policy, held_out[:64]))
-    report = {"steps": float(trainer.steps), "complete": float(trainer.steps == d.pretrain_steps),
-              "minutes": (time.perf_counter() - t0) / 60, "eval_top1": held["draft_top1"], "eval_loss": held["draft_loss"]}
-    out = draft_dir(cfg)
-    draft.save(out, extra={"pretrain": report})
-    print("draft-pretrain done: " + ", ".join(f"{k} {v:.4g}" for k, v in report.items()) + f"; saved to {out}", flush=True)
-    return report
+    return {"steps": float(trainer.steps), "complete": float(trainer.steps == d.pretrain_steps),
+            "minutes": (time.perf_counter() - t0) / 60, "eval_top1": held["draft_top1"], "eval_loss": held["draft_loss"]}

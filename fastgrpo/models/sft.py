@@ -6,6 +6,7 @@ training on worked solutions gets it there in minutes on a CPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -18,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from fastgrpo.config import Config
+from fastgrpo.device import resolve
 from fastgrpo.engine.engine import EmbeddedEngine
 from fastgrpo.types import SamplingParams
 from fastgrpo.grpo.evaluate import evaluate
@@ -51,9 +53,22 @@ def _collate(batch: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[tor
     return ids, labels, attn
 
 
+def _ema(average: float, losses: list[torch.Tensor]) -> float:
+    """The running loss with `losses` (each step's, in order) folded in, emptying the list: read from
+    the device only where it is shown, so a GPU's steps are not each made to wait for the host."""
+    for loss in losses:
+        average = loss.item() if math.isnan(average) else 0.95 * average + 0.05 * loss.item()
+    losses.clear()
+    return average
+
+
 def build_policy(cfg: Config, out_dir: str | Path | None = None) -> dict[str, float]:
-    """Train tokenizer + policy on the task's worked solutions and save both in HF format."""
+    """Train tokenizer + policy on the task's worked solutions and save both in HF format.
+
+    On the configured device (`fastgrpo.device.resolve`): fp32 weights and optimizer, and with bf16
+    (`trainer.precision`) the forward and backward under bf16 autocast; the saved policy is fp32."""
     out = Path(out_dir or cfg.model.path)
+    compute = resolve(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     train, evals = load_task(cfg.task, cfg.eval.split)
@@ -67,17 +82,21 @@ def build_policy(cfg: Config, out_dir: str | Path | None = None) -> dict[str, fl
         raise ValueError(f"no training example fits in model.max_context={cfg.model.max_context}")
     config = policy_config(cfg.model.size, len(tokenizer), cfg.model.max_context,
                            tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    model = new_policy(config, cfg.seed)
+    model = new_policy(config, cfg.seed).to(compute.device)  # on a CPU: the model itself, unchanged
     s = cfg.sft
     steps = max(1, s.examples // s.batch_size)
     print(f"SFT: {cfg.model.size} policy, {num_parameters(model) / 1e6:.1f}M parameters, vocab {len(tokenizer)}, "
           f"{steps} steps of {s.batch_size}", flush=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.01, betas=(0.9, 0.95),
+                            **({"fused": True} if compute.device.type == "cuda" else {}))
+    autocast = (torch.autocast(compute.device.type, dtype=torch.bfloat16) if compute.bf16
+                else contextlib.nullcontext())
     batches = _batches(examples, s.batch_size, random.Random(cfg.seed))
     t0 = time.perf_counter()
     model.train()
     bar = tqdm(range(steps), desc="sft", mininterval=2.0)
     loss_avg = float("nan")
+    losses: list[torch.Tensor] = []
     done = 0
     for step in bar:
         # a fixed number of steps, so the policy is the same on any machine; the clock is only a guard
@@ -88,22 +107,25 @@ def build_policy(cfg: Config, out_dir: str | Path | None = None) -> dict[str, fl
         warm = min(1.0, (step + 1) / max(s.warmup_steps, 1))
         for group in opt.param_groups:
             group["lr"] = s.lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
-        ids, labels, attn = _collate(next(batches), tokenizer.pad_token_id)
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        ids, labels, attn = (t.to(compute.device) for t in _collate(next(batches), tokenizer.pad_token_id))
+        with autocast:
+            loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        loss_avg = loss.item() if math.isnan(loss_avg) else 0.95 * loss_avg + 0.05 * loss.item()
+        losses.append(loss.detach())
         if step % s.log_every == 0:
+            loss_avg = _ema(loss_avg, losses)
             bar.set_postfix(loss=f"{loss_avg:.3f}")
         done = step + 1
     bar.close()
+    loss_avg = _ema(loss_avg, losses)
     model.eval()
     minutes = (time.perf_counter() - t0) / 60
 
     engine = EmbeddedEngine(config, max_batch=64, max_context=cfg.model.max_context, eos_id=tokenizer.eos_token_id,
-                            pad_id=tokenizer.pad_token_id)
+                            pad_id=tokenizer.pad_token_id, device=compute.device, dtype=compute.dtype)
     engine.update_weights(model.state_dict().items(), version=0)
     accuracy = evaluate(engine, tokenizer, encode_problems(evals, tokenizer, cfg.model.max_context, "eval"),
                         cfg.eval.samples, SamplingParams.of(cfg.rollout), cfg.task.reward_timeout_s, seed=cfg.seed)
