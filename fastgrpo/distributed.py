@@ -14,6 +14,7 @@ writes its files from child processes, which a daemonic process may not have."""
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import multiprocessing.connection
 import os
@@ -138,6 +139,15 @@ def launch_store(rank: int, size: int) -> dist.Store:
                          is_master=not agent and rank == 0, timeout=COLLECTIVE_TIMEOUT)
 
 
+def die_with_parent() -> None:
+    """End this process with SIGKILL when its parent dies (Linux's parent-death signal; a no-op
+    elsewhere): a rank's helpers must not outlive a rank that was killed without a chance to end them."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def init_world(draft_ranks: int = 0) -> Channel | None:
     """The process groups of a torchrun launch, once: the policy ranks' default group (NCCL with GPUs,
     gloo without: megatron's groups and checkpoints live in it) and, with a reserved draft slice, the
@@ -150,6 +160,9 @@ def init_world(draft_ranks: int = 0) -> Channel | None:
     rank, policy_ranks = int(os.environ["RANK"]), size - draft_ranks
     if policy_ranks < 1:
         raise ValueError(f"parallel.draft_ranks={draft_ranks} leaves no policy rank in a world of {size}")
+    # a process a rank forks (megatron's checkpoint writers fork theirs) dies with the rank: one that
+    # outlived a killed rank blocked on the rank's results queue and held the job open
+    os.register_at_fork(after_in_child=die_with_parent)
     store = launch_store(rank, size)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if rank < policy_ranks:

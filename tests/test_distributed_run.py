@@ -243,8 +243,16 @@ def _kill_and_wait(launch: Torchrun, victim: int) -> None:
     kill_tree(launch.proc.pid)
     print(f"killed rank {victim}: torchrun exited {code} after {elapsed:.1f} s")
     assert code != 0 and elapsed < 60, (code, elapsed)
-    time.sleep(1.0)
-    left = [p.pid for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    # a rank's helpers (its checkpoint writer's server, multiprocessing's resource tracker) end when it
+    # does, each a moment later on a loaded machine: a hang guard, not a timing
+    _, alive = psutil.wait_procs(processes, timeout=30)
+    left = []
+    for p in alive:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                left.append((p.pid, " ".join(p.cmdline())[:160]))
+        except psutil.NoSuchProcess:
+            pass
     assert not left, f"processes left behind: {left}"
 
 

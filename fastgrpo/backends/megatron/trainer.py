@@ -38,7 +38,6 @@ trainer's micro-batches (contiguous rows) and pay the shape message.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 import math
@@ -58,6 +57,7 @@ from fastgrpo.backends.megatron.logprobs import vocab_parallel_logprobs
 from fastgrpo.backends.megatron.model import build_model, export_hf, initialize, load_hf_state
 from fastgrpo.config import GRPOConfig, OptimConfig
 from fastgrpo.device import Compute
+from fastgrpo.distributed import die_with_parent
 from fastgrpo.grpo.step import LossFn, grpo_step
 from fastgrpo.types import Placement, RolloutBatch, SamplingParams
 
@@ -68,10 +68,7 @@ def _writer_server_init(rank_pid: int) -> None:
     """In the checkpoint writer's server: deaf to SIGTERM, killed when its rank dies (Linux's parent-
     death signal; elsewhere it ends when the job's processes are ended)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
+    die_with_parent()
     if os.getppid() != rank_pid:  # the rank died before the signal was armed
         os._exit(1)
 
