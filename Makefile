@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 POLICY := artifacts/policy-bench
 CONFIG ?= configs/tiny_cpu.yaml
 
-.PHONY: install install-gpu check-gpu-install train train-distributed test test-slurm policy bench bench-quick bench-e2e bench-forward clean
+.PHONY: install install-gpu check-gpu-install train train-distributed test test-slow test-all test-slurm policy bench bench-quick bench-e2e bench-forward clean
 
 install: $(STAMP)
 
@@ -66,9 +66,16 @@ bench-e2e: policy
 bench-forward: policy
 	$(BIN)/fastgrpo bench forward --config $(CONFIG) --output bench/forward.json
 
-# -rs: say why a test skipped (here: the engine contract tests on SGLang, which needs CUDA)
+# -rs: say why a test skipped (here: the engine contract tests on SGLang, which needs CUDA).
+# `make test` is the fast tier; the multi-process worlds (torchrun, DP/TP/PP runs) are marked slow and
+# run by `make test-slow`, which CI runs too (`make test-all`: both)
 test: $(STAMP)
-	$(BIN)/pytest -x -q -rs
+	$(BIN)/pytest -x -q -rs -m "not slow"
+
+test-slow: $(STAMP)
+	$(BIN)/pytest -x -q -rs -m slow
+
+test-all: test test-slow
 
 # `sbatch slurm/train_70b.sh` (tiny overrides) on a one-node Slurm cluster the tests start and stop;
 # Debian's Slurm packages are installed first when missing (as root), else the tests say why they skip

@@ -73,6 +73,7 @@ def ds_overrides(tmp, policy, draft, **extra) -> list[str]:
     return overrides(tmp, policy, draft, **{"trainer.backend": "deepspeed", "deepspeed.zero_stage": 3} | extra)
 
 
+@pytest.mark.slow  # a multi-process world
 def test_torchrun_zero3_trains_with_speculation_and_the_draft_learning_on_its_rank(tmp_path, tiny_policy, tiny_draft):
     """`torchrun --nproc-per-node 2 -m fastgrpo train trainer.backend=deepspeed deepspeed.zero_stage=3
     parallel.draft_ranks=1 draft.online=async`: one ZeRO-3 rank with its engine speculating, one draft
@@ -94,6 +95,7 @@ def test_torchrun_zero3_trains_with_speculation_and_the_draft_learning_on_its_ra
     assert (saved / "deepspeed" / "fastgrpo.json").is_file() and (saved / "draft" / "draft.safetensors").is_file()
 
 
+@pytest.mark.slow  # a multi-process world
 def test_a_zero3_run_at_dp2_resumes_bit_exact_and_converts_to_hugging_face(tmp_path, tiny_policy, tiny_draft):
     """ZeRO-3 at DP2 (two engines, a frozen draft with fixed trees): 2 steps + `--resume` + 1 step
     equals 3 steps bit for bit (losses, gradient norms, rollouts); `deepspeed-to-hf` turns the

@@ -20,6 +20,7 @@ from tests.conftest import tiny_overrides
 from tests.test_train import history
 
 pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.slow  # torchrun worlds of 2-5 processes: `make test-slow`
 
 STEP_KEYS = ("loss", "grad_norm", "entropy", "reward_mean", "response_len_mean")
 

@@ -299,6 +299,7 @@ def _train(rank, world, overrides, resume):
     return train(load_config(None, overrides), resume=resume).steps
 
 
+@pytest.mark.slow  # a multi-process world
 def test_fastgrpo_train_on_the_megatron_backend_matches_torch_and_resumes_exactly(tmp_path, tiny_policy):
     """The single-process loop with trainer.backend=megatron (a world of one): its first step's
     gradient norm and entropy equal the torch trainer's, and 1 step + resume + 1 step gives the same
@@ -324,6 +325,7 @@ def test_fastgrpo_train_on_the_megatron_backend_matches_torch_and_resumes_exactl
         assert resumed[0][key] == megatron_steps[1][key], key
 
 
+@pytest.mark.slow  # a multi-process world
 def test_bench_trainer_times_the_torch_and_megatron_steps(tmp_path, tiny_policy):
     import json
 

@@ -66,6 +66,7 @@ def tp2pp2(tmp_path_factory):
     return tmp, results
 
 
+@pytest.mark.slow  # a multi-process world
 def test_tp2_pp2_scores_and_trains_as_the_torch_trainer(tp2pp2):
     """Log-probabilities and entropy (max abs error <= 1e-5), then two GRPO steps of two minibatches
     each with clipping active: the same losses, gradient norms and weights (relative error <= 1e-5) as
@@ -174,6 +175,7 @@ def _train_with_and_without_recompute(rank, world, policy_dir):
     return out, calls
 
 
+@pytest.mark.slow  # a multi-process world
 def test_full_recompute_trains_as_the_torch_trainer(tmp_path):
     """`trainer.recompute`: every training forward of a layer runs once more without recording (the
     forward whose input alone is kept; the recording one is the backward's rerun), and the two

@@ -193,7 +193,6 @@ def sampled_tokens(cfg, target, draft, policy, sampling, calls, monkeypatch):
     return logits, ids[rows, positions], found
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("policy, sampling, calls", [  # calls: ~770 verify tokens each, enough for 99% power
     ("static-4-4-16", SamplingParams(temperature=1.0, max_new_tokens=12), 36),  # against the biased temperature
     ("fastgrpo", SamplingParams(temperature=0.7, top_k=5, max_new_tokens=12), 32),  # (by the fit's noncentrality
