@@ -149,7 +149,7 @@ class CostModel:
     def target_many(self, tokens: Tensor, rows: float | None = None) -> Tensor:
         """target() at many sizes at once (a per-sequence budget weighs every total it could verify)."""
         t = tokens.to(torch.float64)
-        seconds = piecewise_linear(*self._tensors["target_s"], t)
+        seconds = piecewise_linear(*(v.to(t.device) for v in self._tensors["target_s"]), t)  # a GPU step's tokens
         return seconds if rows is None else self._in_rows(seconds, t, rows)
 
     def to_json(self) -> dict:
@@ -187,8 +187,9 @@ def calibrate(model: InferenceModel, draft: DraftHead, reps: int = 5, sweep: tup
     device, dtype = model.embed.device, model.embed.dtype
     if device.type != "cpu":
         with device:
-            return _calibrate(model, draft, reps, sweep, rounds, dtype, torch.cuda.synchronize if device.type == "cuda"
-                              else lambda: None)
+            costs = _calibrate(model, draft, reps, sweep, rounds, dtype, torch.cuda.synchronize if device.type == "cuda"
+                               else lambda: None)
+        return CostModel.from_json(costs.to_json())  # its curves on the CPU, as a cached model's are
     return _calibrate(model, draft, reps, sweep, rounds, dtype, lambda: None)
 
 
