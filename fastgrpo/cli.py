@@ -92,7 +92,14 @@ def _thread_counts(text: str) -> list[int]:
     return counts
 
 
-def cmd_bench(args: argparse.Namespace) -> None:
+def cmd_bench(args: argparse.Namespace) -> int | None:
+    if args.what == "gpu-check":  # its own config and stages (the policy and draft are two of them, timed)
+        from fastgrpo.bench.gpu_check import main as gpu_check
+
+        if args.config:
+            raise ValueError("bench gpu-check builds its own config: give key=value overrides, not --config")
+        return gpu_check([*(["--out", args.output] if args.output else []), *(["--size", "test"] if args.quick else []),
+                          *args.overrides])
     from fastgrpo.bench.draft_fit import bench_draft
     from fastgrpo.bench.e2e import bench_e2e
     from fastgrpo.bench.engines import bench_engines
@@ -195,7 +202,10 @@ def main(argv: list[str] | None = None) -> int:
                 "`engines` (a GRPO batch's rollout in a world of two ranks on one engine or two) "
                 "`guarantee` (aware against plain decoding, paired, over runs and thread counts) "
                 "`simulate` (rollout at GPU scale, simulated, validated against this CPU's engine) "
-                "or `sglang-tiers` (aware on SGLang's adaptive EAGLE against SGLang's own speculation, simulated)",
+                "`sglang-tiers` (aware on SGLang's adaptive EAGLE against SGLang's own speculation, simulated) "
+                "or `gpu-check` (the GPU path in one run: SFT and draft of a ~308M policy, Megatron against torch, "
+                "the weight push, the decode step against its bandwidth bound, rollout; --output is its directory, "
+                "--quick its toy size, device=cpu runs it without a GPU)",
                 before="what")
     bench.add_argument("--quick", action="store_true", help="smaller workloads (minutes, not tens of minutes)")
     bench.add_argument("--output", help="JSON results, default bench/<what>.json (a PNG plot is written beside it)")

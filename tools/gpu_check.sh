@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# fastgrpo's GPU path on one H100 or H200, shown to work and measured, in at most 8 minutes.
+#
+# 1. Before, on a machine that reaches PyPI (the GPU machine has no network):
+#        bash tools/gpu_wheels.sh          # or: bash tools/gpu_check.sh --fetch
+#    fetches ~11 MB of wheels (omegaconf, antlr4, PyYAML, tqdm, math-verify, latex2sympy2, sympy, mpmath,
+#    megatron-core, psutil; the list is fastgrpo/bench/gpu_check.py's WHEELS) into tools/gpu_wheels/,
+#    which git ignores and the device tool carries with the working tree.
+# 2. On the GPU machine (Python 3.12 with torch + CUDA, transformers, safetensors, numpy), from anywhere:
+#        bash tools/gpu_check.sh --out "$OUT"
+#    It installs the wheels whose package this Python lacks (pip install --no-index --no-deps --target, into
+#    a temporary directory; unzipped if pip fails), puts that directory and the repository on PYTHONPATH,
+#    and runs `python -m fastgrpo.bench.gpu_check` from the repository root, offline (HF_HUB_OFFLINE=1),
+#    without MLflow (tracking.enabled=false) or plots.
+#    Other arguments go to the driver: --size test (toy sizes, seconds), --device cpu|cuda|auto,
+#    --stages sft,draft,..., --work DIR (keep the policy, draft and cost model there), key=value overrides
+#    (e.g. sft.max_minutes=1). PYTHON=... picks the interpreter (default: python3 or python, whichever has torch).
+#
+# Stages, each timed and printed with its progress; a stage that fails is recorded with its error and the
+# run goes on: environment (versions, device, its spec-sheet and measured copy bandwidth); sft (a ~308M
+# policy warm-started on the task in bf16, ~2 minutes); draft (its EAGLE draft, ~1 minute); train_step
+# (one GRPO step of the Megatron trainer, world of 1, TP1 PP1, NCCL, against the torch trainer's on the same
+# batch); weight_push (trainer -> engine through the weight bridge, the checksummed commit, a corrupted
+# tensor refused); decode_bound (the plain decode step at batch 1 and 64 against bytes read / peak memory
+# bandwidth, and where the rest goes: device busy time and op count from the profiler, the matmuls alone in
+# a CUDA graph, launch cost); rollout (bench rollout's sweep: off, static, fastgrpo, tlt, aware,
+# aware_per_sequence at 1, 4, 16, 64 and 256 running sequences, and a GRPO batch).
+#
+# Writes <out>/gpu_check.json (per stage: status, seconds, numbers or the error and its traceback; rewritten
+# after every stage, so a run cut short keeps what it finished) and <out>/gpu_check.md (the tables).
+# Default <out>: bench/gpu_check. Exit status: 0 every stage ok; 1 a stage failed (the others still ran);
+# 2 no usable Python.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT=bench/gpu_check
+ARGS=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --fetch) exec bash tools/gpu_wheels.sh ;;
+        --out) OUT=$2; shift 2 ;;
+        --out=*) OUT=${1#--out=}; shift ;;
+        *) ARGS+=("$1"); shift ;;
+    esac
+done
+
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+    for candidate in python3 python; do
+        if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c "import torch" 2>/dev/null; then
+            PY=$candidate
+            break
+        fi
+    done
+fi
+if [ -z "$PY" ]; then
+    echo "gpu_check: no python with torch found (set PYTHON=...)" >&2
+    exit 2
+fi
+
+# the wheels whose distribution this Python lacks (what it has already stays in charge)
+SITE=$(mktemp -d "${TMPDIR:-/tmp}/fastgrpo-gpu-site.XXXXXX")
+trap 'rm -rf "$SITE"' EXIT
+MISSING=()
+shopt -s nullglob
+WHEELS_DIR=${GPU_WHEELS:-tools/gpu_wheels}  # GPU_WHEELS: another folder of them (a test on another Python)
+for wheel in "$WHEELS_DIR"/*.whl; do
+    name=$(basename "$wheel")
+    if ! "$PY" -c 'import importlib.metadata as m, sys; m.distribution(sys.argv[1])' "${name%%-*}" 2>/dev/null; then
+        MISSING+=("$wheel")
+    fi
+done
+if [ ${#MISSING[@]} -gt 0 ]; then
+    echo "gpu_check: installing ${#MISSING[@]} wheels into $SITE: ${MISSING[*]##*/}"
+    if ! "$PY" -m pip install --quiet --no-index --no-deps --no-compile --target "$SITE" "${MISSING[@]}"; then
+        echo "gpu_check: pip failed; unpacking the wheels instead"
+        for wheel in "${MISSING[@]}"; do
+            "$PY" -m zipfile -e "$wheel" "$SITE"
+        done
+    fi
+elif [ ! -d "$WHEELS_DIR" ]; then
+    echo "gpu_check: no $WHEELS_DIR/ (fetch it with tools/gpu_wheels.sh where PyPI is reachable)"
+fi
+
+export PYTHONPATH=".:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export GPU_CHECK_INSTALLED="${MISSING[*]##*/}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+if ! "$PY" -c "import omegaconf, tqdm, math_verify, megatron.core, psutil" 2>/dev/null; then
+    echo "gpu_check: warning: some packages are missing (the stages that need them will fail):" >&2
+    "$PY" -c "import omegaconf, tqdm, math_verify, megatron.core, psutil" 2>&1 | tail -1 >&2
+fi
+"$PY" -m fastgrpo.bench.gpu_check --out "$OUT" ${ARGS[@]+"${ARGS[@]}"}
