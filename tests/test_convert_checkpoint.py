@@ -139,6 +139,7 @@ def _trainer_loads_and_saves(rank, world, policy_dir, converted, checkpoint):
     return loaded, trained, logits
 
 
+@pytest.mark.slow  # a multi-process world
 def test_the_trainer_loads_a_conversion_and_its_checkpoint_converts_back(tmp_path):
     """hf-to-megatron at TP2 x PP2 loaded by the trainer at TP2 (dist-checkpointing reshards), weights
     bit-exact; a GRPO training checkpoint (with optimizer state) of that run -> Hugging Face: the

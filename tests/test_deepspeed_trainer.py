@@ -47,6 +47,7 @@ def initial_weights(args):
     return load_policy(load_config(None, args).model.path).state_dict()
 
 
+@pytest.mark.slow  # a multi-process world
 @pytest.mark.parametrize("stage,kl_coef", [(2, 0.0), (3, 0.0), (3, 0.5)])
 def test_a_zero_step_at_dp2_equals_the_torch_trainer(tmp_path, tiny_policy, stage, kl_coef):
     """Five rows over two ranks (shares of 2 and 3 rows, micro-batches of 2: one rank pads), two

@@ -311,6 +311,7 @@ def _data_parallel_steps(rank, world, config, state, embed, head, batches):
     return {k: v.clone() for k, v in draft.state_dict().items()}, states
 
 
+@pytest.mark.slow  # a multi-process world
 def test_a_data_parallel_draft_slice_steps_as_one_trainer_on_all_its_batches(tmp_path, target, warm_draft):
     """Two draft ranks, each with a batch of its own (and then one with none): after each step both hold
     the same draft bit for bit, and it is the draft one trainer gets from the union of the batches."""

@@ -59,6 +59,7 @@ def _export_and_logits(rank, world, tp, pp, kinds, ids):
 IDS = torch.randint(3, 301, (3, 12), generator=torch.Generator().manual_seed(1))
 
 
+@pytest.mark.slow  # a multi-process world
 @pytest.mark.parametrize("tp, pp, kinds", [(2, 1, ("llama-tied", "qwen2")), (1, 2, ("llama-tied",)),
                                            (2, 2, ("llama-tied", "qwen2"))])
 def test_weights_in_and_out_are_bit_exact_and_logits_equal_hugging_faces(tmp_path, tp, pp, kinds):
@@ -87,6 +88,7 @@ def _bad_layout(rank, world, tp, pp):
     initialize(tp, pp)
 
 
+@pytest.mark.slow  # a multi-process world
 def test_a_world_that_does_not_split_fails_clearly(tmp_path):
     with pytest.raises(RuntimeError, match="does not split into tensor 2 x pipeline 2"):
         run_world(_bad_layout, 2, tmp_path, 2, 2)
@@ -176,6 +178,7 @@ def _megatron_logprobs_and_grads(rank, world, tp, kind, ids, samplings, weights)
     return out
 
 
+@pytest.mark.slow  # a multi-process world
 @pytest.mark.parametrize("tp", [1, 2])
 def test_vocab_parallel_logprobs_entropy_and_gradients_equal_the_torch_trainers(tmp_path, tp):
     """The trainer scores the engine's sampling distribution (temperature; top-k and top-p), with the
@@ -277,6 +280,7 @@ def assert_same_step_as_torch(results, policy_dir, kind):
     assert_same_update(weights, state, initial, [name for name in state if name not in biases], min_moved=1e-3)
 
 
+@pytest.mark.slow  # a multi-process world
 @pytest.mark.parametrize("tp, pp, world, kind", [(2, 1, 2, "qwen2"), (1, 1, 2, "qwen2"),
                                                  pytest.param(1, 2, 2, "llama-tied", marks=pytest.mark.slow)],
                          ids=["TP2", "DP2", "PP2-tied"])

@@ -45,6 +45,7 @@ def _plain_and_distributed(rank, world, policy_dir):
             "distributed": _two_steps(_trainer(policy_dir, distributed_optimizer=True))}
 
 
+@pytest.mark.slow  # a multi-process world
 def test_the_distributed_optimizer_steps_as_the_replicated_one_at_dp2(tmp_path):
     """DP2, fp32: the same losses and gradient norms (relative 1e-6) over two steps with clipping
     active, the same weights (each tensor within 1e-6 of its norm), on both ranks; and each rank's
@@ -160,6 +161,7 @@ def _fp32_and_bf16(rank, world, policy_dir, tmp):
     return out
 
 
+@pytest.mark.slow  # a multi-process world
 def test_bf16_steps_as_fp32_within_bf16_rounding(tmp_path):
     """DP2 in bf16 (bf16 weights and activations, gradients accumulated and summed over the ranks in
     fp32, fp32 main weights stepped by Adam): the losses and gradient norms of two steps within 2e-2

@@ -141,6 +141,7 @@ def _load_into(rank, world, policy_dir, checkpoint):
     return None
 
 
+@pytest.mark.slow  # a multi-process world
 def test_a_checkpoint_of_another_model_is_refused_by_name(tp2pp2, tmp_path):
     """A Megatron checkpoint of the qwen2 policy loaded by a trainer of a Llama policy fails before any
     tensor is read, naming what differs."""
