@@ -77,6 +77,7 @@ class Size:
     decode_tokens: int  # decode_bound: tokens per timed generate call
     train_sequences: int  # train_step's batch
     push_reps: int
+    budget_s: float = 0.0  # the whole run's; the rollout stage (the last) fits itself into what is left; 0: none
 
 
 SIZES = {
@@ -89,7 +90,7 @@ SIZES = {
                    "draft.pretrain_minutes=1.0", "eval.samples=2", "grpo.minibatches=2",
                    "grpo.micro_batch_size=16"),
         levels=(1, 4, 16, 64, 256), sweep_tokens=64, reps=1, grpo_prompts=8, grpo_max_new=256, decode_tokens=64,
-        train_sequences=32, push_reps=3),
+        train_sequences=32, push_reps=3, budget_s=480.0),
     "test": Size(
         overrides=("model.size=test", "model.max_context=160", "task.train_size=400", "task.eval_size=8",
                    "task.max_steps=6", "rollout.max_batch=16", "rollout.max_new_tokens=48", "sft.examples=1600",
@@ -142,7 +143,8 @@ def _release() -> None:
 class Check:
     """The run: its config, what stages hand on to later ones, the results on disk after each stage."""
 
-    def __init__(self, out: Path, work: Path, size: str, device: str, overrides: list[str]):
+    def __init__(self, out: Path, work: Path, size: str, device: str, overrides: list[str],
+                 budget_s: float | None = None):
         from fastgrpo.config import load_config
         from fastgrpo.device import resolve
 
@@ -153,17 +155,27 @@ class Check:
                                       *overrides])
         self.compute = resolve(self.cfg)
         self.t0 = time.perf_counter()
+        self.budget_s = self.size.budget_s if budget_s is None else budget_s
         self.held: dict[str, Any] = {}  # objects a later stage may reuse (trainers)
         self.result: dict[str, Any] = {
             "meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"), "size": size,
                      "device": str(self.compute.device), "dtype": str(self.compute.dtype).removeprefix("torch."),
                      "command": " ".join(["python -m fastgrpo.bench.gpu_check", "--size", size, "--device", device,
                                           *overrides]),
-                     "overrides": list(self.size.overrides) + list(overrides)},
+                     "overrides": list(self.size.overrides) + list(overrides), "budget_s": self.budget_s},
             "stages": {}}
 
     def seconds(self) -> float:
         return time.perf_counter() - self.t0
+
+    def left(self) -> float:
+        """Seconds left in the run's budget (less a margin for the report), infinite without one."""
+        return self.budget_s - 15.0 - self.seconds() if self.budget_s else math.inf
+
+    def partial(self, name: str, data: dict) -> None:
+        """What a long stage has so far, on disk: a run cut short keeps it."""
+        self.result["stages"][name] = {"status": "running", "data": data, "seconds": 0.0}
+        self.write()
 
     def stage(self, name: str, fn) -> bool:
         _log(f"{self.seconds():6.1f}s  {name}: starting")
@@ -565,7 +577,7 @@ def rollout(c: Check) -> dict:
     """`bench rollout`'s sweep and GRPO batch (its own functions), with every speculation mode and up to
     256 running sequences, on the run's device; aware's cost model is calibrated here first (timed)."""
     from fastgrpo.backends.embedded import build_engine, speculation_policy
-    from fastgrpo.bench.rollout import concurrency_sweep, grpo_batch
+    from fastgrpo.bench.rollout import STATIC_SWEEP, concurrency_sweep, grpo_batch
 
     cfg, size = c.cfg, c.size
     policy, tokenizer = c.policy()
@@ -577,19 +589,47 @@ def rollout(c: Check) -> dict:
         policy.state_dict().items(), speculation="aware"))
     del policy
     policies = {mode: speculation_policy(engine, cfg, mode) for mode in SWEEP_MODES}
-    _log(f"rollout: engine on {engine.device} ({engine.dtype}) built with aware's cost model in {calibration_s:.1f}s")
+    _log(f"rollout: engine on {engine.device} ({engine.dtype}) built with aware's cost model in {calibration_s:.1f}s; "
+         f"{c.left():.0f}s left in the budget")
+    out: dict[str, Any] = {"modes": list(SWEEP_MODES), "levels": [], "levels_skipped_for_time": [],
+                           "tokens_per_sequence": size.sweep_tokens, "repetitions": size.reps,
+                           "calibration_s": calibration_s, "grpo_prompts": size.grpo_prompts}
+    # the GRPO batch's generate calls: every mode, the static sweep and unshared prefill, each reps + 1 times
+    calls = (len(SWEEP_MODES) + len(STATIC_SWEEP) + 1) * (size.reps + 1)
+    sweep: list[dict] = []
     t = time.perf_counter()
-    sweep = concurrency_sweep(engine, policies, prompts, cfg, size.levels, size.sweep_tokens, size.reps, _log)
-    sweep_s = time.perf_counter() - t
-    t = time.perf_counter()
-    grpo = grpo_batch(engine, policies, prompts, cfg, size.grpo_prompts, 8, size.grpo_max_new, size.reps, _log)
-    grpo_s = time.perf_counter() - t
-    for row in sweep:
+    level_s = 0.0
+    for B in size.levels:
+        # within the budget: a level costs at most about twice the one before (the engine's steps cost much
+        # the same at 4x the sequences until the GPU is busy), and the GRPO batch needs its least (64 tokens)
+        step_s = sweep[-1]["concurrency"] / sweep[-1]["off_tok_s"] if sweep else 0.0
+        if sweep and c.left() < 2 * level_s + calls * 64 * step_s:
+            out["levels_skipped_for_time"].append(B)
+            continue
+        t1 = time.perf_counter()
+        row = concurrency_sweep(engine, policies, prompts, cfg, (B,), size.sweep_tokens, size.reps, _log)[0]
+        level_s = time.perf_counter() - t1
         best = max(SWEEP_MODES, key=lambda mode: row[f"{mode}_tok_s"])
-        row["best"], row["best_vs_off"] = best, row[f"{best}_tok_s"] / row["off_tok_s"]
-    return {"modes": list(SWEEP_MODES), "levels": list(size.levels), "tokens_per_sequence": size.sweep_tokens,
-            "repetitions": size.reps, "calibration_s": calibration_s, "sweep_s": sweep_s, "grpo_batch_s": grpo_s,
-            "sweep": sweep, "grpo_batch": grpo, "grpo_prompts": size.grpo_prompts, "grpo_max_new": size.grpo_max_new}
+        row |= {"best": best, "best_vs_off": row[f"{best}_tok_s"] / row["off_tok_s"], "seconds": level_s}
+        sweep.append(row)
+        out["levels"].append(B)
+        c.partial("rollout", out | {"sweep": sweep})
+    out["sweep"], out["sweep_s"] = sweep, time.perf_counter() - t
+    # the GRPO batch's length cap, lowered (to 32 at least) if its calls would not fit in what is left, priced
+    # at plain decoding's step at the nearest concurrency measured, with half again for the other modes
+    max_new = size.grpo_max_new
+    if sweep and math.isfinite(c.left()):
+        near = min(sweep, key=lambda r: abs(r["concurrency"] - 8 * size.grpo_prompts))
+        step_s = near["concurrency"] / near["off_tok_s"]
+        max_new = min(max_new, max(32, int(c.left() / (1.5 * calls * step_s))))
+    out["grpo_max_new"] = max_new
+    t = time.perf_counter()
+    out["grpo_batch"] = grpo_batch(engine, policies, prompts, cfg, size.grpo_prompts, 8, max_new, size.reps, _log)
+    out["grpo_batch_s"] = time.perf_counter() - t
+    if out["levels_skipped_for_time"] or max_new < size.grpo_max_new:
+        _log(f"rollout: to stay within the budget, skipped levels {out['levels_skipped_for_time']} and capped the "
+             f"GRPO batch at {max_new} new tokens (planned {size.grpo_max_new})")
+    return out
 
 
 STAGE_FUNCTIONS = {"environment": environment, "sft": sft, "draft": draft, "train_step": train_step,
@@ -632,22 +672,31 @@ def _summary(name: str, d: dict) -> str:
                          for B, r in d["batches"].items())
     if name == "rollout":
         g = d["grpo_batch"]
-        return (f"{len(d['levels'])} levels x {len(d['modes'])} modes; GRPO batch off {_f(g['off_s'])} s, "
-                f"aware {_f(g['aware_s'])} s ({_f(g['off_s'] / g['aware_s'])}x)")
+        skipped = d.get("levels_skipped_for_time")
+        return (f"{len(d['levels'])} levels x {len(d['modes'])} modes"
+                + (f" (levels {skipped} skipped for time)" if skipped else "")
+                + f"; GRPO batch off {_f(g['off_s'])} s, aware {_f(g['aware_s'])} s ({_f(g['off_s'] / g['aware_s'])}x)")
     return ""
 
 
 def markdown(result: dict) -> str:
     m, stages = result["meta"], result["stages"]
     env = (stages.get("environment") or {}).get("data") or {}
-    failed = [n for n, s in stages.items() if s["status"] != "ok"]
+    failed = [n for n, s in stages.items() if s["status"] == "failed"]
+    running = [n for n, s in stages.items() if s["status"] == "running"]
+    budget = m.get("budget_s")
     lines = [f"# GPU check ({m['size']} size, {m['device']}, {m['dtype']})", "",
              f"Command: `{m['command']}`  ", f"Date {m['date']}; {env.get('device_name', '?')}; torch "
              f"{env.get('torch', '?')}; whole run {m.get('seconds', 0):.0f} s"
-             + (f"; FAILED: {', '.join(failed)}" if failed else "; every stage ok") + ".", "",
+             + (f" of a {budget:.0f} s budget" if budget else "")
+             + (f"; FAILED: {', '.join(failed)}" if failed else "")
+             + (f"; cut short in: {', '.join(running)} (what it had finished is below)" if running else "")
+             + ("" if failed or running else "; every stage ok") + ".", "",
              "| stage | status | seconds | result |", "| --- | --- | ---: | --- |"]
     for name, s in stages.items():
-        if s["status"] == "ok":
+        if s["status"] == "running":
+            text = "cut short; partial results below"
+        elif s["status"] == "ok":
             try:
                 text = _summary(name, s["data"])
             except Exception as e:  # a summary must not cost the report
@@ -665,10 +714,11 @@ def markdown(result: dict) -> str:
             cells = [f"{row[f'{mode}_tok_s']:.0f}" for mode in modes]
             cells[modes.index("aware")] += f" ({row['aware_accept_len']:.2f})"
             lines.append(f"| {row['concurrency']} | " + " | ".join(cells) + f" | {row['best_vs_off']:.2f}x ({row['best']}) |")
-        g = r["grpo_batch"]
-        lines += ["", f"GRPO batch ({r['grpo_prompts']} prompts x 8 samples, up to {r['grpo_max_new']} new tokens), "
-                  "seconds:", "", "| " + " | ".join(g["all_s"]) + " |", "|" + " ---: |" * len(g["all_s"]),
-                  "| " + " | ".join(f"{s:.2f}" for s in g["all_s"].values()) + " |"]
+        g = r.get("grpo_batch")
+        if g:
+            lines += ["", f"GRPO batch ({r['grpo_prompts']} prompts x 8 samples, up to {r['grpo_max_new']} new "
+                      "tokens), seconds:", "", "| " + " | ".join(g["all_s"]) + " |", "|" + " ---: |" * len(g["all_s"]),
+                      "| " + " | ".join(f"{s:.2f}" for s in g["all_s"].values()) + " |"]
     d = (stages.get("decode_bound") or {}).get("data")
     if d:
         lines += ["", f"Plain decode step against its memory-bandwidth bound ({d['bandwidth_gb_s']:.0f} GB/s, "
@@ -697,25 +747,35 @@ def markdown(result: dict) -> str:
 
 # -- entry points --------------------------------------------------------------------------------------
 def run(out: Path, size: str = "gpu", device: str = "auto", work: Path | None = None,
-        stages: tuple[str, ...] = STAGES, overrides: list[str] | None = None) -> int:
+        stages: tuple[str, ...] = STAGES, overrides: list[str] | None = None, budget_s: float | None = None) -> int:
     """Every stage in order; 0 if all succeeded, else 1. The policy, draft and cost model go to `work`
-    (default: a temporary directory, removed at the end)."""
+    (default: a temporary directory, removed at the end). `budget_s`: the whole run's (default: the
+    size's, 480 s at gpu size), which the last stage (rollout) fits itself into."""
     own_work = work is None
     work = Path(tempfile.mkdtemp(prefix="fastgrpo-gpu-check-")) if own_work else Path(work)
     try:
-        check = Check(Path(out), work, size, device, list(overrides or []))
+        check = Check(Path(out), work, size, device, list(overrides or []), budget_s)
         _log(f"size {size} on {check.compute.device} ({check.compute.dtype}); results in {out}/gpu_check.json and .md")
         for name in stages:
             check.stage(name, lambda name=name: STAGE_FUNCTIONS[name](check))
+            if name == "weight_push":  # the trainers are done with: their memory goes back before rollout
+                check.held.clear()
+                _release()
         check.result["meta"]["imported_modules"] = sorted({n.split(".")[0] for n in list(sys.modules)})
+        check.result["meta"]["within_budget"] = not check.budget_s or check.seconds() <= check.budget_s
         check.write()
         failed = [n for n, s in check.result["stages"].items() if s["status"] != "ok"]
         _log(f"done in {check.seconds():.0f}s" + (f"; FAILED: {', '.join(failed)}" if failed else "; every stage ok")
              + f"; wrote {out}/gpu_check.json and {out}/gpu_check.md")
-        if size == "gpu" and check.seconds() > 480:
-            _log(f"over the 8-minute budget ({check.seconds():.0f}s)")
+        if not check.result["meta"]["within_budget"]:
+            _log(f"over the budget of {check.budget_s:.0f}s ({check.seconds():.0f}s)")
         return 1 if failed else 0
     finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():  # the Megatron trainer's world of one
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
         if own_work:
             shutil.rmtree(work, ignore_errors=True)
 
@@ -728,6 +788,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")  # config.DEVICES
     p.add_argument("--work", help="where the policy, draft and cost model go (default: a temporary directory, removed)")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {', '.join(STAGES)}")
+    p.add_argument("--budget-s", type=float, help="the whole run's seconds, which rollout (the last stage) fits "
+                   "itself into (default: 480 at gpu size, none at test size; 0: none)")
     p.add_argument("--wheel-specs", action="store_true", help="print the wheels the GPU machine needs and exit")
     p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. sft.max_minutes=1")
     args = p.parse_args(argv)
@@ -740,7 +802,8 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return run(Path(args.out), args.size, args.device, Path(args.work) if args.work else None, stages, args.overrides)
+    return run(Path(args.out), args.size, args.device, Path(args.work) if args.work else None, stages, args.overrides,
+               args.budget_s)
 
 
 if __name__ == "__main__":
