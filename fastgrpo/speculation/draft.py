@@ -78,8 +78,9 @@ class DraftHead(nn.Module):
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in [("fc", self.fc), *self.layer.items()]:
-                if p.dim() == 2:
-                    p.normal_(0.0, 0.02, generator=g)
+                if p.dim() == 2:  # drawn on the CPU (the generator's device) wherever p is: an engine's draft is
+                    # made inside its device's context, and a CUDA tensor refuses a CPU generator
+                    p.copy_(torch.empty(p.shape, dtype=p.dtype, device="cpu").normal_(0.0, 0.02, generator=g))
                 else:
                     p.fill_(1.0)
             self.norm.fill_(1.0)
