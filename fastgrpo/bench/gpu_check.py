@@ -343,7 +343,8 @@ def train_step(c: Check) -> dict:
         out["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
     _log(f"megatron trainer ({out['megatron_backend']}): first step {out['megatron_first_step_s']:.2f}s, warm step "
          f"{out['megatron_step_s']:.2f}s; against torch: loss {out['loss_relative_diff']:.2e}, grad norm "
-         f"{out['grad_norm_relative_diff']:.2e} relative, log-probabilities max |diff| {out['logprob_max_abs_diff']:.3g}")
+         f"{out['grad_norm_relative_diff']:.2e} relative, log-probabilities max |diff| "
+         f"{out['logprob_max_abs_diff']:.3g}")
     return out
 
 
@@ -519,7 +520,13 @@ def decode_bound(c: Check) -> dict:
     out: dict[str, Any] = {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token,
                            "bandwidth_gb_s": bandwidth / 1e9, "bandwidth_source": source, "tokens": T,
                            "prompt_tokens": len(prompt), "graphs": "off (the embedded engine runs eagerly)",
-                           "dtype": str(m.embed.dtype), "batches": {}}
+                           "dtype": str(m.embed.dtype), "batches": {},
+                           "measured": ["step_ms", "forward_ms", "outside_forward_ms (step - forward)",
+                                        "forward_device_ops", "forward_device_busy_ms", "forward_device_idle_ms "
+                                        "(forward - busy)", "matmul_chain_ms", "matmul_chain_graph_ms", "launch_us",
+                                        "copy bandwidth"],
+                           "estimated": ["bound_ms (bytes / bandwidth)", "step_vs_bound",
+                                         "launch_overhead_est_ms (device ops x launch_us)"]}
     on_cuda = device.type == "cuda"
     if on_cuda:
         with contextlib.suppress(Exception):
@@ -562,6 +569,7 @@ def decode_bound(c: Check) -> dict:
             if on_cuda:
                 with contextlib.suppress(Exception):
                     row["matmul_chain_graph_ms"] = _matmul_chain(m, B, device, graph=True)
+        row["outside_forward_ms"] = max(row["step_ms"] - row["forward_ms"], 0.0)  # sampling, bookkeeping, host syncs
         chain = row.get("matmul_chain_graph_ms", row["matmul_chain_ms"])
         row["matmul_gb_s"] = (weight_bytes - m.norm.numel() * m.norm.element_size()) / (chain / 1000) / 1e9
         out["batches"][str(B)] = row
@@ -584,9 +592,11 @@ def rollout(c: Check) -> dict:
     prompts = c.prompts(tokenizer)
     # the engine with its draft and aware's cost model, calibrated on this device (timed: it runs once per
     # machine and model shape, then comes from speculation.cost_model_dir)
-    engine, calibration_s = _timed(lambda: build_engine(
-        c.with_batch(max(max(size.levels), size.grpo_prompts * 8)), policy.config, tokenizer,
-        policy.state_dict().items(), speculation="aware"))
+    t = time.perf_counter()
+    engine = build_engine(c.with_batch(max(max(size.levels), size.grpo_prompts * 8)), policy.config, tokenizer,
+                          policy.state_dict().items(), speculation="aware")
+    _sync()
+    calibration_s = time.perf_counter() - t
     del policy
     policies = {mode: speculation_policy(engine, cfg, mode) for mode in SWEEP_MODES}
     _log(f"rollout: engine on {engine.device} ({engine.dtype}) built with aware's cost model in {calibration_s:.1f}s; "
@@ -713,7 +723,8 @@ def markdown(result: dict) -> str:
         for row in r["sweep"]:
             cells = [f"{row[f'{mode}_tok_s']:.0f}" for mode in modes]
             cells[modes.index("aware")] += f" ({row['aware_accept_len']:.2f})"
-            lines.append(f"| {row['concurrency']} | " + " | ".join(cells) + f" | {row['best_vs_off']:.2f}x ({row['best']}) |")
+            lines.append(f"| {row['concurrency']} | " + " | ".join(cells)
+                         + f" | {row['best_vs_off']:.2f}x ({row['best']}) |")
         g = r.get("grpo_batch")
         if g:
             lines += ["", f"GRPO batch ({r['grpo_prompts']} prompts x 8 samples, up to {r['grpo_max_new']} new "
@@ -722,15 +733,16 @@ def markdown(result: dict) -> str:
     d = (stages.get("decode_bound") or {}).get("data")
     if d:
         lines += ["", f"Plain decode step against its memory-bandwidth bound ({d['bandwidth_gb_s']:.0f} GB/s, "
-                  f"{d['bandwidth_source']}; weights {d['weight_bytes'] / 1e6:.0f} MB {d['dtype']}; CUDA graphs "
+                  f"{d['bandwidth_source']}; weights {_f(d['weight_bytes'] / 1e6)} MB {d['dtype']}; CUDA graphs "
                   f"{d['graphs']}). Measured: step, forward, device ops and busy time (profiler), matmuls alone; "
                   f"estimated: bound, launch overhead (ops x {_f(d.get('launch_us'))} us measured per launch).", "",
-                  "| batch | step ms | bound ms (est.) | step / bound | forward ms | device ops | device busy ms "
-                  "| launch overhead ms (est.) | matmuls alone ms (graph) | matmul GB/s |",
-                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "| batch | step ms | bound ms (est.) | step / bound | forward ms | step - forward ms | device ops "
+                  "| device busy ms | launch overhead ms (est.) | matmuls alone ms (graph) | matmul GB/s |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for B, row in d["batches"].items():
             lines.append(f"| {B} | {_f(row['step_ms'])} | {_f(row['bound_ms'])} | {_f(row['step_vs_bound'])}x | "
-                         f"{_f(row['forward_ms'])} | {_f(row.get('forward_device_ops'))} | "
+                         f"{_f(row['forward_ms'])} | {_f(row.get('outside_forward_ms'))} | "
+                         f"{_f(row.get('forward_device_ops'))} | "
                          f"{_f(row.get('forward_device_busy_ms'))} | {_f(row.get('launch_overhead_est_ms'))} | "
                          f"{_f(row.get('matmul_chain_graph_ms', row['matmul_chain_ms']))} | {_f(row['matmul_gb_s'])} |")
     t = (stages.get("train_step") or {}).get("data")

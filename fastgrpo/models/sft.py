@@ -107,7 +107,9 @@ def build_policy(cfg: Config, out_dir: str | Path | None = None) -> dict[str, fl
         warm = min(1.0, (step + 1) / max(s.warmup_steps, 1))
         for group in opt.param_groups:
             group["lr"] = s.lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
-        ids, labels, attn = (t.to(compute.device) for t in _collate(next(batches), tokenizer.pad_token_id))
+        # non-blocking: a blocking copy would wait for the previous step's queued kernels
+        batch = _collate(next(batches), tokenizer.pad_token_id)
+        ids, labels, attn = (t.to(compute.device, non_blocking=True) for t in batch)
         with autocast:
             loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad(set_to_none=True)
