@@ -10,7 +10,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -20,14 +20,35 @@ class ConfigError(ValueError):
     """A bad configuration; the message names the key."""
 
 
+# the values a word-valued key takes (OmegaConf refuses any other, naming the key)
+ModelSize = Literal["test", "bench", "gpu"]  # `fastgrpo sft`'s recipes (models/policy.py SIZES)
+SpeculationPolicyName = Literal["off", "static", "fastgrpo", "tlt", "aware", "aware_per_sequence"]  # speculation/registry.py
+OnlineDraft = Literal["off", "sync", "async"]
+LossAggregation = Literal["token_mean", "seq_mean"]
+EvalSplit = Literal["test", "validation"]
+TrainerBackend = Literal["torch", "megatron", "deepspeed"]  # what `backends.build_trainer` can build
+LayerSpec = Literal["auto", "local", "transformer_engine"]  # megatron layer specs `backends/megatron/model.py` builds
+Precision = Literal["auto", "bf16", "fp32"]
+EngineBackend = Literal["embedded", "sglang"]  # what `backends.build_engine` can build
+Device = Literal["auto", "cpu", "cuda"]
+
+
+def _check(ok: bool, key: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{key} {rule}, got {value!r}")
+
+
 @dataclass
 class ModelConfig:
     path: str = "artifacts/policy-bench"  # Hugging Face directory of the policy (and its tokenizer)
-    size: str = "bench"  # recipe used by `fastgrpo sft` when building the policy: "test", "bench" or "gpu" (~300M)
+    size: ModelSize = "bench"  # recipe used by `fastgrpo sft` when building the policy: "test", "bench" or "gpu" (~300M)
     max_context: int = 512  # prompt + response tokens
     # a Hugging Face config.json of the policy's shape, for `fastgrpo plan` where model.path is not on this
     # machine (a login node planning a cluster run); empty: <model.path>/config.json
     architecture: str = ""
+
+    def check(self) -> None:
+        _check(self.max_context >= 8, "model.max_context", "must be >= 8", self.max_context)
 
 
 @dataclass
@@ -51,6 +72,18 @@ class TaskConfig:
     # answer outside \boxed{} (fastgrpo/tasks/arithmetic.py `slip`); 0 = exact solutions
     slip_rate: float = 0.0
 
+    def check(self) -> None:
+        for key in ("train_size", "eval_size", "validation_size"):
+            _check(getattr(self, key) >= 1, f"task.{key}", "must be >= 1", getattr(self, key))
+        _check(1 <= self.min_steps <= self.max_steps, "task.min_steps", "must be in 1..task.max_steps", self.min_steps)
+        _check(0 < self.tail <= 1, "task.tail", "must be in (0, 1]", self.tail)
+        _check(self.max_value >= 2, "task.max_value", "must be >= 2", self.max_value)
+        _check(self.max_operand >= 2, "task.max_operand", "must be >= 2", self.max_operand)
+        _check(self.reward_timeout_s > 0, "task.reward_timeout_s", "must be > 0", self.reward_timeout_s)
+        _check(0 <= self.slip_rate < 1, "task.slip_rate", "must be in [0, 1)", self.slip_rate)
+        _check(0 <= self.step_credit < 1, "task.step_credit", "must be in [0, 1) (a correct answer scores 1)",
+               self.step_credit)
+
 
 @dataclass
 class RolloutConfig:
@@ -62,14 +95,30 @@ class RolloutConfig:
     top_k: int = 0  # 0 = off
     max_batch: int = 64  # engine slots (concurrent sequences)
 
+    def check(self) -> None:
+        _check(self.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1", self.prompts_per_step)
+        _check(self.group_size >= 2, "rollout.group_size", "must be >= 2 (advantages compare samples)", self.group_size)
+        _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", self.max_new_tokens)
+        _check(math.isfinite(self.temperature) and self.temperature >= 0, "rollout.temperature", "must be >= 0",
+               self.temperature)
+        _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]", self.top_p)
+        _check(self.top_k >= 0, "rollout.top_k", "must be >= 0", self.top_k)
+        _check(self.max_batch >= 1, "rollout.max_batch", "must be >= 1", self.max_batch)
+
 
 @dataclass
 class SpeculationConfig:
-    policy: str = "off"  # off | static | fastgrpo | tlt | aware | aware_per_sequence
+    policy: SpeculationPolicyName = "off"
     depth: int = 4  # static: draft levels
     topk: int = 4  # static: children per expanded node
     num_verify: int = 12  # static: tokens verified per sequence (root included)
     cost_model_dir: str = "artifacts/cost_models"  # cached calibration sweeps, one per machine and model shape
+
+    def check(self) -> None:
+        _check(self.depth >= 1, "speculation.depth", "must be >= 1", self.depth)
+        _check(self.topk >= 1, "speculation.topk", "must be >= 1", self.topk)
+        _check(2 <= self.num_verify <= 1 + self.topk + (self.depth - 1) * self.topk**2, "speculation.num_verify",
+               "must be in 2..1 + topk + (depth - 1) * topk^2 (the tree's size)", self.num_verify)
 
 
 @dataclass
@@ -80,12 +129,20 @@ class DraftConfig:
     pretrain_steps: int = 2000
     pretrain_minutes: float = 0.0  # a guard, not a budget: stop (with a loud warning) after this long; 0 = none
     buffer_tokens: int = 200_000  # states held for the offline warm start
-    online: str = "off"  # off | sync | async: the draft keeps learning from rollout's own target states
+    online: OnlineDraft = "off"  # sync or async: the draft keeps learning from rollout's own target states
     online_buffer_tokens: int = 50_000  # online buffer cap; the oldest states are dropped
     online_lr: float = 1e-4  # online steps fine-tune a warm start: at the warm start's 1e-3 a fresh Adam undoes it
     sync_budget: float = 0.05  # sync: draft training seconds per step, as a fraction of rollout + train time
     sync_max_steps: int = 64  # sync: at most this many draft steps per GRPO step (async: per published version)
     async_publish_s: float = 5.0  # async: the draft rank publishes a version at least this often while it trains
+
+    def check(self) -> None:
+        for key in ("lr", "online_lr", "sync_budget", "async_publish_s"):
+            _check(getattr(self, key) > 0, f"draft.{key}", "must be > 0", getattr(self, key))
+        for key in ("batch_size", "buffer_tokens", "online_buffer_tokens", "sync_max_steps"):
+            _check(getattr(self, key) >= 1, f"draft.{key}", "must be >= 1", getattr(self, key))
+        _check(self.pretrain_steps >= 0, "draft.pretrain_steps", "must be >= 0", self.pretrain_steps)
+        _check(self.pretrain_minutes >= 0, "draft.pretrain_minutes", "must be >= 0 (0: no guard)", self.pretrain_minutes)
 
 
 @dataclass
@@ -94,13 +151,22 @@ class GRPOConfig:
     eps_low: float = 0.2
     eps_high: float = 0.28  # clip-higher: eps_high > eps_low lets rare good tokens grow
     scale_by_std: bool = True  # A = (r - mean) / (std + eps); False: A = r - mean
-    loss_aggregation: str = "token_mean"  # or "seq_mean"
+    loss_aggregation: LossAggregation = "token_mean"
     kl_coef: float = 0.0  # k3 KL to the initial policy; 0 skips the reference forward
     drop_equal_reward_groups: bool = True  # groups whose rewards are all equal carry no signal
     epochs: int = 1  # optimisation passes over one rollout batch
     minibatches: int = 1  # optimiser steps per epoch
     micro_batch_size: int = 16  # sequences per forward/backward (memory, not maths)
     tis_cap: float = 2.0  # truncated importance sampling: weight min(pi_trainer/pi_engine, cap); 0 = off
+
+    def check(self) -> None:
+        _check(self.steps >= 0, "grpo.steps", "must be >= 0", self.steps)
+        _check(0 <= self.eps_low < 1, "grpo.eps_low", "must be in [0, 1)", self.eps_low)
+        _check(self.eps_high >= 0, "grpo.eps_high", "must be >= 0", self.eps_high)
+        _check(self.kl_coef >= 0, "grpo.kl_coef", "must be >= 0", self.kl_coef)
+        for key in ("epochs", "minibatches", "micro_batch_size"):
+            _check(getattr(self, key) >= 1, f"grpo.{key}", "must be >= 1", getattr(self, key))
+        _check(self.tis_cap == 0 or self.tis_cap >= 1, "grpo.tis_cap", "must be 0 (off) or >= 1", self.tis_cap)
 
 
 @dataclass
@@ -114,6 +180,16 @@ class OptimConfig:
     # trained parameter also takes the update's noise); empty = all
     trainable: str = ""
 
+    def check(self) -> None:
+        _check(self.lr > 0, "optim.lr", "must be > 0", self.lr)
+        for key in ("weight_decay", "grad_clip", "warmup_steps"):
+            _check(getattr(self, key) >= 0, f"optim.{key}", "must be >= 0", getattr(self, key))
+        _check(all(0 <= b < 1 for b in self.betas), "optim.betas", "must be in [0, 1)", self.betas)
+        try:
+            re.compile(self.trainable)
+        except re.error as e:
+            raise ConfigError(f"optim.trainable is not a regular expression ({e}), got {self.trainable!r}") from None
+
 
 @dataclass
 class SFTConfig:
@@ -125,6 +201,12 @@ class SFTConfig:
     max_problem_steps: int = 8  # SFT on problems of at most this many steps: more, shorter examples per minute
     log_every: int = 50
 
+    def check(self) -> None:
+        for key in ("examples", "batch_size", "max_problem_steps"):
+            _check(getattr(self, key) >= 1, f"sft.{key}", "must be >= 1", getattr(self, key))
+        _check(self.lr > 0, "sft.lr", "must be > 0", self.lr)
+        _check(self.max_minutes >= 0, "sft.max_minutes", "must be >= 0 (0: no guard)", self.max_minutes)
+
 
 @dataclass
 class TrackingConfig:
@@ -133,11 +215,18 @@ class TrackingConfig:
     experiment: str = "fastgrpo"
     run_name: str = ""
 
+    def check(self) -> None:
+        pass  # nothing beyond the types
+
 
 @dataclass
 class CheckpointConfig:
     every: int = 10  # steps; a checkpoint is also written at the end
     keep_last: int = 2
+
+    def check(self) -> None:
+        _check(self.every >= 1, "checkpoint.every", "must be >= 1", self.every)
+        _check(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", self.keep_last)
 
 
 @dataclass
@@ -145,23 +234,34 @@ class EvalConfig:
     samples: int = 4  # G samples per eval prompt for mean accuracy and pass@G
     every: int = 0  # steps between evals during training; 0 = only before and after
     at_start: bool = True  # evaluate the starting policy (step 0) before training
-    split: str = "test"  # "test", or "validation" to tune settings without touching the test split
+    split: EvalSplit = "test"  # or "validation", to tune settings without touching the test split
+
+    def check(self) -> None:
+        _check(self.samples >= 1, "eval.samples", "must be >= 1", self.samples)
+        _check(self.every >= 0, "eval.every", "must be >= 0", self.every)
 
 
 @dataclass
 class TrainerConfig:
-    backend: str = "torch"  # the policy trainer: torch (one process, a Hugging Face model)
+    backend: TrainerBackend = "torch"  # the policy trainer: torch (one process, a Hugging Face model)
     # megatron's layer spec: auto (Transformer Engine when importable, else local), local, transformer_engine
-    layer_spec: str = "auto"
+    layer_spec: LayerSpec = "auto"
     # megatron: full activation recompute, one layer at a time (only each layer's input is kept for the
     # backward): the same gradients for one more forward; what sequences of thousands of tokens need
     recompute: bool = False
     # auto (bf16 on CUDA, fp32 on a CPU), bf16 (bf16 weights and activations, fp32 master weights and fp32
     # gradient reduction, as megatron-core and DeepSpeed do them) or fp32
-    precision: str = "auto"
+    precision: Precision = "auto"
     # megatron: the optimizer state (fp32 master weights and Adam's moments) sharded over the data-
     # parallel ranks (megatron-core's DistributedOptimizer)
     distributed_optimizer: bool = False
+
+    def check(self) -> None:
+        _check(not self.recompute or self.backend == "megatron", "trainer.recompute",
+               "is megatron's activation recompute: trainer.backend=megatron only", self.recompute)
+        _check(not self.distributed_optimizer or self.backend == "megatron", "trainer.distributed_optimizer",
+               "is megatron's DistributedOptimizer: trainer.backend=megatron only (ZeRO shards DeepSpeed's)",
+               self.distributed_optimizer)
 
 
 @dataclass
@@ -171,16 +271,23 @@ class DeepSpeedConfig:
     zero_stage: int = 2  # 1: optimizer states sharded; 2: and gradients; 3: and parameters
     offload_optimizer: bool = False  # keep the optimizer states (and their update) in CPU memory
 
+    def check(self) -> None:
+        _check(self.zero_stage in (1, 2, 3), "deepspeed.zero_stage", "must be 1, 2 or 3", self.zero_stage)
+
 
 @dataclass
 class EngineConfig:
-    backend: str = "embedded"  # the rollout engine: embedded (fastgrpo's own, CPU) or sglang (GPU nodes)
+    backend: EngineBackend = "embedded"  # the rollout engine: embedded (fastgrpo's own, CPU) or sglang (GPU nodes)
     # sglang: the share of each GPU's memory the engine holds for its weights and KV cache (SGLang's
     # mem_fraction_static); colocated with training, it is released while the policy trains
     mem_fraction: float = 0.5
     # GPUs per engine (SGLang's tp_size; the embedded engine runs on one rank: 1). Engines tile every
     # policy rank whatever the trainer's layout: policy ranks / tensor of them, none spanning a node
     tensor: int = 1
+
+    def check(self) -> None:
+        _check(self.tensor >= 1, "engine.tensor", "must be >= 1", self.tensor)
+        _check(0 < self.mem_fraction < 1, "engine.mem_fraction", "must be in (0, 1)", self.mem_fraction)
 
 
 @dataclass
@@ -192,6 +299,11 @@ class ParallelConfig:
     # the world's last ranks, reserved to train the draft (draft.online=async); 0: no slice
     draft_ranks: int = 0
 
+    def check(self) -> None:
+        _check(self.tensor >= 1, "parallel.tensor", "must be >= 1", self.tensor)
+        _check(self.pipeline >= 1, "parallel.pipeline", "must be >= 1", self.pipeline)
+        _check(self.draft_ranks >= 0, "parallel.draft_ranks", "must be >= 0", self.draft_ranks)
+
 
 @dataclass
 class ClusterConfig:
@@ -201,13 +313,18 @@ class ClusterConfig:
     gpus_per_node: int = 8
     gpu_memory_gb: float = 80.0
 
+    def check(self) -> None:
+        _check(self.nodes >= 1, "cluster.nodes", "must be >= 1", self.nodes)
+        _check(self.gpus_per_node >= 1, "cluster.gpus_per_node", "must be >= 1", self.gpus_per_node)
+        _check(self.gpu_memory_gb > 0, "cluster.gpu_memory_gb", "must be > 0", self.gpu_memory_gb)
+
 
 @dataclass
 class Config:
     run_dir: str = "runs/default"
     seed: int = 0
     threads: int = 0  # torch intra-op threads; 0 = all cores
-    device: str = "auto"  # auto (CUDA when present), cpu or cuda: where engine, trainer and draft learner compute
+    device: Device = "auto"  # auto (CUDA when present), cpu or cuda: where engine, trainer and draft learner compute
     model: ModelConfig = field(default_factory=ModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
@@ -226,11 +343,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
-TRAINER_BACKENDS = ("torch", "megatron", "deepspeed")  # what `backends.build_trainer` can build
-DEVICES = ("auto", "cpu", "cuda")
-PRECISIONS = ("auto", "bf16", "fp32")
-ENGINE_BACKENDS = ("embedded", "sglang")  # what `backends.build_engine` can build
-LAYER_SPECS = ("auto", "local", "transformer_engine")  # megatron layer specs `backends/megatron/model.py` builds
+LAYER_SPECS = get_args(LayerSpec)
 MODEL_PARALLEL_TRAINERS = ("megatron",)  # trainers that split the policy over ranks (parallel.tensor/pipeline)
 DISTRIBUTED_TRAINERS = ("megatron", "deepspeed")  # trainers of a torchrun world (data parallel, draft slice)
 
@@ -269,132 +382,38 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config
 
 
-def _check(ok: bool, key: str, rule: str, value: Any) -> None:
-    if not ok:
-        raise ConfigError(f"{key} {rule}, got {value!r}")
-
-
 def validate(c: Config) -> None:
-    """Range and consistency checks that types alone cannot express."""
-    r, g, o, t, s = c.rollout, c.grpo, c.optim, c.task, c.sft
+    """Each section's own rules (its `check`, beside its fields), then the rules across sections."""
     _check(c.threads >= 0, "threads", "must be >= 0", c.threads)
-    _check(c.model.size in ("test", "bench", "gpu"), "model.size", "must be 'test', 'bench' or 'gpu'", c.model.size)
-    _check(c.trainer.backend in TRAINER_BACKENDS, "trainer.backend", f"must be one of {', '.join(TRAINER_BACKENDS)}",
-           c.trainer.backend)
-    _check(c.trainer.layer_spec in LAYER_SPECS, "trainer.layer_spec", f"must be one of {', '.join(LAYER_SPECS)}",
-           c.trainer.layer_spec)
-    _check(c.engine.backend in ENGINE_BACKENDS, "engine.backend", f"must be one of {', '.join(ENGINE_BACKENDS)}",
-           c.engine.backend)
-    _check(not c.trainer.recompute or c.trainer.backend == "megatron", "trainer.recompute",
-           "is megatron's activation recompute: trainer.backend=megatron only", c.trainer.recompute)
-    _check(c.device in DEVICES, "device", f"must be one of {', '.join(DEVICES)}", c.device)
-    _check(c.trainer.precision in PRECISIONS, "trainer.precision", f"must be one of {', '.join(PRECISIONS)}",
-           c.trainer.precision)
-    _check(not c.trainer.distributed_optimizer or c.trainer.backend == "megatron", "trainer.distributed_optimizer",
-           "is megatron's DistributedOptimizer: trainer.backend=megatron only (ZeRO shards DeepSpeed's)",
-           c.trainer.distributed_optimizer)
+    for section in (c.model, c.trainer, c.deepspeed, c.engine, c.parallel, c.cluster, c.task, c.rollout,
+                    c.speculation, c.draft, c.grpo, c.optim, c.sft, c.tracking, c.checkpoint, c.eval):
+        section.check()
+    trainer, draft = c.trainer.backend, c.draft.online
     for key in ("tensor", "pipeline"):
         size = getattr(c.parallel, key)
-        _check(size >= 1, f"parallel.{key}", "must be >= 1", size)
-        _check(size == 1 or c.trainer.backend in MODEL_PARALLEL_TRAINERS, f"parallel.{key}",
-               f"> 1 needs a model-parallel trainer.backend (trainer.backend={c.trainer.backend} runs the "
-               f"policy whole on each rank)", size)
-    if c.trainer.backend == "megatron":  # what the Megatron trainer does not do yet
+        _check(size == 1 or trainer in MODEL_PARALLEL_TRAINERS, f"parallel.{key}",
+               f"> 1 needs a model-parallel trainer.backend (trainer.backend={trainer} runs the policy whole on "
+               f"each rank)", size)
+    if trainer in DISTRIBUTED_TRAINERS:  # what those trainers do not do
         _check(not c.optim.trainable, "optim.trainable", "is for trainer.backend=torch only", c.optim.trainable)
-        _check(c.draft.online != "async" or c.parallel.draft_ranks >= 1, "draft.online", "async with "
-               "trainer.backend=megatron trains the draft on the world's reserved draft slice: set "
-               "parallel.draft_ranks=1 (and launch one more rank)", c.draft.online)
-    _check(c.parallel.draft_ranks >= 0, "parallel.draft_ranks", "must be >= 0", c.parallel.draft_ranks)
-    if c.trainer.backend == "deepspeed":
-        _check(c.deepspeed.zero_stage in (1, 2, 3), "deepspeed.zero_stage", "must be 1, 2 or 3", c.deepspeed.zero_stage)
-        _check(not c.optim.trainable, "optim.trainable", "is for trainer.backend=torch only", c.optim.trainable)
-        _check(c.draft.online != "async" or c.parallel.draft_ranks >= 1, "draft.online", "async with "
-               "trainer.backend=deepspeed trains the draft on the world's reserved draft slice: set "
-               "parallel.draft_ranks=1 (and launch one more rank)", c.draft.online)
+        _check(draft != "async" or c.parallel.draft_ranks >= 1, "draft.online", f"async with "
+               f"trainer.backend={trainer} trains the draft on the world's reserved draft slice: set "
+               "parallel.draft_ranks=1 (and launch one more rank)", draft)
     if c.parallel.draft_ranks:
-        _check(c.trainer.backend in DISTRIBUTED_TRAINERS, "parallel.draft_ranks", "> 0 reserves ranks of a "
-               "torchrun world: use trainer.backend=megatron or deepspeed", c.parallel.draft_ranks)
-        _check(c.draft.online == "async", "parallel.draft_ranks", "> 0 trains the draft there: needs "
-               "draft.online=async", c.parallel.draft_ranks)
-    _check(c.engine.tensor >= 1, "engine.tensor", "must be >= 1", c.engine.tensor)
+        _check(trainer in DISTRIBUTED_TRAINERS, "parallel.draft_ranks", "> 0 reserves ranks of a torchrun world: "
+               "use trainer.backend=megatron or deepspeed", c.parallel.draft_ranks)
+        _check(draft == "async", "parallel.draft_ranks", "> 0 trains the draft there: needs draft.online=async",
+               c.parallel.draft_ranks)
     _check(c.engine.tensor == 1 or c.engine.backend != "embedded", "engine.tensor",
            "must be 1 with engine.backend=embedded (it runs on one rank)", c.engine.tensor)
     _check(c.engine.backend != "sglang" or c.cluster.gpus_per_node % c.engine.tensor == 0, "engine.tensor",
            f"must divide cluster.gpus_per_node={c.cluster.gpus_per_node} (an engine never spans a node)",
            c.engine.tensor)
-    _check(0 < c.engine.mem_fraction < 1, "engine.mem_fraction", "must be in (0, 1)", c.engine.mem_fraction)
-    _check(c.cluster.nodes >= 1, "cluster.nodes", "must be >= 1", c.cluster.nodes)
-    _check(c.cluster.gpus_per_node >= 1, "cluster.gpus_per_node", "must be >= 1", c.cluster.gpus_per_node)
-    _check(c.cluster.gpu_memory_gb > 0, "cluster.gpu_memory_gb", "must be > 0", c.cluster.gpu_memory_gb)
-    _check(c.model.max_context >= 8, "model.max_context", "must be >= 8", c.model.max_context)
-    _check(t.train_size >= 1, "task.train_size", "must be >= 1", t.train_size)
-    _check(t.eval_size >= 1, "task.eval_size", "must be >= 1", t.eval_size)
-    _check(1 <= t.min_steps <= t.max_steps, "task.min_steps", "must be in 1..task.max_steps", t.min_steps)
-    _check(0 < t.tail <= 1, "task.tail", "must be in (0, 1]", t.tail)
-    _check(t.max_value >= 2, "task.max_value", "must be >= 2", t.max_value)
-    _check(t.max_operand >= 2, "task.max_operand", "must be >= 2", t.max_operand)
-    _check(t.reward_timeout_s > 0, "task.reward_timeout_s", "must be > 0", t.reward_timeout_s)
-    _check(0 <= t.slip_rate < 1, "task.slip_rate", "must be in [0, 1)", t.slip_rate)
-    _check(0 <= t.step_credit < 1, "task.step_credit", "must be in [0, 1) (a correct answer scores 1)", t.step_credit)
-    _check(r.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1", r.prompts_per_step)
-    _check(r.group_size >= 2, "rollout.group_size", "must be >= 2 (advantages compare samples)", r.group_size)
-    _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", r.max_new_tokens)
-    _check(r.max_new_tokens < c.model.max_context, "rollout.max_new_tokens", "must be < model.max_context", r.max_new_tokens)
-    _check(math.isfinite(r.temperature) and r.temperature >= 0, "rollout.temperature", "must be >= 0", r.temperature)
-    _check(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]", r.top_p)
-    _check(r.top_k >= 0, "rollout.top_k", "must be >= 0", r.top_k)
-    _check(r.max_batch >= 1, "rollout.max_batch", "must be >= 1", r.max_batch)
-    sp, d = c.speculation, c.draft
-    _check(sp.policy in ("off", "static", "fastgrpo", "tlt", "aware", "aware_per_sequence"), "speculation.policy",
-           "must be one of off, static, fastgrpo, tlt, aware, aware_per_sequence", sp.policy)
-    _check(sp.depth >= 1, "speculation.depth", "must be >= 1", sp.depth)
-    _check(sp.topk >= 1, "speculation.topk", "must be >= 1", sp.topk)
-    _check(2 <= sp.num_verify <= 1 + sp.topk + (sp.depth - 1) * sp.topk**2, "speculation.num_verify",
-           "must be in 2..1 + topk + (depth - 1) * topk^2 (the tree's size)", sp.num_verify)
-    _check(d.lr > 0, "draft.lr", "must be > 0", d.lr)
-    _check(d.batch_size >= 1, "draft.batch_size", "must be >= 1", d.batch_size)
-    _check(d.pretrain_steps >= 0, "draft.pretrain_steps", "must be >= 0", d.pretrain_steps)
-    _check(d.pretrain_minutes >= 0, "draft.pretrain_minutes", "must be >= 0 (0: no guard)", d.pretrain_minutes)
-    _check(d.buffer_tokens >= 1, "draft.buffer_tokens", "must be >= 1", d.buffer_tokens)
-    _check(d.online in ("off", "sync", "async"), "draft.online", "must be one of off, sync, async", d.online)
-    _check(d.online == "off" or sp.policy != "off", "draft.online",
-           "needs speculation (speculation.policy != off): the draft learns from the states rollout "
-           "computes for it", d.online)
-    _check(d.online_lr > 0, "draft.online_lr", "must be > 0", d.online_lr)
-    _check(d.online_buffer_tokens >= 1, "draft.online_buffer_tokens", "must be >= 1", d.online_buffer_tokens)
-    _check(d.sync_budget > 0, "draft.sync_budget", "must be > 0", d.sync_budget)
-    _check(d.sync_max_steps >= 1, "draft.sync_max_steps", "must be >= 1", d.sync_max_steps)
-    _check(d.async_publish_s > 0, "draft.async_publish_s", "must be > 0", d.async_publish_s)
-    _check(g.steps >= 0, "grpo.steps", "must be >= 0", g.steps)
-    _check(0 <= g.eps_low < 1, "grpo.eps_low", "must be in [0, 1)", g.eps_low)
-    _check(g.eps_high >= 0, "grpo.eps_high", "must be >= 0", g.eps_high)
-    _check(g.loss_aggregation in ("token_mean", "seq_mean"), "grpo.loss_aggregation",
-           "must be 'token_mean' or 'seq_mean'", g.loss_aggregation)
-    _check(g.kl_coef >= 0, "grpo.kl_coef", "must be >= 0", g.kl_coef)
-    _check(g.epochs >= 1, "grpo.epochs", "must be >= 1", g.epochs)
-    _check(g.minibatches >= 1, "grpo.minibatches", "must be >= 1", g.minibatches)
-    _check(g.micro_batch_size >= 1, "grpo.micro_batch_size", "must be >= 1", g.micro_batch_size)
-    _check(g.tis_cap == 0 or g.tis_cap >= 1, "grpo.tis_cap", "must be 0 (off) or >= 1", g.tis_cap)
-    _check(o.lr > 0, "optim.lr", "must be > 0", o.lr)
-    _check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0", o.weight_decay)
-    _check(all(0 <= b < 1 for b in o.betas), "optim.betas", "must be in [0, 1)", o.betas)
-    _check(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0", o.grad_clip)
-    _check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0", o.warmup_steps)
-    try:
-        re.compile(o.trainable)
-    except re.error as e:
-        raise ConfigError(f"optim.trainable is not a regular expression ({e}), got {o.trainable!r}") from None
-    _check(s.examples >= 1, "sft.examples", "must be >= 1", s.examples)
-    _check(s.batch_size >= 1, "sft.batch_size", "must be >= 1", s.batch_size)
-    _check(s.lr > 0, "sft.lr", "must be > 0", s.lr)
-    _check(s.max_minutes >= 0, "sft.max_minutes", "must be >= 0 (0: no guard)", s.max_minutes)
-    _check(s.max_problem_steps >= 1, "sft.max_problem_steps", "must be >= 1", s.max_problem_steps)
-    _check(c.checkpoint.every >= 1, "checkpoint.every", "must be >= 1", c.checkpoint.every)
-    _check(c.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", c.checkpoint.keep_last)
-    _check(c.eval.samples >= 1, "eval.samples", "must be >= 1", c.eval.samples)
-    _check(c.eval.every >= 0, "eval.every", "must be >= 0", c.eval.every)
-    _check(c.eval.split in ("test", "validation"), "eval.split", "must be 'test' or 'validation'", c.eval.split)
-    _check(t.validation_size >= 1, "task.validation_size", "must be >= 1", t.validation_size)
+    _check(c.rollout.max_new_tokens < c.model.max_context, "rollout.max_new_tokens", "must be < model.max_context",
+           c.rollout.max_new_tokens)
+    _check(draft == "off" or c.speculation.policy != "off", "draft.online",
+           "needs speculation (speculation.policy != off): the draft learns from the states rollout computes for it",
+           draft)
 
 
 def to_yaml(c: Config) -> str:

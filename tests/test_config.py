@@ -26,6 +26,12 @@ def test_defaults_and_overrides(tmp_path):
     ("model.size=huge", "model.size"),
     ("optim.trainable=norm(", "optim.trainable"),
     ("task.step_credit=1", "task.step_credit"),
+    ("trainer.backend=jax", "trainer.backend"),  # the word-valued keys are Literal types
+    ("speculation.policy=bogus", "speculation.policy"),
+    ("draft.online=maybe", "draft.online"),
+    ("device=tpu", "device"),
+    ("deepspeed.zero_stage=4", "deepspeed.zero_stage"),  # checked whatever the backend
+    ("parallel.tensor=2", "parallel.tensor"),  # across sections: the torch trainer runs the policy whole
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

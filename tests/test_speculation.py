@@ -798,3 +798,19 @@ def test_cost_model_calibrates_and_caches(small_vocab, tmp_path):
     assert len(cached) == 1
     again = load_or_calibrate(engine.model, engine.draft, tmp_path)
     assert again.target_s == costs.target_s  # read from the cache, not re-measured
+
+
+def test_every_configured_policy_name_builds_that_policy():
+    """The config's policy names, the registry and each class's own name are one list."""
+    from typing import get_args
+
+    from fastgrpo.config import SpeculationConfig, SpeculationPolicyName
+    from fastgrpo.speculation.registry import CALIBRATED, POLICIES, make_policy
+
+    assert set(get_args(SpeculationPolicyName)) == set(POLICIES)
+    for name in POLICIES:
+        costs = CostModel({t: 0.01 * (1 + t / 64) for t in (1, 4, 16, 64, 256)}, {t: 0.001 for t in (1, 4, 16, 64, 256)})
+        policy = make_policy(SpeculationConfig(policy=name), costs if name in CALIBRATED else None)
+        assert policy.name == name
+    with pytest.raises(ValueError, match="needs a calibrated cost model"):
+        make_policy(SpeculationConfig(policy="aware"))

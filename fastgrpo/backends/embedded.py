@@ -13,7 +13,8 @@ from fastgrpo.device import resolve
 from fastgrpo.engine.engine import EmbeddedEngine
 from fastgrpo.speculation.cost_model import load_or_calibrate
 from fastgrpo.speculation.draft import DRAFT_WEIGHTS, DraftHead
-from fastgrpo.speculation.policy import SpeculationPolicy, make_policy
+from fastgrpo.speculation.policy import SpeculationPolicy
+from fastgrpo.speculation.registry import CALIBRATED, make_policy
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def speculation_policy(engine: EmbeddedEngine, cfg: Config, mode: str) -> Specul
     """The configured speculation policy in mode `mode`; `aware` gets this machine's cost model
     (calibrated once per machine and model shape, then read from `speculation.cost_model_dir`)."""
     costs = None
-    if mode in ("aware", "aware_per_sequence"):
+    if mode in CALIBRATED:
         assert engine.draft is not None
         costs = load_or_calibrate(engine.model, engine.draft, Path(cfg.speculation.cost_model_dir))
     sc = cfg.speculation

@@ -303,23 +303,3 @@ class Aware(Off):
             overturned = (self._decide(running) is None) == (config is None)
             interval = self._probe_interval.get(b, self.probe_every)
             self._probe_interval[b] = self.probe_every if overturned else min(2 * interval, self.max_probe_every)
-
-
-def make_policy(cfg: "SpeculationConfig", costs: CostModel | None = None) -> SpeculationPolicy:  # noqa: F821
-    if cfg.policy == "off":
-        return Off()
-    if cfg.policy == "static":
-        return Static(SpecConfig(cfg.depth, cfg.topk, cfg.num_verify))
-    if cfg.policy == "fastgrpo":
-        return FastGRPOFormula()
-    if cfg.policy == "tlt":
-        from fastgrpo.speculation.tlt import TLT
-
-        return TLT()
-    if cfg.policy in ("aware", "aware_per_sequence"):
-        if costs is None:
-            raise ValueError(f"the {cfg.policy} policy needs a calibrated cost model")
-        from fastgrpo.speculation.per_sequence import AwarePerSequence
-
-        return Aware(costs) if cfg.policy == "aware" else AwarePerSequence(costs)
-    raise ValueError(f"speculation.policy {cfg.policy!r} is not available")
