@@ -83,7 +83,7 @@ elif [ ! -d "$WHEELS_DIR" ]; then
 fi
 
 export PYTHONPATH=".:$SITE${PYTHONPATH:+:$PYTHONPATH}"
-export GPU_CHECK_INSTALLED="${MISSING[*]##*/}"
+export GPU_CHECK_INSTALLED="${MISSING[*]+${MISSING[*]##*/}}"  # what the environment stage reports
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 if ! "$PY" -c "import omegaconf, tqdm, math_verify, megatron.core, psutil" 2>/dev/null; then
     echo "gpu_check: warning: some packages are missing (the stages that need them will fail):" >&2
