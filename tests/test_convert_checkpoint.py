@@ -92,7 +92,7 @@ def test_reshard_tp2_to_pp2_and_sharded_hf_in_and_out(tmp_path):
 def test_dist_keys_and_shapes_are_megatrons(tmp_path):
     """The keys, stacked shapes and pieces written are those of the trainer's GPTModel
     (`sharded_state_dict` of megatron's own model at TP1, where every piece is local)."""
-    from fastgrpo.distributed import run_world
+    from fastgrpo.local_world import run_world
 
     config = real_scaled("qwen2.5-7b")
     save_hf(config, tmp_path / "hf")
@@ -146,7 +146,7 @@ def test_the_trainer_loads_a_conversion_and_its_checkpoint_converts_back(tmp_pat
     trainer's weights bit for bit and logits equal to the trainer's."""
     from transformers import AutoModelForCausalLM
 
-    from fastgrpo.distributed import run_world
+    from fastgrpo.local_world import run_world
     from tests.test_megatron_model import hf_model
     from tests.test_megatron_trainer import IDS, KIND
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fastgrpo.config import load_config
-from fastgrpo.distributed import run_world
+from fastgrpo.local_world import run_world
 from tests.conftest import assert_same_update, tiny_overrides
 
 pytest.importorskip("deepspeed")

@@ -15,7 +15,8 @@ import psutil
 import pytest
 import torch
 
-from fastgrpo.distributed import free_port, kill_tree, run_world
+from fastgrpo.distributed import free_port
+from fastgrpo.local_world import kill_tree, run_world
 from tests.conftest import tiny_overrides
 from tests.test_train import history
 

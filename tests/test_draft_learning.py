@@ -315,7 +315,7 @@ def _data_parallel_steps(rank, world, config, state, embed, head, batches):
 def test_a_data_parallel_draft_slice_steps_as_one_trainer_on_all_its_batches(tmp_path, target, warm_draft):
     """Two draft ranks, each with a batch of its own (and then one with none): after each step both hold
     the same draft bit for bit, and it is the draft one trainer gets from the union of the batches."""
-    from fastgrpo.distributed import run_world
+    from fastgrpo.local_world import run_world
 
     hidden, tokens, mask = target_states(target, [p + [3, 4, 5] * (i % 4) for i, p in enumerate(prompts(12, 5))])
     halves = [(hidden[s], tokens[s], mask[s]) for s in (slice(0, 7), slice(7, 12))]  # unequal: weighting matters

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from fastgrpo.distributed import run_world
+from fastgrpo.local_world import run_world
 from tests.conftest import assert_same_update
 
 pytest.importorskip("megatron.core")

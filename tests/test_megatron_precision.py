@@ -8,7 +8,7 @@ of its own."""
 import pytest
 import torch
 
-from fastgrpo.distributed import run_world
+from fastgrpo.local_world import run_world
 from tests.test_megatron_model import GRPO, OPTIM, _grpo_batch, hf_model
 
 pytest.importorskip("megatron.core")

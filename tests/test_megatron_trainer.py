@@ -6,7 +6,7 @@ and resumes at TP2."""
 import pytest
 import torch
 
-from fastgrpo.distributed import run_world
+from fastgrpo.local_world import run_world
 from tests.test_megatron_model import GRPO, OPTIM, _grpo_batch, assert_same_step_as_torch, hf_model, torch_trainer_run
 
 pytest.importorskip("megatron.core")

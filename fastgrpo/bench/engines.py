@@ -26,7 +26,7 @@ import torch
 
 from fastgrpo.bench.report import command_line, publish
 from fastgrpo.config import Config
-from fastgrpo.distributed import run_world
+from fastgrpo.local_world import run_world
 
 MODES = ("one engine", "one engine, 2 threads", "two engines")
 

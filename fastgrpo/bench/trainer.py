@@ -30,7 +30,7 @@ import torch
 
 from fastgrpo.bench.report import command_line, publish
 from fastgrpo.config import Config
-from fastgrpo.distributed import run_world
+from fastgrpo.local_world import run_world
 
 # backend, world, tensor, pipeline (data parallelism: what remains of the world); deepspeed-zN: ZeRO stage N;
 # megatron-distopt: megatron with its distributed optimizer (trainer.distributed_optimizer)
