@@ -8,8 +8,7 @@ in ABBA blocks: a repetition runs aware, off, off, aware (or off, aware, aware, 
 and its figure is aware's throughput over its two calls over off's over theirs; a run reports the
 median of its repetitions' figures, which a slow spell that hits one call cannot move. Blocks, not
 pairs: at one sequence the second call of a pair (in that sequence also the call after the other
-mode) ran up to 10-20% faster than the first (2026-11-25, `bench/guarantee-quick-2026-11-25-pairs.json` in git history),
-so pairs whose order alternated leaned to the majority order; in a block each mode takes each place
+mode) can run faster than the first, so pairs whose order alternated leaned to the majority order; in a block each mode takes each place
 once, and a linear drift cancels too. (Throughputs, not seconds: on the GRPO batch a near-tie can
 change a sample's length between modes.) Each run starts fresh policies (aware knows nothing yet, as
 at the start of training) and the whole is repeated at each thread count: 1 and 2 threads give two

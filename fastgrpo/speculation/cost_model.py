@@ -12,8 +12,8 @@ CONTEXT cached tokens each. Two things a step pays beyond that point are measure
   tree step alike; priced at the sweep's 128 tokens, a tree looked 3x dearer than it is (SIMULATED
   H100, BENCHMARKS.md section 8).
 - rows: a tree's verify forward holds B sequences of n tokens, not min(B n, 64) of one, and each
-  sequence costs something beyond its tokens (one row of 16 tokens 3.6 ms, sixteen rows of one 5.9 ms
-  on this CPU, 2026-11-25): `target(tokens, rows)` prices a forward of fewer rows that much lower.
+  sequence costs something beyond its tokens (the row probes measure it): `target(tokens, rows)`
+  prices a forward of fewer rows that much lower.
   `aware` does not use it: its calibration lacks a speculative step's fixed work, for which the
   over-priced verify stands in (BENCHMARKS.md section 2).
 The curve is cached per (model shape, threads, torch version) so later runs skip the sweep, and the
@@ -55,8 +55,8 @@ def piecewise_linear(xs: Tensor, ys: Tensor, tokens: Tensor) -> Tensor:
 
 def piecewise_linear_at(xs: list[float], ys: list[float], tokens: float) -> float:
     """piecewise_linear at one size, in plain Python: `aware` prices ~100 candidate trees per search, at
-    the draft's catch-up tokens (a float that moves with acceptance), and a torch call per price made
-    its searches ~9% of a one-sequence rollout on this CPU (2026-11-26)."""
+    the draft's catch-up tokens (a float that moves with acceptance), and a torch call per price is
+    too slow for that many."""
     t = max(tokens, xs[0])
     i = min(max(bisect.bisect_left(xs, t), 1), len(xs) - 1)  # as piecewise_linear's searchsorted
     return ys[i - 1] + (ys[i] - ys[i - 1]) * (t - xs[i - 1]) / (xs[i] - xs[i - 1])

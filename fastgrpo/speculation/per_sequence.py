@@ -18,8 +18,8 @@ the online correction of plain steps at this concurrency.
 Sequences whose drafts are confident get deep trees, the others a few nodes or none. M = B (n - 1),
 every node, is aware's uniform tree, so the choice is never predicted slower than aware's; as aware
 does for speculating at all, it cuts the tree only for a predicted gain above `margin` (5%): one
-calibration factor cannot price every depth right (on this CPU at one sequence, cutting on thinner
-predicted gains lost 0.3 accepted tokens per step, 2026-11-25). Lossless: only which proposed tokens
+calibration factor cannot price every depth right, and cuts on thinner predicted gains lose accepted
+tokens. Lossless: only which proposed tokens
 are verified changes, never how (tree.py).
 """
 
@@ -68,8 +68,8 @@ class AwarePerSequence(Aware):
         # a step of this shape as measured (at the width it usually verifies), less or plus the verify
         # tokens M saves or adds, priced as the target's measured / calibrated time at this concurrency:
         # the step's fixed work (drafting, tree building, sampling) is not saved by verifying less
-        # (pricing the step as draft + verify forwards alone, that work missing, made cutting look twice
-        # as rewarding as it is at one sequence on this CPU, 2026-11-25)
+        # (priced as draft + verify forwards alone, that work missing, cutting looks more rewarding
+        # than it is)
         usual = self.costs.target(self._verified_tokens(config, running), rows=B)
         extra = self.costs.target_many(B + M, rows=B) - usual
         seconds = (self.predicted_seconds(config, running) + self._correction("off", running) * extra).clamp(min=1e-9)

@@ -175,9 +175,8 @@ class Aware(Off):
         self.max_probe_every = max_probe_every
         # a probe of speculation while plain decoding is chosen costs (its predicted step time / a plain
         # step's) - 1 extra plain steps, several at high concurrency: probe no more often than keeps that
-        # extra time below `probe_budget` of the time between probes. At 0.01 a probe came every ~140
-        # steps at 4-16 running and cost 1.3-2% of the time around it (`bench guarantee`, 2026-11-25),
-        # eating most of the 3% the guarantee allows; a quarter of that leaves room for the machine's noise
+        # extra time below `probe_budget` of the time between probes: probes must cost well under the 3%
+        # the never-slower guarantee allows (`bench guarantee`), leaving room for the machine's noise
         self.probe_budget = probe_budget
         self._probe_interval: dict[int, int] = {}
         self._probing: int | None = None  # bucket of the step being probed

@@ -113,9 +113,8 @@ class CpuCosts:
     @staticmethod
     def _plus_extra(forwards: float, extra: float) -> float:
         """A step's forwards plus its measured extra, which is negative where the engine's step costs
-        less than the sweep's forwards at its shape (a step of d4k4n12 at 64 rows 84 ms less, in
-        `bench/simulate-quick-2026-11-26-run5.json` in git history; held at zero, such steps were priced 10-22% high
-        in three runs). Never below half the forwards: a guard against a fit extrapolated far from
+        less than the sweep's forwards at its shape (held at zero, such steps are priced high). Never
+        below half the forwards: a guard against a fit extrapolated far from
         what it measured."""
         return max(forwards + extra, 0.5 * forwards)
 

@@ -51,10 +51,8 @@ class CpuProfiler:
     It measures in passes: a whole pass (the engine's calibration sweep, the prefills, the engine
     runs at every level of rows) before the validation, then level passes (the engine runs at some
     levels and the prefills of as many prompts, no sweep) which the validation interleaves with its
-    own runs at those rows. This machine's speed drifts within minutes (the sweep's one-token
-    forward 9.9-17.9 ms across the seven passes of one run, 2026-11-26), so a profile measured
-    minutes away from the runs it prices priced that drift as an error (the engine's own
-    one-sequence runs priced 11-23% high for four of five policies in that run); a level pass sees
+    own runs at those rows. This machine's speed drifts within minutes, so a profile measured
+    minutes away from the runs it prices counts that drift as an error; a level pass sees
     the machine at the speed the validation's runs do. The sweep is the
     engine's own calibration (`aware` on the engine prices with it: the fastest of its rounds per
     size); a step's residual over the sweep absorbs the drift since. The engine runs keep the median

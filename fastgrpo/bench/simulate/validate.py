@@ -20,8 +20,7 @@ from fastgrpo.bench.simulate.profile import CpuProfiler, _engine_run
 
 
 # every policy the GRPO batch compares but the static sweep: `aware_per_sequence` learns here what
-# `aware` does (run on the GRPO batch alone, it met it untaught, where `aware` had learned on the sweep:
-# 3.5 speculative steps of 84.5 against `aware`'s 19 of 60.5, bench/simulate-quick-2026-11-26-run5.json in git history)
+# `aware` does (run on the GRPO batch alone, it would meet it untaught, where `aware` learned on the sweep)
 SWEEP_MODES = ("off", "static", "fastgrpo", "tlt", "aware", "aware_per_sequence")
 VALIDATION_REPLAYS = 5  # the simulated protocol's replays (simulated runs are cheap; the engine's are not)
 REPETITIONS = 3  # the validation's default repetitions R (`bench simulate --repetitions`)
@@ -46,13 +45,11 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
     passes of the cpu profile come amid each workload's repetitions (at its level of rows; every
     level up to its rows after each of the GRPO batch's), each profiling the shapes the policies ran
     so far, and a workload is simulated and its engine runs priced with the profile of those passes:
-    this machine's speed drifts within minutes, and with whole passes between the workloads (the
-    profile of a workload from the passes either side of it, 2026-11-26) the engine's own
-    one-sequence runs were priced 11-13% high for three of five policies in one run. The simulated protocol
+    this machine's speed drifts within minutes, and a profile measured minutes away from the runs it
+    prices counts that drift as the simulator's error. The simulated protocol
     is replayed `replays` times with fresh policies (TLT's bandit seeded per replay), its median
     taken over all their runs: the simulator's own draws (acceptance, the learning policies' path)
-    then add little to the engine's (one replay's simulated `tlt` runs on the GRPO batch spread 27%
-    min to max, 2026-11-25)."""
+    then add little to the engine's (one replay of a learning policy such as `tlt` spreads widely)."""
     from fastgrpo.types import Request, SamplingParams
 
     recs = {m: Recorder(p) for m, p in engine_policies.items()}
@@ -230,8 +227,8 @@ def median_se(values: Sequence[float], rng: np.random.Generator, resamples: int 
 
 
 def level_reps(reps: int, B: int) -> int:
-    """Twice `bench rollout`'s repetitions at least: of three runs on this machine one can be far
-    off the others (64 sequences under `off`: 3.41, 4.42 and 6.04 s, 2026-11-26)."""
+    """Twice `bench rollout`'s repetitions at least: of three runs on a shared machine one can be far
+    off the others."""
     return max(2 * reps, math.ceil(16 * reps / B))
 
 
