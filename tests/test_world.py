@@ -1,0 +1,60 @@
+"""The run's world (fastgrpo/distributed.py `World`, fastgrpo/types.py `EngineMap`): engines tile the
+policy ranks, each engine answers a contiguous, balanced share of whole prompts, and what engine
+leaders gather reaches every rank in engine order."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastgrpo.local_world import run_world
+from fastgrpo.types import EngineMap
+
+
+@pytest.mark.parametrize("policy_ranks, tensor", [(1, 1), (4, 1), (4, 2), (4, 4), (6, 2), (8, 8)])
+def test_engine_shares_tile_the_prompts_and_ranks(policy_ranks, tensor):
+    engines = EngineMap(policy_ranks, tensor)
+    assert engines.leaders() == [r for r in range(policy_ranks) if engines.leads(r)]
+    assert [engines.engine_of(r) for r in range(policy_ranks)] == [r // tensor for r in range(policy_ranks)]
+    assert engines.engine_of(policy_ranks) is None and not engines.leads(policy_ranks)  # a draft rank
+    for items in range(0, 21):
+        shares = [range(*engines.bounds(items, e)) for e in range(engines.engines)]
+        assert [i for s in shares for i in s] == list(range(items))  # contiguous, in order, all of them
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1  # balanced
+
+
+def test_a_tensor_that_does_not_divide_the_ranks_is_refused():
+    with pytest.raises(ValueError, match="engine.tensor=3 does not divide the 4 policy ranks"):
+        EngineMap(4, 3)
+
+
+def _exchange(rank, world):
+    import datetime
+
+    import torch.distributed as dist
+
+    from fastgrpo.distributed import World
+    from fastgrpo.types import Placement
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # no collective waits longer
+    try:
+        w = World(dist.get_rank(), dist.get_world_size(), Placement(), EngineMap(world, 2))
+        start, mine = w.share(list(range(7)))
+        answer = [f"engine {w.engine}: {x}" for x in mine] if w.leads_engine else None
+        gathered = w.gather(answer)
+        return dict(engine=w.engine, leads=w.leads_engine, start=start, mine=mine, gathered=gathered,
+                    any=w.any(rank == 3), none=w.any(False), broadcast=w.broadcast(f"from {rank}"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # a multi-process world
+def test_engine_leaders_share_and_gather_over_a_world_of_four(tmp_path):
+    """Four policy ranks, engines of two: ranks 0 and 2 lead; both ranks of an engine see its share;
+    every rank receives the leaders' answers in engine order (a non-leader's None is not among them)."""
+    results = run_world(_exchange, 4, tmp_path)
+    assert [r["engine"] for r in results] == [0, 0, 1, 1] and [r["leads"] for r in results] == [True, False, True, False]
+    assert [(r["start"], r["mine"]) for r in results] == [(0, [0, 1, 2]), (0, [0, 1, 2]), (3, [3, 4, 5, 6]),
+                                                          (3, [3, 4, 5, 6])]
+    want = [[f"engine 0: {x}" for x in (0, 1, 2)], [f"engine 1: {x}" for x in (3, 4, 5, 6)]]
+    assert all(r["gathered"] == want for r in results)
+    assert all(r["any"] and not r["none"] and r["broadcast"] == "from 0" for r in results)
