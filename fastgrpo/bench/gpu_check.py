@@ -192,7 +192,8 @@ class Check:
             _sync()
         record["seconds"] = time.perf_counter() - t
         self.result["stages"][name] = record
-        _release()
+        with contextlib.suppress(Exception):  # a broken device must not cost the report
+            _release()
         _log(f"{self.seconds():6.1f}s  {name}: {record['status']} in {record['seconds']:.1f}s"
              + (f" ({record['error'].splitlines()[0][:300]})" if record["status"] != "ok" else ""))
         self.write()
@@ -202,7 +203,11 @@ class Check:
         self.result["meta"]["seconds"] = self.seconds()
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "gpu_check.json").write_text(json.dumps(_finite(self.result), indent=2))
-        (self.out / "gpu_check.md").write_text(markdown(_finite(self.result)))
+        try:
+            text = markdown(_finite(self.result))
+        except Exception as e:  # the JSON stands; the tables say why they are missing
+            text = f"# GPU check\n\nThe tables could not be made ({type(e).__name__}: {e}); see gpu_check.json.\n"
+        (self.out / "gpu_check.md").write_text(text)
 
     # -- shared pieces ------------------------------------------------------------------------------
     def policy(self):
@@ -777,6 +782,7 @@ def run(out: Path, size: str = "gpu", device: str = "auto", work: Path | None = 
         check.result["meta"]["within_budget"] = not check.budget_s or check.seconds() <= check.budget_s
         check.write()
         failed = [n for n, s in check.result["stages"].items() if s["status"] != "ok"]
+        print("\n" + (Path(out) / "gpu_check.md").read_text(), flush=True)  # the tables in the log too
         _log(f"done in {check.seconds():.0f}s" + (f"; FAILED: {', '.join(failed)}" if failed else "; every stage ok")
              + f"; wrote {out}/gpu_check.json and {out}/gpu_check.md")
         if not check.result["meta"]["within_budget"]:
