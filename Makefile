@@ -54,6 +54,9 @@ train-distributed: policy
 		grpo.steps=5 task.eval_size=100 \
 		run_dir=runs/distributed $(ARGS)
 
+# the speculation benchmarks on the task their results were measured on (its long-tailed answers)
+bench bench-quick bench-e2e bench-forward: CONFIG = configs/tiny_cpu_plain.yaml
+
 bench: policy
 	$(BIN)/fastgrpo bench rollout --config $(CONFIG) --output bench/rollout.json
 
