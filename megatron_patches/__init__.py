@@ -84,22 +84,9 @@ def _clip_grad_by_total_norm_cpu(parameters, max_norm: float, total_norm: float,
             grad.detach().mul_(clip_coeff)
 
 
-@contextlib.contextmanager
-def _tensor_cuda_is_identity() -> Iterator[None]:
-    original = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    try:
-        yield
-    finally:
-        torch.Tensor.cuda = original
-
-
-def _without_tensor_cuda(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def run(*args, **kwargs):
-        with _tensor_cuda_is_identity():
-            return original(*args, **kwargs)
-    return run
+def _tensor_cuda_is_identity(original: Callable) -> Callable:
+    """`Tensor.cuda()`: the tensor itself (it stays where it is)."""
+    return lambda self, *args, **kwargs: self
 
 
 # what megatron-core's optimizers expect `Tensor.type()` to say of a parameter they may hold
@@ -107,30 +94,34 @@ _CUDA_TYPE_NAMES = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "tor
                     torch.bfloat16: "torch.cuda.BFloat16Tensor"}
 
 
-@contextlib.contextmanager
-def _tensor_type_names_cuda() -> Iterator[None]:
+def _tensor_type_names_cuda(original: Callable) -> Callable:
     """`Tensor.type()` (no argument: the name) of a CPU float tensor says the CUDA name of its dtype;
     `type(dtype)` (a conversion) is untouched."""
-    original = torch.Tensor.type
-
     def type_(self, dtype=None, non_blocking=False, **kwargs):
         if dtype is None and not kwargs and self.device.type == "cpu" and self.dtype in _CUDA_TYPE_NAMES:
             return _CUDA_TYPE_NAMES[self.dtype]
         return original(self, dtype, non_blocking, **kwargs) if dtype is not None or kwargs else original(self)
-
-    torch.Tensor.type = type_
-    try:
-        yield
-    finally:
-        torch.Tensor.type = original
+    return type_
 
 
-def _with_cuda_type_names(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def run(*args, **kwargs):
-        with _tensor_type_names_cuda():
-            return original(*args, **kwargs)
-    return run
+def _with_tensor_method(name: str, replacement: Callable[[Callable], Callable]) -> Callable[[Callable], Callable]:
+    """A patch that runs the original function with `torch.Tensor.<name>` replaced by
+    `replacement(original method)` for the duration of the call, and restored after."""
+    def patch(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def run(*args, **kwargs):
+            method = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, replacement(method))
+            try:
+                return original(*args, **kwargs)
+            finally:
+                setattr(torch.Tensor, name, method)
+        return run
+    return patch
+
+
+_without_tensor_cuda = _with_tensor_method("cuda", _tensor_cuda_is_identity)
+_with_cuda_type_names = _with_tensor_method("type", _tensor_type_names_cuda)
 
 
 PATCHES = (
