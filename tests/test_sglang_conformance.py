@@ -347,7 +347,8 @@ def test_the_plugin_reaches_what_sglang_loads_and_calls(src):
 
 def test_the_tiers_model_is_sglangs(src):
     """SGLang's default tiers and its captured decode sizes with speculation, as sglang_tiers has them."""
-    from fastgrpo.speculation.sglang_tiers import SGLANG_DEFAULT_TIERS, SLOT_DEFAULTS, spec_capture_sizes
+    from fastgrpo.speculation.sglang_tiers import (SGLANG_DEFAULT_TIERS, SLOT_DEFAULTS, plain_capture_sizes,
+                                                   spec_capture_sizes)
 
     module = src.module("sglang.srt.speculative.adaptive_spec_params")
     assert ast.literal_eval(module.defs["DEFAULT_ADAPTIVE_CONFIG"].value) == SGLANG_DEFAULT_TIERS
@@ -362,6 +363,8 @@ def test_the_tiers_model_is_sglangs(src):
     args = SimpleNamespace(disable_cuda_graph_padding=False, speculative_algorithm="EAGLE")
     for max_bs in (1, 7, 8, 48, 128, 200, 512):
         assert spec_capture_sizes(max_bs) == namespace["generate_decode_cuda_graph_batch_sizes"](args, max_bs), max_bs
+        plain = SimpleNamespace(disable_cuda_graph_padding=False, speculative_algorithm=None)
+        assert plain_capture_sizes(max_bs) == namespace["generate_decode_cuda_graph_batch_sizes"](plain, max_bs)
 
 
 def _real_adaptive_params(src):

@@ -32,7 +32,7 @@ from fastgrpo.bench.simulate import GPU_STATICS, eagle_profile, longtail_workloa
 from fastgrpo.speculation.policy import Aware, Off, SpeculationPolicy, Static
 from fastgrpo.speculation.roofline import H100, LLAMA3_8B, Roofline, simulated_cost_model
 from fastgrpo.speculation.sglang_tiers import (MAX_STEPS, AwareTiers, SGLangAdaptive, chain, pad,
-                                               spec_capture_sizes)
+                                               plain_capture_sizes, spec_capture_sizes)
 from fastgrpo.speculation.tree import SpecConfig
 
 MAX_RUNNING = 128  # bench simulate's GPU_MAX_BATCH: SGLang's max_running_requests here
@@ -40,13 +40,6 @@ MAX_RUNNING = 128  # bench simulate's GPU_MAX_BATCH: SGLang's max_running_reques
 # full run (bench/simulate.json gpu_acceptance.beta); it prices static trees only (chains do not use it)
 BETA = 0.9
 LEARNING = ("sglang_adaptive", "aware_sglang", "aware_sglang_misprices", "aware")
-
-
-def plain_capture_sizes(max_bs: int) -> list[int]:
-    """SGLang's captured decode sizes without speculation (cuda_graph_hook.py)."""
-    sizes = [1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 512, 16), *range(512, max_bs + 1, 32)]
-    sizes = [s for s in sizes if s <= max_bs]
-    return sizes if max_bs in sizes else [*sizes, max_bs]
 
 
 class Padded:

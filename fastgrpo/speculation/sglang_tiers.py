@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 
 from fastgrpo.speculation.policy import AcceptanceModel, Off
@@ -53,7 +53,16 @@ def spec_capture_sizes(max_bs: int) -> list[int]:
     """The decode batch sizes SGLang captures CUDA graphs for with speculation on and padding allowed
     (arg_groups/cuda_graph_hook.py generate_decode_cuda_graph_batch_sizes), up to `max_bs`
     (max_running_requests), which is always captured."""
-    sizes = [*range(1, 9), *range(10, 33, 2), *range(40, 65, 4), *range(72, 257, 8), *range(272, max_bs + 1, 16)]
+    return _up_to([*range(1, 9), *range(10, 33, 2), *range(40, 65, 4), *range(72, 257, 8), *range(272, max_bs + 1, 16)],
+                  max_bs)
+
+
+def plain_capture_sizes(max_bs: int) -> list[int]:
+    """The same without speculation (the function's other branch)."""
+    return _up_to([1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 512, 16), *range(512, max_bs + 1, 32)], max_bs)
+
+
+def _up_to(sizes: list[int], max_bs: int) -> list[int]:
     sizes = [s for s in sizes if s <= max_bs]
     return sizes if max_bs in sizes else [*sizes, max_bs]
 
@@ -300,5 +309,6 @@ class AwareTiers(Off):
 
     def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
                 accepted: list[int] | None = None) -> None:
-        if accepted:
-            self.count([accepted.count(a) for a in range(max(accepted) + 1)])
+        if accepted:  # one pass over the rows (the simulator calls this every step)
+            counts = Counter(accepted)
+            self.count([counts[a] for a in range(max(counts) + 1)])
