@@ -16,7 +16,9 @@ buffer (`grad_reduce_in_fp32`) and 12 B of fp32 main weights and Adam moments. T
 (8 B or 12 B) is replicated over the data-parallel ranks, or divided by their number with
 `trainer.distributed_optimizer` (megatron's DistributedOptimizer); the weights and the gradient
 buffer are not (the gradients are reduce-scattered inside the full buffer). Activations are held in
-the training dtype, the last stage's logits in fp32. Nothing here is measured.
+the training dtype, the last stage's logits in fp32. The torch trainer keeps what megatron does
+without a distributed optimizer; DeepSpeed's ZeRO is priced by the ZeRO paper's accounting
+(`_deepspeed_state`). Nothing here is measured.
 """
 
 from __future__ import annotations
@@ -237,6 +239,27 @@ def _megatron_state(cfg: Config, P: float, dp: int) -> list[Term]:
     return [weights, grads, optimizer]
 
 
+def _deepspeed_state(cfg: Config, P: float, dp: int) -> list[Term]:
+    """What DeepSpeed's ZeRO keeps per GPU for `P` parameters: stage 1 shards the optimizer over data
+    ranks, 2 also the gradients, 3 also the weights. fp32: 4 B weights, 4 B gradients, 8 B Adam
+    moments. bf16 (DeepSpeed's mixed precision): 2 B weights, 2 B gradients and 12 B of fp32 master
+    weights and moments, the ZeRO paper's accounting (Rajbhandari et al. 2020, section 3: 2 + 2 + K,
+    K = 12). `deepspeed.offload_optimizer` keeps the optimizer's part (master weights and moments) in
+    CPU memory."""
+    z, ds = cfg.deepspeed.zero_stage, cfg.deepspeed
+    bf16 = planned_precision(cfg) == "bf16"
+    width, name = (BF16, "bf16") if bf16 else (FP32, "fp32")
+    optimizer_name = "main weights + Adam moments (fp32)" if bf16 else "Adam moments (fp32)"
+    optimizer_bytes = (3 if bf16 else 2) * FP32
+    return [Term(f"weights ({name})", _gib(width * P / (dp if z == 3 else 1)),
+                 f"{width} B x {P / 1e9:.2f}B parameters" + (f" / data {dp} (ZeRO-3)" if z == 3 else "")),
+            Term(f"gradients ({name})", _gib(width * P / (dp if z >= 2 else 1)),
+                 f"{width} B x parameters" + (f" / data {dp} (ZeRO-{z})" if z >= 2 else "")),
+            Term(optimizer_name, 0.0 if ds.offload_optimizer else _gib(optimizer_bytes * P / dp),
+                 "in CPU memory (deepspeed.offload_optimizer)" if ds.offload_optimizer
+                 else f"{optimizer_bytes} B x parameters / data {dp} (ZeRO)")]
+
+
 def _policy_phases(plan: Plan, cfg: Config, s: Layout, dp: int, capacity: float) -> None:
     t, p = cfg.parallel.tensor, cfg.parallel.pipeline
     stage_layers = s.layers // p
@@ -246,22 +269,16 @@ def _policy_phases(plan: Plan, cfg: Config, s: Layout, dp: int, capacity: float)
               ((0 if s.tied and p == 1 else embed) + s.hidden if i == p - 1 else 0) for i in range(p)]
     P = max(stages) / t
     ref = cfg.grpo.kl_coef > 0
-    if cfg.trainer.backend == "deepspeed":  # ZeRO: stage 1 shards Adam, 2 also the gradients, 3 also the weights
-        z, ds = cfg.deepspeed.zero_stage, cfg.deepspeed
-        resident = [Term("weights (fp32)", _gib(FP32 * P / (dp if z == 3 else 1)),
-                         f"4 B x {P / 1e9:.2f}B parameters" + (f" / data {dp} (ZeRO-3)" if z == 3 else "")),
-                    Term("gradients (fp32)", _gib(FP32 * P / (dp if z >= 2 else 1)),
-                         "4 B x parameters" + (f" / data {dp} (ZeRO-{z})" if z >= 2 else "")),
-                    Term("Adam moments (fp32)", 0.0 if ds.offload_optimizer else _gib(2 * FP32 * P / dp),
-                         "in CPU memory (deepspeed.offload_optimizer)" if ds.offload_optimizer
-                         else f"8 B x parameters / data {dp} (ZeRO)")]
+    if cfg.trainer.backend == "deepspeed":
+        resident = _deepspeed_state(cfg, P, dp)
     else:
         resident = _megatron_state(cfg, P, dp)
-    # the torch and DeepSpeed trainers are planned in fp32 (their terms above); megatron in its precision
-    dtype = planned_precision(cfg) if cfg.trainer.backend == "megatron" else "fp32"
+    dtype = planned_precision(cfg)  # of activations, and of the reference policy but under DeepSpeed (fp32 there)
     width = BF16 if dtype == "bf16" else FP32
     if ref:
-        resident.append(Term(f"reference policy ({dtype})", _gib(width * P), f"{width} B x parameters (grpo.kl_coef > 0)"))
+        ref_dtype, ref_width = ("fp32", FP32) if cfg.trainer.backend == "deepspeed" else (dtype, width)
+        resident.append(Term(f"reference policy ({ref_dtype})", _gib(ref_width * P),
+                             f"{ref_width} B x parameters (grpo.kl_coef > 0)"))
     reserve = Term("runtime allowance", RESERVE_GIB[cfg.engine.backend], "fixed (CUDA context, buffers, fragmentation)")
 
     # rollout: the engine holds its share while the trainer's state stays

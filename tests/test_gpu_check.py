@@ -144,6 +144,9 @@ def test_every_stage_runs_on_the_cpu_with_plausible_numbers(check):
     assert d["sft"]["steps"] == d["sft"]["planned_steps"] == 1600 // 32 and d["sft"]["complete"] == 1.0
     assert 0 < d["sft"]["train_loss"] < math.log(512) and d["sft"]["parameters"] > 50_000
     assert d["draft"]["steps"] == 40 and 0 <= d["draft"]["eval_top1"] <= 1 and _positive(d["draft"]["eval_loss"])
+    # the online learner's round: trained where the run computes, published once
+    assert d["draft"]["online_device"] == "cpu" and d["draft"]["online_steps"] >= 1 and d["draft"]["online_version"] == 1
+    assert _positive(d["draft"]["online_loss"]) and _positive(d["draft"]["online_loss_fresh"])
 
     t = d["train_step"]  # fp32 on the CPU: the two trainers agree to rounding
     assert t["megatron_backend"] == "gloo" and t["sequences"] == SIZES["test"].train_sequences

@@ -341,15 +341,15 @@ def test_bench_trainer_times_the_torch_and_megatron_steps(tmp_path, tiny_policy)
 
     out = tmp_path / "trainer.json"
     bench_trainer(tiny_config(tmp_path, tiny_policy), quick=True, output=out,
-                  layouts=(("torch", 1, 1, 1), ("megatron", 2, 2, 1), ("megatron-distopt", 2, 1, 1)))
+                  layouts=(("torch", 1, 1, 1), ("megatron", 2, 2, 1), ("megatron-distopt", 2, 1, 1), ("torch-bf16", 1, 1, 1)))
     rows = json.loads(out.read_text())["rows"]
-    assert [r["layout"] for r in rows] == ["torch", "megatron TP2", "megatron DP2 distributed optimizer"]
+    assert [r["layout"] for r in rows] == ["torch", "megatron TP2", "megatron DP2 distributed optimizer", "torch bf16"]
     assert rows[0]["vs_torch"] == 1.0
     assert rows[0]["comm_s"] == 0.0  # one process: no collectives
     assert 0 < rows[1]["comm_s"] < rows[1]["step_s"]  # TP all-reduces inside the step, and compute besides
     # the push carries the same Hugging Face tensors whatever the layout (TP shards gathered first)
     assert rows[0]["sync_bytes"] == rows[1]["sync_bytes"] == rows[2]["sync_bytes"] > 4 * 296 * 64
-    assert [r["engines"] for r in rows] == [1, 1, 2]
+    assert [r["engines"] for r in rows] == [1, 1, 2, 1]
     assert all(r["sync_s"] > 0 and r["memcpy_gb_s"] > 0 and 0 < r["sync_share"] < 1 for r in rows)
     # optimizer bytes per rank: Adam's two fp32 moments (8 B) of every parameter in one process (the
     # torch trainer steps the fp32 weights themselves); in megatron, of the parameters with the
@@ -357,6 +357,7 @@ def test_bench_trainer_times_the_torch_and_megatron_steps(tmp_path, tiny_policy)
     # shards) and with the distributed optimizer at DP2 (the replicas' shards of the state): 1/DP
     config = load_policy(tiny_policy).config
     assert rows[0]["optimizer_bytes"] == 8 * parameters(Layout.of(config))
+    assert rows[3]["optimizer_bytes"] == 12 * parameters(Layout.of(config))  # bf16: fp32 masters (4 B) and moments
 
     def padded(tp):
         s = Layout.of(config, tp, 1)

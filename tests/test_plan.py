@@ -134,7 +134,8 @@ def test_zero_stages_shard_what_they_say(capsys):
     Adam over the 8 data ranks, ZeRO-2 the gradients too, ZeRO-3 the weights too; offload moves Adam
     off the GPU."""
     base = ["--config", "configs/llama3_8b.yaml", "trainer.backend=deepspeed", "parallel.tensor=1",
-            "parallel.draft_ranks=0", "draft.online=off", "trainer.recompute=false", "trainer.distributed_optimizer=false"]
+            "parallel.draft_ranks=0", "draft.online=off", "trainer.recompute=false", "trainer.distributed_optimizer=false",
+            "trainer.precision=fp32"]
 
     def terms(*extra):
         _, out = plan(capsys, *base, *extra)
@@ -149,6 +150,29 @@ def test_zero_stages_shard_what_they_say(capsys):
     assert two["gradients (fp32)"] == pytest.approx(p / 8, abs=0.01) and two["weights (fp32)"] == pytest.approx(p, abs=0.01)
     assert three["weights (fp32)"] == pytest.approx(p / 8, abs=0.01)
     assert terms("deepspeed.zero_stage=3", "deepspeed.offload_optimizer=true")["Adam moments (fp32)"] == 0.0
+
+
+def test_deepspeed_bf16_is_priced_as_zero_accounts_it(capsys):
+    """bf16 under ZeRO: 2 B of weights, 2 B of gradients and 12 B of fp32 master weights and moments per
+    parameter (the ZeRO paper's 2 + 2 + K), each sharded from the stage that shards it."""
+    base = ["--config", "configs/llama3_8b.yaml", "trainer.backend=deepspeed", "parallel.tensor=1",
+            "parallel.draft_ranks=0", "draft.online=off", "trainer.recompute=false", "trainer.distributed_optimizer=false",
+            "trainer.precision=bf16"]
+    names = ("weights (bf16)", "gradients (bf16)", "main weights + Adam moments (fp32)")
+
+    def terms(*extra):
+        _, out = plan(capsys, *base, *extra)
+        section = out.split("policy GPU, rollout")[1].split("\n\n")[0]
+        return {name: float(line.strip()[len(name):].split()[0]) for line in section.splitlines()
+                for name in names if line.strip().startswith(name)}
+
+    p = parameters(Layout.of(model_config(load_config("configs/llama3_8b.yaml"))[0])) / 2**30  # GiB per byte a parameter
+    one, two, three = (terms(f"deepspeed.zero_stage={z}") for z in (1, 2, 3))
+    assert one[names[0]] == pytest.approx(2 * p, abs=0.01) and one[names[1]] == pytest.approx(2 * p, abs=0.01)
+    assert one[names[2]] == pytest.approx(12 * p / 8, abs=0.01)
+    assert two[names[1]] == pytest.approx(2 * p / 8, abs=0.01) and two[names[0]] == pytest.approx(2 * p, abs=0.01)
+    assert three[names[0]] == pytest.approx(2 * p / 8, abs=0.01) and three[names[2]] == pytest.approx(12 * p / 8, abs=0.01)
+    assert terms("deepspeed.zero_stage=3", "deepspeed.offload_optimizer=true")[names[2]] == 0.0
 
 
 def test_precision_and_the_distributed_optimizer_price_what_megatron_keeps(capsys):

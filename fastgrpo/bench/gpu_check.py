@@ -292,7 +292,42 @@ def draft(c: Check) -> dict:
     from fastgrpo.draft_learning.pretrain import pretrain_draft
 
     report = pretrain_draft(c.cfg)
-    return report | {"steps_per_s": report["steps"] / max(60 * report["minutes"], 1e-9)}
+    return report | {"steps_per_s": report["steps"] / max(60 * report["minutes"], 1e-9)} | online_round(c)
+
+
+def online_round(c: Check, sequences: int = 64, budget_s: float = 5.0) -> dict:
+    """One round of the sync online learner as a run does it: the policy's states over `sequences`
+    held-out solutions in host memory (as rollout's captured states are kept), trained on the run's
+    device for `budget_s` seconds (a round's budget, as a run's share of a step), then published."""
+    import torch
+
+    from fastgrpo.backends.embedded import draft_dir
+    from fastgrpo.device import resolve
+    from fastgrpo.draft_learning.online import OnlineDraftLearner
+    from fastgrpo.draft_learning.pretrain import target_states
+    from fastgrpo.models.tokenizer import encode_prompt, encode_response
+    from fastgrpo.speculation.draft import DraftHead
+    from fastgrpo.tasks.source import load_task
+
+    compute = resolve(c.cfg)
+    policy, tokenizer = c.policy()
+    policy.to(compute.device, compute.dtype)
+    _, evals = load_task(c.cfg.task)
+    texts = [(encode_prompt(tokenizer, p.prompt) + encode_response(tokenizer, p.solution or str(p.answer)))
+             [: c.cfg.model.max_context] for p in evals[:sequences]]
+    hidden, ids, mask = target_states(policy, texts)
+    rows = [(hidden[i, : len(t)].cpu(), ids[i, : len(t)].cpu(), torch.ones(len(t), dtype=torch.bool))
+            for i, t in enumerate(texts)]
+    draft = DraftHead.load(draft_dir(c.cfg), policy.config, c.cfg.model.max_context)
+    learner = OnlineDraftLearner(draft, c.cfg.draft, [], seed=c.cfg.seed, device=compute.device)
+    learner.update_weights(policy.state_dict().items(), version=1)
+    learner.buffer(rows, policy_version=1)
+    _sync()
+    metrics = learner.train(budget_s)
+    _sync()
+    return {"online_device": str(next(learner.draft.parameters()).device), "online_steps": metrics["draft_steps"],
+            "online_version": learner.version, "online_train_s": metrics["draft_train_s"],
+            "online_loss_fresh": learner.fresh.get("draft_loss_fresh"), "online_loss": metrics.get("draft_loss")}
 
 
 def _relative(a: float, b: float) -> float:
@@ -673,7 +708,8 @@ def _summary(name: str, d: dict) -> str:
                 f"{_f(d.get('pass1_greedy'))}, mean accuracy {_f(d.get('mean_accuracy'))}")
     if name == "draft":
         return (f"{d['steps']:.0f} steps ({_f(d['steps_per_s'])}/s), held-out top-1 {_f(d['eval_top1'])}, "
-                f"loss {_f(d['eval_loss'])}")
+                f"loss {_f(d['eval_loss'])}; online round on {d.get('online_device')}: {_f(d.get('online_steps'))} "
+                f"steps in {_f(d.get('online_train_s'))} s, version {d.get('online_version')}")
     if name == "train_step":
         return (f"torch {_f(d['torch_step_s'])} s, megatron {_f(d['megatron_step_s'])} s "
                 f"({d.get('megatron_backend')}); loss diff {_f(d['loss_relative_diff'])}, grad norm diff "

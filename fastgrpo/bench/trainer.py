@@ -33,8 +33,10 @@ from fastgrpo.config import Config
 from fastgrpo.local_world import run_world
 
 # backend, world, tensor, pipeline (data parallelism: what remains of the world); deepspeed-zN: ZeRO stage N;
-# megatron-distopt: megatron with its distributed optimizer (trainer.distributed_optimizer)
-LAYOUTS = (("torch", 1, 1, 1), ("megatron", 1, 1, 1), ("megatron", 2, 2, 1), ("megatron", 2, 1, 1),
+# megatron-distopt: megatron with its distributed optimizer (trainer.distributed_optimizer); a -bf16 suffix:
+# trainer.precision=bf16 (native on a CPU with AVX512-BF16, which this machine has; emulated, slowly, elsewhere)
+LAYOUTS = (("torch", 1, 1, 1), ("torch-bf16", 1, 1, 1), ("megatron", 1, 1, 1), ("megatron-bf16", 1, 1, 1),
+           ("megatron", 2, 2, 1), ("megatron", 2, 1, 1),
            ("megatron-distopt", 2, 1, 1), ("megatron", 4, 2, 2), ("megatron-distopt", 4, 1, 1),
            ("deepspeed-z2", 1, 1, 1), ("deepspeed-z2", 2, 1, 1), ("deepspeed-z3", 1, 1, 1), ("deepspeed-z3", 2, 1, 1))
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier")
@@ -94,26 +96,31 @@ def _rank(rank: int, world: int, backend: str, tensor: int, pipeline: int, cfg: 
           reps: int) -> dict:
     from fastgrpo.types import SamplingParams
 
+    from fastgrpo.device import Compute
+
     sampling = SamplingParams.of(cfg.rollout)
     spent = _timed_collectives()
+    backend, bf16 = backend.removesuffix("-bf16"), backend.endswith("-bf16")
+    compute = Compute(torch.device("cpu"), torch.bfloat16 if bf16 else torch.float32)
     if backend == "torch":
         from fastgrpo.backends.torch_trainer import TorchPolicyTrainer
         from fastgrpo.models.policy import load_policy
 
-        trainer = TorchPolicyTrainer(load_policy(cfg.model.path), cfg.grpo, cfg.optim, sampling)
+        trainer = TorchPolicyTrainer(load_policy(cfg.model.path), cfg.grpo, cfg.optim, sampling, compute=compute)
         vocab = trainer.model.config.vocab_size
     elif backend.startswith("deepspeed"):
         from fastgrpo.backends.deepspeed_trainer import DeepSpeedPolicyTrainer
         from fastgrpo.config import DeepSpeedConfig
 
         trainer = DeepSpeedPolicyTrainer(cfg.model.path, cfg.grpo, cfg.optim, sampling,
-                                         DeepSpeedConfig(zero_stage=int(backend[-1])))
+                                         DeepSpeedConfig(zero_stage=int(backend[-1])), compute=compute)
         vocab = trainer.hf_config.vocab_size
     else:
         from fastgrpo.backends.megatron.trainer import MegatronPolicyTrainer
 
         trainer = MegatronPolicyTrainer(cfg.model.path, cfg.grpo, cfg.optim, sampling, tensor=tensor, pipeline=pipeline,
-                                        seed=cfg.seed, distributed_optimizer=backend == "megatron-distopt")
+                                        seed=cfg.seed, distributed_optimizer=backend == "megatron-distopt",
+                                        compute=compute)
         vocab = trainer.layout.vocab
     batch = _batch(vocab, sequences)
     batch.engine_logprobs = trainer.logprobs(batch) * batch.response_mask
@@ -196,7 +203,7 @@ def bench_trainer(cfg: Config, quick: bool, output: Path, extra: list[str] | Non
         sync = max(r["sync_s"] for r in ranks)  # every engine holds the version when the slowest push ends
         leaders = [r for r in ranks if "memcpy_s" in r]
         memcpy = statistics.median(r["memcpy_s"] for r in leaders)
-        name = "torch" if backend == "torch" else _layout_name(backend, world, tensor, pipeline)
+        name = _layout_name(backend, world, tensor, pipeline)
         rows.append({"layout": name, "world": world, "step_s": step, "comm_s": comm, "sync_s": sync,
                      "optimizer_bytes": max(r["optimizer_bytes"] for r in ranks),  # per rank: the largest
                      "sync_bytes": ranks[0]["sync_bytes"], "engines": len(leaders), "memcpy_s": memcpy,
@@ -220,10 +227,12 @@ def bench_trainer(cfg: Config, quick: bool, output: Path, extra: list[str] | Non
 def _layout_name(backend: str, world: int, tensor: int, pipeline: int) -> str:
     """"megatron", "megatron TP2", "megatron DP2", "megatron TP2xPP2", "megatron DP2 distributed optimizer",
     "deepspeed ZeRO-3 DP2", ..."""
+    backend, bf16 = backend.removesuffix("-bf16"), backend.endswith("-bf16")
     data = world // (tensor * pipeline)
     parts = [f"{k}{n}" for k, n in (("TP", tensor), ("PP", pipeline), ("DP", data)) if n > 1]
     name = f"deepspeed ZeRO-{backend[-1]}" if backend.startswith("deepspeed") else backend.removesuffix("-distopt")
-    return name + (" " + "x".join(parts) if parts else "") + (" distributed optimizer" if backend.endswith("-distopt") else "")
+    return (name + (" " + "x".join(parts) if parts else "") + (" distributed optimizer" if backend.endswith("-distopt") else "")
+            + (" bf16" if bf16 else ""))
 
 
 def markdown(r: dict, command: str) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import queue
 import signal
 import threading
@@ -38,6 +39,7 @@ from transformers import LlamaConfig
 
 from fastgrpo.backends.protocols import Engine
 from fastgrpo.config import Config, DraftConfig
+from fastgrpo.device import resolve
 from fastgrpo.distributed import Channel, free_port
 from fastgrpo.draft_learning.online import OnlineDraftLearner, training_rows
 from fastgrpo.speculation.draft import DraftHead, TargetTensors
@@ -52,7 +54,8 @@ META = 7
 
 
 def _flat(named: Iterable[tuple[str, Tensor]]) -> Tensor:
-    return torch.cat([t.detach().float().reshape(-1) for _, t in named])
+    """The weights in one fp32 host tensor: the channel carries host memory."""
+    return torch.cat([t.detach().float().cpu().reshape(-1) for _, t in named])
 
 
 def _unflat(flat: Tensor, like: dict[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
@@ -116,8 +119,8 @@ def _receive_messages(channel: Channel, src: int, inbox: queue.Queue, target_cfg
 
 
 def draft_rank_main(channel: Channel, main_rank: int, target_cfg: LlamaConfig, draft_state: dict[str, Tensor],
-                    cfg: DraftConfig, seed: int, shard: int = 0, shards: int = 1) -> None:
-    """A draft rank: receive states from every engine, train, publish to its own engines (engine i is
+                    cfg: DraftConfig, seed: int, shard: int = 0, shards: int = 1, device: str = "cpu") -> None:
+    """A draft rank on `device`: receive states from every engine, train, publish to its own engines (engine i is
     draft rank i % shards's); until every engine said stop. The main engine tells the slice's first
     rank which ranks the engines are; the policy's embedding and head come with its first weight
     push, before any states. With several draft ranks (`shards`, the default process group) each
@@ -146,7 +149,7 @@ def draft_rank_main(channel: Channel, main_rank: int, target_cfg: LlamaConfig, d
     mine = engine_ranks[shard::shards]  # the engines it publishes to
     ref: list[OnlineDraftLearner] = []
     learner = OnlineDraftLearner(draft, cfg, [_Publisher(channel, mine, ref)], seed=seed,  # type: ignore[list-item]
-                                 shard=shard, shards=shards)
+                                 shard=shard, shards=shards, device=device)
     ref.append(learner)
     running, bound, ready = set(engine_ranks), False, False  # bound: it has the policy's embedding and head to train against
     held: list = []  # states that came before any target: the draft cannot score them yet
@@ -231,10 +234,10 @@ def _buffer(learner: OnlineDraftLearner, held: list) -> None:
 
 
 def _spawned_draft_rank(host: str, port: int, target_cfg: LlamaConfig, draft_state: dict[str, Tensor],
-                        cfg: DraftConfig, seed: int) -> None:
+                        cfg: DraftConfig, seed: int, device: str) -> None:
     """The draft rank of a single-process run: rank 1 of a channel of two with the training process."""
     channel = Channel(dist.TCPStore(host, port, 2, is_master=False), 1, 2)
-    draft_rank_main(channel, 0, target_cfg, draft_state, cfg, seed)
+    draft_rank_main(channel, 0, target_cfg, draft_state, cfg, seed, device=device)
 
 
 def serve_draft_slice(cfg: Config, channel: Channel) -> None:
@@ -250,8 +253,11 @@ def serve_draft_slice(cfg: Config, channel: Channel) -> None:
         torch.set_num_threads(cfg.threads)
     target_cfg = AutoConfig.from_pretrained(cfg.model.path)
     draft = DraftHead.load(draft_dir(cfg), target_cfg, cfg.model.max_context)
+    device = resolve(cfg).device
+    if device.type == "cuda":  # the slice's ranks hold GPUs of their own, as the policy's do
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     draft_rank_main(channel, 0, target_cfg, {k: v.clone() for k, v in draft.state_dict().items()}, cfg.draft, cfg.seed,
-                    shard=dist.get_rank(), shards=dist.get_world_size())
+                    shard=dist.get_rank(), shards=dist.get_world_size(), device=str(device))
 
 
 class AsyncDraftClient:
@@ -263,7 +269,7 @@ class AsyncDraftClient:
 
     def __init__(self, draft: DraftHead, cfg: DraftConfig, engines: list[Engine], seed: int = 0,
                  channel: Channel | None = None, draft_ranks: list[int] | None = None,
-                 engine_ranks: list[int] | None = None):
+                 engine_ranks: list[int] | None = None, device: str = "cpu"):
         self.engines = engines
         self.shapes = {k: v.clone() for k, v in draft.state_dict().items()}
         self.process = None
@@ -271,7 +277,7 @@ class AsyncDraftClient:
             port = free_port()
             store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
             self.process = mp.get_context("spawn").Process(target=_spawned_draft_rank, daemon=True, args=(
-                "127.0.0.1", port, draft.cfg, self.shapes, cfg, seed))
+                "127.0.0.1", port, draft.cfg, self.shapes, cfg, seed, device))
             self.process.start()
             channel = Channel(store, 0, 2)
         engine_ranks = engine_ranks or [channel.rank]

@@ -41,11 +41,12 @@ def training_rows(prompts: list[list[int]], completions: list[Completion]) -> li
 
 class OnlineDraftLearner:
     """`shard`, `shards`: this learner is rank `shard` of a data-parallel draft slice of `shards` ranks
-    (the default process group), each buffering the states of its own engines and publishing to them."""
+    (the default process group), each buffering the states of its own engines and publishing to them.
+    `device`: where the draft trains, in fp32 (its buffer stays in host memory)."""
 
     def __init__(self, draft: DraftHead, cfg: DraftConfig, engines: list[Engine], seed: int = 0,
-                 shard: int = 0, shards: int = 1):
-        self.draft = draft
+                 shard: int = 0, shards: int = 1, device: torch.device | str = "cpu"):
+        self.draft = draft.to(device)  # before its optimiser exists: Adam's state is made beside the weights
         self.cfg = cfg
         self.engines = engines
         self.shard, self.shards = shard, shards

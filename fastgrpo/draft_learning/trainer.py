@@ -28,6 +28,7 @@ class DraftTrainer:
     def __init__(self, draft: DraftHead, lr: float = 1e-3, max_tokens: int = 200_000, batch_size: int = 16,
                  seed: int = 0, data_parallel: bool = False):
         self.draft = draft
+        self.device = next(draft.parameters()).device  # where it trains: batches are moved there
         self.data_parallel = data_parallel
         self.optimizer = torch.optim.AdamW(draft.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.max_tokens = max_tokens
@@ -53,7 +54,7 @@ class DraftTrainer:
         candidates = sorted(self.rng.sample(range(len(self.buffer)), min(4 * n, len(self.buffer))),
                             key=lambda i: self.buffer[i][0].shape[0])
         start = self.rng.randrange(len(candidates) - n + 1)
-        return pad_states([self.buffer[i] for i in candidates[start: start + n]])
+        return to_device(pad_states([self.buffer[i] for i in candidates[start: start + n]]), self.device)
 
     def step(self, hidden: Tensor | None, tokens: Tensor | None, mask: Tensor | None) -> dict[str, float]:
         """One optimiser step on a batch [B, T, ...] (None: a data-parallel rank with nothing buffered);
@@ -133,7 +134,14 @@ class DraftTrainer:
 def evaluate_draft(draft: DraftHead, items: list[tuple[Tensor, Tensor, Tensor]]) -> dict[str, float]:
     """The draft's loss and top-1 on sequences (hidden, tokens, mask) it has not trained on."""
     draft.eval()
-    return draft_loss(draft, *pad_states(items))[1]
+    return draft_loss(draft, *to_device(pad_states(items), next(draft.parameters()).device))[1]
+
+
+def to_device(batch: tuple[Tensor, Tensor, Tensor], device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """A padded batch moved to where the draft trains. The online learner buffers states in host memory
+    (a GPU's memory is the rollout's), so on a GPU each step copies its one batch there, on purpose;
+    on a CPU, or for a buffer already on the device (the warm start's), nothing moves."""
+    return tuple(t.to(device, non_blocking=True) for t in batch)  # type: ignore[return-value]
 
 
 def pad_states(items: list[tuple[Tensor, Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:

@@ -243,12 +243,13 @@ def setup_run(cfg: Config, resume: bool) -> Run:
     draft_learner: DraftLearner | None = None
     if cfg.draft.online != "off" and engine is not None:
         draft = DraftHead.load(draft_dir(cfg), model_config, cfg.model.max_context)
+        device = resolve(cfg).device  # beside the engine whose states it learns from
         if cfg.draft.online == "sync":
-            draft_learner = OnlineDraftLearner(draft, cfg.draft, [engine], seed=cfg.seed)
+            draft_learner = OnlineDraftLearner(draft, cfg.draft, [engine], seed=cfg.seed, device=device)
         else:  # a draft rank of its own; the engine picks up its versions between decode steps
             draft_ranks = list(range(world.size, world.size + cfg.parallel.draft_ranks)) if channel else None
             draft_learner = AsyncDraftClient(draft, cfg.draft, [engine], cfg.seed, channel=channel,
-                                             draft_ranks=draft_ranks, engine_ranks=engine_ranks)
+                                             draft_ranks=draft_ranks, engine_ranks=engine_ranks, device=str(device))
             engine.draft_source = draft_learner.poll
     # the draft's embedding and LM head are the policy's: it gets them with every push, as engines do
     # (every policy rank takes part in a push: it gathers the shards; a rank that leads no engine drops

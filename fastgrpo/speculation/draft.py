@@ -122,7 +122,7 @@ class DraftHead(nn.Module):
     def save(self, directory: str | Path, extra: dict | None = None) -> None:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().contiguous() for k, v in self.state_dict().items()}, str(d / DRAFT_WEIGHTS))
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}, str(d / DRAFT_WEIGHTS))
         meta = {"architecture": "eagle-1-layer", "hidden_size": self.cfg.hidden_size,
                 "vocab_size": self.cfg.vocab_size} | (extra or {})
         (d / DRAFT_CONFIG).write_text(json.dumps(meta, indent=2))
