@@ -28,7 +28,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_sft(args: argparse.Namespace) -> None:
-    from fastgrpo.models.sft import build_policy
+    from fastgrpo.sft import build_policy
 
     cfg = _config(args)
     if args.if_missing and (Path(cfg.model.path) / "config.json").is_file():
@@ -38,9 +38,9 @@ def cmd_sft(args: argparse.Namespace) -> None:
 
 
 def cmd_draft_pretrain(args: argparse.Namespace) -> None:
-    from fastgrpo.backends.embedded import draft_dir
+    from fastgrpo.engines.embedded.build import draft_dir
     from fastgrpo.draft_learning.pretrain import pretrain_draft
-    from fastgrpo.speculation.draft import DRAFT_WEIGHTS
+    from fastgrpo.engines.embedded.draft import DRAFT_WEIGHTS
 
     cfg = _config(args)
     if args.if_missing and (draft_dir(cfg) / DRAFT_WEIGHTS).is_file():
@@ -52,10 +52,10 @@ def cmd_draft_pretrain(args: argparse.Namespace) -> None:
 def ensure_policy_and_draft(cfg: Config, draft: bool = True) -> None:
     """Benchmarks and speculative training build what they need: the policy (SFT), then its draft
     (unless `draft` is false: a benchmark without speculation)."""
-    from fastgrpo.backends.embedded import draft_dir
+    from fastgrpo.engines.embedded.build import draft_dir
     from fastgrpo.draft_learning.pretrain import pretrain_draft
-    from fastgrpo.models.sft import build_policy
-    from fastgrpo.speculation.draft import DRAFT_WEIGHTS
+    from fastgrpo.sft import build_policy
+    from fastgrpo.engines.embedded.draft import DRAFT_WEIGHTS
 
     if not (Path(cfg.model.path) / "config.json").is_file():
         print(f"no policy at {cfg.model.path}: building it (fastgrpo sft)")
@@ -144,7 +144,7 @@ def cmd_bench(args: argparse.Namespace) -> int | None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from fastgrpo.backends import build_engine
+    from fastgrpo.engines import build_engine
     from fastgrpo.grpo.evaluate import evaluate
     from fastgrpo.models.policy import load_policy
     from fastgrpo.models.tokenizer import load_tokenizer

@@ -26,10 +26,10 @@ SpeculationPolicyName = Literal["off", "static", "fastgrpo", "tlt", "aware", "aw
 OnlineDraft = Literal["off", "sync", "async"]
 LossAggregation = Literal["token_mean", "seq_mean"]
 EvalSplit = Literal["test", "validation"]
-TrainerBackend = Literal["torch", "megatron", "deepspeed"]  # what `backends.build_trainer` can build
-LayerSpec = Literal["auto", "local", "transformer_engine"]  # megatron layer specs `backends/megatron/model.py` builds
+TrainerBackend = Literal["torch", "megatron", "deepspeed"]  # what `trainers.build_trainer` can build
+LayerSpec = Literal["auto", "local", "transformer_engine"]  # megatron layer specs `trainers/megatron/model.py` builds
 Precision = Literal["auto", "bf16", "fp32"]
-EngineBackend = Literal["embedded", "sglang"]  # what `backends.build_engine` can build
+EngineBackend = Literal["embedded", "sglang"]  # what `engines.build_engine` can build
 Device = Literal["auto", "cpu", "cuda"]
 
 

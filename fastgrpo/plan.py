@@ -9,7 +9,7 @@ colocated step (rollout: the trainer's state stays while the engine holds its sh
 the engine has released its memory and the micro-batch's activations need room).
 
 Every memory figure is an estimate from the formula printed beside it, for the trainer as
-fastgrpo builds it (`backends/megatron`, megatron-core's own mixed precision): in fp32, 4 B of
+fastgrpo builds it (`trainers/megatron`, megatron-core's own mixed precision): in fp32, 4 B of
 weights, 4 B of gradient buffer and 8 B of Adam moments per parameter (the optimizer steps the
 weights themselves); in bf16 (`trainer.precision`), 2 B of bf16 weights, 4 B of fp32 gradient
 buffer (`grad_reduce_in_fp32`) and 12 B of fp32 main weights and Adam moments. The optimizer's part
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
 
-from fastgrpo.backends.megatron.layout import VOCAB_DIVISIBLE_BY, Layout, LayoutError, padded_vocab
+from fastgrpo.trainers.megatron.layout import VOCAB_DIVISIBLE_BY, Layout, LayoutError, padded_vocab
 from fastgrpo.config import Config, ConfigError
 
 GIB = 2**30
@@ -111,7 +111,7 @@ def parameters(s: Layout) -> int:
 
 
 def draft_parameters(s: Layout) -> int:
-    """The draft head (`speculation/draft.py`): fc [h, 2h], one decoder layer without QKV bias, a
+    """The draft head (`engines/embedded/draft.py`): fc [h, 2h], one decoder layer without QKV bias, a
     norm; the embedding and LM head are the policy's."""
     return 2 * s.hidden * s.hidden + layer_params(s, qkv_bias=False) + s.hidden
 

@@ -6,7 +6,7 @@ generators, and allocates a few bookkeeping tensors with `device="cuda"`. On a C
 those raises. The patches below give each one its CPU meaning and nothing more.
 
 Rules (DESIGN.md section 3):
-- Applied by `fastgrpo.backends.megatron` only, never at import, and only when CUDA is absent: on
+- Applied by `fastgrpo.trainers.megatron` only, never at import, and only when CUDA is absent: on
   GPUs megatron-core runs unpatched.
 - Each patch names what it replaces, why, and the megatron-core version it was written for; it
   carries a fingerprint of the source it replaces (and of the source it reaches into, where a

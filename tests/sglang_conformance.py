@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from fastgrpo.backends.sglang_engine import SGLANG_VERSION
+from fastgrpo.engines.sglang.adapter import SGLANG_VERSION
 
 # the one wheel read (sglang publishes one per CPython version and platform; their Python files agree)
 WHEEL = f"sglang-{SGLANG_VERSION}-cp311-cp311-manylinux_2_34_x86_64.whl"

@@ -22,7 +22,7 @@ def _ours(name: str) -> bool:
 
 @contextmanager
 def emulated_sglang() -> Iterator:
-    from fastgrpo.backends import sglang_engine
+    from fastgrpo.engines.sglang import adapter as sglang_engine
 
     saved = {k: sys.modules.pop(k) for k in [k for k in sys.modules if _ours(k)]}
     sys.path.insert(0, str(EMULATION))

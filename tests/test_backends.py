@@ -7,7 +7,11 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from fastgrpo.backends import BackendUnavailable, build_engine, build_trainer
+from fastgrpo.engines import build_engine
+
+from fastgrpo.protocols import BackendUnavailable
+
+from fastgrpo.trainers import build_trainer
 from fastgrpo.config import ConfigError, load_config
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.models.tokenizer import load_tokenizer
@@ -46,7 +50,7 @@ def test_the_factory_builds_a_trainer_and_engine_that_agree(tmp_path, tiny_polic
 
 def test_an_uninstalled_backend_fails_with_its_key(tmp_path, tiny_policy, monkeypatch):
     cfg = tiny_config(tmp_path, tiny_policy, **{"speculation.policy": "off", "draft.online": "off"})
-    monkeypatch.setitem(sys.modules, "fastgrpo.backends.embedded", None)  # as if its libraries were missing
+    monkeypatch.setitem(sys.modules, "fastgrpo.engines.embedded.build", None)  # as if its libraries were missing
     with pytest.raises(BackendUnavailable, match=r"engine\.backend=embedded"):
         build_engine(cfg, None, load_tokenizer(tiny_policy))
 
@@ -129,7 +133,7 @@ def test_the_engine_returns_each_tokens_sampling_set_and_the_trainer_scores_in_i
 def test_sampling_sets_fall_back_and_pad_correctly():
     """`sampling_logprobs` with sets: renormalised over exactly the given ids (token 0 included, with
     -1 padding that must not drop it); positions without a set keep the computed top-k set."""
-    from fastgrpo.engine.sampling import sampling_logprobs
+    from fastgrpo.engines.embedded.sampling import sampling_logprobs
 
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.1], [0.0, 3.0, 1.0, 2.0]])
     p = SamplingParams(temperature=1.0, top_k=2)
@@ -144,7 +148,7 @@ def test_a_rounding_error_at_the_cut_changes_a_recomputed_set_but_not_the_engine
     (a rounding error away) would keep token 2. Scored in the engine's set, the trainer's
     log-probability of the sampled token is the engine's to float rounding; recomputing the set
     changes the normaliser by the weight of a whole token."""
-    from fastgrpo.engine.sampling import kept_sets, sampling_logprobs
+    from fastgrpo.engines.embedded.sampling import kept_sets, sampling_logprobs
 
     p = SamplingParams(temperature=1.0, top_k=2)
     engine_logits = torch.tensor([[3.0, 1.0 + 1e-6, 1.0, -2.0]])

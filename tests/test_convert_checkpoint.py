@@ -107,8 +107,8 @@ def _megatron_keys(rank, world, raw):
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
     from transformers import Qwen2Config
 
-    from fastgrpo.backends.megatron.layout import Layout
-    from fastgrpo.backends.megatron.model import build_model, initialize
+    from fastgrpo.trainers.megatron.layout import Layout
+    from fastgrpo.trainers.megatron.model import build_model, initialize
 
     config = Qwen2Config.from_dict(raw)
     initialize(1, 1)
@@ -283,7 +283,7 @@ def test_export_draft_has_sglang_eagle_names_shapes_and_config(tmp_path, capsys)
     is refused unless --drop-norms."""
     from transformers import LlamaConfig
 
-    from fastgrpo.speculation.draft import DraftHead
+    from fastgrpo.engines.embedded.draft import DraftHead
     from tests.test_megatron_model import hf_model
 
     policy = hf_model("llama-tied")

@@ -15,7 +15,7 @@ pytest.importorskip("deepspeed")
 
 def a_batch(policy_dir, rows: int = 5):
     """Sequences of several lengths, scored by the policy itself (as an engine would have)."""
-    from fastgrpo.backends.torch_trainer import token_logprobs
+    from fastgrpo.trainers.torch_trainer import token_logprobs
     from fastgrpo.grpo.batch import build_batch
     from fastgrpo.models.policy import load_policy
     from fastgrpo.types import SamplingParams
@@ -32,7 +32,7 @@ def a_batch(policy_dir, rows: int = 5):
 
 
 def _one_step(rank, world, args, backend):
-    from fastgrpo.backends import build_trainer
+    from fastgrpo.trainers import build_trainer
 
     torch.manual_seed(0)
     cfg = load_config(None, args + [f"trainer.backend={backend}"])

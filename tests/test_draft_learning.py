@@ -9,11 +9,11 @@ from fastgrpo.config import DraftConfig
 from fastgrpo.draft_learning.online import OnlineDraftLearner
 from fastgrpo.draft_learning.pretrain import target_states
 from fastgrpo.draft_learning.trainer import DraftTrainer
-from fastgrpo.engine.engine import EmbeddedEngine
+from fastgrpo.engines.embedded.engine import EmbeddedEngine
 from fastgrpo.models.policy import new_policy, policy_config
-from fastgrpo.speculation.draft import DraftHead
+from fastgrpo.engines.embedded.draft import DraftHead
 from fastgrpo.speculation.policy import Static
-from fastgrpo.speculation.tree import SpecConfig
+from fastgrpo.speculation.spec import SpecConfig
 from tests.conftest import assert_same_update
 
 VOCAB = 16

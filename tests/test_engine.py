@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from fastgrpo.types import SamplingParams, Request
-from fastgrpo.backends.torch_trainer import token_logprobs
-from fastgrpo.engine.engine import EmbeddedEngine
-from fastgrpo.engine.model import InferenceModel, KVCache, onednn_available
-from fastgrpo.engine.sampling import sampling_logprobs
+from fastgrpo.trainers.torch_trainer import token_logprobs
+from fastgrpo.engines.embedded.engine import EmbeddedEngine
+from fastgrpo.engines.embedded.model import InferenceModel, KVCache, onednn_available
+from fastgrpo.engines.embedded.sampling import sampling_logprobs
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.models.policy import new_policy, policy_config
 from tests.conftest import first_divergence_is_a_near_tie
@@ -85,7 +85,7 @@ def test_a_ragged_block_computes_each_rows_own_tokens_as_a_full_forward_does(pol
 def test_engine_logprobs_equal_trainer_logprobs(policy, temperature, top_p, top_k):
     """The trainer scores the distribution the engine sampled from (top-k / top-p included), so the
     truncated importance weight pi_trainer / pi_engine is 1."""
-    from fastgrpo.backends.torch_trainer import TorchPolicyTrainer
+    from fastgrpo.trainers.torch_trainer import TorchPolicyTrainer
     from fastgrpo.config import GRPOConfig, OptimConfig
 
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=20)
@@ -264,7 +264,7 @@ def test_sampled_tokens_do_not_depend_on_the_batch(policy, sampling):
 def test_counter_based_sampling_draws_the_distribution():
     """Inverse-CDF sampling at hashed uniforms: frequencies match the distribution, and nothing
     outside the top-k / top-p set is ever drawn."""
-    from fastgrpo.engine.sampling import sample, sampling_uniforms
+    from fastgrpo.engines.embedded.sampling import sample, sampling_uniforms
 
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     n = 200_000

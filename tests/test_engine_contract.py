@@ -16,9 +16,11 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from fastgrpo.backends import BackendUnavailable, build_engine
+from fastgrpo.engines import build_engine
+
+from fastgrpo.protocols import BackendUnavailable
 from fastgrpo.bridge import WeightBridge
-from fastgrpo.engine.sampling import sampling_logprobs
+from fastgrpo.engines.embedded.sampling import sampling_logprobs
 from fastgrpo.models.policy import load_policy
 from fastgrpo.models.tokenizer import load_tokenizer
 from fastgrpo.types import Request, SamplingParams

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from fastgrpo.backends.megatron.layout import Layout, LayoutError
+from fastgrpo.trainers.megatron.layout import Layout, LayoutError
 
 LLAMA = dict(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, head_dim=8)

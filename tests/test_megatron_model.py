@@ -22,8 +22,8 @@ def hf_model(kind: str):
 
 
 def _load(kind, tp, pp):
-    from fastgrpo.backends.megatron.layout import Layout
-    from fastgrpo.backends.megatron.model import build_model, load_hf_state
+    from fastgrpo.trainers.megatron.layout import Layout
+    from fastgrpo.trainers.megatron.model import build_model, load_hf_state
 
     hf = hf_model(kind)
     layout = Layout.of(hf.config, tp, pp)
@@ -37,7 +37,7 @@ def _export_and_logits(rank, world, tp, pp, kinds, ids):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from fastgrpo.backends.megatron.model import export_hf, initialize
+    from fastgrpo.trainers.megatron.model import export_hf, initialize
 
     initialize(tp, pp)
     out = {}
@@ -83,7 +83,7 @@ def test_weights_in_and_out_are_bit_exact_and_logits_equal_hugging_faces(tmp_pat
 
 
 def _bad_layout(rank, world, tp, pp):
-    from fastgrpo.backends.megatron.model import initialize
+    from fastgrpo.trainers.megatron.model import initialize
 
     initialize(tp, pp)
 
@@ -102,8 +102,8 @@ def test_the_layer_spec_is_transformer_engines_only_where_it_is_installed():
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from fastgrpo.backends import BackendUnavailable
-    from fastgrpo.backends.megatron.model import layer_spec
+    from fastgrpo.protocols import BackendUnavailable
+    from fastgrpo.trainers.megatron.model import layer_spec
 
     if importlib.util.find_spec("transformer_engine") is not None:
         pytest.skip("Transformer Engine is installed: auto picks it")
@@ -149,7 +149,7 @@ SAMPLINGS = [dict(temperature=0.7), dict(temperature=1.0, top_p=0.9, top_k=5)]
 
 
 def _hf_logprobs_and_grads(kind, ids, sampling, weights):
-    from fastgrpo.backends.torch_trainer import token_logprobs
+    from fastgrpo.trainers.torch_trainer import token_logprobs
     from fastgrpo.grpo.batch import build_batch
 
     hf = hf_model(kind)
@@ -161,8 +161,8 @@ def _hf_logprobs_and_grads(kind, ids, sampling, weights):
 
 
 def _megatron_logprobs_and_grads(rank, world, tp, kind, ids, samplings, weights):
-    from fastgrpo.backends.megatron.logprobs import vocab_parallel_logprobs
-    from fastgrpo.backends.megatron.model import export_hf, initialize
+    from fastgrpo.trainers.megatron.logprobs import vocab_parallel_logprobs
+    from fastgrpo.trainers.megatron.model import export_hf, initialize
     from fastgrpo.types import SamplingParams
 
     initialize(tp, 1)
@@ -216,7 +216,7 @@ def _grpo_batch(trainer_logprobs):
 
 
 def _megatron_train_step(rank, world, tp, pp, policy_dir):
-    from fastgrpo.backends.megatron.trainer import MegatronPolicyTrainer
+    from fastgrpo.trainers.megatron.trainer import MegatronPolicyTrainer
     from fastgrpo.config import GRPOConfig, OptimConfig
     from fastgrpo.types import SamplingParams
 
@@ -231,7 +231,7 @@ def _megatron_train_step(rank, world, tp, pp, policy_dir):
 def torch_trainer_run(policy_dir, steps: int):
     """The torch trainer on the same batch: its per-token log-probabilities and entropy, the metrics of
     `steps` train steps, and its weights after them."""
-    from fastgrpo.backends.torch_trainer import TorchPolicyTrainer, token_logprobs
+    from fastgrpo.trainers.torch_trainer import TorchPolicyTrainer, token_logprobs
     from fastgrpo.config import GRPOConfig, OptimConfig
     from fastgrpo.models.policy import load_policy
     from fastgrpo.types import SamplingParams
@@ -333,7 +333,7 @@ def test_fastgrpo_train_on_the_megatron_backend_matches_torch_and_resumes_exactl
 def test_bench_trainer_times_the_torch_and_megatron_steps(tmp_path, tiny_policy):
     import json
 
-    from fastgrpo.backends.megatron.layout import Layout
+    from fastgrpo.trainers.megatron.layout import Layout
     from fastgrpo.bench.trainer import bench_trainer
     from fastgrpo.models.policy import load_policy
     from fastgrpo.plan import parameters

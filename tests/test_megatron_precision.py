@@ -18,7 +18,7 @@ KEYS = ("loss", "grad_norm", "clip_fraction", "entropy", "kl_ref", "kl_engine_tr
 
 
 def _trainer(policy_dir, tp=1, pp=1, distributed_optimizer=False, dtype=torch.float32):
-    from fastgrpo.backends.megatron.trainer import MegatronPolicyTrainer
+    from fastgrpo.trainers.megatron.trainer import MegatronPolicyTrainer
     from fastgrpo.config import GRPOConfig, OptimConfig
     from fastgrpo.device import Compute
     from fastgrpo.types import SamplingParams
@@ -83,7 +83,7 @@ def _save_resume_and_refuse(rank, world, policy_dir, tmp):
     trainer, and at TP2 (all before reading any tensor)."""
     from megatron.core import parallel_state
 
-    from fastgrpo.backends.megatron.layout import LayoutError
+    from fastgrpo.trainers.megatron.layout import LayoutError
 
     a = _trainer(policy_dir, distributed_optimizer=True)
     batch = _grpo_batch(a.logprobs)

@@ -37,7 +37,7 @@ def _full_logits(trainer, ids):
 
 
 def _new_trainer(policy_dir, tp, pp):
-    from fastgrpo.backends.megatron.trainer import MegatronPolicyTrainer
+    from fastgrpo.trainers.megatron.trainer import MegatronPolicyTrainer
     from fastgrpo.config import GRPOConfig, OptimConfig
     from fastgrpo.types import SamplingParams
 
@@ -131,7 +131,7 @@ def test_a_checkpoint_reshards_and_resumes_bit_for_bit(tp2pp2, tmp_path):
 
 
 def _load_into(rank, world, policy_dir, checkpoint):
-    from fastgrpo.backends.megatron.layout import LayoutError
+    from fastgrpo.trainers.megatron.layout import LayoutError
 
     trainer = _new_trainer(policy_dir, 1, 1)
     try:
@@ -155,7 +155,7 @@ def _train_with_and_without_recompute(rank, world, policy_dir):
     """TP2 with `recompute`: the usual scores, metrics and weights; and, with and without recompute,
     how the first layer's training-mode forward ran during two train steps (by whether autograd
     recorded it)."""
-    from fastgrpo.backends.megatron.trainer import MegatronPolicyTrainer
+    from fastgrpo.trainers.megatron.trainer import MegatronPolicyTrainer
     from fastgrpo.config import GRPOConfig, OptimConfig
     from fastgrpo.types import SamplingParams
 

@@ -9,7 +9,7 @@ import torch
 
 from fastgrpo.cli import main
 from fastgrpo.config import load_config
-from fastgrpo.backends.megatron.layout import Layout
+from fastgrpo.trainers.megatron.layout import Layout
 from fastgrpo.plan import coordinates, draft_parameters, make_plan, model_config, parameters
 
 CONFIGS = sorted(Path("configs").glob("*.yaml"))
@@ -105,7 +105,7 @@ def test_parameter_counts_are_the_models(name):
     """The counts the memory terms use, against the model built on the meta device (no memory)."""
     from transformers import AutoModelForCausalLM
 
-    from fastgrpo.speculation.draft import DraftHead
+    from fastgrpo.engines.embedded.draft import DraftHead
 
     cfg = load_config("configs/tiny_cpu.yaml", [f"model.architecture=configs/models/{name}.json"])
     config, _ = model_config(cfg)

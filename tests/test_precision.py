@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from fastgrpo.backends.torch_trainer import TorchPolicyTrainer
+from fastgrpo.trainers.torch_trainer import TorchPolicyTrainer
 from fastgrpo.config import ConfigError, GRPOConfig, OptimConfig, load_config
 from fastgrpo.device import Compute, cpu_has_bf16, resolve
-from fastgrpo.engine.engine import EmbeddedEngine
+from fastgrpo.engines.embedded.engine import EmbeddedEngine
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.models.policy import load_policy
 from fastgrpo.types import Request, SamplingParams

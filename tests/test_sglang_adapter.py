@@ -13,15 +13,15 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from fastgrpo.backends import build_engine
-from fastgrpo.backends.sglang_engine import (
+from fastgrpo.engines import build_engine
+from fastgrpo.engines.sglang.adapter import (
     SGLANG_MASK_CAP, TIE_HEADROOM, adaptive_tiers, check_sampling, completion, eagle_reservation,
     engine_dtype, fill_prefixes, sampling_mask_cap, server_args)
 from fastgrpo.bridge import WeightBridge
 from fastgrpo.config import load_config
 from fastgrpo.models.policy import load_policy
 from fastgrpo.models.tokenizer import load_tokenizer
-from fastgrpo.speculation.draft import sglang_eagle_config
+from fastgrpo.engines.embedded.draft import sglang_eagle_config
 from fastgrpo.speculation.policy import FastGRPOFormula
 from fastgrpo.types import Request, SamplingParams
 from tests.conftest import tiny_config

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from fastgrpo.backends import sglang_engine
-from fastgrpo.backends.sglang_engine import SGLANG_VERSION, sampling_params, server_args
+from fastgrpo.engines.sglang import adapter as sglang_engine
+from fastgrpo.engines.sglang.adapter import SGLANG_VERSION, sampling_params, server_args
 from fastgrpo.config import load_config
 from fastgrpo.types import Request, SamplingParams
 from tests import sglang_conformance as conformance
@@ -321,7 +321,7 @@ def test_the_plugin_reaches_what_sglang_loads_and_calls(src):
     assert ast.literal_eval(plugins.defs["GENERAL_PLUGINS_GROUP"].value) == "sglang.srt.plugins"
     assert "allowed_str = envs.SGLANG_PLUGINS.get()" in plugins.path.read_text()
     pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
-    assert '[project.entry-points."sglang.srt.plugins"]\nfastgrpo = "fastgrpo.backends.sglang_plugin:register"' in pyproject
+    assert '[project.entry-points."sglang.srt.plugins"]\nfastgrpo = "fastgrpo.engines.sglang.plugin:register"' in pyproject
     run = _source_of(src, "sglang.srt.managers.scheduler", "run_scheduler_process")
     assert run.index("load_plugins()") < run.index("Scheduler(")
     rpc = src.class_named("sglang.srt.entrypoints.engine.Engine").method("collective_rpc")

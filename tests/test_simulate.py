@@ -11,15 +11,15 @@ import pytest
 from fastgrpo.bench.simulate import (CONTEXT, SWEEP, AcceptanceProfile, CpuCosts, DraftConfidence, Recorder,
                                      SimRequest, Workload, eagle_profile, fit_acceptance, price_engine_run,
                                      replay_steps, sim_policies, simulate, whole_tree_acceptance)
-from fastgrpo.engine.engine import EmbeddedEngine
+from fastgrpo.engines.embedded.engine import EmbeddedEngine
 from fastgrpo.speculation.roofline import H100, LLAMA3_8B, Roofline, simulated_cost_model
 from fastgrpo.models.policy import new_policy, policy_config
 from fastgrpo.speculation.cost_model import CostModel
-from fastgrpo.speculation.draft import DraftHead
+from fastgrpo.engines.embedded.draft import DraftHead
 from fastgrpo.speculation.per_sequence import AwarePerSequence
 from fastgrpo.speculation.policy import Aware, Off, Static
 from fastgrpo.speculation.tlt import TLT
-from fastgrpo.speculation.tree import SpecConfig
+from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.types import Request, SamplingParams
 
 VOCAB = 8
@@ -264,7 +264,7 @@ def test_validation_runs_end_to_end_on_an_engine():
     """The cpu profile is measured on an engine and the simulator predicts every case (no accuracy
     claim for a random test-size model on a busy machine: the bench reports the errors)."""
     from fastgrpo.bench.simulate import STATIC_SWEEP, CpuProfiler, validate
-    from fastgrpo.speculation.cost_model import calibrate
+    from fastgrpo.engines.embedded.calibrate import calibrate
 
     cfg = policy_config("test", VOCAB, 64, bos_id=1, eos_id=VOCAB + 1, pad_id=0)
     engine = EmbeddedEngine(cfg, 8, 64, eos_id=VOCAB + 1, pad_id=0)

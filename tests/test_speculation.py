@@ -8,20 +8,21 @@ import pytest
 import torch
 
 from fastgrpo.types import SamplingParams, Request
-from fastgrpo.backends.torch_trainer import token_logprobs
+from fastgrpo.trainers.torch_trainer import token_logprobs
 from fastgrpo.draft_learning.pretrain import target_states
 from fastgrpo.draft_learning.trainer import DraftTrainer
-from fastgrpo.engine.engine import EmbeddedEngine
-from fastgrpo.engine.model import KVCache, block_mask, cache_kv
-from fastgrpo.engine.sampling import sampling_logprobs
+from fastgrpo.engines.embedded.engine import EmbeddedEngine
+from fastgrpo.engines.embedded.model import KVCache, block_mask, cache_kv
+from fastgrpo.engines.embedded.sampling import sampling_logprobs
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.models.policy import new_policy, policy_config
-from fastgrpo.speculation.draft import DraftHead
-from fastgrpo.speculation.cost_model import CostModel, load_or_calibrate
+from fastgrpo.engines.embedded.draft import DraftHead
+from fastgrpo.engines.embedded.calibrate import load_or_calibrate
+from fastgrpo.speculation.cost_model import CostModel
 from fastgrpo.speculation.per_sequence import AwarePerSequence
 from fastgrpo.speculation.policy import Aware, FastGRPOFormula, Static, context_level
 from fastgrpo.speculation.tlt import TLT
-from fastgrpo.speculation.tree import SpecConfig
+from fastgrpo.speculation.spec import SpecConfig
 from tests.conftest import first_divergence_is_a_near_tie
 
 VOCAB = 8
@@ -113,7 +114,7 @@ def record_verify_steps(engine, monkeypatch) -> dict:
     its tree node, the node is a leaf, the step's config, an earlier step of this sequence accepted a
     path so its KV cache had been rewritten). The engine's stats only give means, so this wraps its
     verify_tree and _speculate."""
-    import fastgrpo.engine.engine as engine_module
+    import fastgrpo.engines.embedded.engine as engine_module
 
     where, last, rewritten = {}, [], set()
     verify = engine_module.verify_tree
@@ -351,7 +352,7 @@ def test_a_draft_swapped_in_mid_rollout_catches_up_instead_of_reading_the_old_dr
     """A new draft version installed between decode steps starts from the rows' target states, not from
     the cache the previous version wrote: its first prediction equals a fresh forward of the new draft
     over each row's whole history (captured from the same rollout)."""
-    import fastgrpo.engine.engine as engine_module
+    import fastgrpo.engines.embedded.engine as engine_module
 
     cfg, target, poor_draft = small_vocab
     reqs = [Request(p, max_new_tokens=30) for p in (PROMPT, [1, 2], [1, 5, 5, 6, 7])]
@@ -391,7 +392,7 @@ def test_the_draft_sees_every_state_of_plain_steps_prefills_and_retired_rows(sma
     """Plain steps hand their target states to the draft lazily (written when rows change or the draft
     needs them): at every speculative step, in a batch where rows finish, move and are refilled by a
     later prefill, each row's draft prediction equals a fresh forward over that request's history."""
-    import fastgrpo.engine.engine as engine_module
+    import fastgrpo.engines.embedded.engine as engine_module
 
     cfg, target, _ = small_vocab
     prompts = [PROMPT, [1, 2], [1, 5, 5, 6, 7], [1, 6], [1, 4, 4], [1, 7, 2, 3]]

@@ -66,7 +66,7 @@ def test_eval_command_on_a_checkpoint(tmp_path, tiny_policy, capsys):
     assert main(["eval", *cfg_args]) == 0
     out = json.loads(capsys.readouterr().out)
     # the command reports what evaluate() gives on that policy with the run's sampling, seed and split
-    from fastgrpo.backends import build_engine
+    from fastgrpo.engines import build_engine
     from fastgrpo.config import load_config
     from fastgrpo.grpo.evaluate import evaluate
     from fastgrpo.models.policy import load_policy
@@ -189,7 +189,7 @@ def test_same_seed_same_run_and_speculation_does_not_change_learning(tmp_path, t
 
 def test_sft_is_the_same_policy_bit_for_bit(tmp_path, tiny_policy):
     """SFT runs a fixed number of steps (no clock): building the policy again gives the same weights."""
-    from fastgrpo.models.sft import build_policy
+    from fastgrpo.sft import build_policy
 
     cfg = tiny_config(tmp_path)
     report = build_policy(cfg)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fastgrpo.backends.torch_trainer import TorchPolicyTrainer
+from fastgrpo.trainers.torch_trainer import TorchPolicyTrainer
 from fastgrpo.config import GRPOConfig, OptimConfig
 from fastgrpo.types import SamplingParams
 from fastgrpo.grpo.batch import build_batch

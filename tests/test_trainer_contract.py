@@ -41,7 +41,7 @@ def _batch(policy_dir: Path):
 
 def _contract(rank, world, backend, policy_dir, tmp):
     """Runs in the backend's world: everything the checks below compare."""
-    from fastgrpo.backends import build_trainer
+    from fastgrpo.trainers import build_trainer
 
     overrides = {"trainer.backend": backend, "grpo.epochs": 2, "grpo.minibatches": 2, "grpo.tis_cap": 1.5,
                  "grpo.micro_batch_size": 8, "optim.lr": LR, "optim.grad_clip": 1.0, "threads": 1}

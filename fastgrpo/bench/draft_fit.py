@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from fastgrpo.backends.embedded import build_engine, draft_dir
+from fastgrpo.engines.embedded.build import build_engine, draft_dir
 from fastgrpo.types import SamplingParams, Request
 from fastgrpo.bench.report import command_line, publish
 from fastgrpo.bench.rollout import timed_generate
@@ -27,9 +27,9 @@ from fastgrpo.draft_learning.online import OnlineDraftLearner, training_rows
 from fastgrpo.draft_learning.trainer import evaluate_draft
 from fastgrpo.models.policy import load_policy
 from fastgrpo.models.tokenizer import load_tokenizer
-from fastgrpo.speculation.draft import DRAFT_WEIGHTS, DraftHead
+from fastgrpo.engines.embedded.draft import DRAFT_WEIGHTS, DraftHead
 from fastgrpo.speculation.policy import Static
-from fastgrpo.speculation.tree import SpecConfig
+from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.tasks.source import encode_problems, load_task
 
 TREES = (SpecConfig(4, 4, 12), SpecConfig(2, 2, 4))

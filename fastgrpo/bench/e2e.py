@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from fastgrpo.backends.embedded import draft_dir
+from fastgrpo.engines.embedded.build import draft_dir
 from fastgrpo.bench.draft_fit import TREES, fit_drafts
 from fastgrpo.bench.draft_fit import markdown as fit_markdown
 from fastgrpo.bench.report import command_line, publish

@@ -35,7 +35,7 @@ def _rank(rank: int, world: int, cfg: Config, repetitions: int) -> dict:
     import torch.distributed as dist
     from transformers import AutoConfig
 
-    from fastgrpo.backends import build_engine
+    from fastgrpo.engines import build_engine
     from fastgrpo.models.policy import load_policy
     from fastgrpo.models.tokenizer import load_tokenizer
     from fastgrpo.tasks.source import PromptSource, encode_problems, load_task

@@ -280,7 +280,7 @@ def environment(c: Check) -> dict:
 
 
 def sft(c: Check) -> dict:
-    from fastgrpo.models.sft import build_policy
+    from fastgrpo.sft import build_policy
 
     report = build_policy(c.cfg)
     s = c.cfg.sft
@@ -301,12 +301,12 @@ def online_round(c: Check, sequences: int = 64, budget_s: float = 5.0) -> dict:
     device for `budget_s` seconds (a round's budget, as a run's share of a step), then published."""
     import torch
 
-    from fastgrpo.backends.embedded import draft_dir
+    from fastgrpo.engines.embedded.build import draft_dir
     from fastgrpo.device import resolve
     from fastgrpo.draft_learning.online import OnlineDraftLearner
     from fastgrpo.draft_learning.pretrain import target_states
     from fastgrpo.models.tokenizer import encode_prompt, encode_response
-    from fastgrpo.speculation.draft import DraftHead
+    from fastgrpo.engines.embedded.draft import DraftHead
     from fastgrpo.tasks.source import load_task
 
     compute = resolve(c.cfg)
@@ -340,7 +340,7 @@ def train_step(c: Check) -> dict:
     in the run's precision; then a second step each, timed warm."""
     import torch
 
-    from fastgrpo.backends.torch_trainer import TorchPolicyTrainer
+    from fastgrpo.trainers.torch_trainer import TorchPolicyTrainer
     from fastgrpo.bench.trainer import _batch
     from fastgrpo.models.policy import load_policy
     from fastgrpo.types import SamplingParams
@@ -359,7 +359,7 @@ def train_step(c: Check) -> dict:
     _log(f"torch trainer: first step {out['torch_first_step_s']:.2f}s, warm step {out['torch_step_s']:.2f}s, "
          f"loss {torch_first['loss']:.4g}, grad norm {torch_first['grad_norm']:.4g}")
 
-    from fastgrpo.backends.megatron.trainer import MegatronPolicyTrainer
+    from fastgrpo.trainers.megatron.trainer import MegatronPolicyTrainer
 
     mt, out["megatron_build_s"] = _timed(lambda: MegatronPolicyTrainer(
         cfg.model.path, cfg.grpo, cfg.optim, sampling, tensor=1, pipeline=1, seed=cfg.seed,
@@ -394,8 +394,8 @@ def weight_push(c: Check) -> dict:
     import torch
     from transformers import AutoConfig
 
-    from fastgrpo.backends import build_engine
-    from fastgrpo.backends.torch_trainer import TorchPolicyTrainer
+    from fastgrpo.engines import build_engine
+    from fastgrpo.trainers.torch_trainer import TorchPolicyTrainer
     from fastgrpo.bridge import WeightBridge, checksum
     from fastgrpo.models.policy import load_policy
     from fastgrpo.models.tokenizer import load_tokenizer
@@ -492,7 +492,7 @@ def _matmul_chain(model, B: int, device, graph: bool) -> float:
     replayed from a CUDA graph (no launch gaps); on a CPU by the clock."""
     import torch
 
-    from fastgrpo.engine.model import MATRICES
+    from fastgrpo.engines.embedded.model import MATRICES
 
     weights = [L[k] for L in model.layers for k in MATRICES] + [model.lm_head]
     inputs = {w.shape[1]: torch.randn(B, w.shape[1], device=device, dtype=w.dtype) for w in weights}
@@ -541,7 +541,7 @@ def decode_bound(c: Check) -> dict:
     step reads once + the KV cache rows it attends over), and launch overhead = operations x that cost."""
     import torch
 
-    from fastgrpo.backends import build_engine
+    from fastgrpo.engines import build_engine
     from fastgrpo.bench.rollout import WARMUP_STEPS, timed_generate
     from fastgrpo.types import Request, SamplingParams
 
@@ -624,7 +624,7 @@ def decode_bound(c: Check) -> dict:
 def rollout(c: Check) -> dict:
     """`bench rollout`'s sweep and GRPO batch (its own functions), with every speculation mode and up to
     256 running sequences, on the run's device; aware's cost model is calibrated here first (timed)."""
-    from fastgrpo.backends.embedded import build_engine, speculation_policy
+    from fastgrpo.engines.embedded.build import build_engine, speculation_policy
     from fastgrpo.bench.rollout import STATIC_SWEEP, concurrency_sweep, grpo_batch
 
     cfg, size = c.cfg, c.size

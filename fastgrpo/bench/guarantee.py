@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from fastgrpo.backends.embedded import build_engine, speculation_policy
+from fastgrpo.engines.embedded.build import build_engine, speculation_policy
 from fastgrpo.bench.report import command_line, publish
 from fastgrpo.bench.rollout import hf_generate_seconds, rotated, timed_generate
 from fastgrpo.config import Config

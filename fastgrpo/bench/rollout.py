@@ -17,15 +17,15 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from fastgrpo.backends.embedded import build_engine, speculation_policy
+from fastgrpo.engines.embedded.build import build_engine, speculation_policy
 from fastgrpo.types import SamplingParams, Request
 from fastgrpo.bench.report import command_line, publish
 from fastgrpo.config import Config
-from fastgrpo.engine.engine import EmbeddedEngine
+from fastgrpo.engines.embedded.engine import EmbeddedEngine
 from fastgrpo.models.policy import load_policy, num_parameters
 from fastgrpo.models.tokenizer import load_tokenizer
 from fastgrpo.speculation.policy import Static
-from fastgrpo.speculation.tree import SpecConfig
+from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.tasks.source import encode_problems, load_task
 
 MODES = ("off", "static", "fastgrpo", "aware", "aware_per_sequence")

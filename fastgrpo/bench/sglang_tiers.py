@@ -33,7 +33,7 @@ from fastgrpo.speculation.policy import Aware, Off, SpeculationPolicy, Static
 from fastgrpo.speculation.roofline import H100, LLAMA3_8B, Roofline, simulated_cost_model
 from fastgrpo.speculation.sglang_tiers import (MAX_STEPS, AwareTiers, SGLangAdaptive, chain, pad,
                                                plain_capture_sizes, spec_capture_sizes)
-from fastgrpo.speculation.tree import SpecConfig
+from fastgrpo.speculation.spec import SpecConfig
 
 MAX_RUNNING = 128  # bench simulate's GPU_MAX_BATCH: SGLang's max_running_requests here
 # the width gain of a tree over a chain (AcceptanceProfile.beta) as our draft's fit in bench simulate's

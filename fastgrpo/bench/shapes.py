@@ -17,10 +17,10 @@ from transformers import LlamaConfig
 
 from fastgrpo.bench.report import command_line, publish
 from fastgrpo.config import Config
-from fastgrpo.engine.model import InferenceModel
+from fastgrpo.engines.embedded.model import InferenceModel
 from fastgrpo.models.policy import load_policy, new_policy, num_parameters
-from fastgrpo.speculation.cost_model import calibrate
-from fastgrpo.speculation.draft import DraftHead
+from fastgrpo.engines.embedded.calibrate import calibrate
+from fastgrpo.engines.embedded.draft import DraftHead
 
 DEPTHS = (1, 2, 3, 4)  # multiples of the configured policy's layer count
 TREE = (4, 4, 12)  # the reference tree step: depth, top-k, tokens verified

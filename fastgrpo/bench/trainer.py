@@ -103,20 +103,20 @@ def _rank(rank: int, world: int, backend: str, tensor: int, pipeline: int, cfg: 
     backend, bf16 = backend.removesuffix("-bf16"), backend.endswith("-bf16")
     compute = Compute(torch.device("cpu"), torch.bfloat16 if bf16 else torch.float32)
     if backend == "torch":
-        from fastgrpo.backends.torch_trainer import TorchPolicyTrainer
+        from fastgrpo.trainers.torch_trainer import TorchPolicyTrainer
         from fastgrpo.models.policy import load_policy
 
         trainer = TorchPolicyTrainer(load_policy(cfg.model.path), cfg.grpo, cfg.optim, sampling, compute=compute)
         vocab = trainer.model.config.vocab_size
     elif backend.startswith("deepspeed"):
-        from fastgrpo.backends.deepspeed_trainer import DeepSpeedPolicyTrainer
+        from fastgrpo.trainers.deepspeed_trainer import DeepSpeedPolicyTrainer
         from fastgrpo.config import DeepSpeedConfig
 
         trainer = DeepSpeedPolicyTrainer(cfg.model.path, cfg.grpo, cfg.optim, sampling,
                                          DeepSpeedConfig(zero_stage=int(backend[-1])), compute=compute)
         vocab = trainer.hf_config.vocab_size
     else:
-        from fastgrpo.backends.megatron.trainer import MegatronPolicyTrainer
+        from fastgrpo.trainers.megatron.trainer import MegatronPolicyTrainer
 
         trainer = MegatronPolicyTrainer(cfg.model.path, cfg.grpo, cfg.optim, sampling, tensor=tensor, pipeline=pipeline,
                                         seed=cfg.seed, distributed_optimizer=backend == "megatron-distopt",
@@ -164,7 +164,7 @@ def _time_push(trainer, cfg: Config, reps: int) -> dict:
     gathers), and on a leading rank the memcpy bound of the same bytes."""
     from transformers import AutoConfig
 
-    from fastgrpo.backends import build_engine
+    from fastgrpo.engines import build_engine
     from fastgrpo.bridge import WeightBridge
     from fastgrpo.models.tokenizer import load_tokenizer
 

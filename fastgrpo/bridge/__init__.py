@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fastgrpo.backends.protocols import WeightConsumer
+from fastgrpo.protocols import WeightConsumer
 
 
 def checksum(t: Tensor) -> int:

@@ -4,7 +4,7 @@ verify, inspect, and the draft head exported for SGLang.
     python tools/convert_checkpoint.py SUBCOMMAND --help     (or: python -m fastgrpo.conversion ...)
 
 Why it looks the way it does:
-- One name/layout mapping: every tensor goes through `fastgrpo.backends.megatron.layout.Layout`, the
+- One name/layout mapping: every tensor goes through `fastgrpo.trainers.megatron.layout.Layout`, the
   one the Megatron trainer loads and exports with; nothing here knows a parameter name of its own.
 - Streaming: a 70B model never fits a login node's memory, so tensors are read and written one
   Megatron parameter at a time (the Hugging Face tensors it is made of, the full tensor, one rank's

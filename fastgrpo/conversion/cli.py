@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from fastgrpo.backends.megatron.layout import LayoutError
+from fastgrpo.trainers.megatron.layout import LayoutError
 from fastgrpo.conversion.files import ConversionError, DTYPES, parse_size
 from fastgrpo.conversion.sources import layout_of, load_config, open_checkpoint
 from fastgrpo.conversion.writers import dry_run, write_hf, write_megatron

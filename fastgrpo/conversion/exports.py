@@ -14,11 +14,11 @@ from fastgrpo.conversion.writers import _cast, _copy_non_weights
 
 
 def export_draft(draft: Path, policy: Path, out: Path, drop_norms: bool = False) -> dict:
-    """Our draft head (fastgrpo/speculation/draft.py) as SGLang's EAGLE Llama draft model
+    """Our draft head (fastgrpo/engines/embedded/draft.py) as SGLang's EAGLE Llama draft model
     (`sglang_eagle_tensors`: the names, and the norms SGLang's class has no place for). A draft whose
     norms would be dropped computes another function there: refused unless `drop_norms` (SGLang's
     verification keeps sampling lossless; acceptance may drop)."""
-    from fastgrpo.speculation.draft import (DRAFT_CONFIG, DRAFT_WEIGHTS, SGLANG_EAGLE_ARCHITECTURE, sglang_eagle_config,
+    from fastgrpo.engines.embedded.draft import (DRAFT_CONFIG, DRAFT_WEIGHTS, SGLANG_EAGLE_ARCHITECTURE, sglang_eagle_config,
                                             sglang_eagle_tensors)
 
     draft, policy = Path(draft), Path(policy)
@@ -58,7 +58,7 @@ def deepspeed_to_hf(checkpoint: Path, out: Path, max_shard: int, dtype: torch.dt
     Hugging Face directory, consolidated by DeepSpeed's own `zero_to_fp32` (which holds the whole fp32
     model in memory: a tool for one machine with enough of it); config and tokenizer from the
     checkpoint's `policy/`."""
-    from fastgrpo.backends.deepspeed_trainer import CHECKPOINT_TAG
+    from fastgrpo.trainers.deepspeed_trainer import CHECKPOINT_TAG
 
     checkpoint = Path(checkpoint)
     ds_dir, policy = checkpoint / "deepspeed", checkpoint / "policy"

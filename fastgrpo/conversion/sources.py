@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from fastgrpo.backends.megatron.layout import Layout, LayoutError
+from fastgrpo.trainers.megatron.layout import Layout, LayoutError
 from fastgrpo.conversion.files import Checker, ConversionError, INDEX, ST_DTYPES, read_manifest, read_safetensor, read_safetensors_header
 
 
@@ -158,7 +158,7 @@ class MegatronSource:
         self.config = load_config(hf)
         saved = self.info["saved_at"]
         self.layout = layout_of(self.config, saved["tensor"], saved["pipeline"])
-        from fastgrpo.backends.megatron.trainer import checkpoint_identity
+        from fastgrpo.trainers.megatron.trainer import checkpoint_identity
 
         identity = checkpoint_identity(self.config, self.layout)
         if self.info["model"] != identity:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from fastgrpo.backends.megatron.layout import Layout
+from fastgrpo.trainers.megatron.layout import Layout
 from fastgrpo.conversion.files import ConversionError, DTYPES, HF_NON_WEIGHT, LINEAR_EXTRA_STATE, SafetensorsWriter, _dtype_name, atomic_dir, checksum, write_manifest
 from fastgrpo.conversion.sources import keys_map, layout_of
 
@@ -70,7 +70,7 @@ def write_megatron(source, out: Path, layout: Layout, dtype: torch.dtype | None 
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-    from fastgrpo.backends.megatron.trainer import checkpoint_identity
+    from fastgrpo.trainers.megatron.trainer import checkpoint_identity
 
     plan = megatron_plan(source, layout, dtype)
     items, owner = [], {}

@@ -37,12 +37,12 @@ import torch.multiprocessing as mp
 from torch import Tensor
 from transformers import LlamaConfig
 
-from fastgrpo.backends.protocols import Engine
+from fastgrpo.protocols import Engine
 from fastgrpo.config import Config, DraftConfig
 from fastgrpo.device import resolve
 from fastgrpo.distributed import Channel, free_port
 from fastgrpo.draft_learning.online import OnlineDraftLearner, training_rows
-from fastgrpo.speculation.draft import DraftHead, TargetTensors
+from fastgrpo.engines.embedded.draft import DraftHead, TargetTensors
 from fastgrpo.types import Completion
 
 log = logging.getLogger(__name__)
@@ -246,7 +246,7 @@ def serve_draft_slice(cfg: Config, channel: Channel) -> None:
     checkpoint (this rank saves the draft when asked) and then tell it to stop."""
     from transformers import AutoConfig
 
-    from fastgrpo.backends.embedded import draft_dir
+    from fastgrpo.engines.embedded.build import draft_dir
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if cfg.threads:

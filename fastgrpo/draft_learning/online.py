@@ -17,11 +17,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from fastgrpo.backends.protocols import Engine
+from fastgrpo.protocols import Engine
 from fastgrpo.types import Completion
 from fastgrpo.config import DraftConfig
 from fastgrpo.draft_learning.trainer import DraftTrainer, evaluate_draft
-from fastgrpo.speculation.draft import DraftHead, TargetTensors
+from fastgrpo.engines.embedded.draft import DraftHead, TargetTensors
 
 
 def training_rows(prompts: list[list[int]], completions: list[Completion]) -> list[tuple[Tensor, Tensor, Tensor]]:

@@ -14,13 +14,13 @@ import warnings
 import torch
 from tqdm import tqdm
 
-from fastgrpo.backends.embedded import draft_dir
+from fastgrpo.engines.embedded.build import draft_dir
 from fastgrpo.config import Config
 from fastgrpo.device import resolve
 from fastgrpo.draft_learning.trainer import DraftTrainer
 from fastgrpo.models.policy import load_policy
 from fastgrpo.models.tokenizer import encode_prompt, encode_response, load_tokenizer
-from fastgrpo.speculation.draft import DraftHead, draft_loss
+from fastgrpo.engines.embedded.draft import DraftHead, draft_loss
 from fastgrpo.tasks.source import load_task
 
 

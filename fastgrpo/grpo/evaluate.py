@@ -11,7 +11,7 @@ import math
 
 from transformers import PreTrainedTokenizerBase
 
-from fastgrpo.backends.protocols import Engine
+from fastgrpo.protocols import Engine
 from fastgrpo.types import SamplingParams, Request
 from fastgrpo.models.tokenizer import decode_response
 from fastgrpo.tasks.rewards import score

@@ -26,9 +26,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
-from fastgrpo.backends import build_engine, build_trainer
-from fastgrpo.backends.embedded import draft_dir
-from fastgrpo.backends.protocols import DraftLearner, Engine, PolicyTrainer
+from fastgrpo.engines import build_engine
+
+from fastgrpo.trainers import build_trainer
+from fastgrpo.engines.embedded.build import draft_dir
+from fastgrpo.protocols import DraftLearner, Engine, PolicyTrainer
 from fastgrpo.bridge import WeightBridge
 from fastgrpo.checkpoint import CheckpointManager
 from fastgrpo.config import Config, ConfigError, flatten, to_yaml
@@ -40,7 +42,7 @@ from fastgrpo.grpo.advantages import group_advantages, informative_groups
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.grpo.evaluate import evaluate
 from fastgrpo.models.tokenizer import decode_response, load_tokenizer
-from fastgrpo.speculation.draft import DraftHead
+from fastgrpo.engines.embedded.draft import DraftHead
 from fastgrpo.tasks.rewards import score, step_credit
 from fastgrpo.tasks.source import EncodedProblem, PromptSource, encode_problems, load_task
 from fastgrpo.tracking import Tracker, default_tracking_uri

@@ -1,9 +1,11 @@
 """A cost model of this machine: forward latency against tokens per forward, measured, not assumed.
 
-A short calibration sweep times the target and the draft at a range of tokens per forward (the
-curve is flat while the hardware is memory-bound, then linear once it is compute-bound). The
-sweep's point of t tokens holds min(t, 64) sequences of one token each (a plain step's shape) over
-CONTEXT cached tokens each. Two things a step pays beyond that point are measured too:
+The curve is measured by a short calibration sweep of the target and the draft at a range of
+tokens per forward (the embedded engine's is `fastgrpo/engines/embedded/calibrate.py`; a GPU's
+roofline, `roofline.py`, stands in where nothing is measured): flat while the hardware is
+memory-bound, then linear once it is compute-bound. The sweep's point of t tokens holds
+min(t, 64) sequences of one token each (a plain step's shape) over CONTEXT cached tokens each. Two
+things a step pays beyond that point are priced too:
 - context: each sequence reads its own cached keys and values, and each new token attends over them.
   Two shapes of 64 tokens (64 rows of one, 4 rows of 16) timed over CONTEXT and CONTEXT + 256 cached
   tokens separate the two rates (per row x cached token, per new token x cached token), so
@@ -16,25 +18,16 @@ CONTEXT cached tokens each. Two things a step pays beyond that point are measure
   prices a forward of fewer rows that much lower.
   `aware` does not use it: its calibration lacks a speculative step's fixed work, for which the
   over-priced verify stands in (BENCHMARKS.md section 2).
-The curve is cached per (model shape, threads, torch version) so later runs skip the sweep, and the
-engine corrects it online from real step timings.
+The engine corrects the curve online from real step timings.
 """
 
 from __future__ import annotations
 
 import bisect
-import json
-import logging
-import time
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from fastgrpo.engine.model import InferenceModel, KVCache, block_mask, cache_kv
-from fastgrpo.speculation.draft import DraftHead
-
-log = logging.getLogger(__name__)
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 CONTEXT = 128  # typical cached length during the sweep
 ROWS = 64  # the sweep's point of t tokens holds min(t, ROWS) sequences
@@ -160,95 +153,3 @@ class CostModel:
     def from_json(cls, d: dict) -> CostModel:
         return cls({int(k): v for k, v in d["target_s"].items()}, {int(k): v for k, v in d["draft_s"].items()},
                    d.get("target_row_s", 0.0), d.get("context_s"))
-
-
-def _time(fn, reps: int, sync=lambda: None) -> float:
-    """`sync`: waits for the device's queued work (a CUDA forward returns before its kernels end)."""
-    fn()  # warm-up
-    sync()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
-
-
-@torch.inference_mode()
-def calibrate(model: InferenceModel, draft: DraftHead, reps: int = 5, sweep: tuple[int, ...] = SWEEP,
-              rounds: int = 2) -> CostModel:
-    """Median latency of target and draft forwards at each size: B = min(tokens, 64) sequences of
-    tokens / B new tokens each, over a cache of CONTEXT tokens; then the target at the ROW_PROBES
-    shapes (what a sequence costs beyond its tokens) and both at the CONTEXT_PROBES shapes over more
-    cached tokens (what context costs). Every shape is timed `rounds` times, keeping the lowest median:
-    a shared machine's noise only ever slows a sample down."""
-    # on the model's device and in its dtype (an engine's on a GPU, bf16): caches, inputs and timing alike
-    device, dtype = model.embed.device, model.embed.dtype
-    if device.type != "cpu":
-        with device:
-            costs = _calibrate(model, draft, reps, sweep, rounds, dtype, torch.cuda.synchronize if device.type == "cuda"
-                               else lambda: None)
-        return CostModel.from_json(costs.to_json())  # its curves on the CPU, as a cached model's are
-    return _calibrate(model, draft, reps, sweep, rounds, dtype, lambda: None)
-
-
-def _calibrate(model: InferenceModel, draft: DraftHead, reps: int, sweep: tuple[int, ...], rounds: int,
-               dtype: torch.dtype, sync) -> CostModel:
-    cfg = model.cfg
-    extra = min(CONTEXT_EXTRA, model.cos.shape[0] - CONTEXT - 17)  # within the model's position tables
-    cache = KVCache(cfg, ROWS, CONTEXT + max(extra + 16, 512), dtype)
-    dcache = KVCache(cfg, ROWS, CONTEXT + max(extra + 16, 512), dtype, layers=1)
-    sweep_shapes = [(sweep_rows(t), max(t // ROWS, 1)) for t in sweep]
-    probes = [p for p in ROW_PROBES if p[0] * p[1] in sweep]
-    shapes = {(B, n, CONTEXT): KINDS for B, n in sweep_shapes}
-    shapes |= {(B, n, CONTEXT): ("target",) for B, n in probes}  # only the target is priced by rows
-    if extra > 0:
-        shapes |= {(B, n, ctx): KINDS for B, n in CONTEXT_PROBES for ctx in (CONTEXT, CONTEXT + extra)}
-    seconds: dict[tuple[str, int, int, int], float] = {}
-    for (B, n, ctx), kinds in [shape for _ in range(rounds) for shape in shapes.items()]:
-        cache.lengths.fill_(ctx)
-        dcache.lengths.fill_(ctx)
-        ids = torch.randint(0, cfg.vocab_size, (B, n))
-        r = slice(0, B)
-        hidden = torch.randn(B, n, cfg.hidden_size, dtype=dtype)
-        pos = ctx + torch.arange(n).expand(B, n)
-        mask = block_mask(dcache.lengths[r], n, ctx + n, None)
-        forwards = {"target": lambda: model.forward(ids, cache, r),
-                    "draft": lambda: draft.logits(draft.features(hidden, ids, pos, mask, cache_kv(dcache, 0, r, pos, ctx + n)))
-                    .topk(4, dim=-1)}
-        for kind in kinds:
-            key = (kind, B, n, ctx)
-            seconds[key] = min(seconds.get(key, float("inf")), _time(forwards[kind], reps, sync))
-    target = {t: seconds[("target", B, n, CONTEXT)] for t, (B, n) in zip(sweep, sweep_shapes)}
-    context_s = None  # no room for the context probes: the sweep's context is taken for every step's
-    if extra > 0:
-        context_s = context_rates({(kind, B, n): seconds[(kind, B, n, CONTEXT + extra)] - seconds[(kind, B, n, CONTEXT)]
-                                   for kind in KINDS for B, n in CONTEXT_PROBES}, extra)
-    return CostModel(target, {t: seconds[("draft", B, n, CONTEXT)] for t, (B, n) in zip(sweep, sweep_shapes)},
-                     row_seconds(monotone(target), {(B, n): seconds[("target", B, n, CONTEXT)] for B, n in probes}),
-                     context_s)
-
-
-def load_or_calibrate(model: InferenceModel, draft: DraftHead, cache_dir: Path) -> CostModel:
-    cfg = model.cfg
-    key = (f"h{cfg.hidden_size}-l{cfg.num_hidden_layers}-i{cfg.intermediate_size}-v{cfg.vocab_size}"
-           f"-t{torch.get_num_threads()}-torch{torch.__version__}-{model.kernel}")
-    device, dtype = model.embed.device, model.embed.dtype
-    if (device.type, dtype) != ("cpu", torch.float32):  # a GPU's (or a bf16) curve is not the CPU's fp32 one
-        key += f"-{device.type}-{str(dtype).removeprefix('torch.')}"
-    path = Path(cache_dir) / f"cost_model-v3-{key}.json"  # v3: with the context rates
-    if path.is_file():
-        try:
-            return CostModel.from_json(json.loads(path.read_text()))
-        except (ValueError, KeyError) as e:
-            log.warning("ignoring unreadable cost model cache %s: %s", path, e)
-    t0 = time.perf_counter()
-    model_costs = calibrate(model, draft)
-    log.info("calibrated the cost model in %.1fs", time.perf_counter() - t0)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(model_costs.to_json(), indent=2))
-    except OSError as e:
-        log.warning("could not cache the cost model at %s: %s", path, e)
-    return model_costs

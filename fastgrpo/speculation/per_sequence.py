@@ -30,7 +30,7 @@ from torch import Tensor
 
 from fastgrpo.speculation.cost_model import CostModel
 from fastgrpo.speculation.policy import Aware
-from fastgrpo.speculation.tree import SpecConfig
+from fastgrpo.speculation.spec import SpecConfig
 
 
 class AwarePerSequence(Aware):

@@ -10,7 +10,7 @@ import math
 from typing import Protocol
 
 from fastgrpo.speculation.cost_model import CostModel
-from fastgrpo.speculation.tree import SpecConfig
+from fastgrpo.speculation.spec import SpecConfig
 
 
 def concurrency_bucket(running: int) -> int:

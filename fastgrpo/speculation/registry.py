@@ -14,7 +14,7 @@ from fastgrpo.speculation.cost_model import CostModel
 from fastgrpo.speculation.per_sequence import AwarePerSequence
 from fastgrpo.speculation.policy import Aware, FastGRPOFormula, Off, SpeculationPolicy, Static
 from fastgrpo.speculation.tlt import TLT
-from fastgrpo.speculation.tree import SpecConfig
+from fastgrpo.speculation.spec import SpecConfig
 
 POLICIES: dict[str, type] = {cls.name: cls for cls in (Off, Static, FastGRPOFormula, TLT, Aware, AwarePerSequence)}
 CALIBRATED = frozenset({Aware.name, AwarePerSequence.name})

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from fastgrpo.speculation.cost_model import (CONTEXT, CONTEXT_EXTRA, CONTEXT_PROBES, KINDS, ROW_PROBES, ROWS, SWEEP,
                                              CostModel, context_rates, monotone, row_seconds, sweep_rows)
-from fastgrpo.speculation.tree import SpecConfig
+from fastgrpo.speculation.spec import SpecConfig
 
 
 # Public specifications. H100 SXM5: 3.35 TB/s HBM3, 989 TFLOP/s dense BF16, NVLink 4 at 900 GB/s

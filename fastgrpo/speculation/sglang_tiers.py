@@ -13,7 +13,7 @@ What SGLang 0.5.23 lets an outside scheduler choose (read in its source, under s
 - Nothing in SGLang's API sets a slot's depth. Its general plugin mechanism (plugins/__init__.py: the
   `sglang.srt.plugins` entry points, loaded in every scheduler process) and `Engine.collective_rpc`
   (a Scheduler method by name, flat scalar arguments) let fastgrpo add one scheduler method that does
-  (fastgrpo/backends/sglang_plugin.py).
+  (fastgrpo/engines/sglang/plugin.py).
 
 So `aware` on SGLang (`AwareTiers`) is aware restricted to chains and to SGLang's slots: for each
 captured size its cost model and learned acceptance pick the chain depth (or plain decoding) of
@@ -32,7 +32,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 
 from fastgrpo.speculation.policy import AcceptanceModel, Off
-from fastgrpo.speculation.tree import SpecConfig
+from fastgrpo.speculation.spec import SpecConfig
 
 # adaptive_spec_params.py DEFAULT_ADAPTIVE_CONFIG (the conformance test compares it with the source)
 SGLANG_DEFAULT_TIERS: dict[str, dict] = {

@@ -20,7 +20,7 @@ import math
 import random
 
 from fastgrpo.speculation.policy import concurrency_bucket
-from fastgrpo.speculation.tree import SpecConfig
+from fastgrpo.speculation.spec import SpecConfig
 
 # a few EAGLE-style shapes from shallow-narrow to deep-wide (depth, top-k, tokens verified per sequence)
 DEFAULT_ARMS = (SpecConfig(3, 1, 4), SpecConfig(4, 4, 8), SpecConfig(5, 4, 16), SpecConfig(6, 8, 32))

@@ -15,7 +15,7 @@ from fastgrpo.speculation.per_sequence import AwarePerSequence
 from fastgrpo.speculation.policy import Aware, SpeculationPolicy, Static
 from fastgrpo.speculation.roofline import ACCELERATORS, MODELS, Roofline
 from fastgrpo.speculation.tlt import TLT
-from fastgrpo.speculation.tree import SpecConfig
+from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.bench.simulate.acceptance import DraftConfidence, eagle_profile
 from fastgrpo.bench.simulate.workload import longtail_workload, resampled_workload
 from fastgrpo.bench.simulate.profile import CpuProfiler
@@ -24,7 +24,7 @@ from fastgrpo.bench.simulate.gpu import GPU_MAX_BATCH, RHO_SWEEP, gpu_fixed_conc
 
 
 def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = None, reps: int | None = None) -> dict:
-    from fastgrpo.backends.embedded import build_engine, speculation_policy
+    from fastgrpo.engines.embedded.build import build_engine, speculation_policy
     from fastgrpo.bench.report import command_line, publish
     from fastgrpo.models.policy import load_policy, num_parameters
     from fastgrpo.models.tokenizer import load_tokenizer

@@ -9,7 +9,7 @@ import numpy as np
 
 from fastgrpo.config import SpeculationConfig
 from fastgrpo.speculation.cost_model import CONTEXT, CostModel, piecewise_linear_at
-from fastgrpo.speculation.tree import SpecConfig
+from fastgrpo.speculation.spec import SpecConfig
 
 
 # the config's default static tree (the GRPO batch's fixed trees are bench rollout's STATIC_SWEEP)

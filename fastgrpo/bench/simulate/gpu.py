@@ -9,7 +9,7 @@ import numpy as np
 
 from fastgrpo.bench.rollout import STATIC_SWEEP
 from fastgrpo.speculation.roofline import ACCELERATORS, MODELS, Roofline
-from fastgrpo.speculation.tree import SpecConfig
+from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.bench.simulate.costs import Costs
 from fastgrpo.bench.simulate.acceptance import AcceptanceProfile, DraftConfidence
 from fastgrpo.bench.simulate.workload import SimRequest, Workload

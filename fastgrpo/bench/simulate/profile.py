@@ -12,10 +12,11 @@ from typing import Any
 import numpy as np
 
 from fastgrpo.bench.rollout import timed_generate
-from fastgrpo.speculation.cost_model import SWEEP, CostModel, calibrate
+from fastgrpo.engines.embedded.calibrate import calibrate
+from fastgrpo.speculation.cost_model import SWEEP, CostModel
 from fastgrpo.speculation.policy import Off, Static
 from fastgrpo.speculation.tlt import TLT
-from fastgrpo.speculation.tree import SpecConfig
+from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.bench.simulate.costs import CpuCosts
 from fastgrpo.bench.simulate.simulator import Recorder, replay_steps
 

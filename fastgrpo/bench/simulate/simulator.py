@@ -11,12 +11,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastgrpo.engine.engine import DRAFT_WINDOW
+from fastgrpo.engines.embedded.engine import DRAFT_WINDOW
 from fastgrpo.speculation.per_sequence import AwarePerSequence
 from fastgrpo.speculation.policy import Aware, FastGRPOFormula, Off, SpeculationPolicy, Static
 from fastgrpo.speculation.roofline import simulated_cost_model
 from fastgrpo.speculation.tlt import TLT
-from fastgrpo.speculation.tree import SpecConfig
+from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.bench.simulate.costs import Costs
 from fastgrpo.bench.simulate.acceptance import AcceptanceProfile, DraftConfidence
 from fastgrpo.bench.simulate.workload import Workload
@@ -100,7 +100,7 @@ class SimRun:
 def simulate(workload: Workload, costs: Costs, acceptance: AcceptanceProfile | None, policy: SpeculationPolicy,
              max_batch: int, rng: np.random.Generator, policy_clock: bool = False,
              share_prefill: bool = True, confidence: DraftConfidence = DraftConfidence()) -> SimRun:
-    """One engine.generate() call, step by step (the engine's loop: fastgrpo/engine/engine.py).
+    """One engine.generate() call, step by step (the engine's loop: fastgrpo/engines/embedded/engine.py).
 
     `policy` is called exactly as the engine calls it: choose(running) before a step while
     speculating, observe(config, running, emitted, seconds, accepted) after, with the simulated

@@ -11,7 +11,7 @@ import numpy as np
 
 from fastgrpo.bench.rollout import STATIC_SWEEP, rotated
 from fastgrpo.speculation.policy import SpeculationPolicy, Static
-from fastgrpo.speculation.tree import SpecConfig
+from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.bench.simulate.costs import CpuCosts, STATIC_DEFAULT
 from fastgrpo.bench.simulate.acceptance import fit_acceptance
 from fastgrpo.bench.simulate.workload import SimRequest, Workload, grpo_workload

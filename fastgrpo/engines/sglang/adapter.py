@@ -37,7 +37,7 @@ on, all in 0.5.23 (paths in the wheel, under sglang/srt/):
   first), then one row per emitted token. Chunked prefill (whose middle chunks return no rows) is off
   when states are captured; a capture call starts from an empty cache, so the rows a cache hit
   skipped were computed by another request of the same call and are taken from it (`fill_prefixes`).
-- EAGLE: the draft is exported with its own config (`speculation/draft.py sglang_eagle_config`: untied head, the target's
+- EAGLE: the draft is exported with its own config (`engines/embedded/draft.py sglang_eagle_config`: untied head, the target's
   dtype and rope), and the engine gets the dtype explicitly.
 - Speculation: `static` is EAGLE with our depth / top-k / verify count; `fastgrpo` is SGLang's
   adaptive EAGLE (chains, top-k 1) with one tier per concurrency range taken from our policy's own
@@ -45,7 +45,7 @@ on, all in 0.5.23 (paths in the wheel, under sglang/srt/):
   (speculation/sglang_tiers.py `AwareTiers`): a slot per captured CUDA-graph batch size whose
   candidates cover every chain aware would pick there, the depths set at start and after every
   generate call from the acceptance learned from SGLang's per-request histograms of accepted drafts
-  (`spec_correct_drafts_histogram`), through fastgrpo's scheduler plugin (backends/sglang_plugin.py,
+  (`spec_correct_drafts_histogram`), through fastgrpo's scheduler plugin (engines/sglang/plugin.py,
   an `sglang.srt.plugins` entry point) called with `Engine.collective_rpc`. Its costs are the
   roofline of the GPU and model (speculation/roofline.py) until SGLang's forwards are calibrated.
   `aware_per_sequence` runs as `aware` (SGLang has no per-sequence verify budget).
@@ -67,10 +67,10 @@ import torch
 from torch import Tensor
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from fastgrpo.backends import BackendUnavailable
-from fastgrpo.backends.protocols import NamedTensors
+from fastgrpo.protocols import BackendUnavailable
+from fastgrpo.protocols import NamedTensors
 from fastgrpo.config import Config
-from fastgrpo.speculation.draft import DRAFT_WEIGHTS, export_sglang_eagle, sglang_eagle_tensors
+from fastgrpo.engines.embedded.draft import DRAFT_WEIGHTS, export_sglang_eagle, sglang_eagle_tensors
 from fastgrpo.speculation.policy import FastGRPOFormula, SpeculationPolicy
 from fastgrpo.speculation.sglang_tiers import AwareTiers, spec_capture_sizes
 from fastgrpo.types import Completion, Request, SamplingParams
@@ -310,7 +310,7 @@ class SGLangEngine:
     # -- speculation ----------------------------------------------------------------------
     def set_tiers(self, table: dict[int, int]) -> None:
         """Each adaptive slot's chain depth (0: plain decoding), through fastgrpo's scheduler plugin."""
-        from fastgrpo.backends.sglang_plugin import SET_STEPS
+        from fastgrpo.engines.sglang.plugin import SET_STEPS
 
         try:
             self._engine.collective_rpc(SET_STEPS, tiers=json.dumps({str(k): v for k, v in table.items()}))
@@ -536,7 +536,7 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrai
     work = Path(tempfile.mkdtemp(prefix="fastgrpo-sglang-"))
     draft_export = tiers_file = tiers = aware = None
     if mode != "off":
-        from fastgrpo.backends.embedded import draft_dir
+        from fastgrpo.engines.embedded.build import draft_dir
 
         if not (draft_dir(cfg) / DRAFT_WEIGHTS).is_file():
             raise FileNotFoundError(f"speculation.policy={mode} needs a draft at {draft_dir(cfg) / DRAFT_WEIGHTS}")

@@ -3,12 +3,18 @@
 A rollout engine (embedded on CPU, SGLang on GPU), a policy trainer (torch, Megatron) and a draft
 learner only meet through these protocols, the shared types (`fastgrpo.types`) and the weight
 bridge. The loop and the benchmarks use nothing else of them.
+
+A backend's module is imported only when chosen (`import_backend`, by the factories
+`fastgrpo.trainers.build_trainer` and `fastgrpo.engines.build_engine`), so an uninstalled one costs
+nothing until asked for, and then fails with the install command (`BackendUnavailable`).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Protocol
 
 from torch import Tensor
@@ -18,6 +24,18 @@ from fastgrpo.types import Completion, Placement, Request, RolloutBatch, Samplin
 
 NamedTensors = Iterable[tuple[str, Tensor]]  # Hugging Face names and full tensors
 DraftUpdate = tuple[NamedTensors, int]  # a draft's weights and its version
+
+
+class BackendUnavailable(ImportError):
+    """A configured backend whose libraries are not installed."""
+
+
+def import_backend(module: str, key: str, name: str, extra: str | None = None, hint: str | None = None) -> ModuleType:
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        hint = f"; {hint}" if hint else f"; install it with `pip install -e \".[{extra}]\"`" if extra else ""
+        raise BackendUnavailable(f"{key}={name} cannot be used here: {e}{hint}") from e
 
 
 class WeightConsumer(Protocol):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from fastgrpo.backends.megatron.layout import Layout, LayoutError
+from fastgrpo.trainers.megatron.layout import Layout, LayoutError
 from fastgrpo.distributed import COLLECTIVE_TIMEOUT, init_world
 from fastgrpo.config import LAYER_SPECS
 
@@ -25,7 +25,7 @@ def _megatron():
     try:
         import megatron.core  # noqa: F401
     except ImportError as e:
-        from fastgrpo.backends import BackendUnavailable
+        from fastgrpo.protocols import BackendUnavailable
 
         raise BackendUnavailable(f"trainer.backend=megatron needs megatron-core ({e}); install it with "
                                  f"`pip install -e \".[megatron]\"`") from e
@@ -110,7 +110,7 @@ def layer_spec(name: str):
     if name == "local" or (name == "auto" and not has_te):
         return local, {}
     if not has_te:
-        from fastgrpo.backends import BackendUnavailable
+        from fastgrpo.protocols import BackendUnavailable
 
         raise BackendUnavailable("trainer.layer_spec=transformer_engine needs transformer-engine, which is not "
                                  "installed (it builds on CUDA machines only); use auto or local")

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fastgrpo.engine.model import KVCache, block_mask, cache_kv
-from fastgrpo.engine.sampling import sample
+from fastgrpo.engines.embedded.model import KVCache, block_mask, cache_kv
+from fastgrpo.engines.embedded.sampling import sample
+from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.types import SamplingParams
-from fastgrpo.speculation.draft import DraftHead
+from fastgrpo.engines.embedded.draft import DraftHead
 
 
 class NonFiniteDraft(RuntimeError):
@@ -35,23 +36,6 @@ def _draft_logprobs(draft: DraftHead, features: Tensor) -> Tensor:
     if not torch.isfinite(logp).all():
         raise NonFiniteDraft("non-finite draft logits")
     return logp
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    depth: int  # draft levels (longest path that can be accepted)
-    topk: int  # children per expanded node, and nodes expanded per level
-    num_verify: int  # tokens per sequence in the verify forward, root included
-
-    def __post_init__(self) -> None:
-        if self.depth < 1 or self.topk < 1 or self.num_verify < 2:
-            raise ValueError(f"invalid speculation config {self}")
-        if self.num_verify - 1 > self.topk + (self.depth - 1) * self.topk**2:
-            raise ValueError(f"{self}: the tree has fewer nodes than num_verify - 1")
-
-    @property
-    def name(self) -> str:
-        return f"d{self.depth}k{self.topk}n{self.num_verify}"
 
 
 @dataclass

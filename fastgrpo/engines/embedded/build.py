@@ -7,12 +7,12 @@ from pathlib import Path
 
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from fastgrpo.backends.protocols import NamedTensors
+from fastgrpo.protocols import NamedTensors
 from fastgrpo.config import Config
 from fastgrpo.device import resolve
-from fastgrpo.engine.engine import EmbeddedEngine
-from fastgrpo.speculation.cost_model import load_or_calibrate
-from fastgrpo.speculation.draft import DRAFT_WEIGHTS, DraftHead
+from fastgrpo.engines.embedded.engine import EmbeddedEngine
+from fastgrpo.engines.embedded.calibrate import load_or_calibrate
+from fastgrpo.engines.embedded.draft import DRAFT_WEIGHTS, DraftHead
 from fastgrpo.speculation.policy import SpeculationPolicy
 from fastgrpo.speculation.registry import CALIBRATED, make_policy
 

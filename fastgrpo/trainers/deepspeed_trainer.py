@@ -31,7 +31,7 @@ import torch.distributed as dist
 from fastgrpo.models.policy import save_policy_tensors
 from torch import Tensor
 
-from fastgrpo.backends.torch_trainer import TorchPolicyTrainer
+from fastgrpo.trainers.torch_trainer import TorchPolicyTrainer
 from fastgrpo.config import DeepSpeedConfig, GRPOConfig, OptimConfig
 from fastgrpo.device import Compute
 from fastgrpo.types import Placement, RolloutBatch, SamplingParams

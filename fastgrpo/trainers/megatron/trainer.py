@@ -52,9 +52,9 @@ import torch.distributed as dist
 from fastgrpo.models.policy import save_policy_tensors
 from torch import Tensor
 
-from fastgrpo.backends.megatron.layout import Layout, LayoutError
-from fastgrpo.backends.megatron.logprobs import vocab_parallel_logprobs
-from fastgrpo.backends.megatron.model import build_model, export_hf, initialize, load_hf_state
+from fastgrpo.trainers.megatron.layout import Layout, LayoutError
+from fastgrpo.trainers.megatron.logprobs import vocab_parallel_logprobs
+from fastgrpo.trainers.megatron.model import build_model, export_hf, initialize, load_hf_state
 from fastgrpo.config import GRPOConfig, OptimConfig
 from fastgrpo.device import Compute
 from fastgrpo.distributed import die_with_parent

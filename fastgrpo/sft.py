@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from fastgrpo.config import Config
 from fastgrpo.device import resolve
-from fastgrpo.engine.engine import EmbeddedEngine
+from fastgrpo.engines.embedded.engine import EmbeddedEngine
 from fastgrpo.types import SamplingParams
 from fastgrpo.grpo.evaluate import evaluate
 from fastgrpo.models.policy import new_policy, num_parameters, policy_config

@@ -24,11 +24,12 @@ from transformers import LlamaConfig
 
 from fastgrpo.bridge import checksum
 from fastgrpo.types import SamplingParams, Request, Completion
-from fastgrpo.engine.model import InferenceModel, KVCache, block_mask, cache_kv
-from fastgrpo.engine.sampling import cuts, kept_sets, sample, sampling_logprobs, sampling_uniforms
-from fastgrpo.speculation.draft import DraftHead
+from fastgrpo.engines.embedded.model import InferenceModel, KVCache, block_mask, cache_kv
+from fastgrpo.engines.embedded.sampling import cuts, kept_sets, sample, sampling_logprobs, sampling_uniforms
+from fastgrpo.engines.embedded.draft import DraftHead
 from fastgrpo.speculation.policy import Off, SpeculationPolicy
-from fastgrpo.speculation.tree import NonFiniteDraft, SpecConfig, Verified, draft_tree, verify_tree
+from fastgrpo.engines.embedded.tree import NonFiniteDraft, Verified, draft_tree, verify_tree
+from fastgrpo.speculation.spec import SpecConfig
 
 log = logging.getLogger(__name__)
 TREE_SLACK = 256  # cache room past the context for tree tokens that are verified and then dropped
