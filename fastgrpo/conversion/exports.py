@@ -18,8 +18,8 @@ def export_draft(draft: Path, policy: Path, out: Path, drop_norms: bool = False)
     (`sglang_eagle_tensors`: the names, and the norms SGLang's class has no place for). A draft whose
     norms would be dropped computes another function there: refused unless `drop_norms` (SGLang's
     verification keeps sampling lossless; acceptance may drop)."""
-    from fastgrpo.engines.embedded.draft import (DRAFT_CONFIG, DRAFT_WEIGHTS, SGLANG_EAGLE_ARCHITECTURE, sglang_eagle_config,
-                                            sglang_eagle_tensors)
+    from fastgrpo.engines.embedded.draft import (DRAFT_CONFIG, DRAFT_WEIGHTS, SGLANG_EAGLE_ARCHITECTURE,
+                                                 sglang_eagle_config, sglang_eagle_tensors)
 
     draft, policy = Path(draft), Path(policy)
     if not (draft / DRAFT_WEIGHTS).is_file():

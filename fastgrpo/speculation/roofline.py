@@ -143,7 +143,7 @@ def accelerator_named(device_name: str) -> Accelerator:
 
 
 def simulated_cost_model(costs: Roofline, error: Callable[[str, int], float] | None = None) -> CostModel:
-    """What `cost_model.calibrate` would measure on the simulated machine: target and draft forwards
+    """What `engines/embedded/calibrate.calibrate` would measure on the simulated machine: target and draft forwards
     at each sweep size (B = min(tokens, 64) rows of tokens / B new tokens, over CONTEXT cached tokens
     each), at its row probes and at its context probes. `error(kind, tokens)` multiplies a point (to
     test that `aware` survives a bad calibration)."""

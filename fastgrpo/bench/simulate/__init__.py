@@ -10,7 +10,7 @@ only as far as, with this machine's measured costs and our engine's measured acc
 the real engine's rollout times, which the same command measures (the "validation" section).
 
 Nothing here hands a policy the simulator's true costs: `aware` gets a cost model built by timing the
-simulated forwards with the calibration sweep of `cost_model.calibrate` (same sizes, same fixed
+simulated forwards with the calibration sweep of `engines/embedded/calibrate.calibrate` (same sizes, same fixed
 context) and then corrects it, as on the engine, from the step seconds it observes.
 
 The parts: `costs` (what a step costs: the CPU profile's `CpuCosts`), `acceptance` (accepted drafts:

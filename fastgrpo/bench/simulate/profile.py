@@ -41,7 +41,7 @@ PREFILL_CASES = ((1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (32, 1), (64, 1), (2, 
 
 
 class CpuProfiler:
-    """This machine's costs: the engine's calibration sweep (`cost_model.calibrate`) and what the
+    """This machine's costs: the engine's calibration sweep (`engines/embedded/calibrate.calibrate`) and what the
     engine spends beyond it, measured on the engine with workloads that are NOT the validation's
     (other prompts, shorter answers, fixed tree shapes, on a grid of 1-64 running rows): the
     per-step residual of plain steps (by running rows) and speculative steps (fitted: an intercept per

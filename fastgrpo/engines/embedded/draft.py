@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import LlamaConfig
 
-from fastgrpo.engines.embedded.model import (MATRICES, KVFn, PackedWeight, decoder_layer, layer_shapes, linear, onednn_available,
-                                   rms_norm, rope_tables)
+from fastgrpo.engines.embedded.model import (MATRICES, KVFn, PackedWeight, decoder_layer, layer_shapes, linear,
+                                             onednn_available, rms_norm, rope_tables)
 
 DRAFT_WEIGHTS = "draft.safetensors"
 DRAFT_CONFIG = "draft_config.json"
