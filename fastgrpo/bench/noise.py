@@ -88,7 +88,7 @@ def noise_scale(grads: list[torch.Tensor], prompts_per_batch: int) -> dict[str, 
 def markdown(r: dict, command: str) -> str:
     m, P, G = r["meta"], r["prompts_per_batch"], r["group_size"]
     significant = r["signal_sq"] > 2 * r["signal_sq_se"]
-    b_noise = (f"{r['b_noise_prompts']:.0f} prompts ({r['b_noise_prompts'] * G:.0f} samples)" if significant else
+    b_noise = (f"{r['b_noise_prompts']:.3g} prompts ({r['b_noise_prompts'] * G:.3g} samples)" if significant else
                f"> {r['b_noise_prompts_lower_bound']:.0f} prompts ({r['b_noise_prompts_lower_bound'] * G:.0f} samples): "
                f"|G|^2 is within two standard errors of 0")
     return "\n".join([
