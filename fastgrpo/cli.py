@@ -22,7 +22,7 @@ def _config(args: argparse.Namespace) -> Config:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from fastgrpo.grpo.loop import train
+    from fastgrpo.train import train
 
     train(_config(args), resume=args.resume)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fastgrpo.grpo.loop import rollout, train, training_batch
+from fastgrpo.train import rollout, train, training_batch
 from fastgrpo.tasks.problems import Problem
 from fastgrpo.tasks.source import EncodedProblem
 from fastgrpo.types import Completion
@@ -51,7 +51,7 @@ def test_groups_with_equal_rewards_leave_the_batch_by_default():
 def test_a_step_with_nothing_to_train_pushes_and_goes_on(tmp_path, tiny_policy, monkeypatch):
     """Every reward equal: no batch, no update, the weights unchanged, and the engines still get the
     step's version (the run's steps stay in lockstep with the pushes)."""
-    import fastgrpo.grpo.loop as loop
+    import fastgrpo.train as loop
 
     monkeypatch.setattr(loop, "score_completions", lambda run, problems, completions: torch.zeros(len(problems), G))
     cfg = tiny_config(tmp_path, tiny_policy, **{"grpo.steps": 2, "rollout.group_size": G, "eval.at_start": "false"})
@@ -92,7 +92,7 @@ class _World:
 
 @pytest.mark.parametrize("other, fails", [(3, False), (2, True), (None, True)])
 def test_engines_holding_different_weight_versions_stop_the_rollout(monkeypatch, other, fails):
-    import fastgrpo.grpo.loop as loop
+    import fastgrpo.train as loop
 
     monkeypatch.setattr(loop, "score_completions", lambda run, problems, completions: torch.zeros(len(problems), G))
     cfg = SimpleNamespace(rollout=SimpleNamespace(group_size=G, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8))

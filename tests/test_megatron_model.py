@@ -298,7 +298,7 @@ def test_a_grpo_train_step_equals_the_torch_trainers(tmp_path, tp, pp, world, ki
 
 def _train(rank, world, overrides, resume):
     from fastgrpo.config import load_config
-    from fastgrpo.grpo.loop import train
+    from fastgrpo.train import train
 
     return train(load_config(None, overrides), resume=resume).steps
 

@@ -7,7 +7,7 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 from fastgrpo.cli import main
-from fastgrpo.grpo.loop import train
+from fastgrpo.train import train
 from fastgrpo.tracking import default_tracking_uri
 from tests.conftest import tiny_config
 
@@ -84,7 +84,7 @@ def test_eval_command_on_a_checkpoint(tmp_path, tiny_policy, capsys):
 
 
 def test_nan_step_is_skipped_and_training_goes_on(tmp_path, tiny_policy, monkeypatch):
-    import fastgrpo.grpo.loop as loop
+    import fastgrpo.train as loop
 
     real = loop.group_advantages
     monkeypatch.setattr(loop, "group_advantages", lambda r, s: real(r, s) * float("nan"))
@@ -199,7 +199,7 @@ def test_sft_is_the_same_policy_bit_for_bit(tmp_path, tiny_policy):
 
 
 def test_the_summary_claims_no_start_it_did_not_evaluate():
-    from fastgrpo.grpo.loop import summary_markdown
+    from fastgrpo.train import summary_markdown
 
     end = {"pass1_greedy": 0.25, "mean_accuracy": 0.2, "pass_at_4": 0.5,
            "pass1_greedy_se": 0.02, "mean_accuracy_se": 0.01, "pass_at_4_se": 0.02}

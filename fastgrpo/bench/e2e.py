@@ -26,7 +26,7 @@ from fastgrpo.bench.draft_fit import TREES, fit_drafts
 from fastgrpo.bench.draft_fit import markdown as fit_markdown
 from fastgrpo.bench.report import command_line, publish
 from fastgrpo.config import Config, flatten, to_yaml
-from fastgrpo.grpo.loop import train
+from fastgrpo.train import train
 from fastgrpo.tracking import Tracker, default_tracking_uri
 
 MODES = {"off": ("off", "off"), "frozen": ("aware", "off"), "online": ("aware", "sync")}

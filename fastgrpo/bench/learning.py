@@ -22,7 +22,7 @@ import torch
 
 from fastgrpo.bench.report import command_line, publish
 from fastgrpo.config import Config
-from fastgrpo.grpo.loop import train
+from fastgrpo.train import train
 
 METRICS = ("mean_accuracy", "pass1_greedy")
 

@@ -28,7 +28,7 @@ import torch
 
 from fastgrpo.bench.report import command_line, publish
 from fastgrpo.config import Config
-from fastgrpo.grpo.loop import rollout, setup_run, training_batch
+from fastgrpo.train import rollout, setup_run, training_batch
 
 
 def bench_noise(cfg: Config, quick: bool, output: Path, batches: int | None = None,
