@@ -15,12 +15,12 @@ import importlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Protocol
 
 from torch import Tensor
 
 from fastgrpo.speculation.policy import SpeculationPolicy
-from fastgrpo.types import Completion, Placement, Request, RolloutBatch, SamplingParams
+from fastgrpo.types import Completion, EngineStats, Placement, Request, RolloutBatch, SamplingParams
 
 NamedTensors = Iterable[tuple[str, Tensor]]  # Hugging Face names and full tensors
 DraftUpdate = tuple[NamedTensors, int]  # a draft's weights and its version
@@ -63,8 +63,9 @@ class Engine(WeightConsumer, Protocol):
     def set_speculation(self, policy: SpeculationPolicy) -> None: ...
     def release_memory(self) -> None: ...
     def resume_memory(self) -> None: ...
-    def stats(self) -> dict[str, Any]:
-        """The last generate() call: tokens/s, accepted length, decode and speculative steps, ..."""
+    def stats(self) -> EngineStats:
+        """The last generate() call: tokens/s, accepted length, decode and speculative steps, ... (every
+        key in `fastgrpo.types.EngineStats`)"""
         ...
 
 

@@ -1,5 +1,6 @@
 """The data every side shares: what an engine is asked (sampling parameters, requests), what it
-answers (completions), and what a policy trainer receives (the rollout batch).
+answers (completions) and reports of its last rollout (`EngineStats`), and what a policy trainer
+receives (the rollout batch).
 
 Engines, trainers, the draft learners and the loop all import these from here and nothing from
 each other, so that a second engine (SGLang) or trainer (Megatron) plugs in without dragging the
@@ -9,6 +10,7 @@ first one along.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import torch
 from torch import Tensor
@@ -127,6 +129,28 @@ class EngineMap:
         """Engine `engine`'s contiguous share [start, stop) of `items` whole prompts (a group never
         splits), as even as the count allows: shares differ by at most one prompt."""
         return engine * items // self.engines, (engine + 1) * items // self.engines
+
+
+class EngineStats(TypedDict, total=False):
+    """What `Engine.stats()` reports of the engine's last generate() call (the embedded engine and the
+    SGLang adapter alike, unless noted); before the first call only the two versions are there."""
+
+    weights_version: int | None  # the policy version the engine holds; None while a push is under way
+    draft_version: int  # the draft version the engine speculates with (-1: the one it was built with)
+    sequences: int  # completions returned
+    tokens: int  # tokens generated, over all sequences
+    seconds: float  # the call's wall time
+    tokens_per_s: float  # tokens / seconds
+    decode_steps: int  # target forwards after prefill (SGLang: its verify steps, or tokens without speculation)
+    mean_running: float  # sequences running per decode step, on average (SGLang: 0.0, not measured)
+    prefill_s: float  # embedded only: seconds in prompt prefill
+    decode_s: float  # embedded only: seconds in decode steps
+    spec_steps: int  # decode steps that speculated (verified a draft tree)
+    spec_seq_steps: int  # sequence-steps that speculated (a speculative step of B rows counts B)
+    spec_emitted: int  # tokens emitted by speculative sequence-steps (accepted draft tokens + 1 each)
+    accept_len: float  # spec_emitted / spec_seq_steps (1.0 when nothing speculated)
+    config_by_concurrency: dict[str, dict[str, int]]  # steps per chosen tree shape, by concurrency bucket (SGLang: {})
+    trace: list[tuple[int, str, int, float]]  # per decode step: running, shape name, emitted, seconds (SGLang: [])
 
 
 @dataclass

@@ -16,14 +16,13 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor
 from transformers import LlamaConfig
 
 from fastgrpo.bridge import checksum
-from fastgrpo.types import SamplingParams, Request, Completion
+from fastgrpo.types import Completion, EngineStats, Request, SamplingParams
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache, block_mask, cache_kv
 from fastgrpo.engines.embedded.sampling import cuts, kept_sets, sample, sampling_logprobs, sampling_uniforms
 from fastgrpo.engines.embedded.draft import DraftHead
@@ -145,7 +144,7 @@ class EmbeddedEngine:
         # async draft learning: polled between decode steps for a newer draft, (weights, version) or None
         self.draft_source: Callable[[], tuple[Iterable[tuple[str, Tensor]], int] | None] | None = None
         self._in_step = False
-        self._stats: dict[str, Any] = {}
+        self._stats: EngineStats = {}
 
     # -- weights --------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int, complete: bool = True) -> None:
@@ -201,7 +200,7 @@ class EmbeddedEngine:
     def resume_memory(self) -> None:
         """No-op on CPU."""
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         return dict(self._stats, weights_version=self.weights_version, draft_version=self.draft_version)
 
     @property

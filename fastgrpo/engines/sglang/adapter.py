@@ -73,7 +73,7 @@ from fastgrpo.config import Config
 from fastgrpo.engines.embedded.draft import DRAFT_WEIGHTS, export_sglang_eagle, sglang_eagle_tensors
 from fastgrpo.speculation.policy import FastGRPOFormula, SpeculationPolicy
 from fastgrpo.speculation.sglang_tiers import AwareTiers, spec_capture_sizes
-from fastgrpo.types import Completion, Request, SamplingParams
+from fastgrpo.types import Completion, EngineStats, Request, SamplingParams
 
 if TYPE_CHECKING:
     import sglang
@@ -303,7 +303,7 @@ class SGLangEngine:
         self.draft_version = -1
         self.draft_source = None
         self._dropped_warned = False
-        self._stats: dict[str, Any] = {}
+        self._stats: EngineStats = {}
         if aware is not None:
             self.set_tiers(aware.table)
 
@@ -425,7 +425,7 @@ class SGLangEngine:
             self._engine.resume_memory_occupation(tags=[GPU_MEMORY_TYPE_WEIGHTS])
             self._released.remove(GPU_MEMORY_TYPE_WEIGHTS)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         return dict(self._stats, weights_version=self.weights_version, draft_version=self.draft_version)
 
     # -- generation -----------------------------------------------------------------------
