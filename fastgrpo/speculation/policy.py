@@ -7,10 +7,13 @@ decoding (one token per sequence per target forward).
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from fastgrpo.speculation.cost_model import CostModel
 from fastgrpo.speculation.spec import SpecConfig
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 def concurrency_bucket(running: int) -> int:
@@ -35,6 +38,17 @@ class SpeculationPolicy(Protocol):
 
     def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
                 accepted: list[int] | None = None) -> None: ...
+
+
+@runtime_checkable
+class PerSequencePolicy(SpeculationPolicy, Protocol):
+    """A policy that also splits the verify budget between the running sequences: after the draft has
+    proposed each row's tree of `config`, the engine verifies only the nodes `select` keeps
+    (`isinstance(policy, PerSequencePolicy)` is how the engine asks; `aware_per_sequence` is one)."""
+
+    def select(self, scores: Tensor, depth: Tensor, config: SpecConfig, running: int) -> Tensor:
+        """Which drafted nodes to verify: scores and depth [B, N - 1] of each row's non-root nodes
+        (cumulative draft log-probabilities, tree levels). Returns [B, N - 1] bool, ancestor-closed."""
 
 
 class Off:

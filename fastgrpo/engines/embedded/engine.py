@@ -26,7 +26,7 @@ from fastgrpo.types import Completion, EngineStats, Request, SamplingParams
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache, block_mask, cache_kv
 from fastgrpo.engines.embedded.sampling import cuts, kept_sets, sample, sampling_logprobs, sampling_uniforms
 from fastgrpo.engines.embedded.draft import DraftHead
-from fastgrpo.speculation.policy import Off, SpeculationPolicy
+from fastgrpo.speculation.policy import Off, PerSequencePolicy, SpeculationPolicy
 from fastgrpo.engines.embedded.tree import NonFiniteDraft, Verified, draft_tree, verify_tree
 from fastgrpo.speculation.spec import SpecConfig
 
@@ -385,8 +385,8 @@ class EmbeddedEngine:
         except NonFiniteDraft as e:
             log.warning("%s (draft version %d): plain decoding for this step", e, self.draft_version)
             return self._decode(running, sampling, seed), None
-        if (select := getattr(self.policy, "select", None)) is not None:  # a verify budget per sequence
-            tree = tree.restricted(select(tree.score[:, 1:], tree.depth[:, 1:], config, B))
+        if isinstance(self.policy, PerSequencePolicy):  # a verify budget per sequence
+            tree = tree.restricted(self.policy.select(tree.score[:, 1:], tree.depth[:, 1:], config, B))
         start = self.cache.lengths[rows].clone()
         ragged = tree.valid is not None and not bool(tree.valid.all())
         logits, hidden = self.model.forward(tree.tokens, self.cache, rows, positions=start[:, None] + tree.depth,
