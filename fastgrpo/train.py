@@ -14,10 +14,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,6 +39,7 @@ from fastgrpo.draft_learning.online import OnlineDraftLearner
 from fastgrpo.grpo.advantages import group_advantages, informative_groups
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.grpo.evaluate import evaluate
+from fastgrpo.grpo.report import print_step, rollout_stats, step_metrics, write_summary
 from fastgrpo.models.tokenizer import decode_response, load_tokenizer
 from fastgrpo.engines.embedded.draft import DraftHead
 from fastgrpo.tasks.rewards import score, step_credit
@@ -171,7 +170,7 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
     if not stopped:
         log_eval(run, run.step)
         if run.world.main:
-            write_summary(run)
+            write_summary(cfg, run.history.steps, run.history.evals, len(run.eval_problems))
     run.tracker.end("KILLED" if stopped else "FINISHED")
     if run.draft_learner is not None:
         run.draft_learner.close()
@@ -342,54 +341,6 @@ def training_batch(run: Run, problems: list[EncodedProblem], completions: list[C
     return batch, int(keep.sum())
 
 
-def step_metrics(completions: list[Completion], rewards: torch.Tensor, engine_stats: list[dict],
-                 kept_groups: int) -> dict[str, float]:
-    """The step's metrics; rollout throughput is the engines' total (they run side by side), with
-    the slowest engine's alongside when there are several."""
-    lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
-    spec_steps = sum(s.get("spec_steps", 0) for s in engine_stats)
-    decode_steps = sum(s.get("decode_steps", 0) for s in engine_stats)
-    # accepted length is only defined when some step speculated; plain steps emit one token by construction.
-    # Over engines: tokens emitted per sequence per verify, from the engines' totals (the same totals, so
-    # the same figure, whichever engines ran which sequences)
-    optional = {}
-    if spec_steps:
-        optional["accept_len"] = (sum(s["spec_emitted"] for s in engine_stats)
-                                  / sum(s["spec_seq_steps"] for s in engine_stats))
-    throughput = [s.get("tokens_per_s", 0.0) for s in engine_stats if s.get("sequences", 1)]
-    if len(engine_stats) > 1:  # the slowest engine, and the engine furthest behind on drafts
-        optional["engine_tokens_per_s_min"] = min(throughput, default=0.0)
-        optional["engine_draft_version_min"] = float(min(s.get("draft_version", -1) for s in engine_stats))
-    return optional | {
-        "reward_mean": rewards.mean().item(),
-        "reward_std": rewards.std().item(),
-        "accuracy": (rewards >= 1.0).float().mean().item(),
-        "response_len_mean": lengths.mean().item(),
-        "response_len_max": lengths.max().item(),
-        "truncated_fraction": sum(c.finish_reason != "stop" for c in completions) / len(completions),
-        "gen_tokens_per_s": sum(throughput),
-        "mean_running": statistics.mean(s.get("mean_running", 0.0) for s in engine_stats),
-        "spec_step_fraction": spec_steps / max(decode_steps, 1),
-        "groups_kept": float(kept_groups),
-        "rollout_engines": float(len(engine_stats)),
-        "weights_version": float(engine_stats[0].get("weights_version", -1)),  # the same on every engine
-    }
-
-
-def rollout_stats(stats: dict) -> dict:
-    """The speculation record of one rollout: chosen config by concurrency, and the per-step trace."""
-    return {k: stats[k] for k in ("accept_len", "mean_running", "spec_steps", "decode_steps",
-                                  "config_by_concurrency", "trace")}
-
-
-def print_step(step: int, total: int, m: dict[str, float]) -> None:
-    print(f"step {step}/{total} | reward {m['reward_mean']:.3f}±{m['reward_std']:.3f} | "
-          f"len {m['response_len_mean']:.0f}/{m['response_len_max']:.0f} | "
-          f"rollout {m['rollout_s']:.1f}s ({m['gen_tokens_per_s']:.0f} tok/s, accept {m.get('accept_len', 1.0):.2f}) | train {m['train_s']:.1f}s | "
-          f"sync {m['weight_sync_s']:.2f}s | loss {m.get('loss', 0.0):.4f} | "
-          f"clip {m.get('clip_fraction', 0.0):.3f} | entropy {m.get('entropy', 0.0):.3f}", flush=True)
-
-
 def log_eval(run: Run, step: int) -> dict[str, float] | None:
     """Rank 0's engine evaluates (the others go on to the next collective and wait there)."""
     if not run.world.main:
@@ -451,67 +402,3 @@ def restore_checkpoint(run: Run, path: Path) -> str | None:
     history = state.get("history", {"steps": [], "evals": {}})
     run.history = TrainResult(history["steps"], {int(k): v for k, v in history["evals"].items()})
     return state.get("mlflow_run_id")
-
-
-def write_summary(run: Run) -> Path:
-    """`<run_dir>/summary.json`: the run's results in one file (the README's results table is made
-    from it): first and last eval, medians of the step times, rollout throughput and speculation."""
-    steps = run.history.steps
-    evals = {s: {k.removeprefix("eval/"): v for k, v in e.items()} for s, e in sorted(run.history.evals.items())}
-
-    def median(key: str) -> float | None:
-        values = [m[key] for m in steps if key in m and math.isfinite(m[key])]  # NaN: not measured that step
-        return statistics.median(values) if values else None
-
-    c = run.cfg
-    summary = {
-        "config": {"seed": c.seed, "steps": c.grpo.steps, "prompts_per_step": c.rollout.prompts_per_step,
-                   "group_size": c.rollout.group_size, "lr": c.optim.lr, "speculation": c.speculation.policy,
-                   "draft_online": c.draft.online, "eval_split": c.eval.split, "eval_problems": len(run.eval_problems),
-                   "eval_samples": c.eval.samples, "policy": c.model.path},
-        "start": evals.get(0),  # the starting policy's eval (none with eval.at_start=false)
-        "start_step": 0 if 0 in evals else None,
-        "end": evals[max(evals)] if evals else None,
-        "end_step": max(evals) if evals else None,
-        "curve": [{"step": s} | e for s, e in evals.items()],
-        "median": {k: median(k) for k in ("step_s", "rollout_s", "train_s", "draft_train_s", "weight_sync_s",
-                                          "weight_sync_bytes", "gen_tokens_per_s", "response_len_mean", "accept_len",
-                                          "spec_step_fraction", "draft_lag", "draft_states_per_s")},
-        "steps_run": len(steps),
-    }
-    path = Path(c.run_dir) / "summary.json"
-    path.write_text(json.dumps(summary, indent=2))
-    table = summary_markdown(summary)
-    path.with_suffix(".md").write_text(table)
-    print(f"summary: {path}\n\n{table}", flush=True)
-    return path
-
-
-def summary_markdown(s: dict) -> str:
-    """The README's results table, made from a summary.json."""
-    if not s["end"]:
-        return ""
-    c, m = s["config"], s["median"]
-    k = c["eval_samples"]
-    rows = [("mean accuracy (%d samples, T = rollout's)" % k, "mean_accuracy"), (f"pass@{k}", f"pass_at_{k}"),
-            ("pass@1 greedy", "pass1_greedy")]
-    start = s["start"]
-    lines = [f"| held-out ({c['eval_split']} split, {c['eval_problems']} problems) | step 0 | "
-             f"step {s['end_step']} | change |", "| --- | ---: | ---: | ---: |"]
-    for label, key in rows:
-        b = s["end"][key]
-        before = f"{100 * start[key]:.1f}% ± {100 * start[key + '_se']:.1f}" if start else "not evaluated"
-        change = f"{100 * (b - start[key]):+.1f}" if start else "-"
-        lines.append(f"| {label} | {before} | {100 * b:.1f}% ± {100 * s['end'][key + '_se']:.1f} | {change} |")
-
-    def fmt(key: str, unit: str = "", digits: int = 2) -> str:
-        return "-" if m.get(key) is None else f"{m[key]:.{digits}f}{unit}"
-
-    lines += ["", f"Medians over {s['steps_run']} GRPO steps (seed {c['seed']}, {c['prompts_per_step']} prompts x "
-              f"{c['group_size']} samples, lr {c['lr']:g}, speculation `{c['speculation']}`, draft `{c['draft_online']}`): "
-              f"step {fmt('step_s', ' s', 1)}, rollout {fmt('rollout_s', ' s', 1)}, policy training "
-              f"{fmt('train_s', ' s', 1)}, draft training {fmt('draft_train_s', ' s')}, weight sync "
-              f"{fmt('weight_sync_s', ' s')}; rollout {fmt('gen_tokens_per_s', ' tokens/s', 0)}, "
-              f"{fmt('response_len_mean', ' tokens', 1)} per answer, accepted length {fmt('accept_len')}, "
-              f"speculative steps {fmt('spec_step_fraction')}."]
-    return "\n".join(lines) + "\n"

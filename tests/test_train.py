@@ -199,7 +199,7 @@ def test_sft_is_the_same_policy_bit_for_bit(tmp_path, tiny_policy):
 
 
 def test_the_summary_claims_no_start_it_did_not_evaluate():
-    from fastgrpo.train import summary_markdown
+    from fastgrpo.grpo.report import summary_markdown
 
     end = {"pass1_greedy": 0.25, "mean_accuracy": 0.2, "pass_at_4": 0.5,
            "pass1_greedy_se": 0.02, "mean_accuracy_se": 0.01, "pass_at_4_se": 0.02}

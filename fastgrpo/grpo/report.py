@@ -1,0 +1,163 @@
+"""What a GRPO run reports: each step's metrics (printed, and tracked by the loop), the speculation
+record of a rollout, and at the end the run's summary (`summary.json`, its markdown table, its
+learning-curve picture)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+from pathlib import Path
+
+import torch
+
+from fastgrpo.config import Config
+from fastgrpo.types import Completion, EngineStats
+
+log = logging.getLogger(__name__)
+
+
+def step_metrics(completions: list[Completion], rewards: torch.Tensor, engine_stats: list[EngineStats],
+                 kept_groups: int) -> dict[str, float]:
+    """The step's metrics; rollout throughput is the engines' total (they run side by side), with
+    the slowest engine's alongside when there are several."""
+    lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
+    spec_steps = sum(s.get("spec_steps", 0) for s in engine_stats)
+    decode_steps = sum(s.get("decode_steps", 0) for s in engine_stats)
+    # accepted length is only defined when some step speculated; plain steps emit one token by construction.
+    # Over engines: tokens emitted per sequence per verify, from the engines' totals (the same totals, so
+    # the same figure, whichever engines ran which sequences)
+    optional = {}
+    if spec_steps:
+        optional["accept_len"] = (sum(s["spec_emitted"] for s in engine_stats)
+                                  / sum(s["spec_seq_steps"] for s in engine_stats))
+    throughput = [s.get("tokens_per_s", 0.0) for s in engine_stats if s.get("sequences", 1)]
+    if len(engine_stats) > 1:  # the slowest engine, and the engine furthest behind on drafts
+        optional["engine_tokens_per_s_min"] = min(throughput, default=0.0)
+        optional["engine_draft_version_min"] = float(min(s.get("draft_version", -1) for s in engine_stats))
+    return optional | {
+        "reward_mean": rewards.mean().item(),
+        "reward_std": rewards.std().item(),
+        "accuracy": (rewards >= 1.0).float().mean().item(),
+        "response_len_mean": lengths.mean().item(),
+        "response_len_max": lengths.max().item(),
+        "truncated_fraction": sum(c.finish_reason != "stop" for c in completions) / len(completions),
+        "gen_tokens_per_s": sum(throughput),
+        "mean_running": statistics.mean(s.get("mean_running", 0.0) for s in engine_stats),
+        "spec_step_fraction": spec_steps / max(decode_steps, 1),
+        "groups_kept": float(kept_groups),
+        "rollout_engines": float(len(engine_stats)),
+        "weights_version": float(engine_stats[0].get("weights_version", -1)),  # the same on every engine
+    }
+
+
+def rollout_stats(stats: EngineStats) -> dict:
+    """The speculation record of one rollout: chosen config by concurrency, and the per-step trace."""
+    return {k: stats[k] for k in ("accept_len", "mean_running", "spec_steps", "decode_steps",
+                                  "config_by_concurrency", "trace")}
+
+
+def print_step(step: int, total: int, m: dict[str, float]) -> None:
+    print(f"step {step}/{total} | reward {m['reward_mean']:.3f}±{m['reward_std']:.3f} | "
+          f"len {m['response_len_mean']:.0f}/{m['response_len_max']:.0f} | "
+          f"rollout {m['rollout_s']:.1f}s ({m['gen_tokens_per_s']:.0f} tok/s, accept {m.get('accept_len', 1.0):.2f}) | train {m['train_s']:.1f}s | "
+          f"sync {m['weight_sync_s']:.2f}s | loss {m.get('loss', 0.0):.4f} | "
+          f"clip {m.get('clip_fraction', 0.0):.3f} | entropy {m.get('entropy', 0.0):.3f}", flush=True)
+
+
+def write_summary(cfg: Config, steps: list[dict[str, float]], evals: dict[int, dict[str, float]],
+                  eval_problems: int) -> Path:
+    """`<run_dir>/summary.json`: the run's results in one file (the README's results table is made
+    from it): first and last eval, medians of the step times, rollout throughput and speculation;
+    `summary.md` (that table) and `summary.png` (the held-out curve) beside it. `steps`: every step's
+    metrics, `evals`: the evals by step (keys `eval/...`), `eval_problems`: how many problems they scored."""
+    evals = {s: {k.removeprefix("eval/"): v for k, v in e.items()} for s, e in sorted(evals.items())}
+
+    def median(key: str) -> float | None:
+        values = [m[key] for m in steps if key in m and math.isfinite(m[key])]  # NaN: not measured that step
+        return statistics.median(values) if values else None
+
+    c = cfg
+    summary = {
+        "config": {"seed": c.seed, "steps": c.grpo.steps, "prompts_per_step": c.rollout.prompts_per_step,
+                   "group_size": c.rollout.group_size, "lr": c.optim.lr, "speculation": c.speculation.policy,
+                   "draft_online": c.draft.online, "eval_split": c.eval.split, "eval_problems": eval_problems,
+                   "eval_samples": c.eval.samples, "policy": c.model.path},
+        "start": evals.get(0),  # the starting policy's eval (none with eval.at_start=false)
+        "start_step": 0 if 0 in evals else None,
+        "end": evals[max(evals)] if evals else None,
+        "end_step": max(evals) if evals else None,
+        "curve": [{"step": s} | e for s, e in evals.items()],
+        "median": {k: median(k) for k in ("step_s", "rollout_s", "train_s", "draft_train_s", "weight_sync_s",
+                                          "weight_sync_bytes", "gen_tokens_per_s", "response_len_mean", "accept_len",
+                                          "spec_step_fraction", "draft_lag", "draft_states_per_s")},
+        "steps_run": len(steps),
+    }
+    path = Path(c.run_dir) / "summary.json"
+    path.write_text(json.dumps(summary, indent=2))
+    table = summary_markdown(summary)
+    path.with_suffix(".md").write_text(table)
+    plot_curve(summary, path.with_suffix(".png"))
+    print(f"summary: {path}\n\n{table}", flush=True)
+    return path
+
+
+def summary_markdown(s: dict) -> str:
+    """The README's results table, made from a summary.json."""
+    if not s["end"]:
+        return ""
+    c, m = s["config"], s["median"]
+    k = c["eval_samples"]
+    rows = [("mean accuracy (%d samples, T = rollout's)" % k, "mean_accuracy"), (f"pass@{k}", f"pass_at_{k}"),
+            ("pass@1 greedy", "pass1_greedy")]
+    start = s["start"]
+    lines = [f"| held-out ({c['eval_split']} split, {c['eval_problems']} problems) | step 0 | "
+             f"step {s['end_step']} | change |", "| --- | ---: | ---: | ---: |"]
+    for label, key in rows:
+        b = s["end"][key]
+        before = f"{100 * start[key]:.1f}% ± {100 * start[key + '_se']:.1f}" if start else "not evaluated"
+        change = f"{100 * (b - start[key]):+.1f}" if start else "-"
+        lines.append(f"| {label} | {before} | {100 * b:.1f}% ± {100 * s['end'][key + '_se']:.1f} | {change} |")
+
+    def fmt(key: str, unit: str = "", digits: int = 2) -> str:
+        return "-" if m.get(key) is None else f"{m[key]:.{digits}f}{unit}"
+
+    lines += ["", f"Medians over {s['steps_run']} GRPO steps (seed {c['seed']}, {c['prompts_per_step']} prompts x "
+              f"{c['group_size']} samples, lr {c['lr']:g}, speculation `{c['speculation']}`, draft `{c['draft_online']}`): "
+              f"step {fmt('step_s', ' s', 1)}, rollout {fmt('rollout_s', ' s', 1)}, policy training "
+              f"{fmt('train_s', ' s', 1)}, draft training {fmt('draft_train_s', ' s')}, weight sync "
+              f"{fmt('weight_sync_s', ' s')}; rollout {fmt('gen_tokens_per_s', ' tokens/s', 0)}, "
+              f"{fmt('response_len_mean', ' tokens', 1)} per answer, accepted length {fmt('accept_len')}, "
+              f"speculative steps {fmt('spec_step_fraction')}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_curve(s: dict, png: Path) -> None:
+    """The summary's held-out curve against the step (greedy pass@1, mean accuracy, pass@k, with their
+    standard errors as error bars), drawn with matplotlib; without matplotlib, or without evals, none."""
+    if not s["curve"]:
+        return
+    try:
+        import matplotlib
+    except ImportError:
+        log.info("matplotlib is not installed: no %s", png)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = s["config"]["eval_samples"]
+    steps = [p["step"] for p in s["curve"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("pass1_greedy", "greedy pass@1"), ("mean_accuracy", f"mean accuracy ({k} samples)"),
+                       (f"pass_at_{k}", f"pass@{k}")):
+        if all(key in p for p in s["curve"]):
+            ax.errorbar(steps, [p[key] for p in s["curve"]], yerr=[p.get(f"{key}_se", 0.0) for p in s["curve"]],
+                        marker="o", capsize=2, label=label)
+    ax.set_xlabel("GRPO step")
+    ax.set_title(f"held-out ({s['config']['eval_split']} split, {s['config']['eval_problems']} problems)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
