@@ -22,9 +22,41 @@ def _config(args: argparse.Namespace) -> Config:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    run_train(_config(args), resume=args.resume)
+
+
+def run_train(cfg: Config, resume: bool = False) -> None:
+    """This process's part of a GRPO run: a rank of a torchrun world's reserved draft slice serves the
+    engines' draft learning; every other rank (the only one, outside torchrun) runs the loop."""
+    from fastgrpo.distributed import init_world, is_draft_rank, launched_rank
     from fastgrpo.train import train
 
-    train(_config(args), resume=args.resume)
+    if is_draft_rank(cfg.parallel.draft_ranks):
+        from fastgrpo.device import resolve
+        from fastgrpo.draft_learning.async_learner import serve_draft_slice
+        from fastgrpo.run_setup import check_layout
+
+        check_layout(cfg)
+        resolve(cfg)  # a device or precision this machine lacks fails here, before any work
+        serve_draft_slice(cfg, init_world(cfg.parallel.draft_ranks))
+        # its receiving threads stay blocked in the store's C++ receive; an interpreter exit that
+        # destroys them can abort the rank ("terminate called without an active exception", seen
+        # under load): its work is done and saved, so it leaves at once
+        _leave()
+    train(cfg, resume)
+    if cfg.trainer.backend == "deepspeed" and launched_rank() > 0:
+        # the same abort at the interpreter's exit hit a ZeRO-3 DP2 policy rank (twice in a row in the
+        # suite under load) after its last checkpoint: rank 0 writes what is left, the others leave.
+        # DeepSpeed runs only: under Slurm with the other trainers, a rank leaving early held up the
+        # job's end by ~45 s (a 2-step job: 85 s -> 181 s), and they never showed the abort
+        _leave()
+
+
+def _leave() -> None:
+    """Exit this rank now, without the interpreter's teardown (its work is done and saved)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def cmd_sft(args: argparse.Namespace) -> None:

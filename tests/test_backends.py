@@ -170,7 +170,7 @@ def test_a_rounding_error_at_the_cut_changes_a_recomputed_set_but_not_the_engine
 def test_an_engine_layout_the_launched_world_cannot_hold_fails_before_any_work(monkeypatch):
     """engine.tensor against the world torchrun launched: it must divide the policy ranks and the ranks
     of a node (an engine never spans nodes); the error names the key, before any group is made."""
-    from fastgrpo.train import check_layout
+    from fastgrpo.run_setup import check_layout
 
     cfg = load_config(None, ["engine.backend=sglang", "engine.tensor=2", "trainer.backend=megatron",
                              "speculation.policy=off", "draft.online=off"])

@@ -87,7 +87,8 @@ def _push_and_compare(rank, world, args):
     metrics, and after every weight push the engine's tensors against what the trainer exports (full
     Hugging Face tensors)."""
     from fastgrpo.config import load_config
-    from fastgrpo.train import rollout, setup_run, training_batch
+    from fastgrpo.run_setup import setup_run
+    from fastgrpo.train import rollout, training_batch
 
     run = setup_run(load_config(None, args), resume=False)
     initial = {n: t.clone() for n, t in run.trainer.export_weights()}

@@ -28,7 +28,8 @@ import torch
 
 from fastgrpo.bench.report import command_line, publish
 from fastgrpo.config import Config
-from fastgrpo.train import rollout, setup_run, training_batch
+from fastgrpo.run_setup import setup_run
+from fastgrpo.train import rollout, training_batch
 
 
 def bench_noise(cfg: Config, quick: bool, output: Path, batches: int | None = None,

@@ -1,0 +1,112 @@
+"""Setting up a GRPO run, on every rank: the launched world checked against the configured layout,
+the policy checked for, the process groups, the seeds, the prompts, the trainer, this rank's engine
+and draft learner (built by their factories), the weight bridge, the tracker; a resume restores the
+latest checkpoint. The engines get the policy's weights with the bridge's first push."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from fastgrpo.bridge import WeightBridge
+from fastgrpo.checkpoint import CheckpointManager
+from fastgrpo.config import Config, ConfigError, flatten, to_yaml
+from fastgrpo.distributed import World, init_world, launched_world_size
+from fastgrpo.draft_learning import build_draft_learner
+from fastgrpo.engines import build_engine
+from fastgrpo.models.tokenizer import load_tokenizer
+from fastgrpo.run_checkpoint import restore_checkpoint
+from fastgrpo.run_state import Run
+from fastgrpo.tasks.source import PromptSource, encode_problems, load_task
+from fastgrpo.tracking import Tracker, default_tracking_uri
+from fastgrpo.trainers import build_trainer
+
+log = logging.getLogger(__name__)
+
+
+def check_layout(cfg: Config) -> None:
+    """The launched world against the configured layout, on every rank before any group is made."""
+    if launched_world_size() > 1 and cfg.trainer.backend == "torch":
+        raise ConfigError(f"trainer.backend=torch trains in one process, but this is a world of "
+                          f"{launched_world_size()} ranks: use trainer.backend=megatron or deepspeed under torchrun")
+    model_parallel = cfg.parallel.tensor * cfg.parallel.pipeline
+    policy_ranks = launched_world_size() - cfg.parallel.draft_ranks
+    world = (f"a world of {launched_world_size()} ranks, {cfg.parallel.draft_ranks} reserved by "
+             f"parallel.draft_ranks")
+    if policy_ranks < 1 or policy_ranks % model_parallel:
+        raise ConfigError(f"parallel.tensor x parallel.pipeline = {model_parallel} ranks per replica does not divide "
+                          f"the {policy_ranks} policy ranks ({world})")
+    if policy_ranks % cfg.engine.tensor:
+        raise ConfigError(f"engine.tensor={cfg.engine.tensor} does not divide the {policy_ranks} policy ranks ({world})")
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", launched_world_size()))
+    if per_node % cfg.engine.tensor:
+        raise ConfigError(f"engine.tensor={cfg.engine.tensor} does not divide the {per_node} ranks per node: an "
+                          f"engine would span two nodes")
+
+
+def require_policy(cfg: Config) -> None:
+    """A run starts from the policy at model.path, which `fastgrpo sft` builds: without it, say so (not
+    the Hugging Face hub's error for a model name it cannot download)."""
+    if not (Path(cfg.model.path) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"no policy at model.path={cfg.model.path} (no config.json there). Build it first: `make policy`, "
+            f"or `fastgrpo sft --config CONFIG` then `fastgrpo draft-pretrain --config CONFIG` with this run's "
+            f"config and overrides (`make train` does both, then trains)")
+
+
+def setup_run(cfg: Config, resume: bool) -> Run:
+    check_layout(cfg)
+    require_policy(cfg)
+    channel = init_world(cfg.parallel.draft_ranks)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    run_dir = Path(cfg.run_dir)
+    checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last)
+    latest = checkpoints.latest() if resume else None
+    if resume and latest is None:
+        log.warning("--resume: no checkpoint in %s, starting from step 0", checkpoints.root)
+
+    # input errors (a missing dataset, no usable rows) surface before any model is built
+    tokenizer = load_tokenizer(cfg.model.path)
+    train_problems, eval_problems = load_task(cfg.task, cfg.eval.split)
+    data = PromptSource(encode_problems(train_problems, tokenizer, cfg.model.max_context, "train"), cfg.seed)
+    evals = encode_problems(eval_problems, tokenizer, cfg.model.max_context, "eval")
+
+    trainer = build_trainer(cfg)  # the policy of model.path; a resume loads its checkpoint over it
+    world = World.of(trainer.placement(), cfg.engine.tensor)
+    if cfg.rollout.prompts_per_step < world.placement.replicas:
+        raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} leaves a data-parallel replica "
+                          f"of the trainer without prompts ({world.placement.replicas} replicas)")
+    if cfg.draft.online == "sync" and world.engines.engines > 1:
+        raise ConfigError(f"draft.online=sync learns beside one engine, but this run has {world.engines.engines} "
+                          f"engines: use draft.online=async with parallel.draft_ranks=1, or off")
+    model_config = AutoConfig.from_pretrained(cfg.model.path)
+    engine = None
+    if world.leads_engine:  # its weights come with the bridge's first push
+        engine = build_engine(cfg, model_config, tokenizer)
+    draft_learner = build_draft_learner(cfg, engine, model_config, world, channel)
+    # the draft's embedding and LM head are the policy's: it gets them with every push, as engines do
+    # (every policy rank takes part in a push: it gathers the shards; a rank that leads no engine drops
+    # them as they pass, so no rank holds more than a bucket beyond its own shards)
+    bridge = WeightBridge([c for c in (engine, draft_learner) if c is not None])
+
+    if world.main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    tracker = Tracker(cfg.tracking.uri or default_tracking_uri(run_dir), cfg.tracking.experiment,
+                      run_dir / "mlartifacts", enabled=cfg.tracking.enabled and world.main)
+    run = Run(cfg, tokenizer, trainer, engine, bridge, data, evals, tracker, checkpoints, draft_learner, world)
+    run_id = None
+    if latest is not None:
+        run_id = restore_checkpoint(run, latest)
+        if world.main:
+            print(f"resumed from {latest} at step {run.step}")
+    tracker.start(cfg.tracking.run_name or run_dir.name, flatten(cfg), to_yaml(cfg), run_id=run_id)
+    bridge.push(trainer.export_weights(), version=run.step)
+    return run
