@@ -67,47 +67,15 @@ def train(cfg: Config, resume: bool = False) -> TrainResult:
 
 
 def _train(run: Run, stop: StopRequest) -> TrainResult:
+    """Steps from `run.step` to `grpo.steps`, evaluating every `eval.every` steps and at the end,
+    checkpointing every `checkpoint.every` steps, at the end and when SIGTERM stops the run."""
     cfg = run.cfg
     first_step, steps_before = run.step, len(run.history.steps)
     checkpoint, stopped = None, False
     if run.step == 0 and cfg.eval.at_start:
         log_eval(run, step=0)
     for step in range(run.step, cfg.grpo.steps):
-        t_step = time.perf_counter()
-        problems = run.data.next_batch(cfg.rollout.prompts_per_step)
-
-        t0 = time.perf_counter()
-        answers = rollout(run, problems, seed=cfg.seed * 1_000_003 + step)
-        completions, rewards = answers.completions, answers.rewards
-        rollout_s = time.perf_counter() - t0
-
-        batch, kept_groups = training_batch(run, problems, completions, rewards)
-
-        t0 = time.perf_counter()
-        if run.engine is not None:  # colocated: the engine's GPU memory goes to training meanwhile
-            run.engine.release_memory()
-        train_metrics = run.trainer.train_step(batch) if batch is not None else {"updates": 0.0}
-        if run.engine is not None:
-            run.engine.resume_memory()
-        train_s = time.perf_counter() - t0
-
-        sync = run.bridge.push(run.trainer.export_weights(), version=step + 1)
-        draft_metrics = learn_draft(run, run.world.share(problems)[1], answers.local, policy_version=step,
-                                    budget_s=cfg.draft.sync_budget * (rollout_s + train_s))
-
-        run.step = step + 1
-        metrics = step_metrics(completions, rewards, answers.engine_stats, kept_groups) | train_metrics | draft_metrics
-        metrics |= {"rollout_s": rollout_s, "train_s": train_s, "weight_sync_s": sync.seconds,
-                    "weight_sync_bytes": float(sync.bytes), "step_s": time.perf_counter() - t_step}
-        run.history.steps.append(metrics)
-        if run.world.main:
-            run.tracker.log_metrics(metrics, step=run.step)
-            if cfg.speculation.policy != "off":
-                stats = [rollout_stats(s) for s in answers.engine_stats]
-                run.tracker.log_dict(stats[0] if len(stats) == 1 else {"engines": stats},
-                                     f"rollout_stats/step_{run.step:06d}.json")
-            print_step(run.step, cfg.grpo.steps, metrics)
-
+        grpo_step(run, step)
         if cfg.eval.every and run.step % cfg.eval.every == 0 and run.step < cfg.grpo.steps:
             log_eval(run, run.step)
         stopped = run.world.any(stop.requested)  # every rank stops after the same step
@@ -127,6 +95,61 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
         run.draft_learner.close()
     return TrainResult(run.history.steps[steps_before:],
                        {s: e for s, e in run.history.evals.items() if s >= first_step}, checkpoint, stopped)
+
+
+def grpo_step(run: Run, step: int) -> dict[str, float]:
+    """One step: roll out the step's prompts, train the policy on the informative groups, push the new
+    weights, let the draft learn from the rollout; its metrics join the run's history (rank 0 tracks
+    and prints them)."""
+    cfg = run.cfg
+    t_step = time.perf_counter()
+    problems = run.data.next_batch(cfg.rollout.prompts_per_step)
+
+    t0 = time.perf_counter()
+    answers = rollout(run, problems, seed=cfg.seed * 1_000_003 + step)
+    completions, rewards = answers.completions, answers.rewards
+    rollout_s = time.perf_counter() - t0
+
+    batch, kept_groups = training_batch(run, problems, completions, rewards)
+
+    t0 = time.perf_counter()
+    train_metrics = train_policy(run, batch)
+    train_s = time.perf_counter() - t0
+
+    sync = run.bridge.push(run.trainer.export_weights(), version=step + 1)
+    draft_metrics = learn_draft(run, run.world.share(problems)[1], answers.local, policy_version=step,
+                                budget_s=cfg.draft.sync_budget * (rollout_s + train_s))
+
+    run.step = step + 1
+    metrics = step_metrics(completions, rewards, answers.engine_stats, kept_groups) | train_metrics | draft_metrics
+    metrics |= {"rollout_s": rollout_s, "train_s": train_s, "weight_sync_s": sync.seconds,
+                "weight_sync_bytes": float(sync.bytes), "step_s": time.perf_counter() - t_step}
+    run.history.steps.append(metrics)
+    if run.world.main:
+        log_step(run, metrics, answers.engine_stats)
+    return metrics
+
+
+def train_policy(run: Run, batch: RolloutBatch | None) -> dict[str, float]:
+    """The trainer's step on `batch` (none when every group was dropped: the step goes on, untrained)."""
+    if run.engine is not None:  # colocated: the engine's GPU memory goes to training meanwhile
+        run.engine.release_memory()
+    train_metrics = run.trainer.train_step(batch) if batch is not None else {"updates": 0.0}
+    if run.engine is not None:
+        run.engine.resume_memory()
+    return train_metrics
+
+
+def log_step(run: Run, metrics: dict[str, float], engine_stats: list[EngineStats]) -> None:
+    """Rank 0: the step's metrics tracked and printed, and (when speculating) each engine's speculation
+    record tracked."""
+    cfg = run.cfg
+    run.tracker.log_metrics(metrics, step=run.step)
+    if cfg.speculation.policy != "off":
+        stats = [rollout_stats(s) for s in engine_stats]
+        run.tracker.log_dict(stats[0] if len(stats) == 1 else {"engines": stats},
+                             f"rollout_stats/step_{run.step:06d}.json")
+    print_step(run.step, cfg.grpo.steps, metrics)
 
 
 def rollout(run: Run, problems: list[EncodedProblem], seed: int) -> Rollout:
