@@ -63,7 +63,9 @@ def test_grpo_steps_log_to_mlflow_and_resume_is_exact(tmp_path, tiny_policy):
 def test_eval_command_on_a_checkpoint(tmp_path, tiny_policy, capsys):
     cfg_args = [f"model.path={tiny_policy}", "model.size=test", "model.max_context=160", "task.eval_size=4",
                 "task.max_steps=6", "eval.samples=2", "rollout.max_new_tokens=48"]
-    assert main(["eval", *cfg_args]) == 0
+    config = tmp_path / "config.yaml"  # its own config: the repository's default is the demonstration task's
+    config.write_text("seed: 0\n")
+    assert main(["eval", "--config", str(config), *cfg_args]) == 0
     out = json.loads(capsys.readouterr().out)
     # the command reports what evaluate() gives on that policy with the run's sampling, seed and split
     from fastgrpo.engines import build_engine
@@ -74,7 +76,7 @@ def test_eval_command_on_a_checkpoint(tmp_path, tiny_policy, capsys):
     from fastgrpo.tasks.source import encode_problems, load_task
     from fastgrpo.types import SamplingParams
 
-    cfg = load_config(None, cfg_args)
+    cfg = load_config(str(config), cfg_args)
     policy, tok = load_policy(tiny_policy), load_tokenizer(tiny_policy)
     engine = build_engine(cfg, policy.config, tok, policy.state_dict().items(), speculation="off")
     expected = evaluate(engine, tok, encode_problems(load_task(cfg.task)[1], tok, 160), 2,
