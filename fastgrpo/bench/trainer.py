@@ -20,6 +20,7 @@ set against the memcpy bound: the time to copy the same tensors once in memory o
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import statistics
 import tempfile
@@ -133,7 +134,7 @@ def _rank(rank: int, world: int, backend: str, tensor: int, pipeline: int, cfg: 
         steps.append(time.perf_counter() - t)
         comms.append(spent["seconds"])
     return ({"step_s": statistics.median(steps), "comm_s": statistics.median(comms),
-             "optimizer_bytes": _optimizer_bytes(trainer)} | _time_push(trainer, cfg, reps))
+             "optimizer_bytes": _optimizer_bytes(trainer)} | _time_push(trainer, cfg, reps, bf16))
 
 
 def _optimizer_bytes(trainer) -> int:
@@ -159,7 +160,7 @@ def _optimizer_bytes(trainer) -> int:
     return total
 
 
-def _time_push(trainer, cfg: Config, reps: int) -> dict:
+def _time_push(trainer, cfg: Config, reps: int, bf16: bool = False) -> dict:
     """The weight push into this replica's engine (on its leading rank; the others take part in the
     gathers), and on a leading rank the memcpy bound of the same bytes."""
     from transformers import AutoConfig
@@ -170,7 +171,9 @@ def _time_push(trainer, cfg: Config, reps: int) -> dict:
 
     engine = None
     if trainer.placement().leads_replica:
-        engine = build_engine(cfg, AutoConfig.from_pretrained(cfg.model.path), load_tokenizer(cfg.model.path),
+        # the engine holds the weights in the trainer's precision, as a run's does (both resolve one config)
+        engine_cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, precision="bf16" if bf16 else "fp32"))
+        engine = build_engine(engine_cfg, AutoConfig.from_pretrained(cfg.model.path), load_tokenizer(cfg.model.path),
                               speculation="off")
     bridge = WeightBridge([engine] if engine is not None else [])
     bridge.push(trainer.export_weights(), version=0)  # warm-up

@@ -46,7 +46,7 @@ def run_overrides(tmp: Path, policy: Path, draft: Path, steps: int) -> list[str]
 
 def submit(slurm: LocalSlurm, tmp: Path, run_dir: Path, args: list[str], wait: bool = True) -> str:
     """sbatch the 70B script with the tiny config: the #SBATCH header overridden for one CPU node."""
-    env = slurm.env(FASTGRPO_HOME=str(REPO), FASTGRPO_VENV=sys.prefix, FASTGRPO_CONFIG="configs/tiny_cpu.yaml",
+    env = slurm.env(FASTGRPO_HOME=str(REPO), FASTGRPO_VENV=sys.prefix, FASTGRPO_CONFIG="configs/tiny_cpu_plain.yaml",
                     FASTGRPO_RUN_DIR=str(run_dir), FASTGRPO_NPROC_PER_NODE="5", FASTGRPO_GPU_MEMORY_GB="8",
                     FASTGRPO_STOP_GRACE_S="60", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     argv = ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--time=20", f"--output={tmp}/job-%j.out",
