@@ -13,7 +13,6 @@ The start is the config's `model.path`; decoding is greedy, without speculation.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import math
@@ -26,24 +25,22 @@ def paired(config: str | None, policies: list[str], overrides: list[str]) -> dic
     error, and how many problems it gained and lost."""
     from fastgrpo.config import load_config
     from fastgrpo.engines import build_engine
+    from fastgrpo.grpo.evaluate import greedy, scores
     from fastgrpo.models.policy import load_policy
-    from fastgrpo.models.tokenizer import decode_response, load_tokenizer
-    from fastgrpo.tasks.rewards import score
+    from fastgrpo.models.tokenizer import load_tokenizer
     from fastgrpo.tasks.source import encode_problems, load_task
-    from fastgrpo.types import Request, SamplingParams
+    from fastgrpo.types import SamplingParams
 
     cfg = load_config(config, ["speculation.policy=off", "draft.online=off", *overrides])
     tokenizer = load_tokenizer(cfg.model.path)
     _, evals = load_task(cfg.task, cfg.eval.split)
     problems = encode_problems(evals, tokenizer, cfg.model.max_context, "eval")
-    greedy = dataclasses.replace(SamplingParams.of(cfg.rollout), temperature=0.0, top_p=1.0, top_k=0)
 
     def correct(path: str) -> list[float]:
         policy = load_policy(path)
         engine = build_engine(cfg, policy.config, tokenizer, policy.state_dict().items(), speculation="off")
-        outs = engine.generate([Request(p.prompt_ids) for p in problems], greedy, seed=0)
-        return [score(decode_response(tokenizer, o.token_ids), p.problem.answer, cfg.task.reward_timeout_s)
-                for o, p in zip(outs, problems)]
+        return [r[0] for r in scores(engine, tokenizer, problems, greedy(SamplingParams.of(cfg.rollout)),
+                                     timeout_s=cfg.task.reward_timeout_s)]
 
     start = correct(cfg.model.path)
     n = len(start)

@@ -117,11 +117,7 @@ class Layout:
             return self._pad(hf["lm_head.weight"])
         if name == "decoder.final_layernorm.weight":
             return hf["model.norm.weight"]
-        match = LAYER.match(name)
-        if not match:
-            raise LayoutError(f"unknown Megatron parameter {name!r}")
-        i, rest = match.groups()
-        p = f"model.layers.{i}."
+        p, rest = _layer(name)
         if rest == "input_layernorm.weight":
             return hf[p + "input_layernorm.weight"]
         if rest == "pre_mlp_layernorm.weight":
@@ -162,11 +158,7 @@ class Layout:
         if name == "decoder.final_layernorm.weight":
             yield "model.norm.weight", full
             return
-        match = LAYER.match(name)
-        if not match:
-            raise LayoutError(f"unknown Megatron parameter {name!r}")
-        i, rest = match.groups()
-        p = f"model.layers.{i}."
+        p, rest = _layer(name)
         if rest == "input_layernorm.weight":
             yield p + "input_layernorm.weight", full
         elif rest == "pre_mlp_layernorm.weight":
@@ -292,3 +284,12 @@ class Layout:
             offsets[dim], sizes[dim] = k * step, step
             out.append((tuple(offsets), tuple(sizes)))
         return out
+
+
+def _layer(name: str) -> tuple[str, str]:
+    """A decoder layer's Megatron parameter name as (its Hugging Face prefix, the rest of the name)."""
+    match = LAYER.match(name)
+    if not match:
+        raise LayoutError(f"unknown Megatron parameter {name!r}")
+    i, rest = match.groups()
+    return f"model.layers.{i}.", rest
