@@ -6,6 +6,7 @@ machine, once, before any work (a config that asks for what the machine lacks fa
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,18 @@ def cpu_has_bf16() -> bool:
     """A CPU whose matmuls run in bf16 natively (AVX512-BF16 or AMX): elsewhere torch emulates them,
     slowly, and a bf16 run is not worth it."""
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+# Tests set this to enter every device context on the CPU too, as a GPU run does, so that a tensor made
+# outside one shows (tests/device_guard.py).
+ENTER_CPU_CONTEXT = False
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """`device` as the default device of the tensor factories called inside (the engine's and the
+    calibration's work runs in it); skipped on a CPU, where that is where tensors go anyway and the
+    context would cost a Python call per torch op, unless ENTER_CPU_CONTEXT."""
+    return device if device.type != "cpu" or ENTER_CPU_CONTEXT else contextlib.nullcontext()
 
 
 def resolve(cfg: Config) -> Compute:

@@ -43,12 +43,12 @@ def _batches(examples: list[tuple[list[int], list[int]]], batch_size: int, rng: 
 
 def _collate(batch: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     width = max(len(p) + len(r) for p, r in batch)
-    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(batch), width), -100, dtype=torch.long)
-    attn = torch.zeros((len(batch), width), dtype=torch.long)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long, device="cpu")  # on the host; the loop moves it
+    labels = torch.full((len(batch), width), -100, dtype=torch.long, device="cpu")
+    attn = torch.zeros((len(batch), width), dtype=torch.long, device="cpu")
     for i, (p, r) in enumerate(batch):
-        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-        labels[i, len(p) : len(p) + len(r)] = torch.tensor(r)  # loss on the answer only
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r, device="cpu")
+        labels[i, len(p) : len(p) + len(r)] = torch.tensor(r, device="cpu")  # loss on the answer only
         attn[i, : len(p) + len(r)] = 1
     return ids, labels, attn
 

@@ -178,7 +178,7 @@ class RolloutBatch:
 
     def select(self, idx: Tensor | list[int]) -> RolloutBatch:
         """Rows `idx`, trimmed to their longest sequence (saves compute on short micro-batches)."""
-        idx = torch.as_tensor(idx, dtype=torch.long)
+        idx = torch.as_tensor(idx, dtype=torch.long, device=self.input_ids.device)
         width = int(self.attention_mask[idx].sum(-1).max())
         return RolloutBatch(
             self.input_ids[idx, :width], self.attention_mask[idx, :width], self.response_mask[idx, :width],

@@ -8,8 +8,9 @@
 #    which git ignores and the device tool carries with the working tree.
 # 2. On the GPU machine (Python 3.12 with torch + CUDA, transformers, safetensors, numpy), from anywhere:
 #        bash tools/gpu_check.sh --out "$OUT"
-#    It installs the wheels whose package this Python lacks (pip install --no-index --no-deps --target, into
-#    a temporary directory; unzipped if pip fails), puts that directory and the repository on PYTHONPATH,
+#    It installs the wheels whose package this Python lacks or has in an older version (pip install
+#    --no-index --no-deps --target, into a temporary directory; unzipped if pip fails), puts that directory
+#    and the repository first on PYTHONPATH,
 #    and runs `python -m fastgrpo.bench.gpu_check` from the repository root, offline (HF_HUB_OFFLINE=1),
 #    without MLflow (tracking.enabled=false) or plots.
 #    Other arguments go to the driver: --size test (toy sizes, seconds), --device cpu|cuda|auto,
@@ -58,15 +59,32 @@ if [ -z "$PY" ]; then
     exit 2
 fi
 
-# the wheels whose distribution this Python lacks (what it has already stays in charge)
+# the wheels this Python lacks, or has only in an older version (a newer one it has stays in charge):
+# an old omegaconf breaks the config, an old antlr4 runtime breaks math-verify
 SITE=$(mktemp -d "${TMPDIR:-/tmp}/fastgrpo-gpu-site.XXXXXX")
 trap 'rm -rf "$SITE"' EXIT
 MISSING=()
 shopt -s nullglob
 WHEELS_DIR=${GPU_WHEELS:-tools/gpu_wheels}  # GPU_WHEELS: another folder of them (a test on another Python)
 for wheel in "$WHEELS_DIR"/*.whl; do
-    name=$(basename "$wheel")
-    if ! "$PY" -c 'import importlib.metadata as m, sys; m.distribution(sys.argv[1])' "${name%%-*}" 2>/dev/null; then
+    if "$PY" - "$wheel" <<'PYCODE'
+import importlib.metadata as m, os, re, sys
+name, version = os.path.basename(sys.argv[1]).split("-")[:2]  # a wheel's file name: name-version-...
+try:
+    installed = m.version(name)
+except m.PackageNotFoundError:
+    sys.exit(0)  # absent: install it
+def key(v):  # release numbers (packaging's Version where it is there)
+    try:
+        from packaging.version import Version
+        return Version(v)
+    except Exception:
+        return tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:4])
+older = key(installed) < key(version)
+print(f"gpu_check: {name} {installed} installed; {'older than' if older else 'keeping it over'} the carried {version}")
+sys.exit(0 if older else 1)
+PYCODE
+    then
         MISSING+=("$wheel")
     fi
 done
@@ -85,6 +103,9 @@ fi
 export PYTHONPATH=".:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export GPU_CHECK_INSTALLED="${MISSING[*]+${MISSING[*]##*/}}"  # what the environment stage reports
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+# no network on the GPU machine: NCCL's bootstrap and gloo's side groups over loopback
+export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
+export MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 if ! "$PY" -c "import omegaconf, tqdm, math_verify, megatron.core, psutil" 2>/dev/null; then
     echo "gpu_check: warning: some packages are missing (the stages that need them will fail):" >&2
     "$PY" -c "import omegaconf, tqdm, math_verify, megatron.core, psutil" 2>&1 | tail -1 >&2

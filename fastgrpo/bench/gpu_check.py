@@ -62,6 +62,11 @@ WHEEL_BUDGET_MB = 20.0
 # spec-sheet HBM bandwidth, bytes/s, by device name (first match; "H100" alone: the SXM part)
 PEAK_BANDWIDTH = (("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12))
 STAGES = ("environment", "sft", "draft", "train_step", "weight_push", "decode_bound", "rollout")
+# seconds each stage is planned to take at gpu size on an H100 (sft and draft are held to theirs by
+# sft.max_minutes and draft.pretrain_minutes; rollout fits itself into what is left of the run's budget);
+# the report sets each stage's time beside its plan
+PLANNED_S = {"environment": 10, "sft": 140, "draft": 75, "train_step": 45, "weight_push": 15, "decode_bound": 25,
+             "rollout": 140}
 SWEEP_MODES = ("off", "static", "fastgrpo", "tlt", "aware", "aware_per_sequence")
 DECODE_BATCHES = (1, 64)
 
@@ -149,8 +154,9 @@ class Check:
         from fastgrpo.device import resolve
 
         self.out, self.work, self.size_name, self.size = out, work, size, SIZES[size]
+        # the local layer spec unless asked (trainer.layer_spec=transformer_engine): the path every CPU test runs
         self.cfg = load_config(None, [*self.size.overrides, f"device={device}", "tracking.enabled=false",
-                                      "speculation.policy=aware", f"model.path={work / 'policy'}",
+                                      "speculation.policy=aware", "trainer.layer_spec=local", f"model.path={work / 'policy'}",
                                       f"run_dir={work / 'run'}", f"speculation.cost_model_dir={work / 'cost_models'}",
                                       *overrides])
         self.compute = resolve(self.cfg)
@@ -178,9 +184,15 @@ class Check:
         self.write()
 
     def stage(self, name: str, fn) -> bool:
+        import torch
+
         _log(f"{self.seconds():6.1f}s  {name}: starting")
         t = time.perf_counter()
         record: dict[str, Any]
+        cuda = self.compute.device.type == "cuda"
+        if cuda:  # each stage's own peak, not the process's since the start
+            with contextlib.suppress(Exception):
+                torch.cuda.reset_peak_memory_stats()
         try:
             data = fn()
             record = {"status": "ok", "data": data}
@@ -191,6 +203,11 @@ class Check:
         with contextlib.suppress(Exception):
             _sync()
         record["seconds"] = time.perf_counter() - t
+        if self.size_name == "gpu":
+            record["planned_s"] = PLANNED_S[name]
+        if cuda:
+            with contextlib.suppress(Exception):
+                record["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
         self.result["stages"][name] = record
         with contextlib.suppress(Exception):  # a broken device must not cost the report
             _release()
@@ -263,7 +280,7 @@ def environment(c: Check) -> dict:
            "transformers": transformers.__version__, "device": str(d), "dtype": str(c.compute.dtype),
            "cpu_threads": torch.get_num_threads(), "machine": platform.machine(),
            "wheels_installed_here": os.environ.get("GPU_CHECK_INSTALLED", "").split(),
-           "budget_s": 480, "size": c.size_name}
+           "budget_s": c.budget_s, "size": c.size_name}
     if d.type == "cuda":
         p = torch.cuda.get_device_properties(d)
         out |= {"device_name": torch.cuda.get_device_name(d), "capability": f"{p.major}.{p.minor}",
@@ -316,7 +333,7 @@ def online_round(c: Check, sequences: int = 64, budget_s: float = 5.0) -> dict:
     texts = [(encode_prompt(tokenizer, p.prompt) + encode_response(tokenizer, p.solution or str(p.answer)))
              [: c.cfg.model.max_context] for p in evals[:sequences]]
     hidden, ids, mask = target_states(policy, texts)
-    rows = [(hidden[i, : len(t)].cpu(), ids[i, : len(t)].cpu(), torch.ones(len(t), dtype=torch.bool))
+    rows = [(hidden[i, : len(t)].cpu(), ids[i, : len(t)].cpu(), torch.ones(len(t), dtype=torch.bool, device="cpu"))
             for i, t in enumerate(texts)]
     draft = DraftHead.load(draft_dir(c.cfg), policy.config, c.cfg.model.max_context)
     learner = OnlineDraftLearner(draft, c.cfg.draft, [], seed=c.cfg.seed, device=compute.device)
@@ -352,7 +369,8 @@ def train_step(c: Check) -> dict:
     torch_lp = tt.logprobs(batch).cpu()
     batch.engine_logprobs = torch_lp * batch.response_mask  # the engine sampled with these weights
     out: dict[str, Any] = {"sequences": batch.size, "tokens": int(batch.attention_mask.sum()),
-                           "minibatches": cfg.grpo.minibatches, "dtype": str(c.compute.dtype)}
+                           "minibatches": cfg.grpo.minibatches, "dtype": str(c.compute.dtype),
+                           "layer_spec": cfg.trainer.layer_spec}
     torch_first, out["torch_first_step_s"] = _timed(lambda: tt.train_step(batch))
     torch_second, out["torch_step_s"] = _timed(lambda: tt.train_step(batch))
     out["torch_metrics"] = torch_first
@@ -379,8 +397,6 @@ def train_step(c: Check) -> dict:
         out[f"{key}_relative_diff"] = _relative(meg_first[key], torch_first[key])
     out["second_step_loss_relative_diff"] = _relative(meg_second["loss"], torch_second["loss"])
     out["megatron_vs_torch_step"] = out["megatron_step_s"] / out["torch_step_s"]
-    if torch.cuda.is_available():
-        out["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
     _log(f"megatron trainer ({out['megatron_backend']}): first step {out['megatron_first_step_s']:.2f}s, warm step "
          f"{out['megatron_step_s']:.2f}s; against torch: loss {out['loss_relative_diff']:.2e}, grad norm "
          f"{out['grad_norm_relative_diff']:.2e} relative, log-probabilities max |diff| "
@@ -712,7 +728,7 @@ def _summary(name: str, d: dict) -> str:
                 f"steps in {_f(d.get('online_train_s'))} s, version {d.get('online_version')}")
     if name == "train_step":
         return (f"torch {_f(d['torch_step_s'])} s, megatron {_f(d['megatron_step_s'])} s "
-                f"({d.get('megatron_backend')}); loss diff {_f(d['loss_relative_diff'])}, grad norm diff "
+                f"({d.get('megatron_backend')}, {d.get('layer_spec')} layers); loss diff {_f(d['loss_relative_diff'])}, grad norm diff "
                 f"{_f(d['grad_norm_relative_diff'])} (relative), log-prob max diff {_f(d['logprob_max_abs_diff'])}")
     if name == "weight_push":
         return (f"{d['bytes'] / 1e6:.0f} MB in {d['push_s'] * 1000:.1f} ms ({_f(d['push_gb_s'])} GB/s, "
@@ -743,7 +759,8 @@ def markdown(result: dict) -> str:
              + (f"; FAILED: {', '.join(failed)}" if failed else "")
              + (f"; cut short in: {', '.join(running)} (what it had finished is below)" if running else "")
              + ("" if failed or running else "; every stage ok") + ".", "",
-             "| stage | status | seconds | result |", "| --- | --- | ---: | --- |"]
+             "| stage | status | seconds | planned s | peak GPU memory GB | result |",
+             "| --- | --- | ---: | ---: | ---: | --- |"]
     for name, s in stages.items():
         if s["status"] == "running":
             text = "cut short; partial results below"
@@ -754,7 +771,8 @@ def markdown(result: dict) -> str:
                 text = f"(summary failed: {type(e).__name__})"
         else:
             text = s["error"].splitlines()[0][:200].replace("|", "/")
-        lines.append(f"| {name} | {s['status']} | {s['seconds']:.1f} | {text} |")
+        lines.append(f"| {name} | {s['status']} | {s['seconds']:.1f} | {_f(s.get('planned_s'))} | "
+                     f"{_f(s.get('peak_memory_gb'))} | {text} |")
     r = (stages.get("rollout") or {}).get("data")
     if r:
         modes = r["modes"]

@@ -47,10 +47,11 @@ def _batch(vocab: int, sequences: int, seed: int = 0):
     from fastgrpo.grpo.batch import build_batch
 
     gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, vocab, (24,), generator=gen).tolist() for _ in range(sequences)]
-    responses = [torch.randint(3, vocab, (32 + 8 * (i % 5),), generator=gen).tolist() for i in range(sequences)]
-    return build_batch(prompts, responses, [[-1.0] * len(r) for r in responses], torch.randn(sequences, generator=gen),
-                       pad_id=0)
+    prompts = [torch.randint(3, vocab, (24,), generator=gen, device="cpu").tolist() for _ in range(sequences)]
+    responses = [torch.randint(3, vocab, (32 + 8 * (i % 5),), generator=gen, device="cpu").tolist()
+                 for i in range(sequences)]
+    return build_batch(prompts, responses, [[-1.0] * len(r) for r in responses],
+                       torch.randn(sequences, generator=gen, device="cpu"), pad_id=0)
 
 
 def _timed_collectives() -> dict[str, float]:

@@ -7,7 +7,6 @@ the online learner trains it."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 import warnings
 
@@ -16,7 +15,7 @@ from tqdm import tqdm
 
 from fastgrpo.engines.embedded.build import draft_dir
 from fastgrpo.config import Config
-from fastgrpo.device import resolve
+from fastgrpo.device import on_device, resolve
 from fastgrpo.draft_learning.trainer import DraftTrainer
 from fastgrpo.models.policy import load_policy
 from fastgrpo.models.tokenizer import encode_prompt, encode_response, load_tokenizer
@@ -28,10 +27,10 @@ def target_states(policy, sequences: list[list[int]]) -> tuple[torch.Tensor, tor
     """The target's final (post-norm) hidden states over right-padded sequences: [B, T, H], tokens, mask
     (on the policy's device)."""
     width = max(map(len, sequences))
-    ids = torch.zeros(len(sequences), width, dtype=torch.long)
-    mask = torch.zeros(len(sequences), width, dtype=torch.bool)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long, device="cpu")  # assembled on the host, then moved
+    mask = torch.zeros(len(sequences), width, dtype=torch.bool, device="cpu")
     for i, s in enumerate(sequences):
-        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), True
+        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s, device="cpu"), True
     device = policy.model.embed_tokens.weight.device
     ids, mask = ids.to(device), mask.to(device)  # on a CPU: the same tensors
     with torch.no_grad():
@@ -75,7 +74,7 @@ def pretrain_draft(cfg: Config) -> dict[str, float]:
     d = cfg.draft
     trainer = DraftTrainer(draft, lr=d.lr, max_tokens=d.buffer_tokens, batch_size=d.batch_size, seed=cfg.seed)
     # the trainer's batches and the draft's positions are made where the states are (a CPU needs no context)
-    with contextlib.nullcontext() if compute.device.type == "cpu" else compute.device:
+    with on_device(compute.device):
         report = _train(cfg, policy, draft, trainer, corpus, held_out)
     out = draft_dir(cfg)
     draft.to("cpu").save(out, extra={"pretrain": report})

@@ -147,9 +147,9 @@ def to_device(batch: tuple[Tensor, Tensor, Tensor], device: torch.device) -> tup
 def pad_states(items: list[tuple[Tensor, Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
     width = max(h.shape[0] for h, _, _ in items)
     H = items[0][0].shape[1]
-    hidden = torch.zeros(len(items), width, H)
-    tokens = torch.zeros(len(items), width, dtype=torch.long)
-    mask = torch.zeros(len(items), width, dtype=torch.bool)
+    hidden = torch.zeros(len(items), width, H, device="cpu")  # assembled on the host; moved one batch at a time
+    tokens = torch.zeros(len(items), width, dtype=torch.long, device="cpu")
+    mask = torch.zeros(len(items), width, dtype=torch.bool, device="cpu")
     for i, (h, t, m) in enumerate(items):
         hidden[i, : h.shape[0]], tokens[i, : t.shape[0]], mask[i, : m.shape[0]] = h, t, m
     return hidden, tokens, mask

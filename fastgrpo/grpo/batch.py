@@ -16,25 +16,26 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], engine_log
         raise ValueError("prompts, responses, logprobs and advantages must have one entry per sequence")
     n = len(prompts)
     width = max(len(p) + len(r) for p, r in zip(prompts, responses))
-    ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attn = torch.zeros((n, width), dtype=torch.long)
-    resp = torch.zeros((n, width), dtype=torch.bool)
-    lps = torch.zeros((n, width), dtype=torch.float32)
+    # assembled on the host; each trainer moves its micro-batches to its device
+    ids = torch.full((n, width), pad_id, dtype=torch.long, device="cpu")
+    attn = torch.zeros((n, width), dtype=torch.long, device="cpu")
+    resp = torch.zeros((n, width), dtype=torch.bool, device="cpu")
+    lps = torch.zeros((n, width), dtype=torch.float32, device="cpu")
     for i, (p, r, lp) in enumerate(zip(prompts, responses, engine_logprobs)):
         if len(lp) != len(r):
             raise ValueError(f"sequence {i}: {len(r)} tokens but {len(lp)} logprobs")
         a, b = len(p), len(p) + len(r)
-        ids[i, :b] = torch.tensor(p + r)
+        ids[i, :b] = torch.tensor(p + r, device="cpu")
         attn[i, :b] = 1
         resp[i, a:b] = True
-        lps[i, a:b] = torch.tensor(lp)
+        lps[i, a:b] = torch.tensor(lp, device="cpu")
     sets = None
     if sample_sets is not None and any(x is not None for x in sample_sets):
         if len(sample_sets) != n or any(x is None or len(x) != len(r) for x, r in zip(sample_sets, responses)):
             raise ValueError("sample_sets must give every response token its set, or be None")
         K = max(len(kept) for row in sample_sets for kept in row)
-        sets = torch.full((n, width, K), -1, dtype=torch.long)
+        sets = torch.full((n, width, K), -1, dtype=torch.long, device="cpu")
         for i, (p, row) in enumerate(zip(prompts, sample_sets)):
             for t, kept in enumerate(row):
-                sets[i, len(p) + t, : len(kept)] = torch.tensor(kept)
+                sets[i, len(p) + t, : len(kept)] = torch.tensor(kept, device="cpu")
     return RolloutBatch(ids, attn, resp, lps, advantages.float(), sets)

@@ -49,7 +49,7 @@ def policy_loss(
     per_token = -torch.minimum(unclipped, clipped)
     if tis_weight is not None:
         per_token = per_token * tis_weight
-    kl_sum = torch.zeros(())
+    kl_sum = logp.new_zeros(())
     if ref_logp is not None:
         d = ref_logp - logp
         k3 = torch.exp(d) - d - 1

@@ -105,7 +105,7 @@ class CostModel:
         # that move with acceptance, which would grow a memo without bound over a training run
         self._points = {name: ([float(x) for x in c], [float(y) for y in c.values()])
                         for name, c in (("target_s", self.target_s), ("draft_s", self.draft_s))}
-        self._tensors = {name: tuple(torch.tensor(v, dtype=torch.float64) for v in xy)
+        self._tensors = {name: tuple(torch.tensor(v, dtype=torch.float64, device="cpu") for v in xy)
                          for name, xy in self._points.items()}
 
     def _lookup(self, curve: str, tokens: float) -> float:

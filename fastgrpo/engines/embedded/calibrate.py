@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from fastgrpo.device import on_device
 from fastgrpo.engines.embedded.draft import DraftHead
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache, block_mask, cache_kv
 from fastgrpo.speculation.cost_model import (CONTEXT, CONTEXT_EXTRA, CONTEXT_PROBES, KINDS, ROW_PROBES, ROWS, SWEEP,
@@ -48,12 +49,12 @@ def calibrate(model: InferenceModel, draft: DraftHead, reps: int = 5, sweep: tup
     a shared machine's noise only ever slows a sample down."""
     # on the model's device and in its dtype (an engine's on a GPU, bf16): caches, inputs and timing alike
     device, dtype = model.embed.device, model.embed.dtype
+    with on_device(device):
+        costs = _calibrate(model, draft, reps, sweep, rounds, dtype,
+                           torch.cuda.synchronize if device.type == "cuda" else lambda: None)
     if device.type != "cpu":
-        with device:
-            costs = _calibrate(model, draft, reps, sweep, rounds, dtype, torch.cuda.synchronize if device.type == "cuda"
-                               else lambda: None)
         return CostModel.from_json(costs.to_json())  # its curves on the CPU, as a cached model's are
-    return _calibrate(model, draft, reps, sweep, rounds, dtype, lambda: None)
+    return costs
 
 
 def _calibrate(model: InferenceModel, draft: DraftHead, reps: int, sweep: tuple[int, ...], rounds: int,

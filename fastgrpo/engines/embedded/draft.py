@@ -63,14 +63,16 @@ class DraftHead(nn.Module):
         h = target_cfg.hidden_size
         self.n_heads, self.n_kv = target_cfg.num_attention_heads, target_cfg.num_key_value_heads
         self.eps = target_cfg.rms_norm_eps
-        self.fc = nn.Parameter(torch.empty(h, 2 * h))
-        self.layer = nn.ParameterDict({k: nn.Parameter(torch.empty(s)) for k, s in layer_shapes(target_cfg).items()})
-        self.norm = nn.Parameter(torch.ones(h))
-        cos, sin = rope_tables(target_cfg, max_len)
+        # initialised on the CPU (the same draft from the same seed on any machine); callers move it
+        self.fc = nn.Parameter(torch.empty(h, 2 * h, device="cpu"))
+        self.layer = nn.ParameterDict({k: nn.Parameter(torch.empty(s, device="cpu"))
+                                       for k, s in layer_shapes(target_cfg).items()})
+        self.norm = nn.Parameter(torch.ones(h, device="cpu"))
+        cos, sin = rope_tables(target_cfg, max_len, device="cpu")
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
-        self.embed: Tensor = torch.zeros(0)
-        self.lm_head: Tensor = torch.zeros(0)
+        self.embed: Tensor = torch.zeros(0, device="cpu")
+        self.lm_head: Tensor = torch.zeros(0, device="cpu")
         self.packed: dict[str, PackedWeight] | None = None  # engine-side inference copies, see pack()
         self.reset_parameters()
 
@@ -115,7 +117,7 @@ class DraftHead(nn.Module):
 
     def forward(self, hidden: Tensor, next_tokens: Tensor) -> Tensor:
         """Teacher-forced training forward over whole sequences (causal, positions 0..n-1)."""
-        positions = torch.arange(hidden.shape[1]).expand(hidden.shape[0], -1)
+        positions = torch.arange(hidden.shape[1], device=hidden.device).expand(hidden.shape[0], -1)
         return self.features(hidden, next_tokens, positions, None, lambda k, v: (k, v))
 
     # -- files: safetensors + a small config next to the policy --------------------------------

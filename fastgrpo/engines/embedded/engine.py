@@ -22,6 +22,7 @@ from torch import Tensor
 from transformers import LlamaConfig
 
 from fastgrpo.bridge import checksum
+from fastgrpo.device import on_device
 from fastgrpo.types import Completion, EngineStats, Request, SamplingParams
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache, block_mask, cache_kv
 from fastgrpo.engines.embedded.sampling import cuts, kept_sets, sample, sampling_logprobs, sampling_uniforms
@@ -117,7 +118,7 @@ class EmbeddedEngine:
             self._build(cfg, max_batch, max_context, eos_id, pad_id, policy, draft_window)
 
     def _on_device(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext() if self.device.type == "cpu" else self.device
+        return on_device(self.device)
 
     def _build(self, cfg: LlamaConfig, max_batch: int, max_context: int, eos_id: int, pad_id: int,
                policy: SpeculationPolicy | None, draft_window: int) -> None:

@@ -50,11 +50,13 @@ class KVCache:
         self.visible_from[dst] = self.visible_from[src]
 
 
-def rope_tables(cfg: LlamaConfig, max_len: int) -> tuple[Tensor, Tensor]:
+def rope_tables(cfg: LlamaConfig, max_len: int, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+    """cos, sin [max_len, head_dim] in fp32 on `device` (None: the default device, or the enclosing
+    device context's)."""
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     theta = getattr(cfg, "rope_theta", None) or (cfg.rope_parameters or {}).get("rope_theta", 10000.0)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32, device=device), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
@@ -100,9 +102,9 @@ def block_mask(start: Tensor, n: int, ctx: int, new_mask: Tensor | None, visible
     the block, `new_mask` [B, n, E] decides (E block keys: the queries themselves, or a draft tree's
     earlier levels plus the queries); None means causal over the n queries.
     """
-    kpos = torch.arange(ctx)
+    kpos = torch.arange(ctx, device=start.device)
     if new_mask is None:
-        mask = kpos[None, None, :] <= (start[:, None] + torch.arange(n))[:, :, None]
+        mask = kpos[None, None, :] <= (start[:, None] + torch.arange(n, device=start.device))[:, :, None]
     else:
         B, E = start.shape[0], new_mask.shape[-1]
         rel = kpos[None, None, :] - start[:, None, None]  # key position relative to the block
@@ -154,7 +156,7 @@ def unpack(packed: Tensor, valid: Tensor) -> Tensor:
 
 def cache_kv(cache: KVCache, layer: int, rows: slice, slots: Tensor, ctx: int) -> KVFn:
     """Append a block's keys/values at `slots` [B, n] of `rows`, attend over the first `ctx` positions."""
-    row_idx = torch.arange(rows.start, rows.stop)[:, None]
+    row_idx = torch.arange(rows.start, rows.stop, device=cache.k.device)[:, None]
     ck, cv = cache.k[layer], cache.v[layer]
 
     def kv(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -275,7 +277,7 @@ class InferenceModel:
         """
         B, n = tokens.shape
         start = cache.lengths[rows]
-        slots = start[:, None] + torch.arange(n)  # where the new keys/values are written
+        slots = start[:, None] + torch.arange(n, device=start.device)  # where the new keys/values are written
         ctx = int(slots.max()) + 1
         if ctx > cache.max_len:
             raise ValueError(f"sequence would exceed the cache length {cache.max_len}")

@@ -62,7 +62,7 @@ def sampling_logprobs(logits: Tensor, p: SamplingParams, sampled: Tensor | None 
     if sets is not None:
         given = sets >= 0
         # (scatter_add: the padding's index 0 must not overwrite a real token 0)
-        inside = torch.zeros(logits.shape, dtype=torch.int32).scatter_add(-1, sets.clamp(min=0), given.int()) > 0
+        inside = torch.zeros(logits.shape, dtype=torch.int32, device=logits.device).scatter_add(-1, sets.clamp(min=0), given.int()) > 0
         logits = torch.where(given.any(-1, keepdim=True), scaled.masked_fill(~inside, float("-inf")), logits)
     return torch.log_softmax(logits, dim=-1)
 
@@ -114,7 +114,7 @@ def sample(logprobs: Tensor, p: SamplingParams, uniforms: Tensor | None = None) 
     if p.greedy:
         return logprobs.argmax(dim=-1)
     if uniforms is None:
-        uniforms = torch.rand(logprobs.shape[:-1], dtype=torch.float64)
+        uniforms = torch.rand(logprobs.shape[:-1], dtype=torch.float64, device=logprobs.device)
     cdf = logprobs.double().exp().cumsum(-1)
     total = cdf[..., -1:]
     target = torch.minimum(uniforms[..., None] * total, torch.nextafter(total, torch.zeros_like(total)))
