@@ -367,6 +367,15 @@ def train_step(c: Check) -> dict:
     c.held["torch_trainer"] = tt
     batch = _batch(tt.model.config.vocab_size, c.size.train_sequences)
     torch_lp = tt.logprobs(batch).cpu()
+    reference = None
+    if c.compute.dtype != torch.float32:  # the same weights in fp32: how far each bf16 trainer is from exact
+        from fastgrpo.device import Compute
+
+        fp32 = TorchPolicyTrainer(load_policy(cfg.model.path), cfg.grpo, cfg.optim, sampling, None,
+                                  Compute(c.compute.device, torch.float32))
+        reference = fp32.logprobs(batch).cpu()
+        del fp32
+        _release()
     batch.engine_logprobs = torch_lp * batch.response_mask  # the engine sampled with these weights
     out: dict[str, Any] = {"sequences": batch.size, "tokens": int(batch.attention_mask.sum()),
                            "minibatches": cfg.grpo.minibatches, "dtype": str(c.compute.dtype),
@@ -390,6 +399,13 @@ def train_step(c: Check) -> dict:
     mask = batch.response_mask
     out["logprob_max_abs_diff"] = float((meg_lp - torch_lp)[mask].abs().max())
     out["logprob_mean_abs_diff"] = float((meg_lp - torch_lp)[mask].abs().mean())
+    if reference is not None:
+        for name, lp in (("torch", torch_lp), ("megatron", meg_lp)):
+            gap = (lp - reference)[mask].abs()
+            out[f"{name}_vs_fp32_logprob_max_abs_diff"], out[f"{name}_vs_fp32_logprob_mean_abs_diff"] = (
+                float(gap.max()), float(gap.mean()))
+        _log(f"against the same weights in fp32, log-probabilities mean |diff|: torch "
+             f"{out['torch_vs_fp32_logprob_mean_abs_diff']:.3g}, megatron {out['megatron_vs_fp32_logprob_mean_abs_diff']:.3g}")
     meg_first, out["megatron_first_step_s"] = _timed(lambda: mt.train_step(batch))
     meg_second, out["megatron_step_s"] = _timed(lambda: mt.train_step(batch))
     out["megatron_metrics"] = meg_first
