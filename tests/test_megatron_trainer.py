@@ -36,13 +36,13 @@ def _full_logits(trainer, ids):
     return out
 
 
-def _new_trainer(policy_dir, tp, pp):
+def _new_trainer(policy_dir, tp, pp, **kwargs):
     from fastgrpo.trainers.megatron.trainer import MegatronPolicyTrainer
     from fastgrpo.config import GRPOConfig, OptimConfig
     from fastgrpo.types import SamplingParams
 
     return MegatronPolicyTrainer(policy_dir, GRPOConfig(**GRPO), OptimConfig(**OPTIM), SamplingParams(temperature=0.7),
-                                 tensor=tp, pipeline=pp)
+                                 tensor=tp, pipeline=pp, **kwargs)
 
 
 def _train_score_and_save(rank, world, policy_dir, checkpoint):
@@ -189,3 +189,44 @@ def test_full_recompute_trains_as_the_torch_trainer(tmp_path):
         assert recomputed[True] == plain[True] > 0, calls
         assert recomputed[False] - plain[False] == plain[True], calls  # plain[False]: scoring the old policy
     assert_same_step_as_torch([r for r, _ in results], tmp_path / "policy", KIND)
+
+
+def _resume_before_any_update(rank, world, policy_dir, tmp):
+    """In one world of 2, at TP2 and at DP2 (with the replicated and the distributed optimizer, and the
+    latter in bf16: fp32 main weights): a checkpoint saved before the optimizer's first step (a run
+    whose every group was dropped so far: no Adam state yet), loaded by a new trainer; two steps of
+    each against two of the one that saved."""
+    from megatron.core import parallel_state
+
+    from fastgrpo.device import Compute
+
+    bf16 = Compute(torch.device("cpu"), torch.bfloat16)
+    out = {}
+    for name, tp, kwargs in (("tp2", 2, {}), ("dp2", 1, {}), ("dp2-distributed", 1, {"distributed_optimizer": True}),
+                             ("dp2-distributed-bf16", 1, {"distributed_optimizer": True, "compute": bf16})):
+        parallel_state.destroy_model_parallel()
+        a = _new_trainer(policy_dir, tp, 1, **kwargs)
+        batch = _grpo_batch(a.logprobs)
+        a.save(tmp / name)
+        straight = [a.train_step(batch), a.train_step(batch)]
+        b = _new_trainer(policy_dir, tp, 1, **kwargs)
+        b.load(tmp / name)
+        resumed = [b.train_step(batch), b.train_step(batch)]
+        wa, wb = dict(a.export_weights()), dict(b.export_weights())
+        out[name] = {"straight": straight, "resumed": resumed, "same_weights": all(torch.equal(wa[k], wb[k]) for k in wa),
+                     "updates": (a.updates, b.updates)}
+        del a, b
+    return out
+
+
+@pytest.mark.slow  # a multi-process world
+def test_a_checkpoint_before_the_first_update_resumes_at_tp2_and_dp2(tmp_path):
+    """A checkpoint of an optimizer that never stepped holds no Adam moments: it resumes (a fresh
+    optimizer) and the next two steps equal those of the run that never stopped, bit for bit."""
+    hf_model(KIND).save_pretrained(tmp_path / "policy")
+    results = run_world(_resume_before_any_update, 2, tmp_path / "world", tmp_path / "policy", tmp_path,
+                        timeout_s=400.0)
+    for r in results:
+        for name, got in r.items():
+            assert got["straight"][0]["updates"] == 2 and got["updates"] == (4, 4), name
+            assert got["resumed"] == got["straight"] and got["same_weights"], name

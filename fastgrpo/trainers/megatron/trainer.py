@@ -351,11 +351,15 @@ class MegatronPolicyTrainer:
     #   their common prefix. The distributed optimizer's state is in megatron's `dp_reshardable`
     #   buckets: it loads at any DP size of the saved TP x PP. Optimizer state loads into an optimizer
     #   of the same kind and precision (`_check_optimizer_state`); a model-only checkpoint into any.
+    #   A checkpoint saved before the optimizer's first step (every group dropped so far) is model-only
+    #   (`_optimizer_has_state`): there is no Adam state to save, and a fresh optimizer is what resumes it.
     def _identity(self) -> dict:
         return checkpoint_identity(self.hf_config, self.layout)
 
-    def _sharded_state_dict(self, loading: bool) -> dict:
+    def _sharded_state_dict(self, loading: bool, with_optimizer: bool = True) -> dict:
         model = self.gpt.sharded_state_dict()
+        if not with_optimizer:
+            return {"model": model}
         # the distributed optimizer's state in megatron's `dp_reshardable` format (what Megatron-LM saves
         # by default): each rank writes and reads its own shard, no gather; it reloads at another data-
         # parallel size, not at another TP x PP (`load` says so before reading)
@@ -364,6 +368,18 @@ class MegatronPolicyTrainer:
             self._init_adam_state()
         return {"model": model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading,
                                                                                metadata=metadata)}
+
+    def _optimizer_has_state(self) -> bool:
+        """Whether the optimizer has stepped: Adam's state (moments, step) exists from its first step on.
+        Before it (a run whose every group was dropped so far) a checkpoint holds the model alone: the
+        replicated optimizer would save no moments, which its load then asks for (torch DCP's planner
+        raises KeyError), and the distributed one cannot build its state dict without them; a fresh
+        optimizer is exactly the one that never stepped. Agreed over every rank (a distributed
+        optimizer's rank may hold no shard), as the save's request must be."""
+        has = torch.tensor([float(any(opt.optimizer.state for opt in self.optimizer.chained_optimizers))],
+                           device=self.device)
+        dist.all_reduce(has, op=dist.ReduceOp.MAX)
+        return bool(has.item())
 
     def _distributed_optimizers(self) -> list:
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -409,15 +425,17 @@ class MegatronPolicyTrainer:
         del tensors
         dist.barrier()
         _start_write_results_queue()
+        with_optimizer = self._optimizer_has_state()
         with self._cpu():
-            dist_checkpointing.save(self._sharded_state_dict(loading=False), str(megatron_dir))
+            dist_checkpointing.save(self._sharded_state_dict(loading=False, with_optimizer=with_optimizer),
+                                    str(megatron_dir))
         dist.barrier()  # every rank's shards are written
         if dist.get_rank() == 0:  # last: its presence says the checkpoint is complete
             l = self.layout
             (megatron_dir / "fastgrpo.json").write_text(json.dumps(
                 {"model": self._identity(), "saved_at": {"tensor": l.tp, "pipeline": l.pp, "data": self.dp_size},
                  "updates": self.updates, "precision": self._precision(),
-                 "distributed_optimizer": self.distributed_optimizer}, indent=1))
+                 "distributed_optimizer": self.distributed_optimizer, "optimizer": with_optimizer}, indent=1))
         dist.barrier()
 
     def load(self, directory: Path) -> None:
@@ -432,8 +450,8 @@ class MegatronPolicyTrainer:
         if saved["model"] != self._identity():
             diff = {k: (v, self._identity().get(k)) for k, v in saved["model"].items() if self._identity().get(k) != v}
             raise LayoutError(f"the checkpoint {directory} is of another model (saved, this policy): {diff}")
-        # a model-only checkpoint (`tools/convert_checkpoint.py hf-to-megatron`, `reshard`) starts a fresh
-        # optimizer; the trainer's own checkpoints resume it
+        # a model-only checkpoint (`tools/convert_checkpoint.py hf-to-megatron`, `reshard`, or the trainer's
+        # own before its first step) starts a fresh optimizer; the trainer's own checkpoints resume it
         with_optimizer = saved.get("optimizer", True)
         if with_optimizer:
             self._check_optimizer_state(directory, saved)
