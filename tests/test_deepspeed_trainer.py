@@ -126,3 +126,45 @@ def test_a_zero3_run_at_dp2_resumes_bit_exact_and_converts_to_hugging_face(tmp_p
     other = Torchrun(1, ["--resume", *ds_overrides(resumed, tiny_policy, tiny_draft, **{"grpo.steps": 4})],
                      tmp_path / "c.log")
     assert other.wait() != 0 and "saved at ZeRO stage 3 with 2 data-parallel ranks" in other.output()
+
+
+def _resume_before_any_update(rank, world, backend, stage, policy_dir, tmp):
+    """A checkpoint saved before the optimizer's first step (a run whose every group was dropped so far:
+    no Adam state yet), loaded by a new trainer; two steps of each against two of the one that saved."""
+    from fastgrpo.config import DeepSpeedConfig, GRPOConfig, OptimConfig
+    from fastgrpo.models.policy import load_policy
+    from fastgrpo.trainers.deepspeed_trainer import DeepSpeedPolicyTrainer
+    from fastgrpo.trainers.torch_trainer import TorchPolicyTrainer
+    from fastgrpo.types import SamplingParams
+    from tests.test_megatron_model import GRPO, OPTIM, _grpo_batch
+
+    def new():
+        grpo, optim, sampling = GRPOConfig(**GRPO), OptimConfig(**OPTIM), SamplingParams(temperature=0.7)
+        if backend == "torch":
+            return TorchPolicyTrainer(load_policy(policy_dir), grpo, optim, sampling, reference=load_policy(policy_dir))
+        return DeepSpeedPolicyTrainer(policy_dir, grpo, optim, sampling, DeepSpeedConfig(zero_stage=stage),
+                                      reference_dir=policy_dir)
+
+    a = new()
+    batch = _grpo_batch(a.logprobs)
+    a.save(tmp / "saved")
+    straight = [a.train_step(batch), a.train_step(batch)]
+    b = new()
+    b.load(tmp / "saved")
+    resumed = [b.train_step(batch), b.train_step(batch)]
+    wa, wb = dict(a.export_weights()), dict(b.export_weights())
+    return straight, resumed, all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.slow  # a process of its own (DeepSpeed starts torch.distributed)
+@pytest.mark.parametrize("backend,stage", [("torch", 0), ("deepspeed", 2), ("deepspeed", 3)])
+def test_a_checkpoint_before_the_first_update_resumes(tmp_path, backend, stage):
+    """The torch and DeepSpeed trainers resume a checkpoint whose optimizer never stepped (no Adam
+    moments in it), and the next two steps equal those of the run that never stopped, bit for bit."""
+    from tests.test_megatron_model import hf_model
+
+    hf_model("qwen2").save_pretrained(tmp_path / "policy")
+    (tmp_path / "saved").mkdir()
+    straight, resumed, same_weights = run_world(_resume_before_any_update, 1, tmp_path / "world", backend, stage,
+                                                tmp_path / "policy", tmp_path, timeout_s=240.0)[0]
+    assert straight[0]["updates"] == 2 and resumed == straight and same_weights
