@@ -45,7 +45,7 @@ def _caller() -> tuple[str, str] | None:
     module, chain = frame.f_globals.get("__name__", ""), []
     while frame is not None and len(chain) < 4:
         if frame.f_globals.get("__name__", "").startswith("fastgrpo"):
-            chain.append(f"{frame.f_code.co_filename.rsplit('fastgrpo/', 1)[-1]}:{frame.f_lineno}")
+            chain.append(f"fastgrpo/{frame.f_code.co_filename.rsplit('fastgrpo/', 1)[-1]}:{frame.f_lineno}")
         frame = frame.f_back
     return module, " <- ".join(chain)
 

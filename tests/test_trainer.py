@@ -40,6 +40,25 @@ def test_update_raises_logprob_of_positive_advantage():
     assert metrics["grad_norm"] > 0 and 0 < metrics["clip_fraction"] < 1
 
 
+@pytest.mark.parametrize("epochs,minibatches", [(1, 1), (1, 2), (2, 2)])
+def test_the_engine_trainer_mismatch_is_measured_at_equal_weights(epochs, minibatches):
+    """An engine that sampled with the trainer's own weights mismatches it by nothing, however many
+    updates the step makes (lr 1e-2 moves the policy by far more than the tolerance between them);
+    a known shift of the engine's log-probabilities reads back as that shift."""
+    _, trainer = make(epochs=epochs, minibatches=minibatches)
+    batch = batch_for(trainer, [1.0, -1.0])
+    moved = trainer.logprobs(batch)
+    metrics = trainer.train_step(batch)
+    assert metrics["updates"] == epochs * minibatches
+    assert abs(metrics["kl_engine_trainer"]) < 1e-7
+    moved = (trainer.logprobs(batch) - moved)[batch.response_mask].abs().max()
+    assert moved > 1e-3  # the policy did move within the step
+    _, trainer = make(epochs=epochs, minibatches=minibatches)
+    batch = batch_for(trainer, [1.0, -1.0])
+    batch.engine_logprobs = (batch.engine_logprobs + 0.25) * batch.response_mask
+    assert trainer.train_step(batch)["kl_engine_trainer"] == pytest.approx(0.25, abs=1e-6)
+
+
 def test_only_the_trainable_parameters_move_and_the_update_still_helps():
     policy = new_policy(policy_config("test", 50, 64, 1, 2, 0), seed=0)
     trainer = TorchPolicyTrainer(policy, GRPOConfig(), OptimConfig(lr=1e-2, trainable=r"norm"),

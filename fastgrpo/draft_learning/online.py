@@ -32,9 +32,9 @@ def training_rows(prompts: list[list[int]], completions: list[Completion]) -> li
     for prompt, c in zip(prompts, completions):
         if c.hidden is None:
             raise ValueError("completion carries no hidden states: turn on the engine's capture")
-        tokens = torch.tensor(prompt + c.token_ids)[: c.hidden.shape[0]]
+        tokens = torch.tensor(prompt + c.token_ids, device="cpu")[: c.hidden.shape[0]]
         if tokens.shape[0] >= 2:
-            learned = torch.arange(tokens.shape[0]) >= len(prompt) - 1  # from the state that predicts token 1
+            learned = torch.arange(tokens.shape[0], device="cpu") >= len(prompt) - 1  # from the state predicting token 1
             rows.append((c.hidden.float().cpu(), tokens, learned))
     return rows
 

@@ -80,8 +80,10 @@ def minibatch_loss(cfg: GRPOConfig, batch: RolloutBatch, rows: list[int], old: T
                             eps_high=cfg.eps_high, aggregation=cfg.loss_aggregation, normaliser=normaliser,
                             tis_weight=tis, ref_logp=ref_logp, kl_coef=cfg.kl_coef)
         m = micro.response_mask.to(logp.dtype)
+        # the engine/trainer mismatch at equal weights: against the log-probabilities before this step's
+        # first update (old_logp), not the current ones, which after an update measure the policy's own move
         stats.add_(torch.stack([terms.loss.detach(), terms.clipped_tokens, (entropy.detach() * m).sum(),
-                                ((micro.engine_logprobs - logp.detach()) * m).sum(), terms.kl_ref_sum,
+                                ((micro.engine_logprobs - old_logp) * m).sum(), terms.kl_ref_sum,
                                 m.sum()]).to(stats))
         return terms.loss
 
