@@ -592,6 +592,9 @@ def decode_bound(c: Check) -> dict:
     out: dict[str, Any] = {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token,
                            "bandwidth_gb_s": bandwidth / 1e9, "bandwidth_source": source, "tokens": T,
                            "prompt_tokens": len(prompt), "graphs": "off (the embedded engine runs eagerly)",
+                           "model": {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+                                     "intermediate": cfg.intermediate_size, "heads": cfg.num_attention_heads,
+                                     "kv_heads": cfg.num_key_value_heads, "vocab": cfg.vocab_size},
                            "dtype": str(m.embed.dtype), "batches": {},
                            "measured": ["step_ms", "forward_ms", "outside_forward_ms (step - forward)",
                                         "forward_device_ops", "forward_device_busy_ms", "forward_device_idle_ms "
@@ -745,7 +748,10 @@ def _summary(name: str, d: dict) -> str:
     if name == "train_step":
         return (f"torch {_f(d['torch_step_s'])} s, megatron {_f(d['megatron_step_s'])} s "
                 f"({d.get('megatron_backend')}, {d.get('layer_spec')} layers); loss diff {_f(d['loss_relative_diff'])}, grad norm diff "
-                f"{_f(d['grad_norm_relative_diff'])} (relative), log-prob max diff {_f(d['logprob_max_abs_diff'])}")
+                f"{_f(d['grad_norm_relative_diff'])} (relative), log-prob max diff {_f(d['logprob_max_abs_diff'])}"
+                + (f"; against fp32 weights, mean log-prob diff torch {_f(d['torch_vs_fp32_logprob_mean_abs_diff'])}, "
+                   f"megatron {_f(d['megatron_vs_fp32_logprob_mean_abs_diff'])}"
+                   if "torch_vs_fp32_logprob_mean_abs_diff" in d else ""))
     if name == "weight_push":
         return (f"{d['bytes'] / 1e6:.0f} MB in {d['push_s'] * 1000:.1f} ms ({_f(d['push_gb_s'])} GB/s, "
                 f"{_f(d['push_vs_memcpy'])}x a device copy); corrupted tensor refused: "
@@ -820,6 +826,16 @@ def markdown(result: dict) -> str:
                          f"{_f(row.get('forward_device_ops'))} | "
                          f"{_f(row.get('forward_device_busy_ms'))} | {_f(row.get('launch_overhead_est_ms'))} | "
                          f"{_f(row.get('matmul_chain_graph_ms', row['matmul_chain_ms']))} | {_f(row['matmul_gb_s'])} |")
+    sim = against_simulator(result)
+    if sim:
+        lines += ["", f"Against `bench simulate`'s profile of this GPU ({sim['profile']}, the roofline of "
+                  "speculation/roofline.py priced for this policy's shape; estimates, set beside the measured):", "",
+                  "| batch | measured step ms (eager) | simulated step ms | measured / simulated | measured matmuls in a "
+                  "graph ms | simulated weight-bytes term ms | measured / simulated |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for B, row in sim["batches"].items():
+            lines.append(f"| {B} | {_f(row['step_ms'])} | {_f(row['simulated_step_ms'])} | {_f(row['step_ratio'])}x | "
+                         f"{_f(row['matmuls_graph_ms'])} | {_f(row['simulated_bytes_ms'])} | {_f(row['bytes_ratio'])}x |")
     t = (stages.get("train_step") or {}).get("data")
     if t:
         lines += ["", f"One GRPO step ({t['sequences']} sequences, {t['minibatches']} minibatches, {t['dtype']}), "
@@ -830,6 +846,36 @@ def markdown(result: dict) -> str:
             lines.append(f"| {name} | {_f(t[f'{name}_first_step_s'])} | {_f(t[f'{name}_step_s'])} | "
                          f"{_f(mm['loss'], 6)} | {_f(mm['grad_norm'], 6)} |")
     return "\n".join(lines) + "\n"
+
+
+def against_simulator(result: dict) -> dict | None:
+    """How far `bench simulate`'s roofline for this GPU (by its name) is from the decode step measured
+    here, for the same policy shape, batch and context: the whole step (the simulator assumes a
+    CUDA-graph engine: its fixed overheads stand for launch costs) and its weight-bytes term alone (the
+    weights over `bw_eff` x spec bandwidth) against the forward's matmuls replayed as a CUDA graph. None
+    without a measured decode step on a GPU."""
+    from fastgrpo.speculation.roofline import ModelShape, Roofline, accelerator_named
+
+    d = (result["stages"].get("decode_bound") or {}).get("data") or {}
+    env = (result["stages"].get("environment") or {}).get("data") or {}
+    if not d.get("model") or "cuda" not in str(env.get("device", "")):
+        return None
+    hw = accelerator_named(env.get("device_name", ""))
+    m = d["model"]
+    shape = ModelShape("policy", m["layers"], m["hidden"], m["intermediate"], m["heads"], m["kv_heads"], m["vocab"])
+    roof = Roofline(hw, shape)
+    out: dict[str, Any] = {"profile": f"{hw.name}, HBM efficiency {hw.bw_eff}", "batches": {}}
+    for B, row in d["batches"].items():
+        ctx_sum = int(B) * row["context"]
+        simulated = roof.decode_step(int(B), int(row["context"]), ctx_sum)
+        params = shape.layers * shape.layer_params + shape.lm_head_params  # the weights the matmuls read
+        bytes_s = params * shape.bytes_per_param / (hw.hbm_bytes_s * hw.bw_eff)
+        graph_ms = row.get("matmul_chain_graph_ms")
+        out["batches"][B] = {"step_ms": row["step_ms"], "simulated_step_ms": 1000 * simulated,
+                             "step_ratio": row["step_ms"] / (1000 * simulated), "matmuls_graph_ms": graph_ms,
+                             "simulated_bytes_ms": 1000 * bytes_s,
+                             "bytes_ratio": None if graph_ms is None else graph_ms / (1000 * bytes_s)}
+    return out
 
 
 # -- entry points --------------------------------------------------------------------------------------
@@ -849,6 +895,8 @@ def run(out: Path, size: str = "gpu", device: str = "auto", work: Path | None = 
                 check.held.clear()
                 _release()
         check.result["meta"]["imported_modules"] = sorted({n.split(".")[0] for n in list(sys.modules)})
+        if sim := against_simulator(check.result):
+            check.result["against_simulator"] = sim
         check.result["meta"]["within_budget"] = not check.budget_s or check.seconds() <= check.budget_s
         check.write()
         failed = [n for n, s in check.result["stages"].items() if s["status"] != "ok"]
@@ -879,10 +927,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, help="the whole run's seconds, which rollout (the last stage) fits "
                    "itself into (default: 480 at gpu size, none at test size; 0: none)")
     p.add_argument("--wheel-specs", action="store_true", help="print the wheels the GPU machine needs and exit")
+    p.add_argument("--report", metavar="JSON", help="rewrite the tables (gpu_check.md beside it) from a run's "
+                   "gpu_check.json, and exit (no device needed)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. sft.max_minutes=1")
     args = p.parse_args(argv)
     if args.wheel_specs:
         print(" ".join(WHEELS))
+        return 0
+    if args.report:
+        path = Path(args.report)
+        result = json.loads(path.read_text())
+        if sim := against_simulator(result):
+            result["against_simulator"] = sim
+            path.write_text(json.dumps(_finite(result), indent=2))
+        (path.parent / "gpu_check.md").write_text(markdown(result))
+        print((path.parent / "gpu_check.md").read_text())
         return 0
     stages = tuple(s for s in args.stages.split(",") if s)
     if unknown := [s for s in stages if s not in STAGES]:

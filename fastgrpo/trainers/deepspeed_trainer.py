@@ -104,7 +104,7 @@ class DeepSpeedPolicyTrainer(TorchPolicyTrainer):
     def _micro_batches(self, batch: RolloutBatch, rows: list[int]) -> Iterator[tuple[list[int], RolloutBatch]]:
         k, m = len(rows), self.cfg.micro_batch_size
         mine = rows[self.dp_rank * k // self.dp_size: (self.dp_rank + 1) * k // self.dp_size]
-        count = torch.tensor([-(-len(mine) // m)])
+        count = torch.tensor([-(-len(mine) // m)], device=self.device)  # NCCL reduces device tensors only
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         yield from super()._micro_batches(batch, mine)
         for _ in range(int(count) - -(-len(mine) // m)):
