@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from fastgrpo.bench.gpu_check import BASE, DECODE_BATCHES, SIZES, STAGES, SWEEP_MODES, WHEELS
+from fastgrpo.bench.gpu_check import BASE, DECODE_BATCHES, SIZES, STAGES, SWEEP_MODES, WHEELS, wheels_to_install
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_PYTHON = {"extra": "", "python_version": "3.12", "python_full_version": "3.12.0"}  # the GPU machine's
@@ -178,7 +178,8 @@ def test_every_stage_runs_on_the_cpu_with_plausible_numbers(check):
 
 def test_the_markdown_has_every_table(check):
     md_text = check["markdown"]
-    assert "| stage | status | seconds | result |" in md_text and "every stage ok" in md_text
+    assert "| stage | status | seconds | planned s | peak GPU memory GB | result |" in md_text
+    assert "every stage ok" in md_text
     for name in STAGES:
         assert f"| {name} | ok |" in md_text, name
     for table in ("Rollout at fixed concurrency", "GRPO batch", "memory-bandwidth bound", "One GRPO step"):
@@ -213,3 +214,34 @@ def test_the_wheels_are_pinned_to_what_is_tested_and_bring_their_requirements():
         assert md.version(req.name) in req.specifier, f"{spec}: installed here is {md.version(req.name)}"
         missing = [r for r in _requirements(req.name) if _norm(r) not in base | wheels]
         assert not missing, f"{spec} needs {missing}, neither a wheel nor a requirement of {BASE}"
+
+
+def test_a_carried_wheel_wins_over_an_older_installed_version_only():
+    have = {"omegaconf": "2.1.1", "tqdm": "4.71.0", "sympy": "1.14.0"}
+    wheels = [Path(f"{name}-{v}-py3-none-any.whl") for name, v in
+              (("omegaconf", "2.4.0"), ("tqdm", "4.70.1"), ("sympy", "1.14.0"), ("psutil", "7.2.2"))]
+    chosen = wheels_to_install(wheels, installed=have.get)
+    assert sorted(w.name.split("-")[0] for w in chosen) == ["omegaconf", "psutil"]  # older, absent
+
+
+def test_the_report_of_the_first_h100_run_sets_it_against_the_simulator(tmp_path):
+    """The committed H100 result re-rendered: its tables, and the decode step against bench simulate's
+    roofline for the same shape (the simulator's price is a function of the recorded shape alone)."""
+    run = tmp_path / "gpu_check.json"
+    run.write_text((ROOT / "bench" / "gpu" / "gpu_check.json").read_text())
+    out = subprocess.run([sys.executable, "-m", "fastgrpo.bench.gpu_check", "--report", str(run)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = (tmp_path / "gpu_check.md").read_text()
+    assert "NVIDIA H100 80GB HBM3" in text and "every stage ok" in text
+    sim = json.loads(run.read_text())["against_simulator"]
+    one = sim["batches"]["1"]
+    assert one["step_ms"] == pytest.approx(19.33, abs=0.01)
+    # the roofline's price of this policy's decode step at batch 1: bf16 weights (24 layers of 12,845,056
+    # parameters and a 296 x 1024 head) and the KV of 46 cached tokens (98,304 bytes each) over 80% of
+    # 3.35 TB/s, plus 0.4 + 0.3 ms of overheads
+    megabytes = 2 * (24 * 12_845_056 + 296 * 1024) / 1e6 + 46 * 98_304 / 1e6
+    assert one["simulated_step_ms"] == pytest.approx(megabytes / (0.8 * 3350) + 0.7, rel=1e-6)
+    assert one["step_ratio"] == pytest.approx(one["step_ms"] / one["simulated_step_ms"])
+    assert f"| 1 | 19.3 | 0.932 | 20.7x |" in text
+

@@ -60,34 +60,14 @@ if [ -z "$PY" ]; then
 fi
 
 # the wheels this Python lacks, or has only in an older version (a newer one it has stays in charge):
-# an old omegaconf breaks the config, an old antlr4 runtime breaks math-verify
+# fastgrpo/bench/gpu_check.py's wheels_to_install decides, with the standard library alone
 SITE=$(mktemp -d "${TMPDIR:-/tmp}/fastgrpo-gpu-site.XXXXXX")
 trap 'rm -rf "$SITE"' EXIT
-MISSING=()
-shopt -s nullglob
 WHEELS_DIR=${GPU_WHEELS:-tools/gpu_wheels}  # GPU_WHEELS: another folder of them (a test on another Python)
-for wheel in "$WHEELS_DIR"/*.whl; do
-    if "$PY" - "$wheel" <<'PYCODE'
-import importlib.metadata as m, os, re, sys
-name, version = os.path.basename(sys.argv[1]).split("-")[:2]  # a wheel's file name: name-version-...
-try:
-    installed = m.version(name)
-except m.PackageNotFoundError:
-    sys.exit(0)  # absent: install it
-def key(v):  # release numbers (packaging's Version where it is there)
-    try:
-        from packaging.version import Version
-        return Version(v)
-    except Exception:
-        return tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:4])
-older = key(installed) < key(version)
-print(f"gpu_check: {name} {installed} installed; {'older than' if older else 'keeping it over'} the carried {version}")
-sys.exit(0 if older else 1)
-PYCODE
-    then
-        MISSING+=("$wheel")
-    fi
-done
+MISSING=()
+if [ -d "$WHEELS_DIR" ]; then
+    mapfile -t MISSING < <(PYTHONPATH=. "$PY" -m fastgrpo.bench.gpu_check --wheels-to-install "$WHEELS_DIR")
+fi
 if [ ${#MISSING[@]} -gt 0 ]; then
     echo "gpu_check: installing ${#MISSING[@]} wheels into $SITE: ${MISSING[*]##*/}"
     if ! "$PY" -m pip install --quiet --no-index --no-deps --no-compile --target "$SITE" "${MISSING[@]}"; then

@@ -40,6 +40,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import statistics
 import sys
@@ -105,6 +106,41 @@ SIZES = {
         levels=(1, 4, 16), sweep_tokens=8, reps=1, grpo_prompts=2, grpo_max_new=16, decode_tokens=8,
         train_sequences=8, push_reps=2),
 }
+
+
+def _release_key(version: str) -> Any:
+    """A version's order: packaging's Version where it is there (it comes with pip), else its release
+    numbers."""
+    try:
+        from packaging.version import Version
+
+        return Version(version)
+    except Exception:  # no packaging, or a version it cannot parse
+        return tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0])[:4])
+
+
+def wheels_to_install(wheels: list[Path], installed=None) -> list[Path]:
+    """The carried wheels this Python lacks, or has only in an older version (an old omegaconf breaks the
+    config, an old antlr4 runtime breaks math-verify); a newer installed version stays in charge.
+    `installed(name)`: the installed version or None (default: importlib.metadata)."""
+    import importlib.metadata as metadata
+
+    def version_here(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    installed = installed or version_here
+    chosen = []
+    for wheel in sorted(wheels):
+        name, version = wheel.name.split("-")[:2]  # a wheel's file name: name-version-...
+        have = installed(name)
+        if have is None or _release_key(have) < _release_key(version):
+            chosen.append(wheel)
+        print(f"gpu_check: {name} {version}: " + ("absent, installing" if have is None else
+              f"{have} installed, " + ("older: installing" if wheel in chosen else "keeping it")), file=sys.stderr)
+    return chosen
 
 
 def _log(msg: str) -> None:
@@ -927,12 +963,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, help="the whole run's seconds, which rollout (the last stage) fits "
                    "itself into (default: 480 at gpu size, none at test size; 0: none)")
     p.add_argument("--wheel-specs", action="store_true", help="print the wheels the GPU machine needs and exit")
+    p.add_argument("--wheels-to-install", metavar="DIR", help="print the wheels in DIR this Python lacks or has "
+                   "in an older version, and exit (tools/gpu_check.sh installs those)")
     p.add_argument("--report", metavar="JSON", help="rewrite the tables (gpu_check.md beside it) from a run's "
                    "gpu_check.json, and exit (no device needed)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. sft.max_minutes=1")
     args = p.parse_args(argv)
     if args.wheel_specs:
         print(" ".join(WHEELS))
+        return 0
+    if args.wheels_to_install:
+        print("\n".join(str(w) for w in wheels_to_install(list(Path(args.wheels_to_install).glob("*.whl")))))
         return 0
     if args.report:
         path = Path(args.report)
