@@ -352,7 +352,7 @@ def test_aware_sets_sglangs_adaptive_slots_and_refreshes_them(sglang, monkeypatc
     assert any(engine.aware.table.values())  # it speculated, and SGLang's histograms taught aware
     assert engine.aware.acceptance.reached[1] > reached
     engine.aware.count([10_000])  # every draft rejected: speculation no longer pays anywhere
-    engine._learn([], [], [])
+    engine._learn([], [], [], [])
     assert {k: s.current_steps for k, s in slots.items()} == engine.aware.table
     assert set(engine.aware.table.values()) == {0}
     with pytest.raises(RuntimeError, match="slot 1: 99 steps is not among its candidates"):
@@ -360,3 +360,72 @@ def test_aware_sets_sglangs_adaptive_slots_and_refreshes_them(sglang, monkeypatc
     monkeypatch.setenv("SGLANG_PLUGINS", "someone_else")
     with pytest.raises(RuntimeError, match="SGLANG_PLUGINS=someone_else leaves out fastgrpo's plugin"):
         sglang(**{"speculation.policy": "aware"})
+
+
+def test_steps_of_a_depth_0_slot_are_not_speculation_and_teach_aware_nothing(sglang):
+    """SGLang runs a step of a depth-0 slot as the verify of a one-node tree and counts it as a verify
+    step with 0 correct drafts (spec_verify_ct, slot 0 of the histogram: the emulation does too).
+    The adapter knows the depths it set: a call that ran plain at every step reports no speculative
+    step and leaves aware's acceptance as it was (before the fix: 60 speculative steps, and 60
+    level-1 rejections learned)."""
+    engine = sglang(**{"speculation.policy": "aware", "rollout.max_batch": 8})
+    engine.aware.count([10_000])  # every draft rejected: every slot goes plain
+    engine._learn([], [], [], [])
+    assert set(engine.aware.table.values()) == {0}
+    reached, passed = list(engine.aware.acceptance.reached), list(engine.aware.acceptance.passed)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True)
+    out = engine.generate([Request([1, 20 + i, 21, 22], key=i) for i in range(4)], sampling, seed=3)
+    raw = [o["meta_info"] for o in scheduler(engine).last_outputs]
+    assert [(m["spec_verify_ct"], m["spec_correct_drafts_histogram"]) for m in raw] == [(15, [15])] * 4
+    assert all(c.spec == {"spec_steps": 0, "spec_emitted": 0} for c in out)
+    stats = engine.stats()
+    assert stats["spec_steps"] == 0 and stats["accept_len"] == 1.0 and stats["decode_steps"] == 60
+    assert engine.aware.acceptance.reached == reached and engine.aware.acceptance.passed == passed
+
+
+def test_a_plugin_that_fails_is_logged_and_skipped_as_sglang_does(sglang, monkeypatch, tmp_path, caplog):
+    """SGLang logs a general plugin whose entry point fails to load or whose register() raises, and
+    starts without it (srt/plugins/__init__.py): another distribution's broken plugins do not stop
+    aware's engine."""
+    site = tmp_path / "site"
+    (site / "brokenplug-1.0.dist-info").mkdir(parents=True)
+    (site / "brokenplug-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: brokenplug\nVersion: 1.0\n")
+    (site / "brokenplug-1.0.dist-info" / "entry_points.txt").write_text(
+        "[sglang.srt.plugins]\nbroken = brokenplug:register\nmissing = brokenplug_absent:register\n")
+    (site / "brokenplug.py").write_text("def register():\n    raise RuntimeError('brokenplug cannot register')\n")
+    monkeypatch.syspath_prepend(str(site))
+    engine = sglang(**{"speculation.policy": "aware", "rollout.max_batch": 8})
+    slots = scheduler(engine).draft_worker.adaptive_controller.params._slots
+    assert {k: s.current_steps for k, s in slots.items()} == engine.aware.table
+    logged = [r.getMessage() for r in caplog.records if r.exc_info]
+    assert any("broken" in m for m in logged) and any("missing" in m for m in logged)
+
+
+def test_fastgrpos_plugin_failing_in_sglang_is_named_at_start(sglang, monkeypatch):
+    """fastgrpo's own register() raising (a broken install): SGLang logs it and starts without the
+    method; the adapter names the plugin at its first depth update, at start (before: on SGLang a bare
+    missing-attribute message, in the emulation the plugin's own exception)."""
+    from fastgrpo.engines.sglang import plugin
+
+    def register():
+        raise ImportError("a broken install")
+
+    monkeypatch.setattr(plugin, "register", register)
+    with pytest.raises(RuntimeError, match="fastgrpo's SGLang plugin is not registered in SGLang's scheduler"):
+        sglang(**{"speculation.policy": "aware", "rollout.max_batch": 8})
+
+
+@pytest.mark.parametrize("value", [",", " ", " , ,"])
+def test_an_sglang_plugins_of_only_separators_or_blanks_allows_no_plugin(sglang, monkeypatch, value):
+    """SGLang reads SGLANG_PLUGINS as an allow-list whenever it is not empty (EnvStr: as it is), so
+    commas or blanks alone skip every plugin: aware refuses to start, and the emulation loads none."""
+    from fastgrpo.engines.sglang.adapter import check_plugin
+    from fastgrpo.engines.sglang.plugin import SET_STEPS
+
+    monkeypatch.setenv("SGLANG_PLUGINS", value)
+    with pytest.raises(RuntimeError, match="names no plugin"):
+        sglang(**{"speculation.policy": "aware", "rollout.max_batch": 8})
+    assert not hasattr(scheduler(sglang()), SET_STEPS)  # the first scheduler of this emulation loaded none
+    for allowed in ("", "fastgrpo", " other , fastgrpo "):
+        monkeypatch.setenv("SGLANG_PLUGINS", allowed)
+        check_plugin()

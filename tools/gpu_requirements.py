@@ -19,11 +19,18 @@ import subprocess
 import sys
 import tempfile
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_TORCH = "torch==2.14.1"  # sglang 0.5.23's Requires-Dist
 GPU_EXTRAS = ("test", "megatron", "sglang")  # deepspeed stays on CPU installs (built from source against torch)
+# what pip prints when it cannot reach a package index: urllib3's retry warnings and pip's "Could not
+# fetch URL" (pip <= 25), its connection diagnostics (pip 26: connection-failed, connection-timeout)
+UNREACHABLE = ("NewConnectionError", "Failed to establish a new connection", "Max retries exceeded", "Could not fetch URL",
+               "connection-failed", "connection-timeout", "Failed to connect to", "Failed to resolve",
+               "Temporary failure in name resolution", "Name or service not known", "Network is unreachable",
+               "Connection refused", "ConnectTimeoutError", "ReadTimeoutError", "ProxyError")
 
 
 def name(requirement: str) -> str:
@@ -38,14 +45,14 @@ def requirements(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
     return [r for r in dict.fromkeys(wanted) if name(r) != "torch"] + [GPU_TORCH]
 
 
-def resolve(reqs: list[str], timeout: float = 600) -> tuple[bool, dict[str, str], str]:
+def resolve(reqs: list[str], timeout: float = 600, index: Sequence[str] = ()) -> tuple[bool, dict[str, str], str]:
     """(resolved, name -> version pip chose, pip's output) for `pip install --dry-run` of `reqs`
-    into an empty environment."""
+    into an empty environment; `index`: pip's index options, if not its configured index."""
     with tempfile.TemporaryDirectory() as tmp:
         listing, report = Path(tmp) / "requirements.txt", Path(tmp) / "report.json"
         listing.write_text("\n".join(reqs) + "\n")
         run = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                              "--report", str(report), "-r", str(listing)], capture_output=True, text=True,
+                              *index, "--report", str(report), "-r", str(listing)], capture_output=True, text=True,
                              timeout=timeout)
         if run.returncode != 0 or not report.is_file():
             return False, {}, run.stdout + run.stderr
@@ -53,11 +60,22 @@ def resolve(reqs: list[str], timeout: float = 600) -> tuple[bool, dict[str, str]
         return True, chosen, run.stdout + run.stderr
 
 
+def unreachable(out: str) -> bool:
+    """Whether pip's output of a failed resolve says only that the package index could not be reached
+    (then nothing is known of the install). Any other failure is the install's: a conflict, or a
+    pin the index has no distribution for ("No matching distribution found", which pip also prints
+    offline, but then with no versions listed and after a connection error)."""
+    return (any(m in out for m in UNREACHABLE) and "ResolutionImpossible" not in out
+            and re.search(r"\(from versions: (?!none\))", out) is None)
+
+
 def main() -> None:
     reqs = requirements()
     if sys.argv[1:] == ["--resolve"]:
         ok, chosen, out = resolve(reqs)
         if not ok:
+            if unreachable(out):
+                sys.exit(f"pip could not reach the package index to resolve the GPU install:\n{out[-1000:]}")
             sys.exit(f"the GPU install does not resolve:\n{out[-3000:]}")
         print(f"the GPU install resolves: {len(chosen)} packages; " +
               ", ".join(f"{k}=={chosen[k]}" for k in ("sglang", "torch", "transformers", "megatron-core") if k in chosen))

@@ -20,7 +20,8 @@ captured size its cost model and learned acceptance pick the chain depth (or pla
 highest predicted goodput; the candidates of a slot are every depth it would pick for a per-level
 acceptance anywhere in `ACCEPTANCE_BAND` (so a later choice is always one SGLang has graphs for); after
 each generate call the acceptance learned from SGLang's per-request histograms of accepted drafts
-refreshes the depths, and SGLang's EMA is frozen. What SGLang cannot run: trees under adaptive,
+(less the steps of depth-0 slots, which SGLang counts there as verify steps that accepted nothing:
+`plain_steps`) refreshes the depths, and SGLang's EMA is frozen. What SGLang cannot run: trees under adaptive,
 a per-sequence verify budget, and a choice that changes within a call as acceptance drifts.
 """
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from fastgrpo.speculation.policy import AcceptanceModel, Off
 from fastgrpo.speculation.spec import SpecConfig
@@ -176,14 +177,53 @@ class SGLangAdaptive(Off):
         self.controller.verified(accepted if accepted is not None else [0] * running, running)
 
 
+def plain_steps(lengths: Sequence[int], max_running: int, depth: Callable[[int], int]) -> list[int]:
+    """Each request's decode steps that ran at depth 0 (plain decoding) in a call whose requests were
+    all submitted at once (a GRPO batch) and emitted `lengths` tokens, replayed: a request's first
+    token comes from its prefill, rows run together up to `max_running`, waiting ones join in order as
+    others finish, and a step of B rows runs at `depth(B)` (the depth SGLang's slot for B had during
+    the call: its padded size routes it, `AdaptiveSlots.steps`, `AwareTiers.depth`).
+
+    Why: SGLang counts a depth-0 slot's step as a verify step that accepted no draft (it verifies a
+    one-node tree, srt/speculative/eagle_worker_v2.py:1469-1472, 1678-1684; the scheduler adds it to
+    `spec_verify_ct` and to slot 0 of `spec_correct_drafts_histogram`,
+    srt/managers/scheduler_components/batch_result_processor.py:783-787, 832-836), and nothing in
+    a request's output says which of its steps ran at depth 0. The caller of SGLang set every slot's
+    depth for the whole call, and at depth 0 every row emits one token per step, so the replay is
+    SGLang's own batch up to the call's first speculative step; after it the batch only shrinks (a
+    GRPO call's waiting rows joined while it was full), so when depth 0 is picked only at batch sizes
+    above every positive pick (as aware's prices pick it: a deeper chain costs more per row as the
+    batch grows) no depth-0 step follows and the count is exact. With depth 0 below a positive depth
+    the steps after the first speculative one are estimated (rows that speculate finish sooner than
+    one token a step). The simplest design that is exact: SGLang reports nothing per slot to count
+    with instead (`Engine.collective_rpc` returns nothing, srt/entrypoints/engine.py:1862-1867, so
+    the plugin could not send counts back), and changing SGLang's counters would patch more of SGLang
+    than a slot's depth. Like `AwareTiers.saw_call`, it assumes SGLang runs every row it may (KV
+    memory permitting)."""
+    waiting = deque(i for i, n in enumerate(lengths) if n > 1)  # a 1-token request ends at its prefill
+    running: list[tuple[int, int]] = []  # (request, decode tokens left)
+    plain = [0] * len(lengths)
+    while waiting or running:
+        while waiting and len(running) < max_running:
+            i = waiting.popleft()
+            running.append((i, lengths[i] - 1))
+        advance = min(left for _, left in running)  # steps until the next row finishes
+        if depth(len(running)) == 0:
+            for i, _ in running:
+                plain[i] += advance
+        running = [(i, left - advance) for i, left in running if left > advance]
+    return plain
+
+
 def observe_histogram(acceptance: AcceptanceModel, histogram: Sequence[int], shortest: int) -> None:
-    """Per-level acceptance from SGLang's histogram of accepted drafts per verify step
-    (`spec_correct_drafts_histogram`, summed over requests). The histogram does not say which chain
-    a step ran, so only the levels every chain of the call drafted, 1..`shortest` (its shallowest
-    chain), are evidence: a step that accepted a drafts passed levels 1..a and failed level a + 1 when
-    a < shortest. Deeper levels take the pooled acceptance of those (the constant per-level acceptance
-    aware's prior assumes too): counting only their passes, as a histogram alone would, drives their
-    estimate to 1."""
+    """Per-level acceptance from a histogram of accepted drafts per speculative step: SGLang's
+    `spec_correct_drafts_histogram` summed over requests, less the steps of depth-0 slots SGLang
+    counts in its slot 0 (`plain_steps`; `AwareTiers.count` takes them out). The histogram does not
+    say which chain a step ran, so only the levels every chain of the call drafted, 1..`shortest`
+    (its shallowest positive chain), are evidence: a step that accepted a drafts passed levels 1..a
+    and failed level a + 1 when a < shortest. Deeper levels take the pooled acceptance of those (the
+    constant per-level acceptance aware's prior assumes too): counting only their passes, as a
+    histogram alone would, drives their estimate to 1."""
     if shortest <= 0 or not any(histogram):
         return
     for a, n in enumerate(histogram):
@@ -272,11 +312,14 @@ class AwareTiers(Off):
         self.table = {s: min(self.candidates[s], key=lambda c, d=d: (abs(c - d), c)) for s, d in picks.items()}
         return self.table
 
-    def count(self, histogram: Sequence[int]) -> None:
-        """Add a request's histogram of accepted drafts per verify step."""
+    def count(self, histogram: Sequence[int], plain: int = 0) -> None:
+        """Add a request's histogram of accepted drafts per verify step as SGLang reports it, of which
+        `plain` steps ran at depth 0 (`plain_steps`): SGLang counts those as verify steps that accepted
+        no draft, and they drafted nothing, so they come out of slot 0 (at most all of it: a replay
+        that estimated more is cut there)."""
         self.histogram.extend([0] * (len(histogram) - len(self.histogram)))
         for a, n in enumerate(histogram):
-            self.histogram[a] += n
+            self.histogram[a] += max(0, n - plain) if a == 0 else n
 
     def begin(self) -> None:
         self.refresh()
@@ -302,13 +345,20 @@ class AwareTiers(Off):
                 self.saw(len(running), mean, advance)
             running = [(i, done + advance) for i, done in running if done + advance < lengths[i]]
 
+    def depth(self, running: int) -> int:
+        """The chain depth (0: plain decoding) a decode step of `running` rows runs at now: its slot's,
+        the captured size it is padded to."""
+        return self.table.get(pad(running, self.sizes), 0)
+
     def choose(self, running: int, context: float | None = None) -> SpecConfig | None:
         if context is not None:
             self.saw(running, context)
-        return chain(self.table.get(pad(running, self.sizes), 0))
+        return chain(self.depth(running))
 
     def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
                 accepted: list[int] | None = None) -> None:
+        # the simulator reports no accepted drafts for a plain step (SGLang would count it in slot 0,
+        # and `count` would take it out again: plain_steps)
         if accepted:  # one pass over the rows (the simulator calls this every step)
             counts = Counter(accepted)
             self.count([counts[a] for a in range(max(counts) + 1)])

@@ -21,8 +21,10 @@ What it runs:
   tie_word_embeddings, dtype / torch_dtype through configs/model_config.py _get_and_verify_dtype;
   weights by llama_eagle.py's names), chain drafts verified against the target's own samples, so
   the output equals plain decoding with the same seeds; adaptive tiers from the tiers file
-  (speculative/adaptive_spec_params.py), one step count per batch size. The draft's proposals come
-  from a stand-in forward (its fc and MLP, no attention): acceptance is not SGLang's.
+  (speculative/adaptive_spec_params.py), one step count per batch size; a step at depth 0 counted
+  as a verify step with no correct draft (speculative/eagle_worker_v2.py's trivial verify). The
+  draft's proposals come from a stand-in forward (its fc and MLP, no attention): acceptance is not
+  SGLang's.
 - weights: update sessions with selectors, refused outside a session, one payload per TP rank each
   deserialised once (managers/tp_worker.py deserialize_own_rank), the producer's
   monkey_patch_torch_reductions, HF names loaded by name and shape (a wrong name or shape fails as
@@ -488,6 +490,14 @@ class Scheduler:
                     r.hidden_states.append(state.tolist())
                 last_state = state
                 done = self._emit(r, self._sample(out.logits[0, -1], r, n + 1))
+                if self.algorithm is not None:
+                    # a depth-0 slot still runs EAGLE's verify, on a one-node tree: the root is accepted and
+                    # one token sampled (speculative/eagle_worker_v2.py:1469-1472, 1678-1684), and the
+                    # scheduler counts it as any verify step with 0 correct drafts: spec_verify_ct += 1,
+                    # slot 0 of the histogram (scheduler_components/batch_result_processor.py:783-787,
+                    # 832-836; schedule_batch.py:1566-1572)
+                    r.verify_ct += 1
+                    self._count_correct(r, 0)
                 continue
             drafted = self._propose(pending, last_state, steps)
             out = self._forward([[pending] + drafted], cache)
@@ -501,8 +511,7 @@ class Scheduler:
                 correct += i < steps and sampled[0] == drafted[i]
                 if done or i == steps or sampled[0] != drafted[i]:
                     break
-            r.histogram.extend([0] * (correct + 1 - len(r.histogram)))  # schedule_batch.py
-            r.histogram[correct] += 1
+            self._count_correct(r, correct)
             if r.hidden:
                 r.hidden_states.extend(fed_states[:accepted].tolist())
             last_state = fed_states[accepted - 1]
@@ -512,6 +521,12 @@ class Scheduler:
         self._insert(prompt + r.out[:-1])
         if r.hidden:
             r.hidden_states = r.hidden_states[: len(r.out)]  # output_streamer.py: hs[: finished_len]
+
+    @staticmethod
+    def _count_correct(r: _Request, correct: int) -> None:
+        """Req.update_spec_correct_drafts_histogram (managers/schedule_batch.py:1566-1572)."""
+        r.histogram.extend([0] * (correct + 1 - len(r.histogram)))
+        r.histogram[correct] += 1
 
     def output(self, r: _Request) -> dict:
         meta = {"id": r.rid, "finish_reason": r.finish, "prompt_tokens": len(r.prompt),

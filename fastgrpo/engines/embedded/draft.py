@@ -57,26 +57,30 @@ class TargetTensors:
 
 
 class DraftHead(nn.Module):
-    def __init__(self, target_cfg: LlamaConfig, max_len: int = 1024):
+    def __init__(self, target_cfg: LlamaConfig, max_len: int = 1024, device: torch.device | str | None = None):
+        """On `device` (None: the default device, or the enclosing device context's, as torch's own
+        modules: an engine builds its draft inside its device's context, `fastgrpo plan` on meta);
+        the initial values are drawn on the CPU wherever it is (reset_parameters)."""
         super().__init__()
         self.cfg = target_cfg
         h = target_cfg.hidden_size
         self.n_heads, self.n_kv = target_cfg.num_attention_heads, target_cfg.num_key_value_heads
         self.eps = target_cfg.rms_norm_eps
-        # initialised on the CPU (the same draft from the same seed on any machine); callers move it
-        self.fc = nn.Parameter(torch.empty(h, 2 * h, device="cpu"))
-        self.layer = nn.ParameterDict({k: nn.Parameter(torch.empty(s, device="cpu"))
+        self.fc = nn.Parameter(torch.empty(h, 2 * h, device=device))
+        self.layer = nn.ParameterDict({k: nn.Parameter(torch.empty(s, device=device))
                                        for k, s in layer_shapes(target_cfg).items()})
-        self.norm = nn.Parameter(torch.ones(h, device="cpu"))
-        cos, sin = rope_tables(target_cfg, max_len, device="cpu")
+        self.norm = nn.Parameter(torch.ones(h, device=device))
+        cos, sin = rope_tables(target_cfg, max_len, device=device)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
-        self.embed: Tensor = torch.zeros(0, device="cpu")
-        self.lm_head: Tensor = torch.zeros(0, device="cpu")
+        self.embed: Tensor = torch.zeros(0, device=device)
+        self.lm_head: Tensor = torch.zeros(0, device=device)
         self.packed: dict[str, PackedWeight] | None = None  # engine-side inference copies, see pack()
         self.reset_parameters()
 
     def reset_parameters(self, seed: int = 0) -> None:
+        if self.fc.is_meta:  # shapes only (no values to draw)
+            return
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in [("fc", self.fc), *self.layer.items()]:

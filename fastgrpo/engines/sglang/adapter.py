@@ -45,7 +45,9 @@ on, all in 0.5.23 (paths in the wheel, under sglang/srt/):
   (speculation/sglang_tiers.py `AwareTiers`): a slot per captured CUDA-graph batch size whose
   candidates cover every chain aware would pick there, the depths set at start and after every
   generate call from the acceptance learned from SGLang's per-request histograms of accepted drafts
-  (`spec_correct_drafts_histogram`), through fastgrpo's scheduler plugin (engines/sglang/plugin.py,
+  (`spec_correct_drafts_histogram`, less the steps of depth-0 slots, which SGLang counts there as
+  verify steps: `plain_steps` replays them, and they are no speculative steps in `stats()` either),
+  through fastgrpo's scheduler plugin (engines/sglang/plugin.py,
   an `sglang.srt.plugins` entry point) called with `Engine.collective_rpc`. Its costs are the
   roofline of the GPU and model (speculation/roofline.py) until SGLang's forwards are calibrated.
   `aware_per_sequence` runs as `aware` (SGLang has no per-sequence verify budget).
@@ -72,7 +74,7 @@ from fastgrpo.protocols import NamedTensors
 from fastgrpo.config import Config
 from fastgrpo.engines.embedded.draft import DRAFT_WEIGHTS, export_sglang_eagle, sglang_eagle_tensors
 from fastgrpo.speculation.policy import FastGRPOFormula, SpeculationPolicy
-from fastgrpo.speculation.sglang_tiers import AwareTiers, spec_capture_sizes
+from fastgrpo.speculation.sglang_tiers import AdaptiveSlots, AwareTiers, plain_steps, spec_capture_sizes
 from fastgrpo.types import Completion, EngineStats, Request, SamplingParams
 
 if TYPE_CHECKING:
@@ -184,10 +186,12 @@ def fill_prefixes(sequences: list[list[int]], parts: list[tuple[int, Tensor]]) -
     return out
 
 
-def completion(out: dict, prompt_len: int, requested: int, limit: int, masked: bool) -> Completion:
+def completion(out: dict, prompt_len: int, requested: int, limit: int, masked: bool, plain: int = 0) -> Completion:
     """One SGLang output as our Completion: tokens, the sampling distribution's log-probabilities (and
     with the sampling mask each token's sampling set), why it ended (`limit`: the max_new_tokens sent,
-    `requested` clamped to the context) and its speculation counts."""
+    `requested` clamped to the context) and its speculation counts: `plain` of its verify steps ran
+    at depth 0 (`plain_steps`; SGLang counts them as verify steps, each emitting one token), the rest
+    speculated."""
     meta = out["meta_info"]
     tokens = list(out["output_ids"])
     reason = meta["finish_reason"] or {"type": "length"}
@@ -209,8 +213,8 @@ def completion(out: dict, prompt_len: int, requested: int, limit: int, masked: b
         logprobs = [float(lp) for lp, _, _ in triples]
     if len(logprobs) != len(tokens):
         raise RuntimeError(f"SGLang returned {len(logprobs)} log-probabilities for {len(tokens)} tokens")
-    verify = int(meta.get("spec_verify_ct", 0))
-    return Completion(tokens, logprobs, finish, {"spec_steps": verify, "spec_emitted": len(tokens) if verify else 0},
+    steps = max(0, int(meta.get("spec_verify_ct", 0)) - plain)
+    return Completion(tokens, logprobs, finish, {"spec_steps": steps, "spec_emitted": len(tokens) - plain if steps else 0},
                       None, sets)
 
 
@@ -304,6 +308,11 @@ class SGLangEngine:
         self.draft_source = None
         self._dropped_warned = False
         self._stats: EngineStats = {}
+        # the depth a decode step of B rows runs at, where some slot may run plain (depth 0): SGLang
+        # counts those steps as verify steps, which `plain_steps` replays from it
+        self._depth = (aware.depth if aware is not None else
+                       AdaptiveSlots(tiers, spec_capture_sizes(self.max_running)).steps if mode == "fastgrpo" and tiers
+                       else None)
         if aware is not None:
             self.set_tiers(aware.table)
 
@@ -315,12 +324,17 @@ class SGLangEngine:
         try:
             self._engine.collective_rpc(SET_STEPS, tiers=json.dumps({str(k): v for k, v in table.items()}))
         except AssertionError as e:  # collective_rpc asserts the schedulers' success
+            if SET_STEPS in str(e):  # the method is missing: SGLang started without the plugin
+                raise RuntimeError(f"fastgrpo's SGLang plugin is not registered in SGLang's scheduler ({e}): SGLang "
+                                   f"logs a plugin that fails to load or raises in register() and starts without "
+                                   f"it; its log says why (srt/plugins/__init__.py)") from None
             raise RuntimeError(f"SGLang's schedulers refused fastgrpo's adaptive depths: {e}") from None
 
-    def _learn(self, requests: list[Request], done: list[Completion], outs: list[dict]) -> None:
-        """aware learns the call's accepted drafts and sets the slots for the next call."""
-        for o in outs:
-            self.aware.count(o["meta_info"].get("spec_correct_drafts_histogram") or [])
+    def _learn(self, requests: list[Request], done: list[Completion], outs: list[dict], plain: list[int]) -> None:
+        """aware learns the call's accepted drafts (`plain`: each request's steps at depth 0) and sets
+        the slots for the next call."""
+        for o, p in zip(outs, plain):
+            self.aware.count(o["meta_info"].get("spec_correct_drafts_histogram") or [], p)
         self.aware.saw_call([len(r.prompt_ids) for r in requests], [len(c.token_ids) for c in done], self.max_running)
         before = dict(self.aware.table)
         if self.aware.refresh() != before:
@@ -468,21 +482,25 @@ class SGLangEngine:
             return_logprob=True, return_sampling_mask=masked, return_hidden_states=capture)
         outs = self._run(self._engine.tokenizer_manager.generate_request(obj, None).__anext__())
         seconds = time.perf_counter() - t0
-        done = [completion(o, len(r.prompt_ids), r.max_new_tokens or sampling.max_new_tokens, limit, masked)
-                for o, r, limit in zip(outs, requests, limits)]
+        # each request's steps at depth-0 slots (the depths set for this call, before aware moves them)
+        plain = (plain_steps([len(o["output_ids"]) for o in outs], self.max_running, self._depth)
+                 if self._depth is not None else [0] * len(outs))
+        done = [completion(o, len(r.prompt_ids), r.max_new_tokens or sampling.max_new_tokens, limit, masked, p)
+                for o, r, limit, p in zip(outs, requests, limits, plain)]
         if capture:
             parts = [captured(o["meta_info"], len(r.prompt_ids), len(c.token_ids)) for o, r, c in zip(outs, requests, done)]
             states = fill_prefixes([r.prompt_ids + c.token_ids for r, c in zip(requests, done)], parts)
             for c, h in zip(done, states):
                 c.hidden = h
         if self.aware is not None:
-            self._learn(requests, done, outs)
+            self._learn(requests, done, outs, plain)
         tokens = sum(len(c.token_ids) for c in done)
-        verify = sum(c.spec["spec_steps"] for c in done)
+        verify = sum(int(o["meta_info"].get("spec_verify_ct", 0)) for o in outs)  # plain steps included
+        spec = sum(c.spec["spec_steps"] for c in done)
         emitted = sum(c.spec["spec_emitted"] for c in done)
         self._stats = dict(sequences=len(done), tokens=tokens, seconds=seconds, tokens_per_s=tokens / max(seconds, 1e-9),
-                           spec_steps=verify, spec_seq_steps=verify, spec_emitted=emitted, decode_steps=verify or tokens,
-                           mean_running=0.0, accept_len=emitted / verify if verify else 1.0,
+                           spec_steps=spec, spec_seq_steps=spec, spec_emitted=emitted, decode_steps=verify or tokens,
+                           mean_running=0.0, accept_len=emitted / spec if spec else 1.0,
                            config_by_concurrency={}, trace=[])
         return done
 
@@ -492,16 +510,25 @@ class SGLangEngine:
 
 def check_plugin() -> None:
     """SGLang will load fastgrpo's scheduler plugin: its entry point is installed and SGLANG_PLUGINS, if
-    set, allows it."""
+    set, allows it. SGLang 0.5.23 reads any value of SGLANG_PLUGINS but the empty string as an
+    allow-list of names, split at commas and stripped (srt/plugins/__init__.py:51-55, 67-70; the
+    variable is read as it is, srt/environ.py:128-130): commas or blanks alone allow no plugin."""
     from importlib.metadata import entry_points
 
     names = {ep.name for ep in entry_points(group="sglang.srt.plugins") if ep.value.startswith("fastgrpo.")}
     if not names:
         raise RuntimeError("speculation.policy=aware on SGLang needs fastgrpo's SGLang plugin, an entry point of the "
                            "installed fastgrpo: reinstall it (`pip install -e .`)")
-    allowed = {x.strip() for x in os.environ.get("SGLANG_PLUGINS", "").split(",") if x.strip()}
-    if allowed and not names & allowed:
-        raise RuntimeError(f"SGLANG_PLUGINS={os.environ['SGLANG_PLUGINS']} leaves out fastgrpo's plugin "
+    raw = os.environ.get("SGLANG_PLUGINS", "")
+    if raw == "":  # unset or empty: SGLang loads every plugin
+        return
+    allowed = {x.strip() for x in raw.split(",")} - {""}
+    if not allowed:
+        raise RuntimeError(f"SGLANG_PLUGINS={raw!r} names no plugin, and SGLang reads it as an allow-list all the same: "
+                           f"it would load none, and speculation.policy=aware needs fastgrpo's "
+                           f"({', '.join(sorted(names))}); unset it or name that plugin")
+    if not names & allowed:
+        raise RuntimeError(f"SGLANG_PLUGINS={raw} leaves out fastgrpo's plugin "
                            f"({', '.join(sorted(names))}), which speculation.policy=aware needs")
 
 
