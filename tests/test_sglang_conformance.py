@@ -313,7 +313,7 @@ def test_only_an_unreachable_index_skips_the_gpu_resolve(tmp_path):
     index has no distribution for fails it (pip's "No matching distribution found"), as a conflict
     does. pip's own outputs, offline: a local index listing only version 1.0 of a package asked at
     2.0, one listing nothing, and an index nobody answers at (where pip says "No matching
-    distribution found" too, after the connection errors)."""
+    distribution found" too, after warning of the connection errors as it retries)."""
     from tools.gpu_requirements import resolve, unreachable
 
     (tmp_path / "index").mkdir()
@@ -323,7 +323,7 @@ def test_only_an_unreachable_index_skips_the_gpu_resolve(tmp_path):
         ok, _, out = resolve([pin], timeout=120, index=local)
         assert not ok and "No matching distribution found" in out and not unreachable(out), out
     ok, _, out = resolve(["fastgrpo-probe==2.0"], timeout=120,
-                         index=["--index-url", "http://127.0.0.1:9/simple", "--retries", "0", "--timeout", "5"])
+                         index=["--index-url", "http://127.0.0.1:9/simple", "--retries", "1", "--timeout", "5"])
     assert not ok and unreachable(out), out
 
 
@@ -364,11 +364,10 @@ def test_the_plugin_reaches_what_sglang_loads_and_calls(src):
     assert "if self._batch_count <= self.warmup_batches:\n        return False" in ast.unparse(slot.method("update"))
 
 
-def test_what_the_emulation_counts_and_loads_is_in_sglangs_source(src):
-    """The SGLang behaviour the emulation follows and the adapter relies on (issue 41): a depth-0 slot's
-    step is a trivial verify that the scheduler counts as a verify step with its correct drafts (0)
-    in the histogram; SGLANG_PLUGINS read as it is, any non-empty value an allow-list; a plugin that
-    fails to load or raises is logged and skipped."""
+def test_sglang_counts_a_depth_0_step_as_a_verify_step(src):
+    """What the emulation does and `plain_steps` undoes: a depth-0 slot's step is a trivial verify
+    (a one-node tree), which the scheduler counts as a verify step, its correct drafts (0) into the
+    histogram."""
     worker = src.class_named("sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2")
     forward = ast.unparse(worker.method("forward_batch_generation"))
     assert "elif self.speculative_num_steps == 0:\n            verify_input = self._build_trivial_verify_input(batch)" in forward
@@ -376,6 +375,11 @@ def test_what_the_emulation_counts_and_loads_is_in_sglangs_source(src):
     counted = processor[processor.index("def _resolve_spec_v2_tokens"):]
     assert "length - num_non_draft for length in accept_lens" in counted
     assert counted.index("req.spec_verify_ct += 1") < counted.index("req.update_spec_correct_drafts_histogram(num_correct_drafts)")
+
+
+def test_sglang_loads_plugins_as_emulated(src):
+    """SGLANG_PLUGINS is read as it is, any non-empty value an allow-list (commas or blanks alone: an
+    empty one); a plugin that fails to load or raises is logged and skipped."""
     plugins = src.module("sglang.srt.plugins").path.read_text()
     assert "if allowed_str:\n        allowed_set = {x.strip() for x in allowed_str.split(\",\") if x.strip()}" in plugins
     assert "if allowed_set is not None and ep.name not in allowed_set:" in plugins

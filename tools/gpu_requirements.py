@@ -25,12 +25,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 GPU_TORCH = "torch==2.14.1"  # sglang 0.5.23's Requires-Dist
 GPU_EXTRAS = ("test", "megatron", "sglang")  # deepspeed stays on CPU installs (built from source against torch)
-# what pip prints when it cannot reach a package index: urllib3's retry warnings and pip's "Could not
-# fetch URL" (pip <= 25), its connection diagnostics (pip 26: connection-failed, connection-timeout)
-UNREACHABLE = ("NewConnectionError", "Failed to establish a new connection", "Max retries exceeded", "Could not fetch URL",
-               "connection-failed", "connection-timeout", "Failed to connect to", "Failed to resolve",
-               "Temporary failure in name resolution", "Name or service not known", "Network is unreachable",
-               "Connection refused", "ConnectTimeoutError", "ReadTimeoutError", "ProxyError")
+# what pip prints when it cannot reach a package index: urllib3's warnings as it retries (pip 26 logs
+# the failed fetch itself only at debug level, and then says "No matching distribution found" as for a
+# pin the index lacks), pip's "Could not fetch URL" (older pips), its connection diagnostics
+UNREACHABLE = ("NewConnectionError", "NameResolutionError", "Failed to establish a new connection", "Max retries exceeded",
+               "Could not fetch URL", "connection-failed", "connection-timeout", "Failed to connect to",
+               "Failed to resolve", "Temporary failure in name resolution", "Name or service not known",
+               "Network is unreachable", "Connection refused", "ConnectTimeoutError", "ReadTimeoutError", "ProxyError")
 
 
 def name(requirement: str) -> str:
@@ -64,7 +65,8 @@ def unreachable(out: str) -> bool:
     """Whether pip's output of a failed resolve says only that the package index could not be reached
     (then nothing is known of the install). Any other failure is the install's: a conflict, or a
     pin the index has no distribution for ("No matching distribution found", which pip also prints
-    offline, but then with no versions listed and after a connection error)."""
+    offline, but then with no versions listed and after warnings of a connection error: pip retries
+    a failed fetch, 5 times unless told otherwise, and says so)."""
     return (any(m in out for m in UNREACHABLE) and "ResolutionImpossible" not in out
             and re.search(r"\(from versions: (?!none\))", out) is None)
 
