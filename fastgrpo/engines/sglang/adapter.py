@@ -326,8 +326,9 @@ class SGLangEngine:
         except AssertionError as e:  # collective_rpc asserts the schedulers' success
             if SET_STEPS in str(e):  # the method is missing: SGLang started without the plugin
                 raise RuntimeError(f"fastgrpo's SGLang plugin is not registered in SGLang's scheduler ({e}): SGLang "
-                                   f"logs a plugin that fails to load or raises in register() and starts without "
-                                   f"it; its log says why (srt/plugins/__init__.py)") from None
+                                   f"starts without a plugin that fails to load or raises in register() (its log "
+                                   f"says why) and without one SGLANG_PLUGINS leaves out (srt/plugins/__init__.py)"
+                                   ) from None
             raise RuntimeError(f"SGLang's schedulers refused fastgrpo's adaptive depths: {e}") from None
 
     def _learn(self, requests: list[Request], done: list[Completion], outs: list[dict], plain: list[int]) -> None:
