@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from transformers import LlamaConfig
+from transformers import PretrainedConfig
 
-from fastgrpo.engines.embedded.model import (MATRICES, KVFn, PackedWeight, decoder_layer, layer_shapes, linear,
-                                             onednn_available, rms_norm, rope_tables)
+from fastgrpo.engines.embedded.families import dense_layer
+from fastgrpo.engines.embedded.model import KVFn, PackedWeight, decoder_layer, linear, onednn_available, rms_norm, rope_tables
 
 DRAFT_WEIGHTS = "draft.safetensors"
 DRAFT_CONFIG = "draft_config.json"
@@ -57,18 +57,22 @@ class TargetTensors:
 
 
 class DraftHead(nn.Module):
-    def __init__(self, target_cfg: LlamaConfig, max_len: int = 1024, device: torch.device | str | None = None):
+    def __init__(self, target_cfg: PretrainedConfig, max_len: int = 1024, device: torch.device | str | None = None):
         """On `device` (None: the default device, or the enclosing device context's, as torch's own
         modules: an engine builds its draft inside its device's context, `fastgrpo plan` on meta);
-        the initial values are drawn on the CPU wherever it is (reset_parameters)."""
+        the initial values are drawn on the CPU wherever it is (reset_parameters).
+
+        Its layer is a plain Llama one (no biases, no q/k norms: what SGLang's EAGLE Llama holds) at the
+        target's sizes (heads, KV heads, head size, MLP width), rotating by the target's rope (scaled
+        as the target's is)."""
         super().__init__()
         self.cfg = target_cfg
         h = target_cfg.hidden_size
-        self.n_heads, self.n_kv = target_cfg.num_attention_heads, target_cfg.num_key_value_heads
+        self.layout = dense_layer(target_cfg)
         self.eps = target_cfg.rms_norm_eps
         self.fc = nn.Parameter(torch.empty(h, 2 * h, device=device))
         self.layer = nn.ParameterDict({k: nn.Parameter(torch.empty(s, device=device))
-                                       for k, s in layer_shapes(target_cfg).items()})
+                                       for k, s in self.layout.shapes().items()})
         self.norm = nn.Parameter(torch.ones(h, device=device))
         cos, sin = rope_tables(target_cfg, max_len, device=device)
         self.register_buffer("cos", cos, persistent=False)
@@ -96,7 +100,8 @@ class DraftHead(nn.Module):
         small per-level matmuls are what speculation pays for each step). load_named() repacks."""
         self.requires_grad_(False)
         if onednn_available() and self.fc.device.type == "cpu" and self.fc.dtype == torch.float32:
-            self.packed = {k: PackedWeight(w) for k, w in [("fc", self.fc), *self.layer.items()] if k in ("fc", *MATRICES)}
+            self.packed = {k: PackedWeight(w) for k, w in [("fc", self.fc), *self.layer.items()]
+                           if k in ("fc", *self.layout.matrices)}
 
     def bind_target(self, embed: Tensor, lm_head: Tensor) -> None:
         """Share the target's (frozen) embedding and LM head."""
@@ -114,7 +119,7 @@ class DraftHead(nn.Module):
         weights = {"fc": self.fc, **self.layer} | (self.packed or {})
         x = linear(torch.cat([F.embedding(next_tokens, self.embed), hidden], dim=-1), weights["fc"])
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
-        return decoder_layer(x, weights, self.n_heads, self.n_kv, self.eps, cos, sin, mask, kv)
+        return decoder_layer(x, weights, self.layout, cos, sin, mask, kv)
 
     def logits(self, features: Tensor) -> Tensor:
         return rms_norm(features, self.norm, self.eps) @ self.lm_head.T
@@ -134,7 +139,7 @@ class DraftHead(nn.Module):
         (d / DRAFT_CONFIG).write_text(json.dumps(meta, indent=2))
 
     @classmethod
-    def load(cls, directory: str | Path, target_cfg: LlamaConfig, max_len: int = 1024) -> DraftHead:
+    def load(cls, directory: str | Path, target_cfg: PretrainedConfig, max_len: int = 1024) -> DraftHead:
         d = Path(directory)
         if not (d / DRAFT_WEIGHTS).is_file():
             raise FileNotFoundError(f"no draft at {d} ({DRAFT_WEIGHTS} missing); build one with `fastgrpo draft-pretrain`")

@@ -1,4 +1,5 @@
-"""Inference forward of a Llama-architecture policy over a static, slot-based KV cache.
+"""Inference forward of a Llama-architecture policy (the families of families.py: Llama 3.x, Qwen2.5,
+Qwen3 dense) over a static, slot-based KV cache.
 
 Why not `transformers` here: its dynamic cache re-copies on every step and cannot take per-sequence
 lengths or tree-shaped attention, which speculative verification needs. This module reads the same
@@ -21,14 +22,16 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from transformers import LlamaConfig
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from fastgrpo.engines.embedded.families import LayerLayout, head_dim as head_dim_of, layer_layout
 
 
 class KVCache:
-    def __init__(self, cfg: LlamaConfig, rows: int, max_len: int, dtype: torch.dtype = torch.float32,
+    def __init__(self, cfg: PretrainedConfig, rows: int, max_len: int, dtype: torch.dtype = torch.float32,
                  layers: int | None = None):
-        head_dim = cfg.hidden_size // cfg.num_attention_heads
-        shape = (layers or cfg.num_hidden_layers, rows, max_len, cfg.num_key_value_heads, head_dim)
+        shape = (layers or cfg.num_hidden_layers, rows, max_len, cfg.num_key_value_heads, head_dim_of(cfg))
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
         self.lengths = torch.zeros(rows, dtype=torch.long)  # tokens cached per row
@@ -50,15 +53,33 @@ class KVCache:
         self.visible_from[dst] = self.visible_from[src]
 
 
-def rope_tables(cfg: LlamaConfig, max_len: int, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+# rope types whose tables depend on the config alone (dynamic and longrope change with the sequence length)
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_tables(cfg: PretrainedConfig, max_len: int, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
     """cos, sin [max_len, head_dim] in fp32 on `device` (None: the default device, or the enclosing
-    device context's)."""
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    theta = getattr(cfg, "rope_theta", None) or (cfg.rope_parameters or {}).get("rope_theta", 10000.0)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    device context's). A scaled rope (Llama 3.1's `llama3`, ...) takes its inverse frequencies and
+    attention factor from transformers' own functions, as its rotary embedding does."""
+    d = head_dim_of(cfg)
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"{cfg.model_type}: a partial rotary embedding (partial_rotary_factor) is not supported")
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ValueError(f"{cfg.model_type}: rope type {rope_type!r} is not supported ({', '.join(STATIC_ROPE_TYPES)})")
+    scale = 1.0
+    if rope_type == "default":
+        theta = getattr(cfg, "rope_theta", None) or params.get("rope_theta", 10000.0)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+    else:
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, device)
+        inv_freq = inv_freq.to(device=device, dtype=torch.float32)
     freqs = torch.outer(torch.arange(max_len, dtype=torch.float32, device=device), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    if scale == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale  # yarn's attention factor, applied to cos and sin as HF does
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -79,13 +100,15 @@ class PackedWeight:
     def __init__(self, dense: Tensor):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(dense, self.PACK_BATCH)
 
-    def __call__(self, x: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+    def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
-def linear(x: Tensor, w: Tensor | PackedWeight) -> Tensor:
-    """x @ w.T, through the packed kernel when the weight has one."""
-    return w(x) if isinstance(w, PackedWeight) else x @ w.T
+def linear(x: Tensor, w: Tensor | PackedWeight, bias: Tensor | None = None) -> Tensor:
+    """x @ w.T (+ bias), through the packed kernel when the weight has one."""
+    if isinstance(w, PackedWeight):
+        return w(x, bias)
+    return x @ w.T if bias is None else F.linear(x, w, bias)  # biased: the kernel nn.Linear uses
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -119,32 +142,46 @@ def block_mask(start: Tensor, n: int, ctx: int, new_mask: Tensor | None, visible
 KVFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
-def decoder_layer(x: Tensor, L: dict[str, Tensor | PackedWeight], n_heads: int, n_kv: int, eps: float,
-                  cos: Tensor, sin: Tensor, mask: Tensor | None, kv: KVFn, valid: Tensor | None = None) -> Tensor:
-    """One Llama decoder layer. `kv(k, v)` turns this block's keys/values [B, KV, n, D] into the keys/values
-    to attend over: the cache after appending them (inference), or themselves (training).
+def decoder_layer(x: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerLayout, cos: Tensor, sin: Tensor,
+                  mask: Tensor | None, kv: KVFn, valid: Tensor | None = None) -> Tensor:
+    """One decoder layer of `layout`'s family. `kv(k, v)` turns this block's keys/values [B, KV, n, D] into
+    the keys/values to attend over: the cache after appending them (inference), or themselves (training).
+
+    The layer's optional tensors are used where the family has them: q/k/v and o biases (`bqkv`, `bo`),
+    an RMSNorm over each head of q and k before the rotation (`q_norm`, `k_norm`).
 
     Ragged blocks: with `valid` [B, n] bool, x holds only the valid tokens, packed [T, hidden]. The
     matmuls (nearly all the work) run on those T tokens; attention runs on the [B, n] layout with
     zeros in the gaps (their keys must be masked out; what their queries compute is dropped)."""
-    H, KV, D = n_heads, n_kv, cos.shape[-1]
+    H, KV, D, eps = layout.heads, layout.kv_heads, layout.head_dim, layout.eps
     h = rms_norm(x, L["attn_norm"], eps)
-    qkv = linear(h, L["wqkv"])
+    qkv = linear(h, L["wqkv"], L.get("bqkv"))
     if valid is not None:
         qkv = unpack(qkv, valid)
     B, n, _ = qkv.shape
-    q = qkv[..., : H * D].view(B, n, H, D).transpose(1, 2)
-    k = qkv[..., H * D : (H + KV) * D].view(B, n, KV, D).transpose(1, 2)
+    q = qkv[..., : H * D].view(B, n, H, D)
+    k = qkv[..., H * D : (H + KV) * D].view(B, n, KV, D)
     v = qkv[..., (H + KV) * D :].view(B, n, KV, D).transpose(1, 2)
+    if "q_norm" in L:
+        q, k = rms_norm(q, L["q_norm"], eps), rms_norm(k, L["k_norm"], eps)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
     keys, values = kv(_rotate(k, cos, sin), v)
     q = _rotate(q, cos, sin)
     attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
                                           enable_gqa=KV != H)
     attn = attn.transpose(1, 2).reshape(B, n, H * D)
-    x = x + linear(attn if valid is None else attn[valid], L["wo"])
+    x = x + linear(attn if valid is None else attn[valid], L["wo"], L.get("bo"))
     h = rms_norm(x, L["mlp_norm"], eps)
+    return x + MLPS[layout.mlp](h, L)
+
+
+def swiglu_mlp(h: Tensor, L: dict[str, Tensor | PackedWeight]) -> Tensor:
     gate, up = linear(h, L["w_gate_up"]).chunk(2, dim=-1)
-    return x + linear(F.silu(gate) * up, L["w_down"])
+    return linear(F.silu(gate) * up, L["w_down"])
+
+
+# the MLP a family's layer runs (LayerLayout.mlp): a mixture of experts adds its own here
+MLPS: dict[str, Callable[[Tensor, dict[str, Tensor | PackedWeight]], Tensor]] = {"swiglu": swiglu_mlp}
 
 
 def unpack(packed: Tensor, valid: Tensor) -> Tensor:
@@ -167,14 +204,7 @@ def cache_kv(cache: KVCache, layer: int, rows: slice, slots: Tensor, ctx: int) -
     return kv
 
 
-def layer_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Fused weight layouts (qkv, gate+up): fewer, larger matmuls."""
-    h, kv = cfg.hidden_size, cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
-    ff = cfg.intermediate_size
-    return dict(wqkv=(h + 2 * kv, h), wo=(h, h), w_gate_up=(2 * ff, h), w_down=(h, ff), attn_norm=(h,), mlp_norm=(h,))
-
-
-MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # the matrices every dense family's layer has
 
 
 class InferenceModel:
@@ -183,41 +213,27 @@ class InferenceModel:
     kernel "onednn" (default where available) runs the matmuls on packed copies of the weights,
     "dense" on the weights as loaded; both compute the same function."""
 
-    def __init__(self, cfg: LlamaConfig, max_len: int, dtype: torch.dtype = torch.float32, kernel: str = "auto"):
+    def __init__(self, cfg: PretrainedConfig, max_len: int, dtype: torch.dtype = torch.float32, kernel: str = "auto"):
         if kernel not in ("auto", "onednn", "dense"):
             raise ValueError(f"kernel must be auto, onednn or dense, not {kernel!r}")
         if kernel == "onednn" and not onednn_available():
             raise ValueError("kernel 'onednn' is not available in this torch build")
         self.kernel = ("onednn" if onednn_available() and dtype == torch.float32 else "dense") if kernel == "auto" else kernel
-        if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
-            raise ValueError("biased attention/MLP projections are not supported by the embedded engine")
         self.cfg = cfg
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = cfg.num_key_value_heads
-        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.layout = layer_layout(cfg)  # the family's decoder layer: its tensors and their HF names
+        self.n_heads, self.n_kv, self.head_dim = self.layout.heads, self.layout.kv_heads, self.layout.head_dim
         self.eps = cfg.rms_norm_eps
-        h, q, kv, ff = cfg.hidden_size, cfg.hidden_size, self.n_kv * self.head_dim, cfg.intermediate_size
+        h = cfg.hidden_size
         z = lambda *s: torch.zeros(*s, dtype=dtype)  # noqa: E731
         self.embed = z(cfg.vocab_size, h)
         self.norm = z(h)
         self.lm_head = self.embed if cfg.tie_word_embeddings else z(cfg.vocab_size, h)
-        self.layers = [{k: z(*shape) for k, shape in layer_shapes(cfg).items()} for _ in range(cfg.num_hidden_layers)]
+        self.layers = [{k: z(*shape) for k, shape in self.layout.shapes().items()} for _ in range(cfg.num_hidden_layers)]
         self.views: dict[str, Tensor] = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
         if not cfg.tie_word_embeddings:
             self.views["lm_head.weight"] = self.lm_head
         for i, L in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            self.views |= {
-                p + "self_attn.q_proj.weight": L["wqkv"][:q],
-                p + "self_attn.k_proj.weight": L["wqkv"][q : q + kv],
-                p + "self_attn.v_proj.weight": L["wqkv"][q + kv :],
-                p + "self_attn.o_proj.weight": L["wo"],
-                p + "mlp.gate_proj.weight": L["w_gate_up"][:ff],
-                p + "mlp.up_proj.weight": L["w_gate_up"][ff:],
-                p + "mlp.down_proj.weight": L["w_down"],
-                p + "input_layernorm.weight": L["attn_norm"],
-                p + "post_attention_layernorm.weight": L["mlp_norm"],
-            }
+            self.views |= self.layout.hf_views(L, f"model.layers.{i}.")
         self.cos, self.sin = (t.to(dtype) for t in rope_tables(cfg, max_len))  # computed in fp32, as HF's
         # what forward() multiplies by: the weights themselves, or their packed copies
         self.matmul_layers: list[dict[str, Tensor | PackedWeight]] = list(self.layers)
@@ -228,7 +244,8 @@ class InferenceModel:
         if self.kernel != "onednn":
             return
         for i in layers:
-            self.matmul_layers[i] = {k: PackedWeight(w) if k in MATRICES else w for k, w in self.layers[i].items()}
+            self.matmul_layers[i] = {k: PackedWeight(w) if k in self.layout.matrices else w
+                                     for k, w in self.layers[i].items()}
         if head:
             self.head = PackedWeight(self.lm_head)
 
@@ -286,8 +303,7 @@ class InferenceModel:
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, n, D]
         x = F.embedding(tokens if valid is None else tokens[valid], self.embed)
         for li, L in enumerate(self.matmul_layers):
-            x = decoder_layer(x, L, self.n_heads, self.n_kv, self.eps, cos, sin, mask,
-                              cache_kv(cache, li, rows, slots, ctx), valid)
+            x = decoder_layer(x, L, self.layout, cos, sin, mask, cache_kv(cache, li, rows, slots, ctx), valid)
         hidden = rms_norm(x, self.norm, self.eps)
         logits = linear(hidden, self.head)
         return (logits, hidden) if valid is None else (unpack(logits, valid), unpack(hidden, valid))
