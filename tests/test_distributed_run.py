@@ -128,8 +128,10 @@ def test_a_tp2_pp2_world_runs_an_engine_on_every_rank_and_equals_one_process(tmp
         assert r["seen"][-1]["moved"] > 1e-4  # two updates at lr 1e-3 moved the weights the engines serve
         assert r["tokens"][0] == one["tokens"][0]  # step 0: the same weights, the same samples
     first = results[0]["metrics"][0]
-    for key in ("loss", "grad_norm"):
-        assert first[key] == pytest.approx(one["metrics"][0][key], rel=1e-6), key
+    # the loss is a mean of O(1) per-token terms that nearly cancel (about -2e-3 here): held in absolute
+    # terms to fp32's few ulps of 1 (Megatron's sums run in another order: 5e-9 apart on an AMD EPYC)
+    assert first["loss"] == pytest.approx(one["metrics"][0]["loss"], rel=1e-6, abs=1e-7)
+    assert first["grad_norm"] == pytest.approx(one["metrics"][0]["grad_norm"], rel=1e-6)
     assert all(r["metrics"][0]["grad_norm"] == first["grad_norm"] for r in results)
 
 
