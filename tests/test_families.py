@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+import fastgrpo.device
 from fastgrpo.draft_learning.pretrain import target_states
 from fastgrpo.draft_learning.trainer import DraftTrainer
 from fastgrpo.engines.embedded.draft import DraftHead
@@ -18,11 +19,13 @@ from fastgrpo.engines.embedded.model import InferenceModel, KVCache, onednn_avai
 from fastgrpo.speculation.policy import Static
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.types import Request, SamplingParams
+from tests.device_guard import strict_device
 
 VOCAB, EOS = 61, 2
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1,
-             eos_token_id=EOS, pad_token_id=None, initializer_range=0.1)  # weights that make attention position-dependent
+             eos_token_id=EOS, pad_token_id=None,
+             initializer_range=0.1)  # weights large enough that attention depends on positions (rope)
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=64)  # small: in a 16-wide head most frequencies are scaled
 
@@ -98,6 +101,34 @@ def test_logits_equal_hf_through_the_kv_cache(family, kernel):
     diff = (got - ref).abs().max().item()
     print(f"\n{name} [{kernel}]: max |logit - HF| = {diff:.2e} (logits up to {ref.abs().max().item():.1f})")
     assert diff < 1e-4
+
+
+def test_a_verify_tree_step_equals_hf_along_each_path(family):
+    """A speculative verify step: after a prefill, one block of tree nodes (the root, two children, a
+    grandchild under the first child), each at the position of its depth and seeing only its ancestors;
+    every node's logits equal Hugging Face's over the prompt and the node's own path."""
+    name, cfg, hf = family
+    ids = torch.randint(3, VOCAB, (2, 14), generator=torch.Generator().manual_seed(4))
+    parent = [None, 0, 0, 1]
+    depth = torch.tensor([0, 1, 1, 2])
+    sees = torch.eye(4, dtype=torch.bool)
+    for i, p in enumerate(parent):
+        while p is not None:
+            sees[i, p], p = True, parent[p]
+    model = InferenceModel(cfg, 128, kernel="dense")
+    model.load(hf.state_dict().items())
+    cache = KVCache(cfg, 2, 128)
+    model.forward(ids[:, :10], cache, slice(0, 2))
+    cache.lengths += 10
+    logits, _ = model.forward(ids[:, 10:], cache, slice(0, 2), positions=10 + depth.expand(2, 4),
+                              new_mask=sees.expand(2, 4, 4))
+    for b in range(2):
+        for i in range(4):
+            path = [j for j in range(4) if sees[i, j]]  # ancestors, in order, then the node
+            with torch.no_grad():
+                ref = hf(torch.cat([ids[b, :10], ids[b, 10:][path]])[None],
+                         position_ids=torch.cat([torch.arange(10), 10 + depth[path]])[None]).logits[0, -1]
+            assert (logits[b, i] - ref).abs().max() < 1e-4, (name, b, i)
 
 
 def test_each_familys_own_part_changes_the_logits(family):
@@ -199,18 +230,22 @@ def trained_draft(cfg, hf, ps):
     return draft
 
 
-def test_speculative_greedy_equals_plain_greedy(family):
+def test_speculative_greedy_equals_plain_greedy(family, monkeypatch):
     """One speculative generate (a static tree, a draft sized from the family) gives the plain engine's
-    greedy tokens, with draft tokens accepted."""
+    greedy tokens, with draft tokens accepted; it makes no tensor off the engine's device (the device
+    contexts entered as a GPU run enters them, under tests/device_guard.py's StrictDevice)."""
     name, cfg, hf = family
     ps = prompts(6, seed=3)
     draft = trained_draft(cfg, hf, ps)
-    assert draft.layer["wqkv"].shape == (layer_layout(cfg).heads * layer_layout(cfg).head_dim
-                                          + 2 * cfg.num_key_value_heads * layer_layout(cfg).head_dim, cfg.hidden_size)
+    layout = layer_layout(cfg)  # the draft's layer has the target's heads and head size
+    assert draft.layer["wqkv"].shape == ((layout.heads + 2 * layout.kv_heads) * layout.head_dim, cfg.hidden_size)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=40)
     plain = engine_for(cfg, hf).generate([Request(p) for p in ps], greedy)
+    monkeypatch.setattr(fastgrpo.device, "ENTER_CPU_CONTEXT", True)
     engine = engine_for(cfg, hf, draft, Static(SpecConfig(3, 3, 8)))
-    spec = engine.generate([Request(p) for p in ps], greedy)
+    with strict_device() as guard:
+        spec = engine.generate([Request(p) for p in ps], greedy)
+    assert not guard.violations, guard.violations
     for p, a, b in zip(ps, spec, plain):
         assert greedy_near_tie(hf, p, a.token_ids, b.token_ids), (name, p, a.token_ids, b.token_ids)
     stats = engine.stats()

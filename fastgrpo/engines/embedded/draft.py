@@ -20,7 +20,8 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from fastgrpo.engines.embedded.families import dense_layer
-from fastgrpo.engines.embedded.model import KVFn, PackedWeight, decoder_layer, linear, onednn_available, rms_norm, rope_tables
+from fastgrpo.engines.embedded.model import (KVFn, PackedWeight, decoder_layer, linear, onednn_available, rms_norm,
+                                             rope_tables)
 
 DRAFT_WEIGHTS = "draft.safetensors"
 DRAFT_CONFIG = "draft_config.json"

@@ -88,7 +88,8 @@ def dense_layer(cfg: PretrainedConfig, qkv_bias: bool = False, o_bias: bool = Fa
         LayerTensor("mlp_norm", None, (("post_attention_layernorm.weight", h),)),
     ]
     if qkv_bias:
-        tensors.append(LayerTensor("bqkv", None, ((a + "q_proj.bias", q), (a + "k_proj.bias", kv), (a + "v_proj.bias", kv))))
+        tensors.append(LayerTensor("bqkv", None,
+                                   ((a + "q_proj.bias", q), (a + "k_proj.bias", kv), (a + "v_proj.bias", kv))))
     if o_bias:
         tensors.append(LayerTensor("bo", None, ((a + "o_proj.bias", h),)))
     if qk_norm:  # one weight per head dimension, shared by all heads

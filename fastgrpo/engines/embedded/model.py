@@ -228,7 +228,8 @@ class InferenceModel:
         self.embed = z(cfg.vocab_size, h)
         self.norm = z(h)
         self.lm_head = self.embed if cfg.tie_word_embeddings else z(cfg.vocab_size, h)
-        self.layers = [{k: z(*shape) for k, shape in self.layout.shapes().items()} for _ in range(cfg.num_hidden_layers)]
+        shapes = self.layout.shapes()
+        self.layers = [{k: z(*shape) for k, shape in shapes.items()} for _ in range(cfg.num_hidden_layers)]
         self.views: dict[str, Tensor] = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
         if not cfg.tie_word_embeddings:
             self.views["lm_head.weight"] = self.lm_head
