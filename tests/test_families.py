@@ -230,6 +230,7 @@ def trained_draft(cfg, hf, ps):
     return draft
 
 
+@pytest.mark.slow  # a draft trained per family: 12-17 s each
 def test_speculative_greedy_equals_plain_greedy(family, monkeypatch):
     """One speculative generate (a static tree, a draft sized from the family) gives the plain engine's
     greedy tokens, with draft tokens accepted; it makes no tensor off the engine's device (the device

@@ -20,7 +20,6 @@ set against the memcpy bound: the time to copy the same tensors once in memory o
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import statistics
 import tempfile
@@ -166,16 +165,18 @@ def _time_push(trainer, cfg: Config, reps: int, bf16: bool = False) -> dict:
     gathers), and on a leading rank the memcpy bound of the same bytes."""
     from transformers import AutoConfig
 
-    from fastgrpo.engines import build_engine
     from fastgrpo.bridge import WeightBridge
+    from fastgrpo.device import Compute
+    from fastgrpo.engines.embedded.build import build_engine
     from fastgrpo.models.tokenizer import load_tokenizer
 
     engine = None
     if trainer.placement().leads_replica:
-        # the engine holds the weights in the trainer's precision, as a run's does (both resolve one config)
-        engine_cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, precision="bf16" if bf16 else "fp32"))
-        engine = build_engine(engine_cfg, AutoConfig.from_pretrained(cfg.model.path), load_tokenizer(cfg.model.path),
-                              speculation="off")
+        # the engine holds the weights in the trainer's precision, as a run's does (bf16 emulated where this
+        # CPU lacks it, as the trainer's is here)
+        compute = Compute(torch.device("cpu"), torch.bfloat16 if bf16 else torch.float32)
+        engine = build_engine(cfg, AutoConfig.from_pretrained(cfg.model.path), load_tokenizer(cfg.model.path),
+                              speculation="off", compute=compute)
     bridge = WeightBridge([engine] if engine is not None else [])
     bridge.push(trainer.export_weights(), version=0)  # warm-up
     pushes = [bridge.push(trainer.export_weights(), version=v) for v in range(1, reps + 1)]

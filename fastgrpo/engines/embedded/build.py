@@ -9,7 +9,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from fastgrpo.protocols import NamedTensors
 from fastgrpo.config import Config
-from fastgrpo.device import resolve
+from fastgrpo.device import Compute, resolve
 from fastgrpo.engines.embedded.engine import EmbeddedEngine
 from fastgrpo.engines.embedded.calibrate import load_or_calibrate
 from fastgrpo.engines.embedded.draft import DRAFT_WEIGHTS, DraftHead
@@ -24,11 +24,14 @@ def draft_dir(cfg: Config) -> Path:
 
 
 def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase,
-                 weights: NamedTensors | None = None, speculation: str | None = None) -> EmbeddedEngine:
+                 weights: NamedTensors | None = None, speculation: str | None = None,
+                 compute: Compute | None = None) -> EmbeddedEngine:
     """An engine for a policy of `model_config`, holding `weights` if given (else the first push of
     the weight bridge brings them); with speculation, the draft from `draft.path` (or next to the
-    policy) and the configured policy (`speculation` overrides `cfg.speculation.policy`)."""
-    compute = resolve(cfg)  # the trainer's device and dtype: pushed weights arrive as they are held
+    policy) and the configured policy (`speculation` overrides `cfg.speculation.policy`). `compute`:
+    the device and dtype, default `cfg`'s resolved on this machine (a benchmark passes its trainer's,
+    bf16 emulated on a CPU that a run would refuse)."""
+    compute = compute or resolve(cfg)  # the trainer's device and dtype: pushed weights arrive as they are held
     engine = EmbeddedEngine(model_config, cfg.rollout.max_batch, cfg.model.max_context,
                             eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, device=compute.device,
                             dtype=compute.dtype)
