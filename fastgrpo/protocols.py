@@ -1,4 +1,4 @@
-"""The seams that make backends swappable (DESIGN.md section 4).
+"""The seams that make backends swappable.
 
 A rollout engine (embedded on CPU, SGLang on GPU), a policy trainer (torch, Megatron) and a draft
 learner only meet through these protocols, the shared types (`fastgrpo.types`) and the weight

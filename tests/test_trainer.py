@@ -108,7 +108,7 @@ def test_save_load_roundtrip(tmp_path):
 
 def oracle_grpo(policy, prompts, responses, engine_lp, rewards, G, *, lr, epochs, minibatches, eps_low, eps_high,
                 tis_cap, aggregation, grad_clip, kl_coef=0.0):
-    """GRPO written out plainly, one sequence at a time, from the formulas (DESIGN.md 5.1): the
+    """GRPO written out plainly, one sequence at a time, from the formulas: the
     reference the trainer is checked against, with the k3 KL to the starting policy when `kl_coef`.
     Returns the loss and gradient norm of every optimiser step."""
     r = torch.tensor(rewards, dtype=torch.float64).view(-1, G)

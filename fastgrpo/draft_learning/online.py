@@ -1,5 +1,5 @@
 """Online draft learning: the draft keeps up with the policy on the target states that rollout
-computed anyway (DESIGN.md 5.4).
+computed anyway (docs/speculation.md).
 
 `sync` mode, as FastGRPO runs it: after each rollout the accepted-path states of every completion go
 into a bounded buffer, the draft trains for a small time budget, and the engines get the new

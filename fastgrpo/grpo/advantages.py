@@ -1,4 +1,4 @@
-"""Group-relative advantages (DESIGN.md 5.1)."""
+"""Group-relative advantages."""
 
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ class Static(Off):
 
 
 class FastGRPOFormula(Off):
-    """FastGRPO's published rule (DESIGN.md 5.3), guarded: with a fixed capacity C = 160 verify
+    """FastGRPO's published rule (docs/speculation.md), guarded: with a fixed capacity C = 160 verify
     tokens, n = min(C // B, 160) per sequence, depth = clamp(floor(log2(n / 0.75)), 3, 5),
     top-k = min(n - 1, 8). Where the original would build an empty tree (B > 80) or crash (B > 160),
     this falls back to plain decoding."""
@@ -155,7 +155,7 @@ class AcceptanceModel:
 
 
 class Aware(Off):
-    """fastgrpo's rule (DESIGN.md 5.3): at B running sequences choose the shape c maximising
+    """fastgrpo's rule (docs/speculation.md): at B running sequences choose the shape c maximising
 
         goodput(c) = B * E[emitted | c] / (T_draft(c, B) + T_verify(B * n_c))
 

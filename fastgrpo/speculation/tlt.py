@@ -1,4 +1,4 @@
-"""A TLT-style speculation policy: the baseline `aware` must beat (DESIGN.md 5.3).
+"""A TLT-style speculation policy: the baseline `aware` must beat (docs/speculation.md).
 
 What it follows: TLT ("Taming the Long-Tail: Efficient Reasoning RL Training with Adaptive Drafter",
 Hu et al., MIT / NVIDIA, arXiv 2511.16665, ASPLOS'26; code in github.com/mit-han-lab/fastrl, an SGLang

@@ -1,4 +1,4 @@
-"""EAGLE-style draft head (DESIGN.md 5.4).
+"""EAGLE-style draft head (docs/speculation.md).
 
 At position t the draft fuses the target's final hidden state h_t with the embedding of token t+1,
 runs one decoder layer (attending over its own earlier positions), and predicts h_{t+1}; the target's

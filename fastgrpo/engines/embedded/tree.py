@@ -1,4 +1,4 @@
-"""Dynamic draft trees (EAGLE-2) and lossless verification by sampling (DESIGN.md 5.2).
+"""Dynamic draft trees (EAGLE-2) and lossless verification by sampling (docs/speculation.md).
 
 Drafting: the draft proposes the top-k tokens after the root; then, level by level, it expands the k
 most probable frontier nodes (by cumulative draft log-probability) into their top-k children. Of all
