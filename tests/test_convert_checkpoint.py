@@ -221,7 +221,7 @@ def test_bad_input_is_named_and_leaves_no_output(tmp_path, capsys):
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    fails("hf-to-megatron", "--hf", gpt2, "--out", o, says="architecture 'gpt2' is not supported")
+    fails("hf-to-megatron", "--hf", gpt2, "--out", o, says="model_type 'gpt2' is not supported")
     binary = tmp_path / "bin"
     binary.mkdir()
     (binary / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())

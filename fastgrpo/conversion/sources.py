@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from fastgrpo.models.families import UnsupportedModel, check_family
 from fastgrpo.trainers.megatron.layout import Layout, LayoutError
 from fastgrpo.conversion.files import Checker, ConversionError, INDEX, ST_DTYPES, read_manifest, read_safetensor, read_safetensors_header
 
@@ -24,10 +25,10 @@ def load_config(path: Path):
     if not file.is_file():
         raise ConversionError(f"no Hugging Face config at {path} (config.json missing)")
     raw = json.loads(file.read_text())
-    if "auto_map" in raw:
-        raise ConversionError(f"{file} asks for remote code (auto_map); only built-in architectures are converted")
-    if raw.get("model_type") not in ("llama", "qwen2"):
-        raise ConversionError(f"{file}: architecture {raw.get('model_type')!r} is not supported (llama, qwen2)")
+    try:  # the one rule of which checkpoints fastgrpo runs (custom code and unknown families refused)
+        check_family(raw, file)
+    except UnsupportedModel as e:
+        raise ConversionError(str(e)) from e
     return AutoConfig.for_model(**raw)
 
 

@@ -1,6 +1,14 @@
-"""Hugging Face <-> Megatron-core parameter layout for Llama-family policies (Llama, Qwen2): names,
-the grouped QKV, the per-shard gate/up of SwiGLU, vocabulary padding, and which slice of each tensor
-a tensor- and pipeline-parallel rank holds.
+"""Hugging Face <-> Megatron-core parameter layout for the dense families fastgrpo serves
+(`fastgrpo.models.families`: Llama 3.x, Qwen2.5, Qwen3): names, the grouped QKV (and Qwen2's QKV
+bias, packed as the weight), Qwen3's per-head q/k norms, the per-shard gate/up of SwiGLU, vocabulary
+padding, and which slice of each tensor a tensor- and pipeline-parallel rank holds.
+
+Qwen3's `self_attn.q_norm.weight` / `k_norm.weight` are megatron's
+`self_attention.q_layernorm.weight` / `k_layernorm.weight` (the local spec's names,
+megatron/core/models/gpt/gpt_layer_specs.py:405-410; Transformer Engine's spec uses the same ones).
+One [head_dim] weight shared by every head, applied per head before RoPE (attention.py:1477-1481):
+every TP rank holds all of it (replicated), and megatron sums its gradient over the TP ranks, each of
+which saw only its own heads (distributed/finalize_model_grads.py:353-356).
 
 One mapping, used by the Megatron trainer (loading the SFT policy, exporting weights to the bridge)
 and by the conversion tools. Names are those of megatron-core's local layer spec
@@ -23,9 +31,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from fastgrpo.models.families import UnsupportedModel, check_family
+from fastgrpo.models.rope import UnsupportedRope, hf_inv_freq, rope_parameters
+
 COLUMN_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight", "self_attention.linear_qkv.weight",
                    "self_attention.linear_qkv.bias", "mlp.linear_fc1.weight")
 ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+# Qwen3's per-head norms: megatron's name (in a layer) -> Hugging Face's
+QK_NORMS = {"self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+            "self_attention.k_layernorm.weight": "self_attn.k_norm.weight"}
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 VOCAB_DIVISIBLE_BY = 128  # megatron pads the vocabulary to a multiple of this x TP
@@ -54,12 +68,16 @@ class Layout:
     padded_vocab: int  # a multiple of make_vocab_size_divisible_by * tp; the extra rows are zero and never sampled
     tied: bool  # the LM head is the embedding
     qkv_bias: bool  # Qwen2
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k (replicated over TP)
 
     @classmethod
     def of(cls, hf_config, tp: int = 1, pp: int = 1, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> Layout:
         c = hf_config
-        if c.model_type not in ("llama", "qwen2"):
-            raise LayoutError(f"model_type {c.model_type!r} is not supported (llama, qwen2)")
+        try:
+            check_family(c.to_dict(), f"the {c.model_type} config")
+        except UnsupportedModel as e:
+            raise LayoutError(str(e)) from e
+        _check_megatron_features(c)
         heads, kv = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads
         if tp < 1 or pp < 1:
             raise LayoutError(f"parallel sizes must be >= 1, got tensor {tp}, pipeline {pp}")
@@ -75,7 +93,7 @@ class Layout:
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
         return cls(tp, pp, c.num_hidden_layers, c.hidden_size, heads, kv, head_dim, c.intermediate_size,
                    c.vocab_size, padded_vocab(c.vocab_size, tp, vocab_divisible_by), bool(c.tie_word_embeddings),
-                   c.model_type == "qwen2" or bool(getattr(c, "attention_bias", False)))
+                   c.model_type == "qwen2", c.model_type == "qwen3")
 
     def stage_layers(self, pp_rank: int) -> range:
         """The global indices of the layers pipeline stage `pp_rank` holds."""
@@ -90,6 +108,7 @@ class Layout:
             names.append("output_layer.weight")
         per_layer = ["input_layernorm.weight", "pre_mlp_layernorm.weight", "self_attention.linear_qkv.weight",
                      *(["self_attention.linear_qkv.bias"] if self.qkv_bias else []),
+                     *(QK_NORMS if self.qk_norm else []),
                      "self_attention.linear_proj.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
         return names + [f"decoder.layers.{i}.{p}" for i in range(self.layers) for p in per_layer]
 
@@ -132,6 +151,8 @@ class Layout:
                              1).reshape(-1, *tail)
         if rest == "self_attention.linear_proj.weight":
             return hf[p + "self_attn.o_proj.weight"]
+        if rest in QK_NORMS and self.qk_norm:
+            return hf[p + QK_NORMS[rest]]
         if rest == "mlp.linear_fc1.weight":
             gates, ups = hf[p + "mlp.gate_proj.weight"].chunk(self.tp), hf[p + "mlp.up_proj.weight"].chunk(self.tp)
             return torch.cat([t for g, u in zip(gates, ups) for t in (g, u)])
@@ -173,6 +194,8 @@ class Layout:
                 yield f"{p}self_attn.{x}_proj.{kind}", t.reshape(-1, *tail)
         elif rest == "self_attention.linear_proj.weight":
             yield p + "self_attn.o_proj.weight", full
+        elif rest in QK_NORMS and self.qk_norm:
+            yield p + QK_NORMS[rest], full
         elif rest == "mlp.linear_fc1.weight":
             blocks = [b.chunk(2) for b in full.chunk(self.tp)]
             yield p + "mlp.gate_proj.weight", torch.cat([g for g, _ in blocks])
@@ -284,6 +307,31 @@ class Layout:
             offsets[dim], sizes[dim] = k * step, step
             out.append((tuple(offsets), tuple(sizes)))
         return out
+
+
+def _check_megatron_features(c) -> None:
+    """What a supported family's config may switch on that the Megatron layout does not represent:
+    refused by name rather than dropped. megatron's `add_bias_linear` gives every linear layer a
+    bias (o_proj and the MLP's alike), so o_proj's bias alone (Llama's and Qwen3's `attention_bias`,
+    which also biases o_proj) has no place in its model; no released Llama 3.x or Qwen3 checkpoint
+    sets it."""
+    family = c.model_type
+    if family in ("llama", "qwen3") and getattr(c, "attention_bias", False):
+        raise LayoutError(f"{family}: attention_bias=True (biases on q/k/v and o_proj) is not supported by the "
+                          f"Megatron trainer: megatron-core has no bias for the output projection alone")
+    if getattr(c, "mlp_bias", False):
+        raise LayoutError(f"{family}: biased MLP projections (mlp_bias) are not supported")
+    if getattr(c, "hidden_act", "silu") != "silu":
+        raise LayoutError(f"{family}: hidden_act {c.hidden_act!r} is not supported (silu)")
+    if "sliding_attention" in (getattr(c, "layer_types", None) or ()) or getattr(c, "use_sliding_window", False):
+        raise LayoutError(f"{family}: sliding-window attention layers are not supported")
+    try:
+        _, scale = hf_inv_freq(c)
+    except UnsupportedRope as e:
+        raise LayoutError(str(e)) from e
+    if scale != 1.0:  # megatron's RotaryEmbedding has no factor on cos/sin
+        raise LayoutError(f"{family}: rope type {rope_parameters(c)['rope_type']!r} scales cos/sin by {scale:g}, "
+                          f"which megatron's RotaryEmbedding does not")
 
 
 def _layer(name: str) -> tuple[str, str]:

@@ -1,5 +1,14 @@
-"""megatron-core's GPTModel for a Hugging Face Llama/Qwen2 policy at any TP x PP: the parallel groups,
-the model of this rank's pipeline stage, Hugging Face weights in, full Hugging Face tensors out.
+"""megatron-core's GPTModel for a Hugging Face policy of the dense families (Llama 3.x, Qwen2.5, Qwen3)
+at any TP x PP: the parallel groups, the model of this rank's pipeline stage, Hugging Face weights in,
+full Hugging Face tensors out.
+
+Each family through megatron-core's own options (`transformer_config`, `layer_spec`): Qwen2's
+`add_qkv_bias`; Qwen3's `qk_layernorm` with `kv_channels` its head_dim (the softmax scale defaults to
+1/sqrt(kv_channels), transformer/dot_product_attention.py:84-85, as Hugging Face's head_dim**-0.5); tied or untied heads.
+The rotary embedding's inverse frequencies are always Hugging Face's (`set_hf_rope`): megatron's own
+llama3 scaling fixes original_max_position_embeddings at 8192 and the low/high frequency factors at
+1 and 4 (`RotaryEmbedding.__init__` passes only the factor to `_apply_scaling`,
+models/common/embeddings/rotary_pos_embedding.py:83-84, 92-98).
 
 The same code runs on GPUs (NCCL, unpatched megatron-core) and on CPU over gloo (with
 `megatron_patches`, applied here and only here).
@@ -16,7 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from fastgrpo.trainers.megatron.layout import Layout, LayoutError
+from fastgrpo.models.rope import hf_inv_freq, rope_parameters
+from fastgrpo.trainers.megatron.layout import QK_NORMS, Layout, LayoutError
 from fastgrpo.distributed import COLLECTIVE_TIMEOUT, init_world
 from fastgrpo.config import LAYER_SPECS
 
@@ -78,7 +88,7 @@ def transformer_config(hf_config, layout: Layout, recompute: bool = False, dtype
         num_layers=layout.layers, hidden_size=layout.hidden, num_attention_heads=layout.heads,
         num_query_groups=layout.kv_heads, kv_channels=layout.head_dim, ffn_hidden_size=layout.ffn,
         normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=layout.qkv_bias,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=layout.qkv_bias, qk_layernorm=layout.qk_norm,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -89,23 +99,35 @@ def transformer_config(hf_config, layout: Layout, recompute: bool = False, dtype
         **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}))
 
 
-def rope_theta(hf_config) -> float:
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    if params.get("rope_type", "default") != "default":
-        raise LayoutError(f"rope_type {params['rope_type']!r} is not supported (default RoPE only)")
-    return float(theta or 10000.0)
+def set_hf_rope(model, hf_config) -> None:
+    """Give `model`'s rotary embedding Hugging Face's inverse frequencies (`fastgrpo.models.rope`): for
+    Llama 3.1's `llama3` scaling megatron computes others (see the module docstring), and for the
+    default rope the same ones. Called after every build, before the first forward: `inv_freq` is a
+    plain attribute, not in the state dict (its loader drops it, rotary_pos_embedding.py:208-210), and
+    `RotaryEmbedding.forward` is lru-cached by sequence length (rotary_pos_embedding.py:177), so a
+    table computed before would be served stale; the cache is cleared here all the same. Kept on the
+    device megatron put it (on CUDA, `get_emb` moves a CPU one to the current GPU at first use)."""
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if rotary is None:
+        raise LayoutError("the Megatron model has no rotary embedding to set")
+    inv_freq, _ = hf_inv_freq(hf_config)  # Layout.of refused a rope with a cos/sin factor
+    if inv_freq.shape != rotary.inv_freq.shape:
+        raise LayoutError(f"Hugging Face's rotary embedding has {inv_freq.numel()} frequencies, megatron's "
+                          f"{rotary.inv_freq.numel()} (kv_channels {model.config.kv_channels})")
+    rotary.inv_freq = inv_freq.to(device=rotary.inv_freq.device, dtype=rotary.inv_freq.dtype)
+    type(rotary).forward.cache_clear()
 
 
-def layer_spec(name: str):
+def layer_spec(name: str, qk_norm: bool = False):
     """megatron's layer spec for `trainer.layer_spec`, and how its parameter names differ from the
     local spec's (the names `Layout` speaks). `auto`: Transformer Engine's when it is importable
-    (fused norm + linear kernels on GPUs), else the local spec (plain torch, what runs here)."""
+    (fused norm + linear kernels on GPUs), else the local spec (plain torch, what runs here).
+    `qk_norm`: Qwen3's per-head q/k norms (both specs' `qk_layernorm`, named alike in both)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if name not in LAYER_SPECS:
         raise LayoutError(f"trainer.layer_spec={name!r}: must be one of {', '.join(LAYER_SPECS)}")
-    local = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    local = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
     has_te = importlib.util.find_spec("transformer_engine") is not None
     if name == "local" or (name == "auto" and not has_te):
         return local, {}
@@ -116,7 +138,7 @@ def layer_spec(name: str):
                                  "installed (it builds on CUDA machines only); use auto or local")
     # Transformer Engine fuses each pre-attention and pre-MLP norm into the linear layer after it;
     # megatron's local spec records the correspondence (for its checkpoints), and so do we
-    return (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(),
+    return (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm),
             dict(local.submodules.sharded_state_dict_keys_map))
 
 
@@ -132,19 +154,21 @@ def build_model(hf_config, layout: Layout, spec: str = "auto", recompute: bool =
                 dtype: torch.dtype = torch.float32):
     """This rank's pipeline stage of the policy, on the CPU or the current GPU, with megatron's layer
     spec `spec` (`layer_spec`), its weights in `dtype`; weights uninitialised in meaning: load them
-    with `load_hf_state`."""
+    with `load_hf_state`. Its rotary embedding rotates as Hugging Face's (`set_hf_rope`)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    module_spec, renames = layer_spec(spec)
+    module_spec, renames = layer_spec(spec, layout.qk_norm)
     model = GPTModel(
         transformer_config(hf_config, layout, recompute, dtype), module_spec,
         vocab_size=layout.padded_vocab, max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=layout.tied, position_embedding_type="rope",
-        rotary_base=rope_theta(hf_config))
+        rotary_base=float(rope_parameters(hf_config)["rope_theta"]))  # its table is replaced by set_hf_rope
     model.local_to_spec_names = renames
-    return model.cuda() if torch.cuda.is_available() else model
+    model = model.cuda() if torch.cuda.is_available() else model
+    set_hf_rope(model, hf_config)
+    return model
 
 
 def load_hf_state(model, hf_state: Mapping[str, Tensor], layout: Layout) -> None:
@@ -199,7 +223,8 @@ def _stage_parameter_names(layout: Layout, stage: int) -> list[str]:
     """The stage-local parameter names of pipeline stage `stage`, in a fixed order every rank agrees on."""
     names = [f"decoder.layers.{i}.{p}" for i in range(layout.layers // layout.pp) for p in (
         "input_layernorm.weight", "self_attention.linear_qkv.weight",
-        *(["self_attention.linear_qkv.bias"] if layout.qkv_bias else []), "self_attention.linear_proj.weight",
+        *(["self_attention.linear_qkv.bias"] if layout.qkv_bias else []), *(QK_NORMS if layout.qk_norm else []),
+        "self_attention.linear_proj.weight",
         "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")]
     if stage == 0:
         names.insert(0, "embedding.word_embeddings.weight")
@@ -219,5 +244,6 @@ def _full_shape(layout: Layout, name: str) -> tuple[int, ...]:
               "decoder.final_layernorm.weight": (h,), "input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
               "self_attention.linear_qkv.weight": (qkv_rows, h), "self_attention.linear_qkv.bias": (qkv_rows,),
               "self_attention.linear_proj.weight": (h, layout.heads * d), "mlp.linear_fc1.weight": (2 * ffn, h),
+              "self_attention.q_layernorm.weight": (d,), "self_attention.k_layernorm.weight": (d,),
               "mlp.linear_fc2.weight": (h, ffn)}
     return shapes[rest]
