@@ -30,8 +30,9 @@ from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
 
-from fastgrpo.trainers.megatron.layout import VOCAB_DIVISIBLE_BY, Layout, LayoutError, padded_vocab
 from fastgrpo.config import Config, ConfigError
+from fastgrpo.models.families import UnsupportedModel, check_family
+from fastgrpo.trainers.megatron.layout import VOCAB_DIVISIBLE_BY, Layout, LayoutError, padded_vocab
 
 GIB = 2**30
 FP32, BF16 = 4, 2
@@ -81,7 +82,7 @@ class Plan:
 def model_config(cfg: Config) -> tuple[PretrainedConfig, str]:
     """The policy's shape and where it came from: `model.architecture` (a config.json), else
     `model.path`'s config.json, else (a policy `fastgrpo sft` has not built yet) the `model.size`
-    recipe's. Built-in architectures only (no remote code)."""
+    recipe's. Only the families fastgrpo computes (`models.families.check_family`: no remote code)."""
     file = Path(cfg.model.architecture) if cfg.model.architecture else Path(cfg.model.path) / "config.json"
     if not file.is_file():
         if cfg.model.architecture:
@@ -93,34 +94,81 @@ def model_config(cfg: Config) -> tuple[PretrainedConfig, str]:
                 f"the model.size={cfg.model.size} recipe (no policy at {cfg.model.path} yet; vocabulary at most "
                 f"{MAX_VOCAB})")
     raw = json.loads(file.read_text())
-    if "auto_map" in raw:
-        raise ConfigError(f"{file} asks for remote code (auto_map); only built-in architectures are planned")
-    if raw.get("model_type") not in ("llama", "qwen2"):
-        raise ConfigError(f"{file}: model_type {raw.get('model_type')!r} is not supported (llama, qwen2)")
+    try:
+        check_family(raw, file)
+    except UnsupportedModel as e:
+        raise ConfigError(str(e)) from e
     return AutoConfig.for_model(**raw), str(file)
 
 
-def layer_params(s: Layout, qkv_bias: bool | None = None) -> int:
+@dataclass(frozen=True)
+class Shape:
+    """What the plan prices of a policy, from its Hugging Face config: the sizes, and the parts a
+    family adds to the Llama layer. Qwen3 has a head size of its own (`head_dim` x heads need not be
+    the hidden size) and an RMSNorm weight of `head_dim` over q and one over k in every layer; Qwen2.5
+    biases on q, k and v; Llama's `attention_bias` puts biases on q, k, v and o (false in the real
+    checkpoints). `tied`: the LM head is the embedding (small Qwen2.5s), else a matrix of its own."""
+
+    family: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    positions: int  # max_position_embeddings
+
+    @classmethod
+    def of(cls, c: PretrainedConfig) -> Shape:
+        heads = c.num_attention_heads
+        attention_bias = bool(getattr(c, "attention_bias", False))
+        return cls(family=c.model_type, layers=c.num_hidden_layers, hidden=c.hidden_size, heads=heads,
+                   kv_heads=c.num_key_value_heads or heads,
+                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, ffn=c.intermediate_size,
+                   vocab=c.vocab_size, tied=bool(c.tie_word_embeddings),
+                   qkv_bias=c.model_type == "qwen2" or attention_bias,  # Qwen2's config has no switch: always
+                   o_bias=c.model_type != "qwen2" and attention_bias, qk_norm=c.model_type == "qwen3",
+                   positions=c.max_position_embeddings)
+
+    def describe(self) -> str:
+        parts = [f"{self.layers} layers", f"hidden {self.hidden}", f"{self.heads} heads x head_dim {self.head_dim}",
+                 f"{self.kv_heads} KV heads", f"MLP {self.ffn}", f"vocab {self.vocab}"]
+        parts += [x for x, on in (("q/k/v biases", self.qkv_bias), ("o bias", self.o_bias),
+                                  ("q/k norms", self.qk_norm)) if on]
+        parts.append("tied LM head" if self.tied else "untied LM head")
+        return f"{self.family}: " + ", ".join(parts)
+
+
+def layer_params(s: Shape, draft: bool = False) -> int:
+    """One decoder layer: q, k, v, o and the SwiGLU MLP, two RMSNorms, and the family's biases and q/k
+    norms (`draft`: the draft head's plain Llama layer at the same sizes, without them)."""
     h, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
-    bias = s.qkv_bias if qkv_bias is None else qkv_bias
-    return h * (q + 2 * kv) + (q + 2 * kv if bias else 0) + q * h + 3 * h * s.ffn + 2 * h
+    n = h * (q + 2 * kv) + q * h + 3 * h * s.ffn + 2 * h
+    if not draft:
+        n += (q + 2 * kv if s.qkv_bias else 0) + (h if s.o_bias else 0) + (2 * s.head_dim if s.qk_norm else 0)
+    return n
 
 
-def parameters(s: Layout) -> int:
+def parameters(s: Shape) -> int:
     return s.layers * layer_params(s) + s.vocab * s.hidden * (1 if s.tied else 2) + s.hidden
 
 
-def draft_parameters(s: Layout) -> int:
-    """The draft head (`engines/embedded/draft.py`): fc [h, 2h], one decoder layer without QKV bias, a
-    norm; the embedding and LM head are the policy's."""
-    return 2 * s.hidden * s.hidden + layer_params(s, qkv_bias=False) + s.hidden
+def draft_parameters(s: Shape) -> int:
+    """The draft head (`engines/embedded/draft.py`): fc [h, 2h], one plain Llama decoder layer (no
+    biases, no q/k norms) at the policy's sizes, a norm; the embedding and LM head are the policy's."""
+    return 2 * s.hidden * s.hidden + layer_params(s, draft=True) + s.hidden
 
 
-def kv_bytes_per_token(s: Layout, dtype_bytes: int) -> int:
+def kv_bytes_per_token(s: Shape, dtype_bytes: int) -> int:
     return 2 * s.layers * s.kv_heads * s.head_dim * dtype_bytes
 
 
-def _check_layout(plan: Plan, cfg: Config, config: PretrainedConfig, s: Layout, world: int, gpus_per_node: int) -> int:
+def _check_layout(plan: Plan, cfg: Config, config: PretrainedConfig, s: Shape, world: int, gpus_per_node: int) -> int:
     """Divisibility and sizes, the trainer's and the engines'; returns the data-parallel size (0 when
     the world does not divide)."""
     t, p, d_ranks = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.draft_ranks
@@ -131,11 +179,15 @@ def _check_layout(plan: Plan, cfg: Config, config: PretrainedConfig, s: Layout, 
     padded = padded_vocab(s.vocab, t)
     check((True, f"vocabulary {s.vocab} padded to {padded} (a multiple of {VOCAB_DIVISIBLE_BY} x tensor {t})"))
     check((s.layers % p == 0, f"pipeline {p} divides the {s.layers} layers"))
-    try:  # the trainer's own rule, in case it asks more than the lines above
-        Layout.of(config, t, p)
-        check((True, f"the Megatron layout accepts tensor {t} x pipeline {p}"))
-    except LayoutError as e:
-        check((False, f"the Megatron layout refuses it: {e}"))
+    L = cfg.model.max_context
+    check((L <= s.positions, f"model.max_context {L} is within the model's {s.positions} positions "
+                             f"(max_position_embeddings)"))
+    if cfg.trainer.backend == "megatron":
+        try:  # the trainer's own rule, in case it asks more than the lines above
+            Layout.of(config, t, p)
+            check((True, f"the Megatron layout accepts tensor {t} x pipeline {p}"))
+        except LayoutError as e:
+            check((False, f"the Megatron layout refuses it: {e}"))
     if cfg.trainer.backend == "torch":
         check((world == 1, f"trainer.backend=torch trains in one process: 1 device (not {world}); "
                            f"trainer.backend=megatron or deepspeed spans more"))
@@ -260,7 +312,7 @@ def _deepspeed_state(cfg: Config, P: float, dp: int) -> list[Term]:
                  else f"{optimizer_bytes} B x parameters / data {dp} (ZeRO)")]
 
 
-def _policy_phases(plan: Plan, cfg: Config, s: Layout, dp: int, capacity: float) -> None:
+def _policy_phases(plan: Plan, cfg: Config, s: Shape, dp: int, capacity: float) -> None:
     t, p = cfg.parallel.tensor, cfg.parallel.pipeline
     stage_layers = s.layers // p
     embed = s.vocab * s.hidden
@@ -338,7 +390,7 @@ def _policy_phases(plan: Plan, cfg: Config, s: Layout, dp: int, capacity: float)
         plan.advice.append("trainer.recompute=true keeps one input per layer instead of every activation")
 
 
-def _draft_phase(plan: Plan, cfg: Config, s: Layout, capacity: float) -> None:
+def _draft_phase(plan: Plan, cfg: Config, s: Shape, capacity: float) -> None:
     d, L = cfg.draft, cfg.model.max_context
     P = draft_parameters(s)
     terms = [Term("draft weights, gradients, Adam (fp32)", _gib(4 * FP32 * P), f"16 B x {P / 1e9:.2f}B parameters"),
@@ -357,7 +409,7 @@ def _draft_phase(plan: Plan, cfg: Config, s: Layout, capacity: float) -> None:
 def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gb: float) -> Plan:
     """The layout of `cfg` on `nodes` x `gpus_per_node` devices of `gpu_memory_gb` GiB each."""
     config, source = model_config(cfg)
-    s = Layout.of(config)  # the shape (at TP1 x PP1, which always divides)
+    s = Shape.of(config)
     plan = Plan()
     dp = _check_layout(plan, cfg, config, s, nodes * gpus_per_node, gpus_per_node)
     if not dp:
@@ -365,8 +417,8 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gb: float)
         plan.advice.append(f"the policy needs a multiple of {t * p} GPUs (tensor x pipeline) after the "
                            f"{cfg.parallel.draft_ranks} draft rank(s): change --nodes, parallel.* or parallel.draft_ranks")
         return plan
-    plan.notes.append(f"{parameters(s) / 1e9:.2f}B parameters ({s.layers} layers, hidden {s.hidden}, {s.heads} heads, "
-                      f"{s.kv_heads} KV heads, vocab {s.vocab}) from {source}; draft head {draft_parameters(s) / 1e9:.2f}B")
+    plan.notes.append(f"{parameters(s) / 1e9:.2f}B parameters ({s.describe()}) from {source}; draft head "
+                      f"{draft_parameters(s) / 1e9:.2f}B")
     _rank_map(plan, cfg, nodes, gpus_per_node, dp)
     _policy_phases(plan, cfg, s, dp, gpu_memory_gb)
     if cfg.parallel.draft_ranks:

@@ -2,6 +2,7 @@
 the parameter counts and the rank map are the real ones (the model on the meta device, megatron's
 own rank generator)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -9,8 +10,7 @@ import torch
 
 from fastgrpo.cli import main
 from fastgrpo.config import load_config
-from fastgrpo.trainers.megatron.layout import Layout
-from fastgrpo.plan import coordinates, draft_parameters, make_plan, model_config, parameters
+from fastgrpo.plan import Shape, coordinates, draft_parameters, make_plan, model_config, parameters
 
 CONFIGS = sorted(Path("configs").glob("*.yaml"))
 
@@ -100,21 +100,113 @@ def test_bad_input_is_a_config_error(capsys):
     assert status == 2 and "model.architecture: no Hugging Face config" in out
 
 
-@pytest.mark.parametrize("name", ["llama-3-8b", "llama-3-70b", "qwen2.5-7b", "qwen2.5-72b"])
-def test_parameter_counts_are_the_models(name):
-    """The counts the memory terms use, against the model built on the meta device (no memory)."""
+# The real checkpoints' config.json (configs/models/README.md says where each comes from) and their parameter
+# counts as transformers builds them (AutoModelForCausalLM.from_config on the meta device, transformers 5.24):
+# the published sizes 8.03B, 70.6B, 7.62B, 8.19B, 32.8B.
+PUBLISHED = {"llama-3.1-8b-instruct": 8_030_261_248, "llama-3.1-70b-instruct": 70_553_706_496,
+             "qwen2.5-7b-instruct": 7_615_616_512, "qwen3-8b": 8_190_735_360, "qwen3-32b": 32_762_123_264}
+MODELS = sorted(p.stem for p in Path("configs/models").glob("*.json"))
+
+
+def _meta_counts(config) -> tuple[int, int]:
+    """Parameters of the Hugging Face model and of the draft head, built on the meta device (no memory)."""
     from transformers import AutoModelForCausalLM
 
     from fastgrpo.engines.embedded.draft import DraftHead
 
-    cfg = load_config("configs/tiny_cpu.yaml", [f"model.architecture=configs/models/{name}.json"])
-    config, _ = model_config(cfg)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
         draft = DraftHead(config, max_len=16)
-    shape = Layout.of(config)
-    assert parameters(shape) == sum(p.numel() for p in model.parameters())
-    assert draft_parameters(shape) == sum(p.numel() for p in draft.parameters())
+    return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in draft.parameters())
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_parameter_counts_are_the_models(name):
+    """The counts the memory terms use, for every shape in configs/models, against the model built on
+    the meta device; the five families' real checkpoints also against their published counts."""
+    cfg = load_config("configs/tiny_cpu.yaml", [f"model.architecture=configs/models/{name}.json"])
+    config, _ = model_config(cfg)
+    model, draft = _meta_counts(config)
+    shape = Shape.of(config)
+    assert parameters(shape) == model
+    assert draft_parameters(shape) == draft
+    if name in PUBLISHED:
+        assert model == PUBLISHED[name]
+
+
+def test_the_five_real_shapes_are_there():
+    assert set(PUBLISHED) <= set(MODELS)
+
+
+@pytest.mark.parametrize("family, options", [
+    ("llama", {}), ("llama", {"tie_word_embeddings": True}), ("llama", {"attention_bias": True}),
+    ("llama", {"head_dim": 48}),
+    ("qwen2", {}), ("qwen2", {"tie_word_embeddings": True}),
+    ("qwen3", {}), ("qwen3", {"tie_word_embeddings": True}), ("qwen3", {"attention_bias": True}),
+])
+def test_each_family_option_is_counted(family, options):
+    """What each family adds to the Llama layer, one option at a time on a small model: Qwen3's q/k
+    norms and its own head size (head_dim 32 where hidden / heads is 16), Qwen2's q/k/v biases,
+    Llama's attention_bias (q/k/v and o), a tied or untied LM head."""
+    from transformers import AutoConfig
+
+    base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=301, max_position_embeddings=128, tie_word_embeddings=False)
+    if family == "qwen3":
+        base["head_dim"] = 32
+    config = AutoConfig.for_model(family, **{**base, **options})
+    model, draft = _meta_counts(config)
+    shape = Shape.of(config)
+    assert parameters(shape) == model and draft_parameters(shape) == draft
+    assert shape.tied == config.tie_word_embeddings and shape.qk_norm == (family == "qwen3")
+
+
+def test_the_qwen3_shape_is_planned_as_qwen3(capsys):
+    """Qwen3-8B: head_dim 128 and the q/k norms in the count; the KV cache at 36 layers x 8 KV heads x 128
+    (2 x 36 x 8 x 128 x 2 B / TP2 = 72 KiB a token per GPU)."""
+    status, out = plan(capsys, "--config", "configs/qwen3_8b.yaml")
+    assert status == 0 and "verdict: fits" in out
+    assert ("8.19B parameters (qwen3: 36 layers, hidden 4096, 32 heads x head_dim 128, 8 KV heads, MLP 12288, "
+            "vocab 151936, q/k norms, untied LM head) from configs/models/qwen3-8b.json") in out
+    assert "at 72.0 KiB/token/GPU" in out and "[ok] the Megatron layout accepts tensor 2 x pipeline 1" in out
+
+
+def test_qwen3_32b_plans_at_its_own_head_size(capsys):
+    """Qwen3-32B: 64 heads x head_dim 128 = 8192, not the hidden size 5120: the count and the KV cache follow
+    head_dim (2 x 64 layers x 8 KV heads x 128 x 2 B / TP8 = 32 KiB a token per GPU)."""
+    status, out = plan(capsys, "--config", "configs/qwen3_8b.yaml", "model.architecture=configs/models/qwen3-32b.json",
+                       "parallel.tensor=8", "parallel.draft_ranks=0", "draft.online=off", "engine.tensor=8",
+                       "engine.mem_fraction=0.55", "--nodes", "2")
+    assert "32.76B parameters (qwen3: 64 layers, hidden 5120, 64 heads x head_dim 128" in out
+    assert "at 32.0 KiB/token/GPU" in out, out
+
+
+def test_a_context_longer_than_the_models_positions_does_not_plan(capsys):
+    """Llama 3 (8192 positions) at the 8B config's 18k tokens: the plan says no; Llama 3.1 (131072) holds them."""
+    status, out = plan(capsys, "--config", "configs/llama3_8b.yaml", "model.architecture=configs/models/llama-3-8b.json")
+    assert status == 1
+    assert "[NO] model.max_context 18432 is within the model's 8192 positions (max_position_embeddings)" in out
+    status, out = plan(capsys, "--config", "configs/llama3_8b.yaml")
+    assert status == 0 and "[ok] model.max_context 18432 is within the model's 131072 positions" in out
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "model_type 'mistral' is not supported"),
+    ({"auto_map": {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}}, "custom modelling code (auto_map"),
+])
+def test_an_unsupported_checkpoint_is_refused_naming_the_families(capsys, tmp_path, change, named):
+    """One rule (models/families.check_family) for plan as for train, sft and convert: an unknown
+    model_type or a config asking for remote code is a config error (exit 2) naming the supported
+    families, before anything is planned."""
+    raw = json.loads(Path("configs/models/qwen3-8b.json").read_text())
+    file = tmp_path / "config.json"
+    file.write_text(json.dumps({**raw, **change}))
+    status, out = plan(capsys, "--config", "configs/qwen3_8b.yaml", f"model.architecture={file}")
+    assert status == 2 and named in out and str(file) in out
+    assert "llama: Llama 3.x" in out and "qwen2: Qwen2.5" in out and "qwen3: Qwen3 dense" in out
+    assert "verdict" not in out
+    status, out = plan(capsys, "--config", "configs/tiny_cpu.yaml", f"model.path={tmp_path}")
+    assert status == 2 and named in out  # the checkpoint's own config.json, without model.architecture
 
 
 def test_the_rank_map_is_megatrons():
@@ -143,7 +235,7 @@ def test_zero_stages_shard_what_they_say(capsys):
         return {name: float(line.strip()[len(name):].split()[0]) for line in section.splitlines()
                 for name in ("weights (fp32)", "gradients (fp32)", "Adam moments (fp32)") if line.strip().startswith(name)}
 
-    p = parameters(Layout.of(model_config(load_config("configs/llama3_8b.yaml"))[0])) * 4 / 2**30  # GiB of fp32
+    p = parameters(Shape.of(model_config(load_config("configs/llama3_8b.yaml"))[0])) * 4 / 2**30  # GiB of fp32
     one, two, three = (terms(f"deepspeed.zero_stage={z}") for z in (1, 2, 3))
     assert one["weights (fp32)"] == pytest.approx(p, abs=0.01) and one["gradients (fp32)"] == pytest.approx(p, abs=0.01)
     assert one["Adam moments (fp32)"] == pytest.approx(2 * p / 8, abs=0.01)
@@ -166,7 +258,7 @@ def test_deepspeed_bf16_is_priced_as_zero_accounts_it(capsys):
         return {name: float(line.strip()[len(name):].split()[0]) for line in section.splitlines()
                 for name in names if line.strip().startswith(name)}
 
-    p = parameters(Layout.of(model_config(load_config("configs/llama3_8b.yaml"))[0])) / 2**30  # GiB per byte a parameter
+    p = parameters(Shape.of(model_config(load_config("configs/llama3_8b.yaml"))[0])) / 2**30  # GiB per byte a parameter
     one, two, three = (terms(f"deepspeed.zero_stage={z}") for z in (1, 2, 3))
     assert one[names[0]] == pytest.approx(2 * p, abs=0.01) and one[names[1]] == pytest.approx(2 * p, abs=0.01)
     assert one[names[2]] == pytest.approx(12 * p / 8, abs=0.01)
