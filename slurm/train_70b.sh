@@ -1,5 +1,5 @@
 #!/bin/bash
-# GRPO on Llama-3-70B (configs/llama3_70b.yaml): submit from the repository's root on a shared filesystem,
+# GRPO on Llama-3.1-70B-Instruct (configs/llama3_70b.yaml): submit from the repository's root on a shared filesystem,
 #
 #   sbatch slurm/train_70b.sh [key=value ...]
 #
