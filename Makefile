@@ -4,6 +4,11 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# `make install-gpu` writes its own stamp; while it is there every target takes the GPU install (its
+# recipe reruns when pyproject.toml changes) and never runs the CPU recipe, whose torch pin would replace
+# SGLang's torch. `make install` on such a node (the CPU install over it) removes it.
+GPU_STAMP := $(VENV)/.installed-gpu
+INSTALLED = $(if $(wildcard $(GPU_STAMP)),$(GPU_STAMP),$(STAMP))
 POLICY := artifacts/policy-bench
 CONFIG ?= configs/tiny_cpu.yaml
 
@@ -16,6 +21,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[test,megatron,deepspeed]"
+	rm -f $(GPU_STAMP)
 	touch $(STAMP)
 
 # GPU nodes (SGLang rollout): sglang 0.5.23 pins its own CUDA torch (torch==2.14.1), which the CPU pin
@@ -23,19 +29,23 @@ $(STAMP): pyproject.toml
 # requirements without the CPU torch pin, the test, megatron and sglang extras, and SGLang's torch;
 # fastgrpo itself goes in without dependencies. `make check-gpu-install` resolves that list with
 # pip --dry-run (nothing installed; tests/test_sglang_conformance.py does too, and checks the pins).
-install-gpu:
+# Its stamp is $(GPU_STAMP) (see INSTALLED above).
+install-gpu: $(GPU_STAMP)
+
+$(GPU_STAMP): pyproject.toml tools/gpu_requirements.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/python tools/gpu_requirements.py > $(VENV)/gpu-requirements.txt
 	$(BIN)/pip install -q -r $(VENV)/gpu-requirements.txt
 	$(BIN)/pip install -q --no-deps -e .
-	touch $(STAMP)
+	rm -f $(STAMP)
+	touch $(GPU_STAMP)
 
-check-gpu-install: $(STAMP)
+check-gpu-install: $(INSTALLED)
 	$(BIN)/python tools/gpu_requirements.py --resolve
 
 # the policy (SFT warm start) and its draft are built once, then reused
-policy: $(STAMP)
+policy: $(INSTALLED)
 	$(BIN)/fastgrpo sft --config $(CONFIG) --if-missing
 	$(BIN)/fastgrpo draft-pretrain --config $(CONFIG) --if-missing
 
@@ -72,10 +82,10 @@ bench-forward: policy
 # -rs: say why a test skipped (here: the engine contract tests on SGLang, which needs CUDA).
 # `make test` is the fast tier; the multi-process worlds (torchrun, DP/TP/PP runs) are marked slow and
 # run by `make test-slow`, which CI runs too (`make test-all`: both)
-test: $(STAMP)
+test: $(INSTALLED)
 	$(BIN)/pytest -x -q -rs -m "not slow"
 
-test-slow: $(STAMP)
+test-slow: $(INSTALLED)
 	$(BIN)/pytest -x -q -rs -m slow
 
 test-all: test test-slow
@@ -83,7 +93,7 @@ test-all: test test-slow
 # `sbatch slurm/train_70b.sh` (tiny overrides) on a one-node Slurm cluster the tests start and stop;
 # Debian's Slurm packages are installed first when missing (as root), else the tests say why they skip
 SLURM_PACKAGES := slurmd slurmctld slurm-client
-test-slurm: $(STAMP)
+test-slurm: $(INSTALLED)
 	@command -v slurmctld >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -q --no-install-recommends $(SLURM_PACKAGES); } >/dev/null || \
 		echo "test-slurm: could not install $(SLURM_PACKAGES) with apt"
