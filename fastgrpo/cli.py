@@ -179,17 +179,19 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from fastgrpo.engines import build_engine
     from fastgrpo.grpo.evaluate import evaluate
     from fastgrpo.models.policy import load_policy
-    from fastgrpo.models.tokenizer import load_tokenizer
+    from fastgrpo.models.families import check_checkpoint
+    from fastgrpo.models.tokenizer import load_text_format
     from fastgrpo.tasks.source import encode_problems, load_task
     from fastgrpo.types import SamplingParams
 
     cfg = _config(args)
     path = Path(args.checkpoint) if args.checkpoint else Path(cfg.model.path)
     policy_dir = path / "policy" if (path / "policy" / "config.json").is_file() else path
-    policy, tokenizer = load_policy(policy_dir), load_tokenizer(policy_dir)
-    engine = build_engine(cfg, policy.config, tokenizer, policy.state_dict().items(), speculation="off")
+    check_checkpoint(policy_dir)
+    policy, text = load_policy(policy_dir), load_text_format(policy_dir, cfg.task)
+    engine = build_engine(cfg, policy.config, text, policy.state_dict().items(), speculation="off")
     _, evals = load_task(cfg.task, cfg.eval.split)
-    result = evaluate(engine, tokenizer, encode_problems(evals, tokenizer, cfg.model.max_context, "eval"),
+    result = evaluate(engine, text, encode_problems(evals, text, cfg.model.max_context, "eval"),
                       cfg.eval.samples, SamplingParams.of(cfg.rollout), cfg.task.reward_timeout_s, seed=cfg.seed)
     sampling = {k: getattr(cfg.rollout, k) for k in ("temperature", "top_p", "top_k", "max_new_tokens")}
     print(json.dumps({"checkpoint": str(policy_dir), "split": cfg.eval.split, "problems": len(evals),

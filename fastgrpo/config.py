@@ -29,6 +29,7 @@ EvalSplit = Literal["test", "validation"]
 TrainerBackend = Literal["torch", "megatron", "deepspeed"]  # what `trainers.build_trainer` can build
 LayerSpec = Literal["auto", "local", "transformer_engine"]  # megatron layer specs `trainers/megatron/model.py` builds
 Precision = Literal["auto", "bf16", "fp32"]
+PromptFormat = Literal["auto", "chat", "plain"]
 EngineBackend = Literal["embedded", "sglang"]  # what `engines.build_engine` can build
 Device = Literal["auto", "cpu", "cuda"]
 
@@ -71,6 +72,11 @@ class TaskConfig:
     # the SFT corpus's slipping teacher: this share of the training set's worked solutions states the final
     # answer outside \boxed{} (fastgrpo/tasks/arithmetic.py `slip`); 0 = exact solutions
     slip_rate: float = 0.0
+    # how a problem becomes the prompt (fastgrpo.models.tokenizer.TextFormat): chat = the tokenizer's chat
+    # template (the user turn: the problem and the instruction to put the answer in \boxed{}); plain = BOS
+    # (if the tokenizer has one), the problem, a newline; auto = chat when the tokenizer has a chat template
+    prompt_format: PromptFormat = "auto"
+    system_prompt: str = ""  # chat: a system turn before the user's (empty: none, the template's default)
 
     def check(self) -> None:
         for key in ("train_size", "eval_size", "validation_size"):

@@ -29,7 +29,7 @@ def save_checkpoint(run: Run) -> Path:
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, d / rng_file(run.world.rank))
         if not run.world.main:
             return
-        run.tokenizer.save_pretrained(d / "policy")
+        run.text.tokenizer.save_pretrained(d / "policy")
         state = {"step": run.step, "data": run.data.state_dict(), "mlflow_run_id": run.tracker.run_id,
                  "weights_version": run.bridge.version, "world_size": run.world.size,
                  "history": {"steps": run.history.steps, "evals": run.history.evals}}

@@ -19,7 +19,8 @@ from fastgrpo.config import Config, ConfigError, flatten, to_yaml
 from fastgrpo.distributed import World, init_world, launched_world_size
 from fastgrpo.draft_learning import build_draft_learner
 from fastgrpo.engines import build_engine
-from fastgrpo.models.tokenizer import load_tokenizer
+from fastgrpo.models.families import check_checkpoint
+from fastgrpo.models.tokenizer import load_text_format
 from fastgrpo.run_checkpoint import restore_checkpoint
 from fastgrpo.run_state import Run
 from fastgrpo.tasks.source import PromptSource, encode_problems, load_task
@@ -62,6 +63,7 @@ def require_policy(cfg: Config) -> None:
 def setup_run(cfg: Config, resume: bool) -> Run:
     check_layout(cfg)
     require_policy(cfg)
+    check_checkpoint(cfg.model.path)  # a family fastgrpo computes, before any work
     channel = init_world(cfg.parallel.draft_ranks)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -74,10 +76,10 @@ def setup_run(cfg: Config, resume: bool) -> Run:
         log.warning("--resume: no checkpoint in %s, starting from step 0", checkpoints.root)
 
     # input errors (a missing dataset, no usable rows) surface before any model is built
-    tokenizer = load_tokenizer(cfg.model.path)
+    text = load_text_format(cfg.model.path, cfg.task)
     train_problems, eval_problems = load_task(cfg.task, cfg.eval.split)
-    data = PromptSource(encode_problems(train_problems, tokenizer, cfg.model.max_context, "train"), cfg.seed)
-    evals = encode_problems(eval_problems, tokenizer, cfg.model.max_context, "eval")
+    data = PromptSource(encode_problems(train_problems, text, cfg.model.max_context, "train"), cfg.seed)
+    evals = encode_problems(eval_problems, text, cfg.model.max_context, "eval")
 
     trainer = build_trainer(cfg)  # the policy of model.path; a resume loads its checkpoint over it
     world = World.of(trainer.placement(), cfg.engine.tensor)
@@ -90,7 +92,7 @@ def setup_run(cfg: Config, resume: bool) -> Run:
     model_config = AutoConfig.from_pretrained(cfg.model.path)
     engine = None
     if world.leads_engine:  # its weights come with the bridge's first push
-        engine = build_engine(cfg, model_config, tokenizer)
+        engine = build_engine(cfg, model_config, text)
     draft_learner = build_draft_learner(cfg, engine, model_config, world, channel)
     # the draft's embedding and LM head are the policy's: it gets them with every push, as engines do
     # (every policy rank takes part in a push: it gathers the shards; a rank that leads no engine drops
@@ -101,7 +103,7 @@ def setup_run(cfg: Config, resume: bool) -> Run:
         run_dir.mkdir(parents=True, exist_ok=True)
     tracker = Tracker(cfg.tracking.uri or default_tracking_uri(run_dir), cfg.tracking.experiment,
                       run_dir / "mlartifacts", enabled=cfg.tracking.enabled and world.main)
-    run = Run(cfg, tokenizer, trainer, engine, bridge, data, evals, tracker, checkpoints, draft_learner, world)
+    run = Run(cfg, text, trainer, engine, bridge, data, evals, tracker, checkpoints, draft_learner, world)
     run_id = None
     if latest is not None:
         run_id = restore_checkpoint(run, latest)

@@ -6,12 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers import PreTrainedTokenizerBase
-
 from fastgrpo.bridge import WeightBridge
 from fastgrpo.checkpoint import CheckpointManager
 from fastgrpo.config import Config
 from fastgrpo.distributed import World
+from fastgrpo.models.tokenizer import TextFormat
 from fastgrpo.protocols import DraftLearner, Engine, PolicyTrainer
 from fastgrpo.tasks.source import EncodedProblem, PromptSource
 from fastgrpo.tracking import Tracker
@@ -28,7 +27,7 @@ class TrainResult:
 @dataclass
 class Run:
     cfg: Config
-    tokenizer: PreTrainedTokenizerBase
+    text: TextFormat  # the checkpoint's tokenizer and how prompts and responses are written
     trainer: PolicyTrainer
     engine: Engine | None  # on the ranks that lead an engine
     bridge: WeightBridge

@@ -24,7 +24,7 @@ from fastgrpo.engines.embedded.engine import EmbeddedEngine
 from fastgrpo.types import SamplingParams
 from fastgrpo.grpo.evaluate import evaluate
 from fastgrpo.models.policy import new_policy, num_parameters, policy_config
-from fastgrpo.models.tokenizer import encode_prompt, encode_response, train_tokenizer
+from fastgrpo.models.tokenizer import TextFormat, train_tokenizer
 from fastgrpo.tasks.source import encode_problems, load_task
 
 
@@ -41,7 +41,7 @@ def _batches(examples: list[tuple[list[int], list[int]]], batch_size: int, rng: 
             yield from ([examples[j] for j in g] for g in groups)
 
 
-def _collate(batch: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _collate(batch: list[tuple[list[int], list[int]]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     width = max(len(p) + len(r) for p, r in batch)
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long, device="cpu")  # on the host; the loop moves it
     labels = torch.full((len(batch), width), -100, dtype=torch.long, device="cpu")
@@ -76,7 +76,8 @@ def build_policy(cfg: Config, out_dir: str | Path | None = None) -> dict[str, fl
         raise ValueError(f"task.source {cfg.task.source!r} has no worked solutions; SFT needs the synthetic task")
     tokenizer = train_tokenizer(p.prompt + "\n" + p.solution for p in train)  # type: ignore[operator]
     short = [p for p in train if p.solution.count("\n") <= cfg.sft.max_problem_steps]  # type: ignore[union-attr]
-    examples = [(encode_prompt(tokenizer, p.prompt), encode_response(tokenizer, p.solution)) for p in short]  # type: ignore[arg-type]
+    text = TextFormat.of(tokenizer, None, cfg.task.prompt_format, cfg.task.system_prompt)  # plain: it has no template
+    examples = [(text.prompt_ids(p.prompt), text.response_ids(p.solution)) for p in short]  # type: ignore[arg-type]
     examples = [e for e in examples if len(e[0]) + len(e[1]) <= cfg.model.max_context]
     if not examples:
         raise ValueError(f"no training example fits in model.max_context={cfg.model.max_context}")
@@ -108,7 +109,7 @@ def build_policy(cfg: Config, out_dir: str | Path | None = None) -> dict[str, fl
         for group in opt.param_groups:
             group["lr"] = s.lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
         # non-blocking: a blocking copy would wait for the previous step's queued kernels
-        batch = _collate(next(batches), tokenizer.pad_token_id)
+        batch = _collate(next(batches))  # padding is masked out: any id serves
         ids, labels, attn = (t.to(compute.device, non_blocking=True) for t in batch)
         with autocast:
             loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
@@ -126,10 +127,10 @@ def build_policy(cfg: Config, out_dir: str | Path | None = None) -> dict[str, fl
     model.eval()
     minutes = (time.perf_counter() - t0) / 60
 
-    engine = EmbeddedEngine(config, max_batch=64, max_context=cfg.model.max_context, eos_id=tokenizer.eos_token_id,
-                            pad_id=tokenizer.pad_token_id, device=compute.device, dtype=compute.dtype)
+    engine = EmbeddedEngine(config, max_batch=64, max_context=cfg.model.max_context, eos_id=text.stop_ids,
+                            device=compute.device, dtype=compute.dtype)
     engine.update_weights(model.state_dict().items(), version=0)
-    accuracy = evaluate(engine, tokenizer, encode_problems(evals, tokenizer, cfg.model.max_context, "eval"),
+    accuracy = evaluate(engine, text, encode_problems(evals, text, cfg.model.max_context, "eval"),
                         cfg.eval.samples, SamplingParams.of(cfg.rollout), cfg.task.reward_timeout_s, seed=cfg.seed)
     report = {"train_loss": loss_avg, "minutes": minutes, "parameters": num_parameters(model), "steps": done,
               "complete": float(done == steps)} | accuracy

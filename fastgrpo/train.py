@@ -33,7 +33,6 @@ from fastgrpo.grpo.advantages import group_advantages, informative_groups
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.grpo.evaluate import evaluate
 from fastgrpo.grpo.report import print_step, rollout_stats, step_metrics, write_summary
-from fastgrpo.models.tokenizer import decode_response
 from fastgrpo.run_checkpoint import save_checkpoint
 from fastgrpo.run_setup import check_layout, setup_run
 from fastgrpo.run_state import Run, TrainResult
@@ -197,7 +196,7 @@ def score_completions(run: Run, problems: list[EncodedProblem], completions: lis
     G, task = run.cfg.rollout.group_size, run.cfg.task
     rewards = []
     for i, c in enumerate(completions):
-        text, problem = decode_response(run.tokenizer, c.token_ids), problems[i // G].problem
+        text, problem = run.text.response_text(c.token_ids), problems[i // G].problem
         r = score(text, problem.answer, task.reward_timeout_s)
         if r < 1.0 and task.step_credit > 0 and problem.solution:
             r = task.step_credit * step_credit(text, problem.solution)
@@ -217,7 +216,7 @@ def training_batch(run: Run, problems: list[EncodedProblem], completions: list[C
         return None, 0
     batch = build_batch([problems[i // G].prompt_ids for i in rows], [completions[i].token_ids for i in rows],
                         [completions[i].logprobs for i in rows], advantages.flatten()[rows],
-                        pad_id=run.tokenizer.pad_token_id, sample_sets=[completions[i].sample_sets for i in rows])
+                        sample_sets=[completions[i].sample_sets for i in rows])
     return batch, int(keep.sum())
 
 
@@ -227,7 +226,7 @@ def log_eval(run: Run, step: int) -> dict[str, float] | None:
         return None
     c = run.cfg
     t0 = time.perf_counter()
-    result = evaluate(run.engine, run.tokenizer, run.eval_problems, c.eval.samples, SamplingParams.of(c.rollout),
+    result = evaluate(run.engine, run.text, run.eval_problems, c.eval.samples, SamplingParams.of(c.rollout),
                       c.task.reward_timeout_s, seed=c.seed)
     result = {f"eval/{k}": v for k, v in result.items()}
     run.tracker.log_metrics(result, step=step)

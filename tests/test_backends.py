@@ -14,7 +14,7 @@ from fastgrpo.protocols import BackendUnavailable
 from fastgrpo.trainers import build_trainer
 from fastgrpo.config import ConfigError, load_config
 from fastgrpo.grpo.batch import build_batch
-from fastgrpo.models.tokenizer import load_tokenizer
+from fastgrpo.models.tokenizer import load_text_format
 from fastgrpo.types import Request, SamplingParams
 from tests.conftest import tiny_config
 
@@ -39,7 +39,7 @@ def test_backends_and_layout_are_validated_before_any_work():
 def test_the_factory_builds_a_trainer_and_engine_that_agree(tmp_path, tiny_policy):
     cfg = tiny_config(tmp_path, tiny_policy, **{"speculation.policy": "off", "draft.online": "off"})
     trainer = build_trainer(cfg)
-    engine = build_engine(cfg, AutoConfig.from_pretrained(tiny_policy), load_tokenizer(tiny_policy))
+    engine = build_engine(cfg, AutoConfig.from_pretrained(tiny_policy), load_text_format(tiny_policy))
     engine.update_weights(trainer.export_weights(), version=0)  # an engine holds nothing until a push
     prompt = [1, 5, 6, 7]
     out = engine.generate([Request(prompt)], SamplingParams(temperature=1.0, max_new_tokens=8), seed=3)[0]
@@ -52,7 +52,7 @@ def test_an_uninstalled_backend_fails_with_its_key(tmp_path, tiny_policy, monkey
     cfg = tiny_config(tmp_path, tiny_policy, **{"speculation.policy": "off", "draft.online": "off"})
     monkeypatch.setitem(sys.modules, "fastgrpo.engines.embedded.build", None)  # as if its libraries were missing
     with pytest.raises(BackendUnavailable, match=r"engine\.backend=embedded"):
-        build_engine(cfg, None, load_tokenizer(tiny_policy))
+        build_engine(cfg, None, load_text_format(tiny_policy))
 
 
 def test_a_batch_shards_by_whole_groups_across_data_parallel_ranks():
@@ -80,7 +80,7 @@ def test_a_batch_shards_by_whole_groups_across_data_parallel_ranks():
 def _engine_and_trainer(tmp_path, policy, **extra):
     cfg = tiny_config(tmp_path, policy, **{"speculation.policy": "off", "draft.online": "off"} | extra)
     trainer = build_trainer(cfg)
-    engine = build_engine(cfg, AutoConfig.from_pretrained(policy), load_tokenizer(policy))
+    engine = build_engine(cfg, AutoConfig.from_pretrained(policy), load_text_format(policy))
     engine.update_weights(trainer.export_weights(), version=0)
     return cfg, trainer, engine
 

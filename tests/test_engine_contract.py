@@ -22,7 +22,7 @@ from fastgrpo.protocols import BackendUnavailable
 from fastgrpo.bridge import WeightBridge
 from fastgrpo.engines.embedded.sampling import sampling_logprobs
 from fastgrpo.models.policy import load_policy
-from fastgrpo.models.tokenizer import load_tokenizer
+from fastgrpo.models.tokenizer import load_text_format
 from fastgrpo.types import Request, SamplingParams
 from tests.conftest import tiny_config
 from tests.sglang_emulated import emulated_sglang
@@ -50,7 +50,7 @@ def make_engine(request, tmp_path, tiny_policy, tiny_draft, reference):
                                                         "speculation.depth": 3, "speculation.topk": 2,
                                                         "speculation.num_verify": 4} | overrides)
             try:
-                engine = build_engine(cfg, AutoConfig.from_pretrained(tiny_policy), load_tokenizer(tiny_policy),
+                engine = build_engine(cfg, AutoConfig.from_pretrained(tiny_policy), load_text_format(tiny_policy),
                                       weights=reference.state_dict().items())
             except BackendUnavailable as e:
                 pytest.skip(str(e))

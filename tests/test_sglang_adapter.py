@@ -20,7 +20,7 @@ from fastgrpo.engines.sglang.adapter import (
 from fastgrpo.bridge import WeightBridge
 from fastgrpo.config import load_config
 from fastgrpo.models.policy import load_policy
-from fastgrpo.models.tokenizer import load_tokenizer
+from fastgrpo.models.tokenizer import load_text_format
 from fastgrpo.engines.embedded.draft import sglang_eagle_config
 from fastgrpo.speculation.policy import FastGRPOFormula
 from fastgrpo.types import Request, SamplingParams
@@ -149,7 +149,7 @@ def sglang(tiny_policy, tiny_draft, reference, tmp_path):
                         "draft.online": "off", "speculation.depth": 3, "speculation.topk": 2,
                         "speculation.num_verify": 4} | overrides
             cfg = tiny_config(tmp_path, policy, **{k: str(v) for k, v in sections.items()})
-            engine = build_engine(cfg, AutoConfig.from_pretrained(policy), load_tokenizer(policy),
+            engine = build_engine(cfg, AutoConfig.from_pretrained(policy), load_text_format(policy),
                                   weights=reference.state_dict().items())
             engines.append(engine)
             return engine

@@ -72,12 +72,12 @@ def test_eval_command_on_a_checkpoint(tmp_path, tiny_policy, capsys):
     from fastgrpo.config import load_config
     from fastgrpo.grpo.evaluate import evaluate
     from fastgrpo.models.policy import load_policy
-    from fastgrpo.models.tokenizer import load_tokenizer
+    from fastgrpo.models.tokenizer import load_text_format
     from fastgrpo.tasks.source import encode_problems, load_task
     from fastgrpo.types import SamplingParams
 
     cfg = load_config(str(config), cfg_args)
-    policy, tok = load_policy(tiny_policy), load_tokenizer(tiny_policy)
+    policy, tok = load_policy(tiny_policy), load_text_format(tiny_policy)
     engine = build_engine(cfg, policy.config, tok, policy.state_dict().items(), speculation="off")
     expected = evaluate(engine, tok, encode_problems(load_task(cfg.task)[1], tok, 160), 2,
                         SamplingParams.of(cfg.rollout), seed=cfg.seed)

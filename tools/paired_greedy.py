@@ -27,19 +27,19 @@ def paired(config: str | None, policies: list[str], overrides: list[str]) -> dic
     from fastgrpo.engines import build_engine
     from fastgrpo.grpo.evaluate import greedy, scores
     from fastgrpo.models.policy import load_policy
-    from fastgrpo.models.tokenizer import load_tokenizer
+    from fastgrpo.models.tokenizer import load_text_format
     from fastgrpo.tasks.source import encode_problems, load_task
     from fastgrpo.types import SamplingParams
 
     cfg = load_config(config, ["speculation.policy=off", "draft.online=off", *overrides])
-    tokenizer = load_tokenizer(cfg.model.path)
+    text = load_text_format(cfg.model.path, cfg.task)
     _, evals = load_task(cfg.task, cfg.eval.split)
-    problems = encode_problems(evals, tokenizer, cfg.model.max_context, "eval")
+    problems = encode_problems(evals, text, cfg.model.max_context, "eval")
 
     def correct(path: str) -> list[float]:
         policy = load_policy(path)
-        engine = build_engine(cfg, policy.config, tokenizer, policy.state_dict().items(), speculation="off")
-        return [r[0] for r in scores(engine, tokenizer, problems, greedy(SamplingParams.of(cfg.rollout)),
+        engine = build_engine(cfg, policy.config, text, policy.state_dict().items(), speculation="off")
+        return [r[0] for r in scores(engine, text, problems, greedy(SamplingParams.of(cfg.rollout)),
                                      timeout_s=cfg.task.reward_timeout_s)]
 
     start = correct(cfg.model.path)

@@ -26,7 +26,7 @@ from fastgrpo.config import Config
 from fastgrpo.draft_learning.online import OnlineDraftLearner, training_rows
 from fastgrpo.draft_learning.trainer import evaluate_draft
 from fastgrpo.models.policy import load_policy
-from fastgrpo.models.tokenizer import load_tokenizer
+from fastgrpo.models.tokenizer import load_text_format
 from fastgrpo.engines.embedded.draft import DRAFT_WEIGHTS, DraftHead
 from fastgrpo.speculation.policy import Static
 from fastgrpo.speculation.spec import SpecConfig
@@ -45,11 +45,11 @@ def checkpoint_draft(policy_dir: Path) -> Path | None:
 def fit_drafts(cfg: Config, policy_dir: Path, drafts: dict[str, Path], quick: bool, adapt_steps: int = 0) -> dict:
     """Score each draft against the policy in `policy_dir`; with `adapt_steps`, also the first draft
     after that many online steps on two more rollouts of the policy."""
-    policy, tokenizer = load_policy(policy_dir), load_tokenizer(policy_dir)
+    policy, text = load_policy(policy_dir), load_text_format(policy_dir, cfg.task)
     policy.eval()
-    engine = build_engine(cfg, policy.config, tokenizer, policy.state_dict().items(), speculation="static")
+    engine = build_engine(cfg, policy.config, text, policy.state_dict().items(), speculation="static")
     _, evals = load_task(cfg.task)
-    prompts = [e.prompt_ids for e in encode_problems(evals, tokenizer, cfg.model.max_context, "eval")]
+    prompts = [e.prompt_ids for e in encode_problems(evals, text, cfg.model.max_context, "eval")]
     group, n_prompts, seeds = (4, 8, 1) if quick else (cfg.rollout.group_size, 16, 3)
     if len(prompts) < 3 * n_prompts + RUNNING:
         raise ValueError(f"bench draft needs {3 * n_prompts + RUNNING} eval prompts; "

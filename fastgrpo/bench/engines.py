@@ -37,16 +37,16 @@ def _rank(rank: int, world: int, cfg: Config, repetitions: int) -> dict:
 
     from fastgrpo.engines import build_engine
     from fastgrpo.models.policy import load_policy
-    from fastgrpo.models.tokenizer import load_tokenizer
+    from fastgrpo.models.tokenizer import load_text_format
     from fastgrpo.tasks.source import PromptSource, encode_problems, load_task
     from fastgrpo.types import EngineMap, Request, SamplingParams
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
-    tokenizer = load_tokenizer(cfg.model.path)
-    engine = build_engine(cfg, AutoConfig.from_pretrained(cfg.model.path), tokenizer,
+    text = load_text_format(cfg.model.path, cfg.task)
+    engine = build_engine(cfg, AutoConfig.from_pretrained(cfg.model.path), text,
                           weights=load_policy(cfg.model.path).state_dict().items(), speculation="off")
     train, _ = load_task(cfg.task, cfg.eval.split)
-    problems = PromptSource(encode_problems(train, tokenizer, cfg.model.max_context, "train"), cfg.seed).next_batch(
+    problems = PromptSource(encode_problems(train, text, cfg.model.max_context, "train"), cfg.seed).next_batch(
         cfg.rollout.prompts_per_step)
     G, sampling = cfg.rollout.group_size, SamplingParams.of(cfg.rollout)
     requests = [Request(p.prompt_ids, key=i * G + j) for i, p in enumerate(problems) for j in range(G)]

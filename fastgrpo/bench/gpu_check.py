@@ -265,15 +265,15 @@ class Check:
     # -- shared pieces ------------------------------------------------------------------------------
     def policy(self):
         from fastgrpo.models.policy import load_policy
-        from fastgrpo.models.tokenizer import load_tokenizer
+        from fastgrpo.models.tokenizer import load_text_format
 
-        return load_policy(self.cfg.model.path), load_tokenizer(self.cfg.model.path)
+        return load_policy(self.cfg.model.path), load_text_format(self.cfg.model.path, self.cfg.task)
 
-    def prompts(self, tokenizer) -> list[list[int]]:
+    def prompts(self, text) -> list[list[int]]:
         from fastgrpo.tasks.source import encode_problems, load_task
 
         _, evals = load_task(self.cfg.task)
-        return [e.prompt_ids for e in encode_problems(evals, tokenizer, self.cfg.model.max_context, "eval")]
+        return [e.prompt_ids for e in encode_problems(evals, text, self.cfg.model.max_context, "eval")]
 
     def with_batch(self, max_batch: int):
         """The config with an engine of `max_batch` rows (a smaller KV cache where the stage needs fewer)."""
@@ -358,15 +358,14 @@ def online_round(c: Check, sequences: int = 64, budget_s: float = 5.0) -> dict:
     from fastgrpo.device import resolve
     from fastgrpo.draft_learning.online import OnlineDraftLearner
     from fastgrpo.draft_learning.pretrain import target_states
-    from fastgrpo.models.tokenizer import encode_prompt, encode_response
     from fastgrpo.engines.embedded.draft import DraftHead
     from fastgrpo.tasks.source import load_task
 
     compute = resolve(c.cfg)
-    policy, tokenizer = c.policy()
+    policy, text = c.policy()
     policy.to(compute.device, compute.dtype)
     _, evals = load_task(c.cfg.task)
-    texts = [(encode_prompt(tokenizer, p.prompt) + encode_response(tokenizer, p.solution or str(p.answer)))
+    texts = [(text.prompt_ids(p.prompt) + text.response_ids(p.solution or str(p.answer)))
              [: c.cfg.model.max_context] for p in evals[:sequences]]
     hidden, ids, mask = target_states(policy, texts)
     rows = [(hidden[i, : len(t)].cpu(), ids[i, : len(t)].cpu(), torch.ones(len(t), dtype=torch.bool, device="cpu"))
@@ -466,14 +465,14 @@ def weight_push(c: Check) -> dict:
     from fastgrpo.trainers.torch_trainer import TorchPolicyTrainer
     from fastgrpo.bridge import WeightBridge, checksum
     from fastgrpo.models.policy import load_policy
-    from fastgrpo.models.tokenizer import load_tokenizer
+    from fastgrpo.models.tokenizer import load_text_format
     from fastgrpo.types import SamplingParams
 
     cfg = c.cfg
     tt = c.held.get("torch_trainer") or TorchPolicyTrainer(load_policy(cfg.model.path), cfg.grpo, cfg.optim,
                                                             SamplingParams.of(cfg.rollout), None, c.compute)
     engine = build_engine(c.with_batch(8), AutoConfig.from_pretrained(cfg.model.path),
-                          load_tokenizer(cfg.model.path), speculation="off")
+                          load_text_format(cfg.model.path, cfg.task), speculation="off")
     bridge = WeightBridge([engine])
     bridge.push(tt.export_weights(), version=1)  # warm-up
     pushes = []
@@ -613,9 +612,9 @@ def decode_bound(c: Check) -> dict:
     from fastgrpo.bench.rollout import WARMUP_STEPS, timed_generate
     from fastgrpo.types import Request, SamplingParams
 
-    policy, tokenizer = c.policy()
-    prompt = c.prompts(tokenizer)[0]
-    engine = build_engine(c.with_batch(max(DECODE_BATCHES)), policy.config, tokenizer, policy.state_dict().items(),
+    policy, text = c.policy()
+    prompt = c.prompts(text)[0]
+    engine = build_engine(c.with_batch(max(DECODE_BATCHES)), policy.config, text, policy.state_dict().items(),
                           speculation="off")
     del policy
     m, device = engine.model, c.compute.device
@@ -699,12 +698,12 @@ def rollout(c: Check) -> dict:
     from fastgrpo.bench.rollout import STATIC_SWEEP, concurrency_sweep, grpo_batch
 
     cfg, size = c.cfg, c.size
-    policy, tokenizer = c.policy()
-    prompts = c.prompts(tokenizer)
+    policy, text = c.policy()
+    prompts = c.prompts(text)
     # the engine with its draft and aware's cost model, calibrated on this device (timed: it runs once per
     # machine and model shape, then comes from speculation.cost_model_dir)
     t = time.perf_counter()
-    engine = build_engine(c.with_batch(max(max(size.levels), size.grpo_prompts * 8)), policy.config, tokenizer,
+    engine = build_engine(c.with_batch(max(max(size.levels), size.grpo_prompts * 8)), policy.config, text,
                           policy.state_dict().items(), speculation="aware")
     _sync()
     calibration_s = time.perf_counter() - t

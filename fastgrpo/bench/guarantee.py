@@ -44,7 +44,7 @@ from fastgrpo.bench.report import command_line, publish
 from fastgrpo.bench.rollout import hf_generate_seconds, rotated, timed_generate
 from fastgrpo.config import Config
 from fastgrpo.models.policy import load_policy, num_parameters
-from fastgrpo.models.tokenizer import load_tokenizer
+from fastgrpo.models.tokenizer import load_text_format
 from fastgrpo.tasks.source import encode_problems, load_task
 from fastgrpo.types import Request, SamplingParams
 
@@ -150,9 +150,9 @@ def bench_guarantee(cfg: Config, quick: bool, output: Path, runs: int | None, th
     runs = runs or (2 if quick else 5)
     threads = threads or [1, 2]
     reps = 3 if quick else 5  # ABBA blocks of four calls
-    policy, tokenizer = load_policy(cfg.model.path), load_tokenizer(cfg.model.path)
+    policy, text = load_policy(cfg.model.path), load_text_format(cfg.model.path, cfg.task)
     _, evals = load_task(cfg.task)
-    prompts = [e.prompt_ids for e in encode_problems(evals, tokenizer, cfg.model.max_context, "eval")]
+    prompts = [e.prompt_ids for e in encode_problems(evals, text, cfg.model.max_context, "eval")]
     loads = workloads(cfg, prompts, quick)
     before = torch.get_num_threads()
     t0 = time.perf_counter()
@@ -162,7 +162,7 @@ def bench_guarantee(cfg: Config, quick: bool, output: Path, runs: int | None, th
     try:
         for t in threads:
             torch.set_num_threads(t)
-            engine = build_engine(cfg, policy.config, tokenizer, policy.state_dict().items(), speculation="aware")
+            engine = build_engine(cfg, policy.config, text, policy.state_dict().items(), speculation="aware")
             per_run, hf = [], []
             for run in range(runs):
                 per_run.append(one_run(engine, cfg, loads, reps))

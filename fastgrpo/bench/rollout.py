@@ -23,7 +23,7 @@ from fastgrpo.bench.report import command_line, publish
 from fastgrpo.config import Config
 from fastgrpo.engines.embedded.engine import EmbeddedEngine
 from fastgrpo.models.policy import load_policy, num_parameters
-from fastgrpo.models.tokenizer import load_tokenizer
+from fastgrpo.models.tokenizer import load_text_format
 from fastgrpo.speculation.policy import Static
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.tasks.source import encode_problems, load_task
@@ -209,12 +209,12 @@ def bench_rollout(cfg: Config, quick: bool, output: Path, extra: list[str] | Non
     def log(msg: str) -> None:
         print(msg, flush=True)
 
-    policy, tokenizer = load_policy(cfg.model.path), load_tokenizer(cfg.model.path)
+    policy, text = load_policy(cfg.model.path), load_text_format(cfg.model.path, cfg.task)
     policy.eval()
-    engine = build_engine(cfg, policy.config, tokenizer, policy.state_dict().items(), speculation="aware")
+    engine = build_engine(cfg, policy.config, text, policy.state_dict().items(), speculation="aware")
     policies = _modes(engine, cfg)
     _, evals = load_task(cfg.task)
-    prompts = [e.prompt_ids for e in encode_problems(evals, tokenizer, cfg.model.max_context, "eval")]
+    prompts = [e.prompt_ids for e in encode_problems(evals, text, cfg.model.max_context, "eval")]
     reps = 3
     tokens = 48 if quick else 128
     t0 = time.perf_counter()

@@ -168,14 +168,14 @@ def _time_push(trainer, cfg: Config, reps: int, bf16: bool = False) -> dict:
     from fastgrpo.bridge import WeightBridge
     from fastgrpo.device import Compute
     from fastgrpo.engines.embedded.build import build_engine
-    from fastgrpo.models.tokenizer import load_tokenizer
+    from fastgrpo.models.tokenizer import load_text_format
 
     engine = None
     if trainer.placement().leads_replica:
         # the engine holds the weights in the trainer's precision, as a run's does (bf16 emulated where this
         # CPU lacks it, as the trainer's is here)
         compute = Compute(torch.device("cpu"), torch.bfloat16 if bf16 else torch.float32)
-        engine = build_engine(cfg, AutoConfig.from_pretrained(cfg.model.path), load_tokenizer(cfg.model.path),
+        engine = build_engine(cfg, AutoConfig.from_pretrained(cfg.model.path), load_text_format(cfg.model.path, cfg.task),
                               speculation="off", compute=compute)
     bridge = WeightBridge([engine] if engine is not None else [])
     bridge.push(trainer.export_weights(), version=0)  # warm-up

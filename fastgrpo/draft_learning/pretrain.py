@@ -18,7 +18,7 @@ from fastgrpo.config import Config
 from fastgrpo.device import on_device, resolve
 from fastgrpo.draft_learning.trainer import DraftTrainer
 from fastgrpo.models.policy import load_policy
-from fastgrpo.models.tokenizer import encode_prompt, encode_response, load_tokenizer
+from fastgrpo.models.tokenizer import load_text_format
 from fastgrpo.engines.embedded.draft import DraftHead, draft_loss
 from fastgrpo.tasks.source import load_task
 
@@ -59,18 +59,18 @@ def pretrain_draft(cfg: Config) -> dict[str, float]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     compute = resolve(cfg)
-    policy, tokenizer = load_policy(cfg.model.path), load_tokenizer(cfg.model.path)
+    policy, fmt = load_policy(cfg.model.path), load_text_format(cfg.model.path, cfg.task)
     policy.requires_grad_(False)
     policy.to(compute.device, compute.dtype)  # fp32 on a CPU: unchanged
     train, evals = load_task(cfg.task)
 
     def text(p) -> list[int]:
         response = p.solution if p.solution is not None else p.answer
-        return (encode_prompt(tokenizer, p.prompt) + encode_response(tokenizer, response))[: cfg.model.max_context]
+        return (fmt.prompt_ids(p.prompt) + fmt.response_ids(response))[: cfg.model.max_context]
 
     corpus, held_out = [text(p) for p in train], [text(p) for p in evals]
     draft = DraftHead(policy.config, cfg.model.max_context).to(compute.device)  # initialised on the CPU, then moved
-    draft.bind_target(policy.model.embed_tokens.weight, policy.lm_head.weight)
+    draft.bind_target(policy.get_input_embeddings().weight, policy.get_output_embeddings().weight)
     d = cfg.draft
     trainer = DraftTrainer(draft, lr=d.lr, max_tokens=d.buffer_tokens, batch_size=d.batch_size, seed=cfg.seed)
     # the trainer's batches and the draft's positions are made where the states are (a CPU needs no context)

@@ -9,7 +9,7 @@ from fastgrpo.types import RolloutBatch
 
 
 def build_batch(prompts: list[list[int]], responses: list[list[int]], engine_logprobs: list[list[float]],
-                advantages: Tensor, pad_id: int, sample_sets: list[list[list[int]] | None] | None = None) -> RolloutBatch:
+                advantages: Tensor, pad_id: int = 0, sample_sets: list[list[list[int]] | None] | None = None) -> RolloutBatch:
     """Right-padded rows of prompt + response; `sample_sets`: each response token's sampling set (from
     the engine's completions; None where nothing cut the distribution)."""
     if not (len(prompts) == len(responses) == len(engine_logprobs) == advantages.shape[0]):

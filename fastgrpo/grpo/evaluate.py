@@ -9,11 +9,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from transformers import PreTrainedTokenizerBase
-
 from fastgrpo.protocols import Engine
 from fastgrpo.types import SamplingParams, Request
-from fastgrpo.models.tokenizer import decode_response
+from fastgrpo.models.tokenizer import TextFormat
 from fastgrpo.tasks.rewards import score
 from fastgrpo.tasks.source import EncodedProblem
 
@@ -27,12 +25,12 @@ def _mean_and_se(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(var / n)
 
 
-def scores(engine: Engine, tokenizer: PreTrainedTokenizerBase, problems: list[EncodedProblem],
+def scores(engine: Engine, text: TextFormat, problems: list[EncodedProblem],
            sampling: SamplingParams, repeats: int = 1, timeout_s: float = 2.0, seed: int = 0) -> list[list[float]]:
     """Each problem's rewards for `repeats` answers drawn with `sampling` (one list per problem)."""
     requests = [Request(e.prompt_ids) for e in problems for _ in range(repeats)]
     outs = engine.generate(requests, sampling, seed=seed)
-    rewards = [score(decode_response(tokenizer, o.token_ids), problems[i // repeats].problem.answer, timeout_s)
+    rewards = [score(text.response_text(o.token_ids), problems[i // repeats].problem.answer, timeout_s)
                for i, o in enumerate(outs)]
     return [rewards[i * repeats : (i + 1) * repeats] for i in range(len(problems))]
 
@@ -41,12 +39,12 @@ def greedy(sampling: SamplingParams) -> SamplingParams:
     return dataclasses.replace(sampling, temperature=0.0, top_p=1.0, top_k=0)
 
 
-def evaluate(engine: Engine, tokenizer: PreTrainedTokenizerBase, problems: list[EncodedProblem],
+def evaluate(engine: Engine, text: TextFormat, problems: list[EncodedProblem],
              samples: int, sampling: SamplingParams, timeout_s: float = 2.0, seed: int = 0) -> dict[str, float]:
     """Greedy decoding once per problem, and `samples` draws of the rollout's own sampling
     distribution (temperature, top-k, top-p): the quantity GRPO optimises."""
-    first = scores(engine, tokenizer, problems, greedy(sampling), 1, timeout_s, seed)
-    sampled = scores(engine, tokenizer, problems, sampling, samples, timeout_s, seed)
+    first = scores(engine, text, problems, greedy(sampling), 1, timeout_s, seed)
+    sampled = scores(engine, text, problems, sampling, samples, timeout_s, seed)
     out: dict[str, float] = {}
     for name, per_problem in (("pass1_greedy", [g[0] for g in first]),
                               ("mean_accuracy", [sum(s) / samples for s in sampled]),

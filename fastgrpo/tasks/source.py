@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from fastgrpo.config import TaskConfig
-from fastgrpo.models.tokenizer import encode_prompt
+from fastgrpo.models.tokenizer import TextFormat
 from fastgrpo.tasks.arithmetic import arithmetic_splits
 from fastgrpo.tasks.datasets import DatasetError, load_problems
 from fastgrpo.tasks.problems import Problem
@@ -52,10 +52,10 @@ class EncodedProblem:
     prompt_ids: list[int]
 
 
-def encode_problems(problems: list[Problem], tokenizer: PreTrainedTokenizerBase, max_context: int,
+def encode_problems(problems: list[Problem], text: TextFormat, max_context: int,
                     what: str = "train") -> list[EncodedProblem]:
     """Tokenized problems; prompts that leave no room to answer within the context are skipped and counted."""
-    kept = [EncodedProblem(p, encode_prompt(tokenizer, p.prompt)) for p in problems]
+    kept = [EncodedProblem(p, text.prompt_ids(p.prompt)) for p in problems]
     usable = [e for e in kept if len(e.prompt_ids) < max_context]
     skipped = len(kept) - len(usable)
     if skipped:

@@ -27,19 +27,19 @@ def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = Non
     from fastgrpo.engines.embedded.build import build_engine, speculation_policy
     from fastgrpo.bench.report import command_line, publish
     from fastgrpo.models.policy import load_policy, num_parameters
-    from fastgrpo.models.tokenizer import load_tokenizer
+    from fastgrpo.models.tokenizer import load_text_format
     from fastgrpo.tasks.source import encode_problems, load_task
 
     def log(msg: str) -> None:
         print(msg, flush=True)
 
     t0 = time.perf_counter()
-    policy, tokenizer = load_policy(cfg.model.path), load_tokenizer(cfg.model.path)
+    policy, text = load_policy(cfg.model.path), load_text_format(cfg.model.path, cfg.task)
     policy.eval()
     # the draft is loaded for a static policy: no cached calibration is read or written here
-    engine = build_engine(cfg, policy.config, tokenizer, policy.state_dict().items(), speculation="static")
+    engine = build_engine(cfg, policy.config, text, policy.state_dict().items(), speculation="static")
     _, evals = load_task(cfg.task)
-    prompts = [e.prompt_ids for e in encode_problems(evals, tokenizer, cfg.model.max_context, "eval")]
+    prompts = [e.prompt_ids for e in encode_problems(evals, text, cfg.model.max_context, "eval")]
     sc = cfg.speculation
     static_cfg = SpecConfig(sc.depth, sc.topk, sc.num_verify)
     temperature, top_p = cfg.rollout.temperature, cfg.rollout.top_p

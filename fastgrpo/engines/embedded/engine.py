@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -106,9 +106,15 @@ class EmbeddedEngine:
     context, which on a CPU is skipped since it costs a Python call per torch op) in `dtype` (weights,
     activations and KV cache; sampling in fp32). Host round trips in a decode step, on purpose: the
     emitted tokens (`tolist`: the Python bookkeeping of stops and limits), the longest row's length
-    (the attention's context width) and, with speculation, the accepted lengths."""
+    (the attention's context width) and, with speculation, the accepted lengths.
 
-    def __init__(self, cfg: LlamaConfig, max_batch: int, max_context: int, eos_id: int, pad_id: int = 0,
+    `eos_id`: the id (or ids) a sequence stops at: a checkpoint's tokenizer eos and generation_config's
+    eos ids (instruct checkpoints end a turn with a token only generation_config names). `pad_id` fills
+    the unused tail of a right-padded prefill, which the causal mask and lengths keep out of every
+    result: any id in the vocabulary serves (a tokenizer needs no pad token)."""
+
+    def __init__(self, cfg: LlamaConfig, max_batch: int, max_context: int, eos_id: int | Sequence[int],
+                 pad_id: int = 0,
                  policy: SpeculationPolicy | None = None, draft_window: int = DRAFT_WINDOW,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         if max_batch < 1:
@@ -120,12 +126,12 @@ class EmbeddedEngine:
     def _on_device(self) -> contextlib.AbstractContextManager:
         return on_device(self.device)
 
-    def _build(self, cfg: LlamaConfig, max_batch: int, max_context: int, eos_id: int, pad_id: int,
+    def _build(self, cfg: LlamaConfig, max_batch: int, max_context: int, eos_id: int | Sequence[int], pad_id: int,
                policy: SpeculationPolicy | None, draft_window: int) -> None:
         self.cfg = cfg
         self.max_batch = max_batch
         self.max_context = max_context
-        self.eos_id = eos_id
+        self.stop_ids = frozenset([eos_id] if isinstance(eos_id, int) else eos_id)
         self.pad_id = pad_id
         self.model = InferenceModel(cfg, max_context + TREE_SLACK, self.dtype,
                                     kernel="auto" if self.device.type == "cpu" else "dense")
@@ -363,7 +369,7 @@ class EmbeddedEngine:
             if sets is not None:
                 s.sample_sets.append(sets[i])
             s.pending = tok
-            if tok == self.eos_id and not ignore_eos:
+            if tok in self.stop_ids and not ignore_eos:
                 s.finish = "stop"
             elif len(s.tokens) >= s.max_new:
                 s.finish = "length"
