@@ -149,3 +149,23 @@ def test_aware_speculation_runs_on_each_family(checkpoint, tmp_path):
     result = train(load_config(None, args))
     assert len(result.steps) == 2
     assert all(m["kl_engine_trainer"] < 1e-5 for m in result.steps), name
+
+
+def _train(rank, world, args):
+    return train(load_config(None, args)).steps
+
+
+@pytest.mark.slow  # a world of 4 (gloo)
+def test_a_megatron_tp2_pp2_world_trains_qwen3(tmp_path):
+    """Qwen3 (q/k norms, its own head size) in Megatron at TP2 x PP2 with an engine on each rank: two GRPO
+    steps whose trainer log-probabilities equal what the engines sampled with (megatron-core's
+    qk_layernorm and kv_channels against the engine's family forward, at the same weights)."""
+    from fastgrpo.local_world import run_world
+
+    path = write_family_checkpoint("qwen3", tmp_path / "qwen3")
+    args = family_run(tmp_path, path, "trainer.backend=megatron", "parallel.tensor=2", "parallel.pipeline=2",
+                      "speculation.policy=off", "draft.online=off", "rollout.prompts_per_step=4")
+    steps = run_world(_train, 4, tmp_path / "world", args, timeout_s=300.0)
+    for rank_steps in steps:
+        assert len(rank_steps) == 2
+        assert all(m["kl_engine_trainer"] < 1e-5 for m in rank_steps), [m["kl_engine_trainer"] for m in rank_steps]
