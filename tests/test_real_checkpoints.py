@@ -169,3 +169,20 @@ def test_a_megatron_tp2_pp2_world_trains_qwen3(tmp_path):
     for rank_steps in steps:
         assert len(rank_steps) == 2
         assert all(m["kl_engine_trainer"] < 1e-5 for m in rank_steps), [m["kl_engine_trainer"] for m in rank_steps]
+
+
+@pytest.mark.slow  # a world of 2 per family
+def test_a_deepspeed_zero3_world_trains_each_family(checkpoint, tmp_path):
+    """DeepSpeed ZeRO-3 at DP2 (Hugging Face modules: biases, q/k norms, a tied or untied head, all sharded)
+    on each family: two GRPO steps with top-k sample sets, the trainer's log-probabilities over the
+    engine's sets equal to what the engine sampled with."""
+    pytest.importorskip("deepspeed")
+    from fastgrpo.local_world import run_world
+
+    name, path = checkpoint
+    args = family_run(tmp_path, path, "trainer.backend=deepspeed", "deepspeed.zero_stage=3",
+                      "speculation.policy=off", "draft.online=off")
+    steps = run_world(_train, 2, tmp_path / "world", args, timeout_s=300.0)
+    for rank_steps in steps:
+        assert len(rank_steps) == 2
+        assert all(m["kl_engine_trainer"] < 1e-5 for m in rank_steps), (name, rank_steps)
