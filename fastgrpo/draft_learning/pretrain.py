@@ -17,6 +17,7 @@ from fastgrpo.engines.embedded.build import draft_dir
 from fastgrpo.config import Config
 from fastgrpo.device import on_device, resolve
 from fastgrpo.draft_learning.trainer import DraftTrainer
+from fastgrpo.models.families import check_checkpoint
 from fastgrpo.models.policy import load_policy
 from fastgrpo.models.tokenizer import load_text_format
 from fastgrpo.engines.embedded.draft import DraftHead, draft_loss
@@ -59,6 +60,7 @@ def pretrain_draft(cfg: Config) -> dict[str, float]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     compute = resolve(cfg)
+    check_checkpoint(cfg.model.path)  # a family fastgrpo computes, before any work
     policy, fmt = load_policy(cfg.model.path), load_text_format(cfg.model.path, cfg.task)
     policy.requires_grad_(False)
     policy.to(compute.device, compute.dtype)  # fp32 on a CPU: unchanged
