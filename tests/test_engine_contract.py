@@ -5,7 +5,19 @@ target's states on request, and bad input refused before any work.
 Each test runs once per engine: `embedded`; `sglang-emulated`, the SGLang adapter's own code over
 the emulated SGLang of tests/sglang_emulation (its interface checked against sglang 0.5.23's source
 by tests/test_sglang_conformance.py); and `sglang`, the adapter over a real SGLang wherever it and a
-GPU are installed (skipped here, with the reason). The reference is the Hugging Face policy itself.
+GPU are installed (skipped elsewhere, with the reason: `make test` on a CPU machine runs every case on
+the first two). The reference is the Hugging Face policy itself.
+
+What `sglang-emulated` emulates, each rule read in SGLang's source (tests/sglang_emulation/
+_sglang_emulator.py cites the lines): the Engine / TokenizerManager calls and request objects the
+adapter sends, the scheduler's continuous batching and radix-cache hits, the pytorch sampling backend
+(top-k, top-p, seeds under deterministic inference, the sampling mask and its cap), the log-probabilities
+and finish reasons it reports, stop ids, context validation, weight-update sessions and tensor IPC per
+rank, memory release and resume, hidden-state capture, and EAGLE (the draft's files as SGLang loads
+them, verify with adaptive slots routed by the padded batch, the speculation counters). What it does not:
+CUDA kernels and their numerics (it runs the policy in float32 on the CPU), SGLang's processes and
+tensor-parallel sharding, the real EAGLE draft forward (a stand-in proposes: acceptance is not
+SGLang's), and speed. The `sglang` variant runs these same cases on a GPU.
 """
 
 from __future__ import annotations
@@ -52,8 +64,8 @@ def make_engine(request, tmp_path, tiny_policy, tiny_draft, reference):
             try:
                 engine = build_engine(cfg, AutoConfig.from_pretrained(tiny_policy), load_text_format(tiny_policy),
                                       weights=reference.state_dict().items())
-            except BackendUnavailable as e:
-                pytest.skip(str(e))
+            except BackendUnavailable as e:  # the real SGLang only: the same case ran on sglang-emulated
+                pytest.skip(f"{e} (the same case ran on the emulated SGLang: sglang-emulated)")
             engines.append(engine)
             return engine
 

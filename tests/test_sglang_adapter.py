@@ -69,16 +69,34 @@ def test_states_a_cache_hit_skipped_come_from_the_request_that_computed_them():
         fill_prefixes([a, c], [(2, states[2:4]), (2, states[2:2])])  # nobody computed positions 0, 1
 
 
+def sglang_routes(tiers: dict[str, dict], batch: int, sizes: list[int]) -> tuple[int, list[int]]:
+    """(padded size, candidates) of the slot SGLang 0.5.23 runs a decode batch of `batch` rows at: padded
+    to a captured CUDA-graph size, then the largest slot key not above it
+    (srt/speculative/adaptive_spec_params.py:342-358)."""
+    padded = next((s for s in sizes if s >= batch), batch)
+    keys = sorted(int(k) for k in tiers)
+    key = max([k for k in keys if k <= padded] or [keys[0]])
+    return padded, tiers[str(key)]["candidate_steps"]
+
+
 def test_the_fastgrpo_rule_becomes_sglang_batch_size_tiers():
+    """One slot per run of equal depths over the captured sizes, each holding the policy's choice at the
+    size SGLang pads the batch to (which is what the step computes). Before the fix the slots were
+    keyed by raw concurrency (the policy asked at 81, a size SGLang never routes: it pads 81-88 to 88)
+    and this test read them without padding: it promised depth 4 at 13 rows, where SGLang runs 3."""
+    from fastgrpo.speculation.sglang_tiers import spec_capture_sizes
+
     policy, max_batch = FastGRPOFormula(), 128
+    sizes = spec_capture_sizes(max_batch)
     tiers = adaptive_tiers(policy, max_batch)
-    starts = sorted(int(k) for k in tiers)
-    assert starts[0] == 1 and all(len(t["candidate_steps"]) == 1 for t in tiers.values())
-    for running in range(1, max_batch + 1):  # SGLang's slot for a batch: the largest key not above it
-        slot = tiers[str(max(s for s in starts if s <= running))]
-        config = policy.choose(running)
-        assert slot["candidate_steps"] == [0 if config is None else config.depth], running
-    assert tiers[str(starts[-1])]["candidate_steps"] == [0]  # saturated: no speculation
+    assert all(len(t["candidate_steps"]) == 1 for t in tiers.values())
+    assert set(map(int, tiers)) <= set(sizes) and min(map(int, tiers)) == 1  # keys SGLang routes to
+    for running in range(1, max_batch + 1):
+        padded, steps = sglang_routes(tiers, running, sizes)
+        config = policy.choose(padded)
+        assert steps == [0 if config is None else config.depth], running
+    assert sglang_routes(tiers, 13, sizes) == (14, [3])  # the policy's 4 at 13 rows cannot run: SGLang pads to 14
+    assert tiers[max(tiers, key=int)]["candidate_steps"] == [0]  # saturated: no speculation
 
 
 def test_engine_arguments_follow_the_config():
@@ -429,3 +447,75 @@ def test_an_sglang_plugins_of_only_separators_or_blanks_allows_no_plugin(sglang,
     for allowed in ("", "fastgrpo", " other , fastgrpo "):
         monkeypatch.setenv("SGLANG_PLUGINS", allowed)
         check_plugin()
+
+
+def test_each_decode_step_runs_at_the_slot_of_its_padded_batch(sglang):
+    """SGLang routes every decode step by its running batch, padded to a captured CUDA-graph size
+    (the emulation does too: before, it routed one raw batch size for a whole call). The fastgrpo
+    tiers hold the policy's depth at every padded size, and the adapter's count of speculative steps
+    (verify steps less those its replay of the call puts at depth-0 slots) is SGLang's own: exact,
+    since depth 0 is picked only above every positive depth (before: 96 requests ran plain for the
+    whole call, and the adapter counted the steps of the shrinking batch as speculative)."""
+    from fastgrpo.speculation.sglang_tiers import pad, spec_capture_sizes
+
+    engine = sglang(**{"speculation.policy": "fastgrpo", "rollout.max_batch": 96})
+    sizes, policy = spec_capture_sizes(96), FastGRPOFormula()
+    assert scheduler(engine).capture_sizes == sizes  # cuda_graph_max_bs_decode = max_batch
+    requests = [Request([1, 20 + i % 7, 21, 22], key=i, max_new_tokens=2 + (i * 7) % 23) for i in range(96)]
+    out = engine.generate(requests, SamplingParams(temperature=1.0, ignore_eos=True), seed=4)
+    assert [len(c.token_ids) for c in out] == [r.max_new_tokens for r in requests]
+    steps = scheduler(engine).decode_steps
+    assert steps[0][0] == 96 and steps[-1][0] == 1  # the batch shrinks as requests finish
+    for batch, depth in steps:
+        config = policy.choose(pad(batch, sizes))
+        assert depth == (0 if config is None else config.depth), batch
+    ran = {depth for batch, depth in steps}
+    assert 0 in ran and ran - {0}  # plain at 81-96 rows (padded to 88 and 96), chains below
+    speculative = sum(batch for batch, depth in steps if depth > 0)
+    stats = engine.stats()
+    assert stats["spec_steps"] == speculative
+    assert stats["decode_steps"] == sum(batch for batch, _ in steps)
+
+
+def stop_engine(policy, tmp_path, reference, stop_ids=()):
+    from fastgrpo.engines.sglang import adapter
+    from fastgrpo.models.tokenizer import load_tokenizer
+
+    cfg = tiny_config(tmp_path, policy, **{"engine.backend": "sglang", "speculation.policy": "off",
+                                           "draft.online": "off"})
+    return adapter.build_engine(cfg, AutoConfig.from_pretrained(policy), load_tokenizer(policy),
+                                weights=reference.state_dict().items(), stop_ids=stop_ids)
+
+
+def test_the_engines_stop_ids_stop_sglang(tiny_policy, reference, tmp_path):
+    """SGLang stops by itself on config.json's and generation_config.json's eos ids only (ModelConfig
+    hf_eos_token_id; never the tokenizer's eos, with skip_tokenizer_init): the adapter's `stop_ids`
+    go with every request as stop_token_ids, which SGLang honours unless ignore_eos
+    (managers/schedule_batch.py:1857-1878). Before the fix the adapter had no stop ids to send, and a
+    response ran past its end-of-turn token."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    prompt = [1, 9, 10, 11]
+    with emulated_sglang():
+        free = stop_engine(tiny_policy, tmp_path, reference)
+        tokens = free.generate([Request(prompt)], greedy)[0].token_ids
+        free.close()
+        eos = {AutoConfig.from_pretrained(tiny_policy).eos_token_id}
+        at = next(i for i, t in enumerate(tokens) if t not in eos and i > 0)
+        stop = tokens[at]
+        first = tokens.index(stop)
+        engine = stop_engine(tiny_policy, tmp_path, reference, stop_ids=[stop, stop])
+        ends = SamplingParams(temperature=0.0, max_new_tokens=12)
+        c = engine.generate([Request(prompt)], ends)[0]
+        assert c.token_ids == tokens[: first + 1] and c.finish_reason == "stop"
+        sent = scheduler(engine).last_params
+        assert sent[0]["stop_token_ids"] == [stop]
+        assert engine.generate([Request(prompt)], greedy)[0].token_ids == tokens  # ignore_eos: no stop at all
+        engine.close()
+        # generation_config.json's eos ids stop SGLang by itself (configs/model_config.py:2190-2208)
+        policy = tmp_path / "with-generation-config"
+        shutil.copytree(tiny_policy, policy)
+        (policy / "generation_config.json").write_text(json.dumps({"eos_token_id": [stop, 999]}))
+        engine = stop_engine(policy, tmp_path, reference)
+        c = engine.generate([Request(prompt)], ends)[0]
+        assert c.token_ids == tokens[: first + 1] and c.finish_reason == "stop"
+        engine.close()

@@ -164,7 +164,8 @@ def test_the_engine_arguments_are_serverargs_fields_the_emulation_models(src):
 
 def test_the_sampling_parameters_are_sglangs(src):
     for sampling in (SamplingParams(), SamplingParams(temperature=0.0), SamplingParams(top_k=5, top_p=0.9)):
-        params = sampling_params(sampling, Request([1, 2], key=3), seed=1, index=0, max_new_tokens=7)
+        params = sampling_params(sampling, Request([1, 2], key=3), seed=1, index=0, max_new_tokens=7, stop_ids=[2, 9])
+        assert params["stop_token_ids"] == [2, 9]
         assert check_keys(src, "sampling_params", params) == []
 
 

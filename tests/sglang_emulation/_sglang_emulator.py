@@ -4,15 +4,20 @@ CPU. Each rule below is SGLang's, read in its source (paths relative to the whee
 where SGLang would crash, hang or silently compute garbage, the emulation raises EmulationError.
 
 What it runs:
-- generate: requests one after another (each prefill enters the radix cache before the next is
-  scheduled, so every request of a group after the first hits the cache: the case SGLang's in-batch
-  prefix caching aims for), the policy's forwards with a KV cache, SGLang's pytorch sampling
+- generate: SGLang's continuous batching: waiting requests are prefilled in order while fewer than
+  max_running_requests run (each prefill enters the radix cache before the next, so every request of
+  a group after the first hits the cache: the case SGLang's in-batch prefix caching aims for), then
+  one decode step of every running request, whose batch size (the running count) routes the step's
+  adaptive depth after CUDA-graph padding; finished requests leave, waiting ones join. The policy's
+  forwards with a KV cache per request, SGLang's pytorch sampling
   backend (top-k by rank, then top-p against the cumulative mass before top-k: layers/sampler.py
   top_k_top_p_min_p_sampling_from_probs_torch), seeds honoured only with
   enable_deterministic_inference (sampling/sampling_batch_info.py; otherwise a generator that runs
   on), the sampling mask and its cap (managers/scheduler.py, layers/sampler.py
   _build_sampling_mask_output), output_token_logprobs as log_softmax(logits / T) (greedy: T = 1)
-  triples, finish reasons as schedule_batch.py's to_json, context validation with the EAGLE
+  triples, finish reasons as schedule_batch.py's to_json, stops on stop_token_ids and on config.json's and
+  generation_config.json's eos ids, never on the tokenizer's (skip_tokenizer_init), none with
+  ignore_eos (schedule_batch.py _check_token_based_finish), context validation with the EAGLE
   reservation (managers/tokenizer_manager.py _validate_one_request, managers/utils.py).
 - hidden states: prefill rows for the prompt's uncached part only, and with chunked prefill only
   for its last chunk (scheduler_components/batch_result_processor.py), then one row per emitted
@@ -21,7 +26,8 @@ What it runs:
   tie_word_embeddings, dtype / torch_dtype through configs/model_config.py _get_and_verify_dtype;
   weights by llama_eagle.py's names), chain drafts verified against the target's own samples, so
   the output equals plain decoding with the same seeds; adaptive tiers from the tiers file
-  (speculative/adaptive_spec_params.py), one step count per batch size; a step at depth 0 counted
+  (speculative/adaptive_spec_params.py), each decode step routed by its batch size padded to a
+  captured CUDA-graph size (the sizes arg_groups/cuda_graph_hook.py generates); a step at depth 0 counted
   as a verify step with no correct draft (speculative/eagle_worker_v2.py's trivial verify). The
   draft's proposals come from a stand-in forward (its fc and MLP, no attention): acceptance is not
   SGLang's.
@@ -37,10 +43,12 @@ What it runs:
 from __future__ import annotations
 
 import base64
+import bisect
 import itertools
 import json
 import pickle
 import warnings
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,6 +118,43 @@ def resolve_dtype(config: dict, dtype: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+# -- what the scheduler derives from its start ---------------------------------------------------------
+
+H100_DECODE_MAX_BS = 256  # arg_groups/memory_hook.py:133-143: an 80 GB GPU at tp_size < 4 (the emulated GPU)
+
+
+def decode_capture_sizes(args) -> list[int]:
+    """The decode batch sizes SGLang captures CUDA graphs for (cuda_graph_config.decode.bs), with
+    padding allowed: up to cuda_graph_max_bs_decode if given (arg_groups/cuda_graph_hook.py:72-73),
+    else the GPU's default capped at max_running_requests (arg_groups/memory_hook.py:133-143, 182-188),
+    listed by generate_decode_cuda_graph_batch_sizes (cuda_graph_hook.py:500-532; memory_hook.py:201-205)."""
+    max_bs = args.cuda_graph_max_bs_decode
+    if max_bs is None:
+        max_bs = H100_DECODE_MAX_BS if args.tp_size < 4 else 2 * H100_DECODE_MAX_BS
+        if args.max_running_requests is not None:
+            max_bs = min(max_bs, args.max_running_requests)
+    if args.speculative_algorithm is None:
+        sizes = [1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 512, 16), *range(512, max_bs + 1, 32)]
+    else:  # "Spec decoding case: less padding for smaller batch sizes"
+        sizes = [*range(1, 9), *range(10, 33, 2), *range(40, 65, 4), *range(72, 257, 8), *range(272, max_bs + 1, 16)]
+    sizes = [s for s in sizes if s <= max_bs]
+    return sizes if max_bs in sizes else [*sizes, max_bs]
+
+
+def hf_eos_token_ids(path: Path, config: dict) -> set[int]:
+    """ModelConfig._get_hf_eos_token_id (configs/model_config.py:2190-2208): config.json's eos_token_id
+    and generation_config.json's (read with GenerationConfig.from_pretrained, absent is fine:
+    model_config.py:683-688, utils/hf_transformers/common.py:698-731), each an int or a list."""
+    def ids(value) -> set[int]:
+        return set() if value is None else {value} if isinstance(value, int) else set(value)
+
+    eos = ids(config.get("eos_token_id"))
+    generation = path / "generation_config.json"
+    if generation.is_file():
+        eos |= ids(json.loads(generation.read_text()).get("eos_token_id") or None)
+    return eos
+
+
 # -- the scheduler ---------------------------------------------------------------------------------------
 
 @dataclass
@@ -128,6 +173,14 @@ class _Request:
     verify_ct: int = 0
     cached: int = 0
     histogram: list[int] = field(default_factory=list)  # verify steps by accepted drafts
+
+
+@dataclass
+class _Running:  # a request in the running batch, between decode steps
+    request: _Request
+    cache: Any  # its KV cache
+    last_state: torch.Tensor  # the target's state at its last fed position (the draft's input)
+    done: bool
 
 
 @dataclass
@@ -157,8 +210,7 @@ class Scheduler:
         self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
         self.vocab = self.config["vocab_size"]
         self.context_len = args.context_length or self.config.get("max_position_embeddings", 2048)
-        eos = self.config.get("eos_token_id")
-        self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.eos = hf_eos_token_ids(path, self.config)
         self.target_dtype = resolve_dtype(self.config, args.dtype)
         self.tp = args.tp_size
         self.names = {n: tuple(t.shape) for n, t in self.model.state_dict().items()}
@@ -175,6 +227,8 @@ class Scheduler:
         self.mask_cap = args.sampling_mask_max_tokens
         self.calls: list[str] = []  # what the scheduler received, for tests
         self.max_running = args.max_running_requests or 1 << 30
+        self.capture_sizes = decode_capture_sizes(args)
+        self.decode_steps: list[tuple[int, int]] = []  # (batch size, depth) of each decode step, for tests
         self.algorithm = args.speculative_algorithm
         self.draft: dict[str, torch.Tensor] | None = None
         self.reserved = 0
@@ -243,9 +297,18 @@ class Scheduler:
             self.reserved = max(topk * steps, tokens)
 
     def _steps(self, batch: int) -> int:
+        """The depth of a decode step of `batch` running requests: EAGLEWorkerV2 activates the state of
+        the slot for `batch.seq_lens.shape[0]` before the step (speculative/eagle_worker_v2.py:1444-1445,
+        1771-1773; adaptive_runtime_state.py:122-125), AdaptiveSpeculativeParams._route pads it to a
+        captured CUDA-graph size, then takes the largest slot key not above that
+        (adaptive_spec_params.py:342-358; the sizes set at start, eagle_worker_v2.py:1408-1413)."""
         if self.tiers is None:
             return self.static_steps
-        key = max([k for k in self.tiers if k <= batch] or [min(self.tiers)])  # no CUDA graphs: no padding
+        sizes = self.capture_sizes
+        i = bisect.bisect_left(sizes, batch)
+        padded = sizes[i] if i < len(sizes) else batch
+        keys = sorted(self.tiers)
+        key = keys[max(0, bisect.bisect_right(keys, padded) - 1)]
         return self.draft_worker.adaptive_controller.params._slots[key].current_steps
 
     def _load_draft(self, named) -> None:
@@ -382,9 +445,23 @@ class Scheduler:
                                      f"--sampling-mask-max-tokens.")
                 if self.algorithm is not None:
                     raise ValueError("return_sampling_mask is not supported with speculative decoding.")
-        batch = min(len(requests), self.max_running)
-        for r in requests:
-            self._run_one(r, batch)
+        # continuous batching (managers/scheduler.py:3894 get_next_batch_to_run: a prefill batch of waiting
+        # requests whenever they fit, else a decode step of the running batch)
+        waiting, running = deque(requests), []
+        while waiting or running:
+            while waiting and len(running) < self.max_running:
+                if (state := self._prefill(waiting.popleft())) is not None:
+                    running.append(state)
+            if not running:
+                continue
+            steps = self._steps(len(running)) if self.algorithm is not None else 0
+            self.decode_steps.append((len(running), steps))
+            for state in running:
+                self._decode(state, steps)
+            for state in running:
+                if state.done:
+                    self._retire(state)
+            running = [state for state in running if not state.done]
 
     def _match(self, prompt: list[int]) -> int:
         best, generation = 0, self.generation
@@ -440,7 +517,13 @@ class Scheduler:
         return token, float(logprobs[token]), ids, selected
 
     def _finished(self, r: _Request, token: int) -> bool:
-        if token in self.eos and not r.params.ignore_eos:
+        """Req._check_token_based_finish (managers/schedule_batch.py:1857-1878): nothing with ignore_eos;
+        else the request's stop_token_ids and the model's eos ids (Req.eos_token_ids, which the
+        scheduler sets to ModelConfig.hf_eos_token_id: managers/scheduler.py:3009, 3077); the tokenizer's
+        eos_token_id only with a tokenizer, which skip_tokenizer_init leaves None (scheduler.py:895-896).
+        Then the length (check_finished)."""
+        stops = self.eos | (r.params.stop_token_ids or set())
+        if not r.params.ignore_eos and token in stops:
             r.finish = {"type": "stop", "matched": token}
             return True
         if len(r.out) >= r.params.max_new_tokens:
@@ -463,7 +546,8 @@ class Scheduler:
             return self.model(torch.tensor(ids), past_key_values=cache, use_cache=True, output_hidden_states=True)
 
     @torch.no_grad()
-    def _run_one(self, r: _Request, batch: int) -> None:
+    def _prefill(self, r: _Request) -> _Running | None:
+        """The request's prefill and first token; None if that finished it."""
         prompt = r.prompt
         P = len(prompt)
         r.cached = self._match(prompt)
@@ -476,49 +560,58 @@ class Scheduler:
         self._insert(prompt)
         if r.params.max_new_tokens == 0:
             r.finish = {"type": "length", "length": 0}
-            return
-        done = self._emit(r, self._sample(out.logits[0, -1], r, P))
-        last_state = states[-1]
-        steps = self._steps(batch) if self.algorithm is not None else 0
-        while not done:
-            n = P + len(r.out) - 1  # position of the last emitted token, not yet fed
-            pending = r.out[-1]
-            if steps == 0:
-                out = self._forward([[pending]], cache)
-                cache, state = out.past_key_values, out.hidden_states[-1][0, -1]
-                if r.hidden:
-                    r.hidden_states.append(state.tolist())
-                last_state = state
-                done = self._emit(r, self._sample(out.logits[0, -1], r, n + 1))
-                if self.algorithm is not None:
-                    # a depth-0 slot still runs EAGLE's verify, on a one-node tree: the root is accepted and
-                    # one token sampled (speculative/eagle_worker_v2.py:1469-1472, 1678-1684), and the
-                    # scheduler counts it as any verify step with 0 correct drafts: spec_verify_ct += 1,
-                    # slot 0 of the histogram (scheduler_components/batch_result_processor.py:783-787,
-                    # 832-836; schedule_batch.py:1566-1572)
-                    r.verify_ct += 1
-                    self._count_correct(r, 0)
-                continue
-            drafted = self._propose(pending, last_state, steps)
-            out = self._forward([[pending] + drafted], cache)
-            cache, fed_states = out.past_key_values, out.hidden_states[-1][0]
-            r.verify_ct += 1
-            accepted = correct = 0
-            for i in range(steps + 1):
-                sampled = self._sample(out.logits[0, i], r, n + 1 + i)
-                done = self._emit(r, sampled)
-                accepted = i + 1
-                correct += i < steps and sampled[0] == drafted[i]
-                if done or i == steps or sampled[0] != drafted[i]:
-                    break
-            self._count_correct(r, correct)
+            return None
+        state = _Running(r, cache, states[-1], self._emit(r, self._sample(out.logits[0, -1], r, P)))
+        if state.done:
+            self._retire(state)
+            return None
+        return state
+
+    @torch.no_grad()
+    def _decode(self, state: _Running, steps: int) -> None:
+        """One decode step of a running request at `steps` drafts (0: plain, or a depth-0 slot)."""
+        r, cache = state.request, state.cache
+        n = len(r.prompt) + len(r.out) - 1  # position of the last emitted token, not yet fed
+        pending = r.out[-1]
+        if steps == 0:
+            out = self._forward([[pending]], cache)
+            state.cache, hidden = out.past_key_values, out.hidden_states[-1][0, -1]
             if r.hidden:
-                r.hidden_states.extend(fed_states[:accepted].tolist())
-            last_state = fed_states[accepted - 1]
-            # keep the fed tokens that were accepted (the last emitted one is pending, not fed)
-            if (surplus := cache.get_seq_length() - (n + accepted)) > 0:
-                cache.crop(-surplus)
-        self._insert(prompt + r.out[:-1])
+                r.hidden_states.append(hidden.tolist())
+            state.last_state = hidden
+            state.done = self._emit(r, self._sample(out.logits[0, -1], r, n + 1))
+            if self.algorithm is not None:
+                # a depth-0 slot still runs EAGLE's verify, on a one-node tree: the root is accepted and
+                # one token sampled (speculative/eagle_worker_v2.py:1469-1472, 1678-1684), and the
+                # scheduler counts it as any verify step with 0 correct drafts: spec_verify_ct += 1,
+                # slot 0 of the histogram (scheduler_components/batch_result_processor.py:783-787,
+                # 832-836; schedule_batch.py:1566-1572)
+                r.verify_ct += 1
+                self._count_correct(r, 0)
+            return
+        drafted = self._propose(pending, state.last_state, steps)
+        out = self._forward([[pending] + drafted], cache)
+        state.cache, fed_states = out.past_key_values, out.hidden_states[-1][0]
+        r.verify_ct += 1
+        accepted = correct = 0
+        for i in range(steps + 1):
+            sampled = self._sample(out.logits[0, i], r, n + 1 + i)
+            state.done = self._emit(r, sampled)
+            accepted = i + 1
+            correct += i < steps and sampled[0] == drafted[i]
+            if state.done or i == steps or sampled[0] != drafted[i]:
+                break
+        self._count_correct(r, correct)
+        if r.hidden:
+            r.hidden_states.extend(fed_states[:accepted].tolist())
+        state.last_state = fed_states[accepted - 1]
+        # keep the fed tokens that were accepted (the last emitted one is pending, not fed)
+        if (surplus := state.cache.get_seq_length() - (n + accepted)) > 0:
+            state.cache.crop(-surplus)
+
+    def _retire(self, state: _Running) -> None:
+        r = state.request
+        self._insert(r.prompt + r.out[:-1])
         if r.hidden:
             r.hidden_states = r.hidden_states[: len(r.out)]  # output_streamer.py: hs[: finished_len]
 

@@ -21,6 +21,12 @@ on, all in 0.5.23 (paths in the wheel, under sglang/srt/):
   unless `1 < top_k <= sampling_mask_max_tokens` (managers/scheduler.py), and aborts a request whose
   support outgrows the cap (ties at the cutoff): the cap is set at start with headroom
   (`sampling_mask_cap`), and a call's top-k must fit it with that headroom (`check_sampling`).
+- Stops: SGLang stops a request on config.json's and generation_config.json's eos ids (ModelConfig
+  hf_eos_token_id, configs/model_config.py:2190-2208, given to every Req: managers/scheduler.py:3009)
+  and on its `stop_token_ids`, but not on the tokenizer's eos: the engine starts with
+  skip_tokenizer_init, and a Req checks the tokenizer's only when it has one (managers/scheduler.py:
+  895-896, managers/schedule_batch.py:1857-1878). The engine's `stop_ids` go with every request as
+  `stop_token_ids`; ignore_eos turns every token stop off.
 - Context: SGLang refuses the whole call when a prompt plus `max_new_tokens` plus EAGLE's reserved
   draft slots exceeds the context (managers/tokenizer_manager.py, managers/utils.py): each request's
   `max_new_tokens` is clamped to what is left, and the clamp reported as a context stop.
@@ -40,8 +46,8 @@ on, all in 0.5.23 (paths in the wheel, under sglang/srt/):
 - EAGLE: the draft is exported with its own config (`engines/embedded/draft.py sglang_eagle_config`: untied head, the target's
   dtype and rope), and the engine gets the dtype explicitly.
 - Speculation: `static` is EAGLE with our depth / top-k / verify count; `fastgrpo` is SGLang's
-  adaptive EAGLE (chains, top-k 1) with one tier per concurrency range taken from our policy's own
-  choice (`adaptive_tiers`); `aware` is SGLang's adaptive EAGLE driven by aware
+  adaptive EAGLE (chains, top-k 1) with our policy's own choice at each captured CUDA-graph batch size,
+  the size SGLang pads a decode batch to before it picks the slot (`adaptive_tiers`); `aware` is SGLang's adaptive EAGLE driven by aware
   (speculation/sglang_tiers.py `AwareTiers`): a slot per captured CUDA-graph batch size whose
   candidates cover every chain aware would pick there, the depths set at start and after every
   generate call from the acceptance learned from SGLang's per-request histograms of accepted drafts
@@ -62,6 +68,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -122,14 +129,19 @@ def check_sampling(sampling: SamplingParams, speculating: bool, mask_max_tokens:
 
 
 def sampling_params(sampling: SamplingParams, request: Request, seed: int, index: int,
-                    max_new_tokens: int | None = None) -> dict[str, Any]:
+                    max_new_tokens: int | None = None, stop_ids: Sequence[int] = ()) -> dict[str, Any]:
     """One request's SGLang sampling parameters (top_k -1: off; a seed of its own per request, from its
-    key, else its index in the call; `max_new_tokens`: the clamped limit)."""
+    key, else its index in the call; `max_new_tokens`: the clamped limit; `stop_ids`: the engine's stop
+    ids, sent as `stop_token_ids`, which SGLang stops on unless ignore_eos: SGLang stops by itself only
+    on config.json's and generation_config.json's eos ids, never on the tokenizer's with
+    skip_tokenizer_init (managers/schedule_batch.py:1857-1878, configs/model_config.py:2190-2208,
+    managers/scheduler.py:895-896)."""
     key = index if request.key is None else request.key
     return {"temperature": sampling.temperature, "top_p": sampling.top_p,
             "top_k": sampling.top_k if sampling.top_k > 0 else -1,
             "max_new_tokens": max_new_tokens or request.max_new_tokens or sampling.max_new_tokens,
-            "ignore_eos": sampling.ignore_eos, "sampling_seed": (seed * 1_000_003 + key) % 2**63}
+            "ignore_eos": sampling.ignore_eos, "sampling_seed": (seed * 1_000_003 + key) % 2**63,
+            "stop_token_ids": sorted(set(stop_ids)) or None}  # None: none (sampling_params.py:201-205)
 
 
 def flatten_hidden(chunks: list) -> Tensor:
@@ -239,16 +251,20 @@ def engine_dtype(cfg: Config) -> str:
 
 
 def adaptive_tiers(policy: SpeculationPolicy, max_batch: int) -> dict[str, dict]:
-    """SGLang's adaptive speculation slots (keys: the lowest batch size of each range) holding, for
-    each range of concurrency, the one chain depth our policy picks there (0: no speculation). One
+    """SGLang's adaptive speculation slots holding the one chain depth (0: no speculation) our policy
+    picks at each CUDA-graph batch size SGLang captures (`spec_capture_sizes`, up to max_batch: the
+    engine's cuda_graph_max_bs_decode), keyed by the first size of each run of equal depths. SGLang
+    pads a decode batch of B rows to a captured size before it picks the slot
+    (srt/speculative/adaptive_spec_params.py:342-358), so the B rows run at the size's depth, with the
+    graph's cost: the policy is asked at that size, and the keys are sizes SGLang routes to. One
     candidate per slot: SGLang's acceptance EMA has nothing to switch between, our rule decides."""
     slots: dict[str, dict] = {}
     previous = None
-    for running in range(1, max_batch + 1):
-        config = policy.choose(running)
+    for size in spec_capture_sizes(max_batch):
+        config = policy.choose(size)
         steps = 0 if config is None else config.depth
         if steps != previous:
-            slots[str(running)] = {"candidate_steps": [steps], "up_hysteresis": 0.0, "down_hysteresis": 0.0}
+            slots[str(size)] = {"candidate_steps": [steps], "up_hysteresis": 0.0, "down_hysteresis": 0.0}
             previous = steps
     return slots
 
@@ -288,8 +304,10 @@ class SGLangEngine:
     `args`: the engine's keyword arguments (`server_args`); `tiers`: its adaptive tiers, if any."""
 
     def __init__(self, engine: sglang.Engine, cfg: Config, model_config: PretrainedConfig, mode: str,
-                 args: dict[str, Any], tiers: dict[str, dict] | None = None, aware: AwareTiers | None = None):
+                 args: dict[str, Any], tiers: dict[str, dict] | None = None, aware: AwareTiers | None = None,
+                 stop_ids: Sequence[int] = ()):
         self._engine = engine
+        self.stop_ids = tuple(sorted(set(stop_ids)))  # sent with every request (`sampling_params`)
         self.aware = aware  # aware's chain per slot: set now and after every generate call
         self.cfg = model_config
         self.max_context = cfg.model.max_context
@@ -479,7 +497,8 @@ class SGLangEngine:
         t0 = time.perf_counter()
         obj = GenerateReqInput(
             input_ids=[list(r.prompt_ids) for r in requests],
-            sampling_params=[sampling_params(sampling, r, seed, i, limits[i]) for i, r in enumerate(requests)],
+            sampling_params=[sampling_params(sampling, r, seed, i, limits[i], self.stop_ids)
+                             for i, r in enumerate(requests)],
             return_logprob=True, return_sampling_mask=masked, return_hidden_states=capture)
         outs = self._run(self._engine.tokenizer_manager.generate_request(obj, None).__anext__())
         seconds = time.perf_counter() - t0
@@ -544,10 +563,12 @@ def aware_tiers(cfg: Config, model_config: PretrainedConfig) -> AwareTiers:
 
 
 def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase,
-                 weights: NamedTensors | None = None, speculation: str | None = None) -> SGLangEngine:
+                 weights: NamedTensors | None = None, speculation: str | None = None,
+                 stop_ids: Sequence[int] = ()) -> SGLangEngine:
     """An SGLang engine on `engine.tensor` GPUs from this rank's (LOCAL_RANK: the engine's leading rank), started
     with the policy at `model.path`, then given `weights` if any; with speculation, our draft exported
-    to SGLang's EAGLE format next to the run."""
+    to SGLang's EAGLE format next to the run. It stops a sequence at any of `stop_ids` (sent with each
+    request: SGLang's own stops miss the tokenizer's eos, `sampling_params`)."""
     if not gpus_available():
         raise BackendUnavailable("engine.backend=sglang needs CUDA GPUs; this machine has none (use engine.backend="
                                  "embedded)")
@@ -585,7 +606,7 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrai
     base_gpu_id = int(os.environ.get("LOCAL_RANK", 0))
     args = server_args(cfg, mode, draft_export, tiers_file, base_gpu_id, dtype)
     engine = sglang.Engine(**args)
-    adapter = SGLangEngine(engine, cfg, model_config, mode, args, tiers, aware)
+    adapter = SGLangEngine(engine, cfg, model_config, mode, args, tiers, aware, stop_ids)
     if weights is not None:
         adapter.update_weights(weights, version=0)
     log.info("SGLang engine on GPUs %d-%d (speculation %s, %s)", base_gpu_id, base_gpu_id + gpus - 1, mode,

@@ -38,6 +38,7 @@ class TokenizerManager:
             self._scheduler.validate(prompt, params)
             requests.append(_Request(rids[i], list(prompt), params, bool(obj.return_hidden_states[i]),
                                      bool(obj.return_sampling_mask[i])))
+        self._scheduler.last_params = [dict(p) for p in obj.sampling_params]  # what SGLang received, for tests
         self._scheduler.run(requests)
         outputs = [self._scheduler.output(r) for r in requests]
         self._scheduler.last_outputs = outputs

@@ -1,7 +1,7 @@
 """sglang/srt/sampling/sampling_params.py: the per-request sampling parameters the emulation models."""
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Set
 
 TOP_K_ALL = 1 << 30
 
@@ -9,6 +9,7 @@ TOP_K_ALL = 1 << 30
 @dataclass
 class SamplingParams:
     max_new_tokens: Optional[int] = 128
+    stop_token_ids: Optional[Set[int]] = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = TOP_K_ALL
@@ -16,6 +17,11 @@ class SamplingParams:
     sampling_seed: Optional[int] = None
 
     def __post_init__(self):
+        if self.stop_token_ids:  # sampling_params.py:201-205
+            filtered = {int(t) for t in self.stop_token_ids if t is not None}
+            self.stop_token_ids = filtered or None
+        else:
+            self.stop_token_ids = None
         if 0 <= self.temperature < 1e-6:  # greedy: top_k 1
             self.temperature = 1.0
             self.top_k = 1
