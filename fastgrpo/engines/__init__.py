@@ -22,11 +22,11 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, text: TextFormat,
     name = cfg.engine.backend
     if name == "embedded":
         embedded = import_backend("fastgrpo.engines.embedded.build", "engine.backend", name)
-        return embedded.build_engine(cfg, model_config, text.stop_ids, weights, speculation)
+        return embedded.build_engine(cfg, model_config, text, weights, speculation)
     if name == "sglang":
         # not installed: say how (sglang pins its own CUDA torch, which the CPU pin cannot share)
         import_backend("sglang", "engine.backend", name, hint="install it on a GPU node with `make install-gpu`")
         from fastgrpo.engines.sglang import adapter
 
-        return adapter.build_engine(cfg, model_config, text.tokenizer, weights, speculation)
+        return adapter.build_engine(cfg, model_config, text.tokenizer, weights, speculation, stop_ids=text.stop_ids)
     raise ConfigError(f"engine.backend {name!r} has no builder")

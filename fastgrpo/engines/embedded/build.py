@@ -5,10 +5,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from collections.abc import Sequence
-
 from transformers import PretrainedConfig
 
+from fastgrpo.models.tokenizer import TextFormat
 from fastgrpo.protocols import NamedTensors
 from fastgrpo.config import Config
 from fastgrpo.device import Compute, resolve
@@ -25,7 +24,7 @@ def draft_dir(cfg: Config) -> Path:
     return Path(cfg.draft.path or cfg.model.path)
 
 
-def build_engine(cfg: Config, model_config: PretrainedConfig, stop_ids: int | Sequence[int],
+def build_engine(cfg: Config, model_config: PretrainedConfig, text: TextFormat,
                  weights: NamedTensors | None = None, speculation: str | None = None,
                  compute: Compute | None = None) -> EmbeddedEngine:
     """An engine for a policy of `model_config`, holding `weights` if given (else the first push of
@@ -35,7 +34,7 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, stop_ids: int | Se
     bf16 emulated on a CPU that a run would refuse)."""
     compute = compute or resolve(cfg)  # the trainer's device and dtype: pushed weights arrive as they are held
     engine = EmbeddedEngine(model_config, cfg.rollout.max_batch, cfg.model.max_context,
-                            eos_id=stop_ids, device=compute.device,
+                            eos_id=text.stop_ids, device=compute.device,
                             dtype=compute.dtype)
     if weights is not None:
         engine.update_weights(weights, version=0)
