@@ -7,7 +7,9 @@ away from 1 / 0, so a part left out shows).
   Hugging Face's within 1e-5 (fp32), past Llama's original_max_position_embeddings; its weight push
   (`export_weights`) carries every tensor under its Hugging Face name, bit for bit; a converted
   checkpoint (another seed's weights) loads into it; a GRPO step on Qwen3 (whose q/k norm gradients
-  each TP rank sees only a part of) equals the torch trainer's. A negative control: Llama 3.1 scored
+  each TP rank sees only a part of) equals the torch trainer's, with the pad token (id 0, a zero row,
+  as Hugging Face initialises it) in the batch: Hugging Face's padding_idx sends its row no gradient,
+  and neither does the Megatron trainer. A negative control: Llama 3.1 scored
   with megatron's own rotary frequencies (no scaling, or megatron's llama3 scaling with its fixed
   original_max_position_embeddings of 8192) is far beyond 1e-5.
 - HF -> Megatron (TP2 x PP2) -> HF through the conversion command is bit-exact per family, and
@@ -101,7 +103,8 @@ def _families_at_tp2_pp2(rank, world, dirs, converted):
         if family == "qwen3":
             batch.engine_logprobs = r["scores"][0] * batch.response_mask
             r["metrics"] = trainer.train_step(batch)
-            r["trained"] = dict(trainer.export_weights()) if last else None
+            trained = dict(trainer.export_weights())  # every rank takes part in the gathers
+            r["trained"] = trained if last else None
         trainer.load(converted[family])
         loaded = dict(trainer.export_weights())
         r["loaded"] = loaded if last else sorted(loaded)
