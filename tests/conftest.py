@@ -62,7 +62,7 @@ def first_divergence_is_a_near_tie(model, prompt: list[int], a: list[int], b: li
     """Two token sequences sampled with the same counter-based noise for one request: True if they
     are equal, or if where they first differ the noise fell within `tol` of the CDF boundary between
     the two tokens (a float-rounding flip), by a full forward of `model` over the common prefix."""
-    from fastgrpo.engines.embedded.sampling import sampling_logprobs, sampling_uniforms
+    from fastgrpo.models.sampling import sampling_logprobs, sampling_uniforms
 
     t = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if t is None:

@@ -133,7 +133,7 @@ def test_the_engine_returns_each_tokens_sampling_set_and_the_trainer_scores_in_i
 def test_sampling_sets_fall_back_and_pad_correctly():
     """`sampling_logprobs` with sets: renormalised over exactly the given ids (token 0 included, with
     -1 padding that must not drop it); positions without a set keep the computed top-k set."""
-    from fastgrpo.engines.embedded.sampling import sampling_logprobs
+    from fastgrpo.models.sampling import sampling_logprobs
 
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.1], [0.0, 3.0, 1.0, 2.0]])
     p = SamplingParams(temperature=1.0, top_k=2)
@@ -148,7 +148,7 @@ def test_a_rounding_error_at_the_cut_changes_a_recomputed_set_but_not_the_engine
     (a rounding error away) would keep token 2. Scored in the engine's set, the trainer's
     log-probability of the sampled token is the engine's to float rounding; recomputing the set
     changes the normaliser by the weight of a whole token."""
-    from fastgrpo.engines.embedded.sampling import kept_sets, sampling_logprobs
+    from fastgrpo.models.sampling import kept_sets, sampling_logprobs
 
     p = SamplingParams(temperature=1.0, top_k=2)
     engine_logits = torch.tensor([[3.0, 1.0 + 1e-6, 1.0, -2.0]])

@@ -18,7 +18,7 @@ from fastgrpo.config import DraftConfig, GRPOConfig, OptimConfig
 from fastgrpo.draft_learning.online import OnlineDraftLearner
 from fastgrpo.engines.embedded.draft import DraftHead
 from fastgrpo.engines.embedded.engine import EmbeddedEngine
-from fastgrpo.engines.embedded.sampling import sample, sampling_logprobs
+from fastgrpo.models.sampling import sample, sampling_logprobs
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.local_world import run_world
 from fastgrpo.models.policy import new_policy, policy_config

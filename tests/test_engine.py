@@ -9,7 +9,7 @@ from fastgrpo.types import SamplingParams, Request
 from fastgrpo.trainers.torch_trainer import token_logprobs
 from fastgrpo.engines.embedded.engine import EmbeddedEngine
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache, onednn_available
-from fastgrpo.engines.embedded.sampling import sampling_logprobs
+from fastgrpo.models.sampling import sampling_logprobs
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.models.policy import new_policy, policy_config
 from tests.conftest import first_divergence_is_a_near_tie
@@ -264,7 +264,7 @@ def test_sampled_tokens_do_not_depend_on_the_batch(policy, sampling):
 def test_counter_based_sampling_draws_the_distribution():
     """Inverse-CDF sampling at hashed uniforms: frequencies match the distribution, and nothing
     outside the top-k / top-p set is ever drawn."""
-    from fastgrpo.engines.embedded.sampling import sample, sampling_uniforms
+    from fastgrpo.models.sampling import sample, sampling_uniforms
 
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     n = 200_000

@@ -32,7 +32,7 @@ from fastgrpo.engines import build_engine
 
 from fastgrpo.protocols import BackendUnavailable
 from fastgrpo.bridge import WeightBridge
-from fastgrpo.engines.embedded.sampling import sampling_logprobs
+from fastgrpo.models.sampling import sampling_logprobs
 from fastgrpo.models.policy import load_policy
 from fastgrpo.models.tokenizer import load_text_format
 from fastgrpo.types import Request, SamplingParams

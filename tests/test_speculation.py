@@ -13,7 +13,7 @@ from fastgrpo.draft_learning.pretrain import target_states
 from fastgrpo.draft_learning.trainer import DraftTrainer
 from fastgrpo.engines.embedded.engine import EmbeddedEngine
 from fastgrpo.engines.embedded.model import KVCache, block_mask, cache_kv
-from fastgrpo.engines.embedded.sampling import sampling_logprobs
+from fastgrpo.models.sampling import sampling_logprobs
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.models.policy import new_policy, policy_config
 from fastgrpo.engines.embedded.draft import DraftHead

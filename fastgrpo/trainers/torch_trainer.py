@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from fastgrpo.config import GRPOConfig, OptimConfig
 from fastgrpo.device import Compute
-from fastgrpo.engines.embedded.sampling import sampling_logprobs
+from fastgrpo.models.sampling import sampling_logprobs
 from fastgrpo.types import Placement, RolloutBatch, SamplingParams
 from fastgrpo.grpo.step import STATS, LossFn, grpo_step, minibatch_loss
 

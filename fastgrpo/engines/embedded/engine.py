@@ -25,7 +25,7 @@ from fastgrpo.bridge import checksum
 from fastgrpo.device import on_device
 from fastgrpo.types import Completion, EngineStats, Request, SamplingParams
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache, block_mask, cache_kv
-from fastgrpo.engines.embedded.sampling import cuts, kept_sets, sample, sampling_logprobs, sampling_uniforms
+from fastgrpo.models.sampling import cuts, kept_sets, sample, sampling_logprobs, sampling_uniforms
 from fastgrpo.engines.embedded.draft import DraftHead
 from fastgrpo.speculation.policy import Off, PerSequencePolicy, SpeculationPolicy
 from fastgrpo.engines.embedded.tree import NonFiniteDraft, Verified, draft_tree, verify_tree

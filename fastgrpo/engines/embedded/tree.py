@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from fastgrpo.engines.embedded.model import KVCache, block_mask, cache_kv
-from fastgrpo.engines.embedded.sampling import sample
+from fastgrpo.models.sampling import sample
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.types import SamplingParams
 from fastgrpo.engines.embedded.draft import DraftHead

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fastgrpo.engines.embedded.sampling import sampling_logprobs
+from fastgrpo.models.sampling import sampling_logprobs
 from fastgrpo.types import SamplingParams
 
 

@@ -10,6 +10,12 @@ own logits only, not of what else runs in the batch, of the speculation policy, 
 since verification samples each position with that position's u, speculative and plain decoding
 emit the same tokens (up to float rounding flipping a sample that lands on a CDF boundary). Each u
 is used for exactly one emitted token, so samples stay exact draws of the distribution.
+
+Why here, in `fastgrpo/models/`, and not in an engine: both sides of the sampling contract use it. The
+embedded engine samples and verifies with it; the trainers (torch, DeepSpeed, Megatron's vocab-parallel
+logprobs) score the sampled tokens with the same `sampling_logprobs`, whichever engine sampled them (the
+tests hold both engines' log-probabilities to it). Nothing here runs a model, so it sits below the engines and
+the trainers, which import it without importing an engine.
 """
 
 from __future__ import annotations
