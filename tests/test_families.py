@@ -175,7 +175,7 @@ def test_unsupported_shapes_are_refused_clearly():
     with pytest.raises(ValueError, match="mlp_bias"):
         layer_layout(LlamaConfig(**SIZES, mlp_bias=True))
     from transformers import GPT2Config
-    with pytest.raises(ValueError, match=r"\['llama', 'qwen2', 'qwen3'\]"):
+    with pytest.raises(ValueError, match=r"\['llama', 'qwen2', 'qwen3', 'qwen3_moe'\]"):
         layer_layout(GPT2Config())
 
 

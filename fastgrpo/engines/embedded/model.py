@@ -1,5 +1,5 @@
 """Inference forward of a Llama-architecture policy (the families of families.py: Llama 3.x, Qwen2.5,
-Qwen3 dense) over a static, slot-based KV cache.
+Qwen3 dense, Qwen3-MoE) over a static, slot-based KV cache.
 
 Why not `transformers` here: its dynamic cache re-copies on every step and cannot take per-sequence
 lengths or tree-shaped attention, which speculative verification needs. This module reads the same
@@ -25,7 +25,7 @@ from torch import Tensor
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from fastgrpo.engines.embedded.families import LayerLayout, head_dim as head_dim_of, layer_layout
+from fastgrpo.engines.embedded.families import LayerLayout, head_dim as head_dim_of, layer_layouts
 
 
 class KVCache:
@@ -172,16 +172,62 @@ def decoder_layer(x: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerL
     attn = attn.transpose(1, 2).reshape(B, n, H * D)
     x = x + linear(attn if valid is None else attn[valid], L["wo"], L.get("bo"))
     h = rms_norm(x, L["mlp_norm"], eps)
-    return x + MLPS[layout.mlp](h, L)
+    return x + MLPS[layout.mlp](h, L, layout)
 
 
-def swiglu_mlp(h: Tensor, L: dict[str, Tensor | PackedWeight]) -> Tensor:
+def swiglu_mlp(h: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerLayout | None = None) -> Tensor:
     gate, up = linear(h, L["w_gate_up"]).chunk(2, dim=-1)
     return linear(F.silu(gate) * up, L["w_down"])
 
 
-# the MLP a family's layer runs (LayerLayout.mlp): a mixture of experts adds its own here
-MLPS: dict[str, Callable[[Tensor, dict[str, Tensor | PackedWeight]], Tensor]] = {"swiglu": swiglu_mlp}
+def moe_mlp(h: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerLayout) -> Tensor:
+    """A sparse MLP as transformers' Qwen3MoeSparseMoeBlock: the router's logits, softmax in fp32, the
+    top-k experts of each token (their weights renormalised when norm_topk_prob), each expert's
+    SwiGLU on the tokens routed to it, summed with those weights."""
+    r = layout.moe
+    x = h.reshape(-1, h.shape[-1])
+    probs = torch.softmax(linear(x, L["router"]).float(), dim=-1)
+    weight, expert = probs.topk(r.top_k, dim=-1)  # [T, k], largest first
+    if r.norm_topk_prob:
+        weight = weight / weight.sum(dim=-1, keepdim=True)
+    out = routed_experts(x, expert, weight.to(x.dtype), L["experts_gate_up"], L["experts_down"])
+    return out.view(h.shape)
+
+
+def routed_experts(x: Tensor, expert: Tensor, weight: Tensor, w_gate_up: Tensor, w_down: Tensor) -> Tensor:
+    """sum over j of weight[t, j] * SwiGLU_{expert[t, j]}(x[t]), for x [T, h], expert and weight [T, k],
+    w_gate_up [E, 2 ff, h], w_down [E, h, ff].
+
+    The T*k (token, expert) assignments are sorted by expert, so each expert's tokens are one
+    contiguous block of rows; each of the two matmuls is then one grouped matmul over those blocks
+    (torch._grouped_mm: one matmul per expert that has tokens, none for the others), and each token's
+    k results are summed back into its row (index_add_, in the experts' order, as transformers does)."""
+    T, k = expert.shape
+    flat = expert.reshape(-1)
+    order = flat.argsort(stable=True)  # assignment indices grouped by expert
+    token = order // k  # the token of each sorted assignment
+    ends = torch.bincount(flat, minlength=w_gate_up.shape[0]).cumsum(0).to(torch.int32)  # each block's end row
+    gate, up = grouped_mm(x[token], w_gate_up.transpose(1, 2), ends).chunk(2, dim=-1)
+    y = grouped_mm(F.silu(gate) * up, w_down.transpose(1, 2), ends) * weight.reshape(-1)[order, None]
+    return x.new_zeros(T, x.shape[-1]).index_add_(0, token, y)
+
+
+def grouped_mm(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
+    """Rows [ends[e-1], ends[e]) of x [N, a] times w[e] [a, b], for each e: [N, b]."""
+    if hasattr(torch, "_grouped_mm") and x.dtype == w.dtype:
+        return torch._grouped_mm(x, w, offs=ends)
+    out = x.new_empty(x.shape[0], w.shape[-1])  # without it: a matmul per expert that has rows
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        if end > start:
+            out[start:end] = x[start:end] @ w[e]
+        start = end
+    return out
+
+
+# the MLP a family's layer runs (LayerLayout.mlp): (normed hidden states, the layer's tensors, its layout)
+MLPS: dict[str, Callable[[Tensor, dict[str, Tensor | PackedWeight], LayerLayout], Tensor]] = {
+    "swiglu": swiglu_mlp, "moe": moe_mlp}
 
 
 def unpack(packed: Tensor, valid: Tensor) -> Tensor:
@@ -220,7 +266,8 @@ class InferenceModel:
             raise ValueError("kernel 'onednn' is not available in this torch build")
         self.kernel = ("onednn" if onednn_available() and dtype == torch.float32 else "dense") if kernel == "auto" else kernel
         self.cfg = cfg
-        self.layout = layer_layout(cfg)  # the family's decoder layer: its tensors and their HF names
+        self.layouts = layer_layouts(cfg)  # the family's decoder layers: their tensors and HF names
+        self.layout = self.layouts[0]  # attention's sizes, which every layer shares
         self.n_heads, self.n_kv, self.head_dim = self.layout.heads, self.layout.kv_heads, self.layout.head_dim
         self.eps = cfg.rms_norm_eps
         h = cfg.hidden_size
@@ -228,13 +275,14 @@ class InferenceModel:
         self.embed = z(cfg.vocab_size, h)
         self.norm = z(h)
         self.lm_head = self.embed if cfg.tie_word_embeddings else z(cfg.vocab_size, h)
-        shapes = self.layout.shapes()
-        self.layers = [{k: z(*shape) for k, shape in shapes.items()} for _ in range(cfg.num_hidden_layers)]
+        self.layers = [{k: z(*shape) for k, shape in layout.shapes().items()} for layout in self.layouts]
         self.views: dict[str, Tensor] = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
         if not cfg.tie_word_embeddings:
             self.views["lm_head.weight"] = self.lm_head
-        for i, L in enumerate(self.layers):
-            self.views |= self.layout.hf_views(L, f"model.layers.{i}.")
+        self.aliases: dict[str, Tensor] = {}  # names load() also takes: a checkpoint's per-expert tensors
+        for i, (L, layout) in enumerate(zip(self.layers, self.layouts)):
+            self.views |= layout.hf_views(L, f"model.layers.{i}.")
+            self.aliases |= layout.hf_aliases(L, f"model.layers.{i}.")
         self.cos, self.sin = (t.to(dtype) for t in rope_tables(cfg, max_len))  # computed in fp32, as HF's
         # what forward() multiplies by: the weights themselves, or their packed copies
         self.matmul_layers: list[dict[str, Tensor | PackedWeight]] = list(self.layers)
@@ -245,20 +293,22 @@ class InferenceModel:
         if self.kernel != "onednn":
             return
         for i in layers:
-            self.matmul_layers[i] = {k: PackedWeight(w) if k in self.layout.matrices else w
+            self.matmul_layers[i] = {k: PackedWeight(w) if k in self.layouts[i].matrices else w
                                      for k, w in self.layers[i].items()}
         if head:
             self.head = PackedWeight(self.lm_head)
 
     def load(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
-        """Copy HF-named tensors into place; unknown names and shape mismatches are errors."""
+        """Copy HF-named tensors into place; unknown names and shape mismatches are errors. Experts may
+        come stacked (transformers 5's state dict) or one tensor per expert (a checkpoint on disk).
+        Returns how many tensors were written."""
         n, layers, head = 0, set(), False
         for name, t in named_tensors:
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue  # tied: the embedding is the head
-            if name not in self.views:
+            dst = self.views.get(name, self.aliases.get(name))
+            if dst is None:
                 raise KeyError(f"weight {name!r} is not part of this {self.cfg.model_type} model")
-            dst = self.views[name]
             if dst.shape != t.shape:
                 raise ValueError(f"weight {name!r}: shape {tuple(t.shape)} does not match {tuple(dst.shape)}")
             dst.copy_(t)
@@ -270,6 +320,7 @@ class InferenceModel:
         return n
 
     def named_weights(self) -> Iterable[tuple[str, Tensor]]:
+        """Every tensor once, under the installed transformers' names (experts stacked)."""
         return self.views.items()
 
     @torch.inference_mode()
@@ -304,7 +355,7 @@ class InferenceModel:
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, n, D]
         x = F.embedding(tokens if valid is None else tokens[valid], self.embed)
         for li, L in enumerate(self.matmul_layers):
-            x = decoder_layer(x, L, self.layout, cos, sin, mask, cache_kv(cache, li, rows, slots, ctx), valid)
+            x = decoder_layer(x, L, self.layouts[li], cos, sin, mask, cache_kv(cache, li, rows, slots, ctx), valid)
         hidden = rms_norm(x, self.norm, self.eps)
         logits = linear(hidden, self.head)
         return (logits, hidden) if valid is None else (unpack(logits, valid), unpack(hidden, valid))
