@@ -26,13 +26,15 @@ $(STAMP): pyproject.toml
 
 # GPU nodes (SGLang rollout): sglang 0.5.23 pins its own CUDA torch (torch==2.14.1), which the CPU pin
 # above cannot share, so a GPU install is its own: tools/gpu_requirements.py lists fastgrpo's
-# requirements without the CPU torch pin, the test, megatron and sglang extras, and SGLang's torch;
-# fastgrpo itself goes in without dependencies. `make check-gpu-install` resolves that list with
-# pip --dry-run (nothing installed; tests/test_sglang_conformance.py does too, and checks the pins).
+# requirements without the CPU torch pin, the test, megatron and sglang extras, and SGLang's torch,
+# with the packages the offline GPU check carries as wheels at the same pins (one list of them:
+# fastgrpo/bench/gpu_check/pins.py); fastgrpo itself goes in without dependencies.
+# `make check-gpu-install` resolves that list with pip --dry-run (nothing installed;
+# tests/test_sglang_conformance.py does too, and checks the pins).
 # Its stamp is $(GPU_STAMP) (see INSTALLED above).
 install-gpu: $(GPU_STAMP)
 
-$(GPU_STAMP): pyproject.toml tools/gpu_requirements.py
+$(GPU_STAMP): pyproject.toml tools/gpu_requirements.py fastgrpo/bench/gpu_check/pins.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/python tools/gpu_requirements.py > $(VENV)/gpu-requirements.txt

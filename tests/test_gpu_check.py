@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from fastgrpo.bench.gpu_check import BASE, DECODE_BATCHES, SIZES, STAGES, SWEEP_MODES, WHEELS, wheels_to_install
+from fastgrpo.bench.gpu_check import (BASE, DECODE_BATCHES, GPU_TORCH, SIZES, STAGES, SWEEP_MODES, WHEELS,
+                                     gpu_requirements, wheels_to_install)
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_PYTHON = {"extra": "", "python_version": "3.12", "python_full_version": "3.12.0"}  # the GPU machine's
@@ -214,6 +215,40 @@ def test_the_wheels_are_pinned_to_what_is_tested_and_bring_their_requirements():
         assert md.version(req.name) in req.specifier, f"{spec}: installed here is {md.version(req.name)}"
         missing = [r for r in _requirements(req.name) if _norm(r) not in base | wheels]
         assert not missing, f"{spec} needs {missing}, neither a wheel nor a requirement of {BASE}"
+
+
+def test_both_gpu_installs_take_the_same_pins():
+    """`make install-gpu` (tools/gpu_requirements.py) and the offline check's wheels (tools/gpu_wheels.sh,
+    `--wheel-specs`) read one list: every wheel pin is in the GPU install verbatim, no other line of it
+    names a wheel's package, each pin satisfies what pyproject.toml asks of that package, and the two
+    tools print what pins.py says."""
+    import tomllib
+
+    reqs = gpu_requirements()
+    by_name = {}
+    for r in map(Requirement, reqs):
+        assert _norm(r.name) not in by_name, f"{r.name} twice in the GPU install"
+        by_name[_norm(r.name)] = r
+    for spec in WHEELS:
+        pin = Requirement(spec)
+        assert str(by_name[_norm(pin.name)]) == str(pin), f"make install-gpu takes {by_name[_norm(pin.name)]}, the wheels {pin}"
+    assert str(by_name["torch"]) == GPU_TORCH
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    asked = [Requirement(r) for r in project["dependencies"] + [r for e in project["optional-dependencies"].values()
+                                                                    for r in e]]
+    for spec in WHEELS:
+        pin = Requirement(spec)
+        version = next(iter(pin.specifier)).version
+        for r in asked:
+            if _norm(r.name) == _norm(pin.name):
+                assert r.specifier.contains(version), f"{spec} outside pyproject.toml's {r}"
+    tool = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_requirements.py")], cwd="/", capture_output=True,
+                          text=True, timeout=60)
+    assert tool.returncode == 0, tool.stderr
+    assert tool.stdout.split() == reqs  # what `make install-gpu` installs (the script, run from anywhere)
+    specs = subprocess.run([sys.executable, "-m", "fastgrpo.bench.gpu_check", "--wheel-specs"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert specs.stdout.split() == list(WHEELS)  # what tools/gpu_wheels.sh fetches
 
 
 def test_a_carried_wheel_wins_over_an_older_installed_version_only():

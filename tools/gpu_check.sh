@@ -4,7 +4,7 @@
 # 1. Before, on a machine that reaches PyPI (the GPU machine has no network):
 #        bash tools/gpu_wheels.sh          # or: bash tools/gpu_check.sh --fetch
 #    fetches ~11 MB of wheels (omegaconf, antlr4, PyYAML, tqdm, math-verify, latex2sympy2, sympy, mpmath,
-#    megatron-core, psutil; the list is fastgrpo/bench/gpu_check.py's WHEELS) into tools/gpu_wheels/,
+#    megatron-core, psutil; the list is fastgrpo/bench/gpu_check/pins.py's WHEELS) into tools/gpu_wheels/,
 #    which git ignores and the device tool carries with the working tree.
 # 2. On the GPU machine (Python 3.12 with torch + CUDA, transformers, safetensors, numpy), from anywhere:
 #        bash tools/gpu_check.sh --out "$OUT"
@@ -60,7 +60,7 @@ if [ -z "$PY" ]; then
 fi
 
 # the wheels this Python lacks, or has only in an older version (a newer one it has stays in charge):
-# fastgrpo/bench/gpu_check.py's wheels_to_install decides, with the standard library alone
+# fastgrpo/bench/gpu_check/pins.py's wheels_to_install decides, with the standard library alone
 SITE=$(mktemp -d "${TMPDIR:-/tmp}/fastgrpo-gpu-site.XXXXXX")
 trap 'rm -rf "$SITE"' EXIT
 WHEELS_DIR=${GPU_WHEELS:-tools/gpu_wheels}  # GPU_WHEELS: another folder of them (a test on another Python)

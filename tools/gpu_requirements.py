@@ -1,14 +1,16 @@
 """What a GPU node installs (`make install-gpu`): SGLang pins its own CUDA torch (sglang 0.5.23:
 torch==2.14.1), which fastgrpo's CPU pin (torch==2.13.0) cannot share, so a GPU install is its own:
 fastgrpo's requirements without its torch pin, the extras a GPU run uses (test, megatron, and the
-`sglang` extra's pin), and the torch SGLang pins; fastgrpo itself then goes in without
-dependencies.
+`sglang` extra's pin), the torch SGLang pins, and the packages the offline GPU check carries as wheels
+at the same pins; fastgrpo itself then goes in without dependencies. The pins are
+fastgrpo/bench/gpu_check/pins.py's, which tools/gpu_check.sh's wheels come from too (one list: the two
+GPU installs cannot drift apart).
 
     python tools/gpu_requirements.py            # the requirement lines
     python tools/gpu_requirements.py --resolve  # pip resolves them (--dry-run, nothing installed)
 
 tests/test_sglang_conformance.py checks the torch pin against the sglang wheel's own metadata and
-that the list resolves.
+that the list resolves; tests/test_gpu_check.py that both installs take the same pins.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ import re
 import subprocess
 import sys
 import tempfile
-import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-GPU_TORCH = "torch==2.14.1"  # sglang 0.5.23's Requires-Dist
-GPU_EXTRAS = ("test", "megatron", "sglang")  # deepspeed stays on CPU installs (built from source against torch)
+if str(ROOT) not in sys.path:  # run as a script before fastgrpo is installed (`make install-gpu`)
+    sys.path.insert(0, str(ROOT))
+
+from fastgrpo.bench.gpu_check.pins import gpu_requirements  # noqa: E402  (the pins: one list for both GPU installs)
+
 # what pip prints when it cannot reach a package index: urllib3's warnings as it retries (pip 26 logs
 # the failed fetch itself only at debug level, and then says "No matching distribution found" as for a
 # pin the index lacks), pip's "Could not fetch URL" (older pips), its connection diagnostics
@@ -34,16 +38,9 @@ UNREACHABLE = ("NewConnectionError", "NameResolutionError", "Failed to establish
                "Network is unreachable", "Connection refused", "ConnectTimeoutError", "ReadTimeoutError", "ProxyError")
 
 
-def name(requirement: str) -> str:
-    return re.match(r"[A-Za-z0-9_.\-]+", requirement).group(0).lower().replace("_", "-")
-
-
 def requirements(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
-    project = tomllib.loads(pyproject.read_text())["project"]
-    wanted = list(project["dependencies"])
-    for extra in GPU_EXTRAS:
-        wanted += project["optional-dependencies"][extra]
-    return [r for r in dict.fromkeys(wanted) if name(r) != "torch"] + [GPU_TORCH]
+    """The GPU install's requirement lines (pins.gpu_requirements)."""
+    return gpu_requirements(pyproject)
 
 
 def resolve(reqs: list[str], timeout: float = 600, index: Sequence[str] = ()) -> tuple[bool, dict[str, str], str]:

@@ -5,8 +5,8 @@
 #
 # The GPU machine's Python 3.12 has torch, transformers, safetensors and numpy (with their own
 # requirements) and no network; fastgrpo's gpu-check path needs a few more packages, pinned in
-# fastgrpo/bench/gpu_check.py (WHEELS): omegaconf, antlr4, PyYAML, tqdm, math-verify and its
-# latex2sympy2/sympy/mpmath, megatron-core, psutil. Each is fetched as a wheel for CPython 3.12 on
+# fastgrpo/bench/gpu_check/pins.py (WHEELS, the pins `make install-gpu` takes too): omegaconf, antlr4,
+# PyYAML, tqdm, math-verify and its latex2sympy2/sympy/mpmath, megatron-core, psutil. Each is fetched as a wheel for CPython 3.12 on
 # manylinux x86_64 without its dependencies (tests/test_gpu_check.py checks that every requirement of
 # each is in the list or comes with torch/transformers). Fails if the wheels exceed 20 MB in all.
 # PYTHON: the interpreter whose pip downloads (default: .venv/bin/python, else python3).

@@ -1,0 +1,47 @@
+"""`fastgrpo bench gpu-check` (or `python -m fastgrpo.bench.gpu_check`; `tools/gpu_check.sh` wraps it for
+an offline GPU machine): the GPU path shown to work and measured, in one run of at most 8 minutes on one
+H100 or H200.
+
+Stages, each timed and printed as it goes; a stage that fails is recorded with its error and the run
+goes on to the next (the exit status is 1 if any failed). The JSON and the markdown tables are rewritten
+after every stage, so a run cut short keeps what it finished.
+
+- environment: versions, the device, its spec-sheet memory bandwidth (by name) and a measured copy's.
+- sft: the policy (`model.size=gpu`, ~308M parameters) warm-started on the task (`fastgrpo sft`'s
+  code) on the device, bf16 autocast, ~2 minutes (a fixed step count, `sft.max_minutes` as a guard).
+- draft: its draft (`fastgrpo draft-pretrain`'s code) on the device, ~1 minute.
+- train_step: one GRPO step of the Megatron trainer (world of 1, TP1 PP1, NCCL on a GPU) against the
+  torch trainer's, both bf16, on the same batch: log-probabilities, loss, gradient norm, step times.
+- weight_push: the trainer's weights into an engine through the weight bridge (buckets, a version,
+  the checksummed commit), timed against a device memcpy of the same bytes; a corrupted tensor is
+  refused at the commit; the Megatron trainer's export is pushed too when that stage built one.
+- decode_bound: the plain decode step at batch 1 and 64 against its memory-bandwidth bound (bytes of
+  weights + KV cache read per step / peak bandwidth), and what the rest is (see `decode_bound`).
+- rollout: `bench rollout`'s own sweep and GRPO-batch code on this device: modes off, static,
+  fastgrpo, tlt, aware, aware_per_sequence at 1, 4, 16, 64 and 256 running sequences, and a GRPO batch
+  (with its static-tree sweep and shared-prefill comparison).
+
+`--size test --device cpu` runs every stage at toy sizes in well under a minute (tests/test_gpu_check.py,
+inside `make test`), so the script cannot rot before a GPU runs it.
+
+What the GPU machine lacks beyond torch, transformers, safetensors and numpy is `WHEELS` (fetched
+by `tools/gpu_wheels.sh`; `pins.py`, which `make install-gpu` reads too); tests/test_gpu_check.py checks
+that the modules this path imports come from nowhere else. No MLflow (`tracking.enabled=false`; nothing
+here starts a tracker), no plots.
+
+The package: `pins` (the GPU installs' pins and which carried wheels to install), `harness` (the sizes,
+the run and its timing helpers), `stages` (one function per stage), `report` (the tables), `driver`
+(`run`, `main`).
+"""
+
+from __future__ import annotations
+
+from fastgrpo.bench.gpu_check.driver import main, run
+from fastgrpo.bench.gpu_check.harness import PLANNED_S, SIZES, STAGES, Check, Size
+from fastgrpo.bench.gpu_check.pins import BASE, GPU_EXTRAS, GPU_TORCH, WHEELS, gpu_requirements, wheels_to_install
+from fastgrpo.bench.gpu_check.report import against_simulator, markdown
+from fastgrpo.bench.gpu_check.stages import DECODE_BATCHES, STAGE_FUNCTIONS, SWEEP_MODES
+
+__all__ = ["BASE", "DECODE_BATCHES", "GPU_EXTRAS", "GPU_TORCH", "PLANNED_S", "SIZES", "STAGES", "STAGE_FUNCTIONS",
+           "SWEEP_MODES", "WHEELS", "Check", "Size", "against_simulator", "gpu_requirements", "main", "markdown", "run",
+           "wheels_to_install"]
