@@ -14,6 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CPU_TORCH = "torch==2.13.0"
 GPU_RECIPE = "tools/gpu_requirements.py >"
+# what each install stamp is made from (the GPU install's list comes from the script and the pins)
+CPU_SOURCES = ("pyproject.toml",)
+GPU_SOURCES = ("pyproject.toml", "tools/gpu_requirements.py", "fastgrpo/bench/gpu_check/pins.py")
 
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 
@@ -30,8 +33,9 @@ def stamps_made_by(target: str, venv: Path) -> list[Path]:
 
 
 def age(path: Path, seconds: float) -> None:
-    """`path` written `seconds` before pyproject.toml was."""
-    then = (ROOT / "pyproject.toml").stat().st_mtime - seconds
+    """The stamp `path` written `seconds` before the newest of its sources was."""
+    sources = GPU_SOURCES if path.name.endswith("-gpu") else CPU_SOURCES
+    then = max((ROOT / s).stat().st_mtime for s in sources) - seconds
     os.utime(path, (then, then))
 
 
