@@ -181,10 +181,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from fastgrpo.models.policy import load_policy
     from fastgrpo.models.families import check_checkpoint
     from fastgrpo.models.tokenizer import load_text_format
+    from fastgrpo.tasks.rewards import load_reward
     from fastgrpo.tasks.source import encode_problems, load_task
     from fastgrpo.types import SamplingParams
 
     cfg = _config(args)
+    reward = load_reward(cfg.task)  # a reward that cannot be imported fails before any work
     path = Path(args.checkpoint) if args.checkpoint else Path(cfg.model.path)
     policy_dir = path / "policy" if (path / "policy" / "config.json").is_file() else path
     check_checkpoint(policy_dir)
@@ -192,7 +194,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     engine = build_engine(cfg, policy.config, text, policy.state_dict().items(), speculation="off")
     _, evals = load_task(cfg.task, cfg.eval.split)
     result = evaluate(engine, text, encode_problems(evals, text, cfg.model.max_context, "eval"),
-                      cfg.eval.samples, SamplingParams.of(cfg.rollout), cfg.task.reward_timeout_s, seed=cfg.seed)
+                      cfg.eval.samples, SamplingParams.of(cfg.rollout), reward, seed=cfg.seed)
     sampling = {k: getattr(cfg.rollout, k) for k in ("temperature", "top_p", "top_k", "max_new_tokens")}
     print(json.dumps({"checkpoint": str(policy_dir), "split": cfg.eval.split, "problems": len(evals),
                       "sampling": sampling} | result, indent=2))

@@ -32,6 +32,8 @@ Precision = Literal["auto", "bf16", "fp32"]
 PromptFormat = Literal["auto", "chat", "plain"]
 EngineBackend = Literal["embedded", "sglang"]  # what `engines.build_engine` can build
 Device = Literal["auto", "cpu", "cuda"]
+BUILTIN_REWARDS = ("math",)  # task.reward's built-ins (tasks/rewards.py `load_reward`); else module:function
+_IMPORT_PATH = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*")
 
 
 def _check(ok: bool, key: str, rule: str, value: Any) -> None:
@@ -65,7 +67,11 @@ class TaskConfig:
     tail: float = 0.75  # P(k steps) ~ tail**(k-1): a long tail of long answers
     max_value: int = 20  # every intermediate value stays in 0..max_value
     max_operand: int = 9
-    reward_timeout_s: float = 2.0
+    # the reward (fastgrpo/tasks/rewards.py): "math" = the boxed answer by math-verify (1 or 0, with step_credit
+    # below in training), or "module:function" (importable, e.g. from PYTHONPATH), called as function(response
+    # text, problem: fastgrpo.tasks.problems.Problem) -> float in rollout and eval
+    reward: str = "math"
+    reward_timeout_s: float = 2.0  # per answer: math-verify's own limit; a module:function past it is an error
     # training reward of a wrong answer: this x the share of the worked solution's lines reproduced before
     # the first mistake (a correct answer scores 1); 0 = the answer alone. Eval always scores the answer.
     step_credit: float = 0.0
@@ -85,10 +91,14 @@ class TaskConfig:
         _check(0 < self.tail <= 1, "task.tail", "must be in (0, 1]", self.tail)
         _check(self.max_value >= 2, "task.max_value", "must be >= 2", self.max_value)
         _check(self.max_operand >= 2, "task.max_operand", "must be >= 2", self.max_operand)
+        _check(self.reward in BUILTIN_REWARDS or _IMPORT_PATH.fullmatch(self.reward) is not None, "task.reward",
+               f"must be a built-in reward ({', '.join(BUILTIN_REWARDS)}) or module:function", self.reward)
         _check(self.reward_timeout_s > 0, "task.reward_timeout_s", "must be > 0", self.reward_timeout_s)
         _check(0 <= self.slip_rate < 1, "task.slip_rate", "must be in [0, 1)", self.slip_rate)
         _check(0 <= self.step_credit < 1, "task.step_credit", "must be in [0, 1) (a correct answer scores 1)",
                self.step_credit)
+        _check(self.step_credit == 0 or self.reward == "math", "task.step_credit",
+               f"applies to task.reward=math only (task.reward={self.reward})", self.step_credit)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from fastgrpo.grpo.record import StepRecord
 from fastgrpo.run_state import Run, TrainResult
 
 
@@ -32,7 +33,7 @@ def save_checkpoint(run: Run) -> Path:
         run.text.tokenizer.save_pretrained(d / "policy")
         state = {"step": run.step, "data": run.data.state_dict(), "mlflow_run_id": run.tracker.run_id,
                  "weights_version": run.bridge.version, "world_size": run.world.size,
-                 "history": {"steps": run.history.steps, "evals": run.history.evals}}
+                 "history": {"steps": [r.metrics() for r in run.history.steps], "evals": run.history.evals}}
         (d / "state.json").write_text(json.dumps(state, indent=2))
 
     path = run.checkpoints.save(run.step, write)
@@ -56,5 +57,6 @@ def restore_checkpoint(run: Run, path: Path) -> str | None:
     run.data.load_state_dict(state["data"])
     run.step = int(state["step"])
     history = state.get("history", {"steps": [], "evals": {}})
-    run.history = TrainResult(history["steps"], {int(k): v for k, v in history["evals"].items()})
+    run.history = TrainResult([StepRecord.from_metrics(i + 1, m) for i, m in enumerate(history["steps"])],
+                              {int(k): v for k, v in history["evals"].items()})
     return state.get("mlflow_run_id")

@@ -23,6 +23,7 @@ from fastgrpo.models.families import check_checkpoint
 from fastgrpo.models.tokenizer import load_text_format
 from fastgrpo.run_checkpoint import restore_checkpoint
 from fastgrpo.run_state import Run
+from fastgrpo.tasks.rewards import load_reward
 from fastgrpo.tasks.source import PromptSource, encode_problems, load_task
 from fastgrpo.tracking import Tracker, default_tracking_uri
 from fastgrpo.trainers import build_trainer
@@ -64,6 +65,7 @@ def setup_run(cfg: Config, resume: bool) -> Run:
     check_layout(cfg)
     require_policy(cfg)
     check_checkpoint(cfg.model.path)  # a family fastgrpo computes, before any work
+    reward = load_reward(cfg.task)  # a module:function that cannot be imported fails here, before any work
     channel = init_world(cfg.parallel.draft_ranks)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -103,7 +105,8 @@ def setup_run(cfg: Config, resume: bool) -> Run:
         run_dir.mkdir(parents=True, exist_ok=True)
     tracker = Tracker(cfg.tracking.uri or default_tracking_uri(run_dir), cfg.tracking.experiment,
                       run_dir / "mlartifacts", enabled=cfg.tracking.enabled and world.main)
-    run = Run(cfg, text, trainer, engine, bridge, data, evals, tracker, checkpoints, draft_learner, world)
+    run = Run(cfg, text, trainer, engine, bridge, data, evals, tracker, checkpoints, draft_learner, world,
+              reward=reward)
     run_id = None
     if latest is not None:
         run_id = restore_checkpoint(run, latest)

@@ -10,15 +10,17 @@ from fastgrpo.bridge import WeightBridge
 from fastgrpo.checkpoint import CheckpointManager
 from fastgrpo.config import Config
 from fastgrpo.distributed import World
+from fastgrpo.grpo.record import StepRecord
 from fastgrpo.models.tokenizer import TextFormat
 from fastgrpo.protocols import DraftLearner, Engine, PolicyTrainer
+from fastgrpo.tasks.rewards import Reward, math_reward
 from fastgrpo.tasks.source import EncodedProblem, PromptSource
 from fastgrpo.tracking import Tracker
 
 
 @dataclass
 class TrainResult:
-    steps: list[dict[str, float]]  # the metrics of every step this call ran
+    steps: list[StepRecord]  # the record of every step this call ran
     evals: dict[int, dict[str, float]]  # eval results by step
     checkpoint: Path | None = None  # the last checkpoint this call saved
     stopped: bool = False  # ended early by SIGTERM, after checkpointing
@@ -39,3 +41,4 @@ class Run:
     world: World = field(default_factory=World)
     step: int = 0
     history: TrainResult = field(default_factory=lambda: TrainResult([], {}))  # every step so far, resumes too
+    reward: Reward = field(default_factory=math_reward)  # task.reward's, scoring rollout and eval

@@ -25,6 +25,7 @@ from fastgrpo.types import SamplingParams
 from fastgrpo.grpo.evaluate import evaluate
 from fastgrpo.models.policy import new_policy, num_parameters, policy_config
 from fastgrpo.models.tokenizer import TextFormat, train_tokenizer
+from fastgrpo.tasks.rewards import load_reward
 from fastgrpo.tasks.source import encode_problems, load_task
 
 
@@ -131,7 +132,7 @@ def build_policy(cfg: Config, out_dir: str | Path | None = None) -> dict[str, fl
                             device=compute.device, dtype=compute.dtype)
     engine.update_weights(model.state_dict().items(), version=0)
     accuracy = evaluate(engine, text, encode_problems(evals, text, cfg.model.max_context, "eval"),
-                        cfg.eval.samples, SamplingParams.of(cfg.rollout), cfg.task.reward_timeout_s, seed=cfg.seed)
+                        cfg.eval.samples, SamplingParams.of(cfg.rollout), load_reward(cfg.task), seed=cfg.seed)
     report = {"train_loss": loss_avg, "minutes": minutes, "parameters": num_parameters(model), "steps": done,
               "complete": float(done == steps)} | accuracy
     print("SFT done: " + ", ".join(f"{k} {v:.4g}" for k, v in report.items()), flush=True)

@@ -1,10 +1,12 @@
 """The GRPO training loop: each step samples prompts, rolls them out on the engines, scores the
-answers, computes group advantages, trains the policy on the informative groups, pushes the new
-weights to every engine (and to the draft learner, which then learns from the rollout's states),
-logs, evaluates now and then and checkpoints. This module is that orchestration only: a run is set
-up in `fastgrpo.run_setup` (layout checks, trainer, engine, draft learner, bridge, tracker, resume),
+answers with the task's reward, trains the policy on the informative groups, pushes the new weights
+to every engine (and to the draft learner, which then learns from the rollout's states), logs,
+evaluates now and then and checkpoints. This module is that orchestration only: a run is set up in
+`fastgrpo.run_setup` (layout checks, reward, trainer, engine, draft learner, bridge, tracker, resume),
 its state is `fastgrpo.run_state.Run`, its checkpoints are written and read in
-`fastgrpo.run_checkpoint`, and what it reports (step metrics, the step line, the summary and its
+`fastgrpo.run_checkpoint`; the reward is `fastgrpo.tasks.rewards.Reward` (`task.reward`), the batch
+and its group advantages are made in `fastgrpo.grpo.batch`, the step's record is
+`fastgrpo.grpo.record.StepRecord`, and what the run reports (the step line, the summary and its
 learning curve) is made in `fastgrpo.grpo.report`. Which process does what in a torchrun world (a
 draft rank serves the draft slice instead) is decided by the `fastgrpo train` command (`fastgrpo.cli`).
 
@@ -29,14 +31,13 @@ import torch
 from fastgrpo.config import Config
 from fastgrpo.device import resolve
 from fastgrpo.distributed import StopRequest
-from fastgrpo.grpo.advantages import group_advantages, informative_groups
-from fastgrpo.grpo.batch import build_batch
+from fastgrpo.grpo.batch import training_batch
 from fastgrpo.grpo.evaluate import evaluate
-from fastgrpo.grpo.report import print_step, rollout_stats, step_metrics, write_summary
+from fastgrpo.grpo.record import StepRecord, rollout_record
+from fastgrpo.grpo.report import print_step, rollout_stats, write_summary
 from fastgrpo.run_checkpoint import save_checkpoint
 from fastgrpo.run_setup import check_layout, setup_run
 from fastgrpo.run_state import Run, TrainResult
-from fastgrpo.tasks.rewards import score, step_credit
 from fastgrpo.tasks.source import EncodedProblem
 from fastgrpo.types import Completion, EngineStats, Request, RolloutBatch, SamplingParams
 
@@ -74,7 +75,7 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
     if run.step == 0 and cfg.eval.at_start:
         log_eval(run, step=0)
     for step in range(run.step, cfg.grpo.steps):
-        grpo_step(run, step)
+        run_step(run, step)
         if cfg.eval.every and run.step % cfg.eval.every == 0 and run.step < cfg.grpo.steps:
             log_eval(run, run.step)
         stopped = run.world.any(stop.requested)  # every rank stops after the same step
@@ -96,37 +97,37 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
                        {s: e for s, e in run.history.evals.items() if s >= first_step}, checkpoint, stopped)
 
 
-def grpo_step(run: Run, step: int) -> dict[str, float]:
-    """One step: roll out the step's prompts, train the policy on the informative groups, push the new
-    weights, let the draft learn from the rollout; its metrics join the run's history (rank 0 tracks
-    and prints them)."""
+def run_step(run: Run, step: int) -> StepRecord:
+    """One step of the run: roll out the step's prompts, train the policy on the informative groups
+    (the GRPO update itself is the trainer's, `fastgrpo.grpo.step`), push the new weights, let the draft
+    learn from the rollout; its record joins the run's history (rank 0 tracks and prints it)."""
     cfg = run.cfg
     t_step = time.perf_counter()
     problems = run.data.next_batch(cfg.rollout.prompts_per_step)
 
     t0 = time.perf_counter()
     answers = rollout(run, problems, seed=cfg.seed * 1_000_003 + step)
-    completions, rewards = answers.completions, answers.rewards
     rollout_s = time.perf_counter() - t0
 
-    batch, kept_groups = training_batch(run, problems, completions, rewards)
-
+    batch, kept_groups = training_batch([p.prompt_ids for p in problems], answers.completions, answers.rewards,
+                                        cfg.grpo)
     t0 = time.perf_counter()
-    train_metrics = train_policy(run, batch)
+    policy_report = train_policy(run, batch)
     train_s = time.perf_counter() - t0
 
     sync = run.bridge.push(run.trainer.export_weights(), version=step + 1)
-    draft_metrics = learn_draft(run, run.world.share(problems)[1], answers.local, policy_version=step,
-                                budget_s=cfg.draft.sync_budget * (rollout_s + train_s))
+    draft_report = learn_draft(run, run.world.share(problems)[1], answers.local, policy_version=step,
+                               budget_s=cfg.draft.sync_budget * (rollout_s + train_s))
 
     run.step = step + 1
-    metrics = step_metrics(completions, rewards, answers.engine_stats, kept_groups) | train_metrics | draft_metrics
-    metrics |= {"rollout_s": rollout_s, "train_s": train_s, "weight_sync_s": sync.seconds,
-                "weight_sync_bytes": float(sync.bytes), "step_s": time.perf_counter() - t_step}
-    run.history.steps.append(metrics)
+    record = dataclasses.replace(
+        rollout_record(run.step, answers.completions, answers.rewards, answers.engine_stats, kept_groups),
+        rollout_s=rollout_s, train_s=train_s, weight_sync_s=sync.seconds, weight_sync_bytes=sync.bytes,
+        step_s=time.perf_counter() - t_step, policy=policy_report, draft=draft_report)
+    run.history.steps.append(record)
     if run.world.main:
-        log_step(run, metrics, answers.engine_stats)
-    return metrics
+        log_step(run, record, answers.engine_stats)
+    return record
 
 
 def train_policy(run: Run, batch: RolloutBatch | None) -> dict[str, float]:
@@ -139,16 +140,16 @@ def train_policy(run: Run, batch: RolloutBatch | None) -> dict[str, float]:
     return train_metrics
 
 
-def log_step(run: Run, metrics: dict[str, float], engine_stats: list[EngineStats]) -> None:
-    """Rank 0: the step's metrics tracked and printed, and (when speculating) each engine's speculation
-    record tracked."""
+def log_step(run: Run, record: StepRecord, engine_stats: list[EngineStats]) -> None:
+    """Rank 0: the step's record tracked (its metrics) and printed, and (when speculating) each engine's
+    speculation record tracked."""
     cfg = run.cfg
-    run.tracker.log_metrics(metrics, step=run.step)
+    run.tracker.log_metrics(record.metrics(), step=run.step)
     if cfg.speculation.policy != "off":
         stats = [rollout_stats(s) for s in engine_stats]
         run.tracker.log_dict(stats[0] if len(stats) == 1 else {"engines": stats},
                              f"rollout_stats/step_{run.step:06d}.json")
-    print_step(run.step, cfg.grpo.steps, metrics)
+    print_step(cfg.grpo.steps, record)
 
 
 def rollout(run: Run, problems: list[EncodedProblem], seed: int) -> Rollout:
@@ -191,33 +192,11 @@ def learn_draft(run: Run, problems: list[EncodedProblem], completions: list[Comp
 
 
 def score_completions(run: Run, problems: list[EncodedProblem], completions: list[Completion]) -> torch.Tensor:
-    """1 for a correct answer; a wrong one gets `task.step_credit` x the share of the worked
-    solution's steps it got right before its first mistake (0 when step_credit is 0)."""
-    G, task = run.cfg.rollout.group_size, run.cfg.task
-    rewards = []
-    for i, c in enumerate(completions):
-        text, problem = run.text.response_text(c.token_ids), problems[i // G].problem
-        r = score(text, problem.answer, task.reward_timeout_s)
-        if r < 1.0 and task.step_credit > 0 and problem.solution:
-            r = task.step_credit * step_credit(text, problem.solution)
-        rewards.append(r)
-    return torch.tensor(rewards, dtype=torch.float32).view(len(problems), G)
-
-
-def training_batch(run: Run, problems: list[EncodedProblem], completions: list[Completion],
-                   rewards: torch.Tensor) -> tuple[RolloutBatch | None, int]:
-    """Advantages per group; groups with all-equal rewards are dropped (they would add zero gradient)."""
-    g = run.cfg.grpo
+    """The task's training reward of every answer (`Reward.for_training`), [prompts, G]."""
     G = run.cfg.rollout.group_size
-    advantages = group_advantages(rewards, g.scale_by_std)
-    keep = informative_groups(rewards) if g.drop_equal_reward_groups else torch.ones(len(problems), dtype=torch.bool)
-    rows = [i * G + j for i in range(len(problems)) if keep[i] for j in range(G)]
-    if not rows:
-        return None, 0
-    batch = build_batch([problems[i // G].prompt_ids for i in rows], [completions[i].token_ids for i in rows],
-                        [completions[i].logprobs for i in rows], advantages.flatten()[rows],
-                        sample_sets=[completions[i].sample_sets for i in rows])
-    return batch, int(keep.sum())
+    rewards = [run.reward.for_training(run.text.response_text(c.token_ids), problems[i // G].problem)
+               for i, c in enumerate(completions)]
+    return torch.tensor(rewards, dtype=torch.float32).view(len(problems), G)
 
 
 def log_eval(run: Run, step: int) -> dict[str, float] | None:
@@ -227,7 +206,7 @@ def log_eval(run: Run, step: int) -> dict[str, float] | None:
     c = run.cfg
     t0 = time.perf_counter()
     result = evaluate(run.engine, run.text, run.eval_problems, c.eval.samples, SamplingParams.of(c.rollout),
-                      c.task.reward_timeout_s, seed=c.seed)
+                      run.reward, seed=c.seed)
     result = {f"eval/{k}": v for k, v in result.items()}
     run.tracker.log_metrics(result, step=step)
     run.history.evals[step] = result

@@ -88,7 +88,8 @@ def _push_and_compare(rank, world, args):
     Hugging Face tensors)."""
     from fastgrpo.config import load_config
     from fastgrpo.run_setup import setup_run
-    from fastgrpo.train import rollout, training_batch
+    from fastgrpo.grpo.batch import training_batch
+    from fastgrpo.train import rollout
 
     run = setup_run(load_config(None, args), resume=False)
     initial = {n: t.clone() for n, t in run.trainer.export_weights()}
@@ -97,7 +98,8 @@ def _push_and_compare(rank, world, args):
         problems = run.data.next_batch(run.cfg.rollout.prompts_per_step)
         answers = rollout(run, problems, seed=step)
         tokens.append([c.token_ids for c in answers.completions])
-        batch, _ = training_batch(run, problems, answers.completions, answers.rewards)
+        batch, _ = training_batch([p.prompt_ids for p in problems], answers.completions, answers.rewards,
+                                  run.cfg.grpo)
         metrics.append(run.trainer.train_step(batch))
         run.bridge.push(run.trainer.export_weights(), version=step + 1)
         exported = {n: t.clone() for n, t in run.trainer.export_weights()}

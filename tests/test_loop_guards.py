@@ -10,7 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fastgrpo.train import rollout, train, training_batch
+from fastgrpo.config import GRPOConfig
+from fastgrpo.grpo.batch import training_batch
+from fastgrpo.train import rollout, train
 from fastgrpo.tasks.problems import Problem
 from fastgrpo.tasks.source import EncodedProblem
 from fastgrpo.types import Completion
@@ -28,23 +30,18 @@ def _completions(n: int) -> list[Completion]:
     return [Completion([7 + i % 5, 8], [-0.5, -0.6], "stop") for i in range(n)]
 
 
-def _run(drop: bool):
-    cfg = SimpleNamespace(grpo=SimpleNamespace(scale_by_std=True, drop_equal_reward_groups=drop),
-                          rollout=SimpleNamespace(group_size=G))
-    return SimpleNamespace(cfg=cfg, tokenizer=SimpleNamespace(pad_token_id=0))
-
-
 def test_groups_with_equal_rewards_leave_the_batch_by_default():
     problems, completions = _problems(3), _completions(3 * G)
     rewards = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
-    batch, kept = training_batch(_run(drop=True), problems, completions, rewards)
+    prompts = [p.prompt_ids for p in problems]
+    batch, kept = training_batch(prompts, completions, rewards, GRPOConfig(drop_equal_reward_groups=True))
     assert kept == 1 and batch.input_ids.shape[0] == G  # only the second group's samples
     assert batch.input_ids[0, 1].item() == problems[1].prompt_ids[1]
     adv = batch.advantages.flatten()
     assert adv.sum().item() == pytest.approx(0.0, abs=1e-5) and adv.abs().min() > 0  # centred, all informative
-    batch, kept = training_batch(_run(drop=False), problems, completions, rewards)
+    batch, kept = training_batch(prompts, completions, rewards, GRPOConfig(drop_equal_reward_groups=False))
     assert kept == 3 and batch.input_ids.shape[0] == 3 * G  # kept, with zero advantage
-    none, kept = training_batch(_run(drop=True), problems[:1], completions[:G], rewards[:1])
+    none, kept = training_batch(prompts[:1], completions[:G], rewards[:1], GRPOConfig(drop_equal_reward_groups=True))
     assert none is None and kept == 0
 
 
@@ -57,7 +54,8 @@ def test_a_step_with_nothing_to_train_pushes_and_goes_on(tmp_path, tiny_policy, 
     cfg = tiny_config(tmp_path, tiny_policy, **{"grpo.steps": 2, "rollout.group_size": G, "eval.at_start": "false"})
     before = load_file(tiny_policy / "model.safetensors")
     result = train(cfg)
-    assert [m["updates"] for m in result.steps] == [0.0, 0.0]
+    assert [r.policy["updates"] for r in result.steps] == [0.0, 0.0]
+    assert [r.groups_kept for r in result.steps] == [0, 0]
     assert history(tmp_path / "run", "weights_version") == {1: 0.0, 2: 1.0}
     after = load_file(tmp_path / "run" / "checkpoints" / "step_00000002" / "policy" / "model.safetensors")
     assert all(torch.equal(before[k], after[k]) for k in after)

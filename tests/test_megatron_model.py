@@ -300,7 +300,7 @@ def _train(rank, world, overrides, resume):
     from fastgrpo.config import load_config
     from fastgrpo.train import train
 
-    return train(load_config(None, overrides), resume=resume).steps
+    return [r.metrics() for r in train(load_config(None, overrides), resume=resume).steps]
 
 
 @pytest.mark.slow  # a multi-process world

@@ -107,9 +107,9 @@ def test_grpo_trains_each_family_from_its_hugging_face_directory(checkpoint, tmp
     cfg = load_config(None, family_run(tmp_path, path, "speculation.policy=off", "draft.online=off"))
     result = train(cfg)
     assert len(result.steps) == 2
-    for m in result.steps:
-        assert m["kl_engine_trainer"] < 1e-5, (name, m["kl_engine_trainer"])
-        assert m["response_len_mean"] > 0 and torch.isfinite(torch.tensor(m["loss"]))
+    for r in result.steps:
+        assert r.policy["kl_engine_trainer"] < 1e-5, (name, r.policy["kl_engine_trainer"])
+        assert r.response_len_mean > 0 and torch.isfinite(torch.tensor(r.policy["loss"]))
     saved = result.checkpoint / "policy"
     assert AutoConfig.from_pretrained(saved).model_type == AutoConfig.from_pretrained(path).model_type
     assert load_text_format(saved).stop_ids == load_text_format(path).stop_ids
@@ -148,11 +148,11 @@ def test_aware_speculation_runs_on_each_family(checkpoint, tmp_path):
     pretrain_draft(load_config(None, args))
     result = train(load_config(None, args))
     assert len(result.steps) == 2
-    assert all(m["kl_engine_trainer"] < 1e-5 for m in result.steps), name
+    assert all(r.policy["kl_engine_trainer"] < 1e-5 for r in result.steps), name
 
 
 def _train(rank, world, args):
-    return train(load_config(None, args)).steps
+    return [r.metrics() for r in train(load_config(None, args)).steps]
 
 
 @pytest.mark.slow  # a world of 4 (gloo)

@@ -86,10 +86,10 @@ def test_eval_command_on_a_checkpoint(tmp_path, tiny_policy, capsys):
 
 
 def test_nan_step_is_skipped_and_training_goes_on(tmp_path, tiny_policy, monkeypatch):
-    import fastgrpo.train as loop
+    import fastgrpo.grpo.batch as batch
 
-    real = loop.group_advantages
-    monkeypatch.setattr(loop, "group_advantages", lambda r, s: real(r, s) * float("nan"))
+    real = batch.group_advantages
+    monkeypatch.setattr(batch, "group_advantages", lambda r, s: real(r, s) * float("nan"))
     cfg = tiny_config(tmp_path, tiny_policy, **{"grpo.drop_equal_reward_groups": "false", "grpo.steps": 1})
     before = load_file(tiny_policy / "model.safetensors")
     train(cfg)
@@ -185,7 +185,7 @@ def test_same_seed_same_run_and_speculation_does_not_change_learning(tmp_path, t
     assert summary["start"] == {k.removeprefix("eval/"): v for k, v in again.evals[0].items()}
     assert summary["end"] == {k.removeprefix("eval/"): v for k, v in again.evals[3].items()}
     for key in ["loss", "reward_mean", "response_len_mean", "grad_norm", "entropy"]:
-        assert {i + 1: m[key] for i, m in enumerate(again.steps) if key in m} == history(first_dir, key), key
+        assert {r.step: r.metrics()[key] for r in again.steps if key in r.metrics()} == history(first_dir, key), key
     assert summary["steps_run"] == 3 and summary["median"]["step_s"] > 0 and off["summary"] == summary
 
 

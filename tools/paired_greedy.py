@@ -28,6 +28,7 @@ def paired(config: str | None, policies: list[str], overrides: list[str]) -> dic
     from fastgrpo.grpo.evaluate import greedy, scores
     from fastgrpo.models.policy import load_policy
     from fastgrpo.models.tokenizer import load_text_format
+    from fastgrpo.tasks.rewards import load_reward
     from fastgrpo.tasks.source import encode_problems, load_task
     from fastgrpo.types import SamplingParams
 
@@ -40,7 +41,7 @@ def paired(config: str | None, policies: list[str], overrides: list[str]) -> dic
         policy = load_policy(path)
         engine = build_engine(cfg, policy.config, text, policy.state_dict().items(), speculation="off")
         return [r[0] for r in scores(engine, text, problems, greedy(SamplingParams.of(cfg.rollout)),
-                                     timeout_s=cfg.task.reward_timeout_s)]
+                                     reward=load_reward(cfg.task))]
 
     start = correct(cfg.model.path)
     n = len(start)

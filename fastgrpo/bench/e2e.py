@@ -60,17 +60,17 @@ def bench_e2e(cfg: Config, quick: bool, output: Path, steps: int | None = None,
         run = train(mode_config(cfg, mode, steps, output.parent / f"{output.stem}-runs"))
         s = run.steps
         final = run.evals[steps]
-        result[mode] = {"step_s": [m["step_s"] for m in s], "rollout_s": [m["rollout_s"] for m in s],
-                        "train_s": [m["train_s"] for m in s], "accuracy": [m["accuracy"] for m in s],
-                        "rollout_tok_s": [m["gen_tokens_per_s"] for m in s],
-                        "response_len": [m["response_len_mean"] for m in s],
+        result[mode] = {"step_s": [r.step_s for r in s], "rollout_s": [r.rollout_s for r in s],
+                        "train_s": [r.train_s for r in s], "accuracy": [r.accuracy for r in s],
+                        "rollout_tok_s": [r.gen_tokens_per_s for r in s],
+                        "response_len": [r.response_len_mean for r in s],
                         "final_eval": {k.removeprefix("eval/"): v for k, v in final.items()}}
         if mode != "off":
-            result[mode]["accept_len"] = [m.get("accept_len", 1.0) for m in s]
-            result[mode]["spec_step_fraction"] = [m["spec_step_fraction"] for m in s]
-        if mode == "online":
-            result[mode]["draft_train_s"] = [m["draft_train_s"] for m in s]
-            result[mode]["draft_top1_fresh"] = [m["draft_top1_fresh"] for m in s]
+            result[mode]["accept_len"] = [r.accept_len or 1.0 for r in s]
+            result[mode]["spec_step_fraction"] = [r.spec_step_fraction for r in s]
+        if mode == "online":  # the sync draft learner's own report
+            result[mode]["draft_train_s"] = [r.draft["draft_train_s"] for r in s]
+            result[mode]["draft_top1_fresh"] = [r.draft["draft_top1_fresh"] for r in s]
             final_checkpoint = run.checkpoint
     # the same fixed trees, prompts and seeds for both drafts against the policy online RL ended with
     print("== bench e2e: frozen and online drafts fitted to the online run's final policy ==", flush=True)

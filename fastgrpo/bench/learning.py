@@ -68,8 +68,8 @@ def bench_learning(cfg: Config, quick: bool, output: Path, seeds: int | None = N
             curve = summary["curve"]
             result[mode]["seeds"].append({
                 "seed": seed, "start": curve[0], "end": curve[-1], "curve": curve, "summary": summary,
-                "train_accuracy": [m["accuracy"] for m in run.steps],
-                "response_len": [m["response_len_mean"] for m in run.steps]})
+                "train_accuracy": [r.accuracy for r in run.steps],
+                "response_len": [r.response_len_mean for r in run.steps]})
         result[mode]["change"] = {k: _spread([s["end"][k] - s["start"][k] for s in result[mode]["seeds"]])
                                   for k in METRICS}
     result["seeds"] = result[modes[0]]["seeds"]  # the config's own mode, in the documented place

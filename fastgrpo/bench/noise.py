@@ -28,8 +28,9 @@ import torch
 
 from fastgrpo.bench.report import command_line, publish
 from fastgrpo.config import Config
+from fastgrpo.grpo.batch import training_batch
 from fastgrpo.run_setup import setup_run
-from fastgrpo.train import rollout, training_batch
+from fastgrpo.train import rollout
 
 
 def bench_noise(cfg: Config, quick: bool, output: Path, batches: int | None = None,
@@ -51,7 +52,7 @@ def bench_noise(cfg: Config, quick: bool, output: Path, batches: int | None = No
             problems = run.data.next_batch(cfg.rollout.prompts_per_step)
             answers = rollout(run, problems, seed=cfg.seed * 1_000_003 + attempt)
             rewards = answers.rewards
-            batch, kept = training_batch(run, problems, answers.completions, rewards)
+            batch, kept = training_batch([p.prompt_ids for p in problems], answers.completions, rewards, cfg.grpo)
             if batch is None:
                 empty += 1
                 continue

@@ -1,11 +1,31 @@
-"""Building the rollout batch (`fastgrpo.types.RolloutBatch`) from a rollout's prompts and completions."""
+"""Building the rollout batch (`fastgrpo.types.RolloutBatch`) from a rollout's prompts and completions:
+group advantages of the rewards, the groups that carry a signal, their rows padded into tensors."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from fastgrpo.types import RolloutBatch
+from fastgrpo.config import GRPOConfig
+from fastgrpo.grpo.advantages import group_advantages, informative_groups
+from fastgrpo.types import Completion, RolloutBatch
+
+
+def training_batch(prompts: list[list[int]], completions: list[Completion], rewards: Tensor,
+                   cfg: GRPOConfig) -> tuple[RolloutBatch | None, int]:
+    """The batch to train on and how many groups it holds: advantages per group (`rewards` [prompts, G],
+    completions[i * G + j] answering prompts[i]); groups with all-equal rewards are dropped (they would
+    add zero gradient) unless `grpo.drop_equal_reward_groups` is off. None when no group is left."""
+    G = rewards.shape[1]
+    advantages = group_advantages(rewards, cfg.scale_by_std)
+    keep = informative_groups(rewards) if cfg.drop_equal_reward_groups else torch.ones(len(prompts), dtype=torch.bool)
+    rows = [i * G + j for i in range(len(prompts)) if keep[i] for j in range(G)]
+    if not rows:
+        return None, 0
+    batch = build_batch([prompts[i // G] for i in rows], [completions[i].token_ids for i in rows],
+                        [completions[i].logprobs for i in rows], advantages.flatten()[rows],
+                        sample_sets=[completions[i].sample_sets for i in rows])
+    return batch, int(keep.sum())
 
 
 def build_batch(prompts: list[list[int]], responses: list[list[int]], engine_logprobs: list[list[float]],

@@ -1,5 +1,7 @@
 """Accuracy of a policy on held-out problems: greedy pass@1, mean accuracy over k samples, pass@k,
-each with its standard error over problems.
+each with its standard error over problems. Answers are scored by the task's reward (`task.reward`,
+`fastgrpo.tasks.rewards.Reward.for_eval`): with the built-in math reward (1 or 0) these are
+accuracies; with a reward of the user's, the mean and the best of its values.
 
 (MLflow metric names cannot hold "@", hence pass1_greedy and pass_at_k.)
 """
@@ -12,7 +14,7 @@ import math
 from fastgrpo.protocols import Engine
 from fastgrpo.types import SamplingParams, Request
 from fastgrpo.models.tokenizer import TextFormat
-from fastgrpo.tasks.rewards import score
+from fastgrpo.tasks.rewards import Reward, math_reward
 from fastgrpo.tasks.source import EncodedProblem
 
 
@@ -26,11 +28,13 @@ def _mean_and_se(values: list[float]) -> tuple[float, float]:
 
 
 def scores(engine: Engine, text: TextFormat, problems: list[EncodedProblem],
-           sampling: SamplingParams, repeats: int = 1, timeout_s: float = 2.0, seed: int = 0) -> list[list[float]]:
-    """Each problem's rewards for `repeats` answers drawn with `sampling` (one list per problem)."""
+           sampling: SamplingParams, repeats: int = 1, reward: Reward | None = None, seed: int = 0) -> list[list[float]]:
+    """Each problem's rewards for `repeats` answers drawn with `sampling` (one list per problem);
+    `reward`: the task's (None: the built-in math reward)."""
+    reward = reward or math_reward()
     requests = [Request(e.prompt_ids) for e in problems for _ in range(repeats)]
     outs = engine.generate(requests, sampling, seed=seed)
-    rewards = [score(text.response_text(o.token_ids), problems[i // repeats].problem.answer, timeout_s)
+    rewards = [reward.for_eval(text.response_text(o.token_ids), problems[i // repeats].problem)
                for i, o in enumerate(outs)]
     return [rewards[i * repeats : (i + 1) * repeats] for i in range(len(problems))]
 
@@ -40,11 +44,12 @@ def greedy(sampling: SamplingParams) -> SamplingParams:
 
 
 def evaluate(engine: Engine, text: TextFormat, problems: list[EncodedProblem],
-             samples: int, sampling: SamplingParams, timeout_s: float = 2.0, seed: int = 0) -> dict[str, float]:
+             samples: int, sampling: SamplingParams, reward: Reward | None = None, seed: int = 0) -> dict[str, float]:
     """Greedy decoding once per problem, and `samples` draws of the rollout's own sampling
-    distribution (temperature, top-k, top-p): the quantity GRPO optimises."""
-    first = scores(engine, text, problems, greedy(sampling), 1, timeout_s, seed)
-    sampled = scores(engine, text, problems, sampling, samples, timeout_s, seed)
+    distribution (temperature, top-k, top-p): the quantity GRPO optimises. `reward`: the task's
+    (None: the built-in math reward)."""
+    first = scores(engine, text, problems, greedy(sampling), 1, reward, seed)
+    sampled = scores(engine, text, problems, sampling, samples, reward, seed)
     out: dict[str, float] = {}
     for name, per_problem in (("pass1_greedy", [g[0] for g in first]),
                               ("mean_accuracy", [sum(s) / samples for s in sampled]),

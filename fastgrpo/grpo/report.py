@@ -1,6 +1,6 @@
-"""What a GRPO run reports: each step's metrics (printed, and tracked by the loop), the speculation
-record of a rollout, and at the end the run's summary (`summary.json`, its markdown table, its
-learning-curve picture)."""
+"""What a GRPO run reports: each step's line (of its `StepRecord`, which the loop also tracks), the
+speculation record of a rollout, and at the end the run's summary (`summary.json`, its markdown
+table, its learning-curve picture)."""
 
 from __future__ import annotations
 
@@ -10,46 +10,11 @@ import math
 import statistics
 from pathlib import Path
 
-import torch
-
 from fastgrpo.config import Config
-from fastgrpo.types import Completion, EngineStats
+from fastgrpo.grpo.record import StepRecord
+from fastgrpo.types import EngineStats
 
 log = logging.getLogger(__name__)
-
-
-def step_metrics(completions: list[Completion], rewards: torch.Tensor, engine_stats: list[EngineStats],
-                 kept_groups: int) -> dict[str, float]:
-    """The step's metrics; rollout throughput is the engines' total (they run side by side), with
-    the slowest engine's alongside when there are several."""
-    lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
-    spec_steps = sum(s.get("spec_steps", 0) for s in engine_stats)
-    decode_steps = sum(s.get("decode_steps", 0) for s in engine_stats)
-    # accepted length is only defined when some step speculated; plain steps emit one token by construction.
-    # Over engines: tokens emitted per sequence per verify, from the engines' totals (the same totals, so
-    # the same figure, whichever engines ran which sequences)
-    optional = {}
-    if spec_steps:
-        optional["accept_len"] = (sum(s["spec_emitted"] for s in engine_stats)
-                                  / sum(s["spec_seq_steps"] for s in engine_stats))
-    throughput = [s.get("tokens_per_s", 0.0) for s in engine_stats if s.get("sequences", 1)]
-    if len(engine_stats) > 1:  # the slowest engine, and the engine furthest behind on drafts
-        optional["engine_tokens_per_s_min"] = min(throughput, default=0.0)
-        optional["engine_draft_version_min"] = float(min(s.get("draft_version", -1) for s in engine_stats))
-    return optional | {
-        "reward_mean": rewards.mean().item(),
-        "reward_std": rewards.std().item(),
-        "accuracy": (rewards >= 1.0).float().mean().item(),
-        "response_len_mean": lengths.mean().item(),
-        "response_len_max": lengths.max().item(),
-        "truncated_fraction": sum(c.finish_reason != "stop" for c in completions) / len(completions),
-        "gen_tokens_per_s": sum(throughput),
-        "mean_running": statistics.mean(s.get("mean_running", 0.0) for s in engine_stats),
-        "spec_step_fraction": spec_steps / max(decode_steps, 1),
-        "groups_kept": float(kept_groups),
-        "rollout_engines": float(len(engine_stats)),
-        "weights_version": float(engine_stats[0].get("weights_version", -1)),  # the same on every engine
-    }
 
 
 def rollout_stats(stats: EngineStats) -> dict:
@@ -58,24 +23,25 @@ def rollout_stats(stats: EngineStats) -> dict:
                                   "config_by_concurrency", "trace")}
 
 
-def print_step(step: int, total: int, m: dict[str, float]) -> None:
-    print(f"step {step}/{total} | reward {m['reward_mean']:.3f}±{m['reward_std']:.3f} | "
-          f"len {m['response_len_mean']:.0f}/{m['response_len_max']:.0f} | "
-          f"rollout {m['rollout_s']:.1f}s ({m['gen_tokens_per_s']:.0f} tok/s, accept {m.get('accept_len', 1.0):.2f}) | train {m['train_s']:.1f}s | "
-          f"sync {m['weight_sync_s']:.2f}s | loss {m.get('loss', 0.0):.4f} | "
-          f"clip {m.get('clip_fraction', 0.0):.3f} | entropy {m.get('entropy', 0.0):.3f}", flush=True)
+def print_step(total: int, r: StepRecord) -> None:
+    p = r.policy
+    print(f"step {r.step}/{total} | reward {r.reward_mean:.3f}±{r.reward_std:.3f} | "
+          f"len {r.response_len_mean:.0f}/{r.response_len_max:.0f} | "
+          f"rollout {r.rollout_s:.1f}s ({r.gen_tokens_per_s:.0f} tok/s, accept {r.accept_len or 1.0:.2f}) | "
+          f"train {r.train_s:.1f}s | sync {r.weight_sync_s:.2f}s | loss {p.get('loss', 0.0):.4f} | "
+          f"clip {p.get('clip_fraction', 0.0):.3f} | entropy {p.get('entropy', 0.0):.3f}", flush=True)
 
 
-def write_summary(cfg: Config, steps: list[dict[str, float]], evals: dict[int, dict[str, float]],
+def write_summary(cfg: Config, steps: list[StepRecord], evals: dict[int, dict[str, float]],
                   eval_problems: int) -> Path:
     """`<run_dir>/summary.json`: the run's results in one file (the README's results table is made
     from it): first and last eval, medians of the step times, rollout throughput and speculation;
     `summary.md` (that table) and `summary.png` (the held-out curve) beside it. `steps`: every step's
-    metrics, `evals`: the evals by step (keys `eval/...`), `eval_problems`: how many problems they scored."""
+    record, `evals`: the evals by step (keys `eval/...`), `eval_problems`: how many problems they scored."""
     evals = {s: {k.removeprefix("eval/"): v for k, v in e.items()} for s, e in sorted(evals.items())}
 
-    def median(key: str) -> float | None:
-        values = [m[key] for m in steps if key in m and math.isfinite(m[key])]  # NaN: not measured that step
+    def median(values) -> float | None:
+        values = [float(v) for v in values if v is not None and math.isfinite(v)]  # None, NaN: not measured that step
         return statistics.median(values) if values else None
 
     c = cfg
@@ -89,9 +55,16 @@ def write_summary(cfg: Config, steps: list[dict[str, float]], evals: dict[int, d
         "end": evals[max(evals)] if evals else None,
         "end_step": max(evals) if evals else None,
         "curve": [{"step": s} | e for s, e in evals.items()],
-        "median": {k: median(k) for k in ("step_s", "rollout_s", "train_s", "draft_train_s", "weight_sync_s",
-                                          "weight_sync_bytes", "gen_tokens_per_s", "response_len_mean", "accept_len",
-                                          "spec_step_fraction", "draft_lag", "draft_states_per_s")},
+        "median": {k: median(v) for k, v in (
+            ("step_s", [r.step_s for r in steps]), ("rollout_s", [r.rollout_s for r in steps]),
+            ("train_s", [r.train_s for r in steps]), ("draft_train_s", [r.draft.get("draft_train_s") for r in steps]),
+            ("weight_sync_s", [r.weight_sync_s for r in steps]),
+            ("weight_sync_bytes", [r.weight_sync_bytes for r in steps]),
+            ("gen_tokens_per_s", [r.gen_tokens_per_s for r in steps]),
+            ("response_len_mean", [r.response_len_mean for r in steps]), ("accept_len", [r.accept_len for r in steps]),
+            ("spec_step_fraction", [r.spec_step_fraction for r in steps]),
+            ("draft_lag", [r.draft.get("draft_lag") for r in steps]),
+            ("draft_states_per_s", [r.draft.get("draft_states_per_s") for r in steps]))},
         "steps_run": len(steps),
     }
     path = Path(c.run_dir) / "summary.json"

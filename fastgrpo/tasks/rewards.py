@@ -1,14 +1,23 @@
-"""The verifier: math-verify on the model's boxed final answer, and partial credit for the worked
-solution's steps (a denser training signal than the answer alone)."""
+"""The task's reward (`task.reward`, `Reward`): the built-in verifier, math-verify on the model's boxed
+final answer with partial credit for the worked solution's steps (a denser training signal than the
+answer alone), or the user's own `module:function`, called with a timeout and checked."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
+import numbers
 import re
+import signal
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from math_verify import parse, verify
+
+from fastgrpo.config import BUILTIN_REWARDS, ConfigError, TaskConfig
+from fastgrpo.tasks.problems import Problem
 
 log = logging.getLogger(__name__)
 _BOXED = re.compile(r"\\boxed\{")
@@ -59,3 +68,131 @@ def step_credit(completion: str, solution: str) -> float:
             break
         done += 1
     return done / len(steps)
+
+
+# -- the task's reward (task.reward): a built-in, or the user's own `module:function` ----------------
+
+
+class RewardError(ValueError):
+    """A reward function that raised, hung past `task.reward_timeout_s` or returned a non-number; the
+    message names the function."""
+
+
+class _Expired(BaseException):  # not an Exception: a reward's own `except Exception` cannot swallow it
+    pass
+
+
+@dataclass(frozen=True)
+class Reward:
+    """`task.reward` resolved: `for_training` scores a rollout's answer, `for_eval` an eval's. The
+    built-in "math" is the boxed answer by math-verify (1 or 0), and in training a wrong answer gets
+    `task.step_credit` x the share of the worked solution's steps it got right before its first
+    mistake; a `module:function` is called as function(response text, problem) -> float, for both."""
+
+    name: str  # "math", or "module:function"
+    timeout_s: float
+    step_credit: float = 0.0
+    fn: Callable[[str, Problem], float] | None = None  # the user's function; None: the built-in
+
+    def for_eval(self, text: str, problem: Problem) -> float:
+        if self.fn is None:
+            return score(text, problem.answer, self.timeout_s)
+        return _checked(self.name, call_with_timeout(self.fn, (text, problem), self.timeout_s, self.name))
+
+    def for_training(self, text: str, problem: Problem) -> float:
+        r = self.for_eval(text, problem)
+        if self.fn is None and r < 1.0 and self.step_credit > 0 and problem.solution:
+            r = self.step_credit * step_credit(text, problem.solution)
+        return r
+
+
+def math_reward(timeout_s: float = 2.0, step_credit: float = 0.0) -> Reward:
+    return Reward("math", timeout_s, step_credit)
+
+
+def load_reward(task: TaskConfig) -> Reward:
+    """The reward `task.reward` names; a `module:function` is imported here, before any work, and a
+    module or function that is not there is a ConfigError naming task.reward."""
+    if task.reward in BUILTIN_REWARDS:
+        return math_reward(task.reward_timeout_s, task.step_credit)
+    module_name, _, attr = task.reward.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or the module's own code failing on import
+        raise ConfigError(f"task.reward={task.reward}: cannot import module {module_name!r} "
+                          f"({type(e).__name__}: {e}); is its directory on PYTHONPATH?") from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"task.reward={task.reward}: module {module_name!r} ({module.__file__}) has no function "
+                          f"{attr!r}" + ("" if fn is None else f" (it is a {type(fn).__name__})"))
+    return Reward(task.reward, task.reward_timeout_s, fn=fn)
+
+
+def _checked(name: str, value: object) -> float:
+    """A reward's value as a float: a finite real number (bool included), else a RewardError."""
+    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise RewardError(f"reward function {name} returned {value!r} ({type(value).__name__}), not a finite "
+                          f"number")
+    return float(value)
+
+
+def call_with_timeout(fn: Callable, args: tuple, seconds: float, name: str):
+    """fn(*args), or a RewardError naming `name` when it raises or runs past `seconds`.
+
+    In the main thread the function runs there (so that it may use signal-based timeouts of its own,
+    as math-verify's): a watchdog thread sends the main thread SIGALRM once the time is up, and again
+    every 50 ms while the call goes on (a handler of the function's own, installed meanwhile, may take
+    one); ours raises out of the call. Elsewhere the function runs in a daemon thread, abandoned if it
+    does not return in time (the error ends the run)."""
+    if threading.current_thread() is not threading.main_thread():
+        return _call_in_thread(fn, args, seconds, name)
+    running = [True]
+
+    def expire(signum, frame):
+        if running[0]:
+            raise _Expired
+
+    done = threading.Event()
+    main = threading.main_thread().ident
+
+    def watchdog():
+        if done.wait(seconds):
+            return
+        while not done.is_set():
+            signal.pthread_kill(main, signal.SIGALRM)
+            done.wait(0.05)
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    dog = threading.Thread(target=watchdog, name="reward-timeout", daemon=True)
+    dog.start()
+    try:
+        return fn(*args)
+    except _Expired:
+        raise RewardError(f"reward function {name} ran past task.reward_timeout_s={seconds:g} s") from None
+    except Exception as e:
+        raise RewardError(f"reward function {name} raised {type(e).__name__}: {e}") from e
+    finally:
+        running[0] = False  # a SIGALRM still on its way finds a handler that does nothing
+        done.set()
+        dog.join()
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _call_in_thread(fn: Callable, args: tuple, seconds: float, name: str):
+    out: list = []
+
+    def call():
+        try:
+            out.append((True, fn(*args)))
+        except Exception as e:
+            out.append((False, e))
+
+    worker = threading.Thread(target=call, name=f"reward {name}", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if not out:
+        raise RewardError(f"reward function {name} ran past task.reward_timeout_s={seconds:g} s")
+    ok, value = out[0]
+    if not ok:
+        raise RewardError(f"reward function {name} raised {type(value).__name__}: {value}") from value
+    return value
