@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from fastgrpo.bench.command import BenchUsageError, add_bench_parsers, unknown_arguments
 from fastgrpo.config import Config, ConfigError, load_config
 
 DEFAULT_CONFIG = "configs/tiny_cpu.yaml"
@@ -26,23 +27,16 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def run_train(cfg: Config, resume: bool = False) -> None:
-    """This process's part of a GRPO run: a rank of a torchrun world's reserved draft slice serves the
-    engines' draft learning; every other rank (the only one, outside torchrun) runs the loop."""
-    from fastgrpo.distributed import init_world, is_draft_rank, launched_rank
+    """This process's part of a GRPO run, by its role, decided here once: a rank of a torchrun world's
+    reserved draft slice serves the engines' draft learning; every other rank (the only one, outside
+    torchrun) is a policy rank and runs the loop. Each role runs the pre-flight checks once
+    (`run_setup.preflight`: the layout, the device) before any work: the draft rank here, a policy rank
+    in `train.train`."""
+    from fastgrpo.distributed import is_draft_rank, launched_rank
     from fastgrpo.train import train
 
     if is_draft_rank(cfg.parallel.draft_ranks):
-        from fastgrpo.device import resolve
-        from fastgrpo.draft_learning.async_learner import serve_draft_slice
-        from fastgrpo.run_setup import check_layout
-
-        check_layout(cfg)
-        resolve(cfg)  # a device or precision this machine lacks fails here, before any work
-        serve_draft_slice(cfg, init_world(cfg.parallel.draft_ranks))
-        # its receiving threads stay blocked in the store's C++ receive; an interpreter exit that
-        # destroys them can abort the rank ("terminate called without an active exception", seen
-        # under load): its work is done and saved, so it leaves at once
-        _leave()
+        serve_draft_rank(cfg)
     train(cfg, resume)
     if cfg.trainer.backend == "deepspeed" and launched_rank() > 0:
         # the same abort at the interpreter's exit hit a ZeRO-3 DP2 policy rank (twice in a row in the
@@ -50,6 +44,21 @@ def run_train(cfg: Config, resume: bool = False) -> None:
         # DeepSpeed runs only: under Slurm with the other trainers, a rank leaving early held up the
         # job's end by ~45 s (a 2-step job: 85 s -> 181 s), and they never showed the abort
         _leave()
+
+
+def serve_draft_rank(cfg: Config) -> None:
+    """A draft rank's whole life: the pre-flight checks, then the draft slice until the run ends; it
+    leaves the process at once (it does not return)."""
+    from fastgrpo.distributed import init_world
+    from fastgrpo.draft_learning.async_learner import serve_draft_slice
+    from fastgrpo.run_setup import preflight
+
+    preflight(cfg)
+    serve_draft_slice(cfg, init_world(cfg.parallel.draft_ranks))
+    # its receiving threads stay blocked in the store's C++ receive; an interpreter exit that
+    # destroys them can abort the rank ("terminate called without an active exception", seen
+    # under load): its work is done and saved, so it leaves at once
+    _leave()
 
 
 def _leave() -> None:
@@ -114,65 +123,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 1
 
 
-def _thread_counts(text: str) -> list[int]:
-    try:
-        counts = [int(t) for t in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated thread counts such as 1,2, got {text!r}") from None
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"thread counts must be >= 1, got {text!r}")
-    return counts
-
-
 def cmd_bench(args: argparse.Namespace) -> int | None:
-    if args.what == "gpu-check":  # its own config and stages (the policy and draft are two of them, timed)
-        from fastgrpo.bench.gpu_check import main as gpu_check
-
-        if args.config:
-            raise ValueError("bench gpu-check builds its own config: give key=value overrides, not --config")
-        return gpu_check([*(["--out", args.output] if args.output else []), *(["--size", "test"] if args.quick else []),
-                          *args.overrides])
-    from fastgrpo.bench.draft_fit import bench_draft
-    from fastgrpo.bench.e2e import bench_e2e
-    from fastgrpo.bench.engines import bench_engines
-    from fastgrpo.bench.forward import bench_forward
-    from fastgrpo.bench.guarantee import bench_guarantee
-    from fastgrpo.bench.learning import bench_learning
-    from fastgrpo.bench.noise import bench_noise
-    from fastgrpo.bench.trainer import bench_trainer
-    from fastgrpo.bench.rollout import bench_rollout
-    from fastgrpo.bench.shapes import bench_shapes
-    from fastgrpo.bench.sglang_tiers import bench_sglang_tiers
-    from fastgrpo.bench.simulate import bench_simulate
-
-    modes = args.modes.split(",") if args.modes else None
-    benches = {"rollout": bench_rollout, "e2e": bench_e2e, "forward": bench_forward, "shapes": bench_shapes,
-               "draft": lambda cfg, quick, output, extra: bench_draft(cfg, quick, output, args.policy, extra=extra),
-               "learning": lambda cfg, quick, output, extra: bench_learning(cfg, quick, output, args.seeds,
-                                                                            args.steps, args.every, modes, extra=extra),
-               "noise": lambda cfg, quick, output, extra: bench_noise(cfg, quick, output, args.batches, extra=extra),
-               "trainer": bench_trainer, "engines": bench_engines,
-               "simulate": lambda cfg, quick, output, extra: bench_simulate(cfg, quick, output, extra, args.repetitions),
-               "sglang-tiers": bench_sglang_tiers,
-               "guarantee": lambda cfg, quick, output, extra: bench_guarantee(cfg, quick, output, args.runs,
-                                                                              args.threads, extra=extra)}
-    if args.what not in benches:
-        raise ValueError(f"unknown benchmark {args.what!r}; available: {', '.join(benches)}")
-    if args.policy and args.what != "draft":
-        raise ValueError(f"--policy is for `bench draft`, not `bench {args.what}`")
-    for flag, owner in (("seeds", "learning"), ("steps", "learning"), ("every", "learning"), ("modes", "learning"),
-                        ("batches", "noise"), ("runs", "guarantee"), ("threads", "guarantee"),
-                        ("repetitions", "simulate")):
-        if getattr(args, flag) is not None and args.what != owner:
-            raise ValueError(f"--{flag} is for `bench {owner}`, not `bench {args.what}`")
-        if flag not in ("modes", "threads") and getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    """`fastgrpo bench <name>`: its sub-parser (its module's `add_arguments`) set `run` and `needs`; the
+    config, the policy and the draft are built here where the benchmark needs them."""
+    if args.needs is None:  # its own config (gpu-check: the policy and draft are two of its timed stages)
+        return args.run(args, None)
     cfg = _config(args)
-    if args.what != "sglang-tiers":  # simulated only: no policy runs
-        ensure_policy_and_draft(cfg, draft=args.what != "engines")
-    extra = [*(["--config", args.config] if args.config else []), *args.overrides,
-             *(["--policy", args.policy] if args.policy else [])]
-    benches[args.what](cfg, args.quick, Path(args.output or f"bench/{args.what}.json"), extra=extra)
+    if args.needs in ("policy", "draft"):
+        ensure_policy_and_draft(cfg, draft=args.needs == "draft")
+    args.output = Path(args.output or f"bench/{args.what}.json")
+    args.extra = [*(["--config", args.config] if args.config else []), *args.overrides]  # the command line, recorded
+    args.run(args, cfg)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -200,14 +161,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
                       "sampling": sampling} | result, indent=2))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `fastgrpo` command's parser: a sub-command each, `bench` with a sub-parser per benchmark."""
     parser = argparse.ArgumentParser(prog="fastgrpo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def add(name: str, fn, help: str, before: str | None = None) -> argparse.ArgumentParser:
+    def add(name: str, fn, help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help)
-        if before:  # a positional that must come before the overrides
-            p.add_argument(before)
         p.add_argument("--config", help=f"YAML config (default: {DEFAULT_CONFIG} if present)")
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. grpo.steps=4")
         p.set_defaults(fn=fn)
@@ -227,43 +187,26 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--gpus-per-node", type=int, help="default: cluster.gpus_per_node")
     plan.add_argument("--gpu-memory-gb", type=float, help="GiB per GPU (default: cluster.gpu_memory_gb)")
 
-    bench = add("bench", cmd_bench, "benchmarks: `rollout` (speculation modes compared in one process), "
-                "`e2e` (the same GRPO run without speculation, with a frozen draft, with online draft learning) "
-                "`forward` (the policy forward by batch, tokens per sequence and matmul kernel) "
-                "`shapes` (draft and target costs for deeper, narrower policies of the same size) "
-                "`draft` (how well drafts fit a policy, on its own samples, with fixed trees) "
-                "`learning` (held-out accuracy curves of GRPO over seeds, with and without speculation) "
-                "`noise` (how much of one GRPO update is signal: the gradient noise scale) "
-                "`trainer` (one GRPO step of the torch and Megatron trainers at world 1, 2 and 4) "
-                "`engines` (a GRPO batch's rollout in a world of two ranks on one engine or two) "
-                "`guarantee` (aware against plain decoding, paired, over runs and thread counts) "
-                "`simulate` (rollout at GPU scale, simulated, validated against this CPU's engine) "
-                "`sglang-tiers` (aware on SGLang's adaptive EAGLE against SGLang's own speculation, simulated) "
-                "or `gpu-check` (the GPU path in one run: SFT and draft of a ~308M policy, Megatron against torch, "
-                "the weight push, the decode step against its bandwidth bound, rollout; --output is its directory, "
-                "--quick its toy size, device=cpu runs it without a GPU)",
-                before="what")
-    bench.add_argument("--quick", action="store_true", help="smaller workloads (minutes, not tens of minutes)")
-    bench.add_argument("--output", help="JSON results, default bench/<what>.json (a PNG plot is written beside it)")
-    bench.add_argument("--policy", help="bench draft: the policy to fit, e.g. a checkpoint's policy/ (default: "
-                       "model.path); a checkpoint's own online draft is scored too")
-    bench.add_argument("--seeds", type=int, help="bench learning: run seeds 0..N-1 (default 3; 2 with --quick)")
-    bench.add_argument("--steps", type=int, help="bench learning: GRPO steps per run (default grpo.steps)")
-    bench.add_argument("--every", type=int, help="bench learning: eval every N steps (default steps // 3)")
-    bench.add_argument("--modes", help="bench learning: speculation policies to run, comma-separated "
-                       "(default: the config's own and off)")
-    bench.add_argument("--batches", type=int, help="bench noise: independent rollout batches (default 8; 3 with --quick)")
-    bench.add_argument("--runs", type=int, help="bench guarantee: runs per thread count (default 5; 2 with --quick)")
-    bench.add_argument("--threads", type=_thread_counts, help="bench guarantee: torch thread counts, comma-separated "
-                       "(default 1,2)")
-    bench.add_argument("--repetitions", type=int, help="bench simulate: the validation's repetitions R (default 3): "
-                       "a fixed-concurrency workload of B sequences runs max(2R, 16R/B) times, the GRPO batch 2R, "
-                       "and the profile's passes amid them scale with R")
+    bench = sub.add_parser("bench", help="benchmarks (fastgrpo bench --help lists them)",
+                           description="Benchmarks, each with its own flags: fastgrpo bench BENCH --help.")
+    bench.set_defaults(fn=cmd_bench)
+    add_bench_parsers(bench)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     # key=value overrides may come anywhere on the line, also after options (argparse alone would
     # take them only right after the command's positionals)
-    args, rest = parser.parse_known_args(argv)
+    try:
+        args, rest = parser.parse_known_args(argv)
+    except BenchUsageError as e:  # a benchmark's flags refused, by its own parser
+        print(f"fastgrpo: error: {e}", file=sys.stderr)
+        return 1
     stray = [r for r in rest if r.startswith("-") or "=" not in r]
+    if stray and args.fn is cmd_bench:
+        print(f"fastgrpo: error: {unknown_arguments(args.what, stray)}", file=sys.stderr)
+        return 1
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if rest:

@@ -51,6 +51,16 @@ def check_layout(cfg: Config) -> None:
                           f"engine would span two nodes")
 
 
+def preflight(cfg: Config) -> None:
+    """The checks every rank makes once, whatever its role, before any group is made or any work done: the
+    launched world against the configured layout, and the device and precision this machine has (one it
+    lacks fails here). `fastgrpo train` runs them on a draft rank; `train.train` on a policy rank."""
+    from fastgrpo.device import resolve
+
+    check_layout(cfg)
+    resolve(cfg)
+
+
 def require_policy(cfg: Config) -> None:
     """A run starts from the policy at model.path, which `fastgrpo sft` builds: without it, say so (not
     the Hugging Face hub's error for a model name it cannot download)."""
@@ -62,7 +72,8 @@ def require_policy(cfg: Config) -> None:
 
 
 def setup_run(cfg: Config, resume: bool) -> Run:
-    check_layout(cfg)
+    """A policy rank's run, from the policy at model.path (or the latest checkpoint: `resume`). The layout
+    and the device were checked before (`preflight`, which `train.train` runs), not again here."""
     require_policy(cfg)
     check_checkpoint(cfg.model.path)  # a family fastgrpo computes, before any work
     reward = load_reward(cfg.task)  # a module:function that cannot be imported fails here, before any work

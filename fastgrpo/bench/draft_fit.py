@@ -128,3 +128,16 @@ def markdown(result: dict, command: str) -> str:
         lines.append(f"| {name} | {s['heldout_loss']:.4f} | {s['heldout_top1']:.3f} | "
                      + " | ".join(f"{s[f'accept_{t}']:.2f}" for t in trees) + " |")
     return "\n".join(lines)
+
+
+# -- `fastgrpo bench draft`: its sub-parser (fastgrpo/bench/command.py) --
+def add_arguments(parser) -> None:
+    """`fastgrpo bench draft`'s own flags (--quick, --output, --config and overrides are every benchmark's)."""
+    parser.add_argument("--policy", help="the policy to fit, e.g. a checkpoint's policy/ (default: model.path); a "
+                        "checkpoint's own online draft is scored too")
+    parser.set_defaults(run=from_cli)
+
+
+def from_cli(args, cfg) -> dict:
+    return bench_draft(cfg, args.quick, args.output, args.policy,
+                       extra=[*args.extra, *(["--policy", args.policy] if args.policy else [])])

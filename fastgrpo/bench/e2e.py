@@ -185,3 +185,13 @@ def markdown(result: dict, command: str) -> str:
                   "", f"Online / frozen: held-out top-1 {top1:.3f}x, "
                   f"accepted length {TREES[0].name} {fit['online'][deep] / fit['frozen'][deep]:.3f}x."]
     return "\n".join(lines)
+
+
+# -- `fastgrpo bench e2e` (its sub-parser: fastgrpo/bench/command.py) ----------------------------------
+def add_arguments(parser) -> None:
+    """`fastgrpo bench e2e`'s own flags (--quick, --output, --config and overrides are every benchmark's)."""
+    parser.set_defaults(run=from_cli)
+
+
+def from_cli(args, cfg) -> dict:
+    return bench_e2e(cfg, args.quick, args.output, extra=args.extra)

@@ -117,3 +117,14 @@ def markdown(r: dict, command: str) -> str:
         lines.append(f"| {name} | {s['median_s']:.2f} | {s['se_s']:.2f} | {s['tokens_per_s']:.0f} | "
                      f"{s['speedup_vs_one_engine']:.2f}x ± {s['speedup_se']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+# -- `fastgrpo bench engines`: its sub-parser (fastgrpo/bench/command.py) --
+def add_arguments(parser) -> None:
+    """`fastgrpo bench engines`'s own flags (--quick, --output, --config and overrides are every benchmark's)."""
+    parser.set_defaults(needs="policy")  # no speculation: no draft
+    parser.set_defaults(run=from_cli)
+
+
+def from_cli(args, cfg) -> dict:
+    return bench_engines(cfg, args.quick, args.output, extra=args.extra)

@@ -104,3 +104,13 @@ def markdown(result: dict, command: str) -> str:
         lines.append(f"| {r['batch']} | {r['counter_ms']:.3f} | {r['multinomial_ms']:.3f} | "
                      f"{r['counter_ms'] / r['decode_ms']:.1%} |")
     return "\n".join(lines)
+
+
+# -- `fastgrpo bench forward`: its sub-parser (fastgrpo/bench/command.py) --
+def add_arguments(parser) -> None:
+    """`fastgrpo bench forward`'s own flags (--quick, --output, --config and overrides are every benchmark's)."""
+    parser.set_defaults(run=from_cli)
+
+
+def from_cli(args, cfg) -> dict:
+    return bench_forward(cfg, args.quick, args.output, extra=args.extra)

@@ -225,3 +225,17 @@ def markdown(result: dict, command: str) -> str:
 def _mean(blocks: list[dict], key: str) -> float:
     """The mean of a per-block figure over every block of every run (0 for files written before it)."""
     return statistics.mean(b.get(key, 0.0) for b in blocks)
+
+
+# -- `fastgrpo bench guarantee`: its sub-parser (fastgrpo/bench/command.py) --
+def add_arguments(parser) -> None:
+    """`fastgrpo bench guarantee`'s own flags (--quick, --output, --config and overrides are every benchmark's)."""
+    from fastgrpo.bench.command import at_least_one, thread_counts
+
+    parser.add_argument("--runs", type=at_least_one, help="runs per thread count (default 5; 2 with --quick)")
+    parser.add_argument("--threads", type=thread_counts, help="torch thread counts, comma-separated (default 1,2)")
+    parser.set_defaults(run=from_cli)
+
+
+def from_cli(args, cfg) -> dict:
+    return bench_guarantee(cfg, args.quick, args.output, args.runs, args.threads, extra=args.extra)

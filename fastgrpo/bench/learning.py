@@ -133,3 +133,21 @@ def plot(r: dict, png: Path) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
+
+
+# -- `fastgrpo bench learning`: its sub-parser (fastgrpo/bench/command.py) --
+def add_arguments(parser) -> None:
+    """`fastgrpo bench learning`'s own flags (--quick, --output, --config and overrides are every benchmark's)."""
+    from fastgrpo.bench.command import at_least_one
+
+    parser.add_argument("--seeds", type=at_least_one, help="run seeds 0..N-1 (default 3; 2 with --quick)")
+    parser.add_argument("--steps", type=at_least_one, help="GRPO steps per run (default grpo.steps)")
+    parser.add_argument("--every", type=at_least_one, help="eval every N steps (default steps // 3)")
+    parser.add_argument("--modes", help="speculation policies to run, comma-separated (default: the config's own "
+                        "and off)")
+    parser.set_defaults(run=from_cli)
+
+
+def from_cli(args, cfg) -> dict:
+    return bench_learning(cfg, args.quick, args.output, args.seeds, args.steps, args.every,
+                          args.modes.split(",") if args.modes else None, extra=args.extra)

@@ -104,3 +104,16 @@ def markdown(r: dict, command: str) -> str:
         f"| mean cosine between two batches' gradients | {r['mean_cosine']:+.4f} |",
         f"| B_noise = tr(Sigma) / \\|G\\|^2 | {b_noise} |",
     ])
+
+
+# -- `fastgrpo bench noise`: its sub-parser (fastgrpo/bench/command.py) --
+def add_arguments(parser) -> None:
+    """`fastgrpo bench noise`'s own flags (--quick, --output, --config and overrides are every benchmark's)."""
+    from fastgrpo.bench.command import at_least_one
+
+    parser.add_argument("--batches", type=at_least_one, help="independent rollout batches (default 8; 3 with --quick)")
+    parser.set_defaults(run=from_cli)
+
+
+def from_cli(args, cfg) -> dict:
+    return bench_noise(cfg, args.quick, args.output, args.batches, extra=args.extra)

@@ -278,3 +278,13 @@ def markdown(result: dict, command: str) -> str:
               f"{WARMUP_STEPS}; prefill of the prompt apart: {hf['engine_batch1_prefill_ms']:.1f} ms) against a bound "
               f"of {b['batch1_bound_ms']:.1f} ms ({b['batch1_step_ms'] / b['batch1_bound_ms']:.2f}x the bound)."]
     return "\n".join(lines)
+
+
+# -- `fastgrpo bench rollout`: its sub-parser (fastgrpo/bench/command.py) --
+def add_arguments(parser) -> None:
+    """`fastgrpo bench rollout`'s own flags (--quick, --output, --config and overrides are every benchmark's)."""
+    parser.set_defaults(run=from_cli)
+
+
+def from_cli(args, cfg) -> dict:
+    return bench_rollout(cfg, args.quick, args.output, extra=args.extra)

@@ -149,3 +149,14 @@ def markdown(result: dict, command: str) -> str:
               f"({r['sglang_adaptive']['speedup']:.3f}x) and {t['vs_best_static']:.2f}x the best static EAGLE "
               f"({r['static_' + result['best_static']]['speedup']:.3f}x)."]
     return "\n".join(lines)
+
+
+# -- `fastgrpo bench sglang-tiers`: its sub-parser (fastgrpo/bench/command.py) --
+def add_arguments(parser) -> None:
+    """`fastgrpo bench sglang-tiers`'s own flags (--quick, --output, --config and overrides are every benchmark's)."""
+    parser.set_defaults(needs="config")  # simulated only: no policy runs
+    parser.set_defaults(run=from_cli)
+
+
+def from_cli(args, cfg) -> dict:
+    return bench_sglang_tiers(cfg, args.quick, args.output, extra=args.extra)

@@ -84,3 +84,13 @@ def markdown(result: dict, command: str) -> str:
                      + " / ".join(f"{t[x]:.1f}" for x in t) + " | " + " / ".join(f"{dr[x]:.2f}" for x in dr)
                      + f" | {r['draft_over_target']:.3f} | {r['tree_step_break_even']:.2f} |")
     return "\n".join(lines)
+
+
+# -- `fastgrpo bench shapes`: its sub-parser (fastgrpo/bench/command.py) --
+def add_arguments(parser) -> None:
+    """`fastgrpo bench shapes`'s own flags (--quick, --output, --config and overrides are every benchmark's)."""
+    parser.set_defaults(run=from_cli)
+
+
+def from_cli(args, cfg) -> dict:
+    return bench_shapes(cfg, args.quick, args.output, extra=args.extra)

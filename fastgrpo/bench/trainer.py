@@ -265,3 +265,13 @@ def markdown(r: dict, command: str) -> str:
                      f"{row['sync_gb_s']:.2f} | {row['memcpy_gb_s']:.2f} | {row['sync_s'] / row['memcpy_s']:.1f}x | "
                      f"{100 * row['sync_share']:.1f}% |")
     return "\n".join(lines)
+
+
+# -- `fastgrpo bench trainer`: its sub-parser (fastgrpo/bench/command.py) --
+def add_arguments(parser) -> None:
+    """`fastgrpo bench trainer`'s own flags (--quick, --output, --config and overrides are every benchmark's)."""
+    parser.set_defaults(run=from_cli)
+
+
+def from_cli(args, cfg) -> dict:
+    return bench_trainer(cfg, args.quick, args.output, extra=args.extra)

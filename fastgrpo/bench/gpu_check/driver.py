@@ -94,3 +94,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return run(Path(args.out), args.size, args.device, Path(args.work) if args.work else None, stages, args.overrides,
                args.budget_s)
+
+
+# -- `fastgrpo bench gpu-check`: its sub-parser (fastgrpo/bench/command.py) --
+def add_arguments(parser) -> None:
+    """`fastgrpo bench gpu-check`: no flags of its own (--output is its directory, --quick its toy size,
+    key=value overrides go to its config, which it builds itself: no --config)."""
+    parser.set_defaults(run=from_cli, needs=None)
+
+
+def from_cli(args, cfg) -> int:
+    if args.config:
+        raise ValueError("bench gpu-check builds its own config: give key=value overrides, not --config")
+    return main([*(["--out", args.output] if args.output else []), *(["--size", "test"] if args.quick else []),
+                 *args.overrides])

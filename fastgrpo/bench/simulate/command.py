@@ -276,3 +276,18 @@ def markdown(result: dict, command: str) -> str:
                      f"{r['off_s'] / r['static_best_s']:.2f}x | {r['off_s'] / r['fastgrpo_s']:.2f}x | "
                      f"{r['off_s'] / r['tlt_s']:.2f}x | " + ("- |" if ps is None else f"{r['off_s'] / ps:.2f}x |"))
     return "\n".join(lines)
+
+
+# -- `fastgrpo bench simulate`: its sub-parser (fastgrpo/bench/command.py) --
+def add_arguments(parser) -> None:
+    """`fastgrpo bench simulate`'s own flags (--quick, --output, --config and overrides are every benchmark's)."""
+    from fastgrpo.bench.command import at_least_one
+
+    parser.add_argument("--repetitions", type=at_least_one, help="the validation's repetitions R (default 3): a "
+                        "fixed-concurrency workload of B sequences runs max(2R, 16R/B) times, the GRPO batch 2R, and "
+                        "the profile's passes amid them scale with R")
+    parser.set_defaults(run=from_cli)
+
+
+def from_cli(args, cfg) -> dict:
+    return bench_simulate(cfg, args.quick, args.output, args.extra, args.repetitions)
