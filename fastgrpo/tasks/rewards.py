@@ -175,7 +175,8 @@ def call_with_timeout(fn: Callable, args: tuple, seconds: float, name: str):
         running[0] = False  # a SIGALRM still on its way finds a handler that does nothing
         done.set()
         dog.join()
-        signal.signal(signal.SIGALRM, previous)
+        # None: a handler not installed from Python, which cannot be put back; the default then
+        signal.signal(signal.SIGALRM, signal.SIG_DFL if previous is None else previous)
 
 
 def _call_in_thread(fn: Callable, args: tuple, seconds: float, name: str):
