@@ -7,6 +7,7 @@ training on worked solutions gets it there in minutes on a CPU.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import random
@@ -20,13 +21,15 @@ from tqdm import tqdm
 
 from fastgrpo.config import Config
 from fastgrpo.device import resolve
-from fastgrpo.engines.embedded.engine import EmbeddedEngine
+from fastgrpo.engines import build_engine
 from fastgrpo.types import SamplingParams
 from fastgrpo.grpo.evaluate import evaluate
 from fastgrpo.models.policy import new_policy, num_parameters, policy_config
 from fastgrpo.models.tokenizer import TextFormat, train_tokenizer
 from fastgrpo.tasks.rewards import load_reward
 from fastgrpo.tasks.source import encode_problems, load_task
+
+EVAL_BATCH = 64  # sequences the evaluation engine decodes together
 
 
 def _batches(examples: list[tuple[list[int], list[int]]], batch_size: int, rng: random.Random):
@@ -128,9 +131,11 @@ def build_policy(cfg: Config, out_dir: str | Path | None = None) -> dict[str, fl
     model.eval()
     minutes = (time.perf_counter() - t0) / 60
 
-    engine = EmbeddedEngine(config, max_batch=64, max_context=cfg.model.max_context, eos_id=text.stop_ids,
-                            device=compute.device, dtype=compute.dtype)
-    engine.update_weights(model.state_dict().items(), version=0)
+    # the policy is not saved yet: an embedded engine (which takes it from memory) on this process's device,
+    # batches of EVAL_BATCH, whatever the run's engine.backend and rollout.max_batch
+    engine = build_engine(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, backend="embedded"),
+                                              rollout=dataclasses.replace(cfg.rollout, max_batch=EVAL_BATCH)),
+                          config, text, model.state_dict().items(), speculation="off")
     accuracy = evaluate(engine, text, encode_problems(evals, text, cfg.model.max_context, "eval"),
                         cfg.eval.samples, SamplingParams.of(cfg.rollout), load_reward(cfg.task), seed=cfg.seed)
     report = {"train_loss": loss_avg, "minutes": minutes, "parameters": num_parameters(model), "steps": done,
