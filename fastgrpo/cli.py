@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fastgrpo.bench.command import BenchUsageError, add_bench_parsers, unknown_arguments
 from fastgrpo.config import Config, ConfigError, load_config
+from fastgrpo.paths import draft_dir, has_draft, is_policy, policy_in
 
 DEFAULT_CONFIG = "configs/tiny_cpu.yaml"
 
@@ -72,19 +73,17 @@ def cmd_sft(args: argparse.Namespace) -> None:
     from fastgrpo.sft import build_policy
 
     cfg = _config(args)
-    if args.if_missing and (Path(cfg.model.path) / "config.json").is_file():
+    if args.if_missing and is_policy(cfg.model.path):
         print(f"policy already at {cfg.model.path}; skipping SFT")
         return
     build_policy(cfg)
 
 
 def cmd_draft_pretrain(args: argparse.Namespace) -> None:
-    from fastgrpo.engines.embedded.build import draft_dir
     from fastgrpo.draft_learning.pretrain import pretrain_draft
-    from fastgrpo.engines.embedded.draft import DRAFT_WEIGHTS
 
     cfg = _config(args)
-    if args.if_missing and (draft_dir(cfg) / DRAFT_WEIGHTS).is_file():
+    if args.if_missing and has_draft(draft_dir(cfg)):
         print(f"draft already at {draft_dir(cfg)}; skipping")
         return
     pretrain_draft(cfg)
@@ -93,15 +92,13 @@ def cmd_draft_pretrain(args: argparse.Namespace) -> None:
 def ensure_policy_and_draft(cfg: Config, draft: bool = True) -> None:
     """Benchmarks and speculative training build what they need: the policy (SFT), then its draft
     (unless `draft` is false: a benchmark without speculation)."""
-    from fastgrpo.engines.embedded.build import draft_dir
     from fastgrpo.draft_learning.pretrain import pretrain_draft
     from fastgrpo.sft import build_policy
-    from fastgrpo.engines.embedded.draft import DRAFT_WEIGHTS
 
-    if not (Path(cfg.model.path) / "config.json").is_file():
+    if not is_policy(cfg.model.path):
         print(f"no policy at {cfg.model.path}: building it (fastgrpo sft)")
         build_policy(cfg)
-    if draft and not (draft_dir(cfg) / DRAFT_WEIGHTS).is_file():
+    if draft and not has_draft(draft_dir(cfg)):
         print(f"no draft at {draft_dir(cfg)}: building it (fastgrpo draft-pretrain)")
         pretrain_draft(cfg)
 
@@ -149,7 +146,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     cfg = _config(args)
     reward = load_reward(cfg.task)  # a reward that cannot be imported fails before any work
     path = Path(args.checkpoint) if args.checkpoint else Path(cfg.model.path)
-    policy_dir = path / "policy" if (path / "policy" / "config.json").is_file() else path
+    policy_dir = policy_in(path)
     check_checkpoint(policy_dir)
     policy, text = load_policy(policy_dir), load_text_format(policy_dir, cfg.task)
     engine = build_engine(cfg, policy.config, text, policy.state_dict().items(), speculation="off")

@@ -32,6 +32,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from fastgrpo.config import Config, ConfigError
 from fastgrpo.models.families import UnsupportedModel, check_family
+from fastgrpo.paths import HF_CONFIG
 from fastgrpo.trainers.megatron.layout import VOCAB_DIVISIBLE_BY, Layout, LayoutError, padded_vocab
 
 GIB = 2**30
@@ -83,7 +84,7 @@ def model_config(cfg: Config) -> tuple[PretrainedConfig, str]:
     """The policy's shape and where it came from: `model.architecture` (a config.json), else
     `model.path`'s config.json, else (a policy `fastgrpo sft` has not built yet) the `model.size`
     recipe's. Only the families fastgrpo computes (`models.families.check_family`: no remote code)."""
-    file = Path(cfg.model.architecture) if cfg.model.architecture else Path(cfg.model.path) / "config.json"
+    file = Path(cfg.model.architecture) if cfg.model.architecture else Path(cfg.model.path) / HF_CONFIG
     if not file.is_file():
         if cfg.model.architecture:
             raise ConfigError(f"model.architecture: no Hugging Face config at {file}")

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from fastgrpo.grpo.record import StepRecord
+from fastgrpo.paths import checkpoint_draft, checkpoint_policy
 from fastgrpo.run_state import Run, TrainResult
 
 
@@ -26,11 +27,11 @@ def save_checkpoint(run: Run) -> Path:
     def write(d: Path) -> None:
         run.trainer.save(d)
         if run.draft_learner is not None:
-            run.draft_learner.save(d / "draft")
+            run.draft_learner.save(checkpoint_draft(d))
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, d / rng_file(run.world.rank))
         if not run.world.main:
             return
-        run.text.tokenizer.save_pretrained(d / "policy")
+        run.text.tokenizer.save_pretrained(checkpoint_policy(d))
         state = {"step": run.step, "data": run.data.state_dict(), "mlflow_run_id": run.tracker.run_id,
                  "weights_version": run.bridge.version, "world_size": run.world.size,
                  "history": {"steps": [r.metrics() for r in run.history.steps], "evals": run.history.evals}}
@@ -46,9 +47,9 @@ def restore_checkpoint(run: Run, path: Path) -> str | None:
     state = json.loads((path / "state.json").read_text())
     run.trainer.load(path)
     if run.draft_learner is not None:
-        if not (path / "draft").is_dir():
+        if not checkpoint_draft(path).is_dir():
             raise FileNotFoundError(f"checkpoint {path} holds no draft state, but draft.online={run.cfg.draft.online}")
-        run.draft_learner.load(path / "draft")
+        run.draft_learner.load(checkpoint_draft(path))
     rng_path = path / rng_file(run.world.rank)
     if rng_path.is_file():  # a rank of a larger world than the checkpoint's has none: its seeds are explicit
         rng = torch.load(rng_path, weights_only=False)

@@ -20,6 +20,7 @@ from fastgrpo.distributed import World, init_world, launched_world_size
 from fastgrpo.draft_learning import build_draft_learner
 from fastgrpo.engines import build_engine
 from fastgrpo.models.families import check_checkpoint
+from fastgrpo.paths import is_policy
 from fastgrpo.models.tokenizer import load_text_format
 from fastgrpo.run_checkpoint import restore_checkpoint
 from fastgrpo.run_state import Run
@@ -64,7 +65,7 @@ def preflight(cfg: Config) -> None:
 def require_policy(cfg: Config) -> None:
     """A run starts from the policy at model.path, which `fastgrpo sft` builds: without it, say so (not
     the Hugging Face hub's error for a model name it cannot download)."""
-    if not (Path(cfg.model.path) / "config.json").is_file():
+    if not is_policy(cfg.model.path):
         raise FileNotFoundError(
             f"no policy at model.path={cfg.model.path} (no config.json there). Build it first: `make policy`, "
             f"or `fastgrpo sft --config CONFIG` then `fastgrpo draft-pretrain --config CONFIG` with this run's "

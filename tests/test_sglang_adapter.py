@@ -21,7 +21,7 @@ from fastgrpo.bridge import WeightBridge
 from fastgrpo.config import load_config
 from fastgrpo.models.policy import load_policy
 from fastgrpo.models.tokenizer import load_text_format
-from fastgrpo.engines.embedded.draft import sglang_eagle_config
+from fastgrpo.models.draft import sglang_eagle_config
 from fastgrpo.speculation.policy import FastGRPOFormula
 from fastgrpo.types import Request, SamplingParams
 from tests.conftest import tiny_config

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from fastgrpo.engines.embedded.build import build_engine, draft_dir
+from fastgrpo.engines.embedded.build import build_engine
 from fastgrpo.types import SamplingParams, Request
 from fastgrpo.bench.report import command_line, publish
 from fastgrpo.bench.rollout import timed_generate
@@ -27,7 +27,9 @@ from fastgrpo.draft_learning.online import OnlineDraftLearner, training_rows
 from fastgrpo.draft_learning.trainer import evaluate_draft
 from fastgrpo.models.policy import load_policy
 from fastgrpo.models.tokenizer import load_text_format
-from fastgrpo.engines.embedded.draft import DRAFT_WEIGHTS, DraftHead
+from fastgrpo.engines.embedded.draft import DraftHead
+from fastgrpo import paths
+from fastgrpo.paths import draft_dir
 from fastgrpo.speculation.policy import Static
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.tasks.source import encode_problems, load_task
@@ -38,8 +40,8 @@ RUNNING = 16  # sequences decoded together when measuring acceptance: the tail w
 
 def checkpoint_draft(policy_dir: Path) -> Path | None:
     """A training checkpoint keeps its online draft beside the policy (`<step>/policy`, `<step>/draft`)."""
-    d = policy_dir.parent / "draft"
-    return d if (d / DRAFT_WEIGHTS).is_file() else None
+    d = paths.checkpoint_draft(policy_dir.parent)
+    return d if paths.has_draft(d) else None
 
 
 def fit_drafts(cfg: Config, policy_dir: Path, drafts: dict[str, Path], quick: bool, adapt_steps: int = 0) -> dict:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from fastgrpo.engines.embedded.build import draft_dir
+from fastgrpo.paths import checkpoint_draft, checkpoint_policy, draft_dir
 from fastgrpo.bench.draft_fit import TREES, fit_drafts
 from fastgrpo.bench.draft_fit import markdown as fit_markdown
 from fastgrpo.bench.report import command_line, publish
@@ -74,8 +74,8 @@ def bench_e2e(cfg: Config, quick: bool, output: Path, steps: int | None = None,
             final_checkpoint = run.checkpoint
     # the same fixed trees, prompts and seeds for both drafts against the policy online RL ended with
     print("== bench e2e: frozen and online drafts fitted to the online run's final policy ==", flush=True)
-    result["draft_fit"] = fit_drafts(cfg, final_checkpoint / "policy", {"frozen": draft_dir(cfg),
-                                                                        "online": final_checkpoint / "draft"}, quick)
+    drafts = {"frozen": draft_dir(cfg), "online": checkpoint_draft(final_checkpoint)}
+    result["draft_fit"] = fit_drafts(cfg, checkpoint_policy(final_checkpoint), drafts, quick)
     med = {m: {k: statistics.median(result[m][k]) for k in ("step_s", "rollout_s")} for m in MODES}
     f = statistics.median(r / t for r, t in zip(result["off"]["rollout_s"], result["off"]["step_s"]))
     rollout_speedup = med["off"]["rollout_s"] / med["online"]["rollout_s"]

@@ -11,23 +11,23 @@ import torch
 from fastgrpo.conversion.files import ConversionError, SafetensorsWriter, atomic_dir, read_safetensor, read_safetensors_header
 from fastgrpo.conversion.sources import load_config
 from fastgrpo.conversion.writers import _cast, _copy_non_weights
+from fastgrpo.paths import DRAFT_CONFIG, DRAFT_WEIGHTS, checkpoint_policy, draft_weights, has_draft, is_policy
 
 
 def export_draft(draft: Path, policy: Path, out: Path, drop_norms: bool = False) -> dict:
     """Our draft head (fastgrpo/engines/embedded/draft.py) as SGLang's EAGLE Llama draft model
-    (`sglang_eagle_tensors`: the names, and the norms SGLang's class has no place for). A draft whose
+    (fastgrpo/models/draft.py `sglang_eagle_tensors`: the names, and the norms SGLang's class has no place for). A draft whose
     norms would be dropped computes another function there: refused unless `drop_norms` (SGLang's
     verification keeps sampling lossless; acceptance may drop)."""
-    from fastgrpo.engines.embedded.draft import (DRAFT_CONFIG, DRAFT_WEIGHTS, SGLANG_EAGLE_ARCHITECTURE,
-                                                 sglang_eagle_config, sglang_eagle_tensors)
+    from fastgrpo.models.draft import SGLANG_EAGLE_ARCHITECTURE, sglang_eagle_config, sglang_eagle_tensors
 
     draft, policy = Path(draft), Path(policy)
-    if not (draft / DRAFT_WEIGHTS).is_file():
+    if not has_draft(draft):
         raise ConversionError(f"{draft} is not a draft directory ({DRAFT_WEIGHTS} missing; `fastgrpo draft-pretrain` "
                               f"writes one)")
     config = load_config(policy)
-    header, start = read_safetensors_header(draft / DRAFT_WEIGHTS)
-    w = {k: read_safetensor(draft / DRAFT_WEIGHTS, e, start) for k, e in header.items()}
+    header, start = read_safetensors_header(draft_weights(draft))
+    w = {k: read_safetensor(draft_weights(draft), e, start) for k, e in header.items()}
     try:
         tensors, dropped = sglang_eagle_tensors(w, config)
     except ValueError as e:
@@ -61,10 +61,10 @@ def deepspeed_to_hf(checkpoint: Path, out: Path, max_shard: int, dtype: torch.dt
     from fastgrpo.trainers.deepspeed_trainer import CHECKPOINT_TAG
 
     checkpoint = Path(checkpoint)
-    ds_dir, policy = checkpoint / "deepspeed", checkpoint / "policy"
+    ds_dir, policy = checkpoint / "deepspeed", checkpoint_policy(checkpoint)
     if not (ds_dir / "fastgrpo.json").is_file():
         raise ConversionError(f"{checkpoint} holds no DeepSpeed checkpoint ({ds_dir / 'fastgrpo.json'} missing)")
-    if not (policy / "config.json").is_file():
+    if not is_policy(policy):
         raise ConversionError(f"{checkpoint} has no policy/config.json to name the model")
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

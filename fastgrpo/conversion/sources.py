@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from fastgrpo.models.families import UnsupportedModel, check_family
+from fastgrpo.paths import DRAFT_CONFIG, checkpoint_policy, has_draft, hf_config, is_policy
 from fastgrpo.trainers.megatron.layout import Layout, LayoutError
 from fastgrpo.conversion.files import Checker, ConversionError, INDEX, ST_DTYPES, read_manifest, read_safetensor, read_safetensors_header
 
@@ -21,7 +22,7 @@ def load_config(path: Path):
     from transformers import AutoConfig
 
     path = Path(path)
-    file = path / "config.json" if path.is_dir() else path
+    file = hf_config(path)
     if not file.is_file():
         raise ConversionError(f"no Hugging Face config at {path} (config.json missing)")
     raw = json.loads(file.read_text())
@@ -152,7 +153,7 @@ class MegatronSource:
         if not info.is_file():
             raise ConversionError(f"{path} is not a Megatron checkpoint of this project ({info} missing)")
         self.info = json.loads(info.read_text())
-        hf = next((d for d in (root / "hf", root / "policy") if (d / "config.json").is_file()), None)
+        hf = next((d for d in (root / "hf", checkpoint_policy(root)) if is_policy(d)), None)
         if hf is None:
             raise ConversionError(f"{root}: no Hugging Face config next to the Megatron checkpoint (hf/ or policy/)")
         self.hf_dir = hf
@@ -253,9 +254,9 @@ def open_checkpoint(path: Path) -> HFSource | MegatronSource:
         raise ConversionError(f"{path} does not exist")
     if (path / "megatron" / "fastgrpo.json").is_file() or (path / "fastgrpo.json").is_file():
         return MegatronSource(path)
-    if (path / "config.json").is_file():
+    if is_policy(path):
         return HFSource(path)
-    if (path / "draft.safetensors").is_file() or (path / "draft_config.json").is_file():
+    if has_draft(path) or (path / DRAFT_CONFIG).is_file():
         raise ConversionError(f"{path} is a draft head, not a policy checkpoint (use export-draft)")
     raise ConversionError(f"{path} is neither a Hugging Face directory (config.json) nor a Megatron checkpoint "
                           f"(megatron/fastgrpo.json)")

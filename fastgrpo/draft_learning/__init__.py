@@ -25,8 +25,8 @@ def build_draft_learner(cfg: Config, engine: Engine | None, model_config: Pretra
     or on a rank that leads no engine."""
     if cfg.draft.online == "off" or engine is None:
         return None
-    from fastgrpo.engines.embedded.build import draft_dir
     from fastgrpo.engines.embedded.draft import DraftHead
+    from fastgrpo.paths import draft_dir
 
     draft = DraftHead.load(draft_dir(cfg), model_config, cfg.model.max_context)
     device = resolve(cfg).device  # beside the engine whose states it learns from

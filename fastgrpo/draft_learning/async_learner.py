@@ -42,7 +42,8 @@ from fastgrpo.config import Config, DraftConfig
 from fastgrpo.device import resolve
 from fastgrpo.distributed import Channel, free_port
 from fastgrpo.draft_learning.online import OnlineDraftLearner, training_rows
-from fastgrpo.engines.embedded.draft import DraftHead, TargetTensors
+from fastgrpo.engines.embedded.draft import DraftHead
+from fastgrpo.models.draft import TargetTensors
 from fastgrpo.types import Completion
 
 log = logging.getLogger(__name__)
@@ -246,7 +247,7 @@ def serve_draft_slice(cfg: Config, channel: Channel) -> None:
     checkpoint (this rank saves the draft when asked) and then tell it to stop."""
     from transformers import AutoConfig
 
-    from fastgrpo.engines.embedded.build import draft_dir
+    from fastgrpo.paths import draft_dir
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if cfg.threads:

@@ -13,7 +13,6 @@ import warnings
 import torch
 from tqdm import tqdm
 
-from fastgrpo.engines.embedded.build import draft_dir
 from fastgrpo.config import Config
 from fastgrpo.device import on_device, resolve
 from fastgrpo.draft_learning.trainer import DraftTrainer
@@ -21,6 +20,7 @@ from fastgrpo.models.families import check_checkpoint
 from fastgrpo.models.policy import load_policy
 from fastgrpo.models.tokenizer import load_text_format
 from fastgrpo.engines.embedded.draft import DraftHead, draft_loss
+from fastgrpo.paths import draft_dir
 from fastgrpo.tasks.source import load_task
 
 

@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fastgrpo.paths import hf_config
+
 # model_type -> the checkpoints people RL-train that it covers (what the error message lists)
 SUPPORTED: dict[str, str] = {
     "llama": "Llama 3.x (rope_scaling llama3 or none)",
@@ -44,7 +46,7 @@ def check_family(config: dict[str, Any], where: str | Path = "config.json") -> s
 def read_config(path: str | Path) -> tuple[dict[str, Any], Path]:
     """config.json of a checkpoint directory (or the file itself) as a dict, unchecked."""
     path = Path(path)
-    file = path / "config.json" if path.is_dir() else path
+    file = hf_config(path)
     if not file.is_file():
         raise FileNotFoundError(f"no Hugging Face config at {path} (config.json missing)")
     return json.loads(file.read_text()), file

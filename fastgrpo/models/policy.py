@@ -13,6 +13,8 @@ from safetensors.torch import save_file
 from torch import Tensor
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel
 
+from fastgrpo.paths import is_policy
+
 # test: trains in seconds; bench: ~20M parameters, the size the benchmarks and `make train` use; gpu: ~308M
 # parameters (24 layers of 1024), what `fastgrpo bench gpu-check` trains on one GPU in bf16.
 SIZES: dict[str, dict[str, int]] = {
@@ -47,7 +49,7 @@ def new_policy(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
 
 def load_policy(path: str | Path) -> PreTrainedModel:
     path = Path(path)
-    if not (path / "config.json").is_file():
+    if not is_policy(path):
         raise FileNotFoundError(f"no Hugging Face policy at {path} (config.json missing); build one with `fastgrpo sft`")
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
     return model

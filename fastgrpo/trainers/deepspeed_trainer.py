@@ -34,6 +34,7 @@ from torch import Tensor
 from fastgrpo.trainers.torch_trainer import TorchPolicyTrainer
 from fastgrpo.config import DeepSpeedConfig, GRPOConfig, OptimConfig
 from fastgrpo.device import Compute
+from fastgrpo.paths import checkpoint_policy
 from fastgrpo.types import Placement, RolloutBatch, SamplingParams
 
 CHECKPOINT_TAG = "state"  # DeepSpeed's tag inside a checkpoint's `deepspeed/` directory
@@ -163,7 +164,7 @@ class DeepSpeedPolicyTrainer(TorchPolicyTrainer):
         directory = Path(directory)
         tensors = {name: t.contiguous().clone() for name, t in self.export_weights()}  # every rank takes part
         if self.dp_rank == 0:
-            save_policy_tensors(directory / "policy", tensors, self.hf_config, self.hf_config.tie_word_embeddings)
+            save_policy_tensors(checkpoint_policy(directory), tensors, self.hf_config, self.hf_config.tie_word_embeddings)
         del tensors
         self.model.save_checkpoint(str(directory / "deepspeed"), tag=CHECKPOINT_TAG, save_latest=False)
         dist.barrier()

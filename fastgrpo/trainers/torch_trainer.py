@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 from fastgrpo.config import GRPOConfig, OptimConfig
 from fastgrpo.device import Compute
 from fastgrpo.models.sampling import sampling_logprobs
+from fastgrpo.paths import checkpoint_policy
 from fastgrpo.types import Placement, RolloutBatch, SamplingParams
 from fastgrpo.grpo.step import STATS, LossFn, grpo_step, minibatch_loss
 
@@ -154,14 +155,14 @@ class TorchPolicyTrainer:
             yield name, t.detach()
 
     def save(self, directory: Path) -> None:
-        self.model.save_pretrained(directory / "policy")
+        self.model.save_pretrained(checkpoint_policy(directory))
         extra = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
         if self.master is not self.trainable:  # bf16: the policy/ weights are rounded; resume needs these
             extra["master"] = [m.detach() for m in self.master]
         torch.save(extra, directory / "trainer.pt")
 
     def load(self, directory: Path) -> None:
-        state = load_file(str(directory / "policy" / "model.safetensors"))
+        state = load_file(str(checkpoint_policy(directory) / "model.safetensors"))
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
         if missing or unexpected:

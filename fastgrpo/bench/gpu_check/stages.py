@@ -64,11 +64,11 @@ def online_round(c: Check, sequences: int = 64, budget_s: float = 5.0) -> dict:
     device for `budget_s` seconds (a round's budget, as a run's share of a step), then published."""
     import torch
 
-    from fastgrpo.engines.embedded.build import draft_dir
     from fastgrpo.device import resolve
     from fastgrpo.draft_learning.online import OnlineDraftLearner
     from fastgrpo.draft_learning.pretrain import target_states
     from fastgrpo.engines.embedded.draft import DraftHead
+    from fastgrpo.paths import draft_dir
     from fastgrpo.tasks.source import load_task
 
     compute = resolve(c.cfg)

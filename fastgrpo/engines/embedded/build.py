@@ -13,15 +13,12 @@ from fastgrpo.config import Config
 from fastgrpo.device import Compute, resolve
 from fastgrpo.engines.embedded.engine import EmbeddedEngine
 from fastgrpo.engines.embedded.calibrate import load_or_calibrate
-from fastgrpo.engines.embedded.draft import DRAFT_WEIGHTS, DraftHead
+from fastgrpo.engines.embedded.draft import DraftHead
+from fastgrpo.paths import draft_dir, draft_weights, has_draft
 from fastgrpo.speculation.policy import SpeculationPolicy
 from fastgrpo.speculation.registry import CALIBRATED, make_policy
 
 log = logging.getLogger(__name__)
-
-
-def draft_dir(cfg: Config) -> Path:
-    return Path(cfg.draft.path or cfg.model.path)
 
 
 def build_engine(cfg: Config, model_config: PretrainedConfig, text: TextFormat,
@@ -40,9 +37,8 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, text: TextFormat,
         engine.update_weights(weights, version=0)
     mode = speculation or cfg.speculation.policy
     if mode != "off":
-        path = draft_dir(cfg) / DRAFT_WEIGHTS
-        if not path.is_file():
-            raise FileNotFoundError(f"speculation.policy={mode} needs a draft at {path}; "
+        if not has_draft(draft_dir(cfg)):
+            raise FileNotFoundError(f"speculation.policy={mode} needs a draft at {draft_weights(draft_dir(cfg))}; "
                                     f"build it with `fastgrpo draft-pretrain`")
         draft = DraftHead.load(draft_dir(cfg), model_config, cfg.model.max_context)
         engine.update_draft(draft.state_dict().items(), version=0)

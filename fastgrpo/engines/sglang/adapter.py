@@ -43,7 +43,7 @@ on, all in 0.5.23 (paths in the wheel, under sglang/srt/):
   first), then one row per emitted token. Chunked prefill (whose middle chunks return no rows) is off
   when states are captured; a capture call starts from an empty cache, so the rows a cache hit
   skipped were computed by another request of the same call and are taken from it (`fill_prefixes`).
-- EAGLE: the draft is exported with its own config (`engines/embedded/draft.py sglang_eagle_config`: untied head, the target's
+- EAGLE: the draft is exported with its own config (`models/draft.py sglang_eagle_config`: untied head, the target's
   dtype and rope), and the engine gets the dtype explicitly.
 - Speculation: `static` is EAGLE with our depth / top-k / verify count; `fastgrpo` is SGLang's
   adaptive EAGLE (chains, top-k 1) with our policy's own choice at each captured CUDA-graph batch size,
@@ -79,7 +79,8 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from fastgrpo.protocols import BackendUnavailable
 from fastgrpo.protocols import NamedTensors
 from fastgrpo.config import Config
-from fastgrpo.engines.embedded.draft import DRAFT_WEIGHTS, export_sglang_eagle, sglang_eagle_tensors
+from fastgrpo.models.draft import export_sglang_eagle, sglang_eagle_tensors
+from fastgrpo.paths import draft_dir, draft_weights, has_draft
 from fastgrpo.speculation.policy import FastGRPOFormula, SpeculationPolicy
 from fastgrpo.speculation.sglang_tiers import AdaptiveSlots, AwareTiers, plain_steps, spec_capture_sizes
 from fastgrpo.types import Completion, EngineStats, Request, SamplingParams
@@ -585,12 +586,10 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrai
     work = Path(tempfile.mkdtemp(prefix="fastgrpo-sglang-"))
     draft_export = tiers_file = tiers = aware = None
     if mode != "off":
-        from fastgrpo.engines.embedded.build import draft_dir
-
-        if not (draft_dir(cfg) / DRAFT_WEIGHTS).is_file():
-            raise FileNotFoundError(f"speculation.policy={mode} needs a draft at {draft_dir(cfg) / DRAFT_WEIGHTS}")
+        if not has_draft(draft_dir(cfg)):
+            raise FileNotFoundError(f"speculation.policy={mode} needs a draft at {draft_weights(draft_dir(cfg))}")
         draft_export = work / "eagle-draft"
-        export_sglang_eagle(draft_dir(cfg) / DRAFT_WEIGHTS, model_config, draft_export, dtype)
+        export_sglang_eagle(draft_weights(draft_dir(cfg)), model_config, draft_export, dtype)
         if mode == "fastgrpo":
             tiers = adaptive_tiers(FastGRPOFormula(), cfg.rollout.max_batch)
         elif mode in ("aware", "aware_per_sequence"):

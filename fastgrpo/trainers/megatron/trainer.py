@@ -59,6 +59,7 @@ from fastgrpo.config import GRPOConfig, OptimConfig
 from fastgrpo.device import Compute
 from fastgrpo.distributed import die_with_parent
 from fastgrpo.grpo.step import LossFn, grpo_step
+from fastgrpo.paths import checkpoint_policy, is_policy
 from fastgrpo.types import Placement, RolloutBatch, SamplingParams
 
 _write_results_manager = None  # see _start_write_results_queue
@@ -124,7 +125,7 @@ class MegatronPolicyTrainer:
         if compute.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"the Megatron trainer trains in fp32 or bf16, not {compute.dtype}")
         self.compute = compute
-        if not (Path(policy_dir) / "config.json").is_file():
+        if not is_policy(policy_dir):
             raise FileNotFoundError(f"no Hugging Face policy at {policy_dir} (config.json missing)")
         # the layout is checked on the config alone, before any group or weight exists
         self.layout = Layout.of(AutoConfig.from_pretrained(policy_dir), tensor, pipeline)
@@ -420,7 +421,7 @@ class MegatronPolicyTrainer:
         tensors = {name: t.to("cpu", copy=True).contiguous() for name, t in self.export_weights()}  # every rank takes part
         megatron_dir = directory / "megatron"
         if dist.get_rank() == 0:
-            save_policy_tensors(directory / "policy", tensors, self.hf_config, self.layout.tied)
+            save_policy_tensors(checkpoint_policy(directory), tensors, self.hf_config, self.layout.tied)
             megatron_dir.mkdir(parents=True, exist_ok=True)
         del tensors
         dist.barrier()
