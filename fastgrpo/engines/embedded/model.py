@@ -213,8 +213,11 @@ def routed_experts(x: Tensor, expert: Tensor, weight: Tensor, w_gate_up: Tensor,
 
 
 def grouped_mm(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
-    """Rows [ends[e-1], ends[e]) of x [N, a] times w[e] [a, b], for each e: [N, b]."""
-    if hasattr(torch, "_grouped_mm") and x.dtype == w.dtype:
+    """Rows [ends[e-1], ends[e]) of x [N, a] times w[e] [a, b], for each e: [N, b]. On a CPU through
+    torch._grouped_mm (as fast as a matmul per expert there, in one call); elsewhere a matmul per expert
+    (one host round trip for the block ends): CUDA's grouped kernel has dtype, alignment and
+    architecture conditions of its own, not yet checked here on a GPU."""
+    if x.device.type == "cpu" and hasattr(torch, "_grouped_mm") and x.dtype == w.dtype:
         return torch._grouped_mm(x, w, offs=ends)
     out = x.new_empty(x.shape[0], w.shape[-1])  # without it: a matmul per expert that has rows
     start = 0
