@@ -252,3 +252,17 @@ def test_speculative_greedy_equals_plain_greedy(family, monkeypatch):
     stats = engine.stats()
     print(f"\n{name}: speculative accept_len {stats['accept_len']:.2f} over {stats['spec_steps']} steps")
     assert stats["spec_steps"] > 0 and stats["accept_len"] > 1.0
+
+
+def test_the_cost_model_cache_tells_the_families_shapes_apart():
+    """A cost model is cached per model shape: models of one hidden size, depth and MLP width but other
+    heads, head size or family get their own calibration, not another shape's."""
+    from fastgrpo.engines.embedded.calibrate import shape_key
+
+    base = {k: SIZES[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                  "num_attention_heads", "num_key_value_heads")}
+    keys = [shape_key(InferenceModel(cfg, 32)) for cfg in (
+        LlamaConfig(**base), LlamaConfig(**{**base, "num_key_value_heads": 4}), Qwen3Config(**base, head_dim=32),
+        Qwen2Config(**base))]
+    assert len(set(keys)) == 4, keys
+    assert shape_key(InferenceModel(LlamaConfig(**base), 32)) == keys[0]  # and a shape keeps its key

@@ -10,6 +10,7 @@ The curve is cached per (model shape, threads, torch version) so later runs skip
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -94,10 +95,17 @@ def _calibrate(model: InferenceModel, draft: DraftHead, reps: int, sweep: tuple[
                      context_s)
 
 
+def shape_key(model: InferenceModel) -> str:
+    """What a forward's cost depends on, of the model: its family, and every layer's tensor shapes (heads,
+    head size, biases, q/k norms, experts), hashed: two models of equal hidden size, layers and MLP width
+    but other heads or experts do not share a cost model."""
+    shapes = [sorted(layout.shapes().items()) for layout in model.layouts]
+    digest = hashlib.sha1(repr((model.cfg.model_type, model.cfg.vocab_size, shapes)).encode()).hexdigest()[:12]
+    return f"{model.cfg.model_type}-h{model.cfg.hidden_size}-l{model.cfg.num_hidden_layers}-{digest}"
+
+
 def load_or_calibrate(model: InferenceModel, draft: DraftHead, cache_dir: Path) -> CostModel:
-    cfg = model.cfg
-    key = (f"h{cfg.hidden_size}-l{cfg.num_hidden_layers}-i{cfg.intermediate_size}-v{cfg.vocab_size}"
-           f"-t{torch.get_num_threads()}-torch{torch.__version__}-{model.kernel}")
+    key = f"{shape_key(model)}-t{torch.get_num_threads()}-torch{torch.__version__}-{model.kernel}"
     device, dtype = model.embed.device, model.embed.dtype
     if (device.type, dtype) != ("cpu", torch.float32):  # a GPU's (or a bf16) curve is not the CPU's fp32 one
         key += f"-{device.type}-{str(dtype).removeprefix('torch.')}"
