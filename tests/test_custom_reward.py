@@ -70,6 +70,13 @@ NOT_A_FUNCTION = 3
 '''
 
 
+def _config(tmp_path) -> str:
+    """A config file of its own: the repository's default is the demonstration task's (with a draft)."""
+    config = tmp_path / "config.yaml"
+    config.write_text("seed: 0\n")
+    return str(config)
+
+
 @pytest.fixture
 def module(tmp_path, monkeypatch) -> str:
     """A reward module written into tmp_path and put on sys.path, under a name of its own."""
@@ -159,7 +166,7 @@ def test_fastgrpo_train_and_eval_use_a_module_function_reward(tmp_path, tiny_pol
     calls = importlib.import_module(module).CALLS
     args = tiny_overrides(tmp_path, tiny_policy, **{"task.reward": f"{module}:quarter", "grpo.steps": 1,
                                                     "eval.at_start": "false"})
-    assert main(["train", *args]) == 0
+    assert main(["train", "--config", _config(tmp_path), *args]) == 0
     assert history(tmp_path / "run", "reward_mean") == {1: 0.25}
     assert history(tmp_path / "run", "accuracy") == {1: 0.0}
     assert history(tmp_path / "run", "eval/mean_accuracy") == {1: 0.25}
@@ -168,9 +175,7 @@ def test_fastgrpo_train_and_eval_use_a_module_function_reward(tmp_path, tiny_pol
     assert len(calls) == 4 * 4 + 8 * 3 and all(isinstance(p, Problem) for _, p in calls)
     capsys.readouterr()
 
-    config = tmp_path / "config.yaml"
-    config.write_text("seed: 0\n")
-    assert main(["eval", "--config", str(config), f"model.path={tiny_policy}", "model.size=test",
+    assert main(["eval", "--config", _config(tmp_path), f"model.path={tiny_policy}", "model.size=test",
                  "model.max_context=160", "task.eval_size=4", "task.max_steps=6", "eval.samples=2",
                  "rollout.max_new_tokens=48", f"task.reward={module}:quarter"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -178,7 +183,8 @@ def test_fastgrpo_train_and_eval_use_a_module_function_reward(tmp_path, tiny_pol
 
 
 def test_fastgrpo_train_and_eval_stop_on_a_bad_reward_naming_it(tmp_path, tiny_policy, module, capsys):
-    args = tiny_overrides(tmp_path, tiny_policy, **{"grpo.steps": 1, "eval.at_start": "false"})
+    args = ["--config", _config(tmp_path), *tiny_overrides(tmp_path, tiny_policy, **{"grpo.steps": 1,
+                                                                                    "eval.at_start": "false"})]
     # not importable: before any work
     assert main(["train", *args, "task.reward=no_such_module_xyz:score"]) == 2
     assert "config error: task.reward=no_such_module_xyz:score: cannot import module" in capsys.readouterr().err
@@ -187,7 +193,7 @@ def test_fastgrpo_train_and_eval_stop_on_a_bad_reward_naming_it(tmp_path, tiny_p
     assert main(["train", *args, f"task.reward={module}:boom"]) == 1
     assert f"error: reward function {module}:boom raised ZeroDivisionError" in capsys.readouterr().err
     # a string, in eval
-    evals = [f"model.path={tiny_policy}", "model.size=test", "model.max_context=160", "task.eval_size=2",
+    evals = ["--config", _config(tmp_path), f"model.path={tiny_policy}", "model.size=test", "model.max_context=160", "task.eval_size=2",
              "task.max_steps=6", "eval.samples=1", "rollout.max_new_tokens=16"]
     assert main(["eval", *evals, f"task.reward={module}:word"]) == 1
     assert f"error: reward function {module}:word returned '1.0' (str), not a finite number" in capsys.readouterr().err

@@ -101,3 +101,26 @@ def test_engines_holding_different_weight_versions_stop_the_rollout(monkeypatch,
     else:
         answers = rollout(run, _problems(4), seed=0)
         assert len(answers.completions) == 4 * G and answers.rewards.shape == (4, G)
+
+
+def test_a_step_record_is_its_metrics_and_comes_back_from_them():
+    """What MLflow and a checkpoint's history get (flat, by the metric names), and the record a resume
+    reads back from it."""
+    from fastgrpo.grpo.record import StepRecord, rollout_record
+
+    stats = [{"weights_version": 3, "tokens_per_s": 100.0, "sequences": 8, "spec_steps": 2, "decode_steps": 4,
+              "spec_emitted": 9, "spec_seq_steps": 6, "mean_running": 4.0, "draft_version": 2},
+             {"weights_version": 3, "tokens_per_s": 60.0, "sequences": 8, "spec_steps": 0, "decode_steps": 4,
+              "spec_emitted": 0, "spec_seq_steps": 0, "mean_running": 2.0, "draft_version": 1}]
+    record = rollout_record(4, _completions(2 * G), torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0] * G]), stats, 1)
+    record.rollout_s, record.weight_sync_bytes = 1.5, 1024
+    record.policy, record.draft = {"loss": 0.1, "updates": 1.0}, {"draft_train_s": 0.2, "draft_lag": 1.0}
+    m = record.metrics()
+    assert m["reward_mean"] == 0.25 and m["accuracy"] == 0.25 and m["groups_kept"] == 1.0
+    assert m["gen_tokens_per_s"] == 160.0 and m["engine_tokens_per_s_min"] == 60.0 and m["accept_len"] == 1.5
+    assert m["engine_draft_version_min"] == 1.0 and m["weights_version"] == 3.0 and m["rollout_engines"] == 2.0
+    assert m["loss"] == 0.1 and m["draft_lag"] == 1.0 and "step" not in m
+    assert all(isinstance(v, float) for v in m.values())
+    assert StepRecord.from_metrics(4, m) == record
+    alone = rollout_record(1, _completions(G), torch.zeros(1, G), stats[1:], 0)
+    assert "accept_len" not in alone.metrics() and "engine_tokens_per_s_min" not in alone.metrics()
