@@ -29,14 +29,13 @@ from dataclasses import dataclass, field
 import torch
 
 from fastgrpo.config import Config
-from fastgrpo.device import resolve
 from fastgrpo.distributed import StopRequest
 from fastgrpo.grpo.batch import training_batch
 from fastgrpo.grpo.evaluate import evaluate
 from fastgrpo.grpo.record import StepRecord, rollout_record
 from fastgrpo.grpo.report import print_step, rollout_stats, write_summary
 from fastgrpo.run_checkpoint import save_checkpoint
-from fastgrpo.run_setup import check_layout, setup_run
+from fastgrpo.run_setup import preflight, setup_run
 from fastgrpo.run_state import Run, TrainResult
 from fastgrpo.tasks.source import EncodedProblem
 from fastgrpo.types import Completion, EngineStats, Request, RolloutBatch, SamplingParams
@@ -57,8 +56,7 @@ class Rollout:
 def train(cfg: Config, resume: bool = False) -> TrainResult:
     """A GRPO run of `cfg` on this process, a policy rank (the `fastgrpo train` command sends a draft
     rank of a torchrun world to the draft slice instead); `resume`: from the latest checkpoint."""
-    check_layout(cfg)
-    resolve(cfg)  # a device or precision this machine lacks fails here, before any work
+    preflight(cfg)  # the layout and this machine's device and precision, before any work
     stop = StopRequest()
     try:
         return _train(setup_run(cfg, resume), stop)

@@ -24,11 +24,11 @@ def test_paired_change_counts_what_each_problem_gained_and_lost(tmp_path, tiny_p
     change is what the problems gained minus what they lost, over the problems, with its paired
     standard error. (The test policy answers few problems right, so the score here is a stand-in
     that depends on the answer's text: the pairing, not the arithmetic, is under test.)"""
-    import fastgrpo.grpo.evaluate as evaluate
+    import fastgrpo.tasks.rewards as rewards
     from fastgrpo.models.policy import load_policy, new_policy
     from fastgrpo.models.tokenizer import load_tokenizer
 
-    monkeypatch.setattr(evaluate, "score", lambda text, answer, timeout_s: float(len(text) % 2 == 0))
+    monkeypatch.setattr(rewards, "score", lambda text, answer, timeout_s: float(len(text) % 2 == 0))
     untrained = tmp_path / "untrained"
     new_policy(load_policy(tiny_policy).config, seed=1).save_pretrained(untrained)
     load_tokenizer(tiny_policy).save_pretrained(untrained)
