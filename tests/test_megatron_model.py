@@ -336,7 +336,7 @@ def test_bench_trainer_times_the_torch_and_megatron_steps(tmp_path, tiny_policy)
     from fastgrpo.trainers.megatron.layout import Layout
     from fastgrpo.bench.trainer import bench_trainer
     from fastgrpo.models.policy import load_policy
-    from fastgrpo.plan import parameters
+    from fastgrpo.plan import Shape, parameters
     from tests.conftest import tiny_config
 
     out = tmp_path / "trainer.json"
@@ -356,11 +356,11 @@ def test_bench_trainer_times_the_torch_and_megatron_steps(tmp_path, tiny_policy)
     # vocabulary padded (to 384 rows at TP1, 512 at TP2), half of them per rank at TP2 (the model's
     # shards) and with the distributed optimizer at DP2 (the replicas' shards of the state): 1/DP
     config = load_policy(tiny_policy).config
-    assert rows[0]["optimizer_bytes"] == 8 * parameters(Layout.of(config))
-    assert rows[3]["optimizer_bytes"] == 12 * parameters(Layout.of(config))  # bf16: fp32 masters (4 B) and moments
+    assert rows[0]["optimizer_bytes"] == 8 * parameters(Shape.of(config))
+    assert rows[3]["optimizer_bytes"] == 12 * parameters(Shape.of(config))  # bf16: fp32 masters (4 B) and moments
 
     def padded(tp):
         s = Layout.of(config, tp, 1)
-        return parameters(s) + (s.padded_vocab - s.vocab) * s.hidden * (1 if s.tied else 2)
+        return parameters(Shape.of(config)) + (s.padded_vocab - s.vocab) * s.hidden * (1 if s.tied else 2)
     assert rows[1]["optimizer_bytes"] == pytest.approx(8 * padded(2) / 2, rel=0.01)  # (norms are replicated)
     assert rows[2]["optimizer_bytes"] == pytest.approx(8 * padded(1) / 2, rel=0.01)
