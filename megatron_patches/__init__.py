@@ -5,7 +5,7 @@ megatron-core assumes CUDA in a few places that have nothing to do with the math
 generators, and allocates a few bookkeeping tensors with `device="cuda"`. On a CPU build each of
 those raises. The patches below give each one its CPU meaning and nothing more.
 
-Rules (DESIGN.md section 3):
+Rules:
 - Applied by `fastgrpo.trainers.megatron` only, never at import, and only when CUDA is absent: on
   GPUs megatron-core runs unpatched.
 - Each patch names what it replaces, why, and the megatron-core version it was written for; it

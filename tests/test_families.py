@@ -103,18 +103,24 @@ def test_logits_equal_hf_through_the_kv_cache(family, kernel):
     assert diff < 1e-4
 
 
+def tree_of_four() -> tuple[torch.Tensor, torch.Tensor]:
+    """A verify tree of four nodes (the root, two children, a grandchild under the first child): each
+    node's depth, and which nodes each one sees (itself and its ancestors)."""
+    parent = [None, 0, 0, 1]
+    sees = torch.eye(4, dtype=torch.bool)
+    for i, p in enumerate(parent):
+        while p is not None:
+            sees[i, p], p = True, parent[p]
+    return torch.tensor([0, 1, 1, 2]), sees
+
+
 def test_a_verify_tree_step_equals_hf_along_each_path(family):
     """A speculative verify step: after a prefill, one block of tree nodes (the root, two children, a
     grandchild under the first child), each at the position of its depth and seeing only its ancestors;
     every node's logits equal Hugging Face's over the prompt and the node's own path."""
     name, cfg, hf = family
     ids = torch.randint(3, VOCAB, (2, 14), generator=torch.Generator().manual_seed(4))
-    parent = [None, 0, 0, 1]
-    depth = torch.tensor([0, 1, 1, 2])
-    sees = torch.eye(4, dtype=torch.bool)
-    for i, p in enumerate(parent):
-        while p is not None:
-            sees[i, p], p = True, parent[p]
+    depth, sees = tree_of_four()
     model = InferenceModel(cfg, 128, kernel="dense")
     model.load(hf.state_dict().items())
     cache = KVCache(cfg, 2, 128)

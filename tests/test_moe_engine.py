@@ -22,7 +22,8 @@ from fastgrpo.engines.embedded.model import InferenceModel, KVCache, onednn_avai
 from fastgrpo.speculation.policy import Static
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.types import Request, SamplingParams
-from tests.test_families import EOS, SIZES, VOCAB, chunked_logits, engine_for, greedy_near_tie, prompts, trained_draft
+from tests.test_families import (EOS, SIZES, VOCAB, chunked_logits, engine_for, greedy_near_tie, prompts,
+                                 trained_draft, tree_of_four)
 
 EXPERTS, TOP_K = 8, 2
 
@@ -153,12 +154,7 @@ def test_a_verify_tree_step_equals_hf_along_each_path(moe):
     when rows verify trees of different sizes."""
     name, cfg, hf = moe
     ids = ids_for(4, (2, 14))
-    parent = [None, 0, 0, 1]
-    depth = torch.tensor([0, 1, 1, 2])
-    sees = torch.eye(4, dtype=torch.bool)
-    for i, p in enumerate(parent):
-        while p is not None:
-            sees[i, p], p = True, parent[p]
+    depth, sees = tree_of_four()
     model = InferenceModel(cfg, 128, kernel="dense")
     model.load(hf.state_dict().items())
     valid = torch.tensor([[True] * 4, [True, True, False, False]])
