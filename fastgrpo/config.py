@@ -271,8 +271,15 @@ class TrainerConfig:
     # megatron: the optimizer state (fp32 master weights and Adam's moments) sharded over the data-
     # parallel ranks (megatron-core's DistributedOptimizer)
     distributed_optimizer: bool = False
+    # a mixture-of-experts policy: the router's load-balancing (auxiliary) loss and z-loss coefficients,
+    # added to the GRPO loss (trainer.backend=megatron). 0 (the default) leaves the pretrained routing to the
+    # policy gradient alone
+    router_aux_loss: float = 0.0
+    router_z_loss: float = 0.0
 
     def check(self) -> None:
+        _check(self.router_aux_loss >= 0, "trainer.router_aux_loss", "must be >= 0", self.router_aux_loss)
+        _check(self.router_z_loss >= 0, "trainer.router_z_loss", "must be >= 0", self.router_z_loss)
         _check(not self.recompute or self.backend == "megatron", "trainer.recompute",
                "is megatron's activation recompute: trainer.backend=megatron only", self.recompute)
         _check(not self.distributed_optimizer or self.backend == "megatron", "trainer.distributed_optimizer",
@@ -312,12 +319,16 @@ class ParallelConfig:
 
     tensor: int = 1
     pipeline: int = 1
+    # expert parallelism (a mixture-of-experts policy, trainer.backend=megatron): each expert lives on one
+    # of `expert` ranks, which split the data-parallel ranks of a pipeline stage (megatron-core's EP)
+    expert: int = 1
     # the world's last ranks, reserved to train the draft (draft.online=async); 0: no slice
     draft_ranks: int = 0
 
     def check(self) -> None:
         _check(self.tensor >= 1, "parallel.tensor", "must be >= 1", self.tensor)
         _check(self.pipeline >= 1, "parallel.pipeline", "must be >= 1", self.pipeline)
+        _check(self.expert >= 1, "parallel.expert", "must be >= 1", self.expert)
         _check(self.draft_ranks >= 0, "parallel.draft_ranks", "must be >= 0", self.draft_ranks)
 
 
