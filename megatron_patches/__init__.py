@@ -24,11 +24,20 @@ supported"), which never reaches the `.cuda()` of the state gather over data-par
 (`DistributedOptimizer.get_parameter_state_dp_zero`, the other formats'). The distributed
 optimizer's Adam step count on load, wrong with torch's Adam on any device, is mended by the
 trainer (`MegatronPolicyTrainer._restore_adam_steps`), not here.
+
+Mixture-of-experts layers (`MoELayer` with the alltoall token dispatcher, `SequentialMLP` experts)
+need five more, each found by running megatron-core 0.16.1's MoE on CPU/gloo (`MOE_PATCHES` and
+`TE_NAMES_UNSET`): the router's Transformer Engine names left undefined without Transformer Engine,
+the dispatcher's CUDA side stream, its split sizes handed to the all-to-all as tensors, gloo's lack of
+an uneven all-gather (TP > 1), and the torch norms' refusal of sequence parallelism (which megatron
+requires of MoE with TP > 1: without it every TP rank runs the same tokens through the experts and
+their gradients come out TP times too large).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import importlib
@@ -38,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 MEGATRON_CORE_VERSION = "0.16.1"
@@ -151,12 +161,132 @@ PATCHES = (
 )
 
 
+class _Event:
+    """A recorded point of a `_Stream`: on CPU it has always happened."""
+
+    def synchronize(self) -> None: ...
+    def wait(self, stream: Any = None) -> None: ...
+    def query(self) -> bool:
+        return True
+
+
 class _Stream:
-    """What megatron asks of `torch.cuda.current_stream()`: on CPU, work is synchronous."""
+    """What megatron asks of a CUDA stream (`torch.cuda.current_stream()`, the MoE dispatcher's side
+    stream): on CPU, work is synchronous. `torch.cuda.stream(s)` of one is a no-op on a CPU build
+    (torch's StreamContext returns at once without a CUDA device)."""
 
     def synchronize(self) -> None: ...
     def wait_stream(self, other: Any) -> None: ...
-    def record_event(self, event: Any = None) -> None: ...
+    def record_event(self, event: Any = None) -> _Event:
+        return _Event()
+
+
+# -- mixture of experts -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class UnsetNames:
+    """Names a module imports from Transformer Engine in a `try` and never defines when the import
+    fails; the functions in `reaches` test them `is None` to take their torch path."""
+    module: str
+    names: tuple[str, ...]
+    why: str
+    reaches: tuple[tuple[str, str], ...]  # (function of the module, fingerprint of its source)
+
+
+TE_NAMES_UNSET = UnsetNames(
+    "megatron.core.transformer.moe.moe_utils",
+    ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute", "fused_permute_with_probs",
+     "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
+     "fused_unpermute", "te_general_gemm"),
+    "moe_utils imports nine Transformer Engine functions in a try block and leaves them undefined when "
+    "the import fails (HAVE_TE False); the router's gating matmul reads `te_general_gemm` and takes its "
+    "torch.mm path when it is None, but an undefined name raises NameError on every MoE forward. Set "
+    "to None (the other eight are read only behind `not HAVE_TE or name is None` checks, under fusion "
+    "options the trainer leaves off)",
+    (("RouterGatingLinearFunction.forward", "dcba4f9f02b30a36"),
+     ("RouterGatingLinearFunction.backward", "222f6d592730bd28")))
+
+
+def _dispatcher_with_cpu_side_stream(original: Callable) -> Callable:
+    """`MoEAlltoAllTokenDispatcher.__init__` with its class-wide side stream (for the device-to-host
+    copies of the split sizes) already set to a `_Stream`: its own `torch.cuda.Stream()` raises on a
+    CPU build."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
+            MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _Stream()
+        original(self, *args, **kwargs)
+    return __init__
+
+
+def _split_sizes_as_numpy(original: Callable) -> Callable:
+    """`maybe_move_tensor_to_cpu` as the dispatcher calls it: `as_numpy=True` gives a numpy array for a
+    CPU tensor too (megatron converts only CUDA tensors, and gloo's all_to_all_single refuses split
+    sizes given as a tensor)."""
+    @functools.wraps(original)
+    def move(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+    return move
+
+
+def _gather_uneven_on_gloo(original: Callable) -> Callable:
+    """`_gather_along_first_dim` with `output_split_sizes` (uneven pieces; the MoE dispatcher's gather
+    of the tokens routed to this rank's experts over TP) on a gloo group: gloo's all_gather wants every
+    piece the same size, so each rank's piece is padded with zeros to the largest, gathered, and cut
+    back. The same result as the uneven gather NCCL does; every other call unchanged."""
+    @functools.wraps(original)
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1 or dist.get_backend(group) != "gloo":
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(s) for s in output_split_sizes]
+        padded = input_.new_zeros(max(sizes), *input_.shape[1:])
+        padded[: input_.shape[0]] = input_
+        pieces = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(pieces, padded, group=group)
+        return torch.cat([piece[:size] for piece, size in zip(pieces, sizes)])
+    return gather
+
+
+def _norm_under_sequence_parallel(original: Callable) -> Callable:
+    """`WrappedTorchNorm.__new__` (the local spec's norms) under sequence parallelism: it asserts SP is
+    off, though a norm is per token and computes the same on a sequence shard. Built with SP masked
+    (a shallow copy of the config), its weights then tagged `sequence_parallel` as megatron's own SP
+    norms are, so that `finalize_model_grads` sums their gradients over the TP ranks (each saw only
+    its shard of the sequence)."""
+    def __new__(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original(cls, config, *args, **kwargs)
+        masked = copy.copy(config)
+        masked.sequence_parallel = False
+        norm = original(cls, masked, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+    return staticmethod(__new__)
+
+
+MOE_PATCHES = (
+    Patch("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher.__init__",
+          "the alltoall dispatcher makes a torch.cuda.Stream for its device-to-host copies of the split "
+          "sizes; on CPU a synchronous stand-in (its event has always happened)", "dfafd17183db3f0c",
+          _dispatcher_with_cpu_side_stream,
+          reaches=(("MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize", "306811df71072b74"),)),
+    Patch("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu",
+          "the split sizes of the dispatcher's all-to-all become numpy arrays only when they were on "
+          "CUDA; on CPU they stay tensors, which gloo's all_to_all_single refuses (EP > 1)",
+          "8fc5847a887d7319", _split_sizes_as_numpy,
+          reaches=(("MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize", "306811df71072b74"),)),
+    Patch("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim",
+          "the dispatcher gathers the tokens for this rank's experts over TP in uneven pieces; gloo has "
+          "no uneven all_gather (TP > 1)", "44633fe36d60a51f", _gather_uneven_on_gloo),
+    Patch("megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__",
+          "MoE with TP > 1 needs sequence parallelism, which the local spec's torch norms refuse by "
+          "assertion", "6cb54a06fa41bf78", _norm_under_sequence_parallel),
+)
 
 
 # torch.cuda functions megatron-core calls outside the mathematics; on a CPU build each raises
@@ -186,7 +316,7 @@ _applied: dict[tuple[str, str], Callable] = {}
 _torch_cuda_originals: dict[str, Callable] = {}
 
 
-def _owner(p: Patch, name: str | None = None) -> tuple[Any, str]:
+def _owner(p: Patch | UnsetNames, name: str | None = None) -> tuple[Any, str]:
     """The object holding the patched attribute (the module, or a class in it) and the attribute's
     name; of `name` (a function the patch reaches) instead of the patched one if given."""
     owner: Any = importlib.import_module(p.module)
@@ -208,7 +338,7 @@ def mismatches() -> list[str]:
     version = getattr(megatron.core, "__version__", "unknown")
     if version != MEGATRON_CORE_VERSION:
         problems.append(f"megatron-core {version} is installed; the patches are for {MEGATRON_CORE_VERSION}")
-    for p in PATCHES:
+    for p in PATCHES + MOE_PATCHES:
         owner, attr = _owner(p)
         target = _applied.get((p.module, p.name), getattr(owner, attr, None) if owner is not None else None)
         if target is None:
@@ -224,6 +354,18 @@ def mismatches() -> list[str]:
             elif _fingerprint(reached) != fingerprint:
                 problems.append(f"{p.module}.{name} changed (source fingerprint {_fingerprint(reached)}, the "
                                 f"patch of {p.name} was written for {fingerprint})")
+    u = TE_NAMES_UNSET
+    module = importlib.import_module(u.module)
+    for name, fingerprint in u.reaches:
+        owner, attr = _owner(u, name)
+        reached = getattr(owner, attr, None) if owner is not None else None
+        if reached is None:
+            problems.append(f"{u.module}.{name} (which reads the unset Transformer Engine names) no longer exists")
+        elif _fingerprint(reached) != fingerprint:
+            problems.append(f"{u.module}.{name} changed (source fingerprint {_fingerprint(reached)}, the unset "
+                            f"Transformer Engine names were patched for {fingerprint})")
+    if not hasattr(module, "HAVE_TE"):
+        problems.append(f"{u.module}.HAVE_TE no longer exists")
     return problems
 
 
@@ -236,7 +378,7 @@ def apply() -> list[str]:
     if problems:
         raise PatchMismatch("megatron_patches cannot be applied: " + "; ".join(problems))
     done = []
-    for p in PATCHES:
+    for p in PATCHES + MOE_PATCHES:
         if (p.module, p.name) in _applied:
             continue
         owner, attr = _owner(p)
@@ -244,6 +386,12 @@ def apply() -> list[str]:
         _applied[(p.module, p.name)] = original
         setattr(owner, attr, p.make(original))
         done.append(f"{p.module}.{p.name}")
+    module = importlib.import_module(TE_NAMES_UNSET.module)
+    if not module.HAVE_TE:
+        for name in TE_NAMES_UNSET.names:
+            if not hasattr(module, name):
+                setattr(module, name, None)
+                done.append(f"{TE_NAMES_UNSET.module}.{name} = None")
     for name, replacement in TORCH_CUDA.items():
         if name not in _torch_cuda_originals:
             _torch_cuda_originals[name] = getattr(torch.cuda, name)

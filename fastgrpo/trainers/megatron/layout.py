@@ -1,7 +1,22 @@
-"""Hugging Face <-> Megatron-core parameter layout for the dense families fastgrpo serves
-(`fastgrpo.models.families`: Llama 3.x, Qwen2.5, Qwen3): names, the grouped QKV (and Qwen2's QKV
-bias, packed as the weight), Qwen3's per-head q/k norms, the per-shard gate/up of SwiGLU, vocabulary
-padding, and which slice of each tensor a tensor- and pipeline-parallel rank holds.
+"""Hugging Face <-> Megatron-core parameter layout for the families fastgrpo serves
+(`fastgrpo.models.families`: Llama 3.x, Qwen2.5, Qwen3, Qwen3-MoE): names, the grouped QKV (and
+Qwen2's QKV bias, packed as the weight), Qwen3's per-head q/k norms, the per-shard gate/up of
+SwiGLU, vocabulary padding, and which slice of each tensor a tensor-, pipeline- and expert-parallel
+rank holds.
+
+Qwen3-MoE (every layer sparse): the router `mlp.gate.weight` [E, h] is megatron's
+`mlp.router.weight` (replicated over TP: megatron sums its gradient over the TP ranks, each of which
+routes its own shard of the sequence under sequence parallelism). Expert e's SwiGLU is megatron's
+`mlp.experts.local_experts.{j}.linear_fc1.weight` ([gate; up], sharded over TP as the dense fc1
+is: the experts' tensor-parallel size is TP) and `linear_fc2.weight`, on the expert-parallel rank
+e // (E / EP) as its local expert j = e % (E / EP) (`MoELayer.local_expert_indices`). Here a "full"
+Megatron tensor of an expert is named by its global index e (the names of the model at EP 1);
+`rank_tensors` and `global_name` translate to and from an EP rank's local indices. On the Hugging
+Face side the experts are read from either form transformers uses: each expert's own matrices (what
+checkpoints on disk hold: `mlp.experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`) or the
+stacked tensors transformers 5 holds in memory (`mlp.experts.gate_up_proj` [E, 2f, h], gate rows
+first, and `mlp.experts.down_proj` [E, h, f]); they are written out in the first form, one expert
+at a time, which is what checkpoints, SGLang's `load_weights` and the embedded engine take.
 
 Qwen3's `self_attn.q_norm.weight` / `k_norm.weight` are megatron's
 `self_attention.q_layernorm.weight` / `k_layernorm.weight` (the local spec's names,
@@ -40,6 +55,9 @@ ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 # Qwen3's per-head norms: megatron's name (in a layer) -> Hugging Face's
 QK_NORMS = {"self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
             "self_attention.k_layernorm.weight": "self_attn.k_norm.weight"}
+# a routed expert's parameter within a layer: (expert index, which matrix)
+EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1\.weight|linear_fc2\.weight)$")
+ROUTER = "mlp.router.weight"
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 VOCAB_DIVISIBLE_BY = 128  # megatron pads the vocabulary to a multiple of this x TP
@@ -69,9 +87,17 @@ class Layout:
     tied: bool  # the LM head is the embedding
     qkv_bias: bool  # Qwen2
     qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k (replicated over TP)
+    # a mixture of experts (every layer sparse): E routed experts of width moe_ffn, the top `topk` of
+    # them per token, their weights renormalised over the k (norm_topk) or the softmax's as they are
+    experts: int = 0  # 0: a dense model
+    topk: int = 0
+    moe_ffn: int = 0
+    norm_topk: bool = False
+    ep: int = 1  # expert-parallel size: each rank of an EP group holds experts / ep of every layer's experts
 
     @classmethod
-    def of(cls, hf_config, tp: int = 1, pp: int = 1, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> Layout:
+    def of(cls, hf_config, tp: int = 1, pp: int = 1, ep: int = 1,
+           vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> Layout:
         c = hf_config
         try:
             check_family(c.to_dict(), f"the {c.model_type} config")
@@ -79,8 +105,14 @@ class Layout:
             raise LayoutError(str(e)) from e
         _check_megatron_features(c)
         heads, kv = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads
-        if tp < 1 or pp < 1:
-            raise LayoutError(f"parallel sizes must be >= 1, got tensor {tp}, pipeline {pp}")
+        if tp < 1 or pp < 1 or ep < 1:
+            raise LayoutError(f"parallel sizes must be >= 1, got tensor {tp}, pipeline {pp}, expert {ep}")
+        experts = int(getattr(c, "num_experts", 0) or 0) if c.model_type == "qwen3_moe" else 0
+        if ep > 1 and not experts:
+            raise LayoutError(f"parallel.expert={ep}: the {c.model_type} model has no experts (a dense model); "
+                              f"expert parallelism splits a mixture of experts' experts over ranks")
+        if experts and experts % ep:
+            raise LayoutError(f"parallel.expert={ep} does not divide the {experts} experts of each layer")
         if heads % tp:
             raise LayoutError(f"parallel.tensor={tp} does not divide the {heads} attention heads")
         if kv % tp:
@@ -88,17 +120,47 @@ class Layout:
                               f"grouped-query attention needs the KV heads split evenly over TP ranks")
         if c.num_hidden_layers % pp:
             raise LayoutError(f"parallel.pipeline={pp} does not divide the {c.num_hidden_layers} layers")
-        if c.intermediate_size % tp:
+        if not experts and c.intermediate_size % tp:
             raise LayoutError(f"parallel.tensor={tp} does not divide the MLP width {c.intermediate_size}")
+        moe = {}
+        if experts:
+            moe = dict(experts=experts, topk=int(c.num_experts_per_tok), moe_ffn=int(c.moe_intermediate_size),
+                       norm_topk=bool(c.norm_topk_prob), ep=ep)
+            if moe["moe_ffn"] % tp:
+                raise LayoutError(f"parallel.tensor={tp} does not divide the experts' width "
+                                  f"(moe_intermediate_size) {moe['moe_ffn']}: each expert is split over TP")
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
         return cls(tp, pp, c.num_hidden_layers, c.hidden_size, heads, kv, head_dim, c.intermediate_size,
                    c.vocab_size, padded_vocab(c.vocab_size, tp, vocab_divisible_by), bool(c.tie_word_embeddings),
-                   c.model_type == "qwen2", c.model_type == "qwen3")
+                   c.model_type == "qwen2", c.model_type in ("qwen3", "qwen3_moe"), **moe)
 
     def stage_layers(self, pp_rank: int) -> range:
         """The global indices of the layers pipeline stage `pp_rank` holds."""
         per = self.layers // self.pp
         return range(pp_rank * per, (pp_rank + 1) * per)
+
+    @property
+    def local_experts(self) -> int:
+        """The experts of each layer one expert-parallel rank holds."""
+        return self.experts // self.ep
+
+    def expert_owner(self, e: int) -> tuple[int, int]:
+        """(the expert-parallel rank holding global expert e, its local index there)."""
+        return e // self.local_experts, e % self.local_experts
+
+    def _mlp_parameters(self) -> list[str]:
+        """A layer's MLP parameter names (within the layer); experts under their global index."""
+        if not self.experts:
+            return ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+        return [ROUTER] + [f"mlp.experts.local_experts.{e}.{m}" for e in range(self.experts)
+                           for m in ("linear_fc1.weight", "linear_fc2.weight")]
+
+    def layer_parameters(self) -> list[str]:
+        """One decoder layer's parameter names (within the layer) in the order the model holds them;
+        experts under their global index."""
+        return ["input_layernorm.weight", "self_attention.linear_qkv.weight",
+                *(["self_attention.linear_qkv.bias"] if self.qkv_bias else []), *(QK_NORMS if self.qk_norm else []),
+                "self_attention.linear_proj.weight", "pre_mlp_layernorm.weight", *self._mlp_parameters()]
 
     # -- Hugging Face <-> full Megatron tensors ------------------------------------------------
     def megatron_names(self) -> list[str]:
@@ -108,8 +170,7 @@ class Layout:
             names.append("output_layer.weight")
         per_layer = ["input_layernorm.weight", "pre_mlp_layernorm.weight", "self_attention.linear_qkv.weight",
                      *(["self_attention.linear_qkv.bias"] if self.qkv_bias else []),
-                     *(QK_NORMS if self.qk_norm else []),
-                     "self_attention.linear_proj.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+                     *(QK_NORMS if self.qk_norm else []), "self_attention.linear_proj.weight", *self._mlp_parameters()]
         return names + [f"decoder.layers.{i}.{p}" for i in range(self.layers) for p in per_layer]
 
     def hf_sources(self, name: str) -> list[str]:
@@ -126,6 +187,8 @@ class Layout:
         rest = LAYER.match(name).group(2) if LAYER.match(name) else name
         if rest.startswith("self_attention.linear_qkv."):
             return ((self.heads + 2 * self.kv_heads) * self.head_dim,)
+        if EXPERT.match(rest):
+            return (2 * self.moe_ffn,)
         return (2 * self.ffn,) if rest == "mlp.linear_fc1.weight" else (1,)
 
     def megatron_tensor(self, name: str, hf: Mapping[str, Tensor]) -> Tensor:
@@ -158,6 +221,15 @@ class Layout:
             return torch.cat([t for g, u in zip(gates, ups) for t in (g, u)])
         if rest == "mlp.linear_fc2.weight":
             return hf[p + "mlp.down_proj.weight"]
+        if rest == ROUTER and self.experts:
+            return hf[p + "mlp.gate.weight"]
+        expert = EXPERT.match(rest) if self.experts else None
+        if expert:
+            e, matrix = int(expert.group(1)), expert.group(2)
+            if matrix == "linear_fc2.weight":
+                return _hf_expert(hf, p, e, "down")
+            gates, ups = _hf_expert(hf, p, e, "gate").chunk(self.tp), _hf_expert(hf, p, e, "up").chunk(self.tp)
+            return torch.cat([t for g, u in zip(gates, ups) for t in (g, u)])
         raise LayoutError(f"unknown Megatron parameter {name!r}")
 
     def to_megatron(self, hf: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -202,6 +274,16 @@ class Layout:
             yield p + "mlp.up_proj.weight", torch.cat([u for _, u in blocks])
         elif rest == "mlp.linear_fc2.weight":
             yield p + "mlp.down_proj.weight", full
+        elif rest == ROUTER and self.experts:
+            yield p + "mlp.gate.weight", full
+        elif self.experts and EXPERT.match(rest):
+            e, matrix = EXPERT.match(rest).groups()
+            if matrix == "linear_fc2.weight":
+                yield f"{p}mlp.experts.{e}.down_proj.weight", full
+            else:
+                blocks = [b.chunk(2) for b in full.chunk(self.tp)]
+                yield f"{p}mlp.experts.{e}.gate_proj.weight", torch.cat([g for g, _ in blocks])
+                yield f"{p}mlp.experts.{e}.up_proj.weight", torch.cat([u for _, u in blocks])
         else:
             raise LayoutError(f"unknown Megatron parameter {name!r}")
 
@@ -213,38 +295,57 @@ class Layout:
     # -- full <-> one rank's tensors ---------------------------------------------------------
     @staticmethod
     def tp_dim(name: str) -> int | None:
-        """The dimension a parameter is split along over TP ranks (None: replicated)."""
+        """The dimension a parameter is split along over TP ranks (None: replicated). An expert's fc1
+        and fc2 split as the dense MLP's (the experts' tensor-parallel size is TP)."""
         if name.endswith(COLUMN_PARALLEL):
             return 0
         if name.endswith(ROW_PARALLEL):
             return 1
+        expert = EXPERT.match(name.split(".", 3)[-1]) if name.startswith("decoder.layers.") else None
+        if expert:
+            return 0 if expert.group(2) == "linear_fc1.weight" else 1
         return None
 
-    def stage_name(self, name: str, pp_rank: int) -> str | None:
-        """The stage-local name of a global parameter on pipeline stage `pp_rank`, or None if another
-        stage holds it."""
+    def stage_name(self, name: str, pp_rank: int, ep_rank: int = 0) -> str | None:
+        """The local name of a global parameter on pipeline stage `pp_rank` and expert-parallel rank
+        `ep_rank` (its layer's index within the stage, an expert's index within the rank), or None if
+        another stage or EP rank holds it."""
         match = LAYER.match(name)
         if match:
-            i = int(match.group(1))
+            i, rest = int(match.group(1)), match.group(2)
             layers = self.stage_layers(pp_rank)
-            return f"decoder.layers.{i - layers.start}.{match.group(2)}" if i in layers else None
+            if i not in layers:
+                return None
+            expert = EXPERT.match(rest) if self.experts else None
+            if expert:
+                owner, j = self.expert_owner(int(expert.group(1)))
+                if owner != ep_rank:
+                    return None
+                rest = f"mlp.experts.local_experts.{j}.{expert.group(2)}"
+            return f"decoder.layers.{i - layers.start}.{rest}"
         if name.startswith("embedding."):
             return name if pp_rank == 0 else None
         return name if pp_rank == self.pp - 1 else None  # final norm and output layer
 
-    def global_name(self, local: str, pp_rank: int) -> str:
+    def global_name(self, local: str, pp_rank: int, ep_rank: int = 0) -> str:
+        """`stage_name`'s inverse."""
         match = LAYER.match(local)
         if not match:
             return local
-        return f"decoder.layers.{int(match.group(1)) + self.stage_layers(pp_rank).start}.{match.group(2)}"
+        rest = match.group(2)
+        expert = EXPERT.match(rest) if self.experts else None
+        if expert:
+            rest = f"mlp.experts.local_experts.{ep_rank * self.local_experts + int(expert.group(1))}.{expert.group(2)}"
+        return f"decoder.layers.{int(match.group(1)) + self.stage_layers(pp_rank).start}.{rest}"
 
-    def rank_tensors(self, full: Mapping[str, Tensor], tp_rank: int, pp_rank: int) -> dict[str, Tensor]:
-        """What TP rank `tp_rank` of stage `pp_rank` holds, under stage-local names. A tied model with
-        PP > 1 also gets `output_layer.weight` on its last stage: Megatron keeps a copy of the
-        embedding there and keeps the two equal."""
+    def rank_tensors(self, full: Mapping[str, Tensor], tp_rank: int, pp_rank: int,
+                     ep_rank: int = 0) -> dict[str, Tensor]:
+        """What TP rank `tp_rank` of stage `pp_rank` (and EP rank `ep_rank`: its experts only) holds,
+        under local names. A tied model with PP > 1 also gets `output_layer.weight` on its last
+        stage: Megatron keeps a copy of the embedding there and keeps the two equal."""
         out = {}
         for name, t in full.items():
-            local = self.stage_name(name, pp_rank)
+            local = self.stage_name(name, pp_rank, ep_rank)
             if local is not None:
                 out[local] = self.shard(name, t, tp_rank)
         if self.tied and self.pp > 1 and pp_rank == self.pp - 1:
@@ -316,7 +417,9 @@ def _check_megatron_features(c) -> None:
     which also biases o_proj) has no place in its model; no released Llama 3.x or Qwen3 checkpoint
     sets it."""
     family = c.model_type
-    if family in ("llama", "qwen3") and getattr(c, "attention_bias", False):
+    if family == "qwen3_moe":
+        _check_moe(c)
+    if family in ("llama", "qwen3", "qwen3_moe") and getattr(c, "attention_bias", False):
         raise LayoutError(f"{family}: attention_bias=True (biases on q/k/v and o_proj) is not supported by the "
                           f"Megatron trainer: megatron-core has no bias for the output projection alone")
     if getattr(c, "mlp_bias", False):
@@ -332,6 +435,38 @@ def _check_megatron_features(c) -> None:
     if scale != 1.0:  # megatron's RotaryEmbedding has no factor on cos/sin
         raise LayoutError(f"{family}: rope type {rope_parameters(c)['rope_type']!r} scales cos/sin by {scale:g}, "
                           f"which megatron's RotaryEmbedding does not")
+
+
+def _check_moe(c) -> None:
+    """What of a Qwen3-MoE config the Megatron model does not represent, refused by its key: dense
+    layers among the sparse ones (megatron's `moe_layer_freq` could place them, but the layout maps
+    every layer as sparse), a shared expert (Qwen3-MoE has none; a config that asks for one is of
+    another model), more experts per token than experts."""
+    if getattr(c, "decoder_sparse_step", 1) != 1:
+        raise LayoutError(f"qwen3_moe: decoder_sparse_step={c.decoder_sparse_step} (dense layers between sparse "
+                          f"ones) is not supported by the Megatron trainer: every layer must be sparse "
+                          f"(decoder_sparse_step 1)")
+    if getattr(c, "mlp_only_layers", None):
+        raise LayoutError(f"qwen3_moe: mlp_only_layers={list(c.mlp_only_layers)} (dense layers among the sparse "
+                          f"ones) is not supported by the Megatron trainer: every layer must be sparse")
+    if getattr(c, "shared_expert_intermediate_size", 0):
+        raise LayoutError(f"qwen3_moe: shared_expert_intermediate_size={c.shared_expert_intermediate_size} (a "
+                          f"shared expert) is not supported by the Megatron trainer")
+    if not 0 < c.num_experts_per_tok <= c.num_experts:
+        raise LayoutError(f"qwen3_moe: num_experts_per_tok={c.num_experts_per_tok} must be in 1..num_experts "
+                          f"({c.num_experts})")
+
+
+def _hf_expert(hf: Mapping[str, Tensor], p: str, e: int, matrix: str) -> Tensor:
+    """Expert e's `gate`, `up` or `down` matrix of the layer with Hugging Face prefix `p`, from its own
+    tensor (checkpoints on disk) or from transformers 5's stacked ones (a model's state dict)."""
+    own = f"{p}mlp.experts.{e}.{matrix}_proj.weight"
+    if own in hf:
+        return hf[own]
+    if matrix == "down":
+        return hf[f"{p}mlp.experts.down_proj"][e]
+    gate, up = hf[f"{p}mlp.experts.gate_up_proj"][e].chunk(2)
+    return gate if matrix == "gate" else up
 
 
 def _layer(name: str) -> tuple[str, str]:

@@ -1,6 +1,14 @@
-"""megatron-core's GPTModel for a Hugging Face policy of the dense families (Llama 3.x, Qwen2.5, Qwen3)
-at any TP x PP: the parallel groups, the model of this rank's pipeline stage, Hugging Face weights in,
-full Hugging Face tensors out.
+"""megatron-core's GPTModel for a Hugging Face policy of the families fastgrpo serves (Llama 3.x,
+Qwen2.5, Qwen3, Qwen3-MoE) at any TP x PP (x EP for a mixture of experts): the parallel groups, the
+model of this rank's pipeline stage, Hugging Face weights in, full Hugging Face tensors out.
+
+Qwen3-MoE runs megatron-core's MoELayer (`moe_config`): softmax routing over the router's fp32
+logits, the alltoall token dispatcher (what GPUs run; on CPU with `megatron_patches`), each expert a
+SwiGLU of `moe_intermediate_size` (SequentialMLP: one matmul per expert; no grouped GEMM, which needs
+a CUDA kernel), the experts split over `parallel.expert` ranks and each expert over the TP ranks
+(expert tensor parallelism = TP). With TP > 1 the whole model runs sequence-parallel, as megatron
+requires of MoE: without it each TP rank would put the same tokens through the experts and their
+gradients would come out TP times too large.
 
 Each family through megatron-core's own options (`transformer_config`, `layer_spec`): Qwen2's
 `add_qkv_bias`; Qwen3's `qk_layernorm` with `kv_channels` its head_dim (the softmax scale defaults to
@@ -26,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastgrpo.models.rope import hf_inv_freq, rope_parameters
-from fastgrpo.trainers.megatron.layout import QK_NORMS, Layout, LayoutError
+from fastgrpo.trainers.megatron.layout import EXPERT, LAYER, ROUTER, Layout, LayoutError
 from fastgrpo.distributed import COLLECTIVE_TIMEOUT, init_world
 from fastgrpo.config import LAYER_SPECS
 
@@ -45,10 +53,11 @@ def _megatron():
         megatron_patches.apply()
 
 
-def initialize(tp: int, pp: int, seed: int = 0) -> None:
+def initialize(tp: int, pp: int, seed: int = 0, ep: int = 1) -> None:
     """Megatron's model-parallel groups over the torch.distributed world (torchrun's, or a world of
     one made here); every rank of the world must call this, in the same order (group creation is
-    collective)."""
+    collective). `ep`: the expert-parallel size, which splits the data-parallel ranks of each stage
+    (the experts' tensor-parallel size is TP), so the world must be a multiple of TP x PP x EP."""
     _megatron()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -62,11 +71,17 @@ def initialize(tp: int, pp: int, seed: int = 0) -> None:
     world = dist.get_world_size()
     if world % (tp * pp):
         raise LayoutError(f"a world of {world} ranks does not split into tensor {tp} x pipeline {pp} groups")
+    if world % (tp * pp * ep):
+        raise LayoutError(f"parallel.expert={ep}: a world of {world} ranks at tensor {tp} x pipeline {pp} has "
+                          f"{world // (tp * pp)} data-parallel ranks per stage, which {ep} expert-parallel ranks "
+                          f"do not split")
     if parallel_state.model_parallel_is_initialized():
-        if (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size()) != (tp, pp):
+        if (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_expert_model_parallel_world_size()) != (tp, pp, ep):
             raise RuntimeError("megatron's parallel groups already exist with another layout")
         return
-    parallel_state.initialize_model_parallel(tp, pp, distributed_timeout_minutes=int(COLLECTIVE_TIMEOUT.seconds // 60))
+    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
+                                             distributed_timeout_minutes=int(COLLECTIVE_TIMEOUT.seconds // 60))
     model_parallel_cuda_manual_seed(seed)
 
 
@@ -77,11 +92,48 @@ def ranks() -> tuple[int, int]:
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
 
 
-def transformer_config(hf_config, layout: Layout, recompute: bool = False, dtype: torch.dtype = torch.float32):
+def expert_rank() -> int:
+    """This process's rank in its expert-parallel group (which experts of each layer it holds)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_rank()
+
+
+def moe_config(layout: Layout, router_aux_loss: float = 0.0, router_z_loss: float = 0.0) -> dict:
+    """megatron's TransformerConfig options for the layout's mixture of experts ({} for a dense model).
+
+    Routing as Hugging Face's Qwen3MoeTopKRouter: softmax over every expert's fp32 logit, the top k,
+    renormalised over the k when `norm_topk_prob`. megatron's softmax routing without `pre_softmax`
+    takes the top k logits and softmaxes over them, the same numbers (the softmax's denominator
+    cancels); with `pre_softmax` it softmaxes over all experts and keeps the top k as they are (no
+    renormalisation). No scaling factor on the weights, no capacity (no token dropped), no shared
+    expert. The load-balancing loss and the z-loss are the trainer's `router_aux_loss` and
+    `router_z_loss` (0: none, the default for RL fine-tuning, where the policy's routing is already
+    trained; "none" balancing then, and no z-loss)."""
+    if not layout.experts:
+        return {}
+    return dict(
+        num_moe_experts=layout.experts, moe_router_topk=layout.topk, moe_ffn_hidden_size=layout.moe_ffn,
+        moe_router_score_function="softmax", moe_router_pre_softmax=not layout.norm_topk,
+        moe_router_topk_scaling_factor=None, moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if router_aux_loss > 0 else "none",
+        moe_aux_loss_coeff=float(router_aux_loss), moe_z_loss_coeff=float(router_z_loss) if router_z_loss > 0 else None,
+        moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=None,
+        # CUDA kernels (Transformer Engine's fused permute / router, the grouped GEMM): off, the same mathematics
+        moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.tp,
+        sequence_parallel=layout.tp > 1)
+
+
+def transformer_config(hf_config, layout: Layout, recompute: bool = False, dtype: torch.dtype = torch.float32,
+                       router_aux_loss: float = 0.0, router_z_loss: float = 0.0):
     """`recompute`: keep only each layer's input for the backward and run the layer's forward again
     there (megatron's full, uniform, one-layer recompute): what long reasoning sequences need.
     `dtype`: the weights' and activations' (bf16: megatron's `bf16`, the model wrapped in its
-    `Float16Module` by the trainer; softmax and the rotary tables stay fp32 as megatron keeps them)."""
+    `Float16Module` by the trainer; softmax and the rotary tables stay fp32 as megatron keeps them).
+    A mixture of experts adds `moe_config`'s options. `calculate_per_token_loss` stays False here:
+    the router reads it when built, and with it megatron scales the auxiliary losses by the token
+    count for a division the trainer never makes (`trainer._finalize_model_grads`)."""
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
@@ -96,6 +148,7 @@ def transformer_config(hf_config, layout: Layout, recompute: bool = False, dtype
         # fused kernels are CUDA-only; with them off the mathematics is the same
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, apply_rope_fusion=False, attention_softmax_in_fp32=True,
+        calculate_per_token_loss=False, **moe_config(layout, router_aux_loss, router_z_loss),
         **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}))
 
 
@@ -118,16 +171,19 @@ def set_hf_rope(model, hf_config) -> None:
     type(rotary).forward.cache_clear()
 
 
-def layer_spec(name: str, qk_norm: bool = False):
+def layer_spec(name: str, qk_norm: bool = False, experts: int = 0):
     """megatron's layer spec for `trainer.layer_spec`, and how its parameter names differ from the
     local spec's (the names `Layout` speaks). `auto`: Transformer Engine's when it is importable
     (fused norm + linear kernels on GPUs), else the local spec (plain torch, what runs here).
-    `qk_norm`: Qwen3's per-head q/k norms (both specs' `qk_layernorm`, named alike in both)."""
+    `qk_norm`: Qwen3's per-head q/k norms (both specs' `qk_layernorm`, named alike in both).
+    `experts`: a MoELayer of that many experts as every layer's MLP (SequentialMLP experts, named
+    alike in both specs; its norm before the MLP is a norm of its own in both, not fused)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if name not in LAYER_SPECS:
         raise LayoutError(f"trainer.layer_spec={name!r}: must be one of {', '.join(LAYER_SPECS)}")
-    local = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
+    moe = dict(num_experts=experts, moe_grouped_gemm=False) if experts else {}
+    local = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm, **moe)
     has_te = importlib.util.find_spec("transformer_engine") is not None
     if name == "local" or (name == "auto" and not has_te):
         return local, {}
@@ -137,9 +193,11 @@ def layer_spec(name: str, qk_norm: bool = False):
         raise BackendUnavailable("trainer.layer_spec=transformer_engine needs transformer-engine, which is not "
                                  "installed (it builds on CUDA machines only); use auto or local")
     # Transformer Engine fuses each pre-attention and pre-MLP norm into the linear layer after it;
-    # megatron's local spec records the correspondence (for its checkpoints), and so do we
-    return (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm),
-            dict(local.submodules.sharded_state_dict_keys_map))
+    # megatron's local spec records the correspondence (for its checkpoints), and so do we. Before a
+    # MoELayer there is no linear layer to fuse into: the TE spec keeps `pre_mlp_layernorm`
+    renames = {k: v for k, v in local.submodules.sharded_state_dict_keys_map.items()
+               if not (experts and k == "pre_mlp_layernorm.")}
+    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm, **moe), renames
 
 
 def _module_name(model, local_name: str) -> str:
@@ -151,16 +209,17 @@ def _module_name(model, local_name: str) -> str:
 
 
 def build_model(hf_config, layout: Layout, spec: str = "auto", recompute: bool = False,
-                dtype: torch.dtype = torch.float32):
-    """This rank's pipeline stage of the policy, on the CPU or the current GPU, with megatron's layer
-    spec `spec` (`layer_spec`), its weights in `dtype`; weights uninitialised in meaning: load them
-    with `load_hf_state`. Its rotary embedding rotates as Hugging Face's (`set_hf_rope`)."""
+                dtype: torch.dtype = torch.float32, router_aux_loss: float = 0.0, router_z_loss: float = 0.0):
+    """This rank's pipeline stage of the policy (of a mixture of experts, this EP rank's experts), on
+    the CPU or the current GPU, with megatron's layer spec `spec` (`layer_spec`), its weights in
+    `dtype`; weights uninitialised in meaning: load them with `load_hf_state`. Its rotary embedding
+    rotates as Hugging Face's (`set_hf_rope`). `router_aux_loss`, `router_z_loss`: `moe_config`'s."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    module_spec, renames = layer_spec(spec, layout.qk_norm)
+    module_spec, renames = layer_spec(spec, layout.qk_norm, layout.experts)
     model = GPTModel(
-        transformer_config(hf_config, layout, recompute, dtype), module_spec,
+        transformer_config(hf_config, layout, recompute, dtype, router_aux_loss, router_z_loss), module_spec,
         vocab_size=layout.padded_vocab, max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=layout.tied, position_embedding_type="rope",
@@ -194,10 +253,12 @@ def freeze_padding_row(model, pad_id: int | None, vocab: int) -> None:
 
 
 def load_hf_state(model, hf_state: Mapping[str, Tensor], layout: Layout) -> None:
-    """Load this rank's slice of a Hugging Face state dict (names checked both ways)."""
+    """Load this rank's slice of a Hugging Face state dict (names checked both ways): a model's state
+    dict or a checkpoint's tensors (experts stacked or each its own, `Layout`)."""
     tp_rank, pp_rank = ranks()
+    ep_rank = expert_rank() if layout.experts else 0
     mine = {_module_name(model, k): v
-            for k, v in layout.rank_tensors(layout.to_megatron(hf_state), tp_rank, pp_rank).items()}
+            for k, v in layout.rank_tensors(layout.to_megatron(hf_state), tp_rank, pp_rank, ep_rank).items()}
     own = {k for k in model.state_dict() if not k.endswith("_extra_state")}
     if set(mine) != own:
         raise LayoutError(f"the checkpoint does not match the model: missing {sorted(own - set(mine))[:5]}, "
@@ -207,47 +268,54 @@ def load_hf_state(model, hf_state: Mapping[str, Tensor], layout: Layout) -> None
 
 def export_hf(model, layout: Layout, grads: bool = False) -> Iterator[tuple[str, Tensor]]:
     """Full Hugging Face tensors, one Megatron parameter at a time, on every rank of the model-parallel
-    group: TP shards are all-gathered, and each pipeline stage broadcasts its own layers to the other
-    stages. No rank ever holds more than one full tensor beyond its own shard. `grads`: the
-    parameters' gradients instead (zeros where there is none), under the same names. In the
-    parameters' dtype and on their device, as held (every parameter of a model has the same dtype)."""
+    group: TP shards are all-gathered, each expert is broadcast from the expert-parallel rank that
+    holds it to the others of its EP group (its TP shards gathered there first), and each pipeline
+    stage broadcasts its own layers to the other stages. No rank ever holds more than one full tensor
+    beyond its own shards. Experts come out as each expert's own matrices, expert by expert
+    (`Layout.to_hf`). `grads`: the parameters' gradients instead (zeros where there is none), under
+    the same names. In the parameters' dtype and on their device, as held (every parameter of a model
+    has the same dtype)."""
     from megatron.core import parallel_state
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     pp_ranks = dist.get_process_group_ranks(pp_group)
     _, pp_rank = ranks()
+    if layout.experts:
+        etp_group = parallel_state.get_expert_tensor_parallel_group()
+        ep_group = parallel_state.get_expert_model_parallel_group()
+        ep_ranks, ep_rank = dist.get_process_group_ranks(ep_group), expert_rank()
     params = dict(model.named_parameters())
     first = next(iter(params.values()))
     dtype, device = first.dtype, first.device
     for stage in range(layout.pp):
-        for local in _stage_parameter_names(layout, stage):
-            name = layout.global_name(local, stage)
+        for name in _stage_parameter_names(layout, stage):
             if layout.tied and name == "output_layer.weight":
                 continue  # the last stage's copy of the embedding
-            if stage == pp_rank:
-                param = params[_module_name(model, local)]
+            expert = EXPERT.match(name.split(".", 3)[-1]) if layout.experts and LAYER.match(name) else None
+            owner = layout.expert_owner(int(expert.group(1)))[0] if expert else None
+            if stage == pp_rank and (owner is None or owner == ep_rank):
+                param = params[_module_name(model, layout.stage_name(name, stage, owner or 0))]
                 shard = (param.grad if param.grad is not None else torch.zeros_like(param)) if grads else param.detach()
                 if layout.tp > 1 and layout.tp_dim(name) is not None:
                     shards = [torch.empty_like(shard) for _ in range(layout.tp)]
-                    dist.all_gather(shards, shard.contiguous(), group=tp_group)
+                    dist.all_gather(shards, shard.contiguous(), group=etp_group if expert else tp_group)
                     full = layout.unshard(name, shards)
                 else:
                     full = shard.clone()
             else:
                 full = torch.empty(_full_shape(layout, name), dtype=dtype, device=device)
+            if expert and stage == pp_rank and layout.ep > 1:
+                dist.broadcast(full, src=ep_ranks[owner], group=ep_group)
             if layout.pp > 1:
                 dist.broadcast(full, src=pp_ranks[stage], group=pp_group)
             yield from layout.to_hf(name, full)
 
 
 def _stage_parameter_names(layout: Layout, stage: int) -> list[str]:
-    """The stage-local parameter names of pipeline stage `stage`, in a fixed order every rank agrees on."""
-    names = [f"decoder.layers.{i}.{p}" for i in range(layout.layers // layout.pp) for p in (
-        "input_layernorm.weight", "self_attention.linear_qkv.weight",
-        *(["self_attention.linear_qkv.bias"] if layout.qkv_bias else []), *(QK_NORMS if layout.qk_norm else []),
-        "self_attention.linear_proj.weight",
-        "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")]
+    """The global names of pipeline stage `stage`'s parameters (experts under their global index), in
+    a fixed order every rank agrees on."""
+    names = [f"decoder.layers.{i}.{p}" for i in layout.stage_layers(stage) for p in layout.layer_parameters()]
     if stage == 0:
         names.insert(0, "embedding.word_embeddings.weight")
     if stage == layout.pp - 1:
@@ -262,10 +330,13 @@ def _full_shape(layout: Layout, name: str) -> tuple[int, ...]:
     h, d, ffn = layout.hidden, layout.head_dim, layout.ffn
     qkv_rows = (layout.heads + 2 * layout.kv_heads) * d
     rest = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
+    expert = EXPERT.match(rest)
+    if expert:
+        return (2 * layout.moe_ffn, h) if expert.group(2) == "linear_fc1.weight" else (h, layout.moe_ffn)
     shapes = {"embedding.word_embeddings.weight": (layout.padded_vocab, h), "output_layer.weight": (layout.padded_vocab, h),
               "decoder.final_layernorm.weight": (h,), "input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
               "self_attention.linear_qkv.weight": (qkv_rows, h), "self_attention.linear_qkv.bias": (qkv_rows,),
               "self_attention.linear_proj.weight": (h, layout.heads * d), "mlp.linear_fc1.weight": (2 * ffn, h),
               "self_attention.q_layernorm.weight": (d,), "self_attention.k_layernorm.weight": (d,),
-              "mlp.linear_fc2.weight": (h, ffn)}
+              "mlp.linear_fc2.weight": (h, ffn), ROUTER: (layout.experts, h)}
     return shapes[rest]

@@ -34,6 +34,17 @@ spread of response lengths, which in GRPO is wide (a few tokens to the full budg
 tiny message per transfer; length-bucketed micro-batches would also change which rows are summed
 together, so the loss would no longer be the torch trainer's to rounding. We keep the torch
 trainer's micro-batches (contiguous rows) and pay the shape message.
+
+A mixture of experts (Qwen3-MoE, `model.moe_config`) with `parallel.expert` = EP > 1: the experts
+of each layer are split over EP ranks that are data-parallel ranks of each other, and every MoE
+layer's forward and backward exchange tokens between them (all-to-all). So every rank of the data-
+parallel group runs the same number of micro-batches (a rank with fewer rows pads with micro-
+batches that train nothing). With TP > 1 the model is sequence-parallel, so each micro-batch is
+padded on the right to a multiple of TP tokens (causal attention: the real positions never see the
+padding, and its logits are cut off before scoring). The router's load-balancing loss and z-loss
+(`router_aux_loss`, `router_z_loss`; 0 by default) are megatron's, computed per micro-batch over its
+tokens (padding included) and weighted so that a minibatch's gradient gets the coefficient times
+their mean over its micro-batches on every data-parallel rank.
 """
 
 from __future__ import annotations
@@ -106,13 +117,17 @@ Micro = tuple[list[int], RolloutBatch]  # batch rows (empty: a placeholder that 
 class MegatronPolicyTrainer:
     def __init__(self, policy_dir: str | Path, grpo: GRPOConfig, optim: OptimConfig, sampling: SamplingParams,
                  tensor: int = 1, pipeline: int = 1, seed: int = 0, layer_spec: str = "auto",
-                 recompute: bool = False, compute: Compute | None = None, distributed_optimizer: bool = False):
+                 recompute: bool = False, compute: Compute | None = None, distributed_optimizer: bool = False,
+                 expert: int = 1, router_aux_loss: float = 0.0, router_z_loss: float = 0.0):
         """`compute`: the device and dtype (`fastgrpo.device.resolve`; fp32 on this machine's device by
         default). bf16 is megatron-core's: bf16 weights and activations (`Float16Module`), gradients
         accumulated and reduced in fp32 (`grad_reduce_in_fp32`), an optimizer stepping fp32 main
         copies of the weights and copying them back to bf16. `distributed_optimizer`: megatron-core's
         DistributedOptimizer, the fp32 main weights and Adam's moments sharded over the data-parallel
-        ranks (gradients reduce-scattered, updated weights all-gathered)."""
+        ranks (gradients reduce-scattered, updated weights all-gathered). `expert`: the expert-parallel
+        size of a mixture of experts (`parallel.expert`); `router_aux_loss`, `router_z_loss`: the
+        coefficients of its router's load-balancing loss and z-loss (`trainer.router_aux_loss`,
+        `trainer.router_z_loss`; 0: none)."""
         if optim.trainable:
             raise ValueError("optim.trainable: the Megatron trainer trains every parameter")
         from transformers import AutoConfig
@@ -128,8 +143,8 @@ class MegatronPolicyTrainer:
         if not is_policy(policy_dir):
             raise FileNotFoundError(f"no Hugging Face policy at {policy_dir} (config.json missing)")
         # the layout is checked on the config alone, before any group or weight exists
-        self.layout = Layout.of(AutoConfig.from_pretrained(policy_dir), tensor, pipeline)
-        initialize(tensor, pipeline, seed)  # on CUDA: this rank's GPU (LOCAL_RANK) made current
+        self.layout = Layout.of(AutoConfig.from_pretrained(policy_dir), tensor, pipeline, expert)
+        initialize(tensor, pipeline, seed, expert)  # on CUDA: this rank's GPU (LOCAL_RANK) made current
         self.device = torch.device("cuda", torch.cuda.current_device()) if here.type == "cuda" else here
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -144,7 +159,8 @@ class MegatronPolicyTrainer:
         # `gpt`: this rank's GPTModel (its parameters' names are the layout's); `module`: what the
         # schedules run (bf16: wrapped in megatron's Float16Module, which casts the first stage's
         # inputs to bf16 and the last stage's logits back to fp32)
-        self.gpt = build_model(hf.config, self.layout, layer_spec, recompute, dtype)
+        self.gpt = build_model(hf.config, self.layout, layer_spec, recompute, dtype, router_aux_loss, router_z_loss)
+        self.router_losses = (router_aux_loss, router_z_loss) if self.layout.experts else (0.0, 0.0)
         load_hf_state(self.gpt, hf.state_dict(), self.layout)
         module = _precision_wrapper(self.gpt)
         # the k3 KL's reference: the initial policy, frozen, in the same layout and precision (each rank
@@ -182,15 +198,27 @@ class MegatronPolicyTrainer:
 
     # -- the schedule ------------------------------------------------------------------------
     def _micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[Micro]:
-        """This rank's micro-batches of `rows`; at least one (a rank with no rows still takes part
-        in the pipeline's and the data-parallel group's collectives, with a row that trains nothing)."""
+        """This data-parallel rank's micro-batches of `rows` (the whole set; its share is taken here);
+        at least one (a rank with no rows still takes part in the pipeline's and the data-parallel
+        group's collectives, with a row that trains nothing), and with expert parallelism as many as
+        the data-parallel rank with the most (`_micro_count`): the experts' all-to-all needs every
+        rank of the EP group in every MoE layer's forward and backward."""
         m = self.cfg.micro_batch_size
-        micros = [(rows[i: i + m], batch.select(rows[i: i + m]).to(self.device)) for i in range(0, len(rows), m)]
-        if not micros:
+        mine = self._my_rows(rows)
+        micros = [(mine[i: i + m], batch.select(mine[i: i + m]).to(self.device)) for i in range(0, len(mine), m)]
+        count = self._micro_count(rows) if self.layout.ep > 1 else max(len(micros), 1)
+        if len(micros) < count:
             empty = batch.select([0]).to(self.device)
             empty.response_mask = torch.zeros_like(empty.response_mask)
-            micros = [([], empty)]
+            micros += [([], empty)] * (count - len(micros))
         return micros
+
+    def _micro_count(self, rows: list[int]) -> int:
+        """The most micro-batches any data-parallel rank makes of its share of `rows` (at least 1):
+        known to every rank without a collective, since every rank holds the whole batch."""
+        m, k = self.cfg.micro_batch_size, len(rows)
+        shares = [(r + 1) * k // self.dp_size - r * k // self.dp_size for r in range(self.dp_size)]
+        return max(1, max(math.ceil(n / m) for n in shares))
 
     def _my_rows(self, rows: list[int]) -> list[int]:
         """This data-parallel rank's contiguous share of `rows`."""
@@ -204,19 +232,39 @@ class MegatronPolicyTrainer:
         its loss (training) or None."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        # sequence parallelism (a mixture of experts at TP > 1) splits each sequence over the TP ranks
+        multiple = self.layout.tp if self.gpt.config.sequence_parallel else 1
+
         def forward_step(data_iterator, model):
             rows, micro = next(data_iterator)
-            n, width = micro.input_ids.shape
-            device = micro.input_ids.device
-            out = model(micro.input_ids, torch.arange(width, device=device).expand(n, -1),
-                        attention_mask=torch.triu(torch.ones(width, width, dtype=torch.bool, device=device), 1)[None, None])
+            ids = micro.input_ids
+            n, width = ids.shape
+            if width % multiple:  # padded on the right: causal attention keeps it from the real positions
+                ids = torch.nn.functional.pad(ids, (0, multiple - width % multiple))
+            padded, device = ids.shape[1], ids.device
+            out = model(ids, torch.arange(padded, device=device).expand(n, -1),
+                        attention_mask=torch.triu(torch.ones(padded, padded, dtype=torch.bool, device=device), 1)[None, None])
             return out, functools.partial(_loss_func, on_logits, rows, micro)
 
+        self._weigh_router_losses(len(micros) * self.dp_size)
         with self._cpu():
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(micros), model=model or self.model,
-                num_microbatches=len(micros), seq_length=max(m.input_ids.shape[1] for _, m in micros),
+                num_microbatches=len(micros),
+                seq_length=max(-(-m.input_ids.shape[1] // multiple) * multiple for _, m in micros),
                 micro_batch_size=max(m.size for _, m in micros), forward_only=forward_only)
+
+    def _weigh_router_losses(self, micro_batches: int) -> None:
+        """The router's auxiliary losses enter each micro-batch's backward with megatron's coefficient
+        (with `calculate_per_token_loss` the schedule scales them by 1, and the trainer's gradient sums
+        over micro-batches and data-parallel ranks): set to the trainer's coefficients over the
+        minibatch's micro-batch count (over every data-parallel rank), so that the minibatch's gradient
+        gets the coefficients times their mean. The routers read the coefficients at each forward."""
+        aux, z = self.router_losses
+        if aux > 0:
+            self.gpt.config.moe_aux_loss_coeff = aux / micro_batches
+        if z > 0:
+            self.gpt.config.moe_z_loss_coeff = z / micro_batches
 
     def _sum_over_stages_and_replicas(self, t: Tensor) -> Tensor:
         """Sum over the pipeline group (only the last stage holds values) and the data-parallel group."""
@@ -240,7 +288,7 @@ class MegatronPolicyTrainer:
                 out[0, rows, 1: logp.shape[1] + 1] = logp
                 out[1, rows, 1: entropy.shape[1] + 1] = entropy
 
-        self._run(self._micro_batches(batch, self._my_rows(list(range(batch.size)))), score, forward_only=True,
+        self._run(self._micro_batches(batch, list(range(batch.size))), score, forward_only=True,
                   model=model)
         logp, entropy = self._sum_over_stages_and_replicas(out)
         return logp, entropy
@@ -275,7 +323,7 @@ class MegatronPolicyTrainer:
             pad = torch.zeros_like(logp[:, :1])
             return loss_of(micro_rows, micro, torch.cat([pad, logp], 1), torch.cat([pad, entropy], 1))
 
-        self._run(self._micro_batches(batch, self._my_rows(rows)), on_logits, forward_only=False)
+        self._run(self._micro_batches(batch, rows), on_logits, forward_only=False)
 
     def update(self, loss_finite: bool) -> float | None:
         """megatron's optimizer.step() is prepare, norm, clip, update, unconditionally; a NaN/inf
@@ -434,7 +482,8 @@ class MegatronPolicyTrainer:
         if dist.get_rank() == 0:  # last: its presence says the checkpoint is complete
             l = self.layout
             (megatron_dir / "fastgrpo.json").write_text(json.dumps(
-                {"model": self._identity(), "saved_at": {"tensor": l.tp, "pipeline": l.pp, "data": self.dp_size},
+                {"model": self._identity(), "saved_at": {"tensor": l.tp, "pipeline": l.pp, "expert": l.ep,
+                                                         "data": self.dp_size},
                  "updates": self.updates, "precision": self._precision(),
                  "distributed_optimizer": self.distributed_optimizer, "optimizer": with_optimizer}, indent=1))
         dist.barrier()
@@ -489,19 +538,24 @@ class MegatronPolicyTrainer:
             raise LayoutError(f"the checkpoint {directory} holds the optimizer state of another trainer setting "
                               f"(saved, now: {differs}){hint}")
         at = saved["saved_at"]
-        if self.distributed_optimizer and (at["tensor"], at["pipeline"]) != (self.layout.tp, self.layout.pp):
+        l = self.layout
+        if self.distributed_optimizer and (at["tensor"], at["pipeline"], at.get("expert", 1)) != (l.tp, l.pp, l.ep):
             raise LayoutError(f"the checkpoint {directory} holds a distributed optimizer's state saved at tensor "
-                              f"{at['tensor']} x pipeline {at['pipeline']}: it reloads at another data-parallel size, "
-                              f"not at tensor {self.layout.tp} x pipeline {self.layout.pp}{hint}")
+                              f"{at['tensor']} x pipeline {at['pipeline']} x expert {at.get('expert', 1)}: it reloads "
+                              f"at another data-parallel size, not at tensor {l.tp} x pipeline {l.pp} x expert "
+                              f"{l.ep}{hint}")
 
 
 def checkpoint_identity(hf_config, layout: Layout) -> dict:
     """The model a Megatron checkpoint holds, as `fastgrpo.json` records it (checked on load; written
     by the trainer and by the conversion tools)."""
     l = layout
-    return {"model_type": hf_config.model_type, "layers": l.layers, "hidden": l.hidden, "heads": l.heads,
-            "kv_heads": l.kv_heads, "head_dim": l.head_dim, "ffn": l.ffn, "vocab": l.vocab, "tied": l.tied,
-            "qkv_bias": l.qkv_bias}
+    identity = {"model_type": hf_config.model_type, "layers": l.layers, "hidden": l.hidden, "heads": l.heads,
+                "kv_heads": l.kv_heads, "head_dim": l.head_dim, "ffn": l.ffn, "vocab": l.vocab, "tied": l.tied,
+                "qkv_bias": l.qkv_bias}
+    if l.experts:  # (a dense model's identity is unchanged: its checkpoints keep loading)
+        identity.update(experts=l.experts, topk=l.topk, moe_ffn=l.moe_ffn)
+    return identity
 
 
 def _precision_wrapper(gpt):
@@ -517,8 +571,9 @@ def _precision_wrapper(gpt):
 def _loss_func(on_logits, rows: list[int], micro: RolloutBatch, logits: Tensor):
     """megatron's loss function contract (last stage only): (loss, token count, reduced dict). With
     `calculate_per_token_loss` the schedule neither divides the loss by the token count nor by the
-    micro-batch count; our loss is already normalised over the whole minibatch."""
-    loss = on_logits(rows, micro, logits)
+    micro-batch count; our loss is already normalised over the whole minibatch. Logits beyond the
+    micro-batch's width (sequence-parallel padding) are cut off first."""
+    loss = on_logits(rows, micro, logits[:, : micro.input_ids.shape[1]])
     return (loss if loss is not None else logits.new_zeros(())), torch.zeros((), dtype=torch.int, device=logits.device), {}
 
 
