@@ -29,6 +29,12 @@ import torch
 from torch import Tensor
 
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# A mixture-of-experts model stays memory-bound far past 512 tokens: a forward of a few hundred tokens
+# already reads every expert, while each token computes with k of them (Qwen3-30B-A3B on an H100:
+# compute takes over near 2,000 tokens, roofline.py). A sweep that stops at 512 sees a flat last
+# segment and prices any larger forward (128 rows verifying 64 nodes each: 8,192 tokens) as free, so
+# a MoE's sweep runs on to the largest verify `aware` considers at 128 rows
+MOE_SWEEP = SWEEP + (1024, 2048, 4096, 8192)
 CONTEXT = 128  # typical cached length during the sweep
 ROWS = 64  # the sweep's point of t tokens holds min(t, ROWS) sequences
 ROW_PROBES = ((1, 16), (4, 16))  # (rows, tokens each): the sweep's 16 and 64 tokens in fewer rows
