@@ -439,3 +439,69 @@ def test_the_standard_error_of_a_median_shrinks_with_runs_and_vanishes_without_s
     assert median_se([2.0] * 5, rng) == 0.0
     assert 0.05 < median_se(few, rng) < 0.15
     assert median_se(many, rng) < median_se(few, rng) / 2  # 16x the runs: about a quarter
+
+
+def test_a_moe_is_simulated_with_aware_priced_expert_blind_beside_aware():
+    """On Qwen3-30B-A3B the simulator runs `aware_expert_blind` (calibrated on the model priced as a dense
+    model of its active size) against the same true costs; a dense model has no such policy. At 16 and
+    128 rows blind pricing picks trees whose verify reads far more experts than it assumed (its online
+    correction rescales every tree alike and cannot undo that), so it is slower than aware priced for
+    experts, which is never much slower than plain decoding."""
+    from pathlib import Path
+
+    from fastgrpo.speculation.roofline import load_model_shape
+
+    assert "aware_expert_blind" not in sim_policies(Roofline(H100, LLAMA3_8B), ())
+    moe = load_model_shape(Path(__file__).resolve().parents[1] / "configs" / "models" / "qwen3_30b_a3b.json")
+    costs, acc = Roofline(H100, moe), eagle_profile(0.9)
+    blind = sim_policies(costs, ())["aware_expert_blind"]
+    assert isinstance(blind, Aware)
+    assert blind.costs.target_s == simulated_cost_model(Roofline(H100, moe.blind())).target_s
+    for B in (1, 16, 128):
+        wl = Workload("fixed", [SimRequest(i, 256, 400) for i in range(B)], 400, 700)
+        seconds = {}
+        for name in ("off", "aware", "aware_expert_blind"):
+            policy, rng = sim_policies(costs, ())[name], np.random.default_rng(0)
+            seconds[name] = [simulate(wl, costs, acc, policy, B, rng) for _ in range(2)][-1].seconds
+        assert seconds["aware"] <= 1.02 * seconds["off"], (B, seconds)
+        if B > 1:
+            assert seconds["aware"] < 0.8 * seconds["aware_expert_blind"], (B, seconds)
+
+
+def test_bench_simulate_model_flag_builds_the_config_alone_and_writes_beside_the_full_run(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from fastgrpo.bench.simulate import command
+    from fastgrpo.cli import build_parser
+
+    parse = build_parser().parse_known_args
+    assert parse(["bench", "simulate"])[0].needs == "draft"
+    args = parse(["bench", "simulate", "--model", "configs/models/qwen3_30b_a3b.json", "--tp", "2"])[0]
+    assert (args.needs, args.model, args.tp, args.hardware) == ("config", "configs/models/qwen3_30b_a3b.json", 2, "h100")
+    seen = {}
+    monkeypatch.setattr("fastgrpo.bench.simulate.shape.bench_simulate_model",
+                        lambda cfg, model, hw, tp, quick, output, extra: seen.update(output=output, tp=tp))
+    from pathlib import Path
+
+    args.output, args.extra = Path("bench/simulate.json"), []  # `fastgrpo bench`'s default
+    command.from_cli(args, SimpleNamespace(seed=0))
+    assert seen == {"output": Path("bench/simulate-qwen3_30b_a3b.json"), "tp": 2}
+    args.repetitions = 3
+    with pytest.raises(ValueError, match="--repetitions"):
+        command.from_cli(args, SimpleNamespace(seed=0))
+
+
+def test_the_model_table_lists_every_policy_against_aware():
+    from fastgrpo.bench.simulate.shape import markdown
+
+    result = {"meta": {"date": "2026-11-28", "case": "H100 SXM / m", "tp": 2, "workload": "long-tail",
+                       "longtail": {"prompts": 64, "group": 8}, "max_running": 128, "repetitions": 3},
+              "seconds": {"off": 300.0, "fastgrpo": 240.0, "tlt": 250.0, "static_d5k8n24": 100.0,
+                          "static_d3k4n8": 120.0, "aware": 80.0, "aware_expert_blind": 120.0},
+              "best_static": "d5k8n24", "spec_fraction": {m: 0.5 for m in ("off", "fastgrpo", "tlt", "static_d5k8n24",
+                                                                           "aware", "aware_expert_blind")},
+              "choices": {}, "step_prices": []}
+    table = markdown(result, "fastgrpo bench simulate --model m.json --output x.json")
+    assert "| `off` | 300.0 | 3.75x |" in table
+    assert "| best static tree (d5k8n24) | 100.0 | 1.25x |" in table and "d3k4n8" not in table
+    assert "expert-blind" in table and "| `aware` | 80.0 |  |" in table

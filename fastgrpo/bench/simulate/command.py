@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import platform
 import statistics
@@ -279,6 +280,15 @@ def markdown(result: dict, command: str) -> str:
 
 
 # -- `fastgrpo bench simulate`: its sub-parser (fastgrpo/bench/command.py) --
+class _ModelOnly(argparse.Action):
+    """--model PATH: store it, and tell `fastgrpo bench` to build the config alone (the run simulates a GPU
+    only: no policy, no draft, no CPU validation)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.needs = "config"
+
+
 def add_arguments(parser) -> None:
     """`fastgrpo bench simulate`'s own flags (--quick, --output, --config and overrides are every benchmark's)."""
     from fastgrpo.bench.command import at_least_one
@@ -286,8 +296,26 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repetitions", type=at_least_one, help="the validation's repetitions R (default 3): a "
                         "fixed-concurrency workload of B sequences runs max(2R, 16R/B) times, the GRPO batch 2R, and "
                         "the profile's passes amid them scale with R")
+    parser.add_argument("--model", action=_ModelOnly, help="a Hugging Face config.json (configs/models/*.json, dense "
+                        "or Qwen3-MoE): simulate only the long-tail GPU case for that shape (seconds, no CPU "
+                        "validation; written to bench/simulate-<its stem>.json unless --output names another file); a MoE also "
+                        "runs aware priced expert-blind")
+    parser.add_argument("--hardware", choices=sorted(ACCELERATORS), default="h100", help="with --model: the GPU")
+    parser.add_argument("--tp", type=at_least_one, default=1, help="with --model: tensor-parallel GPUs")
     parser.set_defaults(run=from_cli)
 
 
 def from_cli(args, cfg) -> dict:
+    from fastgrpo.bench.command import BenchUsageError
+
+    if args.model is not None:
+        from fastgrpo.bench.simulate.shape import bench_simulate_model
+
+        if args.repetitions:
+            raise BenchUsageError("`bench simulate`: --repetitions is the CPU validation's, which --model does not run")
+        if args.output == Path("bench/simulate.json"):  # the full run's file: a model's run goes beside it
+            args.output = Path(f"bench/simulate-{Path(args.model).stem}.json")
+        return bench_simulate_model(cfg, args.model, args.hardware, args.tp, args.quick, args.output, args.extra)
+    if args.hardware != "h100" or args.tp != 1:
+        raise BenchUsageError("`bench simulate`: --hardware and --tp go with --model")
     return bench_simulate(cfg, args.quick, args.output, args.extra, args.repetitions)

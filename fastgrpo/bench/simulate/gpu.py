@@ -19,7 +19,8 @@ from fastgrpo.bench.simulate.simulator import SimRun, sim_policies, simulate
 GPU_STATICS = (*STATIC_SWEEP, SpecConfig(6, 8, 32), SpecConfig(6, 8, 64))
 RHO_SWEEP = (0.0, 0.25, 0.75, 1.0)  # the draft confidence's informativeness, around the assumed 0.5
 GPU_MAX_BATCH = 128  # rows an engine keeps running: bounded by KV memory at these lengths (our assumption)
-LEARNING = ("tlt", "aware", "aware_per_sequence")  # policies that learn: a warm-up rollout first, as in training
+# policies that learn: a warm-up rollout first, as in training
+LEARNING = ("tlt", "aware", "aware_per_sequence", "aware_expert_blind")
 BUCKETS = ((1, 4), (5, 16), (17, 32), (33, 64), (65, 128), (129, 10**9))
 
 

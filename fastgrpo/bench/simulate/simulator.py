@@ -14,7 +14,7 @@ import torch
 from fastgrpo.engines.embedded.engine import DRAFT_WINDOW
 from fastgrpo.speculation.per_sequence import AwarePerSequence
 from fastgrpo.speculation.policy import Aware, FastGRPOFormula, Off, SpeculationPolicy, Static
-from fastgrpo.speculation.roofline import simulated_cost_model
+from fastgrpo.speculation.roofline import Roofline, simulated_cost_model
 from fastgrpo.speculation.tlt import TLT
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.bench.simulate.costs import Costs
@@ -191,13 +191,21 @@ def replay_steps(records: list[tuple[SpecConfig | None, int, list[int] | None]],
 
 def sim_policies(costs: Costs, statics: Sequence[SpecConfig], calibration_error: Callable[[str, int], float] | None = None,
                  tlt_seed: int = 0) -> dict[str, SpeculationPolicy]:
-    """Fresh policy objects for the simulated machine; `aware` calibrated on the simulated forwards."""
+    """Fresh policy objects for the simulated machine; `aware` calibrated on the simulated forwards.
+
+    On a mixture-of-experts model (a Roofline whose shape has experts) also `aware_expert_blind`:
+    `aware` calibrated on the same GPU with the model priced as if every forward read one token's k
+    experts (`ModelShape.blind`, a dense model of the active size), then run against the true costs
+    like every other policy: what pricing speculation without the experts a verify touches costs."""
     out: dict[str, SpeculationPolicy] = {"off": Off()}
     out |= {f"static_{c.name}": Static(c) for c in statics}
     out["fastgrpo"] = FastGRPOFormula()
     out["tlt"] = TLT(seed=tlt_seed)
     out["aware"] = Aware(simulated_cost_model(costs, calibration_error))
     out["aware_per_sequence"] = AwarePerSequence(simulated_cost_model(costs, calibration_error))
+    if isinstance(costs, Roofline) and costs.model.moe:
+        blind = Roofline(costs.hw, costs.model.blind())
+        out["aware_expert_blind"] = Aware(simulated_cost_model(blind, calibration_error))
     return out
 
 
