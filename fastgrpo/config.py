@@ -1,4 +1,5 @@
-"""The run configuration: typed sections, YAML loading, `key=value` overrides, validation.
+"""The run configuration: typed sections, YAML loading, `key=value` overrides, validation, and the rules
+of a run's layout (`layout_rules`) that validation, a launched rank and `fastgrpo plan` judge alike.
 
 Everything is checked before any work starts, and every error names the offending key, so a typo
 in a 70B launch fails in a second instead of after an hour of model loading.
@@ -14,6 +15,8 @@ from typing import Any, Literal, get_args
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from fastgrpo.types import EngineMap, Shape, WorldSize
 
 
 class ConfigError(ValueError):
@@ -371,8 +374,6 @@ class Config:
 
 
 LAYER_SPECS = get_args(LayerSpec)
-MODEL_PARALLEL_TRAINERS = ("megatron",)  # trainers that split the policy over ranks (parallel.tensor/pipeline)
-DISTRIBUTED_TRAINERS = ("megatron", "deepspeed")  # trainers of a torchrun world (data parallel, draft slice)
 
 # keys whose documented values include the word `off`, which YAML 1.1 (and so OmegaConf) reads as false
 OFF_KEYS = (("speculation", "policy"), ("draft", "online"))
@@ -409,38 +410,134 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config
 
 
+MODEL_PARALLEL_TRAINERS = ("megatron",)  # trainers that split the policy over ranks (parallel.tensor/pipeline/expert)
+DISTRIBUTED_TRAINERS = ("megatron", "deepspeed")  # trainers of a torchrun world (data parallel, draft slice)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule as it applies to this run: `text` says what must hold, `key` is the config key to change
+    when it does not."""
+
+    ok: bool
+    key: str
+    text: str
+
+
+def layout_rules(c: Config, world: WorldSize | None = None, shape: Shape | None = None) -> list[Rule]:
+    """The rules of a run's layout, written once: the config against itself, against the world it runs on
+    (`world`) and against the model's shape (`shape`), each judged only when given. Three callers judge
+    them with what they know: `load_config` the config alone, a launched rank the world torchrun started
+    too (`run_setup.check_layout`, before any process group exists), and `fastgrpo plan` the planned
+    cluster and the model's config as well, where it prints every rule, kept or broken. A rule that does
+    not apply (the expert-parallel ones at `parallel.expert=1`) is not listed: the plan shows what this
+    run must keep and no more."""
+    rules: list[Rule] = []
+
+    def rule(ok: bool, key: str, text: str) -> None:
+        rules.append(Rule(bool(ok), key, text))
+
+    trainer, draft, par, engine = c.trainer.backend, c.draft.online, c.parallel, c.engine
+    t, p, ep, d_ranks, et = par.tensor, par.pipeline, par.expert, par.draft_ranks, engine.tensor
+
+    # the config alone
+    for key in ("tensor", "pipeline", "expert"):
+        if getattr(par, key) > 1:
+            rule(trainer in MODEL_PARALLEL_TRAINERS, f"parallel.{key}",
+                 f"parallel.{key}={getattr(par, key)} needs trainer.backend=megatron, which splits the policy over "
+                 f"ranks (trainer.backend={trainer})")
+    if trainer in DISTRIBUTED_TRAINERS and draft == "async":
+        rule(d_ranks >= 1, "draft.online", f"draft.online=async with trainer.backend={trainer} trains the draft on "
+                                           f"a reserved draft slice: parallel.draft_ranks >= 1 (one more rank launched)")
+    if d_ranks:
+        rule(trainer in DISTRIBUTED_TRAINERS, "parallel.draft_ranks",
+             f"parallel.draft_ranks={d_ranks} reserves ranks of a torchrun world: trainer.backend=megatron or deepspeed")
+        rule(draft == "async", "parallel.draft_ranks",
+             f"parallel.draft_ranks={d_ranks} trains the draft there: draft.online=async")
+    if et > 1:
+        rule(engine.backend != "embedded", "engine.tensor",
+             f"engine.tensor={et} needs engine.backend=sglang (the embedded engine runs on one rank)")
+    if engine.backend == "sglang":
+        rule(c.cluster.gpus_per_node % et == 0, "engine.tensor",
+             f"engine.tensor={et} divides cluster.gpus_per_node={c.cluster.gpus_per_node} (an engine never spans "
+             f"a node)")
+
+    if world is not None:
+        if trainer == "torch":
+            rule(world.ranks == 1, "trainer.backend",
+                 f"trainer.backend=torch trains in one process: a world of 1 rank (not {world.ranks}); "
+                 f"trainer.backend=megatron or deepspeed spans more")
+        policy = world.ranks - d_ranks
+        divides = policy >= t * p and policy % (t * p) == 0
+        dp = policy // (t * p) if divides else 0
+        rule(divides, "parallel.tensor",
+             f"{world.ranks} ranks = tensor {t} x pipeline {p} x data {dp or '?'} + {d_ranks} draft rank(s)")
+        if divides:
+            if ep > 1:
+                rule(dp % ep == 0, "parallel.expert",
+                     f"parallel.expert={ep} divides the {dp} data-parallel ranks (an expert-parallel group spans "
+                     f"data ranks of one tensor rank and stage)")
+            rule(c.rollout.prompts_per_step >= dp, "rollout.prompts_per_step",
+                 f"rollout.prompts_per_step={c.rollout.prompts_per_step} gives each of the {dp} data-parallel "
+                 f"replicas at least one group")
+            rule(policy % et == 0, "engine.tensor", f"engine.tensor={et} divides the {policy} policy ranks into engines")
+            rule(world.per_node % et == 0, "engine.tensor",
+                 f"engine.tensor={et} divides the {world.per_node} ranks of a node (an engine never spans nodes)")
+            if draft == "sync" and policy % et == 0:
+                engines = EngineMap(policy, et).engines
+                rule(engines == 1, "draft.online",
+                     f"draft.online=sync learns beside the one engine ({engines} engine(s); draft.online=async "
+                     f"with parallel.draft_ranks=1 learns from many)")
+
+    if shape is not None:
+        s = shape
+        rule(s.heads % t == 0, "parallel.tensor", f"tensor {t} divides the {s.heads} attention heads")
+        rule(s.kv_heads % t == 0, "parallel.tensor", f"tensor {t} divides the {s.kv_heads} key/value heads "
+                                                     f"(query groups)")
+        width, what = (s.expert_ffn, "expert MLP width") if s.moe else (s.ffn, "MLP width")
+        rule(width % t == 0, "parallel.tensor", f"tensor {t} divides the {what} {width}")
+        rule(s.layers % p == 0, "parallel.pipeline", f"pipeline {p} divides the {s.layers} layers")
+        rule(c.model.max_context <= s.positions, "model.max_context",
+             f"model.max_context {c.model.max_context} is within the model's {s.positions} positions "
+             f"(max_position_embeddings)")
+        if ep > 1:
+            rule(s.moe, "parallel.expert", f"parallel.expert={ep} splits the experts of a mixture-of-experts model "
+                                           f"({s.family}: {s.experts} experts)")
+            if s.moe:
+                rule(s.experts % ep == 0, "parallel.expert",
+                     f"parallel.expert={ep} divides the {s.experts} experts")
+        if engine.backend == "sglang":
+            rule(s.heads % et == 0, "engine.tensor",
+                 f"engine.tensor={et} divides the {s.heads} attention heads (SGLang's tensor parallelism)")
+    return rules
+
+
+def broken(rules: list[Rule]) -> Rule | None:
+    """The first rule that does not hold, if any."""
+    return next((r for r in rules if not r.ok), None)
+
+
 def validate(c: Config) -> None:
     """Each section's own rules (its `check`, beside its fields), then the rules across sections."""
     _check(c.threads >= 0, "threads", "must be >= 0", c.threads)
     for section in (c.model, c.trainer, c.deepspeed, c.engine, c.parallel, c.cluster, c.task, c.rollout,
                     c.speculation, c.draft, c.grpo, c.optim, c.sft, c.tracking, c.checkpoint, c.eval):
         section.check()
-    trainer, draft = c.trainer.backend, c.draft.online
-    for key in ("tensor", "pipeline"):
-        size = getattr(c.parallel, key)
-        _check(size == 1 or trainer in MODEL_PARALLEL_TRAINERS, f"parallel.{key}",
-               f"> 1 needs a model-parallel trainer.backend (trainer.backend={trainer} runs the policy whole on "
-               f"each rank)", size)
-    if trainer in DISTRIBUTED_TRAINERS:  # what those trainers do not do
+    if c.trainer.backend in DISTRIBUTED_TRAINERS:
         _check(not c.optim.trainable, "optim.trainable", "is for trainer.backend=torch only", c.optim.trainable)
-        _check(draft != "async" or c.parallel.draft_ranks >= 1, "draft.online", f"async with "
-               f"trainer.backend={trainer} trains the draft on the world's reserved draft slice: set "
-               "parallel.draft_ranks=1 (and launch one more rank)", draft)
-    if c.parallel.draft_ranks:
-        _check(trainer in DISTRIBUTED_TRAINERS, "parallel.draft_ranks", "> 0 reserves ranks of a torchrun world: "
-               "use trainer.backend=megatron or deepspeed", c.parallel.draft_ranks)
-        _check(draft == "async", "parallel.draft_ranks", "> 0 trains the draft there: needs draft.online=async",
-               c.parallel.draft_ranks)
-    _check(c.engine.tensor == 1 or c.engine.backend != "embedded", "engine.tensor",
-           "must be 1 with engine.backend=embedded (it runs on one rank)", c.engine.tensor)
-    _check(c.engine.backend != "sglang" or c.cluster.gpus_per_node % c.engine.tensor == 0, "engine.tensor",
-           f"must divide cluster.gpus_per_node={c.cluster.gpus_per_node} (an engine never spans a node)",
-           c.engine.tensor)
+    enforce(layout_rules(c))
     _check(c.rollout.max_new_tokens < c.model.max_context, "rollout.max_new_tokens", "must be < model.max_context",
            c.rollout.max_new_tokens)
-    _check(draft == "off" or c.speculation.policy != "off", "draft.online",
+    _check(c.draft.online == "off" or c.speculation.policy != "off", "draft.online",
            "needs speculation (speculation.policy != off): the draft learns from the states rollout computes for it",
-           draft)
+           c.draft.online)
+
+
+def enforce(rules: list[Rule]) -> None:
+    """A ConfigError naming the key of the first layout rule the run breaks (`layout_rules`)."""
+    rule = broken(rules)
+    if rule is not None:
+        raise ConfigError(f"{rule.key} breaks a layout rule: {rule.text}")
 
 
 def to_yaml(c: Config) -> str:

@@ -30,10 +30,11 @@ from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
 
-from fastgrpo.config import Config, ConfigError
+from fastgrpo.config import Config, ConfigError, layout_rules
 from fastgrpo.models.families import UnsupportedModel, check_family
 from fastgrpo.paths import HF_CONFIG
 from fastgrpo.trainers.megatron.layout import VOCAB_DIVISIBLE_BY, Layout, LayoutError, padded_vocab
+from fastgrpo.types import EngineMap, Shape, WorldSize
 
 GIB = 2**30
 FP32, BF16 = 4, 2
@@ -102,61 +103,31 @@ def model_config(cfg: Config) -> tuple[PretrainedConfig, str]:
     return AutoConfig.for_model(**raw), str(file)
 
 
-@dataclass(frozen=True)
-class Shape:
-    """What the plan prices of a policy, from its Hugging Face config: the sizes, and the parts a
-    family adds to the Llama layer. Qwen3 has a head size of its own (`head_dim` x heads need not be
-    the hidden size) and an RMSNorm weight of `head_dim` over q and one over k in every layer; Qwen2.5
-    biases on q, k and v; Llama's `attention_bias` puts biases on q, k, v and o (false in the real
-    checkpoints). `tied`: the LM head is the embedding (small Qwen2.5s), else a matrix of its own."""
-
-    family: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    tied: bool
-    qkv_bias: bool
-    o_bias: bool
-    qk_norm: bool
-    positions: int  # max_position_embeddings
-
-    @classmethod
-    def of(cls, c: PretrainedConfig) -> Shape:
-        heads = c.num_attention_heads
-        attention_bias = bool(getattr(c, "attention_bias", False))
-        return cls(family=c.model_type, layers=c.num_hidden_layers, hidden=c.hidden_size, heads=heads,
-                   kv_heads=c.num_key_value_heads or heads,
-                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, ffn=c.intermediate_size,
-                   vocab=c.vocab_size, tied=bool(c.tie_word_embeddings),
-                   qkv_bias=c.model_type == "qwen2" or attention_bias,  # Qwen2's config has no switch: always
-                   o_bias=c.model_type != "qwen2" and attention_bias, qk_norm=c.model_type == "qwen3",
-                   positions=c.max_position_embeddings)
-
-    def describe(self) -> str:
-        parts = [f"{self.layers} layers", f"hidden {self.hidden}", f"{self.heads} heads x head_dim {self.head_dim}",
-                 f"{self.kv_heads} KV heads", f"MLP {self.ffn}", f"vocab {self.vocab}"]
-        parts += [x for x, on in (("q/k/v biases", self.qkv_bias), ("o bias", self.o_bias),
-                                  ("q/k norms", self.qk_norm)) if on]
-        parts.append("tied LM head" if self.tied else "untied LM head")
-        return f"{self.family}: " + ", ".join(parts)
+def expert_params(s: Shape) -> int:
+    """One layer's experts (SwiGLU: gate, up and down, each h x expert_ffn): what expert parallelism
+    divides; 0 for a dense model."""
+    return s.experts * 3 * s.hidden * s.expert_ffn
 
 
-def layer_params(s: Shape, draft: bool = False) -> int:
-    """One decoder layer: q, k, v, o and the SwiGLU MLP, two RMSNorms, and the family's biases and q/k
-    norms (`draft`: the draft head's plain Llama layer at the same sizes, without them)."""
+def layer_params(s: Shape, draft: bool = False, active: bool = False) -> int:
+    """One decoder layer: q, k, v, o, the MLP, two RMSNorms, and the family's biases and q/k norms. The
+    MLP is a SwiGLU of width ffn, or a mixture of experts: a router (experts x h) and the experts, of
+    which a token runs top_k (`active`: the parameters one token computes with). `draft`: the draft
+    head's plain Llama layer at the same sizes (a dense MLP of width ffn), without biases or norms."""
     h, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
-    n = h * (q + 2 * kv) + q * h + 3 * h * s.ffn + 2 * h
+    if s.moe and not draft:
+        mlp = s.experts * h + (s.top_k * 3 * h * s.expert_ffn if active else expert_params(s))
+    else:
+        mlp = 3 * h * s.ffn
+    n = h * (q + 2 * kv) + q * h + mlp + 2 * h
     if not draft:
         n += (q + 2 * kv if s.qkv_bias else 0) + (h if s.o_bias else 0) + (2 * s.head_dim if s.qk_norm else 0)
     return n
 
 
-def parameters(s: Shape) -> int:
-    return s.layers * layer_params(s) + s.vocab * s.hidden * (1 if s.tied else 2) + s.hidden
+def parameters(s: Shape, active: bool = False) -> int:
+    """All the policy's parameters (`active`: those one token computes with, a MoE's top_k experts)."""
+    return s.layers * layer_params(s, active=active) + s.vocab * s.hidden * (1 if s.tied else 2) + s.hidden
 
 
 def draft_parameters(s: Shape) -> int:
@@ -170,55 +141,29 @@ def kv_bytes_per_token(s: Shape, dtype_bytes: int) -> int:
 
 
 def _check_layout(plan: Plan, cfg: Config, config: PretrainedConfig, s: Shape, world: int, gpus_per_node: int) -> int:
-    """Divisibility and sizes, the trainer's and the engines'; returns the data-parallel size (0 when
-    the world does not divide)."""
+    """Every layout rule of the run (`layout_rules`, the ones `load_config` and a launched rank judge too),
+    the Megatron layout's own and the vocabulary's padding; returns the data-parallel size (0 when the
+    world does not divide)."""
     t, p, d_ranks = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.draft_ranks
-    check = plan.checks.append
-    check((s.heads % t == 0, f"tensor {t} divides the {s.heads} attention heads"))
-    check((s.kv_heads % t == 0, f"tensor {t} divides the {s.kv_heads} key/value heads (query groups)"))
-    check((s.ffn % t == 0, f"tensor {t} divides the MLP width {s.ffn}"))
+    plan.checks += [(r.ok, r.text) for r in layout_rules(cfg, WorldSize(world, gpus_per_node), s)]
     padded = padded_vocab(s.vocab, t)
-    check((True, f"vocabulary {s.vocab} padded to {padded} (a multiple of {VOCAB_DIVISIBLE_BY} x tensor {t})"))
-    check((s.layers % p == 0, f"pipeline {p} divides the {s.layers} layers"))
-    L = cfg.model.max_context
-    check((L <= s.positions, f"model.max_context {L} is within the model's {s.positions} positions "
-                             f"(max_position_embeddings)"))
+    plan.checks.append((True, f"vocabulary {s.vocab} padded to {padded} (a multiple of {VOCAB_DIVISIBLE_BY} x tensor {t})"))
     if cfg.trainer.backend == "megatron":
-        try:  # the trainer's own rule, in case it asks more than the lines above
+        try:  # the trainer's own rule, in case it asks more than the rules above
             Layout.of(config, t, p)
-            check((True, f"the Megatron layout accepts tensor {t} x pipeline {p}"))
+            plan.checks.append((True, f"the Megatron layout accepts tensor {t} x pipeline {p}"))
         except LayoutError as e:
-            check((False, f"the Megatron layout refuses it: {e}"))
-    if cfg.trainer.backend == "torch":
-        check((world == 1, f"trainer.backend=torch trains in one process: 1 device (not {world}); "
-                           f"trainer.backend=megatron or deepspeed spans more"))
+            plan.checks.append((False, f"the Megatron layout refuses it: {e}"))
     policy = world - d_ranks
-    ok = policy >= t * p and policy % (t * p) == 0
-    check((ok, f"{world} GPUs = tensor {t} x pipeline {p} x data {policy // (t * p) if ok else '?'} "
-               f"+ {d_ranks} draft rank(s)"))
-    if not ok:
+    if policy < t * p or policy % (t * p):
         return 0
     dp = policy // (t * p)
-    r, et = cfg.rollout, cfg.engine.tensor
-    check((r.prompts_per_step >= dp, f"{r.prompts_per_step} prompts per step give each of the {dp} trainer replicas "
-                                     f"at least one group of {r.group_size}"))
-    check((policy % et == 0, f"engine.tensor {et} divides the {policy} policy GPUs into engines"))
-    check((cfg.cluster.gpus_per_node % et == 0 and gpus_per_node % et == 0,
-           f"engine.tensor {et} divides the {gpus_per_node} GPUs of a node (an engine never spans nodes)"))
-    if policy % et:
-        return 0
-    engines = policy // et
-    if cfg.engine.backend == "sglang":
-        check((s.heads % et == 0, f"engine.tensor {et} divides the {s.heads} attention heads (SGLang's tensor parallelism)"))
-    if r.prompts_per_step < engines:
+    engines = EngineMap(policy, cfg.engine.tensor).engines if policy % cfg.engine.tensor == 0 else 0
+    r = cfg.rollout
+    if 0 < engines and r.prompts_per_step < engines:
         plan.notes.append(f"{engines - r.prompts_per_step} of the {engines} engines get no prompt in a step "
                           f"({r.prompts_per_step} prompts per step): a larger engine.tensor or more prompts use them")
-    if cfg.draft.online == "sync":
-        check((engines == 1, f"draft.online=sync learns beside the one engine ({engines} engines)"))
-    if cfg.draft.online == "async":
-        check((d_ranks >= 1 or cfg.trainer.backend == "torch",
-               f"draft.online=async has {d_ranks} reserved draft rank(s)"))
-    return dp
+    return dp if engines else 0
 
 
 def coordinates(rank: int, tensor: int, data: int) -> tuple[int, int, int]:
@@ -232,6 +177,7 @@ def _rank_map(plan: Plan, cfg: Config, nodes: int, per_node: int, dp: int) -> No
     engines of `engine.tensor` consecutive policy ranks tile them, each led by its first rank."""
     t, p = cfg.parallel.tensor, cfg.parallel.pipeline
     policy = t * p * dp
+    engines = EngineMap(policy, cfg.engine.tensor)
     for node in range(nodes):
         cells = []
         for gpu in range(per_node):
@@ -240,14 +186,12 @@ def _rank_map(plan: Plan, cfg: Config, nodes: int, per_node: int, dp: int) -> No
                 cells.append(f"draft{rank - policy}")
                 continue
             tp, stage, replica = coordinates(rank, t, dp)
-            lead = "*" if rank % cfg.engine.tensor == 0 else ""
-            cells.append(f"t{tp}p{stage}d{replica}{lead}")
+            cells.append(f"t{tp}p{stage}d{replica}{'*' if engines.leads(rank) else ''}")
         plan.rank_map.append(f"node {node:>3}: " + " ".join(f"{c:<10}" for c in cells).rstrip())
-    et = cfg.engine.tensor
     r = cfg.rollout
-    for e in range(policy // et):
-        ranks = list(range(e * et, (e + 1) * et))
-        first, last = e * r.prompts_per_step // (policy // et), (e + 1) * r.prompts_per_step // (policy // et)
+    for e in range(engines.engines):
+        ranks = list(engines.ranks(e))
+        first, last = engines.bounds(r.prompts_per_step, e)
         plan.rank_map.append(f"engine {e}: ranks {_ranges(ranks)} on node {ranks[0] // per_node}, led by rank "
                              f"{ranks[0]}; {last - first} prompt(s) x {r.group_size} per step")
 
@@ -275,20 +219,26 @@ def planned_precision(cfg: Config) -> str:
     return "bf16" if cuda else "fp32"
 
 
-def _megatron_state(cfg: Config, P: float, dp: int) -> list[Term]:
-    """What megatron's DDP and optimizer keep per GPU for `P` parameters of this rank's shard."""
+def _megatron_state(cfg: Config, P: float, dp: int, expert_P: float = 0.0) -> list[Term]:
+    """What megatron's DDP and optimizer keep per GPU for `P` parameters of this rank's shard, `expert_P`
+    of them its experts. The distributed optimizer shards the rest over the data ranks and the experts
+    over the expert-data ranks (data / parallel.expert: the ranks holding the same experts)."""
     bf16 = planned_precision(cfg) == "bf16"
-    shard = dp if cfg.trainer.distributed_optimizer else 1
-    where = (f"/ data {dp} (trainer.distributed_optimizer)" if cfg.trainer.distributed_optimizer
-             else "replicated over data ranks")
+    if cfg.trainer.distributed_optimizer:
+        expert_dp = max(dp // cfg.parallel.expert, 1)
+        P_opt = (P - expert_P) / dp + expert_P / expert_dp  # this rank's share of the optimizer's parameters
+        where = f"/ data {dp}" + (f", experts / expert-data {expert_dp}" if expert_P else "") + \
+            " (trainer.distributed_optimizer)"
+    else:
+        P_opt, where = P, "replicated over data ranks"
     weights = (Term("weights (bf16)", _gib(BF16 * P), f"2 B x {P / 1e9:.2f}B parameters (largest stage / TP)") if bf16
                else Term("weights (fp32)", _gib(FP32 * P), f"4 B x {P / 1e9:.2f}B parameters (largest stage / TP)"))
     grads = Term("gradients (fp32)", _gib(FP32 * P), "4 B x parameters (megatron's fp32 gradient buffer"
                  + (", grad_reduce_in_fp32)" if bf16 else ")"))
     if bf16:
-        optimizer = Term("main weights + Adam moments (fp32)", _gib(3 * FP32 * P / shard), f"12 B x parameters {where}")
+        optimizer = Term("main weights + Adam moments (fp32)", _gib(3 * FP32 * P_opt), f"12 B x parameters {where}")
     else:
-        optimizer = Term("Adam moments (fp32)", _gib(2 * FP32 * P / shard), f"8 B x parameters {where}")
+        optimizer = Term("Adam moments (fp32)", _gib(2 * FP32 * P_opt), f"8 B x parameters {where}")
     return [weights, grads, optimizer]
 
 
@@ -320,12 +270,14 @@ def _policy_phases(plan: Plan, cfg: Config, s: Shape, dp: int, capacity: float) 
     # the largest stage: the first holds the embedding, the last the LM head (and the final norm)
     stages = [stage_layers * layer_params(s) + (embed if i == 0 else 0) +
               ((0 if s.tied and p == 1 else embed) + s.hidden if i == p - 1 else 0) for i in range(p)]
-    P = max(stages) / t
+    # a stage's experts are split over parallel.expert ranks (each expert whole on one, then over TP)
+    experts = stage_layers * expert_params(s) / (t * cfg.parallel.expert)
+    P = (max(stages) - stage_layers * expert_params(s)) / t + experts
     ref = cfg.grpo.kl_coef > 0
     if cfg.trainer.backend == "deepspeed":
         resident = _deepspeed_state(cfg, P, dp)
     else:
-        resident = _megatron_state(cfg, P, dp)
+        resident = _megatron_state(cfg, P, dp, experts)
     dtype = planned_precision(cfg)  # of activations, and of the reference policy but under DeepSpeed (fp32 there)
     width = BF16 if dtype == "bf16" else FP32
     if ref:
@@ -368,9 +320,13 @@ def _policy_phases(plan: Plan, cfg: Config, s: Shape, dp: int, capacity: float) 
     b = cfg.grpo.micro_batch_size
     rows = math.ceil(r.prompts_per_step * r.group_size / dp / cfg.grpo.minibatches)  # a replica's minibatch
     in_flight = min(p, math.ceil(rows / b))  # 1F1B: stage 0 holds up to PP micro-batches
-    h, q, kv, ff = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.ffn
-    layer_elems = b * L * (4 * h + (3 * q + 3 * kv) // t + 4 * ff // t)
-    formula = f"{width} B x b{b} x s{L} x (4h + (3q + 3kv)/TP + 4 ffn/TP)"
+    h, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    # the MLP's by the active parameters: a token runs top_k experts (balanced routing keeps a rank's
+    # dispatched tokens at its own on average), beside the router's logits
+    ff = s.top_k * s.expert_ffn if s.moe else s.ffn
+    layer_elems = b * L * (4 * h + (3 * q + 3 * kv) // t + 4 * ff // t + s.experts)
+    formula = (f"{width} B x b{b} x s{L} x (4h + (3q + 3kv)/TP + 4 top_k expert_ffn/TP + experts)" if s.moe
+               else f"{width} B x b{b} x s{L} x (4h + (3q + 3kv)/TP + 4 ffn/TP)")
     scores = 0
     if cfg.trainer.layer_spec == "local":  # unfused attention keeps the s x s scores and probabilities
         scores = 2 * b * (s.heads // t) * L * L
@@ -418,7 +374,8 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gb: float)
         plan.advice.append(f"the policy needs a multiple of {t * p} GPUs (tensor x pipeline) after the "
                            f"{cfg.parallel.draft_ranks} draft rank(s): change --nodes, parallel.* or parallel.draft_ranks")
         return plan
-    plan.notes.append(f"{parameters(s) / 1e9:.2f}B parameters ({s.describe()}) from {source}; draft head "
+    active = f", {parameters(s, active=True) / 1e9:.2f}B active" if s.moe else ""
+    plan.notes.append(f"{parameters(s) / 1e9:.2f}B parameters{active} ({s.describe()}) from {source}; draft head "
                       f"{draft_parameters(s) / 1e9:.2f}B")
     _rank_map(plan, cfg, nodes, gpus_per_node, dp)
     _policy_phases(plan, cfg, s, dp, gpu_memory_gb)

@@ -15,10 +15,11 @@ from transformers import AutoConfig
 
 from fastgrpo.bridge import WeightBridge
 from fastgrpo.checkpoint import CheckpointManager
-from fastgrpo.config import Config, ConfigError, flatten, to_yaml
+from fastgrpo.config import Config, enforce, flatten, layout_rules, to_yaml
 from fastgrpo.distributed import World, init_world, launched_world_size
 from fastgrpo.draft_learning import build_draft_learner
 from fastgrpo.engines import build_engine
+from fastgrpo.types import WorldSize
 from fastgrpo.models.families import check_checkpoint
 from fastgrpo.paths import is_policy
 from fastgrpo.models.tokenizer import load_text_format
@@ -33,23 +34,10 @@ log = logging.getLogger(__name__)
 
 
 def check_layout(cfg: Config) -> None:
-    """The launched world against the configured layout, on every rank before any group is made."""
-    if launched_world_size() > 1 and cfg.trainer.backend == "torch":
-        raise ConfigError(f"trainer.backend=torch trains in one process, but this is a world of "
-                          f"{launched_world_size()} ranks: use trainer.backend=megatron or deepspeed under torchrun")
-    model_parallel = cfg.parallel.tensor * cfg.parallel.pipeline
-    policy_ranks = launched_world_size() - cfg.parallel.draft_ranks
-    world = (f"a world of {launched_world_size()} ranks, {cfg.parallel.draft_ranks} reserved by "
-             f"parallel.draft_ranks")
-    if policy_ranks < 1 or policy_ranks % model_parallel:
-        raise ConfigError(f"parallel.tensor x parallel.pipeline = {model_parallel} ranks per replica does not divide "
-                          f"the {policy_ranks} policy ranks ({world})")
-    if policy_ranks % cfg.engine.tensor:
-        raise ConfigError(f"engine.tensor={cfg.engine.tensor} does not divide the {policy_ranks} policy ranks ({world})")
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", launched_world_size()))
-    if per_node % cfg.engine.tensor:
-        raise ConfigError(f"engine.tensor={cfg.engine.tensor} does not divide the {per_node} ranks per node: an "
-                          f"engine would span two nodes")
+    """The launched world against the configured layout (`layout_rules`), on every rank before any group is
+    made: torchrun's WORLD_SIZE ranks, LOCAL_WORLD_SIZE of them on each node."""
+    ranks = launched_world_size()
+    enforce(layout_rules(cfg, WorldSize(ranks, int(os.environ.get("LOCAL_WORLD_SIZE", ranks)))))
 
 
 def preflight(cfg: Config) -> None:
@@ -97,12 +85,6 @@ def setup_run(cfg: Config, resume: bool) -> Run:
 
     trainer = build_trainer(cfg)  # the policy of model.path; a resume loads its checkpoint over it
     world = World.of(trainer.placement(), cfg.engine.tensor)
-    if cfg.rollout.prompts_per_step < world.placement.replicas:
-        raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} leaves a data-parallel replica "
-                          f"of the trainer without prompts ({world.placement.replicas} replicas)")
-    if cfg.draft.online == "sync" and world.engines.engines > 1:
-        raise ConfigError(f"draft.online=sync learns beside one engine, but this run has {world.engines.engines} "
-                          f"engines: use draft.online=async with parallel.draft_ranks=1, or off")
     model_config = AutoConfig.from_pretrained(cfg.model.path)
     engine = None
     if world.leads_engine:  # its weights come with the bridge's first push

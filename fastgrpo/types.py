@@ -10,7 +10,7 @@ first one along.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import torch
 from torch import Tensor
@@ -205,3 +205,68 @@ class RolloutBatch:
             raise ValueError(f"{groups} groups cannot be shared by {world} data-parallel ranks")
         first, last = (rank * groups) // world, ((rank + 1) * groups) // world
         return self.select(list(range(first * group_size, last * group_size)))
+
+
+@dataclass(frozen=True)
+class WorldSize:
+    """The ranks a run spans, and how many of them share a node."""
+
+    ranks: int
+    per_node: int
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the layout divides and the plan prices of a policy, from its Hugging Face config: the sizes,
+    and the parts a family adds to the Llama layer. Qwen3 has a head size of its own (`head_dim` x heads
+    need not be the hidden size) and an RMSNorm weight of `head_dim` over q and one over k in every layer;
+    Qwen2.5 biases on q, k and v; Llama's `attention_bias` puts biases on q, k, v and o (false in the real
+    checkpoints). `tied`: the LM head is the embedding (small Qwen2.5s), else a matrix of its own.
+    A mixture-of-experts layer (Qwen3-MoE) has `experts` SwiGLU experts of width `expert_ffn` and a
+    router, of which each token runs `top_k`; `ffn` is then unused. Dense: experts = 0."""
+
+    family: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    positions: int  # max_position_embeddings
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+
+    @classmethod
+    def of(cls, c: Any) -> Shape:
+        """From a transformers PretrainedConfig (any family fastgrpo supports)."""
+        heads = c.num_attention_heads
+        attention_bias = bool(getattr(c, "attention_bias", False))
+        experts = int(getattr(c, "num_experts", 0) or 0)
+        return cls(family=c.model_type, layers=c.num_hidden_layers, hidden=c.hidden_size, heads=heads,
+                   kv_heads=c.num_key_value_heads or heads,
+                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, ffn=c.intermediate_size,
+                   vocab=c.vocab_size, tied=bool(c.tie_word_embeddings),
+                   qkv_bias=c.model_type == "qwen2" or attention_bias,  # Qwen2's config has no switch: always
+                   o_bias=c.model_type != "qwen2" and attention_bias,
+                   qk_norm=c.model_type in ("qwen3", "qwen3_moe"), positions=c.max_position_embeddings,
+                   experts=experts, top_k=int(getattr(c, "num_experts_per_tok", 0) or 0) if experts else 0,
+                   expert_ffn=int(getattr(c, "moe_intermediate_size", 0) or 0) if experts else 0)
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    def describe(self) -> str:
+        mlp = (f"{self.experts} experts of {self.expert_ffn}, top-{self.top_k}" if self.moe else f"MLP {self.ffn}")
+        parts = [f"{self.layers} layers", f"hidden {self.hidden}", f"{self.heads} heads x head_dim {self.head_dim}",
+                 f"{self.kv_heads} KV heads", mlp, f"vocab {self.vocab}"]
+        parts += [x for x, on in (("q/k/v biases", self.qkv_bias), ("o bias", self.o_bias),
+                                  ("q/k norms", self.qk_norm)) if on]
+        parts.append("tied LM head" if self.tied else "untied LM head")
+        return f"{self.family}: " + ", ".join(parts)

@@ -176,10 +176,10 @@ def test_an_engine_layout_the_launched_world_cannot_hold_fails_before_any_work(m
                              "speculation.policy=off", "draft.online=off"])
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    with pytest.raises(ConfigError, match=r"engine\.tensor=2 does not divide the 3 policy ranks"):
+    with pytest.raises(ConfigError, match=r"engine\.tensor=2 divides the 3 policy ranks"):
         check_layout(cfg)
     monkeypatch.setenv("WORLD_SIZE", "6")
-    with pytest.raises(ConfigError, match=r"engine\.tensor=2 does not divide the 3 ranks per node"):
+    with pytest.raises(ConfigError, match=r"engine\.tensor=2 divides the 3 ranks of a node"):
         check_layout(cfg)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     check_layout(cfg)  # 3 engines of 2 GPUs, each within one of 3 nodes of 2

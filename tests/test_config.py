@@ -32,6 +32,9 @@ def test_defaults_and_overrides(tmp_path):
     ("device=tpu", "device"),
     ("deepspeed.zero_stage=4", "deepspeed.zero_stage"),  # checked whatever the backend
     ("parallel.tensor=2", "parallel.tensor"),  # across sections: the torch trainer runs the policy whole
+    ("parallel.expert=2", "parallel.expert"),  # expert parallelism is megatron's
+    ("parallel.expert=0", "parallel.expert"),
+    ("trainer.router_aux_loss=-0.01", "trainer.router_aux_loss"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -31,7 +31,7 @@ def test_every_shipped_config_fits_its_cluster(capsys, config):
 def test_the_70b_plan_maps_every_gpu_and_prices_both_phases(capsys):
     status, out = plan(capsys, "--config", "configs/llama3_70b.yaml")
     assert status == 0
-    assert "72 GPUs = tensor 8 x pipeline 4 x data 2 + 8 draft rank(s)" in out
+    assert "72 ranks = tensor 8 x pipeline 4 x data 2 + 8 draft rank(s)" in out
     assert "node   8: draft0" in out
     # engines sized apart from the trainer: 8 of engine.tensor 8, one per node, every policy GPU in one
     engines = [line.strip() for line in out.splitlines() if line.strip().startswith("engine ") and "led by" in line]
@@ -46,13 +46,13 @@ def test_an_engine_layout_train_cannot_build_does_not_plan(capsys):
     """engine.tensor that does not divide the policy GPUs, spans a node, or is not 1 for the embedded
     engine: the plan says no (exit 1), or the config is refused naming the key (exit 2)."""
     status, out = plan(capsys, "--config", "configs/llama3_8b.yaml", "engine.tensor=8")  # 6 policy GPUs
-    assert status == 1 and "[NO] engine.tensor 8 divides the 6 policy GPUs into engines" in out
+    assert status == 1 and "[NO] engine.tensor=8 divides the 6 policy ranks into engines" in out
     status, out = plan(capsys, "--config", "configs/llama3_70b.yaml", "engine.tensor=16")
-    assert status == 2 and "engine.tensor must divide cluster.gpus_per_node=8 (an engine never spans a node)" in out
+    assert status == 2 and "engine.tensor breaks a layout rule: engine.tensor=16 divides cluster.gpus_per_node=8" in out
     status, out = plan(capsys, "--config", "configs/llama3_70b.yaml", "--gpus-per-node", "4", "--nodes", "18")
-    assert status == 1 and "[NO] engine.tensor 8 divides the 4 GPUs of a node" in out
+    assert status == 1 and "[NO] engine.tensor=8 divides the 4 ranks of a node" in out
     status, out = plan(capsys, "--config", "configs/tiny_cpu.yaml", "engine.tensor=2")
-    assert status == 2 and "engine.tensor must be 1 with engine.backend=embedded" in out
+    assert status == 2 and "engine.tensor=2 needs engine.backend=sglang" in out
 
 
 def test_the_tiny_config_plans_at_the_70b_topology_on_five_processes(capsys):
@@ -65,13 +65,13 @@ def test_the_tiny_config_plans_at_the_70b_topology_on_five_processes(capsys):
     assert "engine 3: ranks 3 on node 0, led by rank 3; 4 prompt(s) x 8 per step" in out
     status, out = plan(capsys, "--config", "configs/tiny_cpu.yaml", "--nodes", "1", "--gpus-per-node", "2",
                        "--gpu-memory-gb", "8", "trainer.backend=megatron", "parallel.tensor=2")
-    assert status == 1 and "[NO] draft.online=sync learns beside the one engine (2 engines)" in out
+    assert status == 1 and "[NO] draft.online=sync learns beside the one engine (2 engine(s);" in out
 
 
 def test_a_world_that_does_not_divide_fails_with_what_to_change(capsys):
     status, out = plan(capsys, "--config", "configs/llama3_70b.yaml", "--nodes", "8")
     assert status == 1
-    assert "[NO] 64 GPUs = tensor 8 x pipeline 4 x data ?" in out
+    assert "[NO] 64 ranks = tensor 8 x pipeline 4 x data ?" in out
     assert "a multiple of 32 GPUs" in out and "verdict: does not fit" in out
 
 
@@ -305,3 +305,65 @@ def test_precision_and_the_distributed_optimizer_price_what_megatron_keeps(capsy
     assert terms("trainer.precision=auto") == shipped  # SGLang engines: GPUs, bf16
     _, out = plan(capsys, "--config", "configs/tiny_cpu.yaml", "--gpu-memory-gb", "8")
     assert "weights (fp32)" in out and "activations (fp32)" in out  # auto with the embedded engine: a CPU, fp32
+
+
+# Qwen3-30B-A3B by hand: attention q 32 x 128 = 4096 and k, v 4 x 128 = 512 wide at hidden 2048; a router of 128
+# experts; two norms and the q/k norms of 128; 128 experts of three 2048 x 768 matrices; an untied 151936-token
+# vocabulary and the final norm.
+A3B_ATTENTION = 2048 * (4096 + 2 * 512) + 4096 * 2048 + 128 * 2048 + 2 * 2048 + 2 * 128  # 19,140,864 a layer
+A3B_EXPERTS = 128 * 3 * 2048 * 768  # 603,979,776 a layer
+A3B_EMBEDDINGS = 2 * 151936 * 2048 + 2048
+
+
+def test_the_qwen3_30b_a3b_plan_divides_the_experts_over_expert_parallel_ranks(capsys):
+    """configs/qwen3_30b_a3b.yaml (EP8 over data 8): each GPU holds the replicated attention, router and
+    embeddings and 16 of every layer's 128 experts; the distributed optimizer shards the replicated part over
+    the 8 data ranks and the experts over their expert-data ranks (8 / 8 = 1: each GPU's experts are its own)."""
+    assert 48 * (A3B_ATTENTION + A3B_EXPERTS) + A3B_EMBEDDINGS == 30_532_122_624  # the published 30.5B
+    active = 48 * (A3B_ATTENTION + 8 * 3 * 2048 * 768) + A3B_EMBEDDINGS  # top-8 experts a token
+    replicated, experts = 48 * A3B_ATTENTION + A3B_EMBEDDINGS, 48 * A3B_EXPERTS // 8
+    status, out = plan(capsys, "--config", "configs/qwen3_30b_a3b.yaml")
+    assert f"30.53B parameters, {active / 1e9:.2f}B active" in out and "3.35B active" in out
+    assert "[ok] parallel.expert=8 divides the 128 experts" in out
+    assert "[ok] parallel.expert=8 divides the 8 data-parallel ranks" in out
+    weights = 2 * (replicated + experts) / 2**30
+    optimizer = 12 * (replicated / 8 + experts / 1) / 2**30
+    assert f"{'weights (bf16)':<38} {weights:8.2f}" in out, out
+    assert f"{'main weights + Adam moments (fp32)':<38} {optimizer:8.2f}" in out
+    assert f"2 B x {(replicated + experts) / 1e9:.2f}B parameters" in out  # 5.16B a GPU, of 30.5B
+
+
+@pytest.mark.parametrize("overrides, rule", [
+    (["parallel.expert=3"], "[NO] parallel.expert=3 divides the 128 experts"),
+    (["parallel.expert=16"], "[NO] parallel.expert=16 divides the 8 data-parallel ranks"),
+    (["model.architecture=configs/models/qwen3-8b.json"],
+     "[NO] parallel.expert=8 splits the experts of a mixture-of-experts model (qwen3: 0 experts)"),
+])
+def test_an_expert_layout_that_does_not_divide_is_refused(capsys, overrides, rule):
+    status, out = plan(capsys, "--config", "configs/qwen3_30b_a3b.yaml", *overrides)
+    assert status == 1 and rule in out and "verdict: does not fit" in out
+
+
+def test_the_config_a_launched_world_and_the_plan_judge_one_rule_alike(capsys, monkeypatch):
+    """One rule, three judges: what `load_config` refuses, a launched rank refuses, and the plan marks NO,
+    in the same words (config.layout_rules)."""
+    from fastgrpo.config import ConfigError
+    from fastgrpo.run_setup import check_layout
+
+    # the config alone: an expert-parallel layout for a trainer that does not split the policy
+    with pytest.raises(ConfigError, match=r"parallel\.expert breaks a layout rule: parallel\.expert=2 needs "
+                                          r"trainer\.backend=megatron"):
+        load_config(None, ["parallel.expert=2"])
+    status, out = plan(capsys, "--config", "configs/qwen3_30b_a3b.yaml", "trainer.backend=deepspeed",
+                       "trainer.recompute=false", "trainer.distributed_optimizer=false")
+    assert status == 2 and "parallel.expert=8 needs trainer.backend=megatron" in out
+    # the launched world: 6 policy ranks are 6 data ranks, which expert 4 does not divide
+    cfg = load_config("configs/qwen3_30b_a3b.yaml", ["parallel.expert=4", "engine.tensor=2", "draft.online=off"])
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")
+    with pytest.raises(ConfigError, match=r"parallel\.expert breaks a layout rule: parallel\.expert=4 divides the 6 "
+                                          r"data-parallel ranks"):
+        check_layout(cfg)
+    status, out = plan(capsys, "--config", "configs/qwen3_30b_a3b.yaml", "parallel.expert=4", "engine.tensor=2",
+                       "draft.online=off", "--gpus-per-node", "6")
+    assert status == 1 and "[NO] parallel.expert=4 divides the 6 data-parallel ranks" in out
