@@ -131,12 +131,14 @@ def _verified(aware: Aware, running: int, context: float | None) -> int:
 
 
 def test_aware_priced_for_experts_speculates_less_at_low_concurrency_and_no_less_at_high(moe):
-    """What the maths says (not the other way round): at one row a tree's tokens each bring experts a
-    plain step does not read (d6k8n48: 122 of 128 against 8), so aware priced for experts declines the
-    deep tree that expert-blind aware takes. At 64-128 rows a plain step already reads nearly all 128
-    experts, so verifying more tokens reads nothing more until compute takes over, which with ~10x the
-    bytes of the active size comes later than on the dense model expert-blind pricing assumes: aware
-    priced for experts verifies at least as many tokens there, more without a long context."""
+    """What the maths says, at aware's prior acceptance (alpha 0.6): at one row a tree's tokens each bring
+    experts a plain step does not read (d6k8n48: 122 of 128 against 8), so aware priced for experts
+    declines the deep tree that expert-blind aware takes. At 64-128 rows a plain step already reads
+    nearly all 128 experts, so verifying more tokens reads nothing more until compute takes over, which
+    with ~10x the bytes of the active size comes later than on the dense model expert-blind pricing
+    assumes: aware priced for experts verifies at least as many tokens there, more without a long
+    context. (Not shallower at high concurrency, then: deeper. With the EAGLE-3 profile's higher
+    acceptance, deep trees pay even at one row: BENCHMARKS.md section 12.)"""
     for tp in (1, 2):
         shape = replace(moe, tp=tp)
         priced = Aware(simulated_cost_model(Roofline(H100, shape)))
