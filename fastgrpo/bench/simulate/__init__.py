@@ -17,7 +17,8 @@ The parts: `costs` (what a step costs: the CPU profile's `CpuCosts`), `acceptanc
 profiles and the draft's confidence), `workload` (GRPO batches and long tails), `simulator` (the
 engine's loop, step by step, and the policies it runs), `profile` (this machine's costs, measured on
 the engine), `validate` (the engine and the simulator on the same workloads), `gpu` (the simulated GPU
-cases) and `command` (`bench simulate` itself, its plot and its table).
+cases), `shape` (`--model`: one config.json's shape on one simulated GPU, a MoE's experts priced, no
+CPU validation) and `command` (`bench simulate` itself, its plot and its table).
 """
 
 
