@@ -320,7 +320,7 @@ def test_tp_or_pp_with_ep2_scores_as_hugging_face_pushes_its_tensors_and_steps_a
     (want,), state = torch_step(policy, batch, GRPO_ONE)
     got = results[0][2]
     print(f"loss {got['loss']:.9g} vs {want['loss']:.9g}, grad norm {got['grad_norm']:.9g} vs {want['grad_norm']:.9g}")
-    assert_same_metrics(got, want, rel=1e-5)
+    assert_same_metrics(got, want, rel=1e-6)
     assert_same_update(results[-1][3], state, disk, min_moved=1e-5)
 
 
