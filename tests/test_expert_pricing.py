@@ -15,7 +15,7 @@ from fastgrpo.speculation.policy import Aware
 from fastgrpo.speculation.roofline import (H100, LLAMA3_8B, LLAMA3_70B, ModelShape, Roofline, expected_experts,
                                            load_model_shape, model_shape, simulated_cost_model, sparse_layer_count)
 
-QWEN3_30B_A3B = Path(__file__).resolve().parents[1] / "configs" / "models" / "qwen3_30b_a3b.json"
+QWEN3_30B_A3B = Path(__file__).resolve().parents[1] / "configs" / "models" / "qwen3-30b-a3b.json"
 
 
 @pytest.fixture(scope="module")

@@ -452,7 +452,7 @@ def test_a_moe_is_simulated_with_aware_priced_expert_blind_beside_aware():
     from fastgrpo.speculation.roofline import load_model_shape
 
     assert "aware_expert_blind" not in sim_policies(Roofline(H100, LLAMA3_8B), ())
-    moe = load_model_shape(Path(__file__).resolve().parents[1] / "configs" / "models" / "qwen3_30b_a3b.json")
+    moe = load_model_shape(Path(__file__).resolve().parents[1] / "configs" / "models" / "qwen3-30b-a3b.json")
     costs, acc = Roofline(H100, moe), eagle_profile(0.9)
     blind = sim_policies(costs, ())["aware_expert_blind"]
     assert isinstance(blind, Aware)
@@ -476,8 +476,8 @@ def test_bench_simulate_model_flag_builds_the_config_alone_and_writes_beside_the
 
     parse = build_parser().parse_known_args
     assert parse(["bench", "simulate"])[0].needs == "draft"
-    args = parse(["bench", "simulate", "--model", "configs/models/qwen3_30b_a3b.json", "--tp", "2"])[0]
-    assert (args.needs, args.model, args.tp, args.hardware) == ("config", "configs/models/qwen3_30b_a3b.json", 2, "h100")
+    args = parse(["bench", "simulate", "--model", "configs/models/qwen3-30b-a3b.json", "--tp", "2"])[0]
+    assert (args.needs, args.model, args.tp, args.hardware) == ("config", "configs/models/qwen3-30b-a3b.json", 2, "h100")
     seen = {}
     monkeypatch.setattr("fastgrpo.bench.simulate.shape.bench_simulate_model",
                         lambda cfg, model, hw, tp, quick, output, extra: seen.update(output=output, tp=tp))
@@ -485,7 +485,7 @@ def test_bench_simulate_model_flag_builds_the_config_alone_and_writes_beside_the
 
     args.output, args.extra = Path("bench/simulate.json"), []  # `fastgrpo bench`'s default
     command.from_cli(args, SimpleNamespace(seed=0))
-    assert seen == {"output": Path("bench/simulate-qwen3_30b_a3b.json"), "tp": 2}
+    assert seen == {"output": Path("bench/simulate-qwen3-30b-a3b.json"), "tp": 2}
     args.repetitions = 3
     with pytest.raises(ValueError, match="--repetitions"):
         command.from_cli(args, SimpleNamespace(seed=0))
