@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from fastgrpo.types import EngineMap, Shape, WorldSize
+from fastgrpo.topology import EngineMap, Shape, WorldSize
 
 
 class ConfigError(ValueError):

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fastgrpo.types import EngineMap, Placement
+from fastgrpo.topology import EngineMap
+from fastgrpo.types import Placement
 
 
 def free_port() -> int:

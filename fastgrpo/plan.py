@@ -34,7 +34,7 @@ from fastgrpo.config import Config, ConfigError, layout_rules
 from fastgrpo.models.families import UnsupportedModel, check_family
 from fastgrpo.paths import HF_CONFIG
 from fastgrpo.trainers.megatron.layout import VOCAB_DIVISIBLE_BY, Layout, LayoutError, padded_vocab
-from fastgrpo.types import EngineMap, Shape, WorldSize
+from fastgrpo.topology import EngineMap, Shape, WorldSize
 
 GIB = 2**30
 FP32, BF16 = 4, 2

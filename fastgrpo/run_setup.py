@@ -19,7 +19,7 @@ from fastgrpo.config import Config, enforce, flatten, layout_rules, to_yaml
 from fastgrpo.distributed import World, init_world, launched_world_size
 from fastgrpo.draft_learning import build_draft_learner
 from fastgrpo.engines import build_engine
-from fastgrpo.types import WorldSize
+from fastgrpo.topology import WorldSize
 from fastgrpo.models.families import check_checkpoint
 from fastgrpo.paths import is_policy
 from fastgrpo.models.tokenizer import load_text_format

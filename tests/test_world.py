@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from fastgrpo.local_world import run_world
-from fastgrpo.types import EngineMap
+from fastgrpo.topology import EngineMap
 
 
 @pytest.mark.parametrize("policy_ranks, tensor", [(1, 1), (4, 1), (4, 2), (4, 4), (6, 2), (8, 8)])

@@ -39,7 +39,8 @@ def _rank(rank: int, world: int, cfg: Config, repetitions: int) -> dict:
     from fastgrpo.models.policy import load_policy
     from fastgrpo.models.tokenizer import load_text_format
     from fastgrpo.tasks.source import PromptSource, encode_problems, load_task
-    from fastgrpo.types import EngineMap, Request, SamplingParams
+    from fastgrpo.topology import EngineMap
+    from fastgrpo.types import Request, SamplingParams
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     text = load_text_format(cfg.model.path, cfg.task)
