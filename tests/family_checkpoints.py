@@ -8,6 +8,11 @@ the family's special tokens and chat template, and generation_config.json with t
 - qwen2.5: QKV biases, tied head, no BOS; eos `<|im_end|>`, pad `<|endoftext|>`; the template's default
   system prompt.
 - qwen3: q/k norms, head_dim other than hidden / heads, no BOS; eos `<|im_end|>`.
+- qwen3_moe: Qwen3's attention and tokens, three layers of which the first and last are sparse (8
+  experts of width 32, top-2, weights renormalised: Qwen3-30B-A3B's routing) and the middle one dense
+  (`mlp_only_layers`); router weights drawn large, so that no token's 2nd and 3rd experts are near a
+  tie that float rounding could flip between the engine's and the trainer's forwards. Not in
+  FAMILY_NAMES (the dense families every trainer runs): `MOE_FAMILY`.
 
 The chat templates are the families' own templates' no-tools paths (what a GRPO prompt renders through),
 written out here: the token-for-token test compares fastgrpo's prompts with `apply_chat_template` on
@@ -23,7 +28,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, PretrainedConfig,
-                          PreTrainedTokenizerFast, Qwen2Config, Qwen3Config)
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 LLAMA3_TEMPLATE = """{{- bos_token }}
 {%- if not date_string is defined %}
@@ -95,7 +100,10 @@ TOKENS = {
                   bos=None, eos="<|im_end|>", pad="<|endoftext|>",
                   stops=["<|im_end|>", "<|endoftext|>"], template=QWEN3_TEMPLATE),
 }
-FAMILY_NAMES = tuple(TOKENS)
+TOKENS["qwen3_moe"] = TOKENS["qwen3"]  # Qwen3-MoE ships Qwen3's tokenizer and template
+FAMILY_NAMES = ("llama3.1", "qwen2.5", "qwen3")  # the dense families
+MOE_FAMILY = "qwen3_moe"
+MOE_EXPERTS, MOE_TOP_K = 8, 2
 
 
 def _corpus() -> list[str]:
@@ -135,7 +143,12 @@ def family_config(family: str, vocab_size: int, bos_id: int | None, eos_id: int,
     if family == "qwen3":
         return Qwen3Config(**sizes, head_dim=32, tie_word_embeddings=False,
                            rope_parameters=dict(rope_type="default", rope_theta=1000000.0))
-    raise KeyError(f"no test checkpoint for family {family!r}; have {FAMILY_NAMES}")
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(**(sizes | dict(num_hidden_layers=3)), head_dim=32, tie_word_embeddings=False,
+                              moe_intermediate_size=32, num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K,
+                              norm_topk_prob=True, mlp_only_layers=[1],
+                              rope_parameters=dict(rope_type="default", rope_theta=1000000.0))
+    raise KeyError(f"no test checkpoint for family {family!r}; have {tuple(TOKENS)}")
 
 
 def write_family_checkpoint(family: str, directory: str | Path, seed: int = 0) -> Path:
@@ -155,6 +168,8 @@ def write_family_checkpoint(family: str, directory: str | Path, seed: int = 0) -
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.3 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):  # a router: well separated expert choices
+                p.copy_(0.5 * torch.randn_like(p))
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     stops = [ids(t) for t in spec["stops"]]

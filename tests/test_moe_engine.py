@@ -1,7 +1,8 @@
 """The embedded engine serves Qwen3-MoE (issue 42) as Hugging Face computes it: softmax routing over the
 router's logits, the top-k experts per token (their weights renormalised when `norm_topk_prob`), each
 expert a SwiGLU, held stacked and run as grouped matmuls over the tokens routed to it; dense layers
-among the sparse ones where the config says so (`decoder_sparse_step`, `mlp_only_layers`).
+among the sparse ones where the config says so (`decoder_sparse_step`, `mlp_only_layers`). The
+trainers' side (GRPO steps, expert load, the SGLang push names) is tests/test_moe_trainers.py.
 
 Tiny random-weight models from transformers' own config class, fp32. The reference is transformers'
 eager experts loop (not its grouped_mm, which is the torch op the engine uses). Router weights are
@@ -121,12 +122,15 @@ def test_the_per_expert_matmuls_equal_the_grouped_ones(moe, monkeypatch):
         assert (looped - hf(ids).logits).abs().max() < 1e-4 and (looped - grouped).abs().max() < 1e-5
 
 
-def test_the_trainers_still_refuse_qwen3_moe():
-    """The engine serves Qwen3-MoE; the trainers do not yet (issue 42's later pieces), so the pre-flight
-    check refuses it for training."""
+def test_qwen3_moe_is_a_supported_family(moe):
+    """The pre-flight check accepts Qwen3-MoE now that the trainers train it (tests/test_moe_trainers.py,
+    tests/test_megatron_moe.py), and lists it among the families it names when it refuses one."""
     from fastgrpo.models.families import UnsupportedModel, check_family
-    with pytest.raises(UnsupportedModel, match="'qwen3_moe' is not supported"):
-        check_family({"model_type": "qwen3_moe"})
+
+    name, cfg, hf = moe
+    assert check_family(cfg.to_dict()) == "qwen3_moe"
+    with pytest.raises(UnsupportedModel, match="qwen3_moe: Qwen3-MoE"):
+        check_family({"model_type": "mixtral"})
 
 
 def test_a_checkpoint_with_per_expert_tensors_loads(moe, tmp_path):

@@ -15,6 +15,8 @@ from fastgrpo.types import Completion, EngineStats
 
 # the record's own fields that metrics() leaves out (the step is MLflow's step, not a metric)
 _NOT_METRICS = ("step", "policy", "draft")
+# the record's fields a trainer's report fills (StepRecord.__post_init__)
+_FROM_TRAINER = ("expert_load_max_over_mean", "expert_idle_fraction")
 
 
 @dataclass
@@ -45,11 +47,26 @@ class StepRecord:
     weight_sync_s: float = 0.0
     weight_sync_bytes: int = 0
     step_s: float = 0.0
+    # -- a mixture-of-experts policy's routing over the step's training forwards (None for a dense policy):
+    # the busiest expert's routed tokens over the mean, averaged over sparse layers (1: balanced; at most
+    # E / k), and the share of (layer, expert) pairs that got no token
+    expert_load_max_over_mean: float | None = None
+    expert_idle_fraction: float | None = None
     # -- the components' own reports: the trainer's update (`PolicyTrainer.train_step`: loss, grad_norm,
     # clip_fraction, entropy, kl_ref, kl_engine_trainer, updates, ...; {"updates": 0} when no group was
     # kept) and the draft learner's (`DraftLearner.learn`, every name draft_*; empty without one)
     policy: dict[str, float] = field(default_factory=dict)
     draft: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """What the trainer reports under one of `_FROM_TRAINER`'s names (the expert load, which
+        `PolicyTrainer.train_step` of a mixture of experts returns) fills that field and leaves the
+        report: the field is where it is read, and MLflow gets it once."""
+        lifted = {k: v for k, v in self.policy.items() if k in _FROM_TRAINER}
+        if lifted:
+            self.policy = {k: v for k, v in self.policy.items() if k not in lifted}  # the caller's dict untouched
+            for name, value in lifted.items():
+                setattr(self, name, float(value))
 
     def metrics(self) -> dict[str, float]:
         """The step as MLflow metrics: each field by its name (those without a value left out), the

@@ -24,7 +24,7 @@ def build_trainer(cfg: Config) -> PolicyTrainer:
 
         reference = load_policy(cfg.model.path) if cfg.grpo.kl_coef > 0 else None
         return torch_trainer.TorchPolicyTrainer(load_policy(cfg.model.path), cfg.grpo, cfg.optim,
-                                                SamplingParams.of(cfg.rollout), reference, resolve(cfg))
+                                                SamplingParams.of(cfg.rollout), reference, resolve(cfg), cfg.trainer)
     if name == "megatron":
         megatron = import_backend("fastgrpo.trainers.megatron.trainer", "trainer.backend", name, extra="megatron")
         return megatron.MegatronPolicyTrainer(cfg.model.path, cfg.grpo, cfg.optim, SamplingParams.of(cfg.rollout),
@@ -38,5 +38,5 @@ def build_trainer(cfg: Config) -> PolicyTrainer:
 
         return DeepSpeedPolicyTrainer(cfg.model.path, cfg.grpo, cfg.optim, SamplingParams.of(cfg.rollout), cfg.deepspeed,
                                       reference_dir=cfg.model.path if cfg.grpo.kl_coef > 0 else None,
-                                      compute=resolve(cfg))
+                                      compute=resolve(cfg), trainer=cfg.trainer)
     raise ConfigError(f"trainer.backend {name!r} has no builder")

@@ -12,6 +12,13 @@ NaN-skip semantics) with DeepSpeed's engine as the model and optimizer:
   only accumulates, `step()` is the boundary, whatever the number of micro-batches;
 - a non-finite gradient norm makes ZeRO skip the update and the warm-up schedule (its overflow
   check, on for fp32), which is the torch trainer's NaN-skip.
+A mixture-of-experts policy trains as the torch trainer trains it (its expert load, the optional
+load-balancing loss); under ZeRO-3 each sparse block (`models.families.MOE_BLOCKS`) is a leaf of
+ZeRO's module hooks (`deepspeed.utils.set_z3_leaf_modules`): all its parameters are gathered when the
+block is entered, whichever experts this rank's tokens reach. Without that ZeRO-3 gathers an expert's
+weights only when its own module runs, so with per-expert modules (transformers 4's Qwen3-MoE) a rank
+whose tokens skip an expert leaves the others waiting in that gather; transformers 5's stacked
+experts run as one module, and the leaf costs nothing there but keeps the block's prefetch whole.
 On a CPU DeepSpeed runs with its CPU accelerator over gloo (`DS_ACCELERATOR=cpu`, set here when
 there is no GPU); its first start compiles a small communication extension (about 30 s, cached in
 torch's extension directory afterwards).
@@ -32,8 +39,9 @@ from fastgrpo.models.policy import save_policy_tensors
 from torch import Tensor
 
 from fastgrpo.trainers.torch_trainer import TorchPolicyTrainer
-from fastgrpo.config import DeepSpeedConfig, GRPOConfig, OptimConfig
+from fastgrpo.config import DeepSpeedConfig, GRPOConfig, OptimConfig, TrainerConfig
 from fastgrpo.device import Compute
+from fastgrpo.models.families import MOE_BLOCKS
 from fastgrpo.paths import checkpoint_policy
 from fastgrpo.types import Placement, RolloutBatch, SamplingParams
 
@@ -74,7 +82,8 @@ def ds_config(ds: DeepSpeedConfig, grpo: GRPOConfig, optim: OptimConfig, bf16: b
 
 class DeepSpeedPolicyTrainer(TorchPolicyTrainer):
     def __init__(self, policy_dir: str | Path, grpo: GRPOConfig, optim: OptimConfig, sampling: SamplingParams,
-                 ds: DeepSpeedConfig, reference_dir: str | Path | None = None, compute: Compute | None = None):
+                 ds: DeepSpeedConfig, reference_dir: str | Path | None = None, compute: Compute | None = None,
+                 trainer: TrainerConfig | None = None):
         from fastgrpo.models.policy import load_policy
 
         deepspeed = _start_deepspeed()
@@ -85,7 +94,9 @@ class DeepSpeedPolicyTrainer(TorchPolicyTrainer):
         reference = load_policy(reference_dir).eval() if reference_dir is not None else None
         compute = compute or Compute(torch.device("cpu"), torch.float32)
         # AdamW and the warm-up schedule over the fp32 model: DeepSpeed casts it for bf16 itself
-        super().__init__(model, grpo, optim, sampling, reference, Compute(compute.device, torch.float32))
+        super().__init__(model, grpo, optim, sampling, reference, Compute(compute.device, torch.float32), trainer)
+        if self.moe and ds.zero_stage == 3:  # before initialize, which registers the hooks
+            deepspeed.utils.set_z3_leaf_modules(model, [MOE_BLOCKS[model.config.model_type]])
         # the policy ranks' group is the data-parallel world; torchrun's WORLD_SIZE also counts the draft
         # slice, which ZeRO-3 would take for a misconfigured launch when the policy has one rank
         launched = os.environ.get("WORLD_SIZE")

@@ -3,6 +3,17 @@
 On its device (`fastgrpo.device`), in fp32, or in bf16 as megatron-core and DeepSpeed train: the
 model's weights and activations in bf16, each micro-batch's bf16 gradients added into fp32 gradients
 of fp32 master weights, which the optimizer clips and steps and the bf16 weights are copied from.
+
+A mixture-of-experts policy (Qwen3-MoE, `models.families.MOE_BLOCKS`) is the Hugging Face model's own
+MoE forward. Each training forward also returns the router's logits, from which the step reports
+its expert load (`expert_load`: the tokens each expert got, summed over every training forward of
+the step and every data-parallel rank) and, only when `trainer.router_aux_loss` > 0, adds that
+coefficient times Hugging Face's load-balancing loss (`load_balancing_loss_func`, over the micro-
+batch's real tokens) to the GRPO loss, weighted by the micro-batch's share of the minibatch's
+sequences so that micro-batches and data-parallel shares add up as the GRPO loss does. The default
+(0) leaves the pretrained routing to the policy gradient alone, whatever the checkpoint's own
+`output_router_logits` / `router_aux_loss_coef` say: those act only when Hugging Face is given
+labels, which the trainer never passes.
 """
 
 from __future__ import annotations
@@ -13,12 +24,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
-from transformers import PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from fastgrpo.config import GRPOConfig, OptimConfig
+from fastgrpo.config import ConfigError, GRPOConfig, OptimConfig, TrainerConfig
 from fastgrpo.device import Compute
+from fastgrpo.models.families import MOE_BLOCKS
 from fastgrpo.models.sampling import sampling_logprobs
 from fastgrpo.paths import checkpoint_policy
 from fastgrpo.types import Placement, RolloutBatch, SamplingParams
@@ -29,19 +40,79 @@ def token_logprobs(model: PreTrainedModel, batch: RolloutBatch, sampling: Sampli
     """Position-aligned log-probabilities of each token under the engine's sampling distribution
     (temperature, top-k, top-p: the one definition in `sampling_logprobs`, in the sets the engine
     sampled from when the batch carries them) and that distribution's entropy, [N, L]."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    logp, entropy, _ = _score(model, batch, sampling, router=False)
+    return logp, entropy
+
+
+def _score(model: PreTrainedModel, batch: RolloutBatch, sampling: SamplingParams,
+           router: bool) -> tuple[Tensor, Tensor, tuple[Tensor, ...] | None]:
+    """`token_logprobs`, and with `router` each sparse layer's router logits [N x L, E]."""
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                **({"output_router_logits": True} if router else {}))
+    logits = out.logits[:, :-1]
     tokens = batch.input_ids[:, 1:]
     sets = None if batch.sample_sets is None else batch.sample_sets[:, 1:]
     logp_all = sampling_logprobs(logits, sampling, sampled=tokens, sets=sets)
     logp = logp_all.gather(-1, tokens[..., None])[..., 0]
     entropy = -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)
     pad = torch.zeros_like(logp[:, :1])
-    return torch.cat([pad, logp], 1), torch.cat([pad, entropy], 1)
+    return torch.cat([pad, logp], 1), torch.cat([pad, entropy], 1), (tuple(out.router_logits) if router else None)
+
+
+def routed_tokens(router_logits: tuple[Tensor, ...], attention_mask: Tensor, top_k: int) -> Tensor:
+    """The tokens each expert of each sparse layer was routed (the top-k of the router's softmax, as
+    the model routes them), counting the real tokens of `attention_mask` only: [layers, E]."""
+    mask = attention_mask.reshape(-1, 1).to(torch.float64)
+    counts = []
+    for logits in router_logits:
+        chosen = torch.softmax(logits.detach().float(), -1).topk(top_k, dim=-1).indices  # [tokens, k]
+        hits = torch.zeros(logits.shape[0], logits.shape[1], dtype=torch.float64, device=logits.device)
+        counts.append((hits.scatter_(1, chosen, 1.0) * mask).sum(0))
+    return torch.stack(counts)
+
+
+def expert_load(counts: Tensor) -> dict[str, float]:
+    """The step's expert load from its routed-token counts [layers, E]: `expert_load_max_over_mean`,
+    the busiest expert's count over the mean count, averaged over the sparse layers (1 when every
+    expert gets as many tokens; at most E / k, when k experts get every token); and
+    `expert_idle_fraction`, the share of (layer, expert) pairs that got no token."""
+    mean = counts.mean(1).clamp(min=1e-12)
+    return {"expert_load_max_over_mean": float((counts.max(1).values / mean).mean()),
+            "expert_idle_fraction": float((counts == 0).double().mean())}
+
+
+def sparse_blocks(model: torch.nn.Module) -> int:
+    """How many sparse (mixture-of-experts) blocks the policy has: 0 for a dense family, and for a
+    Qwen3-MoE whose config leaves every layer dense (`mlp_only_layers`, num_experts 0)."""
+    block = MOE_BLOCKS.get(model.config.model_type)
+    return sum(type(m).__name__ == block for m in model.modules()) if block else 0
+
+
+def check_router_losses(trainer: TrainerConfig, moe: bool) -> None:
+    """The router losses this trainer can add: the load-balancing loss on a mixture of experts only
+    (on a dense policy there is no router, and a configured loss silently ignored would mislead);
+    never the z-loss, which Hugging Face's models do not compute (the Megatron trainer's is
+    megatron-core's)."""
+    if trainer.router_z_loss > 0:
+        raise ConfigError(f"trainer.router_z_loss={trainer.router_z_loss}: the torch and DeepSpeed trainers have no "
+                          f"router z-loss (Hugging Face's MoE models compute none); set it to 0")
+    if trainer.router_aux_loss > 0 and not moe:
+        raise ConfigError(f"trainer.router_aux_loss={trainer.router_aux_loss}: the policy is not a mixture of "
+                          f"experts (no router to balance); set it to 0")
 
 
 class TorchPolicyTrainer:
     def __init__(self, model: PreTrainedModel, grpo: GRPOConfig, optim: OptimConfig, sampling: SamplingParams,
-                 reference: PreTrainedModel | None = None, compute: Compute | None = None):
+                 reference: PreTrainedModel | None = None, compute: Compute | None = None,
+                 trainer: TrainerConfig | None = None):
+        trainer = trainer or TrainerConfig()
+        self.sparse_layers = sparse_blocks(model)
+        self.moe = self.sparse_layers > 0
+        check_router_losses(trainer, self.moe)
+        self.router_aux_loss = trainer.router_aux_loss
+        self.top_k = int(getattr(model.config, "num_experts_per_tok", 0))
+        self.num_experts = int(getattr(model.config, "num_experts", 0))
+        self._routed: Tensor | None = None  # the step's routed-token counts [sparse layers, E], during a step
         compute = compute or Compute(torch.device("cpu"), torch.float32)
         self.device, self.dtype = compute.device, compute.dtype
         self.model = model.to(self.device, self.dtype)
@@ -85,8 +156,16 @@ class TorchPolicyTrainer:
         return out
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        """All optimiser steps for one rollout batch: the GRPO step (`grpo.step.grpo_step`)."""
-        return grpo_step(self, batch, self.cfg)
+        """All optimiser steps for one rollout batch: the GRPO step (`grpo.step.grpo_step`); a mixture
+        of experts adds its expert load over the step's training forwards (`expert_load`)."""
+        if not self.moe:
+            return grpo_step(self, batch, self.cfg)
+        self._routed = torch.zeros(self.sparse_layers, self.num_experts, device=self.device, dtype=torch.float64)
+        try:
+            metrics = grpo_step(self, batch, self.cfg)
+            return metrics | expert_load(self.all_sum(self._routed))
+        finally:
+            self._routed = None
 
     # -- what the GRPO step asks of a backend (`grpo.step.StepBackend`) -------------------------------
     def reference_logprobs(self, batch: RolloutBatch) -> Tensor:
@@ -100,8 +179,22 @@ class TorchPolicyTrainer:
 
     def accumulate(self, batch: RolloutBatch, rows: list[int], loss_of: LossFn) -> None:
         for micro_rows, micro in self._micro_batches(batch, rows):
-            logp, entropy = token_logprobs(self.model, micro, self.sampling)
-            self._backprop(loss_of(micro_rows, micro, logp, entropy))
+            logp, entropy, router = _score(self.model, micro, self.sampling, router=self.moe)
+            loss = loss_of(micro_rows, micro, logp, entropy)
+            if router is not None:
+                if micro_rows and self._routed is not None:  # a padding micro-batch (no rows) routes nothing
+                    self._routed += routed_tokens(router, micro.attention_mask, self.top_k)
+                if self.router_aux_loss > 0:
+                    loss = loss + self._aux_loss(router, micro, len(micro_rows) / len(rows))
+            self._backprop(loss)
+
+    def _aux_loss(self, router: tuple[Tensor, ...], micro: RolloutBatch, share: float) -> Tensor:
+        """trainer.router_aux_loss times Hugging Face's load-balancing loss of the micro-batch's real
+        tokens, times the micro-batch's share of the minibatch's sequences (0 for a padding one)."""
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+        aux = load_balancing_loss_func(router, self.num_experts, self.top_k, micro.attention_mask)
+        return self.router_aux_loss * share * aux
 
     def _backprop(self, loss: Tensor) -> None:
         loss.backward()
@@ -162,11 +255,15 @@ class TorchPolicyTrainer:
         torch.save(extra, directory / "trainer.pt")
 
     def load(self, directory: Path) -> None:
-        state = load_file(str(checkpoint_policy(directory) / "model.safetensors"))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
-        if missing or unexpected:
-            raise ValueError(f"checkpoint {directory} does not match the policy: missing {missing}, unexpected {unexpected}")
+        """The checkpoint's policy as Hugging Face loads it (whichever expert layout its file holds:
+        `save` writes one tensor per expert, as `save_pretrained` does), its optimizer and schedule."""
+        saved, info = AutoModelForCausalLM.from_pretrained(str(checkpoint_policy(directory)), dtype=torch.float32,
+                                                           output_loading_info=True)
+        wrong = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+        if wrong:
+            raise ValueError(f"checkpoint {directory} does not match the policy: {wrong}")
+        self.model.load_state_dict(saved.state_dict())
+        del saved
         extra = torch.load(directory / "trainer.pt", weights_only=False, map_location=self.device)
         if self.master is not self.trainable:
             with torch.no_grad():
