@@ -132,6 +132,7 @@ def _positive(*values) -> bool:
     return all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)
 
 
+@pytest.mark.slow  # the whole check at test size on the CPU: ~30 s (one run shared by three tests)
 def test_every_stage_runs_on_the_cpu_with_plausible_numbers(check):
     """The driver at test size: every stage ok, each with numbers of the right kind and range."""
     stages = check["result"]["stages"]
@@ -177,6 +178,7 @@ def test_every_stage_runs_on_the_cpu_with_plausible_numbers(check):
     assert any(m.startswith("static_") for m in g["all_s"])
 
 
+@pytest.mark.slow  # the whole check at test size on the CPU: ~30 s (one run shared by three tests)
 def test_the_markdown_has_every_table(check):
     md_text = check["markdown"]
     assert "| stage | status | seconds | planned s | peak GPU memory GB | result |" in md_text
@@ -188,6 +190,7 @@ def test_the_markdown_has_every_table(check):
     assert "| 16 |" in md_text  # a sweep row
 
 
+@pytest.mark.slow  # the whole check at test size on the CPU: ~30 s (one run shared by three tests)
 def test_the_run_imports_only_what_a_gpu_machine_has(check):
     """Every module outside the base packages' and the wheels' was hidden, and the run still passed;
     what it imported is among those allowed (what it looked for in vain, optional imports of the

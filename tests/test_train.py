@@ -156,6 +156,7 @@ def test_draft_pretrain_and_speculative_grpo(tmp_path, tiny_policy, tiny_draft):
     assert record["config_by_concurrency"] and record["trace"]
 
 
+@pytest.mark.slow  # three short GRPO runs: ~50 s
 def test_same_seed_same_run_and_speculation_does_not_change_learning(tmp_path, tiny_policy, tiny_draft):
     """Counter-based sampling: the same seed and config give the same evals and training metrics run
     to run, and a run with speculation sees the same rollouts as one without, so learns the same.
@@ -189,6 +190,7 @@ def test_same_seed_same_run_and_speculation_does_not_change_learning(tmp_path, t
     assert summary["steps_run"] == 3 and summary["median"]["step_s"] > 0 and off["summary"] == summary
 
 
+@pytest.mark.slow  # two SFT runs: ~40 s
 def test_sft_is_the_same_policy_bit_for_bit(tmp_path, tiny_policy):
     """SFT runs a fixed number of steps (no clock): building the policy again gives the same weights."""
     from fastgrpo.sft import build_policy
