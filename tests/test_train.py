@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
