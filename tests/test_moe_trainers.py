@@ -264,10 +264,12 @@ def test_a_zero3_step_at_dp2_equals_the_torch_trainer(moe_policy, tmp_path, aux)
     start = load_policy(moe_policy).state_dict()
     for metrics, exported, leaves in results:
         assert leaves == ["Qwen3MoeSparseMoeBlock"]
-        for key in ("loss", "grad_norm", "clip_fraction", "entropy", "kl_engine_trainer", "updates",
-                    "expert_load_max_over_mean", "expert_idle_fraction"):
+        for key in ("loss", "grad_norm", "clip_fraction", "entropy", "updates", "expert_load_max_over_mean",
+                    "expert_idle_fraction"):
             assert metrics[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-9), key
-        assert metrics["kl_engine_trainer"] < 1e-5
+        # the batch's engine log-probabilities are the policy's own: both mismatches are fp32 rounding
+        # (the experts' matmuls grouped over other rows), ~1e-8
+        assert abs(metrics["kl_engine_trainer"]) < 1e-6 and abs(reference["kl_engine_trainer"]) < 1e-6
         assert exported.keys() == weights.keys()
         assert_same_update(exported, weights, start)
 
