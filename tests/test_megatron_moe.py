@@ -14,13 +14,16 @@ token's 2nd and 3rd experts near a tie, checked), fp32.
   entropy are within 1e-5 of Hugging Face's, its weight push is Hugging Face's checkpoint tensors bit
   for bit (experts gathered from their EP ranks), and a GRPO step equals the torch trainer's; at EP2
   (2 ranks, data-parallel 2, ranks with unequal micro-batch counts) two GRPO updates equal the torch
-  trainer's (loss and gradient norm within 1e-6 relative), its checkpoint's policy is the pushed
-  weights, and the router's auxiliary losses move the gradient, not the loss.
+  trainer's (loss and gradient norm within 1e-6 relative), its weight push through the bridge arrives
+  in buckets with matching checksums, each expert its own tensor, earlier buckets freed; its
+  checkpoint's policy is the pushed weights, and the router's auxiliary losses move the gradient, not
+  the loss.
 """
 
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -327,11 +330,48 @@ def test_tp_or_pp_with_ep2_scores_as_hugging_face_pushes_its_tensors_and_steps_a
 GRPO_TWO = dict(minibatches=2, micro_batch_size=1, tis_cap=2.0, kl_coef=0.0)  # minibatches of 3 and 2 rows
 
 
+class Recorder:
+    """A weight consumer that keeps what a push sends it: each bucket's names and bytes, a copy of
+    each tensor, and, when a bucket arrives, how many tensors of the earlier buckets are still alive
+    (the push must not hold them); at the commit it checks each tensor against the sender's checksum,
+    as an engine does."""
+
+    def __init__(self):
+        self.buckets: list[tuple[list[str], int]] = []
+        self.received: dict[str, torch.Tensor] = {}
+        self.alive_earlier: list[int] = []
+        self._earlier: list[weakref.ref] = []
+        self.committed: int | None = None
+
+    def update_weights(self, named_tensors, version: int, complete: bool = True) -> None:
+        self.alive_earlier.append(sum(ref() is not None for ref in self._earlier))
+        named = list(named_tensors)
+        self._earlier += [weakref.ref(t) for _, t in named]
+        self.buckets.append(([n for n, _ in named], sum(t.numel() * t.element_size() for _, t in named)))
+        for name, t in named:
+            assert name not in self.received, f"{name} pushed twice"
+            self.received[name] = t.clone()
+
+    def commit_weights(self, version: int, checksums: dict[str, int] | None = None) -> None:
+        from fastgrpo.bridge import checksum
+
+        assert checksums is not None and checksums.keys() == self.received.keys()
+        assert all(checksum(t) == checksums[n] for n, t in self.received.items())
+        self.committed = version
+
+
+PUSH_BUCKET = 40_000  # bytes: a few experts' matrices (16 KiB each) per bucket
+
+
 def _ep2_steps_checkpoint_and_router_losses(rank, world, policy_dir, checkpoint):
     """EP2 (data-parallel 2): one train step of two minibatches, the first of which the data-parallel
-    ranks share as 1 and 2 rows (1 and 2 micro-batches: the rank with fewer pads); a checkpoint; then
-    one step of one minibatch without and with the router's auxiliary losses."""
+    ranks share as 1 and 2 rows (1 and 2 micro-batches: the rank with fewer pads); a push of the
+    trained weights through the bridge (a consumer on rank 0; rank 1 takes part in the gathers and
+    drops what passes); a checkpoint; then one step of one minibatch without and with the router's
+    auxiliary losses."""
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    from fastgrpo.bridge import WeightBridge
 
     trainer = _trainer(policy_dir, 1, 1, 2, GRPO_TWO)
     batch = grpo_batch()
@@ -339,6 +379,9 @@ def _ep2_steps_checkpoint_and_router_losses(rank, world, policy_dir, checkpoint)
     micro_counts = [len(trainer._micro_batches(batch, [0, 1, 2])), len(trainer._micro_batches(batch, [3, 4]))]
     metrics = trainer.train_step(batch)
     trained = dict(trainer.export_weights())
+    recorder = Recorder()
+    report = WeightBridge([recorder] if rank == 0 else [], bucket_bytes=PUSH_BUCKET).push(trainer.export_weights(), 1)
+    push = (recorder.buckets, recorder.received, recorder.alive_earlier, recorder.committed, report.buckets)
     trainer.save(checkpoint)
     del trainer
     router = {}
@@ -346,7 +389,7 @@ def _ep2_steps_checkpoint_and_router_losses(rank, world, policy_dir, checkpoint)
         clear_aux_losses_tracker()
         router[bool(losses)] = (_trainer(policy_dir, 1, 1, 2, GRPO_ONE, **losses).train_step(batch),
                                 sorted(get_moe_layer_wise_logging_tracker()))
-    return metrics, trained, micro_counts, router
+    return metrics, trained, micro_counts, router, push
 
 
 @pytest.mark.slow  # a world of 2
@@ -359,9 +402,18 @@ def test_ep2_trains_as_the_torch_trainer_and_checkpoints_its_policy(tmp_path, po
 
     results = run_world(_ep2_steps_checkpoint_and_router_losses, 2, tmp_path / "world", policy,
                         tmp_path / "checkpoint", timeout_s=400)
-    metrics, trained, micro_counts, router = results[0]
+    metrics, trained, micro_counts, router, push = results[0]
     assert micro_counts == [2, 1]  # rows 0 | 1, 2 evened to 2 micro-batches; rows 3 | 4 one each
     assert all(r[0] == metrics and r[3] == router for r in results)
+    # the push: every trained tensor once, each expert's own matrices, in buckets of at most
+    # PUSH_BUCKET bytes (or one tensor), checksums checked at the commit, earlier buckets freed
+    buckets, received, alive_earlier, committed, pushed_buckets = push
+    assert committed == 1 and received.keys() == trained.keys()
+    assert all(torch.equal(received[k], t) for k, t in trained.items())
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in received
+    assert len(buckets) == pushed_buckets == results[1][4][4] > 4
+    assert all(size <= PUSH_BUCKET or len(names) == 1 for names, size in buckets)
+    assert alive_earlier == [0] * len(buckets)
     batch = grpo_batch()
     batch.engine_logprobs = hf_scores(policy, batch)[0] * batch.response_mask
     (want,), state = torch_step(policy, batch, GRPO_TWO)
