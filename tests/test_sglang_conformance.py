@@ -472,3 +472,106 @@ def test_the_simulated_sglang_controller_decides_as_sglangs_own_code(src, tmp_pa
             theirs.on_verify_complete(correct, batch)
             moves += ours.steps(batch) != before
         assert moves > 10  # the trace moved the depths (a comparison of frozen slots would be vacuous)
+
+
+# -- a mixture of experts: the names a weight push sends ------------------------------------------------
+QWEN3_MOE = "sglang.srt.models.qwen3_moe"
+
+
+def _sglang_qwen3_moe_parameters(src, layers: int) -> list[str]:
+    """The parameter names SGLang's Qwen3-MoE model holds (unquantised, no pipeline split), each part
+    read in its source: the modules' attribute names, every layer sparse, the fused experts' tensors."""
+    def attributes(dotted: str) -> set[str]:
+        return src.class_named(f"{QWEN3_MOE}.{dotted}").attributes
+
+    assert {"model", "lm_head"} <= attributes("Qwen3MoeForCausalLM")
+    assert {"embed_tokens", "norm"} <= attributes("Qwen3MoeModel")  # Qwen2MoeModel's __init__
+    model_init = ast.unparse(src.class_named("sglang.srt.models.qwen2_moe.Qwen2MoeModel").method("__init__"))
+    assert [b.qualname for b in src.class_named(f"{QWEN3_MOE}.Qwen3MoeModel").bases] == [
+        "sglang.srt.models.qwen2_moe.Qwen2MoeModel"]
+    assert "self.layers, self.start_layer, self.end_layer = make_pp_layers(" in model_init
+    assert {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"} <= attributes("Qwen3MoeDecoderLayer")
+    assert {"qkv_proj", "o_proj", "q_norm", "k_norm"} <= attributes("Qwen3MoeAttention")
+    assert {"experts", "gate"} <= attributes("Qwen3MoeSparseMoeBlock")
+    # every layer is a sparse block, whatever mlp_only_layers or decoder_sparse_step say
+    facts = ast.unparse(src.class_named(f"{QWEN3_MOE}.Qwen3MoeDecoderLayer").method("stage_facts"))
+    assert "is_layer_sparse = True" in facts
+    unquantised = ast.unparse(src.class_named(
+        "sglang.srt.layers.quantization.unquant.UnquantizedFusedMoEMethod").method("create_weights"))
+    assert "layer.register_parameter('w13_weight', w13_weight)" in unquantised
+    assert "layer.register_parameter('w2_weight', w2_weight)" in unquantised
+    per_layer = ["self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
+                 "self_attn.k_norm.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+                 "mlp.gate.weight", "mlp.experts.w13_weight", "mlp.experts.w2_weight"]
+    return ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"] + [
+        f"model.layers.{i}.{p}" for i in range(layers) for p in per_layer]
+
+
+def _pushed(named_tensors) -> list[tuple[str, object]]:
+    """What the SGLang adapter hands SGLang's update_weights_from_tensor for a push of `named_tensors`
+    through the weight bridge: the adapter's own code, its SGLang engine a stand-in that accepts."""
+    from types import SimpleNamespace
+
+    from fastgrpo.bridge import WeightBridge
+    from fastgrpo.engines.sglang.adapter import SGLangEngine
+    from tests.conftest import tiny_config
+    from tests.sglang_emulated import emulated_sglang
+
+    sent: list[tuple[str, object]] = []
+    accept = lambda *args, **kwargs: (True, "")  # noqa: E731
+    stand_in = SimpleNamespace(begin_weight_update=accept, end_weight_update=accept, flush_cache=accept)
+    with emulated_sglang():
+        engine = SGLangEngine(stand_in, tiny_config(Path("unused")), None, "off", {})
+        engine._push = lambda bucket, selector, version: sent.extend(bucket)
+        WeightBridge([engine], bucket_bytes=1 << 16).push(named_tensors, version=0)
+        assert engine.weights_version == 0
+    return sent
+
+
+def test_a_qwen3_moe_push_names_what_sglangs_load_weights_maps(src):
+    """A weight push of the torch trainer's tiny Qwen3-MoE (experts stacked, as transformers 5 holds them)
+    reaches SGLang as tensors its Qwen3-MoE `load_weights` loads, each once, into the parameter and
+    shard it belongs to: experts one tensor each, into the fused w13 (gate as shard w1, up as w3) and
+    w2 of their expert id. Run on SGLang's own load_weights (sglang_conformance.load_weights_calls),
+    which is what update_weights_from_tensor calls without a load_format (the adapter sends none).
+    The control: the stacked expert tensors themselves, sent as they are, load nowhere (SGLang skips
+    them without a word)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from fastgrpo.config import GRPOConfig, OptimConfig
+    from fastgrpo.trainers.torch_trainer import TorchPolicyTrainer
+    from fastgrpo.types import SamplingParams
+
+    updater = src.class_named("sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater")
+    update = ast.unparse(updater.method("update_weights_from_tensor"))
+    assert "elif load_format is None:\n        self.get_model().load_weights(named_tensors)" in update
+    request = src.class_named("sglang.srt.managers.io_struct.UpdateWeightsFromTensorReqInput")
+    assert ast.unparse(request.fields["load_format"]) == "None"
+
+    experts, layers = 8, 2
+    cfg = Qwen3MoeConfig(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, head_dim=32,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, num_experts=experts,
+                         num_experts_per_tok=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    trainer = TorchPolicyTrainer(policy, GRPOConfig(), OptimConfig(), SamplingParams())
+    sent = _pushed(trainer.export_weights())
+    parameters = _sglang_qwen3_moe_parameters(src, layers)
+    calls = conformance.load_weights_calls(src, f"{QWEN3_MOE}.Qwen3MoeForCausalLM", cfg, parameters, sent)
+    unloaded = [n for n, c in calls.items() if len(c) != 1]
+    assert unloaded == [], [(n, calls[n]) for n in unloaded]
+    assert len(sent) == len(calls)  # no name sent twice
+    into = {n: c[0] for n, c in calls.items()}
+    for j in (0, experts - 1):
+        gate, up, down = (into[f"model.layers.1.mlp.experts.{j}.{w}.weight"] for w in ("gate_proj", "up_proj", "down_proj"))
+        assert (gate.parameter, gate.kwargs) == ("model.layers.1.mlp.experts.w13_weight", {"shard_id": "w1", "expert_id": j})
+        assert (up.parameter, up.kwargs) == ("model.layers.1.mlp.experts.w13_weight", {"shard_id": "w3", "expert_id": j})
+        assert (down.parameter, down.kwargs) == ("model.layers.1.mlp.experts.w2_weight", {"shard_id": "w2", "expert_id": j})
+    assert (into["model.layers.0.self_attn.k_proj.weight"].parameter,
+            into["model.layers.0.self_attn.k_proj.weight"].args) == ("model.layers.0.self_attn.qkv_proj.weight", ("k",))
+    assert {c.parameter for c in into.values()} == set(parameters)  # every parameter SGLang holds gets its tensors
+    stacked = [(n, t) for n, t in trainer.export_weights() if ".mlp.experts." in n]
+    assert len(stacked) == 2 * layers
+    assert all(c == [] for c in conformance.load_weights_calls(
+        src, f"{QWEN3_MOE}.Qwen3MoeForCausalLM", cfg, parameters, stacked).values())

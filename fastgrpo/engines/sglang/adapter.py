@@ -34,6 +34,9 @@ on, all in 0.5.23 (paths in the wheel, under sglang/srt/):
   serialised payload per tensor-parallel rank, made after `monkey_patch_torch_reductions()`:
   managers/tp_worker.py, utils/patch_torch.py), `end_weight_update`, then `flush_cache`. A new
   version pushed over an uncommitted one continues SGLang's open session (a second begin is refused).
+  The push goes through the model's `load_weights` (model_runner_components/weight_updater.py), which
+  maps a checkpoint's names: transformers 5's stacked experts would match none of Qwen3-MoE's
+  mappings and be skipped without a word, so they go as one tensor per expert (`checkpoint_tensors`).
 - Memory: `release_memory_occupation` frees the KV cache, the weights and the CUDA graphs; resume
   brings the weights' memory back first (their contents are garbage until the next push: generate
   refuses until it commits), the KV cache and CUDA graphs only after that push (peak memory beside
@@ -80,6 +83,7 @@ from fastgrpo.protocols import BackendUnavailable
 from fastgrpo.protocols import NamedTensors
 from fastgrpo.config import Config
 from fastgrpo.models.draft import export_sglang_eagle, sglang_eagle_tensors
+from fastgrpo.models.families import checkpoint_tensors
 from fastgrpo.paths import draft_dir, draft_weights, has_draft
 from fastgrpo.speculation.policy import FastGRPOFormula, SpeculationPolicy
 from fastgrpo.speculation.sglang_tiers import AdaptiveSlots, AwareTiers, plain_steps, spec_capture_sizes
@@ -402,7 +406,7 @@ class SGLangEngine:
                 self._begin("target")
             self._incoming, self.weights_version, self._names = version, None, set()
         bucket = [(name, t.detach().contiguous()) for name, t in named_tensors]
-        self._push(bucket, "target", version)
+        self._push(list(checkpoint_tensors(bucket)), "target", version)  # experts by the names load_weights maps
         self._names.update(name for name, _ in bucket)
         if complete:
             self.commit_weights(version)
