@@ -63,7 +63,7 @@ def test_hf_to_megatron_tp2_pp2_to_hf_is_bit_exact(tmp_path, model):
     assert run("megatron-to-hf", "--megatron", tmp_path / "mg", "--out", tmp_path / "back") == 0
     assert_bit_exact(hf_tensors(tmp_path / "back"), expected)
     info = json.loads((tmp_path / "mg" / "megatron" / "fastgrpo.json").read_text())
-    assert info["saved_at"] == {"tensor": 2, "pipeline": 2, "data": 1} and info["optimizer"] is False
+    assert info["saved_at"] == {"tensor": 2, "pipeline": 2, "expert": 1, "data": 1} and info["optimizer"] is False
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "back")
     assert all(torch.equal(back.state_dict()[k], t) for k, t in expected.items())
     manifests = [json.loads((d / cc.MANIFEST).read_text())["tensors"] for d in (tmp_path / "back", tmp_path / "mg" / "megatron")]
@@ -105,21 +105,24 @@ def test_dist_keys_and_shapes_are_megatrons(tmp_path):
 
 def _megatron_keys(rank, world, raw):
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
-    from transformers import Qwen2Config
+    from transformers import AutoConfig
 
     from fastgrpo.trainers.megatron.layout import Layout
     from fastgrpo.trainers.megatron.model import build_model, initialize
 
-    config = Qwen2Config.from_dict(raw)
+    config = AutoConfig.for_model(**raw)
+    layout = Layout.of(config)
     initialize(1, 1)
     out = {}
-    for v in build_model(config, Layout.of(config), "local").sharded_state_dict().values():
+    for v in build_model(config, layout, "local").sharded_state_dict().values():
         if isinstance(v, ShardedTensor):
             out[v.key] = tuple(v.global_shape)
         elif isinstance(v, ShardedObject):
             out[v.unique_key] = None
-        elif isinstance(v, ShardedTensorFactory):  # swiglu fc1: [gate; up] stacked over layers
-            out[v.key] = (config.num_hidden_layers, 2 * config.intermediate_size, config.hidden_size)
+        elif isinstance(v, ShardedTensorFactory):  # swiglu fc1: [gate; up] stacked over layers (and experts)
+            out[v.key] = ((config.num_hidden_layers, layout.experts, 2 * layout.moe_ffn, config.hidden_size)
+                          if layout.experts else (config.num_hidden_layers, 2 * config.intermediate_size,
+                                                  config.hidden_size))
     return out
 
 
@@ -168,6 +171,55 @@ def test_the_trainer_loads_a_conversion_and_its_checkpoint_converts_back(tmp_pat
         torch.testing.assert_close(model(IDS).logits, logits, atol=1e-5, rtol=1e-5)
     assert run("verify", tmp_path / "step", tmp_path / "exported") == 0  # Megatron vs HF, names mapped
     assert run("verify", tmp_path / "step" / "policy", tmp_path / "exported") == 0  # the trainer's own HF copy
+
+
+def test_qwen3_moe_through_megatron_at_tp2_pp2_ep2_is_bit_exact(tmp_path, capsys):
+    """Qwen3-30B-A3B's structure (8 experts here, top-2, renormalised) through a Megatron checkpoint
+    written at TP2 x PP2 x EP2 and back: every tensor bit for bit under the checkpoint's per-expert
+    names, each expert one slice of megatron's [layers, experts, ...] stacks, split over TP as the
+    trainer holds it; `verify` agrees (tensors and logits); the dry run counts a rank's share of the
+    experts; an EP size that does not divide the experts is refused naming parallel.expert."""
+    config = real_scaled("qwen3-30b-a3b")
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (8, 2, 48)
+    save_hf(config, tmp_path / "hf")
+    expected = hf_tensors(tmp_path / "hf")  # as save_pretrained writes them: each expert its own tensors
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in expected
+    assert run("hf-to-megatron", "--hf", tmp_path / "hf", "--out", tmp_path / "mg", "--tp", 2, "--pp", 2, "--ep", 2) == 0
+    assert run("megatron-to-hf", "--megatron", tmp_path / "mg", "--out", tmp_path / "back") == 0
+    assert_bit_exact(hf_tensors(tmp_path / "back"), expected)
+    info = json.loads((tmp_path / "mg" / "megatron" / "fastgrpo.json").read_text())
+    assert info["saved_at"]["expert"] == 2 and info["model"]["experts"] == 8
+    md = cc.MegatronSource(tmp_path / "mg").metadata.state_dict_metadata
+    fc1 = md["decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+    assert tuple(fc1.size) == (2, 8, 2 * 48, 128) and len(fc1.chunks) == 2 * 8 * 2 * 2  # layer, expert, gate/up, TP
+    assert tuple(md["decoder.layers.mlp.experts.experts.linear_fc2.weight"].size) == (2, 8, 128, 48)
+    assert tuple(md["decoder.layers.mlp.router.weight"].size) == (2, 8, 128)
+    assert run("verify", tmp_path / "hf", tmp_path / "back", "--logits-atol", 0) == 0
+    assert run("verify", tmp_path / "hf", tmp_path / "mg", "--logits-atol", 0) == 0
+    capsys.readouterr()
+    result = cc.dry_run(config, 2, 1, ep=2)
+    out = capsys.readouterr().out
+    assert "decoder.layers.1.mlp.experts.local_experts.7.linear_fc1.weight" in out and "at TP2 x PP1 x EP2" in out
+    experts = 2 * 8 * 3 * 48 * 128 * 4  # layers x experts x (gate, up, down) x their size, fp32
+    assert result["per_rank"]["tp0_pp0"] - cc.dry_run(config, 2, 1, ep=1)["per_rank"]["tp0_pp0"] == -experts // 2 // 2
+    assert run("hf-to-megatron", "--hf", tmp_path / "hf", "--out", tmp_path / "bad", "--ep", 3) == 2
+    assert "parallel.expert=3 does not divide the 8 experts" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_qwen3_moe_dist_keys_and_shapes_are_megatrons(tmp_path):
+    """The keys (extra states per layer and expert included) and stacked shapes written for a mixture
+    of experts are those of the trainer's GPTModel with megatron's MoELayer."""
+    from fastgrpo.local_world import run_world
+
+    config = real_scaled("qwen3-30b-a3b")
+    save_hf(config, tmp_path / "hf")
+    assert run("hf-to-megatron", "--hf", tmp_path / "hf", "--out", tmp_path / "mg") == 0
+    md = cc.MegatronSource(tmp_path / "mg").metadata.state_dict_metadata
+    ours = {k: tuple(v.size) if hasattr(v, "size") else None for k, v in md.items()}
+    theirs = run_world(_megatron_keys, 1, tmp_path / "world", config.to_dict())[0]
+    assert ours == theirs
+    assert "decoder.layers.mlp.experts.experts.linear_fc2._extra_state/shard_1.7_2.8" in ours
 
 
 def test_inspect_verify_and_the_manifest(tmp_path, capsys):

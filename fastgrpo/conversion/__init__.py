@@ -26,7 +26,7 @@ draft, DeepSpeed to Hugging Face), `memory_bench` (bench-memory), and `cli` (the
 """
 
 from fastgrpo.conversion.files import (  # noqa: F401
-    Checker, ConversionError, DTYPES, HF_NON_WEIGHT, INDEX, LINEAR_EXTRA_STATE, MANIFEST, ST_DTYPES, ST_NAMES, SafetensorsWriter, atomic_dir, checksum, parse_size, read_manifest, read_safetensor, read_safetensors_header, write_manifest)
+    Checker, ConversionError, DTYPES, HF_NON_WEIGHT, INDEX, MANIFEST, ST_DTYPES, ST_NAMES, SafetensorsWriter, atomic_dir, checksum, parse_size, read_manifest, read_safetensor, read_safetensors_header, write_manifest)
 from fastgrpo.conversion.sources import (  # noqa: F401
     HFSource, MegatronSource, dcp_reader, keys_map, layout_of, load_config, open_checkpoint)
 from fastgrpo.conversion.writers import (  # noqa: F401

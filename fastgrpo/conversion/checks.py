@@ -21,11 +21,14 @@ def _logits(source, prompts: Tensor) -> Tensor:
     """The logits of a checkpoint's model on `prompts` (Hugging Face's implementation, fp32)."""
     from transformers import AutoModelForCausalLM
 
+    from fastgrpo.models.families import checkpoint_tensors
+
     model = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32).eval()
-    params = dict(model.named_parameters())
+    # under a checkpoint's names: a mixture of experts' stacked experts as views of each expert's matrices
+    params = dict(checkpoint_tensors(model.state_dict().items()))
     for name in source.names():
         for hf, t in source.hf_group(name).items():
-            params[hf].data.copy_(t)
+            params[hf].copy_(t)
     with torch.no_grad():
         return model(prompts % source.layout.vocab).logits.float()
 
@@ -115,10 +118,12 @@ def inspect(path: Path, check: bool = False, tensors: bool = False, out=None) ->
 
 # -- model configs ----------------------------------------------------------------------------------
 def scaled_config(config, layers: int = 2, head_dim: int = 8, kv_heads: int = 2, ffn_per_hidden: float | None = None,
-                  vocab: int | None = None):
+                  vocab: int | None = None, experts: int = 8):
     """The same architecture scaled down for tests: the real GQA ratio (heads per KV head), biases,
     tying and norm/rope settings, with few layers, `kv_heads` KV heads of `head_dim`, the real MLP
-    width ratio, and a vocabulary (not a multiple of 128, so padding is exercised)."""
+    width ratio, and a vocabulary (not a multiple of 128, so padding is exercised). A mixture of
+    experts keeps its routing (top-k normalisation) and its experts' width ratio, with `experts`
+    experts of which 2 per token (a real model's 8 of 128 would be all of them)."""
     raw = config.to_dict()
     ratio = config.num_attention_heads // config.num_key_value_heads
     heads = kv_heads * ratio
@@ -127,6 +132,11 @@ def scaled_config(config, layers: int = 2, head_dim: int = 8, kv_heads: int = 2,
     raw.update(num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                hidden_size=hidden, intermediate_size=int(round(hidden * ffn / 4)) * 4,
                vocab_size=vocab or config.vocab_size // 512, max_position_embeddings=128)
+    if getattr(config, "num_experts", 0):
+        # (transformers 5 writes Qwen3-MoE's num_experts as num_local_experts, its attribute_map's name)
+        raw["num_local_experts" if "num_local_experts" in raw else "num_experts"] = experts
+        raw.update(num_experts_per_tok=min(2, config.num_experts_per_tok),
+                   moe_intermediate_size=int(round(hidden * config.moe_intermediate_size / config.hidden_size / 4)) * 4)
     raw.pop("max_window_layers", None)
     raw.pop("layer_types", None)
     raw.pop("transformers_version", None)

@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size recorded (a mixture of experts; the stored "
+                                                     "form is the same at every EP, and loads at any)")
     p.add_argument("--dtype", default="keep")
     p.add_argument("--dry-run", action="store_true", help="list the output tensors and bytes per rank on the meta device")
     p = sub.add_parser("megatron-to-hf", help="a Megatron checkpoint (any layout, or a training step_N) -> Hugging Face")
@@ -54,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
     p = sub.add_parser("verify", help="compare two checkpoints of any kind tensor by tensor and by logits")
     p.add_argument("a", type=Path)
     p.add_argument("b", type=Path)
@@ -90,7 +93,7 @@ def _run(args) -> int:
             config = load_config(args.config or args.hf) if (args.config or args.hf) else None
             if config is None:
                 raise ConversionError("--dry-run needs --config FILE or --hf DIR")
-            dry_run(config, args.tp, args.pp, _dtype_arg(args.dtype))
+            dry_run(config, args.tp, args.pp, _dtype_arg(args.dtype), ep=args.ep)
             return 0
         if not args.hf or not args.out:
             raise ConversionError("hf-to-megatron needs --hf DIR and --out DIR (or --dry-run)")
@@ -98,7 +101,8 @@ def _run(args) -> int:
         if source.kind != "hf":
             raise ConversionError(f"{args.hf} is a Megatron checkpoint, not a Hugging Face directory (use reshard, "
                                   f"or megatron-to-hf)")
-        stats = write_megatron(source, args.out, layout_of(source.config, args.tp, args.pp), _dtype_arg(args.dtype))
+        stats = write_megatron(source, args.out, layout_of(source.config, args.tp, args.pp, args.ep),
+                               _dtype_arg(args.dtype))
     elif c == "megatron-to-hf":
         source = open_checkpoint(args.megatron)
         if source.kind != "megatron":
@@ -110,7 +114,7 @@ def _run(args) -> int:
         source = open_checkpoint(args.megatron)
         if source.kind != "megatron":
             raise ConversionError(f"{args.megatron} is a Hugging Face directory, not a Megatron checkpoint")
-        stats = write_megatron(source, args.out, layout_of(source.config, args.tp, args.pp))
+        stats = write_megatron(source, args.out, layout_of(source.config, args.tp, args.pp, args.ep))
     elif c == "verify":
         return 0 if verify(args.a, args.b, args.atol, args.logits_atol, not args.no_logits) else 1
     elif c == "inspect":

@@ -29,7 +29,6 @@ ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "
              "BOOL": torch.bool}
 ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-LINEAR_EXTRA_STATE = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
 class ConversionError(Exception):

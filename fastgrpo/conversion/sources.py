@@ -33,9 +33,9 @@ def load_config(path: Path):
     return AutoConfig.for_model(**raw)
 
 
-def layout_of(config, tp: int = 1, pp: int = 1) -> Layout:
+def layout_of(config, tp: int = 1, pp: int = 1, ep: int = 1) -> Layout:
     try:
-        return Layout.of(config, tp, pp)
+        return Layout.of(config, tp, pp, ep)
     except LayoutError as e:
         raise ConversionError(str(e)) from e
 
@@ -159,7 +159,7 @@ class MegatronSource:
         self.hf_dir = hf
         self.config = load_config(hf)
         saved = self.info["saved_at"]
-        self.layout = layout_of(self.config, saved["tensor"], saved["pipeline"])
+        self.layout = layout_of(self.config, saved["tensor"], saved["pipeline"], saved.get("expert", 1))
         from fastgrpo.trainers.megatron.trainer import checkpoint_identity
 
         identity = checkpoint_identity(self.config, self.layout)
@@ -183,16 +183,16 @@ class MegatronSource:
         return self.layout.megatron_names()
 
     def _stored(self, name: str):
-        key, layer = self.layout.dist_key(name, self.keys_map)
+        """The stored tensor's key, `name`'s index in its stack (`Layout.dist_key`) and its metadata."""
+        key, index = self.layout.dist_key(name, self.keys_map)
         md = self.metadata.state_dict_metadata.get(key)
         if md is None or not hasattr(md, "chunks"):
             raise ConversionError(f"{self.dir}: tensor {key} (of {name}) is missing from the checkpoint")
-        return key, layer, md
+        return key, index, md
 
     def _stored_meta(self, name: str) -> Tensor:
-        key, layer, md = self._stored(name)
-        shape = tuple(md.size)[1:] if layer is not None else tuple(md.size)
-        return torch.empty(shape, dtype=md.properties.dtype, device="meta")
+        key, index, md = self._stored(name)
+        return torch.empty(tuple(md.size)[len(index):], dtype=md.properties.dtype, device="meta")
 
     def hf_meta(self, name: str) -> dict[str, Tensor]:
         return self._to_hf(name, self.layout.from_dist(name, self._stored_meta(name)))
@@ -212,11 +212,13 @@ class MegatronSource:
         from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
         from torch.distributed._shard._utils import narrow_tensor_by_index
 
-        key, layer, md = self._stored(name)
-        sizes = (1, *tuple(md.size)[1:]) if layer is not None else tuple(md.size)
-        offsets = (layer, *[0] * (len(md.size) - 1)) if layer is not None else (0,) * len(md.size)
-        if layer is not None and layer >= md.size[0]:
-            raise ConversionError(f"{self.dir}: {key} holds {md.size[0]} layers, the config {self.layout.layers}")
+        key, index, md = self._stored(name)
+        sizes = (*[1] * len(index), *tuple(md.size)[len(index):])
+        offsets = (*index, *[0] * (len(md.size) - len(index)))
+        if tuple(md.size)[:len(index)] != self.layout.dist_stack(index):
+            raise ConversionError(f"{self.dir}: {key} is stacked as {tuple(md.size)[:len(index)]} (layers"
+                                  f"{', experts' if len(index) > 1 else ''}), the config as "
+                                  f"{self.layout.dist_stack(index)}")
         dest = torch.empty(sizes, dtype=md.properties.dtype)
         covered = [0]
 
@@ -237,7 +239,7 @@ class MegatronSource:
                                   f"{str(e).strip().splitlines()[-1]}") from e
         if covered[0] != dest.numel():
             raise ConversionError(f"{self.dir}: the stored chunks of {key} do not cover {name}: missing shards")
-        full = self.layout.from_dist(name, dest[0] if layer is not None else dest)
+        full = self.layout.from_dist(name, dest.reshape(tuple(md.size)[len(index):]))
         group = self._to_hf(name, full)
         for hf, t in group.items():
             self.check(hf, t)

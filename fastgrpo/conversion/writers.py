@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from fastgrpo.trainers.megatron.layout import Layout
-from fastgrpo.conversion.files import ConversionError, DTYPES, HF_NON_WEIGHT, LINEAR_EXTRA_STATE, SafetensorsWriter, _dtype_name, atomic_dir, checksum, write_manifest
+from fastgrpo.conversion.files import ConversionError, DTYPES, HF_NON_WEIGHT, SafetensorsWriter, _dtype_name, atomic_dir, checksum, write_manifest
 from fastgrpo.conversion.sources import keys_map, layout_of
 
 
@@ -49,14 +49,15 @@ def write_hf(source, out: Path, max_shard: int, dtype: torch.dtype | None = None
 
 
 def megatron_plan(source, layout: Layout, dtype: torch.dtype | None = None) -> list[dict]:
-    """Every tensor a Megatron checkpoint at `layout` stores: its key, layer, stored shape (one layer),
-    dtype and the TP pieces, from the source's shapes on the meta device (no weight read)."""
+    """Every tensor a Megatron checkpoint at `layout` stores: its key, its index in the stack the key
+    holds (`Layout.dist_key`: its layer, and an expert's index), stored shape (one slice), dtype and
+    the TP pieces, from the source's shapes on the meta device (no weight read)."""
     km = keys_map()
     plan = []
     for name in layout.megatron_names():
         full = layout.to_dist(name, layout.megatron_tensor(name, source.hf_meta(name)))
-        key, layer = layout.dist_key(name, km)
-        plan.append({"name": name, "key": key, "layer": layer, "shape": tuple(full.shape),
+        key, index = layout.dist_key(name, km)
+        plan.append({"name": name, "key": key, "index": index, "shape": tuple(full.shape),
                      "dtype": dtype or full.dtype, "chunks": layout.dist_chunks(name, tuple(full.shape))})
     return plan
 
@@ -64,7 +65,8 @@ def megatron_plan(source, layout: Layout, dtype: torch.dtype | None = None) -> l
 def write_megatron(source, out: Path, layout: Layout, dtype: torch.dtype | None = None) -> dict:
     """A model-only Megatron distributed checkpoint (torch_dist) at `layout`, that the Megatron trainer
     loads (`MegatronPolicyTrainer.load`), at this layout or any other: `out/megatron/` and the model's
-    config and tokenizer in `out/hf/`."""
+    config and tokenizer in `out/hf/`. One Megatron parameter (of a mixture of experts: one expert's
+    matrix) is held at a time."""
     from torch.distributed.checkpoint import FileSystemWriter, save
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -75,19 +77,17 @@ def write_megatron(source, out: Path, layout: Layout, dtype: torch.dtype | None 
     plan = megatron_plan(source, layout, dtype)
     items, owner = [], {}
     for p in plan:
-        stacked = p["layer"] is not None
-        size = torch.Size((layout.layers, *p["shape"]) if stacked else p["shape"])
+        lead = p["index"]
+        size = torch.Size((*layout.dist_stack(lead), *p["shape"]))
         for offsets, sizes in p["chunks"]:
-            off = torch.Size((p["layer"], *offsets) if stacked else offsets)
-            sz = torch.Size((1, *sizes) if stacked else sizes)
+            off = torch.Size((*lead, *offsets))
+            sz = torch.Size((*[1] * len(lead), *sizes))
             index = MetadataIndex(p["key"], off)
             items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
                 chunk=ChunkStorageMetadata(off, sz), properties=TensorProperties(dtype=p["dtype"]), size=size)))
             owner[(p["key"], tuple(off))] = (p, offsets, sizes)
-    for i in range(layout.layers):  # the linear layers' (empty) extra state, as megatron saves it
-        for module in LINEAR_EXTRA_STATE:
-            items.append(WriteItem(index=MetadataIndex(f"decoder.layers.{module}._extra_state/shard_{i}_{layout.layers}"),
-                                   type=WriteItemType.BYTE_IO))
+    for key in layout.extra_state_keys():  # the linear layers' (empty) extra state, as megatron saves it
+        items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
     manifest: dict[str, dict] = {}
     current: dict = {"name": None, "full": None}
     failed: list[ConversionError] = []
@@ -122,7 +122,7 @@ def write_megatron(source, out: Path, layout: Layout, dtype: torch.dtype | None 
             piece = current["full"]
             for d, (o, s) in enumerate(zip(offsets, sizes)):
                 piece = piece.narrow(d, o, s)
-            return piece.unsqueeze(0) if p["layer"] is not None else piece
+            return piece.reshape(*[1] * len(p["index"]), *piece.shape)
 
     with atomic_dir(out) as tmp:
         mdir = tmp / "megatron"
@@ -145,7 +145,8 @@ def write_megatron(source, out: Path, layout: Layout, dtype: torch.dtype | None 
         write_manifest(mdir, "megatron", manifest)
         (mdir / "fastgrpo.json").write_text(json.dumps(
             {"model": checkpoint_identity(source.config, layout),
-             "saved_at": {"tensor": layout.tp, "pipeline": layout.pp, "data": 1}, "updates": 0, "optimizer": False,
+             "saved_at": {"tensor": layout.tp, "pipeline": layout.pp, "expert": layout.ep, "data": 1}, "updates": 0,
+             "optimizer": False,
              "written_by": "tools/convert_checkpoint.py"}, indent=1))
         hf = tmp / "hf"
         hf.mkdir()
@@ -167,8 +168,11 @@ class MetaSource:
         self.layout = layout_of(config)
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
         dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-        with torch.device("meta"):
-            self.state = {k: v.to(dtype) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+        from fastgrpo.models.families import checkpoint_tensors
+
+        with torch.device("meta"):  # under a checkpoint's names (a mixture of experts: each expert's own)
+            self.state = {k: v.to(dtype) for k, v in
+                          checkpoint_tensors(AutoModelForCausalLM.from_config(config).state_dict().items())}
 
     def names(self) -> list[str]:
         return self.layout.megatron_names()
@@ -177,31 +181,34 @@ class MetaSource:
         return {k: self.state[k] for k in self.layout.hf_sources(name)}
 
 
-def dry_run(config, tp: int, pp: int, dtype: torch.dtype | None = None, out=None) -> dict:
+def dry_run(config, tp: int, pp: int, dtype: torch.dtype | None = None, out=None, ep: int = 1) -> dict:
     """Every tensor a conversion to TP x PP writes (shape, each rank's piece) and the bytes each rank
-    holds, computed by the conversion's own code on the meta device."""
+    holds, computed by the conversion's own code on the meta device. A mixture of experts at EP `ep`:
+    each rank holds E / ep of each layer's experts (counted for EP rank 0; every EP rank holds as many)."""
     out = out or sys.stdout
     source = MetaSource(config)
-    layout = layout_of(config, tp, pp)
+    layout = layout_of(config, tp, pp, ep)
     per_rank = {(t, p): 0 for p in range(pp) for t in range(tp)}
     print(f"{'tensor':<52} {'dtype':<9} {'full shape':<14} {'per-TP-rank':<14} stage", file=out)
     for name in layout.megatron_names():
         full = layout.megatron_tensor(name, source.hf_meta(name))
         if dtype is not None:
             full = full.to(dtype)
-        stages = [s for s in range(pp) if layout.stage_name(name, s) is not None]
+        stages = [s for s in range(pp) if any(layout.stage_name(name, s, e) is not None for e in range(ep))]
         if layout.tied and pp > 1 and name == "embedding.word_embeddings.weight":
             stages.append(pp - 1)  # the last stage's copy for the LM head
         piece = layout.shard(name, full, 0)
         for s in stages:
+            if layout.stage_name(name, s, 0) is None and not (layout.tied and name.startswith("embedding.")):
+                continue  # an expert of another EP rank
             for t in range(tp):
                 per_rank[(t, s)] += piece.numel() * piece.element_size()
         print(f"{name:<52} {_dtype_name(full.dtype):<9} {'x'.join(map(str, full.shape)):<14} "
               f"{'x'.join(map(str, piece.shape)):<14} {','.join(map(str, stages))}", file=out)
     total = sum(math.prod(t.shape) * t.element_size() for t in source.state.values()
                 if not (layout.tied and t is source.state.get("lm_head.weight")))
-    print(f"\nbytes per rank at TP{tp} x PP{pp} (vocabulary padded to {layout.padded_vocab}; every TP rank of a "
-          f"stage holds the same):", file=out)
+    print(f"\nbytes per rank at TP{tp} x PP{pp}{f' x EP{ep}' if ep > 1 else ''} (vocabulary padded to "
+          f"{layout.padded_vocab}; every TP{' and EP' if ep > 1 else ''} rank of a stage holds the same):", file=out)
     for s in range(pp):
         b = {per_rank[(t, s)] for t in range(tp)}
         print(f"  stage {s} (layers {layout.stage_layers(s).start}-{layout.stage_layers(s).stop - 1}): "

@@ -363,32 +363,60 @@ class Layout:
 
     # -- megatron's distributed checkpoints (dist_checkpointing, torch_dist) ----------------------
     # There a layer's tensor is one slice of a tensor stacked over all layers (key without the layer
-    # index, leading axis = layer), the local spec's norms are saved under Transformer Engine's fused
-    # names (`keys_map`: megatron's `sharded_state_dict_keys_map`), and SwiGLU's fc1 is [gate; up]
-    # whatever the TP size (megatron's swiglu sharded factory saves each rank's gate and up halves
-    # at their offsets in the two halves); every other tensor is its full tensor (padded rows too).
-    def dist_key(self, name: str, keys_map: Mapping[str, str]) -> tuple[str, int | None]:
-        """The distributed-checkpoint key of a global parameter and its layer (None: not stacked)."""
+    # index, leading axis = layer), an expert's matrix one slice of a tensor stacked over layers and
+    # then experts (`mlp.experts.experts.linear_fc1.weight` [layers, E, ...]: megatron's SequentialMLP
+    # saves local expert j of EP rank r at global index r * E/EP + j, so the stored form is the same at
+    # every EP size), the local spec's norms are saved under Transformer Engine's fused names
+    # (`keys_map`: megatron's `sharded_state_dict_keys_map`; the norm before a MoE layer too), and
+    # SwiGLU's fc1 (dense or an expert's) is [gate; up] whatever the TP size (megatron's swiglu
+    # sharded factory saves each rank's gate and up halves at their offsets in the two halves); every
+    # other tensor is its full tensor (padded rows too).
+    def dist_key(self, name: str, keys_map: Mapping[str, str]) -> tuple[str, tuple[int, ...]]:
+        """The distributed-checkpoint key of a global parameter and its index in the stack that key
+        holds: () not stacked, (layer,) stacked over layers, (layer, expert) an expert's matrix."""
         match = LAYER.match(name)
         if not match:
-            return name, None
+            return name, ()
         i, rest = match.groups()
+        expert = EXPERT.match(rest) if self.experts else None
+        if expert:
+            return f"decoder.layers.mlp.experts.experts.{expert.group(2)}", (int(i), int(expert.group(1)))
         for ours, theirs in keys_map.items():
             if rest.startswith(ours):
                 rest = theirs + rest[len(ours):]
                 break
-        return f"decoder.layers.{rest}", int(i)
+        return f"decoder.layers.{rest}", (int(i),)
+
+    def dist_stack(self, index: tuple[int, ...]) -> tuple[int, ...]:
+        """The leading sizes of the stack a `dist_key` index points into: (), (layers,) or (layers, E)."""
+        return (self.layers, self.experts)[: len(index)]
+
+    def extra_state_keys(self) -> list[str]:
+        """The keys of the (empty) extra state megatron saves for each linear layer of the local spec:
+        per layer for attention's and the dense MLP's, per layer and expert for each expert's."""
+        L, E = self.layers, self.experts
+        modules = ["self_attention.linear_proj", "self_attention.linear_qkv"]
+        if not E:
+            modules += ["mlp.linear_fc1", "mlp.linear_fc2"]
+        keys = [f"decoder.layers.{m}._extra_state/shard_{i}_{L}" for i in range(L) for m in modules]
+        return keys + [f"decoder.layers.mlp.experts.experts.{m}._extra_state/shard_{i}.{e}_{L}.{E}"
+                       for i in range(L) for m in ("linear_fc1", "linear_fc2") for e in range(E)]
+
+    @staticmethod
+    def _swiglu_fc1(name: str) -> bool:
+        return name.endswith("mlp.linear_fc1.weight") or (
+            name.endswith(".linear_fc1.weight") and ".local_experts." in name)
 
     def to_dist(self, name: str, full: Tensor) -> Tensor:
         """A full Megatron tensor as the distributed checkpoint stores it (fc1: [gate; up])."""
-        if not name.endswith("mlp.linear_fc1.weight"):
+        if not self._swiglu_fc1(name):
             return full
         blocks = [b.chunk(2) for b in full.chunk(self.tp)]
         return torch.cat([g for g, _ in blocks] + [u for _, u in blocks])
 
     def from_dist(self, name: str, stored: Tensor) -> Tensor:
         """`to_dist`'s inverse: the full Megatron tensor of this layout."""
-        if not name.endswith("mlp.linear_fc1.weight"):
+        if not self._swiglu_fc1(name):
             return stored
         gate, up = stored.chunk(2)
         return torch.cat([t for g, u in zip(gate.chunk(self.tp), up.chunk(self.tp)) for t in (g, u)])
@@ -399,7 +427,7 @@ class Layout:
         dim = self.tp_dim(name)
         if dim is None or self.tp == 1:
             return [((0,) * len(shape), tuple(shape))]
-        pieces = 2 * self.tp if name.endswith("mlp.linear_fc1.weight") else self.tp
+        pieces = 2 * self.tp if self._swiglu_fc1(name) else self.tp
         step = shape[dim] // pieces
         out = []
         for k in range(pieces):
