@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 from fastgrpo.bridge import checksum
+from fastgrpo.models.families import checkpoint_tensors
 from fastgrpo.engines.embedded.draft import DraftHead
 from fastgrpo.engines.embedded.families import layer_layout, layer_layouts
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache, onednn_available
@@ -233,6 +234,20 @@ def test_a_streamed_weight_push_serves_the_new_policy(moe):
     engine.update_weights([(n, t) for n, t in sd if n != "model.layers.1.mlp.experts.down_proj"], 2, complete=False)
     with pytest.raises(RuntimeError, match="experts.down_proj"):
         engine.commit_weights(2, {n: s for n, s in sums.items() if n != "model.layers.1.mlp.experts.down_proj"})
+    # one tensor per expert (the Megatron trainer's export): checked under those names, the same rules
+    per_expert = list(checkpoint_tensors(sd))
+    split_sums = {n: checksum(t) for n, t in per_expert}
+    engine.update_weights(per_expert, 3, complete=False)
+    engine.commit_weights(3, split_sums)
+    assert engine.stats()["weights_version"] == 3
+    gone = "model.layers.1.mlp.experts.2.up_proj.weight"
+    engine.update_weights([(n, t) for n, t in per_expert if n != gone], 4, complete=False)
+    with pytest.raises(RuntimeError, match=r"experts\.2\.up_proj"):
+        engine.commit_weights(4, {n: s for n, s in split_sums.items() if n != gone})
+    bad = dict(split_sums, **{gone: split_sums[gone] + 1})
+    engine.update_weights(per_expert, 5, complete=False)
+    with pytest.raises(RuntimeError, match=r"experts\.2\.up_proj.weight differs"):
+        engine.commit_weights(5, bad)
 
 
 def test_the_draft_of_a_moe_target_is_a_dense_layer_at_its_sizes(moe):

@@ -23,6 +23,7 @@ from transformers import LlamaConfig
 
 from fastgrpo.bridge import checksum
 from fastgrpo.device import on_device
+from fastgrpo.models.families import checkpoint_tensors
 from fastgrpo.types import Completion, EngineStats, Request, SamplingParams
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache, block_mask, cache_kv
 from fastgrpo.models.sampling import cuts, kept_sets, sample, sampling_logprobs, sampling_uniforms
@@ -166,14 +167,20 @@ class EmbeddedEngine:
 
     def commit_weights(self, version: int, checksums: dict[str, int] | None = None) -> None:
         """The push of `version` is whole: check what arrived against the sender's per-tensor
-        checksums, then serve it."""
+        checksums, then serve it. A mixture of experts' weights are checked under the names the sender
+        used: experts stacked (a Hugging Face model's state dict: the torch and DeepSpeed trainers) or one
+        tensor per expert (a checkpoint's names: the Megatron trainer's export)."""
         if self._incoming != version:
             raise RuntimeError(f"commit of weight version {version}, but the push under way is of {self._incoming}")
         if checksums is not None:
-            for name, t in self.model.named_weights():
+            held = dict(self.model.named_weights())
+            per_expert = dict(checkpoint_tensors(held.items()))
+            if any(name in checksums and name not in held for name in per_expert):  # the sender's naming
+                held = per_expert
+            for name, t in held.items():
                 if name in checksums and checksum(t) != checksums[name]:
                     raise RuntimeError(f"weight version {version}: {name} differs from what the trainer sent")
-            if missing := [name for name, _ in self.model.named_weights() if name not in checksums]:
+            if missing := [name for name in held if name not in checksums]:
                 raise RuntimeError(f"weight version {version} did not include {missing[:3]}")
         self.weights_version = version
 
