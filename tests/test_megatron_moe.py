@@ -16,8 +16,9 @@ token's 2nd and 3rd experts near a tie, checked), fp32.
   (2 ranks, data-parallel 2, ranks with unequal micro-batch counts) two GRPO updates equal the torch
   trainer's (loss and gradient norm within 1e-6 relative), its weight push through the bridge arrives
   in buckets with matching checksums, each expert its own tensor, earlier buckets freed; its
-  checkpoint's policy is the pushed weights, and the router's auxiliary losses move the gradient, not
-  the loss.
+  checkpoint's policy is the pushed weights and its Megatron part converts to them; a conversion of
+  another model loads at EP2; the router's auxiliary losses move the gradient, not the loss.
+  Conversion at TP2 x PP2 x EP2 itself: tests/test_convert_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -363,12 +364,12 @@ class Recorder:
 PUSH_BUCKET = 40_000  # bytes: a few experts' matrices (16 KiB each) per bucket
 
 
-def _ep2_steps_checkpoint_and_router_losses(rank, world, policy_dir, checkpoint):
+def _ep2_steps_checkpoint_and_router_losses(rank, world, policy_dir, checkpoint, converted):
     """EP2 (data-parallel 2): one train step of two minibatches, the first of which the data-parallel
     ranks share as 1 and 2 rows (1 and 2 micro-batches: the rank with fewer pads); a push of the
     trained weights through the bridge (a consumer on rank 0; rank 1 takes part in the gathers and
     drops what passes); a checkpoint; then one step of one minibatch without and with the router's
-    auxiliary losses."""
+    auxiliary losses; then a converted checkpoint (another model, written at TP2) loaded at EP2."""
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
     from fastgrpo.bridge import WeightBridge
@@ -389,7 +390,9 @@ def _ep2_steps_checkpoint_and_router_losses(rank, world, policy_dir, checkpoint)
         clear_aux_losses_tracker()
         router[bool(losses)] = (_trainer(policy_dir, 1, 1, 2, GRPO_ONE, **losses).train_step(batch),
                                 sorted(get_moe_layer_wise_logging_tracker()))
-    return metrics, trained, micro_counts, router, push
+    fresh = _trainer(policy_dir, 1, 1, 2, GRPO_ONE)
+    fresh.load(converted)
+    return metrics, trained, micro_counts, router, push, dict(fresh.export_weights())
 
 
 @pytest.mark.slow  # a world of 2
@@ -397,12 +400,20 @@ def test_ep2_trains_as_the_torch_trainer_and_checkpoints_its_policy(tmp_path, po
     """Two optimizer updates at EP2 (the data-parallel ranks' micro-batch counts differ and are evened
     out) give the torch trainer's loss and gradient norm within 1e-6 relative, and its weights; the
     checkpoint's Hugging Face policy is the pushed weights (each expert's own tensors), which
-    transformers loads; the router's load-balancing and z-losses change the gradient, not the loss."""
+    transformers loads, and its Megatron part converts to the same tensors; the router's
+    load-balancing and z-losses change the gradient, not the loss; a conversion of another model
+    (hf-to-megatron at TP2) loads at EP2 bit for bit."""
     from fastgrpo.models.policy import load_policy
+    from tools import convert_checkpoint as cc
 
+    hf_model(seed=1).save_pretrained(tmp_path / "other")
+    assert cc.main(["hf-to-megatron", "--hf", str(tmp_path / "other"), "--out", str(tmp_path / "converted"),
+                    "--tp", "2"]) == 0
     results = run_world(_ep2_steps_checkpoint_and_router_losses, 2, tmp_path / "world", policy,
-                        tmp_path / "checkpoint", timeout_s=400)
-    metrics, trained, micro_counts, router, push = results[0]
+                        tmp_path / "checkpoint", tmp_path / "converted", timeout_s=400)
+    metrics, trained, micro_counts, router, push, loaded = results[0]
+    other = load_file(tmp_path / "other" / "model.safetensors")
+    assert loaded.keys() == other.keys() and all(torch.equal(loaded[k], t) for k, t in other.items())
     assert micro_counts == [2, 1]  # rows 0 | 1, 2 evened to 2 micro-batches; rows 3 | 4 one each
     assert all(r[0] == metrics and r[3] == router for r in results)
     # the push: every trained tensor once, each expert's own matrices, in buckets of at most
@@ -429,6 +440,9 @@ def test_ep2_trains_as_the_torch_trainer_and_checkpoints_its_policy(tmp_path, po
     assert all(torch.equal(reloaded[k], t) for k, t in trained.items())
     info = json.loads((tmp_path / "checkpoint" / "megatron" / "fastgrpo.json").read_text())
     assert info["saved_at"]["expert"] == 2 and info["model"]["experts"] == 4
+    assert cc.main(["megatron-to-hf", "--megatron", str(tmp_path / "checkpoint"), "--out", str(tmp_path / "back")]) == 0
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert back.keys() == trained.keys() and all(torch.equal(back[k], t) for k, t in trained.items())
     # the router losses: the same forward (loss), another gradient; tracked per layer by megatron
     (plain, untracked), (lossy, tracked) = router[False], router[True]
     assert untracked == [] and tracked == ["load_balancing_loss", "z_loss"]
