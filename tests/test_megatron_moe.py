@@ -293,9 +293,14 @@ def torch_step(policy_dir, batch, grpo, steps: int = 1):
 
 
 def assert_same_metrics(got: dict, want: dict, rel: float) -> None:
+    """The step's numbers as the torch trainer's; its expert load (counts of routed real tokens, the
+    same routing) exactly."""
     for key in ("loss", "grad_norm", "entropy", "clip_fraction"):
         assert got[key] == pytest.approx(want[key], rel=rel, abs=1e-9), (key, got[key], want[key])
     assert want["grad_norm"] > 0
+    for key in ("expert_load_max_over_mean", "expert_idle_fraction"):
+        assert got[key] == pytest.approx(want[key], rel=1e-12, abs=1e-12), (key, got[key], want[key])
+    assert want["expert_load_max_over_mean"] > 1.0
 
 
 @pytest.mark.slow  # two worlds of 4
@@ -373,6 +378,8 @@ def _ep2_steps_checkpoint_and_router_losses(rank, world, policy_dir, checkpoint,
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
     from fastgrpo.bridge import WeightBridge
+    from fastgrpo.engines.embedded.engine import EmbeddedEngine
+    from fastgrpo.models.policy import load_policy
 
     trainer = _trainer(policy_dir, 1, 1, 2, GRPO_TWO)
     batch = grpo_batch()
@@ -380,9 +387,13 @@ def _ep2_steps_checkpoint_and_router_losses(rank, world, policy_dir, checkpoint,
     micro_counts = [len(trainer._micro_batches(batch, [0, 1, 2])), len(trainer._micro_batches(batch, [3, 4]))]
     metrics = trainer.train_step(batch)
     trained = dict(trainer.export_weights())
-    recorder = Recorder()
-    report = WeightBridge([recorder] if rank == 0 else [], bucket_bytes=PUSH_BUCKET).push(trainer.export_weights(), 1)
-    push = (recorder.buckets, recorder.received, recorder.alive_earlier, recorder.committed, report.buckets)
+    recorder, engine = Recorder(), EmbeddedEngine(trainer.hf_config, 2, 64, eos_id=2, pad_id=0)
+    engine.update_weights(load_policy(policy_dir).state_dict().items(), version=0)
+    consumers = [engine, recorder] if rank == 0 else []
+    report = WeightBridge(consumers, bucket_bytes=PUSH_BUCKET).push(trainer.export_weights(), 1)
+    served = on_disk({n: t.clone() for n, t in engine.model.named_weights()}) if rank == 0 else None
+    push = (recorder.buckets, recorder.received, recorder.alive_earlier, recorder.committed, report.buckets,
+            engine.stats()["weights_version"] if rank == 0 else None, served)
     trainer.save(checkpoint)
     del trainer
     router = {}
@@ -417,9 +428,11 @@ def test_ep2_trains_as_the_torch_trainer_and_checkpoints_its_policy(tmp_path, po
     assert micro_counts == [2, 1]  # rows 0 | 1, 2 evened to 2 micro-batches; rows 3 | 4 one each
     assert all(r[0] == metrics and r[3] == router for r in results)
     # the push: every trained tensor once, each expert's own matrices, in buckets of at most
-    # PUSH_BUCKET bytes (or one tensor), checksums checked at the commit, earlier buckets freed
-    buckets, received, alive_earlier, committed, pushed_buckets = push
-    assert committed == 1 and received.keys() == trained.keys()
+    # PUSH_BUCKET bytes (or one tensor), checksums checked at the commit (by the recorder and by the
+    # embedded engine, which then serves the trained weights), earlier buckets freed
+    buckets, received, alive_earlier, committed, pushed_buckets, engine_version, served = push
+    assert committed == engine_version == 1 and received.keys() == trained.keys()
+    assert served.keys() == trained.keys() and all(torch.equal(served[k], t) for k, t in trained.items())
     assert all(torch.equal(received[k], t) for k, t in trained.items())
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in received
     assert len(buckets) == pushed_buckets == results[1][4][4] > 4

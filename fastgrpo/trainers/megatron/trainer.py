@@ -44,7 +44,9 @@ padded on the right to a multiple of TP tokens (causal attention: the real posit
 padding, and its logits are cut off before scoring). The router's load-balancing loss and z-loss
 (`router_aux_loss`, `router_z_loss`; 0 by default) are megatron's, computed per micro-batch over its
 tokens (padding included) and weighted so that a minibatch's gradient gets the coefficient times
-their mean over its micro-batches on every data-parallel rank.
+their mean over its micro-batches on every data-parallel rank. A step reports its expert load as the
+torch trainer does (`torch_trainer.expert_load`: the real tokens each expert was routed in the
+step's training forwards, over every rank), counted from each router's routing map.
 """
 
 from __future__ import annotations
@@ -161,6 +163,8 @@ class MegatronPolicyTrainer:
         # inputs to bf16 and the last stage's logits back to fp32)
         self.gpt = build_model(hf.config, self.layout, layer_spec, recompute, dtype, router_aux_loss, router_z_loss)
         self.router_losses = (router_aux_loss, router_z_loss) if self.layout.experts else (0.0, 0.0)
+        self._routed: Tensor | None = None  # during a train step: routed real tokens [layers, E] of this rank
+        self._real_tokens: Tensor | None = None  # during a training forward: its real tokens, [tokens] as routed
         load_hf_state(self.gpt, hf.state_dict(), self.layout)
         module = _precision_wrapper(self.gpt)
         # the k3 KL's reference: the initial policy, frozen, in the same layout and precision (each rank
@@ -181,7 +185,10 @@ class MegatronPolicyTrainer:
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_rank, self.dp_size = dist.get_rank(self.dp_group), dist.get_world_size(self.dp_group)
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.last_stage = parallel_state.is_pipeline_last_stage()
+        if self.layout.experts:
+            self._count_routes()
         self.distributed_optimizer = distributed_optimizer
         self._cpu = megatron_patches.cpu_device_literals
         with self._cpu():
@@ -242,8 +249,14 @@ class MegatronPolicyTrainer:
             if width % multiple:  # padded on the right: causal attention keeps it from the real positions
                 ids = torch.nn.functional.pad(ids, (0, multiple - width % multiple))
             padded, device = ids.shape[1], ids.device
-            out = model(ids, torch.arange(padded, device=device).expand(n, -1),
-                        attention_mask=torch.triu(torch.ones(padded, padded, dtype=torch.bool, device=device), 1)[None, None])
+            if self._routed is not None and not forward_only:  # a training forward of a MoE: count its routes
+                self._real_tokens = self._routed_order(micro.attention_mask.bool() if rows else
+                                                       torch.zeros_like(micro.attention_mask, dtype=torch.bool), padded)
+            try:
+                out = model(ids, torch.arange(padded, device=device).expand(n, -1),
+                            attention_mask=torch.triu(torch.ones(padded, padded, dtype=torch.bool, device=device), 1)[None, None])
+            finally:
+                self._real_tokens = None  # (a recompute in the backward is the same forward: not counted again)
             return out, functools.partial(_loss_func, on_logits, rows, micro)
 
         self._weigh_router_losses(len(micros) * self.dp_size)
@@ -303,8 +316,48 @@ class MegatronPolicyTrainer:
 
     # -- training: what the GRPO step (`grpo.step.grpo_step`) asks of a backend --------------------
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        """All optimiser steps for one rollout batch: the GRPO step (`grpo.step.grpo_step`)."""
-        return grpo_step(self, batch, self.cfg)
+        """All optimiser steps for one rollout batch: the GRPO step (`grpo.step.grpo_step`); a mixture
+        of experts adds its expert load over the step's training forwards (`torch_trainer.expert_load`)."""
+        if not self.layout.experts:
+            return grpo_step(self, batch, self.cfg)
+        from fastgrpo.trainers.torch_trainer import expert_load
+
+        self._routed = torch.zeros(self.layout.layers, self.layout.experts, dtype=torch.float64, device=self.device)
+        try:
+            metrics = grpo_step(self, batch, self.cfg)
+            counts = self._routed
+            if self.layout.tp > 1:  # sequence parallel: each TP rank routed its own shard of the tokens
+                from megatron.core import parallel_state
+
+                dist.all_reduce(counts, group=parallel_state.get_tensor_model_parallel_group())
+            return metrics | expert_load(self._sum_over_stages_and_replicas(counts).cpu())
+        finally:
+            self._routed = None
+
+    def _count_routes(self) -> None:
+        """A hook on each of this stage's routers adds, during a training forward, the real tokens it
+        routed to each expert (its routing map: [tokens, E], this TP rank's shard of the sequence under
+        sequence parallelism, sequence-major) to the step's counts, under the layer's global index."""
+        first = self.layout.stage_layers(self.pp_rank).start
+
+        def count(router, inputs, output, layer: int):
+            if self._routed is not None and self._real_tokens is not None:
+                routing_map = output[1]
+                self._routed[layer] += (routing_map & self._real_tokens[:, None]).sum(0, dtype=torch.float64)
+
+        for i, block in enumerate(self.gpt.decoder.layers):
+            block.mlp.router.register_forward_hook(functools.partial(count, layer=first + i))
+
+    def _routed_order(self, real: Tensor, padded: int) -> Tensor:
+        """The real-token mask [n, width] of a micro-batch in the order its routers see the tokens: padded
+        to `padded` positions, sequence-major ([s, b] flattened, megatron's layout), and under sequence
+        parallelism this TP rank's contiguous shard of the sequence."""
+        from megatron.core import parallel_state
+
+        real = torch.nn.functional.pad(real, (0, padded - real.shape[1])).t()
+        if self.gpt.config.sequence_parallel:
+            real = real.chunk(self.layout.tp)[parallel_state.get_tensor_model_parallel_rank()]
+        return real.reshape(-1)
 
     def reference_logprobs(self, batch: RolloutBatch) -> Tensor:
         if self.reference is None:
