@@ -14,9 +14,9 @@ import torch
 from transformers import AutoConfig
 
 from fastgrpo.engines import build_engine
-from fastgrpo.engines.sglang.adapter import (
-    SGLANG_MASK_CAP, TIE_HEADROOM, adaptive_tiers, check_sampling, completion, eagle_reservation,
-    engine_dtype, fill_prefixes, sampling_mask_cap, server_args)
+from fastgrpo.engines.sglang.adapter import adaptive_tiers, engine_dtype, server_args
+from fastgrpo.engines.sglang.requests import (SGLANG_MASK_CAP, TIE_HEADROOM, check_sampling, completion,
+                                              eagle_reservation, fill_prefixes, sampling_mask_cap)
 from fastgrpo.bridge import WeightBridge
 from fastgrpo.config import load_config
 from fastgrpo.models.policy import load_policy
@@ -519,3 +519,19 @@ def test_the_engines_stop_ids_stop_sglang(tiny_policy, reference, tmp_path):
         c = engine.generate([Request(prompt)], ends)[0]
         assert c.token_ids == tokens[: first + 1] and c.finish_reason == "stop"
         engine.close()
+
+
+def test_a_moe_checkpoint_with_dense_layers_is_refused_before_sglang_starts():
+    """SGLang 0.5.23 runs every Qwen3-MoE layer as a sparse block (tests/test_sglang_conformance.py reads it
+    from its source), so a checkpoint with dense layers among them is refused by name, on any machine,
+    before any GPU is asked for; the released layout (every layer sparse) passes the check."""
+    from transformers import Qwen3MoeConfig
+
+    from fastgrpo.engines.sglang.adapter import build_engine, check_model
+
+    cfg = load_config(None, ["engine.backend=sglang", "speculation.policy=off", "draft.online=off"])
+    for dense in ({"mlp_only_layers": [1]}, {"decoder_sparse_step": 2}):
+        config = Qwen3MoeConfig(num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, **dense)
+        with pytest.raises(ValueError, match="has dense layers"):
+            build_engine(cfg, config, None)
+    check_model(Qwen3MoeConfig(num_hidden_layers=4, num_experts=4, num_experts_per_tok=2))

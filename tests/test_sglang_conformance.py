@@ -10,18 +10,29 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from packaging.requirements import Requirement
 
 from fastgrpo.engines.sglang import adapter as sglang_engine
-from fastgrpo.engines.sglang.adapter import SGLANG_VERSION, sampling_params, server_args
+from fastgrpo.engines.sglang import requests as sglang_requests
+from fastgrpo.engines.sglang.adapter import SGLANG_VERSION, server_args
+from fastgrpo.engines.sglang.requests import sampling_params
 from fastgrpo.config import load_config
 from fastgrpo.types import Request, SamplingParams
 from tests import sglang_conformance as conformance
 from tests.sglang_conformance import ATTRIBUTE_TYPES, EMULATION, check_adapter, check_emulation, check_keys
 
 ADAPTER = Path(sglang_engine.__file__)
+ADAPTER_FILES = (ADAPTER, Path(sglang_requests.__file__))  # the adapter and its request/output formats
+
+
+def scan_adapter(src):
+    """Every SGLang use of the adapter's modules, as one scan's problems, uses and string keys."""
+    scans = [check_adapter(src, f.read_text(), f.name) for f in ADAPTER_FILES]
+    return SimpleNamespace(problems=[p for s in scans for p in s.problems], uses=[u for s in scans for u in s.uses],
+                           string_keys=[k for s in scans for k in s.string_keys])
 
 # keys the adapter reads that are not SGLang's: its own dicts, the environment, Hugging Face configs
 ADAPTER_OWN_KEYS = {
@@ -49,7 +60,7 @@ def test_the_source_read_is_the_pinned_sglang(src):
 
 
 def test_every_sglang_use_of_the_adapter_is_in_sglangs_source(src):
-    scan = check_adapter(src, ADAPTER.read_text(), ADAPTER.name)
+    scan = scan_adapter(src)
     assert scan.problems == []
     uses = set(scan.uses)
     # the scan saw what the adapter does (a scan that typed nothing would pass vacuously)
@@ -134,7 +145,7 @@ def test_the_checker_catches_wrong_uses_of_sglang(src):
 
 
 def test_the_keys_the_adapter_reads_are_sglangs(src):
-    scan = check_adapter(src, ADAPTER.read_text(), ADAPTER.name)
+    scan = scan_adapter(src)
     keys = {k for k, _ in scan.string_keys}
     sglang_keys = src.output_keys | set(src.server_args_fields)
     assert sorted(keys - sglang_keys - set(ADAPTER_OWN_KEYS)) == []
@@ -143,7 +154,7 @@ def test_the_keys_the_adapter_reads_are_sglangs(src):
             "spec_correct_drafts_histogram"} <= keys & src.output_keys
     tiers = src.module("sglang.srt.speculative.adaptive_spec_params").path.read_text()
     assert 'entry.get("candidate_steps")' in tiers and 'entry["candidate_steps"]' in tiers
-    assert set(sglang_engine.FINISH_REASONS) <= src.finish_types == {"stop", "length", "abort"}
+    assert set(sglang_requests.FINISH_REASONS) <= src.finish_types == {"stop", "length", "abort"}
 
 
 CONFIGS = [[f"speculation.policy={policy}", f"draft.online={online}", f"rollout.top_k={top_k}", "engine.tensor=2"]
@@ -212,11 +223,11 @@ def test_the_emulation_checker_catches_drift(src, tmp_path, path, old, new, mess
 
 def test_sglang_values_the_adapter_and_the_emulation_mirror(src):
     fields = src.server_args_fields
-    assert ast.literal_eval(fields["sampling_mask_max_tokens"]) == sglang_engine.SGLANG_MASK_CAP
+    assert ast.literal_eval(fields["sampling_mask_max_tokens"]) == sglang_requests.SGLANG_MASK_CAP
     default_tiers = ast.literal_eval(src.module("sglang.srt.speculative.adaptive_spec_params")
                                      .defs["DEFAULT_ADAPTIVE_CONFIG"].value)
     steps = {k: v["candidate_steps"] for k, v in default_tiers.items()}
-    assert max(max(v) for v in steps.values()) == sglang_engine.SGLANG_DEFAULT_ADAPTIVE_STEPS
+    assert max(max(v) for v in steps.values()) == sglang_requests.SGLANG_DEFAULT_ADAPTIVE_STEPS
     emulator = (EMULATION / "_sglang_emulator.py").read_text()
     assert f"DEFAULT_ADAPTIVE_CONFIG = {json.dumps(steps)}" in emulator
     assert conformance.literal(src.module("sglang.srt.sampling.sampling_params").defs["TOP_K_ALL"].value) == 1 << 30
@@ -406,8 +417,6 @@ def test_the_tiers_model_is_sglangs(src):
     fn = src.resolve("sglang.srt.arg_groups.cuda_graph_hook", "generate_decode_cuda_graph_batch_sizes").node
     namespace = {"resolving_view": lambda args: args}
     exec(compile(ast.Module([fn], []), "cuda_graph_hook.py", "exec"), namespace)
-    from types import SimpleNamespace
-
     args = SimpleNamespace(disable_cuda_graph_padding=False, speculative_algorithm="EAGLE")
     for max_bs in (1, 7, 8, 48, 128, 200, 512):
         assert spec_capture_sizes(max_bs) == namespace["generate_decode_cuda_graph_batch_sizes"](args, max_bs), max_bs

@@ -6,30 +6,11 @@ tests/test_sglang_conformance.py reads the pinned wheel's source (ast, no import
 SGLang import, attribute, call, keyword, field and output key this module uses, and the engine
 contract suite runs this module's own code against an emulation of SGLang's engine
 (tests/sglang_emulation) whose interface the same test checks against that source. What it relies
-on, all in 0.5.23 (paths in the wheel, under sglang/srt/):
+on, all in 0.5.23 (paths in the wheel, under sglang/srt/), beside what a request sends and its output
+holds (`requests.py`: seeds, log-probabilities, stops, the context, hidden states):
 - Generation sends one `GenerateReqInput` through `tokenizer_manager.generate_request(obj, None)` on
   the engine's event loop, as `Engine.generate` does (entrypoints/engine.py), because
   `Engine.generate` has no `return_sampling_mask` parameter (the request object has the field).
-- Seeds: `sampling_seed` is honoured only with `enable_deterministic_inference` (which forces the
-  pytorch sampling backend: arg_groups/overrides.py, sampling/sampling_batch_info.py); the engine
-  starts with it, so a request's samples follow its key wherever it runs.
-- `output_token_logprobs` are `log_softmax(logits / T)` (layers/sampler.py): the sampling
-  distribution only when neither top-k nor top-p cuts it. With a finite top-k and no speculation,
-  `return_sampling_mask` returns each token's sampling support (`output_token_sampling_mask`: the
-  kept token ids) and its log-probability renormalised over it (`output_token_sampling_logprobs`),
-  which become `Completion.sample_sets` and `.logprobs`. SGLang refuses the mask with EAGLE and
-  unless `1 < top_k <= sampling_mask_max_tokens` (managers/scheduler.py), and aborts a request whose
-  support outgrows the cap (ties at the cutoff): the cap is set at start with headroom
-  (`sampling_mask_cap`), and a call's top-k must fit it with that headroom (`check_sampling`).
-- Stops: SGLang stops a request on config.json's and generation_config.json's eos ids (ModelConfig
-  hf_eos_token_id, configs/model_config.py:2190-2208, given to every Req: managers/scheduler.py:3009)
-  and on its `stop_token_ids`, but not on the tokenizer's eos: the engine starts with
-  skip_tokenizer_init, and a Req checks the tokenizer's only when it has one (managers/scheduler.py:
-  895-896, managers/schedule_batch.py:1857-1878). The engine's `stop_ids` go with every request as
-  `stop_token_ids`; ignore_eos turns every token stop off.
-- Context: SGLang refuses the whole call when a prompt plus `max_new_tokens` plus EAGLE's reserved
-  draft slots exceeds the context (managers/tokenizer_manager.py, managers/utils.py): each request's
-  `max_new_tokens` is clamped to what is left, and the clamp reported as a context stop.
 - Weights: `begin_weight_update(selector)`, `update_weights_from_tensor` one bucket at a time (one
   serialised payload per tensor-parallel rank, made after `monkey_patch_torch_reductions()`:
   managers/tp_worker.py, utils/patch_torch.py), `end_weight_update`, then `flush_cache`. A new
@@ -41,11 +22,6 @@ on, all in 0.5.23 (paths in the wheel, under sglang/srt/):
   brings the weights' memory back first (their contents are garbage until the next push: generate
   refuses until it commits), the KV cache and CUDA graphs only after that push (peak memory beside
   the trainer); the draft comes back from SGLang's CPU backup (scheduler_components/weight_updater.py).
-- `return_hidden_states=True` (server flag `enable_return_hidden_states`): post-norm states, prefill
-  rows for the prompt's uncached part only (a radix-cache hit: every GRPO group member after the
-  first), then one row per emitted token. Chunked prefill (whose middle chunks return no rows) is off
-  when states are captured; a capture call starts from an empty cache, so the rows a cache hit
-  skipped were computed by another request of the same call and are taken from it (`fill_prefixes`).
 - EAGLE: the draft is exported with its own config (`models/draft.py sglang_eagle_config`: untied head, the target's
   dtype and rope), and the engine gets the dtype explicitly.
 - Speculation: `static` is EAGLE with our depth / top-k / verify count; `fastgrpo` is SGLang's
@@ -86,6 +62,8 @@ from fastgrpo.models.draft import export_sglang_eagle, sglang_eagle_tensors
 from fastgrpo.models.families import checkpoint_tensors
 from fastgrpo.paths import draft_dir, draft_weights, has_draft
 from fastgrpo.speculation.policy import FastGRPOFormula, SpeculationPolicy
+from fastgrpo.engines.sglang.requests import (SGLANG_MASK_CAP, captured, check_sampling, completion, eagle_reservation,
+                                              fill_prefixes, sampling_mask_cap, sampling_params)
 from fastgrpo.speculation.sglang_tiers import AdaptiveSlots, AwareTiers, plain_steps, spec_capture_sizes
 from fastgrpo.types import Completion, EngineStats, Request, SamplingParams
 
@@ -95,157 +73,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
-FINISH_REASONS = {"stop": "stop", "length": "length"}  # SGLang's meta_info["finish_reason"]["type"] -> ours
-# SGLang's own values these depend on (the conformance test checks each against its source)
-SGLANG_MASK_CAP = 4096  # sampling_mask_max_tokens' default (arg_groups/fields/exec_.py)
-SGLANG_DEFAULT_ADAPTIVE_STEPS = 7  # the most steps of SGLang's default adaptive tiers (adaptive_spec_params.py)
-TIE_HEADROOM = 64  # sampling-mask slots beyond top-k for tokens tied at the cutoff
 
 
 def gpus_available() -> bool:
     return torch.cuda.is_available()
-
-
-def sampling_mask_cap(top_k: int) -> int:
-    """The `sampling_mask_max_tokens` an engine sampling with `top_k` needs: the top-k, plus headroom
-    for tokens tied with the k-th (SGLang aborts a request whose support outgrows the cap)."""
-    return top_k + max(top_k, TIE_HEADROOM)
-
-
-def check_sampling(sampling: SamplingParams, speculating: bool, mask_max_tokens: int) -> bool:
-    """Whether SGLang can report the log-probabilities of the distribution it samples from with these
-    settings (raises if not, naming the config key); True: the kept-set renormalised ones are needed
-    (`return_sampling_mask`). `mask_max_tokens`: the engine's `sampling_mask_max_tokens`."""
-    cut = not sampling.greedy and (sampling.top_k > 0 or sampling.top_p < 1)
-    if not cut:
-        return False
-    if speculating:
-        raise ValueError("rollout.top_k / rollout.top_p: with speculation, SGLang 0.5.23 reports only the "
-                         "temperature-scaled log-probabilities (return_sampling_mask is refused with EAGLE); "
-                         "use top_k 0 and top_p 1, or speculation.policy off")
-    if sampling.top_k == 0:
-        raise ValueError("rollout.top_p < 1 needs a finite rollout.top_k with engine.backend=sglang (SGLang 0.5.23 "
-                         "returns the renormalised log-probabilities only for 1 < top_k <= sampling_mask_max_tokens)")
-    if sampling.top_k < 2 or sampling_mask_cap(sampling.top_k) > mask_max_tokens:
-        raise ValueError(f"rollout.top_k {sampling.top_k}: this SGLang engine returns renormalised log-probabilities "
-                         f"for 1 < top_k with top_k + {TIE_HEADROOM} (or 2 top_k) <= sampling_mask_max_tokens "
-                         f"{mask_max_tokens} (headroom for ties); start it with that top-k")
-    return True
-
-
-def sampling_params(sampling: SamplingParams, request: Request, seed: int, index: int,
-                    max_new_tokens: int | None = None, stop_ids: Sequence[int] = ()) -> dict[str, Any]:
-    """One request's SGLang sampling parameters (top_k -1: off; a seed of its own per request, from its
-    key, else its index in the call; `max_new_tokens`: the clamped limit; `stop_ids`: the engine's stop
-    ids, sent as `stop_token_ids`, which SGLang stops on unless ignore_eos: SGLang stops by itself only
-    on config.json's and generation_config.json's eos ids, never on the tokenizer's with
-    skip_tokenizer_init (managers/schedule_batch.py:1857-1878, configs/model_config.py:2190-2208,
-    managers/scheduler.py:895-896)."""
-    key = index if request.key is None else request.key
-    return {"temperature": sampling.temperature, "top_p": sampling.top_p,
-            "top_k": sampling.top_k if sampling.top_k > 0 else -1,
-            "max_new_tokens": max_new_tokens or request.max_new_tokens or sampling.max_new_tokens,
-            "ignore_eos": sampling.ignore_eos, "sampling_seed": (seed * 1_000_003 + key) % 2**63,
-            "stop_token_ids": sorted(set(stop_ids)) or None}  # None: none (sampling_params.py:201-205)
-
-
-def flatten_hidden(chunks: list) -> Tensor:
-    """`meta_info["hidden_states"]` as one [positions, H] tensor: prefill chunks arrive as lists of
-    rows, decode steps as rows (one per emitted token)."""
-    rows: list[list[float]] = []
-    for chunk in chunks:
-        if chunk and isinstance(chunk[0], list):
-            rows.extend(chunk)
-        else:
-            rows.append(chunk)
-    return torch.tensor(rows, dtype=torch.float32)
-
-
-def captured(meta: dict, prompt_len: int, n_tokens: int) -> tuple[int, Tensor]:
-    """(first position, states of positions first..prompt_len + n_tokens - 2) of one output: SGLang
-    returns no rows for the `cached_tokens` a radix-cache hit skipped."""
-    if int(meta.get("num_retractions", 0)):
-        raise RuntimeError("SGLang retracted a request (KV memory ran short) and prefilled it again: its hidden "
-                           "states cannot be aligned with positions; lower rollout.max_batch or raise "
-                           "engine.mem_fraction")
-    first = int(meta.get("cached_tokens", 0))
-    rows = flatten_hidden(meta["hidden_states"])
-    need = prompt_len + n_tokens - 1 - first
-    if rows.shape[0] < need:
-        raise RuntimeError(f"SGLang returned {rows.shape[0]} hidden states for positions {first}.."
-                           f"{prompt_len + n_tokens - 2} (a prompt longer than SGLang's chunked_prefill_size gets "
-                           f"none for its middle chunks: an engine started with draft.online on does not chunk)")
-    return first, rows[:need]
-
-
-def fill_prefixes(sequences: list[list[int]], parts: list[tuple[int, Tensor]]) -> list[Tensor]:
-    """Each sequence's states at every position 0..len(rows) + first - 1: the positions a cache hit
-    skipped (before `first`) come from another sequence of the call with the same tokens up to
-    there (a state depends only on the tokens up to it)."""
-    node_of: dict[tuple[int, int], int] = {}
-    state_at: dict[int, Tensor] = {}
-    paths = []
-    for tokens, (first, rows) in zip(sequences, parts):
-        node, path = 0, []
-        for position in range(first + rows.shape[0]):
-            node = node_of.setdefault((node, tokens[position]), len(node_of) + 1)
-            path.append(node)
-            if position >= first:
-                state_at.setdefault(node, rows[position - first])
-        paths.append(path)
-    out = []
-    for (first, rows), path in zip(parts, paths):
-        missing = [p for p in range(first) if path[p] not in state_at]
-        if missing:
-            raise RuntimeError(f"no request of the call computed the states of positions {missing[0]}..{missing[-1]} "
-                               f"(a radix-cache hit on a prefix from an earlier call)")
-        out.append(torch.cat([torch.stack([state_at[path[p]] for p in range(first)]), rows]) if first else rows)
-    return out
-
-
-def completion(out: dict, prompt_len: int, requested: int, limit: int, masked: bool, plain: int = 0) -> Completion:
-    """One SGLang output as our Completion: tokens, the sampling distribution's log-probabilities (and
-    with the sampling mask each token's sampling set), why it ended (`limit`: the max_new_tokens sent,
-    `requested` clamped to the context) and its speculation counts: `plain` of its verify steps ran
-    at depth 0 (`plain_steps`; SGLang counts them as verify steps, each emitting one token), the rest
-    speculated."""
-    meta = out["meta_info"]
-    tokens = list(out["output_ids"])
-    reason = meta["finish_reason"] or {"type": "length"}
-    if reason["type"] not in FINISH_REASONS:
-        raise RuntimeError(f"SGLang ended a request with {reason}")
-    finish = FINISH_REASONS[reason["type"]]
-    if finish == "length" and limit < requested and len(tokens) >= limit:
-        finish = "context"
-    sets = None
-    if masked:
-        logprobs = [float(x) for x in meta["output_token_sampling_logprobs"]]
-        sets = [list(s) for s in meta["output_token_sampling_mask"]]
-        if len(sets) != len(tokens) or any(t not in s for t, s in zip(tokens, sets)):
-            raise RuntimeError("SGLang's sampling sets do not hold the tokens it sampled")
-    else:
-        triples = meta["output_token_logprobs"]
-        if [t for _, t, _ in triples] != tokens:
-            raise RuntimeError("SGLang's log-probabilities belong to other tokens than its output")
-        logprobs = [float(lp) for lp, _, _ in triples]
-    if len(logprobs) != len(tokens):
-        raise RuntimeError(f"SGLang returned {len(logprobs)} log-probabilities for {len(tokens)} tokens")
-    steps = max(0, int(meta.get("spec_verify_ct", 0)) - plain)
-    return Completion(tokens, logprobs, finish, {"spec_steps": steps, "spec_emitted": len(tokens) - plain if steps else 0},
-                      None, sets)
-
-
-def eagle_reservation(args: dict[str, Any], tiers: dict[str, dict] | None) -> int:
-    """Context slots SGLang reserves per request for EAGLE's draft tokens (managers/utils.py
-    compute_num_reserved_tokens): top-k x steps or the draft-token count; adaptive: the most steps of
-    any tier + 1."""
-    if args.get("speculative_algorithm") != "EAGLE":
-        return 0
-    if args.get("speculative_adaptive"):
-        steps = (max(s for t in tiers.values() for s in t["candidate_steps"]) if tiers
-                 else SGLANG_DEFAULT_ADAPTIVE_STEPS)
-        return steps + 1
-    return max(args["speculative_eagle_topk"] * args["speculative_num_steps"], args["speculative_num_draft_tokens"])
 
 
 def engine_dtype(cfg: Config) -> str:
@@ -567,6 +398,18 @@ def aware_tiers(cfg: Config, model_config: PretrainedConfig) -> AwareTiers:
     return AwareTiers(prices, spec_capture_sizes(cfg.rollout.max_batch), cfg.model.max_context)
 
 
+def check_model(model_config: PretrainedConfig) -> None:
+    """What SGLang 0.5.23 computes as the checkpoint does: its Qwen3-MoE builds every layer as a sparse
+    block (models/qwen3_moe.py) whatever `mlp_only_layers` and `decoder_sparse_step` say, so a checkpoint
+    with dense layers among its sparse ones would lose those layers' weights without a word."""
+    dense = list(getattr(model_config, "mlp_only_layers", None) or [])
+    step = getattr(model_config, "decoder_sparse_step", 1)
+    if getattr(model_config, "num_experts", 0) and (dense or step != 1):
+        raise ValueError(f"engine.backend=sglang: SGLang {SGLANG_VERSION} runs every layer of a "
+                         f"{model_config.model_type} checkpoint as a mixture of experts, but this one has dense layers "
+                         f"(mlp_only_layers={dense}, decoder_sparse_step={step}); use engine.backend=embedded")
+
+
 def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase,
                  weights: NamedTensors | None = None, speculation: str | None = None,
                  stop_ids: Sequence[int] = ()) -> SGLangEngine:
@@ -574,6 +417,7 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrai
     with the policy at `model.path`, then given `weights` if any; with speculation, our draft exported
     to SGLang's EAGLE format next to the run. It stops a sequence at any of `stop_ids` (sent with each
     request: SGLang's own stops miss the tokenizer's eos, `sampling_params`)."""
+    check_model(model_config)
     if not gpus_available():
         raise BackendUnavailable("engine.backend=sglang needs CUDA GPUs; this machine has none (use engine.backend="
                                  "embedded)")
