@@ -7,7 +7,10 @@ those raises. The patches below give each one its CPU meaning and nothing more.
 
 Rules:
 - Applied by `fastgrpo.trainers.megatron` only, never at import, and only when CUDA is absent: on
-  GPUs megatron-core runs unpatched.
+  GPUs megatron-core runs unpatched, except for what its local spec's torch fallbacks need whatever
+  the device (`LOCAL_SPEC_PATCHES` and `TE_NAMES_UNSET`: a MoE router's Transformer Engine names
+  left undefined, the torch norms under sequence parallelism), where Transformer Engine is absent or
+  the local spec is asked for; with Transformer Engine's spec neither is reached.
 - Each patch names what it replaces, why, and the megatron-core version it was written for; it
   carries a fingerprint of the source it replaces (and of the source it reaches into, where a
   wrapper changes what a function it calls sees), and `apply()` refuses (with the list of what
@@ -26,10 +29,11 @@ optimizer's Adam step count on load, wrong with torch's Adam on any device, is m
 trainer (`MegatronPolicyTrainer._restore_adam_steps`), not here.
 
 Mixture-of-experts layers (`MoELayer` with the alltoall token dispatcher, `SequentialMLP` experts)
-need five more, each found by running megatron-core 0.16.1's MoE on CPU/gloo (`MOE_PATCHES` and
-`TE_NAMES_UNSET`): the router's Transformer Engine names left undefined without Transformer Engine,
-the dispatcher's CUDA side stream, its split sizes handed to the all-to-all as tensors, gloo's lack of
-an uneven all-gather (TP > 1), and the torch norms' refusal of sequence parallelism (which megatron
+need five more, each found by running megatron-core 0.16.1's MoE on CPU/gloo: the dispatcher's CUDA
+side stream, its split sizes handed to the all-to-all as tensors, gloo's lack of an uneven all-gather
+(TP > 1) (`MOE_PATCHES`, CPU only), and two that are no device matter (`TE_NAMES_UNSET`,
+`LOCAL_SPEC_PATCHES`, applied on GPUs too): the router's Transformer Engine names left undefined
+without Transformer Engine, and the torch norms' refusal of sequence parallelism (which megatron
 requires of MoE with TP > 1: without it every TP rank runs the same tokens through the experts and
 their gradients come out TP times too large).
 """
@@ -283,6 +287,10 @@ MOE_PATCHES = (
     Patch("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim",
           "the dispatcher gathers the tokens for this rank's experts over TP in uneven pieces; gloo has "
           "no uneven all_gather (TP > 1)", "44633fe36d60a51f", _gather_uneven_on_gloo),
+)
+
+# what the local spec (torch norms, no Transformer Engine) needs for MoE on any device
+LOCAL_SPEC_PATCHES = (
     Patch("megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__",
           "MoE with TP > 1 needs sequence parallelism, which the local spec's torch norms refuse by "
           "assertion", "6cb54a06fa41bf78", _norm_under_sequence_parallel),
@@ -338,7 +346,7 @@ def mismatches() -> list[str]:
     version = getattr(megatron.core, "__version__", "unknown")
     if version != MEGATRON_CORE_VERSION:
         problems.append(f"megatron-core {version} is installed; the patches are for {MEGATRON_CORE_VERSION}")
-    for p in PATCHES + MOE_PATCHES:
+    for p in PATCHES + MOE_PATCHES + LOCAL_SPEC_PATCHES:
         owner, attr = _owner(p)
         target = _applied.get((p.module, p.name), getattr(owner, attr, None) if owner is not None else None)
         if target is None:
@@ -370,15 +378,14 @@ def mismatches() -> list[str]:
 
 
 def apply() -> list[str]:
-    """Patch megatron-core for CPU/gloo (no-op with CUDA, and if already applied); returns what was
+    """Patch megatron-core for CPU/gloo; with CUDA only for the local spec's torch fallbacks
+    (`LOCAL_SPEC_PATCHES`, `TE_NAMES_UNSET`). A no-op for what is already applied; returns what was
     patched. Raises PatchMismatch on a megatron-core the patches were not written for."""
-    if not needed():
-        return []
     problems = mismatches()
     if problems:
         raise PatchMismatch("megatron_patches cannot be applied: " + "; ".join(problems))
     done = []
-    for p in PATCHES + MOE_PATCHES:
+    for p in (PATCHES + MOE_PATCHES + LOCAL_SPEC_PATCHES if needed() else LOCAL_SPEC_PATCHES):
         if (p.module, p.name) in _applied:
             continue
         owner, attr = _owner(p)
@@ -392,6 +399,8 @@ def apply() -> list[str]:
             if not hasattr(module, name):
                 setattr(module, name, None)
                 done.append(f"{TE_NAMES_UNSET.module}.{name} = None")
+    if not needed():
+        return done
     for name, replacement in TORCH_CUDA.items():
         if name not in _torch_cuda_originals:
             _torch_cuda_originals[name] = getattr(torch.cuda, name)

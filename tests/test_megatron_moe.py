@@ -254,6 +254,26 @@ def test_the_moe_patches_refuse_a_changed_megatron_core(monkeypatch):
                for p in problems), problems
 
 
+def _apply_as_with_cuda(rank, world):
+    """In a fresh process: what `apply` patches where CUDA is present (needed() False)."""
+    import megatron_patches
+
+    megatron_patches.needed = lambda: False
+    return megatron_patches.apply()
+
+
+def test_with_cuda_only_the_local_specs_patches_apply(tmp_path):
+    """On a GPU megatron-core runs unpatched but for the local spec's torch fallbacks, which a MoE
+    needs whatever the device: the torch norms under sequence parallelism and the router's Transformer
+    Engine names (where Transformer Engine is absent); none of the CPU/gloo patches, no torch.cuda
+    stand-in."""
+    done = run_world(_apply_as_with_cuda, 1, tmp_path)[0]
+    assert "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__" in done
+    assert "megatron.core.transformer.moe.moe_utils.te_general_gemm = None" in done
+    assert not any("token_dispatcher" in d or "mappings" in d or d.startswith("torch.cuda") or "random" in d
+                   for d in done), done
+
+
 # -- worlds ---------------------------------------------------------------------------------------------
 
 def _trainer(policy_dir, tp, pp, ep, grpo, **kwargs):

@@ -18,8 +18,8 @@ llama3 scaling fixes original_max_position_embeddings at 8192 and the low/high f
 1 and 4 (`RotaryEmbedding.__init__` passes only the factor to `_apply_scaling`,
 models/common/embeddings/rotary_pos_embedding.py:83-84, 92-98).
 
-The same code runs on GPUs (NCCL, unpatched megatron-core) and on CPU over gloo (with
-`megatron_patches`, applied here and only here).
+The same code runs on GPUs (NCCL, megatron-core unpatched but for its local spec's torch fallbacks)
+and on CPU over gloo (with `megatron_patches`, applied here and only here).
 """
 
 from __future__ import annotations
@@ -47,10 +47,9 @@ def _megatron():
 
         raise BackendUnavailable(f"trainer.backend=megatron needs megatron-core ({e}); install it with "
                                  f"`pip install -e \".[megatron]\"`") from e
-    if not torch.cuda.is_available():
-        import megatron_patches
+    import megatron_patches
 
-        megatron_patches.apply()
+    megatron_patches.apply()  # on CPU every patch; with CUDA only the local spec's (megatron_patches)
 
 
 def initialize(tp: int, pp: int, seed: int = 0, ep: int = 1) -> None:
