@@ -18,6 +18,7 @@ token's 2nd and 3rd experts near a tie, checked), fp32.
   in buckets with matching checksums, each expert its own tensor, earlier buckets freed; its
   checkpoint's policy is the pushed weights and its Megatron part converts to them; a conversion of
   another model loads at EP2; the router's auxiliary losses move the gradient, not the loss.
+  With the distributed optimizer at EP2: the same step, and a bit-exact resume.
   Conversion at TP2 x PP2 x EP2 itself: tests/test_convert_checkpoint.py.
 """
 
@@ -481,3 +482,34 @@ def test_ep2_trains_as_the_torch_trainer_and_checkpoints_its_policy(tmp_path, po
     assert untracked == [] and tracked == ["load_balancing_loss", "z_loss"]
     assert lossy["loss"] == plain["loss"]
     assert abs(lossy["grad_norm"] - plain["grad_norm"]) > 1e-4 * plain["grad_norm"]
+
+
+def _distributed_optimizer_and_resume(rank, world, policy_dir, checkpoint):
+    """EP2: one step with the replicated optimizer and one with the distributed one; the latter saved,
+    loaded by a new trainer, and one more step of each (resumed and continued)."""
+    out = {}
+    for distributed in (False, True):
+        trainer = _trainer(policy_dir, 1, 1, 2, GRPO_TWO, distributed_optimizer=distributed)
+        batch = grpo_batch()
+        batch.engine_logprobs = trainer.logprobs(batch) * batch.response_mask
+        out[distributed] = trainer.train_step(batch)
+    trainer.save(checkpoint)
+    resumed = _trainer(policy_dir, 1, 1, 2, GRPO_TWO, distributed_optimizer=True)
+    resumed.load(checkpoint)
+    out["resumed"], out["continued"] = resumed.train_step(batch), trainer.train_step(batch)
+    out["weights"] = dict(resumed.export_weights()), dict(trainer.export_weights())
+    return out
+
+
+@pytest.mark.slow  # a world of 2
+def test_ep2_with_the_distributed_optimizer_steps_alike_and_resumes_bit_for_bit(tmp_path, policy):
+    """megatron's distributed optimizer (expert parameters sharded over their own data-parallel group)
+    at EP2: the replicated optimizer's step to rounding; saved and resumed, the next step is the
+    continued run's bit for bit."""
+    out = run_world(_distributed_optimizer_and_resume, 2, tmp_path / "world", policy, tmp_path / "checkpoint",
+                    timeout_s=400)[0]
+    for key in ("loss", "grad_norm"):
+        assert out[True][key] == pytest.approx(out[False][key], rel=1e-6), key
+    assert out["resumed"] == out["continued"]
+    resumed, continued = out["weights"]
+    assert all(torch.equal(resumed[k], t) for k, t in continued.items())
