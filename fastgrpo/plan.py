@@ -131,7 +131,7 @@ def parameters(s: Shape, active: bool = False) -> int:
 
 
 def draft_parameters(s: Shape) -> int:
-    """The draft head (`engines/embedded/draft.py`): fc [h, 2h], one plain Llama decoder layer (no
+    """The draft head (`models/draft.py`): fc [h, 2h], one plain Llama decoder layer (no
     biases, no q/k norms) at the policy's sizes, a norm; the embedding and LM head are the policy's."""
     return 2 * s.hidden * s.hidden + layer_params(s, draft=True) + s.hidden
 

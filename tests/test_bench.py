@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from fastgrpo.engines.embedded.model import onednn_available
+from fastgrpo.models.layers import onednn_available
 from tests.conftest import tiny_config, tiny_overrides
 
 

@@ -335,7 +335,7 @@ def test_export_draft_has_sglang_eagle_names_shapes_and_config(tmp_path, capsys)
     is refused unless --drop-norms."""
     from transformers import LlamaConfig
 
-    from fastgrpo.engines.embedded.draft import DraftHead
+    from fastgrpo.models.draft import DraftHead
     from tests.test_megatron_model import hf_model
 
     policy = hf_model("llama-tied")

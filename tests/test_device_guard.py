@@ -16,7 +16,7 @@ import fastgrpo.device
 from fastgrpo.bridge import WeightBridge
 from fastgrpo.config import DraftConfig, GRPOConfig, OptimConfig
 from fastgrpo.draft_learning.online import OnlineDraftLearner
-from fastgrpo.engines.embedded.draft import DraftHead
+from fastgrpo.models.draft import DraftHead
 from fastgrpo.engines.embedded.engine import EmbeddedEngine
 from fastgrpo.models.sampling import sample, sampling_logprobs
 from fastgrpo.grpo.batch import build_batch

@@ -11,7 +11,7 @@ from fastgrpo.draft_learning.pretrain import target_states
 from fastgrpo.draft_learning.trainer import DraftTrainer
 from fastgrpo.engines.embedded.engine import EmbeddedEngine
 from fastgrpo.models.policy import new_policy, policy_config
-from fastgrpo.engines.embedded.draft import DraftHead
+from fastgrpo.models.draft import DraftHead
 from fastgrpo.speculation.policy import Static
 from fastgrpo.speculation.spec import SpecConfig
 from tests.conftest import assert_same_update

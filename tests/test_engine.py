@@ -8,7 +8,8 @@ import torch
 from fastgrpo.types import SamplingParams, Request
 from fastgrpo.trainers.torch_trainer import token_logprobs
 from fastgrpo.engines.embedded.engine import EmbeddedEngine
-from fastgrpo.engines.embedded.model import InferenceModel, KVCache, onednn_available
+from fastgrpo.engines.embedded.model import InferenceModel, KVCache
+from fastgrpo.models.layers import onednn_available
 from fastgrpo.models.sampling import sampling_logprobs
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.models.policy import new_policy, policy_config

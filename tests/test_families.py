@@ -12,10 +12,12 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 import fastgrpo.device
 from fastgrpo.draft_learning.pretrain import target_states
 from fastgrpo.draft_learning.trainer import DraftTrainer
-from fastgrpo.engines.embedded.draft import DraftHead
+from fastgrpo.models.draft import DraftHead
 from fastgrpo.engines.embedded.engine import EmbeddedEngine
-from fastgrpo.engines.embedded.families import layer_layout
-from fastgrpo.engines.embedded.model import InferenceModel, KVCache, onednn_available, rope_tables
+from fastgrpo.models.layouts import layer_layout
+from fastgrpo.engines.embedded.model import InferenceModel, KVCache
+from fastgrpo.models.layers import onednn_available
+from fastgrpo.models.rope import rope_tables
 from fastgrpo.speculation.policy import Static
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.types import Request, SamplingParams

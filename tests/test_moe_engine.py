@@ -18,9 +18,10 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 from fastgrpo.bridge import checksum
 from fastgrpo.models.families import checkpoint_tensors
-from fastgrpo.engines.embedded.draft import DraftHead
-from fastgrpo.engines.embedded.families import layer_layout, layer_layouts
-from fastgrpo.engines.embedded.model import InferenceModel, KVCache, onednn_available
+from fastgrpo.models.draft import DraftHead
+from fastgrpo.models.layouts import layer_layout, layer_layouts
+from fastgrpo.engines.embedded.model import InferenceModel, KVCache
+from fastgrpo.models.layers import onednn_available
 from fastgrpo.speculation.policy import Static
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.types import Request, SamplingParams

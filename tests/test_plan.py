@@ -112,7 +112,7 @@ def _meta_counts(config) -> tuple[int, int]:
     """Parameters of the Hugging Face model and of the draft head, built on the meta device (no memory)."""
     from transformers import AutoModelForCausalLM
 
-    from fastgrpo.engines.embedded.draft import DraftHead
+    from fastgrpo.models.draft import DraftHead
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)

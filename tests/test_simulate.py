@@ -15,7 +15,7 @@ from fastgrpo.engines.embedded.engine import EmbeddedEngine
 from fastgrpo.speculation.roofline import H100, LLAMA3_8B, Roofline, simulated_cost_model
 from fastgrpo.models.policy import new_policy, policy_config
 from fastgrpo.speculation.cost_model import CostModel
-from fastgrpo.engines.embedded.draft import DraftHead
+from fastgrpo.models.draft import DraftHead
 from fastgrpo.speculation.per_sequence import AwarePerSequence
 from fastgrpo.speculation.policy import Aware, Off, Static
 from fastgrpo.speculation.tlt import TLT

@@ -16,7 +16,7 @@ from fastgrpo.engines.embedded.model import KVCache, block_mask, cache_kv
 from fastgrpo.models.sampling import sampling_logprobs
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.models.policy import new_policy, policy_config
-from fastgrpo.engines.embedded.draft import DraftHead
+from fastgrpo.models.draft import DraftHead
 from fastgrpo.engines.embedded.calibrate import load_or_calibrate
 from fastgrpo.speculation.cost_model import CostModel
 from fastgrpo.speculation.per_sequence import AwarePerSequence

@@ -38,7 +38,7 @@ import time
 import torch
 from transformers import Qwen3Config, Qwen3MoeConfig
 
-import fastgrpo.engines.embedded.model as engine_model
+import fastgrpo.models.layers as engine_layers
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache
 from fastgrpo.speculation.roofline import expected_experts, model_shape
 
@@ -87,7 +87,7 @@ def step_time(model: InferenceModel, cfg, tokens: int, context: int, repeat: int
 def touched_experts(model: InferenceModel, cfg, tokens: int, context: int, per_row: int = 1) -> list[int]:
     """Distinct experts each sparse layer's router picks for one step's tokens (the tokens step_time times)."""
     seen = []
-    real = engine_model.routed_experts
+    real = engine_layers.routed_experts
 
     def spy(x, expert, weight, w_gate_up, w_down):
         seen.append(int(expert.unique().numel()))
@@ -96,11 +96,11 @@ def touched_experts(model: InferenceModel, cfg, tokens: int, context: int, per_r
     rows_n = max(tokens // per_row, 1)
     cache = KVCache(cfg, rows_n, context + per_row + 1)
     cache.lengths[:] = context
-    engine_model.routed_experts = spy
+    engine_layers.routed_experts = spy
     try:
         model.forward(step_ids(cfg, rows_n, per_row), cache, slice(0, rows_n))
     finally:
-        engine_model.routed_experts = real
+        engine_layers.routed_experts = real
     return seen
 
 

@@ -27,7 +27,7 @@ from fastgrpo.draft_learning.online import OnlineDraftLearner, training_rows
 from fastgrpo.draft_learning.trainer import evaluate_draft
 from fastgrpo.models.policy import load_policy
 from fastgrpo.models.tokenizer import load_text_format
-from fastgrpo.engines.embedded.draft import DraftHead
+from fastgrpo.models.draft import DraftHead
 from fastgrpo import paths
 from fastgrpo.paths import draft_dir
 from fastgrpo.speculation.policy import Static

@@ -17,7 +17,8 @@ import torch
 from fastgrpo.bench.report import command_line, publish
 from fastgrpo.bench.rollout import rotated
 from fastgrpo.config import Config
-from fastgrpo.engines.embedded.model import InferenceModel, KVCache, onednn_available
+from fastgrpo.engines.embedded.model import InferenceModel, KVCache
+from fastgrpo.models.layers import onednn_available
 from fastgrpo.models.sampling import sample, sampling_logprobs, sampling_uniforms
 from fastgrpo.types import SamplingParams
 from fastgrpo.models.policy import load_policy, num_parameters

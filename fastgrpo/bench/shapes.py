@@ -20,7 +20,7 @@ from fastgrpo.config import Config
 from fastgrpo.engines.embedded.model import InferenceModel
 from fastgrpo.models.policy import load_policy, new_policy, num_parameters
 from fastgrpo.engines.embedded.calibrate import calibrate
-from fastgrpo.engines.embedded.draft import DraftHead
+from fastgrpo.models.draft import DraftHead
 
 DEPTHS = (1, 2, 3, 4)  # multiples of the configured policy's layer count
 TREE = (4, 4, 12)  # the reference tree step: depth, top-k, tokens verified

@@ -15,7 +15,7 @@ from fastgrpo.paths import DRAFT_CONFIG, DRAFT_WEIGHTS, checkpoint_policy, draft
 
 
 def export_draft(draft: Path, policy: Path, out: Path, drop_norms: bool = False) -> dict:
-    """Our draft head (fastgrpo/engines/embedded/draft.py) as SGLang's EAGLE Llama draft model
+    """Our draft head (fastgrpo/models/draft.py) as SGLang's EAGLE Llama draft model
     (fastgrpo/models/draft.py `sglang_eagle_tensors`: the names, and the norms SGLang's class has no place for). A draft whose
     norms would be dropped computes another function there: refused unless `drop_norms` (SGLang's
     verification keeps sampling lossless; acceptance may drop)."""

@@ -25,7 +25,7 @@ def build_draft_learner(cfg: Config, engine: Engine | None, model_config: Pretra
     or on a rank that leads no engine."""
     if cfg.draft.online == "off" or engine is None:
         return None
-    from fastgrpo.engines.embedded.draft import DraftHead
+    from fastgrpo.models.draft import DraftHead
     from fastgrpo.paths import draft_dir
 
     draft = DraftHead.load(draft_dir(cfg), model_config, cfg.model.max_context)

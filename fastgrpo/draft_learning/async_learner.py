@@ -42,7 +42,7 @@ from fastgrpo.config import Config, DraftConfig
 from fastgrpo.device import resolve
 from fastgrpo.distributed import Channel, free_port
 from fastgrpo.draft_learning.online import OnlineDraftLearner, training_rows
-from fastgrpo.engines.embedded.draft import DraftHead
+from fastgrpo.models.draft import DraftHead
 from fastgrpo.models.draft import TargetTensors
 from fastgrpo.types import Completion
 

@@ -21,7 +21,7 @@ from fastgrpo.protocols import Engine
 from fastgrpo.types import Completion
 from fastgrpo.config import DraftConfig
 from fastgrpo.draft_learning.trainer import DraftTrainer, evaluate_draft
-from fastgrpo.engines.embedded.draft import DraftHead
+from fastgrpo.models.draft import DraftHead
 from fastgrpo.models.draft import TargetTensors
 
 

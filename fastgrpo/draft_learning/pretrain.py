@@ -19,7 +19,7 @@ from fastgrpo.draft_learning.trainer import DraftTrainer
 from fastgrpo.models.families import check_checkpoint
 from fastgrpo.models.policy import load_policy
 from fastgrpo.models.tokenizer import load_text_format
-from fastgrpo.engines.embedded.draft import DraftHead, draft_loss
+from fastgrpo.models.draft import DraftHead, draft_loss
 from fastgrpo.paths import draft_dir
 from fastgrpo.tasks.source import load_task
 

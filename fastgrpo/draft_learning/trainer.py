@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastgrpo.engines.embedded.draft import DraftHead, draft_loss
+from fastgrpo.models.draft import DraftHead, draft_loss
 
 
 class DraftTrainer:

@@ -55,3 +55,15 @@ def hf_inv_freq(config) -> tuple[Tensor, float]:
 
     inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
     return inv_freq.to(dtype=torch.float32), float(scale)
+
+
+def rope_tables(config, max_len: int, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+    """cos, sin [max_len, head_dim] in fp32 on `device` (None: the default device, or the enclosing
+    device context's), from `hf_inv_freq`: what the engine and the draft head rotate by. A scaled rope's
+    attention factor (yarn's) multiplies cos and sin, as Hugging Face applies it."""
+    inv_freq, scale = hf_inv_freq(config)
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32, device=device), inv_freq.to(device))
+    emb = torch.cat([freqs, freqs], dim=-1)
+    if scale == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale

@@ -67,7 +67,7 @@ def online_round(c: Check, sequences: int = 64, budget_s: float = 5.0) -> dict:
     from fastgrpo.device import resolve
     from fastgrpo.draft_learning.online import OnlineDraftLearner
     from fastgrpo.draft_learning.pretrain import target_states
-    from fastgrpo.engines.embedded.draft import DraftHead
+    from fastgrpo.models.draft import DraftHead
     from fastgrpo.paths import draft_dir
     from fastgrpo.tasks.source import load_task
 

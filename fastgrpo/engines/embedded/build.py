@@ -13,7 +13,7 @@ from fastgrpo.config import Config
 from fastgrpo.device import Compute, resolve
 from fastgrpo.engines.embedded.engine import EmbeddedEngine
 from fastgrpo.engines.embedded.calibrate import load_or_calibrate
-from fastgrpo.engines.embedded.draft import DraftHead
+from fastgrpo.models.draft import DraftHead
 from fastgrpo.paths import draft_dir, draft_weights, has_draft
 from fastgrpo.speculation.policy import SpeculationPolicy
 from fastgrpo.speculation.registry import CALIBRATED, make_policy

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from fastgrpo.device import on_device
-from fastgrpo.engines.embedded.draft import DraftHead
+from fastgrpo.models.draft import DraftHead
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache, block_mask, cache_kv
 from fastgrpo.speculation.cost_model import (CONTEXT, CONTEXT_EXTRA, CONTEXT_PROBES, KINDS, ROW_PROBES, ROWS, SWEEP,
                                              CostModel, context_rates, monotone, row_seconds, sweep_rows)

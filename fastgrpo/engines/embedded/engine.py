@@ -27,7 +27,7 @@ from fastgrpo.models.families import checkpoint_tensors
 from fastgrpo.types import Completion, EngineStats, Request, SamplingParams
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache, block_mask, cache_kv
 from fastgrpo.models.sampling import cuts, kept_sets, sample, sampling_logprobs, sampling_uniforms
-from fastgrpo.engines.embedded.draft import DraftHead
+from fastgrpo.models.draft import DraftHead
 from fastgrpo.speculation.policy import Off, PerSequencePolicy, SpeculationPolicy
 from fastgrpo.engines.embedded.tree import NonFiniteDraft, Verified, draft_tree, verify_tree
 from fastgrpo.speculation.spec import SpecConfig

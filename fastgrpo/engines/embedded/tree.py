@@ -24,7 +24,7 @@ from fastgrpo.engines.embedded.model import KVCache, block_mask, cache_kv
 from fastgrpo.models.sampling import sample
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.types import SamplingParams
-from fastgrpo.engines.embedded.draft import DraftHead
+from fastgrpo.models.draft import DraftHead
 
 
 class NonFiniteDraft(RuntimeError):

@@ -1,17 +1,18 @@
-"""The model families the embedded engine serves, described as data.
+"""Each model family's decoder layer, described as data: what the embedded engine holds and the draft
+head trains (`models.families` says which families are supported).
 
 What differs between Llama 3.x, Qwen2.5 and Qwen3 dense is which tensors a decoder layer holds, and
 their sizes: Qwen2 adds biases to the q/k/v projections, Qwen3 an RMSNorm over each head of q and k
 (before the rotation) and a head size of its own (`head_dim`, not hidden / heads). A `LayerLayout`
 lists a layer's tensors as the engine keeps them (q/k/v fused into one matrix, gate/up into another:
 fewer, larger matmuls) with the Hugging Face tensors each one holds, so loading, the weight push and
-the forward all follow one table. The forward (model.decoder_layer) uses a tensor when the layer has
+the forward all follow one table. The forward (layers.decoder_layer) uses a tensor when the layer has
 it: a bias, a q/k norm.
 
 Adding a family is an entry in FAMILIES: a function from the config and a layer's index to that
 layer's layout (a mixture of experts may keep dense layers among its sparse ones). A mixture of
 experts lists its router and expert tensors and names its MLP (`LayerLayout.mlp`, a key of
-model.MLPS), which the forward calls in place of the dense SwiGLU one.
+layers.MLPS), which the forward calls in place of the dense SwiGLU one.
 
 Experts are held stacked, one [E, rows, cols] tensor per kind (`LayerTensor.experts` = E): the
 gate and up projections of every expert in one, the down projections in another, which is how
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 from transformers import PretrainedConfig
+
+from fastgrpo.models.rope import head_dim
 
 
 @dataclass(frozen=True)
@@ -106,11 +109,6 @@ class LayerLayout:
                 for (name, _), view in zip(t.parts, layer[t.key][j].split([n for _, n in t.parts])):
                     views[prefix + name.format(j=j)] = view
         return views
-
-
-def head_dim(cfg: PretrainedConfig) -> int:
-    """The attention head size: the config's own (Qwen3's differs from hidden / heads), else hidden / heads."""
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 def dense_layer(cfg: PretrainedConfig, qkv_bias: bool = False, o_bias: bool = False,
