@@ -275,8 +275,12 @@ class TrainerConfig:
     # parallel ranks (megatron-core's DistributedOptimizer)
     distributed_optimizer: bool = False
     # a mixture-of-experts policy: the router's load-balancing (auxiliary) loss and z-loss coefficients,
-    # added to the GRPO loss (trainer.backend=megatron). 0 (the default) leaves the pretrained routing to the
-    # policy gradient alone
+    # added to the GRPO loss. 0 (the default) leaves the pretrained routing to the policy gradient alone, as RL
+    # recipes on Qwen3-MoE do (slime's scripts/models/qwen3-30B-A3B.sh: --moe-aux-loss-coeff 0; veRL's Megatron
+    # converter sets moe_router_load_balancing_type "none"). The loss is each trainer's own: megatron-core's
+    # switch loss per layer (1 per layer when routing is balanced) under trainer.backend=megatron, Hugging
+    # Face's load_balancing_loss_func over all layers (top_k when balanced) under torch and deepspeed, so one
+    # coefficient weighs them differently. router_z_loss is megatron-core's (Hugging Face has none)
     router_aux_loss: float = 0.0
     router_z_loss: float = 0.0
 

@@ -150,8 +150,9 @@ def _check_layout(plan: Plan, cfg: Config, config: PretrainedConfig, s: Shape, w
     plan.checks.append((True, f"vocabulary {s.vocab} padded to {padded} (a multiple of {VOCAB_DIVISIBLE_BY} x tensor {t})"))
     if cfg.trainer.backend == "megatron":
         try:  # the trainer's own rule, in case it asks more than the rules above
-            Layout.of(config, t, p)
-            plan.checks.append((True, f"the Megatron layout accepts tensor {t} x pipeline {p}"))
+            Layout.of(config, t, p, cfg.parallel.expert)
+            ep = f" x expert {cfg.parallel.expert}" if cfg.parallel.expert > 1 else ""
+            plan.checks.append((True, f"the Megatron layout accepts tensor {t} x pipeline {p}{ep}"))
         except LayoutError as e:
             plan.checks.append((False, f"the Megatron layout refuses it: {e}"))
     policy = world - d_ranks

@@ -341,7 +341,8 @@ def test_bench_trainer_times_the_torch_and_megatron_steps(tmp_path, tiny_policy)
 
     out = tmp_path / "trainer.json"
     bench_trainer(tiny_config(tmp_path, tiny_policy), quick=True, output=out,
-                  layouts=(("torch", 1, 1, 1), ("megatron", 2, 2, 1), ("megatron-distopt", 2, 1, 1), ("torch-bf16", 1, 1, 1)))
+                  layouts=(("torch", 1, 1, 1, 1), ("megatron", 2, 2, 1, 1), ("megatron-distopt", 2, 1, 1, 1),
+                           ("torch-bf16", 1, 1, 1, 1)))
     rows = json.loads(out.read_text())["rows"]
     assert [r["layout"] for r in rows] == ["torch", "megatron TP2", "megatron DP2 distributed optimizer", "torch bf16"]
     assert rows[0]["vs_torch"] == 1.0
@@ -364,3 +365,25 @@ def test_bench_trainer_times_the_torch_and_megatron_steps(tmp_path, tiny_policy)
         return parameters(Shape.of(config)) + (s.padded_vocab - s.vocab) * s.hidden * (1 if s.tied else 2)
     assert rows[1]["optimizer_bytes"] == pytest.approx(8 * padded(2) / 2, rel=0.01)  # (norms are replicated)
     assert rows[2]["optimizer_bytes"] == pytest.approx(8 * padded(1) / 2, rel=0.01)
+
+
+@pytest.mark.slow  # worlds of 1 and 2 on a random-weight MoE
+def test_bench_trainer_moe_pushes_the_same_tensors_with_and_without_expert_parallelism(tmp_path, tiny_policy):
+    """`fastgrpo bench trainer --moe`: at EP2 each rank holds half the experts, the push gathers them from
+    their ranks, and the engine gets the same Hugging Face tensors (bytes) as from one process."""
+    import json
+
+    from fastgrpo.bench.trainer import bench_trainer
+    from tests.conftest import tiny_config
+
+    out = tmp_path / "trainer-moe.json"
+    bench_trainer(tiny_config(tmp_path, tiny_policy), quick=True, output=out, moe=True,
+                  layouts=(("torch", 1, 1, 1, 1), ("megatron", 2, 1, 1, 2)))
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [r["layout"] for r in rows] == ["torch", "megatron DP2xEP2"]
+    assert "Qwen3-MoE" in result["meta"]["policy"]
+    assert rows[0]["sync_bytes"] == rows[1]["sync_bytes"] > 6 * 8 * 3 * 512 * 768 * 4  # every expert, fp32
+    assert [r["engines"] for r in rows] == [1, 2] and all(r["sync_s"] > 0 for r in rows)
+    # Adam's moments: EP2 halves the experts' (each rank steps its own), the rest stays replicated
+    assert rows[1]["optimizer_bytes"] < 0.6 * rows[0]["optimizer_bytes"]

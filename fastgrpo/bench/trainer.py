@@ -13,6 +13,10 @@ Each rank also reports the bytes its optimizer holds beyond the model's weights 
 master copies where it steps copies): what TP and PP shard with the model, and what megatron's
 distributed optimizer and ZeRO shard over the data-parallel ranks (1/DP).
 
+`--moe` times a mixture of experts instead: a Qwen3-MoE at the bench policy's sizes (8 experts, top-2,
+random weights) written for the run, on the torch trainer, Megatron with and without expert parallelism
+(EP2: each rank holds half the experts, and the push gathers them from their ranks) and DeepSpeed ZeRO-3.
+
 The weight push is the run's own (`bridge.WeightBridge` from `export_weights` into an embedded
 engine on each replica's leading rank, checksummed and committed), timed after a warm-up push, and
 set against the memcpy bound: the time to copy the same tensors once in memory on that rank.
@@ -20,6 +24,7 @@ set against the memcpy bound: the time to copy the same tensors once in memory o
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import statistics
 import tempfile
@@ -32,13 +37,17 @@ from fastgrpo.bench.report import command_line, publish
 from fastgrpo.config import Config
 from fastgrpo.local_world import run_world
 
-# backend, world, tensor, pipeline (data parallelism: what remains of the world); deepspeed-zN: ZeRO stage N;
+# backend, world, tensor, pipeline, expert (data parallelism: what remains of the world; expert-parallel ranks
+# split it); deepspeed-zN: ZeRO stage N;
 # megatron-distopt: megatron with its distributed optimizer (trainer.distributed_optimizer); a -bf16 suffix:
 # trainer.precision=bf16 (native on a CPU with AVX512-BF16, which this machine has; emulated, slowly, elsewhere)
-LAYOUTS = (("torch", 1, 1, 1), ("torch-bf16", 1, 1, 1), ("megatron", 1, 1, 1), ("megatron-bf16", 1, 1, 1),
-           ("megatron", 2, 2, 1), ("megatron", 2, 1, 1),
-           ("megatron-distopt", 2, 1, 1), ("megatron", 4, 2, 2), ("megatron-distopt", 4, 1, 1),
-           ("deepspeed-z2", 1, 1, 1), ("deepspeed-z2", 2, 1, 1), ("deepspeed-z3", 1, 1, 1), ("deepspeed-z3", 2, 1, 1))
+LAYOUTS = (("torch", 1, 1, 1, 1), ("torch-bf16", 1, 1, 1, 1), ("megatron", 1, 1, 1, 1), ("megatron-bf16", 1, 1, 1, 1),
+           ("megatron", 2, 2, 1, 1), ("megatron", 2, 1, 1, 1),
+           ("megatron-distopt", 2, 1, 1, 1), ("megatron", 4, 2, 2, 1), ("megatron-distopt", 4, 1, 1, 1),
+           ("deepspeed-z2", 1, 1, 1, 1), ("deepspeed-z2", 2, 1, 1, 1), ("deepspeed-z3", 1, 1, 1, 1),
+           ("deepspeed-z3", 2, 1, 1, 1))
+MOE_LAYOUTS = (("torch", 1, 1, 1, 1), ("megatron", 1, 1, 1, 1), ("megatron", 2, 1, 1, 1), ("megatron", 2, 1, 1, 2),
+               ("deepspeed-z3", 2, 1, 1, 1))
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier")
 
 
@@ -93,7 +102,7 @@ def _timed_collectives() -> dict[str, float]:
     return spent
 
 
-def _rank(rank: int, world: int, backend: str, tensor: int, pipeline: int, cfg: Config, sequences: int,
+def _rank(rank: int, world: int, backend: str, tensor: int, pipeline: int, expert: int, cfg: Config, sequences: int,
           reps: int) -> dict:
     from fastgrpo.types import SamplingParams
 
@@ -121,7 +130,7 @@ def _rank(rank: int, world: int, backend: str, tensor: int, pipeline: int, cfg: 
 
         trainer = MegatronPolicyTrainer(cfg.model.path, cfg.grpo, cfg.optim, sampling, tensor=tensor, pipeline=pipeline,
                                         seed=cfg.seed, distributed_optimizer=backend == "megatron-distopt",
-                                        compute=compute)
+                                        compute=compute, expert=expert)
         vocab = trainer.layout.vocab
     batch = _batch(vocab, sequences)
     batch.engine_logprobs = trainer.logprobs(batch) * batch.response_mask
@@ -194,21 +203,50 @@ def _time_push(trainer, cfg: Config, reps: int, bf16: bool = False) -> dict:
     return out
 
 
+def moe_policy(directory: Path, cfg: Config, seed: int = 0) -> Path:
+    """A Qwen3-MoE policy at the bench policy's sizes (hidden 512, 6 layers, 8 heads), each layer's MLP 8
+    experts of 768 (top-2: half the dense MLP's 1536 a token), random weights and a tokenizer of its own:
+    what `--moe` trains and pushes (the time depends on the shapes, not the values)."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from fastgrpo.models.tokenizer import train_tokenizer
+
+    tokenizer = train_tokenizer([f"{a} + {b} = \\boxed{{{a + b}}}" for a in range(40) for b in range(40)])
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=512, num_hidden_layers=6, num_attention_heads=8,
+                            num_key_value_heads=8, head_dim=64, num_experts=8, num_experts_per_tok=2,
+                            moe_intermediate_size=768, intermediate_size=1536, norm_topk_prob=True,
+                            tie_word_embeddings=False, max_position_embeddings=cfg.model.max_context,
+                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).float().save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 def bench_trainer(cfg: Config, quick: bool, output: Path, extra: list[str] | None = None,
-                  layouts: tuple[tuple[str, int, int, int], ...] = LAYOUTS) -> dict:
+                  layouts: tuple[tuple[str, int, int, int, int], ...] = LAYOUTS, moe: bool = False) -> dict:
+    if moe:
+        with tempfile.TemporaryDirectory() as policy:
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(moe_policy(Path(policy), cfg))))
+            return _bench(cfg, quick, output, extra, MOE_LAYOUTS if layouts is LAYOUTS else layouts, moe=True)
+    return _bench(cfg, quick, output, extra, layouts)
+
+
+def _bench(cfg: Config, quick: bool, output: Path, extra: list[str] | None,
+           layouts: tuple[tuple[str, int, int, int, int], ...], moe: bool = False) -> dict:
     reps, sequences = (2, 16) if quick else (5, 32)
     t0 = time.perf_counter()
     rows = []
-    for backend, world, tensor, pipeline in layouts:
+    for backend, world, tensor, pipeline, expert in layouts:
         with tempfile.TemporaryDirectory() as tmp:
-            ranks = run_world(_rank, world, Path(tmp), backend, tensor, pipeline, cfg, sequences, reps, timeout_s=1800.0,
-                              threads=max(1, torch.get_num_threads() // world))
+            ranks = run_world(_rank, world, Path(tmp), backend, tensor, pipeline, expert, cfg, sequences, reps,
+                              timeout_s=1800.0, threads=max(1, torch.get_num_threads() // world))
         step = max(r["step_s"] for r in ranks)  # the step ends when the slowest rank does
         comm = statistics.median(r["comm_s"] for r in ranks)
         sync = max(r["sync_s"] for r in ranks)  # every engine holds the version when the slowest push ends
         leaders = [r for r in ranks if "memcpy_s" in r]
         memcpy = statistics.median(r["memcpy_s"] for r in leaders)
-        name = _layout_name(backend, world, tensor, pipeline)
+        name = _layout_name(backend, world, tensor, pipeline, expert)
         rows.append({"layout": name, "world": world, "step_s": step, "comm_s": comm, "sync_s": sync,
                      "optimizer_bytes": max(r["optimizer_bytes"] for r in ranks),  # per rank: the largest
                      "sync_bytes": ranks[0]["sync_bytes"], "engines": len(leaders), "memcpy_s": memcpy,
@@ -222,19 +260,21 @@ def bench_trainer(cfg: Config, quick: bool, output: Path, extra: list[str] | Non
     for r in rows:
         r["vs_torch"] = r["step_s"] / base
     result = {"meta": {"date": datetime.date.today().isoformat(), "quick": quick, "cores": torch.get_num_threads(),
-                       "torch": torch.__version__, "policy": cfg.model.path, "sequences": sequences,
+                       "torch": torch.__version__, "sequences": sequences,
+                       "policy": "a random-weight Qwen3-MoE (bench.trainer.moe_policy)" if moe else cfg.model.path,
                        "minibatches": cfg.grpo.minibatches, "repetitions": reps, "seconds": time.perf_counter() - t0},
               "rows": rows}
-    publish(result, output, command_line("trainer", quick, output, extra), markdown)
+    publish(result, output, command_line("trainer", quick, output, (["--moe"] if moe else []) + list(extra or [])),
+            markdown)
     return result
 
 
-def _layout_name(backend: str, world: int, tensor: int, pipeline: int) -> str:
-    """"megatron", "megatron TP2", "megatron DP2", "megatron TP2xPP2", "megatron DP2 distributed optimizer",
-    "deepspeed ZeRO-3 DP2", ..."""
+def _layout_name(backend: str, world: int, tensor: int, pipeline: int, expert: int = 1) -> str:
+    """"megatron", "megatron TP2", "megatron DP2", "megatron TP2xPP2", "megatron DP2xEP2", "megatron DP2
+    distributed optimizer", "deepspeed ZeRO-3 DP2", ..."""
     backend, bf16 = backend.removesuffix("-bf16"), backend.endswith("-bf16")
     data = world // (tensor * pipeline)
-    parts = [f"{k}{n}" for k, n in (("TP", tensor), ("PP", pipeline), ("DP", data)) if n > 1]
+    parts = [f"{k}{n}" for k, n in (("TP", tensor), ("PP", pipeline), ("DP", data), ("EP", expert)) if n > 1]
     name = f"deepspeed ZeRO-{backend[-1]}" if backend.startswith("deepspeed") else backend.removesuffix("-distopt")
     return (name + (" " + "x".join(parts) if parts else "") + (" distributed optimizer" if backend.endswith("-distopt") else "")
             + (" bf16" if bf16 else ""))
@@ -270,8 +310,10 @@ def markdown(r: dict, command: str) -> str:
 # -- `fastgrpo bench trainer`: its sub-parser (fastgrpo/bench/command.py) --
 def add_arguments(parser) -> None:
     """`fastgrpo bench trainer`'s own flags (--quick, --output, --config and overrides are every benchmark's)."""
+    parser.add_argument("--moe", action="store_true",
+                        help="time a mixture of experts (a random-weight Qwen3-MoE), with and without expert parallelism")
     parser.set_defaults(run=from_cli)
 
 
 def from_cli(args, cfg) -> dict:
-    return bench_trainer(cfg, args.quick, args.output, extra=args.extra)
+    return bench_trainer(cfg, args.quick, args.output, extra=args.extra, moe=args.moe)

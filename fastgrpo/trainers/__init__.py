@@ -31,7 +31,9 @@ def build_trainer(cfg: Config) -> PolicyTrainer:
                                               tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline,
                                               seed=cfg.seed, layer_spec=cfg.trainer.layer_spec,
                                               recompute=cfg.trainer.recompute, compute=resolve(cfg),
-                                              distributed_optimizer=cfg.trainer.distributed_optimizer)
+                                              distributed_optimizer=cfg.trainer.distributed_optimizer,
+                                              expert=cfg.parallel.expert, router_aux_loss=cfg.trainer.router_aux_loss,
+                                              router_z_loss=cfg.trainer.router_z_loss)
     if name == "deepspeed":
         import_backend("deepspeed", "trainer.backend", name, extra="deepspeed")  # not installed: say how to install it
         from fastgrpo.trainers.deepspeed_trainer import DeepSpeedPolicyTrainer
