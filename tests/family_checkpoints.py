@@ -151,8 +151,9 @@ def family_config(family: str, vocab_size: int, bos_id: int | None, eos_id: int,
     raise KeyError(f"no test checkpoint for family {family!r}; have {tuple(TOKENS)}")
 
 
-def write_family_checkpoint(family: str, directory: str | Path, seed: int = 0) -> Path:
-    """A tiny random-weight checkpoint of `family` in `directory` (created), as a hub download holds one."""
+def write_family_checkpoint(family: str, directory: str | Path, seed: int = 0, **changes) -> Path:
+    """A tiny random-weight checkpoint of `family` in `directory` (created), as a hub download holds one;
+    `changes`: config values over the family's (`mlp_only_layers=[]`: a MoE sparse in every layer)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     spec = TOKENS[family]
@@ -160,6 +161,8 @@ def write_family_checkpoint(family: str, directory: str | Path, seed: int = 0) -
     ids = tokenizer.convert_tokens_to_ids
     cfg = family_config(family, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id,
                         tokenizer.pad_token_id)
+    for key, value in changes.items():
+        setattr(cfg, key, value)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():

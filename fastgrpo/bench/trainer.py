@@ -24,6 +24,7 @@ set against the memcpy bound: the time to copy the same tensors once in memory o
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import statistics
@@ -308,10 +309,19 @@ def markdown(r: dict, command: str) -> str:
 
 
 # -- `fastgrpo bench trainer`: its sub-parser (fastgrpo/bench/command.py) --
+class _MoE(argparse.Action):
+    """--moe: set, and tell `fastgrpo bench` to build the config alone (the run writes its own policy)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, True)
+        namespace.needs = "config"
+
+
 def add_arguments(parser) -> None:
     """`fastgrpo bench trainer`'s own flags (--quick, --output, --config and overrides are every benchmark's)."""
-    parser.add_argument("--moe", action="store_true",
-                        help="time a mixture of experts (a random-weight Qwen3-MoE), with and without expert parallelism")
+    parser.add_argument("--moe", action=_MoE, nargs=0, default=False,
+                        help="time a mixture of experts (a random-weight Qwen3-MoE written for the run, with and "
+                             "without expert parallelism): no policy or draft is built")
     parser.set_defaults(run=from_cli)
 
 
