@@ -239,14 +239,23 @@ def freeze_padding_row(model, pad_id: int | None, vocab: int) -> None:
     Hugging Face initialises it) takes a gradient of 1/sqrt(rms_norm_eps) through the first norm
     (measured: 1285 against a whole-model gradient norm of 1.9 on the Qwen3 test checkpoint). The
     lookups of the pad token are detached here, on the first stage: the same values, and the
-    gradient Hugging Face computes (the tied LM head's gradient to that row still flows, as there)."""
+    gradient Hugging Face computes (the tied LM head's gradient to that row still flows, as there).
+    Under sequence parallelism (a MoE at TP > 1) the lookup's output is already reduce-scattered over
+    the sequence, [s / tp, b, h]: its pad positions are this TP rank's share of the sequence."""
     embedding = getattr(getattr(model, "embedding", None), "word_embeddings", None)
     if embedding is None or pad_id is None or not 0 <= pad_id < vocab:
         return
 
     def detach_pad_lookups(module, inputs, output):
-        pad = (inputs[0] == pad_id)[..., None]
-        return torch.where(pad, output.detach(), output) if torch.is_grad_enabled() else output
+        if not torch.is_grad_enabled():
+            return output
+        pad = inputs[0] == pad_id  # [b, s]
+        if module.reduce_scatter_embeddings:  # sequence parallel: this TP rank's [s / tp, b, h] share
+            from megatron.core import parallel_state
+
+            tp = parallel_state.get_tensor_model_parallel_world_size()
+            pad = pad.transpose(0, 1).chunk(tp)[parallel_state.get_tensor_model_parallel_rank()]
+        return torch.where(pad[..., None], output.detach(), output)
 
     embedding.register_forward_hook(detach_pad_lookups)
 
