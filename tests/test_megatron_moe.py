@@ -41,7 +41,8 @@ VOCAB, EXPERTS, TOP_K = 128, 4, 2
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, moe_intermediate_size=32, num_experts=EXPERTS,
              num_experts_per_tok=TOP_K, norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=256,
-             tie_word_embeddings=False, rope_parameters=dict(rope_type="default", rope_theta=1e6))
+             tie_word_embeddings=False, rope_parameters=dict(rope_type="default", rope_theta=1e6),
+             pad_token_id=7)  # Hugging Face's padding_idx: its row gets no gradient from its lookups
 SAMPLING = dict(temperature=0.8)
 OPTIM = dict(lr=1e-3, grad_clip=1.0)
 TOL = 1e-5
@@ -99,6 +100,8 @@ def grpo_batch(seed: int = 0):
 
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, VOCAB, (4 + i,), generator=gen).tolist() for i in range(5)]
+    for p in prompts:  # the pad token inside the text (as Qwen's <|endoftext|> can be): no gradient to its row
+        p[1] = SHAPE["pad_token_id"]
     responses = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (12, 5, 8, 3, 10)]
     return build_batch(prompts, responses, [[0.0] * len(r) for r in responses], torch.randn(5, generator=gen),
                        pad_id=0)
