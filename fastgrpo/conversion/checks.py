@@ -39,7 +39,7 @@ def verify(a: Path, b: Path, atol: float = 0.0, logits_atol: float = 1e-4, logit
     any kind; True if they match."""
     out = out or sys.stdout
     sa, sb = open_checkpoint(a), open_checkpoint(b)
-    from fastgrpo.trainers.megatron.trainer import checkpoint_identity
+    from fastgrpo.trainers.megatron.checkpoint import checkpoint_identity
 
     ia, ib = checkpoint_identity(sa.config, sa.layout), checkpoint_identity(sb.config, sb.layout)
     if ia != ib:

@@ -160,7 +160,7 @@ class MegatronSource:
         self.config = load_config(hf)
         saved = self.info["saved_at"]
         self.layout = layout_of(self.config, saved["tensor"], saved["pipeline"], saved.get("expert", 1))
-        from fastgrpo.trainers.megatron.trainer import checkpoint_identity
+        from fastgrpo.trainers.megatron.checkpoint import checkpoint_identity
 
         identity = checkpoint_identity(self.config, self.layout)
         if self.info["model"] != identity:

@@ -72,7 +72,7 @@ def write_megatron(source, out: Path, layout: Layout, dtype: torch.dtype | None 
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-    from fastgrpo.trainers.megatron.trainer import checkpoint_identity
+    from fastgrpo.trainers.megatron.checkpoint import checkpoint_identity
 
     plan = megatron_plan(source, layout, dtype)
     items, owner = [], {}

@@ -48,12 +48,13 @@ def hf_inv_freq(config) -> tuple[Tensor, float]:
     if rope_type not in STATIC_ROPE_TYPES:
         raise UnsupportedRope(f"{config.model_type}: rope type {rope_type!r} is not supported "
                               f"({', '.join(STATIC_ROPE_TYPES)})")
-    if rope_type == "default":
-        d = head_dim(config)
-        return 1.0 / (float(params["rope_theta"]) ** (torch.arange(0, d, 2, dtype=torch.float) / d)), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    with torch.device("cpu"):  # whatever device context the caller is in (an engine's, `plan`'s meta)
+        if rope_type == "default":
+            d = head_dim(config)
+            return 1.0 / (float(params["rope_theta"]) ** (torch.arange(0, d, 2, dtype=torch.float) / d)), 1.0
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
     return inv_freq.to(dtype=torch.float32), float(scale)
 
 
@@ -62,6 +63,7 @@ def rope_tables(config, max_len: int, device: torch.device | str | None = None) 
     device context's), from `hf_inv_freq`: what the engine and the draft head rotate by. A scaled rope's
     attention factor (yarn's) multiplies cos and sin, as Hugging Face applies it."""
     inv_freq, scale = hf_inv_freq(config)
+    device = torch.empty(0, device=device).device  # the given device, else the enclosing context's
     freqs = torch.outer(torch.arange(max_len, dtype=torch.float32, device=device), inv_freq.to(device))
     emb = torch.cat([freqs, freqs], dim=-1)
     if scale == 1.0:

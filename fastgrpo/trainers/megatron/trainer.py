@@ -54,9 +54,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import multiprocessing
-import os
-import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -65,53 +62,15 @@ import torch.distributed as dist
 from fastgrpo.models.policy import save_policy_tensors
 from torch import Tensor
 
+from fastgrpo.trainers.megatron.checkpoint import checkpoint_identity, start_write_results_queue
 from fastgrpo.trainers.megatron.layout import Layout, LayoutError
 from fastgrpo.trainers.megatron.logprobs import vocab_parallel_logprobs
 from fastgrpo.trainers.megatron.model import build_model, export_hf, initialize, load_hf_state
 from fastgrpo.config import GRPOConfig, OptimConfig
 from fastgrpo.device import Compute
-from fastgrpo.distributed import die_with_parent
 from fastgrpo.grpo.step import LossFn, grpo_step
 from fastgrpo.paths import checkpoint_policy, is_policy
 from fastgrpo.types import Placement, RolloutBatch, SamplingParams
-
-_write_results_manager = None  # see _start_write_results_queue
-
-
-def _writer_server_init(rank_pid: int) -> None:
-    """In the checkpoint writer's server: deaf to SIGTERM, killed when its rank dies (Linux's parent-
-    death signal; elsewhere it ends when the job's processes are ended)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    die_with_parent()
-    if os.getppid() != rank_pid:  # the rank died before the signal was armed
-        os._exit(1)
-
-
-def _start_write_results_queue() -> None:
-    """dist_checkpointing's torch_dist writer reports through a multiprocessing Manager that it starts
-    at the first save and keeps (`filesystem_async._get_write_results_queue`). Slurm signals every
-    process of a job, and a SIGTERM that killed that server would fail the very checkpoint the signal
-    asks the ranks to write; started here first (when the trainer is built, not at the first save, so
-    that a job's signal meets a running server), with SIGTERM ignored, it outlives the signal, and it
-    ends with its rank (the kernel kills it when the rank dies, however: a SIGKILLed rank must not
-    leave it behind)."""
-    global _write_results_manager
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is None:
-        from multiprocessing.managers import SyncManager
-
-        # a SIGTERM that comes while the server starts, before its initializer ignores the signal, ends
-        # it (a new process's mask and handlers are reset at exec): it is started again
-        for attempt in range(3):
-            _write_results_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-            try:
-                _write_results_manager.start(initializer=_writer_server_init, initargs=(os.getpid(),))
-                break
-            except EOFError:
-                if attempt == 2:
-                    raise
-        filesystem_async._results_queue = _write_results_manager.Queue()
 
 Micro = tuple[list[int], RolloutBatch]  # batch rows (empty: a placeholder that trains nothing) and their data
 
@@ -201,7 +160,7 @@ class MegatronPolicyTrainer:
         config.no_sync_func = self.model.no_sync
         config.finalize_model_grads_func = _finalize_model_grads
         self.model.eval()
-        _start_write_results_queue()
+        start_write_results_queue()
 
     # -- the schedule ------------------------------------------------------------------------
     def _micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[Micro]:
@@ -526,7 +485,7 @@ class MegatronPolicyTrainer:
             megatron_dir.mkdir(parents=True, exist_ok=True)
         del tensors
         dist.barrier()
-        _start_write_results_queue()
+        start_write_results_queue()
         with_optimizer = self._optimizer_has_state()
         with self._cpu():
             dist_checkpointing.save(self._sharded_state_dict(loading=False, with_optimizer=with_optimizer),
@@ -597,18 +556,6 @@ class MegatronPolicyTrainer:
                               f"{at['tensor']} x pipeline {at['pipeline']} x expert {at.get('expert', 1)}: it reloads "
                               f"at another data-parallel size, not at tensor {l.tp} x pipeline {l.pp} x expert "
                               f"{l.ep}{hint}")
-
-
-def checkpoint_identity(hf_config, layout: Layout) -> dict:
-    """The model a Megatron checkpoint holds, as `fastgrpo.json` records it (checked on load; written
-    by the trainer and by the conversion tools)."""
-    l = layout
-    identity = {"model_type": hf_config.model_type, "layers": l.layers, "hidden": l.hidden, "heads": l.heads,
-                "kv_heads": l.kv_heads, "head_dim": l.head_dim, "ffn": l.ffn, "vocab": l.vocab, "tied": l.tied,
-                "qkv_bias": l.qkv_bias}
-    if l.experts:  # (a dense model's identity is unchanged: its checkpoints keep loading)
-        identity.update(experts=l.experts, topk=l.topk, moe_ffn=l.moe_ffn)
-    return identity
 
 
 def _precision_wrapper(gpt):

@@ -1,0 +1,63 @@
+"""What the Megatron trainer's checkpoints need beside megatron-core's dist_checkpointing: the identity of
+the model a checkpoint holds (`fastgrpo.json`, written by the trainer and the conversion tools, checked on
+load), and the async writer's result server, started with the trainer so that a job's SIGTERM cannot
+kill it mid-checkpoint."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+
+from fastgrpo.distributed import die_with_parent
+from fastgrpo.trainers.megatron.layout import Layout
+
+_write_results_manager = None  # see start_write_results_queue
+
+
+def _writer_server_init(rank_pid: int) -> None:
+    """In the checkpoint writer's server: deaf to SIGTERM, killed when its rank dies (Linux's parent-
+    death signal; elsewhere it ends when the job's processes are ended)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    die_with_parent()
+    if os.getppid() != rank_pid:  # the rank died before the signal was armed
+        os._exit(1)
+
+
+def start_write_results_queue() -> None:
+    """dist_checkpointing's torch_dist writer reports through a multiprocessing Manager that it starts
+    at the first save and keeps (`filesystem_async._get_write_results_queue`). Slurm signals every
+    process of a job, and a SIGTERM that killed that server would fail the very checkpoint the signal
+    asks the ranks to write; started here first (when the trainer is built, not at the first save, so
+    that a job's signal meets a running server), with SIGTERM ignored, it outlives the signal, and it
+    ends with its rank (the kernel kills it when the rank dies, however: a SIGKILLed rank must not
+    leave it behind)."""
+    global _write_results_manager
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        from multiprocessing.managers import SyncManager
+
+        # a SIGTERM that comes while the server starts, before its initializer ignores the signal, ends
+        # it (a new process's mask and handlers are reset at exec): it is started again
+        for attempt in range(3):
+            _write_results_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+            try:
+                _write_results_manager.start(initializer=_writer_server_init, initargs=(os.getpid(),))
+                break
+            except EOFError:
+                if attempt == 2:
+                    raise
+        filesystem_async._results_queue = _write_results_manager.Queue()
+
+
+def checkpoint_identity(hf_config, layout: Layout) -> dict:
+    """The model a Megatron checkpoint holds, as `fastgrpo.json` records it (checked on load; written
+    by the trainer and by the conversion tools)."""
+    l = layout
+    identity = {"model_type": hf_config.model_type, "layers": l.layers, "hidden": l.hidden, "heads": l.heads,
+                "kv_heads": l.kv_heads, "head_dim": l.head_dim, "ffn": l.ffn, "vocab": l.vocab, "tied": l.tied,
+                "qkv_bias": l.qkv_bias}
+    if l.experts:  # (a dense model's identity is unchanged: its checkpoints keep loading)
+        identity.update(experts=l.experts, topk=l.topk, moe_ffn=l.moe_ffn)
+    return identity
