@@ -495,24 +495,34 @@ def layout_rules(c: Config, world: WorldSize | None = None, shape: Shape | None 
 
     if shape is not None:
         s = shape
-        rule(s.heads % t == 0, "parallel.tensor", f"tensor {t} divides the {s.heads} attention heads")
-        rule(s.kv_heads % t == 0, "parallel.tensor", f"tensor {t} divides the {s.kv_heads} key/value heads "
-                                                     f"(query groups)")
-        width, what = (s.expert_ffn, "expert MLP width") if s.moe else (s.ffn, "MLP width")
-        rule(width % t == 0, "parallel.tensor", f"tensor {t} divides the {what} {width}")
-        rule(s.layers % p == 0, "parallel.pipeline", f"pipeline {p} divides the {s.layers} layers")
+        rules += shape_rules(s, t, p, ep)
         rule(c.model.max_context <= s.positions, "model.max_context",
              f"model.max_context {c.model.max_context} is within the model's {s.positions} positions "
              f"(max_position_embeddings)")
-        if ep > 1:
-            rule(s.moe, "parallel.expert", f"parallel.expert={ep} splits the experts of a mixture-of-experts model "
-                                           f"({s.family}: {s.experts} experts)")
-            if s.moe:
-                rule(s.experts % ep == 0, "parallel.expert",
-                     f"parallel.expert={ep} divides the {s.experts} experts")
         if engine.backend == "sglang":
             rule(s.heads % et == 0, "engine.tensor",
                  f"engine.tensor={et} divides the {s.heads} attention heads (SGLang's tensor parallelism)")
+    return rules
+
+
+def shape_rules(s: Shape, tensor: int, pipeline: int, expert: int) -> list[Rule]:
+    """What a model's shape must give a tensor x pipeline x expert split: whole heads and key/value heads
+    and MLP (or expert) width per tensor rank, whole layers per stage, whole experts per expert rank of a
+    mixture of experts. `layout_rules` lists them; the Megatron layout (`Layout.of`) and the conversion
+    tools refuse by them."""
+    t, p, ep = tensor, pipeline, expert
+    width, what = (s.expert_ffn, "expert MLP width") if s.moe else (s.ffn, "MLP width")
+    rules = [Rule(s.heads % t == 0, "parallel.tensor", f"tensor {t} divides the {s.heads} attention heads"),
+             Rule(s.kv_heads % t == 0, "parallel.tensor",
+                  f"tensor {t} divides the {s.kv_heads} key/value heads (query groups)"),
+             Rule(width % t == 0, "parallel.tensor", f"tensor {t} divides the {what} {width}"),
+             Rule(s.layers % p == 0, "parallel.pipeline", f"pipeline {p} divides the {s.layers} layers")]
+    if ep > 1:
+        rules.append(Rule(s.moe, "parallel.expert", f"parallel.expert={ep} splits the experts of a mixture-of-experts "
+                                                    f"model ({s.family}: {s.experts} experts)"))
+        if s.moe:
+            rules.append(Rule(s.experts % ep == 0, "parallel.expert",
+                              f"parallel.expert={ep} divides the {s.experts} experts"))
     return rules
 
 

@@ -206,8 +206,9 @@ def test_the_megatron_options_map_the_routing_and_the_router_losses():
 
 
 @pytest.mark.parametrize("changes, tp, ep, says", [
-    ({}, 1, 3, r"parallel\.expert=3 does not divide the 4 experts"),
-    ({"moe_intermediate_size": 31}, 2, 1, r"parallel\.tensor=2 does not divide the experts' width"),
+    ({}, 1, 3, r"parallel\.expert breaks a layout rule: parallel\.expert=3 divides the 4 experts"),
+    ({"moe_intermediate_size": 31}, 2, 1,
+     r"parallel\.tensor breaks a layout rule: tensor 2 divides the expert MLP width 31"),
     ({"decoder_sparse_step": 2}, 1, 1, r"decoder_sparse_step=2"),
     ({"mlp_only_layers": [0]}, 1, 1, r"mlp_only_layers=\[0\]"),
     ({"attention_bias": True}, 1, 1, r"attention_bias=True"),
@@ -227,7 +228,8 @@ def test_expert_parallelism_of_a_dense_model_is_refused_naming_parallel_expert()
 
     dense = Qwen3Config(**{k: v for k, v in SHAPE.items() if "expert" not in k
                            and k not in ("moe_intermediate_size", "norm_topk_prob")})
-    with pytest.raises(LayoutError, match=r"parallel\.expert=2: the qwen3 model has no experts"):
+    with pytest.raises(LayoutError, match=r"parallel\.expert breaks a layout rule: parallel\.expert=2 splits the "
+                                          r"experts of a mixture-of-experts model \(qwen3: 0 experts\)"):
         Layout.of(dense, 1, 1, 2)
     assert Layout.of(dense, 1, 1, 1).experts == 0
 

@@ -88,7 +88,7 @@ def test_a_layout_out_of_memory_names_the_term_and_the_fix(capsys):
     assert status == 1 and "the largest term is activations" in out and "trainer.recompute=true" in out
     status, out = plan(capsys, "--config", "configs/llama3_70b.yaml", "parallel.tensor=3")
     assert status == 1 and "[NO] tensor 3 divides the 64 attention heads" in out
-    assert "[NO] the Megatron layout refuses it: parallel.tensor=3 does not divide the 64 attention heads" in out
+    assert "[NO] the Megatron layout refuses it: parallel.tensor breaks a layout rule: tensor 3 divides the 64 attention heads" in out
     status, out = plan(capsys, "--config", "configs/llama3_70b.yaml", "parallel.tensor=16", "parallel.pipeline=2")
     assert status == 1 and "[NO] tensor 16 divides the 8 key/value heads" in out  # GQA: 8 groups
 

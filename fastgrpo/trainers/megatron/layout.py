@@ -46,7 +46,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from fastgrpo.config import broken, shape_rules
 from fastgrpo.models.families import UnsupportedModel, check_family
+from fastgrpo.topology import Shape
 from fastgrpo.models.rope import UnsupportedRope, hf_inv_freq, rope_parameters
 
 COLUMN_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight", "self_attention.linear_qkv.weight",
@@ -104,35 +106,20 @@ class Layout:
         except UnsupportedModel as e:
             raise LayoutError(str(e)) from e
         _check_megatron_features(c)
-        heads, kv = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads
         if tp < 1 or pp < 1 or ep < 1:
             raise LayoutError(f"parallel sizes must be >= 1, got tensor {tp}, pipeline {pp}, expert {ep}")
-        experts = int(getattr(c, "num_experts", 0) or 0) if c.model_type == "qwen3_moe" else 0
-        if ep > 1 and not experts:
-            raise LayoutError(f"parallel.expert={ep}: the {c.model_type} model has no experts (a dense model); "
-                              f"expert parallelism splits a mixture of experts' experts over ranks")
-        if experts and experts % ep:
-            raise LayoutError(f"parallel.expert={ep} does not divide the {experts} experts of each layer")
-        if heads % tp:
-            raise LayoutError(f"parallel.tensor={tp} does not divide the {heads} attention heads")
-        if kv % tp:
-            raise LayoutError(f"parallel.tensor={tp} does not divide the {kv} key/value heads (query groups): "
-                              f"grouped-query attention needs the KV heads split evenly over TP ranks")
-        if c.num_hidden_layers % pp:
-            raise LayoutError(f"parallel.pipeline={pp} does not divide the {c.num_hidden_layers} layers")
-        if not experts and c.intermediate_size % tp:
-            raise LayoutError(f"parallel.tensor={tp} does not divide the MLP width {c.intermediate_size}")
+        shape = Shape.of(c)
+        refused = broken(shape_rules(shape, tp, pp, ep))
+        if refused is not None:
+            raise LayoutError(f"{refused.key} breaks a layout rule: {refused.text}")
+        heads, kv, experts = shape.heads, shape.kv_heads, shape.experts
         moe = {}
         if experts:
-            moe = dict(experts=experts, topk=int(c.num_experts_per_tok), moe_ffn=int(c.moe_intermediate_size),
-                       norm_topk=bool(c.norm_topk_prob), ep=ep)
-            if moe["moe_ffn"] % tp:
-                raise LayoutError(f"parallel.tensor={tp} does not divide the experts' width "
-                                  f"(moe_intermediate_size) {moe['moe_ffn']}: each expert is split over TP")
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-        return cls(tp, pp, c.num_hidden_layers, c.hidden_size, heads, kv, head_dim, c.intermediate_size,
-                   c.vocab_size, padded_vocab(c.vocab_size, tp, vocab_divisible_by), bool(c.tie_word_embeddings),
-                   c.model_type == "qwen2", c.model_type in ("qwen3", "qwen3_moe"), **moe)
+            moe = dict(experts=experts, topk=shape.top_k, moe_ffn=shape.expert_ffn, norm_topk=bool(c.norm_topk_prob),
+                       ep=ep)
+        return cls(tp, pp, shape.layers, shape.hidden, heads, kv, shape.head_dim, shape.ffn, shape.vocab,
+                   padded_vocab(shape.vocab, tp, vocab_divisible_by), shape.tied, c.model_type == "qwen2",
+                   shape.qk_norm, **moe)
 
     def stage_layers(self, pp_rank: int) -> range:
         """The global indices of the layers pipeline stage `pp_rank` holds."""
