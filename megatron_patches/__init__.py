@@ -354,26 +354,28 @@ def mismatches() -> list[str]:
         elif _fingerprint(target) != p.fingerprint:
             problems.append(f"{p.module}.{p.name} changed (source fingerprint {_fingerprint(target)}, "
                             f"the patch was written for {p.fingerprint})")
-        for name, fingerprint in p.reaches:
-            owner, attr = _owner(p, name)
-            reached = getattr(owner, attr, None) if owner is not None else None
-            if reached is None:
-                problems.append(f"{p.module}.{name} (which the patch of {p.name} relies on) no longer exists")
-            elif _fingerprint(reached) != fingerprint:
-                problems.append(f"{p.module}.{name} changed (source fingerprint {_fingerprint(reached)}, the "
-                                f"patch of {p.name} was written for {fingerprint})")
+        problems += _reached_problems(p, f"which the patch of {p.name} relies on",
+                                      f"the patch of {p.name} was written for")
     u = TE_NAMES_UNSET
     module = importlib.import_module(u.module)
-    for name, fingerprint in u.reaches:
-        owner, attr = _owner(u, name)
-        reached = getattr(owner, attr, None) if owner is not None else None
-        if reached is None:
-            problems.append(f"{u.module}.{name} (which reads the unset Transformer Engine names) no longer exists")
-        elif _fingerprint(reached) != fingerprint:
-            problems.append(f"{u.module}.{name} changed (source fingerprint {_fingerprint(reached)}, the unset "
-                            f"Transformer Engine names were patched for {fingerprint})")
+    problems += _reached_problems(u, "which reads the unset Transformer Engine names",
+                                  "the unset Transformer Engine names were patched for")
     if not hasattr(module, "HAVE_TE"):
         problems.append(f"{u.module}.HAVE_TE no longer exists")
+    return problems
+
+
+def _reached_problems(p: Patch | UnsetNames, relies: str, written_for: str) -> list[str]:
+    """The functions `p` relies on (`p.reaches`) that are gone or whose source changed."""
+    problems = []
+    for name, fingerprint in p.reaches:
+        owner, attr = _owner(p, name)
+        reached = getattr(owner, attr, None) if owner is not None else None
+        if reached is None:
+            problems.append(f"{p.module}.{name} ({relies}) no longer exists")
+        elif _fingerprint(reached) != fingerprint:
+            problems.append(f"{p.module}.{name} changed (source fingerprint {_fingerprint(reached)}, "
+                            f"{written_for} {fingerprint})")
     return problems
 
 

@@ -89,18 +89,25 @@ def test_reshard_tp2_to_pp2_and_sharded_hf_in_and_out(tmp_path):
     assert len(qkv.chunks) == config.num_hidden_layers
 
 
-def test_dist_keys_and_shapes_are_megatrons(tmp_path):
+@pytest.mark.parametrize("model, key", [
+    ("qwen2.5-7b", None),
+    # a mixture of experts: extra states per layer and expert included
+    ("qwen3-30b-a3b", "decoder.layers.mlp.experts.experts.linear_fc2._extra_state/shard_1.7_2.8"),
+])
+def test_dist_keys_and_shapes_are_megatrons(tmp_path, model, key):
     """The keys, stacked shapes and pieces written are those of the trainer's GPTModel
-    (`sharded_state_dict` of megatron's own model at TP1, where every piece is local)."""
+    (`sharded_state_dict` of megatron's own model at TP1, where every piece is local; with megatron's
+    MoELayer for a mixture of experts)."""
     from fastgrpo.local_world import run_world
 
-    config = real_scaled("qwen2.5-7b")
+    config = real_scaled(model)
     save_hf(config, tmp_path / "hf")
     assert run("hf-to-megatron", "--hf", tmp_path / "hf", "--out", tmp_path / "mg") == 0
     md = cc.MegatronSource(tmp_path / "mg").metadata.state_dict_metadata
     ours = {k: tuple(v.size) if hasattr(v, "size") else None for k, v in md.items()}
     theirs = run_world(_megatron_keys, 1, tmp_path / "world", config.to_dict())[0]
     assert ours == theirs
+    assert key is None or key in ours
 
 
 def _megatron_keys(rank, world, raw):
@@ -205,21 +212,6 @@ def test_qwen3_moe_through_megatron_at_tp2_pp2_ep2_is_bit_exact(tmp_path, capsys
     assert run("hf-to-megatron", "--hf", tmp_path / "hf", "--out", tmp_path / "bad", "--ep", 3) == 2
     assert "parallel.expert=3 divides the 8 experts" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
-
-
-def test_qwen3_moe_dist_keys_and_shapes_are_megatrons(tmp_path):
-    """The keys (extra states per layer and expert included) and stacked shapes written for a mixture
-    of experts are those of the trainer's GPTModel with megatron's MoELayer."""
-    from fastgrpo.local_world import run_world
-
-    config = real_scaled("qwen3-30b-a3b")
-    save_hf(config, tmp_path / "hf")
-    assert run("hf-to-megatron", "--hf", tmp_path / "hf", "--out", tmp_path / "mg") == 0
-    md = cc.MegatronSource(tmp_path / "mg").metadata.state_dict_metadata
-    ours = {k: tuple(v.size) if hasattr(v, "size") else None for k, v in md.items()}
-    theirs = run_world(_megatron_keys, 1, tmp_path / "world", config.to_dict())[0]
-    assert ours == theirs
-    assert "decoder.layers.mlp.experts.experts.linear_fc2._extra_state/shard_1.7_2.8" in ours
 
 
 def test_inspect_verify_and_the_manifest(tmp_path, capsys):

@@ -34,6 +34,7 @@ from safetensors.torch import load_file
 
 from fastgrpo.local_world import run_world
 from tests.conftest import assert_same_update
+from tests.test_megatron_families import hf_scores, max_diff  # the same scoring (temperature 0.8)
 
 pytest.importorskip("megatron.core")
 
@@ -105,21 +106,6 @@ def grpo_batch(seed: int = 0):
     responses = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (12, 5, 8, 3, 10)]
     return build_batch(prompts, responses, [[0.0] * len(r) for r in responses], torch.randn(5, generator=gen),
                        pad_id=0)
-
-
-def hf_scores(policy_dir: Path, batch):
-    from fastgrpo.models.policy import load_policy
-    from fastgrpo.trainers.torch_trainer import token_logprobs
-    from fastgrpo.types import SamplingParams
-
-    with torch.no_grad():
-        return token_logprobs(load_policy(policy_dir), batch, SamplingParams(**SAMPLING))
-
-
-def max_diff(got, want, batch) -> float:
-    real = batch.attention_mask.bool()
-    real[:, 0] = False  # position 0 has no prediction
-    return float((got - want)[real].abs().max())
 
 
 # -- fast: the layout ---------------------------------------------------------------------------------

@@ -225,12 +225,13 @@ def moe_policy(directory: Path, cfg: Config, seed: int = 0) -> Path:
 
 
 def bench_trainer(cfg: Config, quick: bool, output: Path, extra: list[str] | None = None,
-                  layouts: tuple[tuple[str, int, int, int, int], ...] = LAYOUTS, moe: bool = False) -> dict:
+                  layouts: tuple[tuple[str, int, int, int, int], ...] | None = None, moe: bool = False) -> dict:
+    """`layouts`: LAYOUTS, or with `moe` MOE_LAYOUTS, unless given."""
     if moe:
         with tempfile.TemporaryDirectory() as policy:
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(moe_policy(Path(policy), cfg))))
-            return _bench(cfg, quick, output, extra, MOE_LAYOUTS if layouts is LAYOUTS else layouts, moe=True)
-    return _bench(cfg, quick, output, extra, layouts)
+            return _bench(cfg, quick, output, extra, layouts or MOE_LAYOUTS, moe=True)
+    return _bench(cfg, quick, output, extra, layouts or LAYOUTS)
 
 
 def _bench(cfg: Config, quick: bool, output: Path, extra: list[str] | None,
