@@ -26,7 +26,7 @@ from fastgrpo.models.tokenizer import load_text_format
 from fastgrpo.run_checkpoint import restore_checkpoint
 from fastgrpo.run_state import Run
 from fastgrpo.tasks.rewards import load_reward
-from fastgrpo.tasks.source import PromptSource, encode_problems, load_task
+from fastgrpo.tasks.source import PromptSource, data_metrics, encode_problems, load_task_data
 from fastgrpo.tracking import Tracker, default_tracking_uri
 from fastgrpo.trainers import build_trainer
 
@@ -79,9 +79,9 @@ def setup_run(cfg: Config, resume: bool) -> Run:
 
     # input errors (a missing dataset, no usable rows) surface before any model is built
     text = load_text_format(cfg.model.path, cfg.task)
-    train_problems, eval_problems = load_task(cfg.task, cfg.eval.split)
-    data = PromptSource(encode_problems(train_problems, text, cfg.model.max_context, "train"), cfg.seed)
-    evals = encode_problems(eval_problems, text, cfg.model.max_context, "eval")
+    task = load_task_data(cfg.task, cfg.eval.split)
+    data = PromptSource(encode_problems(task.train, text, cfg.model.max_context, "train"), cfg.seed)
+    evals = encode_problems(task.held_out, text, cfg.model.max_context, "eval")
 
     trainer = build_trainer(cfg)  # the policy of model.path; a resume loads its checkpoint over it
     world = World.of(trainer.placement(), cfg.engine.tensor)
@@ -107,5 +107,6 @@ def setup_run(cfg: Config, resume: bool) -> Run:
         if world.main:
             print(f"resumed from {latest} at step {run.step}")
     tracker.start(cfg.tracking.run_name or run_dir.name, flatten(cfg), to_yaml(cfg), run_id=run_id)
+    tracker.log_metrics(data_metrics(task, data.problems, evals), step=run.step)  # rows and prompts skipped
     bridge.push(trainer.export_weights(), version=run.step)
     return run

@@ -102,5 +102,5 @@ def test_loader_errors(tmp_path):
         load_problems(bad)
     other = tmp_path / "d.csv"
     other.write_text("prompt,answer\n")
-    with pytest.raises(DatasetError, match="jsonl or .parquet"):
+    with pytest.raises(DatasetError, match=re.escape(".jsonl, .json, .parquet, .arrow")):
         load_problems(other)

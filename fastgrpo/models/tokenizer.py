@@ -105,16 +105,28 @@ class TextFormat:
         stops = tuple(dict.fromkeys([tokenizer.eos_token_id, *generation_stop_ids(model_dir), end]))
         return cls(tokenizer, chat, system_prompt, stops, end)
 
-    def prompt_ids(self, problem: str) -> list[int]:
-        if not self.chat:
+    def prompt_ids(self, problem: str | list[dict[str, str]]) -> list[int]:
+        """A problem's prompt: text by the format's rule; chat messages (a dataset's own, e.g. veRL's) through
+        the chat template as they are (`messages`; a plain format refuses them)."""
+        if not self.chat and isinstance(problem, str):
             bos = [] if self.tokenizer.bos_token_id is None else [self.tokenizer.bos_token_id]
             return bos + self.tokenizer.encode(problem + "\n", add_special_tokens=False)
         return list(self.tokenizer.apply_chat_template(self.messages(problem), add_generation_prompt=True,
                                                        tokenize=True, return_dict=False))
 
-    def messages(self, problem: str) -> list[dict[str, str]]:
+    def messages(self, problem: str | list[dict[str, str]]) -> list[dict[str, str]]:
+        """The chat turns of a problem: task.system_prompt's turn (if set), then for a text problem a user turn
+        of it and BOXED_INSTRUCTION; given messages are kept as they are (their system turn, if they have
+        one, over task.system_prompt's). A plain format refuses messages: no template, or its end of turn
+        not a stop (task.prompt_format=plain), so the response could not end where the template ends it."""
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return system + [{"role": "user", "content": f"{problem}\n\n{BOXED_INSTRUCTION}"}]
+        if isinstance(problem, str):
+            return system + [{"role": "user", "content": f"{problem}\n\n{BOXED_INSTRUCTION}"}]
+        if not self.chat:
+            raise ValueError("a prompt given as chat messages needs the chat format, but the text format is plain "
+                             "(the tokenizer has no chat template, or task.prompt_format=plain)")
+        own = any(m.get("role") == "system" for m in problem)
+        return [dict(m) for m in ([] if own else system) + list(problem)]
 
     def response_ids(self, response: str) -> list[int]:
         """A response as the policy emits it: its text, then the end of the turn."""

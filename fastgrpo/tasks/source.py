@@ -4,23 +4,34 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
 from fastgrpo.config import TaskConfig
 from fastgrpo.models.tokenizer import TextFormat
 from fastgrpo.tasks.arithmetic import arithmetic_splits
-from fastgrpo.tasks.datasets import DatasetError, load_problems
+from fastgrpo.tasks.datasets import DatasetError, LoadReport, load_problems
 from fastgrpo.tasks.problems import Problem
 
 log = logging.getLogger(__name__)
 
 
-def load_task(cfg: TaskConfig, split: str = "test") -> tuple[list[Problem], list[Problem]]:
+@dataclass
+class TaskData:
+    """The configured source's train and held-out problems, and what loading each dataset file found
+    (none for the synthetic task)."""
+
+    train: list[Problem]
+    held_out: list[Problem]
+    reports: list[LoadReport] = field(default_factory=list)
+
+
+def load_task_data(cfg: TaskConfig, split: str = "test") -> TaskData:
     """(train, held-out) problems of the configured source; `split` picks the held-out set: "test"
     (what results are reported on) or "validation" (what settings are tuned on). Neither set's
-    prompts are trained on. The data depend on `task.seed` only, not on the run's seed."""
+    prompts are trained on. The data depend on `task.seed` only, not on the run's seed. File sources
+    read their rows at task.prompt_key / task.answer_key (fastgrpo/tasks/datasets.py)."""
     if split not in ("test", "validation"):
         raise ValueError(f"split must be 'test' or 'validation', got {split!r}")
     if cfg.source == "arithmetic":
@@ -28,12 +39,14 @@ def load_task(cfg: TaskConfig, split: str = "test") -> tuple[list[Problem], list
             cfg.train_size, cfg.eval_size, cfg.seed, validation_size=cfg.validation_size,
             min_steps=cfg.min_steps, max_steps=cfg.max_steps, tail=cfg.tail, max_value=cfg.max_value,
             max_operand=cfg.max_operand, slip_rate=cfg.slip_rate)
-        return train, test if split == "test" else validation
-    rows, _ = load_problems(cfg.source)
+        return TaskData(train, test if split == "test" else validation)
+    rows, report = load_problems(cfg.source, cfg.prompt_key, cfg.answer_key)
+    reports = [report]
     rows = list(rows)
     random.Random(cfg.seed).shuffle(rows)
     if cfg.eval_source:
-        test, _ = load_problems(cfg.eval_source)
+        test, eval_report = load_problems(cfg.eval_source, cfg.prompt_key, cfg.answer_key)
+        reports.append(eval_report)
     else:
         if len(rows) < 2:
             raise DatasetError(f"{cfg.source}: need at least 2 usable rows to hold out an eval split")
@@ -43,7 +56,25 @@ def load_task(cfg: TaskConfig, split: str = "test") -> tuple[list[Problem], list
     validation, rows = rows[:n_val], rows[n_val:]
     if split == "validation" and not validation:
         raise DatasetError(f"{cfg.source}: too few rows to hold out a validation split")
-    return rows, test if split == "test" else validation
+    return TaskData(rows, test if split == "test" else validation, reports)
+
+
+def load_task(cfg: TaskConfig, split: str = "test") -> tuple[list[Problem], list[Problem]]:
+    """`load_task_data`'s (train, held-out) problems."""
+    data = load_task_data(cfg, split)
+    return data.train, data.held_out
+
+
+def data_metrics(data: TaskData, train: list[EncodedProblem], held_out: list[EncodedProblem]) -> dict[str, float]:
+    """What a run logs of its data (MLflow, once at its start): rows read and skipped as malformed over the
+    dataset files (file sources only), and the prompts of each split kept and skipped as too long for the
+    context."""
+    files = {"data/rows": float(sum(r.rows for r in data.reports)),
+             "data/rows_skipped": float(sum(r.malformed for r in data.reports))} if data.reports else {}
+    return files | {"data/train_prompts": float(len(train)),
+            "data/train_prompts_too_long": float(len(data.train) - len(train)),
+            "data/eval_prompts": float(len(held_out)),
+            "data/eval_prompts_too_long": float(len(data.held_out) - len(held_out))}
 
 
 @dataclass
