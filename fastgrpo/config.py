@@ -59,8 +59,15 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    source: str = "arithmetic"  # "arithmetic" (synthetic) or a path to a .jsonl / .parquet file
+    # "arithmetic" (synthetic) or a path: a .jsonl / .json / .parquet / .arrow file, or a directory saved by
+    # Hugging Face datasets' save_to_disk (fastgrpo/tasks/datasets.py)
+    source: str = "arithmetic"
     eval_source: str = ""  # eval file for file sources; empty = hold out eval_size rows of `source`
+    # file sources: where a row's prompt (a string, or chat messages [{role, content}]) and gold answer are,
+    # as dotted paths into nested fields (e.g. reward_model.ground_truth, veRL's); empty = guessed from the
+    # rows (prompt / question / problem; answer / ground_truth / reward_model.ground_truth / solution)
+    prompt_key: str = ""
+    answer_key: str = ""
     seed: int = 0  # the data's seed (problems, splits), apart from the run's: runs of several seeds share data
     train_size: int = 20000
     eval_size: int = 200  # the test split, what results are reported on
@@ -102,6 +109,12 @@ class TaskConfig:
                self.step_credit)
         _check(self.step_credit == 0 or self.reward == "math", "task.step_credit",
                f"applies to task.reward=math only (task.reward={self.reward})", self.step_credit)
+        for key in ("prompt_key", "answer_key"):
+            value = getattr(self, key)
+            _check(not value or all(part.strip() for part in value.split(".")), f"task.{key}",
+                   "must be a field name or a dotted path to a nested one (e.g. reward_model.ground_truth)", value)
+            _check(not value or self.source != "arithmetic", f"task.{key}",
+                   "applies to file sources only (task.source=arithmetic)", value)
 
 
 @dataclass
