@@ -7,6 +7,7 @@ in a 70B launch fails in a second instead of after an hour of model loading.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -27,7 +28,13 @@ class ConfigError(ValueError):
 ModelSize = Literal["test", "bench", "gpu"]  # `fastgrpo sft`'s recipes (models/policy.py SIZES)
 SpeculationPolicyName = Literal["off", "static", "fastgrpo", "tlt", "aware", "aware_per_sequence"]  # speculation/registry.py
 OnlineDraft = Literal["off", "sync", "async"]
-LossAggregation = Literal["token_mean", "seq_mean"]
+LossAggregation = Literal["token_mean", "seq_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]  # grpo/loss.py
+RatioLevel = Literal["token", "sequence"]  # grpo.ratio_level: PPO's per-token ratio, or GSPO's per-sequence one
+RolloutCorrection = Literal["none", "token_tis", "sequence_tis", "token_mask", "sequence_mask", "geometric_mask",
+                            "icepop"]  # grpo/correction.py
+KLEstimator = Literal["k1", "k2", "k3"]  # grpo/loss.py `kl_estimate`
+Advantage = Literal["grpo", "rloo"]  # grpo/advantages.py
+StdScope = Literal["group", "batch"]
 EvalSplit = Literal["test", "validation"]
 TrainerBackend = Literal["torch", "megatron", "deepspeed"]  # what `trainers.build_trainer` can build
 LayerSpec = Literal["auto", "local", "transformer_engine"]  # megatron layer specs `trainers/megatron/model.py` builds
@@ -126,9 +133,14 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     max_batch: int = 64  # engine slots (concurrent sequences)
+    # DAPO's dynamic sampling (arXiv 2503.14476): while fewer than prompts_per_step groups carry a signal
+    # (rewards not all equal), roll out up to this many more batches of prompts_per_step prompts; the step
+    # trains on the first prompts_per_step informative groups. 0 = off: the step trains on what it has
+    refill_rounds: int = 0
 
     def check(self) -> None:
         _check(self.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1", self.prompts_per_step)
+        _check(self.refill_rounds >= 0, "rollout.refill_rounds", "must be >= 0 (0: off)", self.refill_rounds)
         _check(self.group_size >= 2, "rollout.group_size", "must be >= 2 (advantages compare samples)", self.group_size)
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", self.max_new_tokens)
         _check(math.isfinite(self.temperature) and self.temperature >= 0, "rollout.temperature", "must be >= 0",
@@ -179,17 +191,51 @@ class DraftConfig:
 
 @dataclass
 class GRPOConfig:
+    """The GRPO objective (docs/objective.md has every option's formula and paper)."""
+
     steps: int = 20
     eps_low: float = 0.2
     eps_high: float = 0.28  # clip-higher: eps_high > eps_low lets rare good tokens grow
-    scale_by_std: bool = True  # A = (r - mean) / (std + eps); False: A = r - mean
+    # the advantage's baseline: grpo = the group's mean reward; rloo = the mean of the group's other G - 1
+    # rewards (RLOO, Ahmadian et al. arXiv 2402.14740), which is G / (G - 1) x grpo's centred reward
+    advantage: Advantage = "grpo"
+    scale_by_std: bool = True  # A = (r - baseline) / (std + eps); False: A = r - baseline (Dr. GRPO)
+    # whose std scale_by_std divides by: each group's own, or every reward the step sampled (batch: TRL's
+    # scale_rewards="batch"), which does not up-weight groups that are nearly all right or all wrong
+    std_scope: StdScope = "group"
+    # token_mean: sum over the minibatch's tokens / their count; seq_mean: each sequence's token mean, averaged
+    # over sequences; seq_mean_token_sum: each sequence's token sum, averaged over sequences;
+    # seq_mean_token_sum_norm: that over loss_norm_tokens, Dr. GRPO's constant (arXiv 2503.20783)
     loss_aggregation: LossAggregation = "token_mean"
-    kl_coef: float = 0.0  # k3 KL to the initial policy; 0 skips the reference forward
+    loss_norm_tokens: int = 0  # seq_mean_token_sum_norm's constant normaliser; 0 = rollout.max_new_tokens
+    # the importance ratio the clip acts on: token = pi/pi_old per token (PPO); sequence = GSPO's
+    # (pi(y|x)/pi_old(y|x))^(1/|y|) per sequence (arXiv 2507.18071: with loss_aggregation=seq_mean, its
+    # objective; the paper clips it at eps ~ 3e-4..4e-4)
+    ratio_level: RatioLevel = "token"
+    # dual-clip PPO (arXiv 1912.09729): a negative-advantage token's loss is at most dual_clip x |A|, however
+    # large its ratio; 0 = off, else c > 1 (veRL's clip_ratio_c, 3.0)
+    dual_clip: float = 0.0
+    # log-ratios (policy/old, and reference/policy in the KL term) clamped to +-this before exp; 0 = off
+    log_ratio_clamp: float = 20.0
+    kl_coef: float = 0.0  # KL to the initial policy; 0 skips the reference forward
+    # the per-token KL estimate (Schulman, "Approximating KL divergence"): k1 = log(pi/pi_ref),
+    # k2 = (log(pi/pi_ref))^2 / 2, k3 = pi_ref/pi - log(pi_ref/pi) - 1 (unbiased, non-negative)
+    kl_estimator: KLEstimator = "k3"
     drop_equal_reward_groups: bool = True  # groups whose rewards are all equal carry no signal
     epochs: int = 1  # optimisation passes over one rollout batch
     minibatches: int = 1  # optimiser steps per epoch
     micro_batch_size: int = 16  # sequences per forward/backward (memory, not maths)
-    tis_cap: float = 2.0  # truncated importance sampling: weight min(pi_trainer/pi_engine, cap); 0 = off
+    # what corrects the engine/trainer mismatch, by rho = pi_trainer_old / pi_engine of each sampled token
+    # (grpo/correction.py): none; token_tis: weight min(rho_t, tis_cap); sequence_tis: min(prod_t rho_t,
+    # tis_cap) on the whole sequence; token_mask: tokens with rho_t outside [mask_low, mask_high] train
+    # nothing; sequence_mask: sequences whose prod_t rho_t is outside it; geometric_mask: sequences whose
+    # geometric mean (prod_t rho_t)^(1/|y|) is outside it; icepop: weight rho_t inside the band, 0 outside
+    rollout_correction: RolloutCorrection = "token_tis"
+    tis_cap: float = 2.0  # token_tis and sequence_tis: the largest weight (>= 1)
+    # the masks' band [mask_low, mask_high] of rho; 0 = the mode's default: token_mask and sequence_mask
+    # [0.5, 2], geometric_mask [0.999, 1.001], icepop [0.5, 5] (its paper's)
+    mask_low: float = 0.0
+    mask_high: float = 0.0
 
     def check(self) -> None:
         _check(self.steps >= 0, "grpo.steps", "must be >= 0", self.steps)
@@ -198,7 +244,35 @@ class GRPOConfig:
         _check(self.kl_coef >= 0, "grpo.kl_coef", "must be >= 0", self.kl_coef)
         for key in ("epochs", "minibatches", "micro_batch_size"):
             _check(getattr(self, key) >= 1, f"grpo.{key}", "must be >= 1", getattr(self, key))
-        _check(self.tis_cap == 0 or self.tis_cap >= 1, "grpo.tis_cap", "must be 0 (off) or >= 1", self.tis_cap)
+        _check(self.dual_clip == 0 or self.dual_clip > 1, "grpo.dual_clip", "must be 0 (off) or > 1", self.dual_clip)
+        _check(self.log_ratio_clamp >= 0, "grpo.log_ratio_clamp", "must be >= 0 (0: off)", self.log_ratio_clamp)
+        _check(self.loss_norm_tokens >= 0, "grpo.loss_norm_tokens", "must be >= 0 (0: rollout.max_new_tokens)",
+               self.loss_norm_tokens)
+        _check(self.tis_cap >= 1 or self.rollout_correction not in ("token_tis", "sequence_tis"), "grpo.tis_cap",
+               f"must be >= 1 with grpo.rollout_correction={self.rollout_correction} (grpo.rollout_correction=none "
+               f"turns the correction off)", self.tis_cap)
+        for key in ("mask_low", "mask_high"):
+            _check(getattr(self, key) >= 0, f"grpo.{key}", "must be >= 0 (0: the mode's default)", getattr(self, key))
+        low, high = self.mask_band()
+        _check(low <= 1 <= high, "grpo.mask_low", f"and grpo.mask_high must hold 1 between them (the band "
+               f"[{low:g}, {high:g}] of grpo.rollout_correction={self.rollout_correction})", self.mask_low)
+
+    def mask_band(self) -> tuple[float, float]:
+        """The band [low, high] of the engine/trainer ratio that a masking correction keeps: mask_low and
+        mask_high, each 0 meaning the mode's default (`MASK_BANDS`)."""
+        low, high = MASK_BANDS.get(self.rollout_correction, (0.5, 2.0))
+        return self.mask_low or low, self.mask_high or high
+
+    def for_rollout(self, max_new_tokens: int) -> GRPOConfig:
+        """This section with loss_norm_tokens resolved: 0 means the rollout's token budget, the longest a
+        response can be (Dr. GRPO's constant normaliser is the generation budget)."""
+        return self if self.loss_norm_tokens else dataclasses.replace(self, loss_norm_tokens=max_new_tokens)
+
+
+# grpo.rollout_correction's default bands of the engine/trainer ratio: veRL's rejection-sampling examples
+# (0.5..2, and 0.999..1.001 for the geometric mean, its "Geo-RS"), and IcePop's [alpha, beta] = [0.5, 5]
+MASK_BANDS = {"token_mask": (0.5, 2.0), "sequence_mask": (0.5, 2.0), "geometric_mask": (0.999, 1.001),
+              "icepop": (0.5, 5.0)}
 
 
 @dataclass
@@ -555,6 +629,9 @@ def validate(c: Config) -> None:
     enforce(layout_rules(c))
     _check(c.rollout.max_new_tokens < c.model.max_context, "rollout.max_new_tokens", "must be < model.max_context",
            c.rollout.max_new_tokens)
+    _check(c.rollout.refill_rounds == 0 or c.grpo.drop_equal_reward_groups, "rollout.refill_rounds",
+           "refills the informative groups of a step: it needs grpo.drop_equal_reward_groups=true",
+           c.rollout.refill_rounds)
     _check(c.draft.online == "off" or c.speculation.policy != "off", "draft.online",
            "needs speculation (speculation.policy != off): the draft learns from the states rollout computes for it",
            c.draft.online)

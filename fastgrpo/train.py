@@ -1,5 +1,6 @@
 """The GRPO training loop: each step samples prompts, rolls them out on the engines, scores the
-answers with the task's reward, trains the policy on the informative groups, pushes the new weights
+answers with the task's reward (more prompts while too few groups carry a signal, when
+`rollout.refill_rounds` allows), trains the policy on the informative groups, pushes the new weights
 to every engine (and to the draft learner, which then learns from the rollout's states), logs,
 evaluates now and then and checkpoints. This module is that orchestration only: a run is set up in
 `fastgrpo.run_setup` (layout checks, reward, trainer, engine, draft learner, bridge, tracker, resume),
@@ -30,13 +31,15 @@ import torch
 
 from fastgrpo.config import Config
 from fastgrpo.distributed import StopRequest
+from fastgrpo.grpo.advantages import informative_groups
 from fastgrpo.grpo.batch import training_batch
 from fastgrpo.grpo.evaluate import evaluate
-from fastgrpo.grpo.record import StepRecord, rollout_record
+from fastgrpo.grpo.record import StepRecord, merged_stats, rollout_record
 from fastgrpo.grpo.report import print_step, rollout_stats, write_summary
 from fastgrpo.run_checkpoint import save_checkpoint
 from fastgrpo.run_setup import preflight, setup_run
 from fastgrpo.run_state import Run, TrainResult
+from fastgrpo.tasks.rewards import check_not_all_failed, score_answers
 from fastgrpo.tasks.source import EncodedProblem
 from fastgrpo.types import Completion, EngineStats, Request, RolloutBatch, SamplingParams
 
@@ -51,6 +54,16 @@ class Rollout:
     rewards: torch.Tensor  # [prompts, G]
     engine_stats: list[EngineStats]  # one per engine, in engine order
     local: list[Completion] = field(default_factory=list)  # this engine's own, with captured states (its leader)
+    mine: list[EncodedProblem] = field(default_factory=list)  # the prompts `local` answers, in its order
+    reward_errors: int = 0  # answers whose verifier failed (scored 0), over every engine
+    first_reward_error: str = ""
+
+    def joined(self, more: Rollout) -> Rollout:
+        """These answers, then `more`'s (a refill round's): its prompts follow these in the step."""
+        return Rollout(self.completions + more.completions, torch.cat([self.rewards, more.rewards]),
+                       [merged_stats(a, b) for a, b in zip(self.engine_stats, more.engine_stats, strict=True)],
+                       self.local + more.local, self.mine + more.mine, self.reward_errors + more.reward_errors,
+                       self.first_reward_error or more.first_reward_error)
 
 
 def train(cfg: Config, resume: bool = False) -> TrainResult:
@@ -96,36 +109,64 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
 
 
 def run_step(run: Run, step: int) -> StepRecord:
-    """One step of the run: roll out the step's prompts, train the policy on the informative groups
-    (the GRPO update itself is the trainer's, `fastgrpo.grpo.step`), push the new weights, let the draft
-    learn from the rollout; its record joins the run's history (rank 0 tracks and prints it)."""
+    """One step of the run: roll out the step's prompts (refilled while too few groups carry a signal,
+    when `rollout.refill_rounds` allows), train the policy on the informative groups (the GRPO update
+    itself is the trainer's, `fastgrpo.grpo.step`), push the new weights, let the draft learn from the
+    rollout; its record joins the run's history (rank 0 tracks and prints it)."""
     cfg = run.cfg
     t_step = time.perf_counter()
-    problems = run.data.next_batch(cfg.rollout.prompts_per_step)
 
     t0 = time.perf_counter()
-    answers = rollout(run, problems, seed=cfg.seed * 1_000_003 + step)
+    problems, answers, refills = sample_step(run, step)
     rollout_s = time.perf_counter() - t0
+    check_not_all_failed(run.reward, len(answers.completions), answers.reward_errors, answers.first_reward_error,
+                         f"step {step + 1}")
+    if answers.reward_errors and run.world.main:
+        log.warning("step %d: the reward %s raised on %d of %d answers (scored 0); the first: %s", step + 1,
+                    run.reward.name, answers.reward_errors, len(answers.completions), answers.first_reward_error)
 
+    wanted = cfg.rollout.prompts_per_step
     batch, kept_groups = training_batch([p.prompt_ids for p in problems], answers.completions, answers.rewards,
-                                        cfg.grpo)
+                                        cfg.grpo, max_groups=wanted)
     t0 = time.perf_counter()
     policy_report = train_policy(run, batch)
     train_s = time.perf_counter() - t0
 
     sync = run.bridge.push(run.trainer.export_weights(), version=step + 1)
-    draft_report = learn_draft(run, run.world.share(problems)[1], answers.local, policy_version=step,
+    draft_report = learn_draft(run, answers.mine, answers.local, policy_version=step,
                                budget_s=cfg.draft.sync_budget * (rollout_s + train_s))
 
     run.step = step + 1
     record = dataclasses.replace(
         rollout_record(run.step, answers.completions, answers.rewards, answers.engine_stats, kept_groups),
+        reward_errors=answers.reward_errors, refill_rounds=refills,
+        refill_short=max(wanted - kept_groups, 0) if cfg.rollout.refill_rounds else 0,
         rollout_s=rollout_s, train_s=train_s, weight_sync_s=sync.seconds, weight_sync_bytes=sync.bytes,
         step_s=time.perf_counter() - t_step, policy=policy_report, draft=draft_report)
     run.history.steps.append(record)
     if run.world.main:
         log_step(run, record, answers.engine_stats)
     return record
+
+
+def sample_step(run: Run, step: int) -> tuple[list[EncodedProblem], Rollout, int]:
+    """The step's prompts and their scored answers, and how many refill rounds it took: a batch of
+    `rollout.prompts_per_step` prompts; then DAPO's dynamic sampling (Yu et al. arXiv 2503.14476; veRL's
+    filter_groups): while fewer than prompts_per_step groups are informative (rewards not all equal),
+    another batch, at most `rollout.refill_rounds` times. Every rank sees the same rewards, so every
+    rank refills alike; a refill's sample j of its prompt i is keyed as if the step had drawn all its
+    prompts at once."""
+    cfg = run.cfg
+    wanted, seed = cfg.rollout.prompts_per_step, cfg.seed * 1_000_003 + step
+    problems = run.data.next_batch(wanted)
+    answers = rollout(run, problems, seed)
+    rounds = 0
+    while rounds < cfg.rollout.refill_rounds and int(informative_groups(answers.rewards).sum()) < wanted:
+        rounds += 1
+        more = run.data.next_batch(wanted)
+        answers = answers.joined(rollout(run, more, seed, first=len(problems)))
+        problems = problems + more
+    return problems, answers, rounds
 
 
 def train_policy(run: Run, batch: RolloutBatch | None) -> dict[str, float]:
@@ -150,20 +191,23 @@ def log_step(run: Run, record: StepRecord, engine_stats: list[EngineStats]) -> N
     print_step(cfg.grpo.steps, record)
 
 
-def rollout(run: Run, problems: list[EncodedProblem], seed: int) -> Rollout:
+def rollout(run: Run, problems: list[EncodedProblem], seed: int, first: int = 0) -> Rollout:
     """G samples of every prompt, scored. Each engine answers its share of the prompts, and sample j
-    of prompt i is keyed i * G + j with the step's seed on whichever engine runs it: keyed sampling
-    makes the answers those of one engine answering all. Every rank gets every engine's answers."""
+    of prompt i is keyed (first + i) * G + j with the step's seed on whichever engine runs it (`first`:
+    the step's prompts before these, a refill's): keyed sampling makes the answers those of one engine
+    answering all. Every rank gets every engine's answers."""
     r, world = run.cfg.rollout, run.world
     start, mine = world.share(problems)
     local = None
     if run.engine is not None:
         G = r.group_size
-        requests = [Request(p.prompt_ids, key=(start + i) * G + j) for i, p in enumerate(mine) for j in range(G)]
+        requests = [Request(p.prompt_ids, key=(first + start + i) * G + j) for i, p in enumerate(mine)
+                    for j in range(G)]
         # with a draft learner, keep the target states rollout computes anyway
         completions = run.engine.generate(requests, SamplingParams.of(r), seed=seed,
                                           capture=run.draft_learner is not None)
-        local = (completions, score_completions(run, mine, completions), run.engine.stats())
+        rewards, errors, first_error = score_completions(run, mine, completions)
+        local = (completions, rewards, run.engine.stats(), errors, first_error)
     if world.size == 1:
         parts = [local]
     else:  # hidden states stay where they were captured (the draft learner's rank)
@@ -175,7 +219,8 @@ def rollout(run: Run, problems: list[EncodedProblem], seed: int) -> Rollout:
     if len(versions) != 1:  # the push reaches every engine or the run stops
         raise RuntimeError(f"the engines hold different weight versions: {sorted(versions, key=str)}")
     return Rollout([c for part in parts for c in part[0]], torch.cat([part[1] for part in parts]),
-                   [part[2] for part in parts], local[0] if local is not None else [])
+                   [part[2] for part in parts], local[0] if local is not None else [], mine,
+                   sum(part[3] for part in parts), next((part[4] for part in parts if part[4]), ""))
 
 
 def learn_draft(run: Run, problems: list[EncodedProblem], completions: list[Completion], policy_version: int,
@@ -189,12 +234,14 @@ def learn_draft(run: Run, problems: list[EncodedProblem], completions: list[Comp
     return run.draft_learner.learn(prompts, completions, policy_version, budget_s)
 
 
-def score_completions(run: Run, problems: list[EncodedProblem], completions: list[Completion]) -> torch.Tensor:
-    """The task's training reward of every answer (`Reward.for_training`), [prompts, G]."""
+def score_completions(run: Run, problems: list[EncodedProblem],
+                      completions: list[Completion]) -> tuple[torch.Tensor, int, str]:
+    """The task's training reward of every answer (`Reward.for_training`), [prompts, G]; with the number
+    of answers whose verifier failed (scored 0) and the first one's message."""
     G = run.cfg.rollout.group_size
-    rewards = [run.reward.for_training(run.text.response_text(c.token_ids), problems[i // G].problem)
-               for i, c in enumerate(completions)]
-    return torch.tensor(rewards, dtype=torch.float32).view(len(problems), G)
+    scored = score_answers(run.reward, [run.text.response_text(c.token_ids) for c in completions],
+                           [problems[i // G].problem for i in range(len(completions))])
+    return torch.tensor(scored.rewards, dtype=torch.float32).view(len(problems), G), scored.errors, scored.first_error
 
 
 def log_eval(run: Run, step: int) -> dict[str, float] | None:

@@ -67,7 +67,7 @@ def test_tis_weight_and_k3_kl():
     logp = torch.tensor([[0.0]], requires_grad=True)
     w = torch.tensor([[0.5]])
     ref = torch.tensor([[math.log(2.0)]])  # d = ref - logp = ln 2: k3 = 2 - ln2 - 1
-    t = _loss(logp, old, [1.0], [[1]], tis_weight=w, ref_logp=ref, kl_coef=0.1)
+    t = _loss(logp, old, [1.0], [[1]], correction_weight=w, ref_logp=ref, kl_coef=0.1)
     k3 = 2 - math.log(2) - 1
     assert t.loss.item() == pytest.approx(-0.5 + 0.1 * k3, rel=1e-6)
     assert t.kl_ref_sum.item() == pytest.approx(k3, rel=1e-6)

@@ -50,7 +50,7 @@ def test_a_step_with_nothing_to_train_pushes_and_goes_on(tmp_path, tiny_policy, 
     step's version (the run's steps stay in lockstep with the pushes)."""
     import fastgrpo.train as loop
 
-    monkeypatch.setattr(loop, "score_completions", lambda run, problems, completions: torch.zeros(len(problems), G))
+    monkeypatch.setattr(loop, "score_completions", lambda run, problems, completions: (torch.zeros(len(problems), G), 0, ""))
     cfg = tiny_config(tmp_path, tiny_policy, **{"grpo.steps": 2, "rollout.group_size": G, "eval.at_start": "false"})
     before = load_file(tiny_policy / "model.safetensors")
     result = train(cfg)
@@ -84,7 +84,8 @@ class _World:
         return 0, items[: len(items) // 2]
 
     def gather(self, mine):
-        theirs = (_completions(len(mine[0])), torch.zeros(len(mine[0]) // G, G), {"weights_version": self.other_version})
+        theirs = (_completions(len(mine[0])), torch.zeros(len(mine[0]) // G, G), {"weights_version": self.other_version},
+                  0, "")
         return [mine, theirs]
 
 
@@ -92,7 +93,7 @@ class _World:
 def test_engines_holding_different_weight_versions_stop_the_rollout(monkeypatch, other, fails):
     import fastgrpo.train as loop
 
-    monkeypatch.setattr(loop, "score_completions", lambda run, problems, completions: torch.zeros(len(problems), G))
+    monkeypatch.setattr(loop, "score_completions", lambda run, problems, completions: (torch.zeros(len(problems), G), 0, ""))
     cfg = SimpleNamespace(rollout=SimpleNamespace(group_size=G, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8))
     run = SimpleNamespace(cfg=cfg, world=_World(other), engine=_Engine(3), draft_learner=None)
     if fails:

@@ -12,13 +12,17 @@ from fastgrpo.types import Completion, RolloutBatch
 
 
 def training_batch(prompts: list[list[int]], completions: list[Completion], rewards: Tensor,
-                   cfg: GRPOConfig) -> tuple[RolloutBatch | None, int]:
+                   cfg: GRPOConfig, max_groups: int | None = None) -> tuple[RolloutBatch | None, int]:
     """The batch to train on and how many groups it holds: advantages per group (`rewards` [prompts, G],
-    completions[i * G + j] answering prompts[i]); groups with all-equal rewards are dropped (they would
-    add zero gradient) unless `grpo.drop_equal_reward_groups` is off. None when no group is left."""
+    completions[i * G + j] answering prompts[i]; `grpo.advantage`'s baseline, `grpo.std_scope`'s std over
+    every group given); groups with all-equal rewards are dropped (they would add zero gradient) unless
+    `grpo.drop_equal_reward_groups` is off; at most the first `max_groups` of the rest (a refilled step
+    sampled more than it trains on). None when no group is left."""
     G = rewards.shape[1]
-    advantages = group_advantages(rewards, cfg.scale_by_std)
+    advantages = group_advantages(rewards, cfg.scale_by_std, baseline=cfg.advantage, std_scope=cfg.std_scope)
     keep = informative_groups(rewards) if cfg.drop_equal_reward_groups else torch.ones(len(prompts), dtype=torch.bool)
+    if max_groups is not None:
+        keep &= keep.cumsum(0) <= max_groups
     rows = [i * G + j for i in range(len(prompts)) if keep[i] for j in range(G)]
     if not rows:
         return None, 0

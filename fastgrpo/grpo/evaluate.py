@@ -9,13 +9,16 @@ accuracies; with a reward of the user's, the mean and the best of its values.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 from fastgrpo.protocols import Engine
 from fastgrpo.types import SamplingParams, Request
 from fastgrpo.models.tokenizer import TextFormat
-from fastgrpo.tasks.rewards import Reward, math_reward
+from fastgrpo.tasks.rewards import Reward, check_not_all_failed, math_reward, score_answers
 from fastgrpo.tasks.source import EncodedProblem
+
+log = logging.getLogger(__name__)
 
 
 def _mean_and_se(values: list[float]) -> tuple[float, float]:
@@ -30,12 +33,18 @@ def _mean_and_se(values: list[float]) -> tuple[float, float]:
 def scores(engine: Engine, text: TextFormat, problems: list[EncodedProblem],
            sampling: SamplingParams, repeats: int = 1, reward: Reward | None = None, seed: int = 0) -> list[list[float]]:
     """Each problem's rewards for `repeats` answers drawn with `sampling` (one list per problem);
-    `reward`: the task's (None: the built-in math reward)."""
+    `reward`: the task's (None: the built-in math reward). An answer whose verifier failed scores 0 and
+    is logged; every answer's failing is an error naming the reward."""
     reward = reward or math_reward()
     requests = [Request(e.prompt_ids) for e in problems for _ in range(repeats)]
     outs = engine.generate(requests, sampling, seed=seed)
-    rewards = [reward.for_eval(text.response_text(o.token_ids), problems[i // repeats].problem)
-               for i, o in enumerate(outs)]
+    scored = score_answers(reward, [text.response_text(o.token_ids) for o in outs],
+                           [problems[i // repeats].problem for i in range(len(outs))], training=False)
+    check_not_all_failed(reward, len(outs), scored.errors, scored.first_error, "the eval")
+    if scored.errors:
+        log.warning("the reward %s raised on %d of %d eval answers (scored 0); the first: %s", reward.name,
+                    scored.errors, len(outs), scored.first_error)
+    rewards = scored.rewards
     return [rewards[i * repeats : (i + 1) * repeats] for i in range(len(problems))]
 
 

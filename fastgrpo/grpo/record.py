@@ -35,12 +35,17 @@ class StepRecord:
     gen_tokens_per_s: float  # the engines' total
     mean_running: float  # sequences per decode step, mean over engines
     spec_step_fraction: float  # decode steps that speculated
-    groups_kept: int  # groups trained on (the others had all-equal rewards)
+    groups_kept: int  # groups trained on (the others had all-equal rewards, or were beyond a refill's need)
     rollout_engines: int
     weights_version: int  # the policy version the engines rolled out with (the same on every engine)
     accept_len: float | None = None  # tokens per sequence per verify, when some step speculated
     engine_tokens_per_s_min: float | None = None  # with several engines: the slowest engine's throughput
     engine_draft_version_min: int | None = None  # with several engines: the oldest draft among them
+    reward_errors: int = 0  # answers whose reward's verifier failed (scored 0; all of them stops the run)
+    # rollout.refill_rounds (DAPO's dynamic sampling): the extra rounds of prompts this step rolled out, and
+    # how many informative groups it still lacked of rollout.prompts_per_step when the bound stopped it
+    refill_rounds: int = 0
+    refill_short: int = 0
     # -- the step's times (seconds) and the weight push
     rollout_s: float = 0.0
     train_s: float = 0.0  # the policy's update
@@ -84,6 +89,38 @@ class StepRecord:
         rest = {k: v for k, v in metrics.items() if k not in types}
         return cls(step, **own, policy={k: v for k, v in rest.items() if not k.startswith("draft_")},
                    draft={k: v for k, v in rest.items() if k.startswith("draft_")})
+
+
+_COUNTS = ("sequences", "tokens", "seconds", "decode_steps", "prefill_s", "decode_s", "spec_steps", "spec_seq_steps",
+           "spec_emitted")
+
+
+def merged_stats(first: EngineStats, then: EngineStats) -> EngineStats:
+    """One engine's statistics over two generate calls of one step (a refilled step rolls out again):
+    counts and times add up, the rates are those of the sums (throughput, mean running sequences per
+    decode step, accepted length), the traces follow each other, and the versions are the later call's."""
+    out: dict = dict(then)
+    for key in _COUNTS:
+        if key in first or key in then:
+            out[key] = first.get(key, 0) + then.get(key, 0)
+    if out.get("seconds"):
+        out["tokens_per_s"] = out.get("tokens", 0) / out["seconds"]
+    if "mean_running" in first or "mean_running" in then:
+        steps = out.get("decode_steps", 0)
+        out["mean_running"] = ((first.get("mean_running", 0.0) * first.get("decode_steps", 0)
+                                + then.get("mean_running", 0.0) * then.get("decode_steps", 0)) / steps if steps else 0.0)
+    if "accept_len" in first or "accept_len" in then:
+        out["accept_len"] = out["spec_emitted"] / out["spec_seq_steps"] if out.get("spec_seq_steps") else 1.0
+    if "config_by_concurrency" in first or "config_by_concurrency" in then:
+        joined: dict[str, dict[str, int]] = {}
+        for part in (first.get("config_by_concurrency", {}), then.get("config_by_concurrency", {})):
+            for bucket, shapes in part.items():
+                for shape, n in shapes.items():
+                    joined.setdefault(bucket, {})[shape] = joined.get(bucket, {}).get(shape, 0) + n
+        out["config_by_concurrency"] = joined
+    if "trace" in first or "trace" in then:
+        out["trace"] = list(first.get("trace", [])) + list(then.get("trace", []))
+    return out  # type: ignore[return-value]
 
 
 def rollout_record(step: int, completions: list[Completion], rewards: torch.Tensor, engine_stats: list[EngineStats],

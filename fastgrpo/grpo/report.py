@@ -29,7 +29,10 @@ def print_step(total: int, r: StepRecord) -> None:
           f"len {r.response_len_mean:.0f}/{r.response_len_max:.0f} | "
           f"rollout {r.rollout_s:.1f}s ({r.gen_tokens_per_s:.0f} tok/s, accept {r.accept_len or 1.0:.2f}) | "
           f"train {r.train_s:.1f}s | sync {r.weight_sync_s:.2f}s | loss {p.get('loss', 0.0):.4f} | "
-          f"clip {p.get('clip_fraction', 0.0):.3f} | entropy {p.get('entropy', 0.0):.3f}", flush=True)
+          f"clip {p.get('clip_fraction', 0.0):.3f} | entropy {p.get('entropy', 0.0):.3f}"
+          + (f" | refill {r.refill_rounds} round(s), {r.refill_short} group(s) short" if r.refill_rounds else "")
+          + (f" | masked {p['correction_masked_fraction']:.3f}" if p.get("correction_masked_fraction") else "")
+          + (f" | REWARD ERRORS {r.reward_errors}" if r.reward_errors else ""), flush=True)
 
 
 def write_summary(cfg: Config, steps: list[StepRecord], evals: dict[int, dict[str, float]],

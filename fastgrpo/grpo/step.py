@@ -1,10 +1,12 @@
 """One GRPO optimisation step over a rollout batch, written once for every trainer.
 
 The algorithm is here: `epochs` passes of `minibatches` optimiser steps; each minibatch's loss
-normalised over the whole minibatch (its tokens, or its sequences), so that micro-batches and
-data-parallel shares add up to it; the truncated importance weight against the engine's
-log-probabilities; the k3 KL to the frozen reference; the statistics; and the NaN skip (a
-non-finite loss or gradient norm leaves the weights and the optimiser untouched). A trainer backend
+(`grpo.loss.policy_loss`: token or sequence ratios, clip, dual clip, log-ratio clamp) normalised over the
+whole minibatch (`grpo.loss.loss_normaliser`), so that micro-batches and data-parallel shares add up to
+it; the rollout correction against the engine's log-probabilities (`grpo.correction`); the KL estimate
+to the frozen reference; the statistics (what was clipped, held by the dual clip, clamped, masked or
+truncated); and the NaN skip (a non-finite loss or gradient norm leaves the weights and the optimiser
+untouched). Every trainer reaches every option of the objective through this one step. A trainer backend
 (`StepBackend`: torch, Megatron-core, DeepSpeed) supplies only what depends on how it holds the model:
 scoring a batch, a forward/backward of its share of rows micro-batch by micro-batch, an optimiser
 update with clipping, and a sum over its ranks. This is veRL's split of losses from engines.
@@ -20,13 +22,14 @@ import torch
 from torch import Tensor
 
 from fastgrpo.config import GRPOConfig
-from fastgrpo.grpo.loss import policy_loss
+from fastgrpo.grpo.correction import rollout_correction
+from fastgrpo.grpo.loss import loss_normaliser, policy_loss
 from fastgrpo.types import RolloutBatch
 
 # (rows of the batch, their micro-batch, position-aligned log-probabilities and entropy [n, width])
 # -> the micro-batch's share of the minibatch loss, to backpropagate
 LossFn = Callable[[list[int], RolloutBatch, Tensor, Tensor], Tensor]
-STATS = ("loss", "clip", "entropy", "kl_engine", "kl_ref", "tokens")
+STATS = ("loss", "clip", "entropy", "kl_engine", "kl_ref", "tokens", "dual_clip", "clamped", "masked", "truncated")
 
 
 class StepBackend(Protocol):
@@ -64,27 +67,32 @@ class StepBackend(Protocol):
 
 def minibatch_loss(cfg: GRPOConfig, batch: RolloutBatch, rows: list[int], old: Tensor | None, ref: Tensor | None,
                    stats: Tensor) -> LossFn:
-    """The loss function of the minibatch `rows`: each micro-batch's clipped, importance-weighted
-    GRPO loss (with the KL term) over the whole minibatch's normaliser; adds its statistics to
-    `stats` (the order of STATS) without leaving the device. `old` None: on-policy (the ratio is 1,
-    its gradient the policy gradient); a micro-batch without rows pads a rank's share and trains nothing."""
-    mask = batch.response_mask[rows]
-    normaliser = max(float(mask.sum()) if cfg.loss_aggregation == "token_mean" else float(len(rows)), 1.0)
+    """The loss function of the minibatch `rows`: each micro-batch's clipped, corrected GRPO loss (with
+    the KL term) over the whole minibatch's normaliser; adds its statistics to `stats` (the order of
+    STATS) without leaving the device. `old` None: on-policy (the ratio is 1, its gradient the policy
+    gradient); a micro-batch without rows pads a rank's share and trains nothing."""
+    normaliser = loss_normaliser(cfg.loss_aggregation, batch.response_mask[rows], cfg.loss_norm_tokens)
 
     def loss_of(micro_rows: list[int], micro: RolloutBatch, logp: Tensor, entropy: Tensor) -> Tensor:
         width = logp.shape[1]
         old_logp = old[micro_rows, :width] if old is not None and micro_rows else logp.detach()
         ref_logp = None if ref is None else ref[micro_rows, :width] if micro_rows else logp.detach()
-        tis = torch.exp(old_logp - micro.engine_logprobs).clamp(max=cfg.tis_cap) if cfg.tis_cap > 0 else None
+        correction = rollout_correction(old_logp, micro.engine_logprobs, micro.response_mask, cfg.rollout_correction,
+                                        cfg.tis_cap, cfg.mask_band())
         terms = policy_loss(logp, old_logp, micro.advantages, micro.response_mask, eps_low=cfg.eps_low,
                             eps_high=cfg.eps_high, aggregation=cfg.loss_aggregation, normaliser=normaliser,
-                            tis_weight=tis, ref_logp=ref_logp, kl_coef=cfg.kl_coef)
+                            ratio_level=cfg.ratio_level, dual_clip=cfg.dual_clip,
+                            log_ratio_clamp=cfg.log_ratio_clamp,
+                            correction_weight=None if correction is None else correction.weight,
+                            ref_logp=ref_logp, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator)
         m = micro.response_mask.to(logp.dtype)
+        masked, truncated = ((logp.new_zeros(()), logp.new_zeros(())) if correction is None else
+                             (correction.masked.sum().to(logp.dtype), correction.truncated.sum().to(logp.dtype)))
         # the engine/trainer mismatch at equal weights: against the log-probabilities before this step's
         # first update (old_logp), not the current ones, which after an update measure the policy's own move
         stats.add_(torch.stack([terms.loss.detach(), terms.clipped_tokens, (entropy.detach() * m).sum(),
-                                ((micro.engine_logprobs - old_logp) * m).sum(), terms.kl_ref_sum,
-                                m.sum()]).to(stats))
+                                ((micro.engine_logprobs - old_logp) * m).sum(), terms.kl_ref_sum, m.sum(),
+                                terms.dual_clipped_tokens, terms.clamped_tokens, masked, truncated]).to(stats))
         return terms.loss
 
     return loss_of
@@ -124,9 +132,13 @@ def _steps(backend: StepBackend, batch: RolloutBatch, cfg: GRPOConfig) -> dict[s
             loss_sum += loss
             norm_sum += norm
             totals += stats
-    _, clip, entropy, kl_engine, kl_ref, tokens = backend.all_sum(totals).tolist()
-    tokens = max(tokens, 1.0)
+    summed = dict(zip(STATS, backend.all_sum(totals).tolist()))
+    tokens = max(summed["tokens"], 1.0)
     return {"loss": loss_sum / max(updates, 1), "grad_norm": norm_sum / max(updates, 1),
-            "clip_fraction": clip / tokens, "entropy": entropy / tokens, "kl_ref": kl_ref / tokens,
-            "kl_engine_trainer": kl_engine / tokens, "updates": float(updates), "skipped_updates": float(skipped),
-            "lr": backend.lr()}
+            "clip_fraction": summed["clip"] / tokens, "dual_clip_fraction": summed["dual_clip"] / tokens,
+            "ratio_clamped_fraction": summed["clamped"] / tokens,
+            "correction_masked_fraction": summed["masked"] / tokens,
+            "correction_truncated_fraction": summed["truncated"] / tokens,
+            "entropy": summed["entropy"] / tokens, "kl_ref": summed["kl_ref"] / tokens,
+            "kl_engine_trainer": summed["kl_engine"] / tokens, "updates": float(updates),
+            "skipped_updates": float(skipped), "lr": backend.lr()}

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from math_verify import parse, verify
+from math_verify.errors import TimeoutException
 
 from fastgrpo.config import BUILTIN_REWARDS, ConfigError, TaskConfig
 from fastgrpo.tasks.problems import Problem
@@ -36,19 +37,23 @@ def extract_answer(text: str) -> str | None:
 
 
 def score(completion: str, answer: str, timeout_seconds: float = 2.0) -> float:
-    """1.0 if the boxed answer equals the gold answer (math-verify equivalence), else 0.0; never raises."""
-    try:
-        boxed = extract_answer(completion)
-        if boxed is None or not boxed.strip():
-            return 0.0
-        # math-verify's timeouts use SIGALRM, which only works in the main thread
-        timeout = max(1, math.ceil(timeout_seconds)) if threading.current_thread() is threading.main_thread() else None
-        gold = parse(answer, parsing_timeout=timeout)
-        pred = parse("\\boxed{" + boxed + "}", parsing_timeout=timeout)
-        return 1.0 if pred and verify(gold, pred, timeout_seconds=timeout) else 0.0
-    except Exception as e:  # a verifier failure must never end a training step
-        log.debug("score failed on %r: %s", completion[:80], e)
+    """1.0 if the boxed answer equals the gold answer (math-verify equivalence), else 0.0 (no boxed
+    answer, or a different one). A verifier that fails (math-verify raising or timing out, a gold
+    answer it cannot read) is a `VerifierError`, not a 0: the loop counts them per step (`reward_errors`)
+    and stops when every answer's raised, instead of training on rewards that say nothing."""
+    boxed = extract_answer(completion)
+    if boxed is None or not boxed.strip():
         return 0.0
+    # math-verify's timeouts use SIGALRM, which only works in the main thread
+    timeout = max(1, math.ceil(timeout_seconds)) if threading.current_thread() is threading.main_thread() else None
+    try:
+        gold = parse(answer, parsing_timeout=timeout, raise_on_error=True)
+        if not gold:
+            raise ValueError(f"the gold answer {answer!r} does not parse")
+        pred = parse("\\boxed{" + boxed + "}", parsing_timeout=timeout, raise_on_error=True)
+        return 1.0 if pred and verify(gold, pred, timeout_seconds=timeout, raise_on_error=True) else 0.0
+    except (Exception, TimeoutException) as e:  # math-verify's timeout is a BaseException
+        raise VerifierError(f"reward math (math-verify) raised {type(e).__name__}: {e}") from e
 
 
 def _lines(text: str) -> list[str]:
@@ -76,6 +81,43 @@ def step_credit(completion: str, solution: str) -> float:
 class RewardError(ValueError):
     """A reward function that raised, hung past `task.reward_timeout_s` or returned a non-number; the
     message names the function."""
+
+
+class VerifierError(RewardError):
+    """The built-in math reward's verifier failed on an answer (not: the answer is wrong). The loop scores
+    that answer 0, counts it in the step's `reward_errors`, and stops the run when every answer's raised."""
+
+
+@dataclass
+class Scored:
+    """A batch of answers' rewards, and the verifier errors among them (scored 0)."""
+
+    rewards: list[float]
+    errors: int = 0
+    first_error: str = ""  # the first error's message, "" when none
+
+
+def score_answers(reward: Reward, texts: list[str], problems: list[Problem], training: bool = True) -> Scored:
+    """Every answer's reward (`Reward.for_training`, or `for_eval`): a `VerifierError` scores 0 and is
+    counted; any other error (a `module:function` reward that raises, hangs or returns a non-number) ends
+    the run at once, naming the function."""
+    rewards, errors, first = [], 0, ""
+    for text, problem in zip(texts, problems, strict=True):
+        try:
+            rewards.append(reward.for_training(text, problem) if training else reward.for_eval(text, problem))
+        except VerifierError as e:
+            rewards.append(0.0)
+            errors += 1
+            first = first or str(e)
+    return Scored(rewards, errors, first)
+
+
+def check_not_all_failed(reward: Reward, answers: int, errors: int, first_error: str, where: str) -> None:
+    """A RewardError naming the reward when every one of `answers` raised (`where`: which answers): such
+    a step has no reward at all, and training on its zeros would silently train nothing."""
+    if answers and errors == answers:
+        raise RewardError(f"the reward {reward.name} (task.reward) raised on every one of {where}'s {answers} "
+                          f"answers; the first: {first_error}")
 
 
 class _Expired(BaseException):  # not an Exception: a reward's own `except Exception` cannot swallow it
