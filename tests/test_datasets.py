@@ -44,7 +44,8 @@ MATH = [
 
 
 def verl_row(i: int, question: str, answer: str, system: bool = False) -> dict:
-    """A row as veRL's examples/data_preprocess/gsm8k.py writes it."""
+    """A row in the layout of veRL's examples/data_preprocess/gsm8k.py, asking for a boxed answer (as its
+    MATH preprocessing does; its GSM8K one asks for "####", which the built-in reward does not read)."""
     user = {"role": "user", "content": question + " Let's think step by step and output the final answer "
                                                   "within \\boxed{}."}
     return {"data_source": "openai/gsm8k",
