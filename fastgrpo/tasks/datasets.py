@@ -75,6 +75,10 @@ _UNPARSED = object()
 _MISSING = object()
 
 
+class _Why(str):
+    """Why a field's value is no prompt or answer (a plain str is the prompt or answer itself)."""
+
+
 def _read_json(path: Path) -> list[_Row]:
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".json" and text.lstrip().startswith("["):
@@ -120,7 +124,7 @@ def _read_saved(path: Path) -> list[dict[str, Any]]:
     return datasets.load_from_disk(str(path)).with_format(None).to_list()
 
 
-def read_rows(path: str | Path) -> list[_Row]:
+def _read_rows(path: str | Path) -> list[_Row]:
     """Every row of the dataset at `path`, each with its place in the file; a missing path or an unknown
     format is a DatasetError naming it."""
     path = Path(path)
@@ -142,7 +146,7 @@ def read_rows(path: str | Path) -> list[_Row]:
     return [_Row(f"row {i}", r) for i, r in enumerate(rows, 1)]
 
 
-def field(row: Any, key: str) -> Any:
+def _field(row: Any, key: str) -> Any:
     """The value at `key` in `row`: a top-level field of that exact name, else the dotted path through
     nested objects (`reward_model.ground_truth`); _MISSING where there is none."""
     if not isinstance(row, dict):
@@ -170,50 +174,46 @@ def _missing(row: dict[str, Any], key: str) -> str:
     return f"no {key!r}"
 
 
-def _prompt(value: Any) -> Prompt | str:
-    """The prompt, or (a str starting with '!') why `value` is none."""
+def _prompt(value: Any) -> Prompt | _Why:
+    """The prompt, or why `value` is none. Messages keep their role and content (what a template reads)."""
     if isinstance(value, str):
-        return value if value.strip() else "!is an empty string"
-    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)) or _is_array(value):
+        return value if value.strip() else _Why("is an empty string")
+    if isinstance(value, Sequence) and not isinstance(value, bytes):
         messages: list[Message] = []
-        for m in list(value):
+        for m in value:
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                return f"!is a list, but not of chat messages {{role, content}} (found {str(m)[:80]})"
+                return _Why(f"is a list, but not of chat messages {{role, content}} (found {str(m)[:80]})")
             messages.append({"role": m["role"], "content": m["content"]})
-        return messages if messages else "!is an empty list"
-    return f"!is {type(value).__name__}, not {_PROMPT_RULE}"
-
-
-def _is_array(value: Any) -> bool:
-    return type(value).__name__ == "ndarray"  # a pandas-made row's list column
+        return messages if messages else _Why("is an empty list")
+    return _Why(f"is {type(value).__name__}, not {_PROMPT_RULE}")
 
 
 def _answer(value: Any, worked: bool) -> str:
-    """The gold answer, or (a str starting with '!') why `value` is none. See the module's docstring."""
+    """The gold answer, or (a _Why) why `value` is none. See the module's docstring."""
     from fastgrpo.tasks.rewards import extract_answer
 
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        return f"!is {type(value).__name__}, not {_ANSWER_RULE}"
+        return _Why(f"is {type(value).__name__}, not {_ANSWER_RULE}")
     if isinstance(value, float) and not math.isfinite(value):
-        return f"!is {value}, not a finite number"
+        return _Why(f"is {value}, not a finite number")
     text = str(value)
     if "####" in text:  # GSM8K: worked solution, then '#### 42'
         text = text.rsplit("####", 1)[1]
     elif "\\boxed" in text:  # MATH: a worked solution whose answer is boxed
         boxed = extract_answer(text)
         if boxed is None:
-            return "!has a \\boxed{ that does not close"
+            return _Why("has a \\boxed{ that does not close")
         text = boxed
     elif worked:
-        return "!is a worked solution with no \\boxed{} or #### answer in it"
-    return text.strip() or "!is empty"
+        return _Why("is a worked solution with no \\boxed{} or #### answer in it")
+    return text.strip() or _Why("is empty")
 
 
 def _choose(rows: list[_Row], configured: str, candidates: tuple[str, ...]) -> str | None:
     """`configured`, or the candidate present in the most rows (ties to the earlier); None if none is."""
     if configured:
         return configured
-    counts = [sum(field(r.value, key) is not _MISSING for r in rows) for key in candidates]
+    counts = [sum(_field(r.value, key) is not _MISSING for r in rows) for key in candidates]
     best = max(range(len(candidates)), key=lambda i: (counts[i], -i))
     return candidates[best] if counts[best] else None
 
@@ -235,18 +235,18 @@ def _problem(row: _Row, prompt_key: str, answer_key: str) -> Problem | str:
     if not isinstance(row.value, dict):
         return f"{row.where} ({_keys_of(row)})"
     reasons = []
-    raw_prompt, raw_answer = field(row.value, prompt_key), field(row.value, answer_key)
+    raw_prompt, raw_answer = _field(row.value, prompt_key), _field(row.value, answer_key)
     prompt = _prompt(raw_prompt) if raw_prompt is not _MISSING else None
     answer = (_answer(raw_answer, answer_key.rsplit(".", 1)[-1] == "solution")
               if raw_answer is not _MISSING else None)
     if prompt is None:
         reasons.append(_missing(row.value, prompt_key))
-    elif isinstance(prompt, str) and prompt.startswith("!"):
-        reasons.append(f"{prompt_key!r} {prompt[1:]}")
+    elif isinstance(prompt, _Why):
+        reasons.append(f"{prompt_key!r} {prompt}")
     if answer is None:
         reasons.append(_missing(row.value, answer_key))
-    elif answer.startswith("!"):
-        reasons.append(f"{answer_key!r} {answer[1:]}")
+    elif isinstance(answer, _Why):
+        reasons.append(f"{answer_key!r} {answer}")
     if reasons:
         return f"{row.where} ({_keys_of(row)}): {'; '.join(reasons)}"
     return Problem(prompt, answer)  # type: ignore[arg-type]
@@ -266,7 +266,7 @@ def load_problems(path: str | Path, prompt_key: str = "", answer_key: str = "") 
     path, an unknown format, no prompt or answer field in any row, or no usable row is a DatasetError
     naming the file, the keys expected, and the first failing row's place and keys."""
     path = Path(path)
-    rows = read_rows(path)
+    rows = _read_rows(path)
     if not rows:
         raise DatasetError(f"{path}: no rows")
     p_key, a_key = _choose(rows, prompt_key, PROMPT_KEYS), _choose(rows, answer_key, ANSWER_KEYS)
