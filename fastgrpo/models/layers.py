@@ -58,7 +58,7 @@ KVFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
 def decoder_layer(x: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerLayout, cos: Tensor, sin: Tensor,
-                  mask: Tensor | None, kv: KVFn, valid: Tensor | None = None) -> Tensor:
+                  mask: Tensor | None, kv: KVFn, valid: Tensor | None = None, static: bool = False) -> Tensor:
     """One decoder layer of `layout`'s family. `kv(k, v)` turns this block's keys/values [B, KV, n, D] into
     the keys/values to attend over: the cache after appending them (inference), or themselves (training).
 
@@ -67,7 +67,10 @@ def decoder_layer(x: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerL
 
     Ragged blocks: with `valid` [B, n] bool, x holds only the valid tokens, packed [T, hidden]. The
     matmuls (nearly all the work) run on those T tokens; attention runs on the [B, n] layout with
-    zeros in the gaps (their keys must be masked out; what their queries compute is dropped)."""
+    zeros in the gaps (their keys must be masked out; what their queries compute is dropped).
+
+    `static`: no shape may depend on the values (a graph-captured step): routed experts run as
+    `dense_experts`."""
     H, KV, D, eps = layout.heads, layout.kv_heads, layout.head_dim, layout.eps
     h = rms_norm(x, L["attn_norm"], eps)
     qkv = linear(h, L["wqkv"], L.get("bqkv"))
@@ -87,6 +90,8 @@ def decoder_layer(x: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerL
     attn = attn.transpose(1, 2).reshape(B, n, H * D)
     x = x + linear(attn if valid is None else attn[valid], L["wo"], L.get("bo"))
     h = rms_norm(x, L["mlp_norm"], eps)
+    if static and layout.mlp == "moe":
+        return x + moe_mlp(h, L, layout, experts=dense_experts)
     return x + MLPS[layout.mlp](h, L, layout)
 
 
@@ -95,18 +100,32 @@ def swiglu_mlp(h: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerLayo
     return linear(F.silu(gate) * up, L["w_down"])
 
 
-def moe_mlp(h: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerLayout) -> Tensor:
+def moe_mlp(h: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerLayout,
+            experts: Callable[..., Tensor] | None = None) -> Tensor:
     """A sparse MLP as transformers' Qwen3MoeSparseMoeBlock: the router's logits, softmax in fp32, the
     top-k experts of each token (their weights renormalised when norm_topk_prob), each expert's
-    SwiGLU on the tokens routed to it, summed with those weights."""
+    SwiGLU on the tokens routed to it, summed with those weights (by `experts`: `routed_experts`
+    unless given)."""
     r = layout.moe
     x = h.reshape(-1, h.shape[-1])
     probs = torch.softmax(linear(x, L["router"]).float(), dim=-1)
     weight, expert = probs.topk(r.top_k, dim=-1)  # [T, k], largest first
     if r.norm_topk_prob:
         weight = weight / weight.sum(dim=-1, keepdim=True)
-    out = routed_experts(x, expert, weight.to(x.dtype), L["experts_gate_up"], L["experts_down"])
+    out = (experts or routed_experts)(x, expert, weight.to(x.dtype), L["experts_gate_up"], L["experts_down"])
     return out.view(h.shape)
+
+
+def dense_experts(x: Tensor, expert: Tensor, weight: Tensor, w_gate_up: Tensor, w_down: Tensor) -> Tensor:
+    """`routed_experts`' function with shapes that never depend on the routing: every expert runs on
+    every token and a token's unrouted experts weigh 0 (an exact 0: adding it changes no sum). It reads
+    every expert once, as a decode step of a few tokens does anyway, and computes E/k times the routed
+    FLOPs: the price of a step that can be captured as a graph."""
+    E = w_gate_up.shape[0]
+    gates = x.new_zeros(x.shape[0], E).scatter(1, expert, weight)  # [T, E]
+    gate, up = torch.einsum("th,efh->etf", x, w_gate_up).chunk(2, dim=-1)
+    y = torch.bmm(F.silu(gate) * up, w_down.transpose(1, 2))  # [E, T, h]
+    return (y * gates.T[:, :, None]).sum(0)
 
 
 def routed_experts(x: Tensor, expert: Tensor, weight: Tensor, w_gate_up: Tensor, w_down: Tensor) -> Tensor:

@@ -99,15 +99,19 @@ def _mix32(x: Tensor) -> Tensor:
 
 
 @functools.lru_cache(maxsize=256)
-def _seed_key(seed: int) -> int:
+def seed_key(seed: int) -> int:
     """The seed's part of the hash, mixed from its two 32-bit halves: once per seed, not per step."""
-    return int(_mix32(torch.tensor(seed & _M32) + _mix32(torch.tensor((seed >> 32) & _M32))))
+    return int(_mix32(torch.tensor(seed & _M32, device="cpu") + _mix32(torch.tensor((seed >> 32) & _M32, device="cpu"))))
 
 
-def sampling_uniforms(seed: int, request: Tensor, position: Tensor) -> Tensor:
-    """Uniforms in (0, 1), float64 with 53 random bits, one per (seed, request, position) element."""
+def sampling_uniforms(seed: int | Tensor, request: Tensor, position: Tensor) -> Tensor:
+    """Uniforms in (0, 1), float64 with 53 random bits, one per (seed, request, position) element.
+
+    `seed` may be given as a 0-d tensor holding `seed_key(seed)`: a step function captured once as a
+    graph reads the seed from that buffer, so one graph serves every seed."""
     request, position = torch.broadcast_tensors(request.long(), position.long())
-    h = _mix32(_mix32(request + _seed_key(seed)) + position)
+    key = seed if isinstance(seed, Tensor) else seed_key(seed)
+    h = _mix32(_mix32(request + key) + position)
     h2 = _mix32(h ^ 0x9E3779B9)
     bits = (h << 21) | (h2 >> 11)  # 32 + 21 bits
     return (bits.double() + 0.5) / 2.0**53
@@ -124,4 +128,5 @@ def sample(logprobs: Tensor, p: SamplingParams, uniforms: Tensor | None = None) 
     cdf = logprobs.double().exp().cumsum(-1)
     total = cdf[..., -1:]
     target = torch.minimum(uniforms[..., None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True)[..., 0]
+    # (the clamp: a row of a padded batch that holds no sequence must still index the vocabulary)
+    return torch.searchsorted(cdf, target, right=True)[..., 0].clamp(max=logprobs.shape[-1] - 1)

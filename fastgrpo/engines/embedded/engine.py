@@ -6,6 +6,11 @@ step (one token each) or, when the speculation policy says so, a speculative ste
 sequence, verify all trees in one target forward, keep each accepted path). A finished sequence
 leaves at once and the last running row is moved into its place, so the running batch is always
 rows 0..B-1 of the caches.
+
+Steps run eagerly (shapes from the data; the CPU's default) or statically (`static_steps`: shapes fixed
+by batch and context buckets, state in device buffers, results read back once a step; on CUDA each shape
+is captured once as a CUDA graph and replayed). The step functions are `steps.py`, their capture
+`graphs.py`; this module keeps the batch, the requests and the bookkeeping on the host.
 """
 
 from __future__ import annotations
@@ -29,12 +34,18 @@ from fastgrpo.engines.embedded.model import InferenceModel, KVCache, block_mask,
 from fastgrpo.models.sampling import cuts, kept_sets, sample, sampling_logprobs, sampling_uniforms
 from fastgrpo.models.draft import DraftHead
 from fastgrpo.speculation.policy import Off, PerSequencePolicy, SpeculationPolicy
+from fastgrpo.engines.embedded.graphs import StepGraphs
+from fastgrpo.engines.embedded.steps import (StaticSteps, StepOutput, StepResult, StepState, batch_bucket,
+                                             context_bucket)
 from fastgrpo.engines.embedded.tree import NonFiniteDraft, Verified, draft_tree, verify_tree
 from fastgrpo.speculation.spec import SpecConfig
 
 log = logging.getLogger(__name__)
 TREE_SLACK = 256  # cache room past the context for tree tokens that are verified and then dropped
 DRAFT_WINDOW = 16  # the most target states a draft catch-up feeds per row (after a stretch of plain steps)
+# cache room a static step keeps past its context bucket: the draft writes a tree's expansion entries
+# (up to (depth - 1) * topk: 40 for aware's largest candidates) after the bucket's positions
+STATIC_TREE_ROOM = 64
 
 
 @dataclass
@@ -112,17 +123,24 @@ class EmbeddedEngine:
     `eos_id`: the id (or ids) a sequence stops at: a checkpoint's tokenizer eos and generation_config's
     eos ids (instruct checkpoints end a turn with a token only generation_config names). `pad_id` fills
     the unused tail of a right-padded prefill, which the causal mask and lengths keep out of every
-    result: any id in the vocabulary serves (a tokenizer needs no pad token)."""
+    result: any id in the vocabulary serves (a tokenizer needs no pad token).
+
+    `static_steps`: run decode steps statically (None: where the device is CUDA, where they are captured
+    as CUDA graphs unless `graphs` is false). Prefill, and the steps a static one cannot take (a
+    per-sequence verify budget, a tree deeper than the draft window), stay eager."""
 
     def __init__(self, cfg: LlamaConfig, max_batch: int, max_context: int, eos_id: int | Sequence[int],
                  pad_id: int = 0,
                  policy: SpeculationPolicy | None = None, draft_window: int = DRAFT_WINDOW,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 static_steps: bool | None = None, graphs: bool = True):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.device, self.dtype = torch.device(device), dtype
+        self.static = self.device.type == "cuda" if static_steps is None else static_steps
         with self._on_device():
             self._build(cfg, max_batch, max_context, eos_id, pad_id, policy, draft_window)
+        self.graphs = StepGraphs(self.device, enabled=graphs and self.static)
 
     def _on_device(self) -> contextlib.AbstractContextManager:
         return on_device(self.device)
@@ -136,7 +154,12 @@ class EmbeddedEngine:
         self.pad_id = pad_id
         self.model = InferenceModel(cfg, max_context + TREE_SLACK, self.dtype,
                                     kernel="auto" if self.device.type == "cpu" else "dense")
-        self.cache = KVCache(cfg, max_batch, max_context + TREE_SLACK, self.dtype)
+        # a static step runs the running rows padded to a bucket: the caches hold the largest bucket's rows
+        self.rows = batch_bucket(max_batch) if self.static else max_batch
+        self.cache = KVCache(cfg, self.rows, max_context + TREE_SLACK, self.dtype)
+        self.state = StepState(self.rows) if self.static else None
+        self.steps = StaticSteps(self.model, self.cache, self.state) if self.state is not None else None
+        self._readback: Tensor | None = None  # the pinned host buffer a static step's results land in
         self.draft: DraftHead | None = None
         self.draft_cache: KVCache | None = None
         self.policy: SpeculationPolicy = policy or Off()
@@ -196,7 +219,10 @@ class EmbeddedEngine:
         if self.draft is None:
             self.draft = DraftHead(self.cfg, self.max_context + TREE_SLACK).to(self.device, self.dtype)
             self.draft.pack()
-            self.draft_cache = KVCache(self.cfg, self.max_batch, self.max_context + TREE_SLACK, self.dtype, layers=1)
+            self.draft_cache = KVCache(self.cfg, self.rows, self.max_context + TREE_SLACK, self.dtype, layers=1)
+            if self.steps is not None:
+                self.steps.draft, self.steps.draft_cache = self.draft, self.draft_cache
+                self.graphs.clear()  # captured before the draft's buffers existed
         self.draft.load_named(named_tensors)
         self.draft.bind_target(self.model.embed, self.model.lm_head)
         self.draft_version = version
@@ -231,8 +257,12 @@ class EmbeddedEngine:
                   capture: bool) -> list[Completion]:
         self._check(requests)
         self._capture = capture
-        self._pending = (_PendingStates(self.max_batch, self.draft_window, self.cfg.hidden_size, self.dtype)
+        self._pending = (_PendingStates(self.rows, self.draft_window, self.cfg.hidden_size, self.dtype)
                          if self.speculating else None)
+        if self.state is not None:
+            self.state.active.zero_()
+            self.state.set_seed(seed)
+            self.graphs.clear()  # the draft's pending states are this call's buffers
         self.cache.lengths.zero_()
         if self.draft_cache is not None:
             self.draft_cache.lengths.zero_()
@@ -248,22 +278,32 @@ class EmbeddedEngine:
             if waiting and len(running) < self.max_batch:
                 joined = [waiting.popleft() for _ in range(min(len(waiting), self.max_batch - len(running)))]
                 t = time.perf_counter()
-                running += self._prefill(requests, joined, len(running), sampling, seed)
+                first = len(running)
+                running += self._prefill(requests, joined, first, sampling, seed)
+                if self.state is not None:
+                    self.state.start_rows(first, [s.pending for s in running[first:]],
+                                          [s.key for s in running[first:]], [len(s.tokens) for s in running[first:]])
                 self._counts["prefill_s"] += time.perf_counter() - t
             else:
                 self._swap_draft()
                 # a draft that arrives during the call (async learning) is used from the next call: the
                 # states of the steps before it were not kept
                 # the context a step is priced at: attention reads every row to the longest row's cache
-                config = (self.policy.choose(len(running), int(self.cache.lengths[:len(running)].max()))
+                context = max(_cached(s) for s in running)
+                config = (self.policy.choose(len(running), context)
                           if self._pending is not None and self.speculating else None)
                 t = time.perf_counter()
                 self._in_step = True
                 try:
-                    if config is None:
+                    if self._static_takes(config):
+                        emitted, accepted = self._static_step(running, config, context, sampling)
+                    elif config is None:
                         emitted, accepted = self._decode(running, sampling, seed), None
                     else:
                         emitted, accepted = self._speculate(running, config, sampling, seed)
+                    if self.state is not None and not self._static_takes(config):  # an eager step in a static engine
+                        self.state.start_rows(0, [s.pending for s in running], [s.key for s in running],
+                                              [len(s.tokens) for s in running])
                 finally:
                     self._in_step = False
                 seconds = time.perf_counter() - t
@@ -384,6 +424,67 @@ class EmbeddedEngine:
                 s.finish = "context"
             if s.finish:
                 return
+
+    # -- static steps ---------------------------------------------------------------------
+    def _static_takes(self, config: SpecConfig | None) -> bool:
+        """A static step can run this step: the engine has static steps, and a speculative step verifies
+        whole trees (no per-sequence budget) no deeper than the draft window holds."""
+        if self.steps is None:
+            return False
+        if config is None:
+            return True
+        return (not isinstance(self.policy, PerSequencePolicy) and config.depth + 1 <= self.draft_window
+                and (config.depth - 1) * config.topk <= STATIC_TREE_ROOM)
+
+    def _static_step(self, running: list[_Sequence], config: SpecConfig | None, context: int,
+                     sampling: SamplingParams) -> tuple[int, list[int] | None]:
+        """One step of the running rows, padded to their bucket, through the step functions (replaying
+        the step's graph where captured); its results come back in one copy. Returns (tokens emitted,
+        accepted per sequence or None for a plain step)."""
+        assert self.steps is not None
+        B = len(running)
+        rows = batch_bucket(B)
+        new = 1 if config is None else config.num_verify
+        ctx = context_bucket(context + new, self.max_context + TREE_SLACK - STATIC_TREE_ROOM)
+        if self._pending is not None:
+            self._pending.flush(self.cache.lengths)  # the states of eager plain steps before this one
+        if config is None:
+            out = self.graphs.run(("plain", rows, ctx, sampling),
+                                  lambda: self.steps.plain(rows, ctx, sampling, self._pending))
+        else:
+            out = self.graphs.run((config, rows, ctx, sampling),
+                                  lambda: self.steps.speculate(config, rows, ctx, sampling, self._pending))
+        levels = 1 if config is None else config.depth + 1
+        result = StepResult.unpack(self._read_back(out.packed[:B]), levels)
+        if not all(result.finite):
+            log.warning("non-finite draft (draft version %d): plain tokens for %d rows this step",
+                        self.draft_version, result.finite.count(False))
+        emitted = 0
+        for b, s in enumerate(running):
+            a = result.accepted[b]
+            nodes = [0] + result.path[b][:a]
+            sets = kept_sets(out.logprobs[b, nodes]) if cuts(sampling) else None
+            before = len(s.tokens)
+            self._append(s, result.tokens[b][: a + 1], result.logprobs[b][: a + 1], sampling.ignore_eos, sets)
+            emitted += len(s.tokens) - before
+            if config is not None:
+                s.spec_steps += 1
+                s.spec_emitted += a + 1
+            if self._capture:  # a copy: a graph's outputs are overwritten by its next replay
+                s.captured.append(out.hidden[b, nodes].clone())
+        return emitted, None if config is None else result.accepted
+
+    def _read_back(self, packed: Tensor) -> Tensor:
+        """The step's packed results on the host: on a GPU one copy into a pinned buffer, then the wait."""
+        if packed.device.type == "cpu":
+            return packed
+        n = packed.numel()
+        if self._readback is None or self._readback.numel() < n:
+            self._readback = torch.empty(max(n, 4096), dtype=packed.dtype, device="cpu", pin_memory=True)
+        host = self._readback[:n].view(packed.shape)
+        host.copy_(packed, non_blocking=True)
+        torch.cuda.current_stream(packed.device).synchronize()
+        return host
 
     # -- speculation ----------------------------------------------------------------------
     def _speculate(self, running: list[_Sequence], config: SpecConfig, sampling: SamplingParams,
@@ -507,7 +608,15 @@ class EmbeddedEngine:
                     self.draft_cache.move_row(last, row)
                 if self._pending is not None:
                     self._pending.move_row(last, row)
+                if self.state is not None:
+                    self.state.move_row(last, row)
                 running[row] = running[last]
+            if self.state is not None:  # the freed row pads static steps from now on: length 0, its scratch slot
+                self.state.clear_row(last)
+                for cache in (self.cache, self.draft_cache):
+                    if cache is not None:
+                        cache.lengths[last] = 0
+                        cache.visible_from[last] = 0
             running.pop()
 
     def _count_step(self, config: SpecConfig | None, running: int, emitted: int, seconds: float) -> None:
@@ -537,6 +646,11 @@ class EmbeddedEngine:
             config_by_concurrency={b: dict(v) for b, v in sorted(self._by_config.items())},
             trace=list(self._trace),
         )
+
+
+def _cached(s: _Sequence) -> int:
+    """Tokens in the sequence's target cache: its prompt and all it emitted but the pending token."""
+    return s.prompt_len + len(s.tokens) - 1
 
 
 def _uniforms(seqs: list[_Sequence], sampling: SamplingParams, seed: int, levels: int = 0) -> Tensor | None:

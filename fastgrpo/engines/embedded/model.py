@@ -170,6 +170,7 @@ class InferenceModel:
         positions: Tensor | None = None,
         new_mask: Tensor | None = None,
         valid: Tensor | None = None,
+        ctx: int | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Run `tokens` [B, n] for cache rows `rows`, appending their keys/values after each row's length.
 
@@ -180,12 +181,18 @@ class InferenceModel:
         valid [B, n] bool: run only these tokens through the matmuls (a ragged block: each row verifies
         its own number of tree nodes); the others must be masked out as keys by new_mask, write
         keys/values the caller never keeps, and come back as zeros.
+        ctx: how many cache positions attention reads, at least every row's length + n (default: the
+        longest row's, read from the device: a host sync). A static step passes its context bucket, so
+        that its shapes never depend on the cache's contents (positions past a row's block are masked, and a
+        mixture of experts runs every expert: `layers.dense_experts`).
         Returns logits [B, n, V] and final hidden states [B, n, H] (post-norm: the draft's input).
         """
         B, n = tokens.shape
         start = cache.lengths[rows]
         slots = start[:, None] + torch.arange(n, device=start.device)  # where the new keys/values are written
-        ctx = int(slots.max()) + 1
+        static = ctx is not None
+        if ctx is None:
+            ctx = int(slots.max()) + 1
         if ctx > cache.max_len:
             raise ValueError(f"sequence would exceed the cache length {cache.max_len}")
         mask = block_mask(start, n, ctx, new_mask)
@@ -193,7 +200,8 @@ class InferenceModel:
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, n, D]
         x = F.embedding(tokens if valid is None else tokens[valid], self.embed)
         for li, L in enumerate(self.matmul_layers):
-            x = decoder_layer(x, L, self.layouts[li], cos, sin, mask, cache_kv(cache, li, rows, slots, ctx), valid)
+            x = decoder_layer(x, L, self.layouts[li], cos, sin, mask, cache_kv(cache, li, rows, slots, ctx), valid,
+                              static=static)
         hidden = rms_norm(x, self.norm, self.eps)
         logits = linear(hidden, self.head)
         return (logits, hidden) if valid is None else (unpack(logits, valid), unpack(hidden, valid))

@@ -1,0 +1,142 @@
+"""CUDA graphs of the static steps (`steps.py`), and the audit that keeps a step function capturable.
+
+A graph records a step's kernels once and replays them with one launch: the step's ~1,000 kernel launches
+and their Python dispatch, which bound an eager step on a GPU, are paid once per shape. Capture is manual
+(as gpt-fast and SGLang do): `torch.compile(mode="reduce-overhead")` would split the step at every host
+sync, and a step with none needs no compiler to be captured.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+
+class StepGraphs:
+    """Each step key (its function, batch and context buckets, tree and sampling) captured once as a CUDA
+    graph on its first use and replayed after; all graphs share one memory pool. Elsewhere (a CPU, or
+    `enabled` false) the step function simply runs.
+
+    A graph replays on the buffers it was captured with: the step must read and write only persistent
+    tensors (the caches, `StepState`, the weights, which pushes copy into in place) and return tensors the
+    graph made. What it returns is the same tensors at every replay, overwritten by the next."""
+
+    def __init__(self, device: torch.device, enabled: bool = True):
+        self.enabled = enabled and device.type == "cuda"
+        # when set, every step runs eagerly inside this audit (a check that it could be captured)
+        self.audit: StepAudit | None = None
+        self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
+        self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
+        self.captures = 0
+        self.replays = 0
+
+    def run(self, key: Hashable, step: Callable[[], Any]) -> Any:
+        if self.audit is not None:
+            with self.audit:
+                return step()
+        if not self.enabled:
+            return step()
+        if key in self._graphs:
+            graph, out = self._graphs[key]
+            graph.replay()
+            self.replays += 1
+            return out
+        # the first call runs eagerly on a side stream (the warm-up capture needs: workspaces, cuBLAS
+        # handles, allocations), and is this step; the capture after it records without running
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            first = step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = step()
+        self._graphs[key] = (graph, out)
+        self.captures += 1
+        return first
+
+    def clear(self) -> None:
+        """Forget every graph (their buffers changed: a new draft head, new caches)."""
+        self._graphs.clear()
+
+
+class HostSync(RuntimeError):
+    """A step function read a value back from the device or built a tensor from host data."""
+
+
+# ops whose result the host must wait for (a value read back, or a size that depends on the data)
+_SYNCING = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+            aten.bincount.default, aten.repeat_interleave.Tensor, aten._unique2.default, aten.unique_dim.default,
+            aten.unique_consecutive.default, aten.is_nonzero.default, aten.item.default}
+# a tensor made from Python data (`torch.tensor(...)`): a host-to-device copy on a GPU
+_FROM_HOST = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
+_INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+
+
+class StepAudit(TorchDispatchMode):
+    """Runs code under a check that it could be captured as a graph: any host sync or host-to-device
+    copy raises HostSync naming the op (`strict`, the default) or is recorded in `violations`. Also counts
+    the ops run (`ops`, per op name), for op budgets.
+
+    It sees aten ops and the Python reads that bypass them (`Tensor.tolist`, `Tensor.numpy`). On a CPU a
+    copy between devices cannot happen; building a tensor from Python data (`lift_fresh`) is what would
+    be one on a GPU. A copy from a CPU tensor to another device (`_to_copy`, `copy_`) is caught where
+    there is another device."""
+
+    def __init__(self, strict: bool = True):
+        super().__init__()
+        self.strict = strict
+        self.ops: Counter[str] = Counter()
+        self.violations: list[str] = []
+        self._patched: dict[str, Any] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+    def _flag(self, what: str) -> None:
+        self.violations.append(what)
+        if self.strict:
+            raise HostSync(f"a step function must not {what}")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops[str(func.overloadpacket.__name__)] += 1
+        if func in _SYNCING:
+            self._flag(f"sync with the host ({func})")
+        elif func in _FROM_HOST:
+            self._flag(f"copy host data to the device ({func})")
+        elif func in _INDEXING and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                       for i in (args[1] if len(args) > 1 else ()) if i is not None):
+            self._flag(f"index with a boolean mask (a data-dependent size: {func})")
+        elif func in (aten._to_copy.default, aten.copy_.default):
+            src = args[1] if func is aten.copy_.default else args[0]
+            dst_device = args[0].device if func is aten.copy_.default else kwargs.get("device")
+            if isinstance(src, torch.Tensor) and dst_device is not None and src.device != torch.device(dst_device):
+                self._flag(f"copy between devices ({src.device} -> {dst_device})")
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        audit = self
+        for name in ("tolist", "numpy"):
+            original = getattr(torch.Tensor, name)
+            self._patched[name] = original
+
+            def read_back(t, *a, _original=original, _name=name, **k):
+                audit._flag(f"read a tensor back with .{_name}()")
+                return _original(t, *a, **k)
+
+            setattr(torch.Tensor, name, read_back)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, original in self._patched.items():
+            setattr(torch.Tensor, name, original)
+        self._patched.clear()
+        return super().__exit__(*exc)

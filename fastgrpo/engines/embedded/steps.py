@@ -1,0 +1,245 @@
+"""Static decode steps: the engine's plain and speculative steps with every shape fixed in advance.
+
+An eager step's shapes follow the data (the running rows, the longest row's context, how many draft
+tokens were accepted), so it reads values back to the host to size its tensors, and on a GPU it is
+bound by launching ~1,000 small kernels. A static step's shapes are fixed by three things the host
+knows without asking the device: a batch bucket B (the running rows padded up), a context bucket C (the
+longest row's cache length plus the step's new tokens, padded up) and, for a speculative step, the
+tree's configuration. Its inputs and the state it advances live in persistent device buffers
+(`StepState`, the KV caches, the draft's pending states), so the same function over the same buffers can
+be captured once as a CUDA graph and replayed (`graphs.py`).
+
+The rules every step function here keeps (`graphs.StepAudit` checks them, tests run it on each):
+- no host sync: nothing is read back (no `.item()`, `.tolist()`, `bool(t)`, boolean indexing or other
+  data-dependent sizes);
+- no host-to-device copy: nothing is built from Python data inside a step;
+- its results go to one packed tensor ([B, 3 L + 1] float64: tokens, log-probabilities, the accepted path,
+  accepted counts, draft finiteness), which the engine copies to the host once per step.
+
+Rows: the running batch is rows 0..n-1 of the caches and the step runs rows 0..B-1. Rows n..B-1 hold no
+sequence (`active` false, length 0): they compute on their own unused cache rows, write at slot 0 (their
+scratch slot), and advance nothing; nothing they compute is read. Attention reads C cache positions of
+every row, the positions past a row's own being masked, so a row's results do not depend on the bucket.
+Sampling stays keyed by (seed, request, position), never by row, so the tokens are those of the eager
+step whatever the padding.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from fastgrpo.engines.embedded.model import InferenceModel, KVCache, block_mask, cache_kv
+from fastgrpo.engines.embedded.tree import Verified, draft_tree, verify_tree
+from fastgrpo.models.draft import DraftHead
+from fastgrpo.models.sampling import sample, sampling_logprobs, sampling_uniforms, seed_key
+from fastgrpo.speculation.spec import SpecConfig
+from fastgrpo.types import SamplingParams
+
+if TYPE_CHECKING:
+    from fastgrpo.engines.embedded.engine import _PendingStates
+
+# 1, 2, 4, 6, 8, 12, 16, 24, ...: powers of two and the halves between them, so a padded step does at most
+# a third more work than its rows need, with few distinct shapes to capture (vLLM pads decode batches to
+# 1, 2, 4 and multiples of 8; SGLang to a list of its own)
+_LADDER = sorted({2**i for i in range(17)} | {3 * 2**i for i in range(1, 16)})
+
+
+def batch_bucket(running: int) -> int:
+    """The rows a static step runs for `running` sequences."""
+    if running < 1:
+        raise ValueError(f"a step needs at least one running sequence, got {running}")
+    return _LADDER[bisect.bisect_left(_LADDER, running)]
+
+
+CONTEXT_QUANTUM = 64  # context buckets are this many positions times the ladder: 64, 128, 256, 384, ...
+
+
+def context_bucket(needed: int, cap: int) -> int:
+    """The cache positions a static step's attention reads when it needs `needed` (the longest row's
+    length plus the step's new tokens), at most `cap` (the engine's context plus the tree's room)."""
+    if needed > cap:
+        raise ValueError(f"a step needs {needed} cache positions, more than the cap {cap}")
+    units = -(-needed // CONTEXT_QUANTUM)
+    return min(CONTEXT_QUANTUM * _LADDER[bisect.bisect_left(_LADDER, units)], cap)
+
+
+class StepState:
+    """Per cache row, on the device: what a static step reads and advances besides the caches. The
+    engine writes it only between steps (a prefill, a retired row, a new call's seed)."""
+
+    def __init__(self, rows: int):
+        self.pending = torch.zeros(rows, dtype=torch.long)  # the row's last sampled token (not yet cached)
+        self.key = torch.zeros(rows, dtype=torch.long)  # its request's sampling key
+        self.generated = torch.zeros(rows, dtype=torch.long)  # tokens emitted: the next one's sampling position
+        self.active = torch.zeros(rows, dtype=torch.bool)  # a sequence runs in the row
+        self.seed = torch.zeros((), dtype=torch.long)  # seed_key of the call's seed
+
+    def set_seed(self, seed: int) -> None:
+        self.seed.fill_(seed_key(seed))
+
+    def start_rows(self, first: int, pending: list[int], keys: list[int], generated: list[int]) -> None:
+        """New sequences in rows first.. (after their prefill)."""
+        rows = slice(first, first + len(pending))
+        device = self.pending.device
+        self.pending[rows] = torch.tensor(pending, device=device)
+        self.key[rows] = torch.tensor(keys, device=device)
+        self.generated[rows] = torch.tensor(generated, device=device)
+        self.active[rows] = True
+
+    def move_row(self, src: int, dst: int) -> None:
+        for t in (self.pending, self.key, self.generated, self.active):
+            t[dst] = t[src]
+
+    def clear_row(self, row: int) -> None:
+        self.active[row] = False
+
+
+@dataclass
+class StepOutput:
+    packed: Tensor  # [B, 3 L + 1] float64 (`pack`): what the host reads back
+    hidden: Tensor  # [B, n, H] the target's final states of the step's tokens (the draft learns from them)
+    logprobs: Tensor  # [B, n, V] sampling log-probabilities at each of them (the sets top-k / top-p keep)
+
+
+def pack(tokens: Tensor, logprobs: Tensor, path: Tensor, accepted: Tensor, finite: Tensor) -> Tensor:
+    """tokens, logprobs [B, L], path [B, L - 1], accepted, finite [B] -> [B, 3 L + 1] float64 (token ids
+    are exact in float64; one tensor so that one device-to-host copy brings a step's results)."""
+    return torch.cat([tokens.double(), logprobs.double(), path.double(), accepted[:, None].double(),
+                      finite[:, None].double()], 1)
+
+
+@dataclass
+class StepResult:
+    """A packed step output read back on the host, per running row."""
+
+    tokens: list[list[int]]  # the tokens the step can emit (accepted + 1 of each row are valid)
+    logprobs: list[list[float]]
+    path: list[list[int]]  # tree indices of the accepted nodes
+    accepted: list[int]
+    finite: list[bool]  # the row's draft was finite (else it verified its root alone)
+
+    @classmethod
+    def unpack(cls, packed: Tensor, levels: int) -> StepResult:
+        L = levels
+        rows = packed.tolist()
+        return cls([[int(x) for x in r[:L]] for r in rows], [r[L:2 * L] for r in rows],
+                   [[int(x) for x in r[2 * L:3 * L - 1]] for r in rows], [int(r[3 * L - 1]) for r in rows],
+                   [r[3 * L] > 0 for r in rows])
+
+
+class StaticSteps:
+    """The step functions over the engine's buffers. Each returns a `StepOutput` and advances the state
+    of the active rows (cache lengths, pending tokens, sampling positions, the draft's pending states)."""
+
+    def __init__(self, model: InferenceModel, cache: KVCache, state: StepState):
+        self.model, self.cache, self.state = model, cache, state
+        self.draft: DraftHead | None = None
+        self.draft_cache: KVCache | None = None
+
+    def _uniforms(self, B: int, levels: int, sampling: SamplingParams) -> Tensor | None:
+        """[B, levels]: the sampling noise of each row's next `levels` positions (None: greedy)."""
+        if sampling.greedy:
+            return None
+        st = self.state
+        position = st.generated[:B, None] + torch.arange(levels, device=st.generated.device)
+        return sampling_uniforms(st.seed, st.key[:B, None], position)
+
+    def _advance(self, B: int, tokens: Tensor, accepted: Tensor) -> None:
+        """Active rows keep accepted + 1 new tokens: cached, counted, the last one pending."""
+        st, rows = self.state, slice(0, B)
+        active = st.active[rows]
+        emitted = (accepted + 1) * active
+        self.cache.lengths[rows] += emitted
+        st.generated[rows] += emitted
+        last = tokens.gather(1, accepted[:, None])[:, 0]
+        st.pending[rows] = torch.where(active, last, st.pending[rows])
+
+    def plain(self, B: int, ctx: int, sampling: SamplingParams, states: _PendingStates | None) -> StepOutput:
+        """One token for each row (rows 0..B-1, attention over `ctx` positions)."""
+        st, rows = self.state, slice(0, B)
+        logits, hidden = self.model.forward(st.pending[rows, None], self.cache, rows, ctx=ctx)
+        logprobs = sampling_logprobs(logits, sampling)  # [B, 1, V]
+        u = self._uniforms(B, 1, sampling)
+        token = sample(logprobs[:, 0], sampling, None if u is None else u[:, 0])
+        token_lp = logprobs[:, 0].gather(1, token[:, None])
+        if states is not None:  # the state at each row's pending position, and the token sampled after it
+            states.put(torch.arange(B, device=token.device), self.cache.lengths[rows], hidden[:, 0], token)
+        none = torch.zeros(B, dtype=torch.long, device=token.device)
+        self._advance(B, token[:, None], none)
+        return StepOutput(pack(token[:, None], token_lp, none[:, None][:, :0], none, none == 0), hidden, logprobs)
+
+    def speculate(self, config: SpecConfig, B: int, ctx: int, sampling: SamplingParams,
+                  states: _PendingStates) -> StepOutput:
+        """Catch the draft up, draft a tree of `config` per row, verify all in one target forward, keep each
+        row's accepted path. `ctx` covers every row's length + config.num_verify."""
+        assert self.draft is not None and self.draft_cache is not None
+        st, rows = self.state, slice(0, B)
+        root_features = self._catch_up(B, ctx, states)
+        tree = draft_tree(self.draft, self.draft_cache, rows, root_features, st.pending[rows], config, ctx=ctx)
+        start = self.cache.lengths[rows].clone()
+        logits, hidden = self.model.forward(tree.tokens, self.cache, rows, positions=start[:, None] + tree.depth,
+                                            new_mask=tree.mask, ctx=ctx)
+        node_logprobs = sampling_logprobs(logits, sampling)
+        result = verify_tree(node_logprobs, tree, sampling, self._uniforms(B, config.depth + 1, sampling),
+                             depth=config.depth)
+        keep_path(self.cache, B, start, result.path, result.accepted)
+        keep_states(states, start, hidden, result)
+        self._advance(B, result.tokens, result.accepted)
+        assert tree.valid is not None  # static trees always say which nodes are verified
+        return StepOutput(pack(result.tokens, result.logprobs, result.path, result.accepted, tree.valid[:, 1:].any(-1)),
+                          hidden, node_logprobs)
+
+    def _catch_up(self, B: int, ctx: int, states: _PendingStates) -> Tensor:
+        """The eager engine's catch-up (`EmbeddedEngine._draft_catch_up`) at a fixed width, the window:
+        each row feeds the draft the target states it has not seen (at most a window of them), padded to
+        the window; the padding writes to the row's first free slot and is never read. Returns the draft's
+        state at each row's pending token [B, H]."""
+        assert self.draft is not None and self.draft_cache is not None
+        rows, dc, W = slice(0, B), self.draft_cache, states.window
+        end = self.cache.lengths[rows]
+        behind = end - dc.lengths[rows]
+        counts = behind.clamp(0, W)
+        start = end - counts
+        hidden, tokens = states.take(start, W)
+        visible = dc.visible_from[rows]
+        visible.copy_(torch.where(counts < behind, start, visible))
+        slots = torch.minimum(start[:, None] + torch.arange(W, device=end.device), end[:, None])
+        feats = self.draft.features(hidden, tokens, slots, block_mask(start, W, ctx, None, visible),
+                                    cache_kv(dc, 0, rows, slots, ctx))
+        dc.lengths[rows] = end
+        return feats[torch.arange(B, device=end.device), (counts - 1).clamp(min=0)]
+
+
+def keep_path(cache: KVCache, B: int, start: Tensor, path: Tensor, accepted: Tensor) -> None:
+    """Move each row's accepted nodes' keys/values to the positions right after its root, for all D
+    levels of the path (a level past a row's accepted count copies the root's slot onto itself)."""
+    D = path.shape[1]
+    if D == 0:
+        return
+    k = torch.arange(1, D + 1, device=path.device)
+    valid = k[None] <= accepted[:, None]
+    src = start[:, None] + torch.where(valid, path, 0)
+    dst = start[:, None] + torch.where(valid, k[None], 0)
+    r = torch.arange(B, device=path.device)[:, None]
+    for c in (cache.k, cache.v):
+        c[:, r, dst] = c[:, r, src]
+
+
+def keep_states(states: _PendingStates, start: Tensor, hidden: Tensor, result: Verified) -> None:
+    """The draft's pending states of a verify step: the root's and each accepted node's, with the token
+    after each, at positions start .. start + accepted. All D + 1 entries are written: those past a row's
+    accepted count land at positions past its new length, which the next catch-up does not read and later
+    steps overwrite (the window holds more than D + 1 positions, so they never alias a kept one)."""
+    B, D = result.path.shape
+    if D + 1 > states.window:
+        raise ValueError(f"a static step of depth {D} needs a draft window over {D}, not {states.window}")
+    k = torch.arange(D + 1, device=start.device)
+    nodes = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=start.device), result.path], 1)
+    rows = torch.arange(B, device=start.device)[:, None].expand(B, D + 1)
+    states.put(rows.reshape(-1), (start[:, None] + k).reshape(-1),
+               hidden[rows, nodes].reshape(B * (D + 1), -1), result.tokens.reshape(-1))
