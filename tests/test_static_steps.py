@@ -1,0 +1,230 @@
+"""Static decode steps (engines/embedded/steps.py): the same tokens and log-probabilities as the eager
+engine across padding, buckets, trees, stops and a mixture of experts; no host sync or host-to-device
+copy inside a step function; op budgets; CUDA graphs where there is a GPU."""
+
+import pytest
+import torch
+
+from fastgrpo.engines.embedded.engine import EmbeddedEngine
+from fastgrpo.engines.embedded.graphs import HostSync, StepAudit
+from fastgrpo.engines.embedded.steps import batch_bucket, context_bucket
+from fastgrpo.models.policy import new_policy, policy_config
+from fastgrpo.speculation.policy import Static
+from fastgrpo.speculation.spec import SpecConfig
+from fastgrpo.types import Request, SamplingParams
+from tests.conftest import first_divergence_is_a_near_tie
+from tests.test_families import trained_draft
+from tests.test_moe_engine import hf_model, qwen3_moe
+
+VOCAB, EOS = 61, 2
+STOPS = (EOS, 5, 7, 11)  # several stop ids: sequences end at a stop now and then, mid-path under speculation
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=28)
+SAMPLINGS = {"greedy": GREEDY, "t1": SamplingParams(temperature=1.0, max_new_tokens=28),
+             "t0.7-cut": SamplingParams(temperature=0.7, top_k=12, top_p=0.9, max_new_tokens=28)}
+TREES = [SpecConfig(1, 1, 2), SpecConfig(3, 2, 6), SpecConfig(4, 4, 12), SpecConfig(6, 8, 32)]
+
+
+@pytest.fixture(scope="module")
+def dense():
+    """A tiny Llama target with peaked distributions, and a draft trained on its greedy continuations
+    (accepted often)."""
+    cfg = policy_config("test", VOCAB, 128, bos_id=1, eos_id=EOS, pad_id=0)
+    target = new_policy(cfg, seed=3).eval()
+    with torch.no_grad():
+        target.model.embed_tokens.weight.mul_(3.0)
+    return cfg, target, trained_draft(cfg, target, prompts(7, seed=5) + prompts(5, seed=7) + prompts(5, seed=1))
+
+
+def prompts(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (int(torch.randint(2, 14, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def engine(cfg, target, static, draft=None, policy=None, max_batch=6):
+    e = EmbeddedEngine(cfg, max_batch, 128, eos_id=STOPS, pad_id=0, policy=policy, static_steps=static)
+    e.update_weights(target.state_dict().items(), version=0)
+    if draft is not None:
+        e.update_draft(draft.state_dict().items(), version=0)
+    return e
+
+
+def assert_same(model, ps, a, b, sampling, seed):
+    """Same tokens (or a first difference that is a float-rounding flip at a CDF boundary), same finish
+    reasons, log-probabilities within 1e-5 wherever the tokens agree, same sampling sets."""
+    for i, (p, x, y) in enumerate(zip(ps, a, b)):
+        assert first_divergence_is_a_near_tie(model, p, x.token_ids, y.token_ids, sampling, seed, i), (i, x.token_ids, y.token_ids)
+        if x.token_ids == y.token_ids:
+            assert x.finish_reason == y.finish_reason
+            assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-5
+            assert x.sample_sets == y.sample_sets
+
+
+def test_buckets_are_the_ladder():
+    assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33, 49, 65, 100, 256, 257)] == \
+        [1, 2, 4, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 384]
+    assert [context_bucket(n, 10_000) for n in (1, 64, 65, 129, 200, 257, 385, 600)] == [64, 64, 128, 256, 256, 384, 512, 768]
+    assert context_bucket(570, 580) == 580  # never past the cap (the ladder says 768)
+    with pytest.raises(ValueError, match="more than the cap"):
+        context_bucket(600, 599)
+    with pytest.raises(ValueError, match="at least one"):
+        batch_bucket(0)
+
+
+@pytest.mark.parametrize("name", SAMPLINGS)
+def test_static_plain_steps_equal_eager_ones(dense, name):
+    """Nine requests through six rows: the batch shrinks through 6, 5, 4, ... (padded to 6, 6, 4, 4, 2, 1)
+    and rows move as sequences stop at EOS or the limit."""
+    cfg, target, _ = dense
+    sampling, ps = SAMPLINGS[name], prompts(9, seed=2)
+    eager = engine(cfg, target, False).generate([Request(p) for p in ps], sampling, seed=4)
+    static = engine(cfg, target, True).generate([Request(p) for p in ps], sampling, seed=4)
+    assert_same(target, ps, static, eager, sampling, 4)
+    assert any(o.finish_reason == "stop" for o in eager) and any(o.finish_reason == "length" for o in eager)
+
+
+@pytest.mark.parametrize("tree", TREES, ids=lambda c: c.name)
+@pytest.mark.parametrize("name", SAMPLINGS)
+def test_static_speculative_steps_equal_eager_ones_and_plain_decoding(dense, tree, name):
+    cfg, target, draft = dense
+    sampling, ps = SAMPLINGS[name], prompts(7, seed=5)
+    requests = [Request(p) for p in ps]
+    off = engine(cfg, target, False).generate(requests, sampling, seed=9)
+    eager_engine = engine(cfg, target, False, draft, Static(tree))
+    eager = eager_engine.generate(requests, sampling, seed=9)
+    static_engine = engine(cfg, target, True, draft, Static(tree))
+    static = static_engine.generate(requests, sampling, seed=9)
+    assert_same(target, ps, static, eager, sampling, 9)
+    assert_same(target, ps, static, off, sampling, 9)
+    # the same trees accepted alike: the static step verified what the eager one did
+    assert static_engine.stats()["spec_steps"] > 0
+    assert abs(static_engine.stats()["accept_len"] - eager_engine.stats()["accept_len"]) < 0.05
+    if name == "greedy" and tree.depth > 1:
+        assert static_engine.stats()["accept_len"] > 1.5  # accepted paths longer than one node were kept
+
+
+def test_static_steps_capture_the_states_eager_steps_capture(dense):
+    """Online draft learning reads the target's states of every position from a generate(capture=True)."""
+    cfg, target, draft = dense
+    ps = prompts(5, seed=7)
+    sampling = SAMPLINGS["t1"]
+    a = engine(cfg, target, False, draft, Static(SpecConfig(4, 4, 12))).generate([Request(p) for p in ps], sampling, 3, capture=True)
+    b = engine(cfg, target, True, draft, Static(SpecConfig(4, 4, 12))).generate([Request(p) for p in ps], sampling, 3, capture=True)
+    for p, x, y in zip(ps, a, b):
+        assert x.token_ids == y.token_ids
+        assert x.hidden.shape == y.hidden.shape == (len(p) + len(x.token_ids) - 1, cfg.hidden_size)
+        assert torch.allclose(x.hidden, y.hidden, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def moe():
+    cfg = qwen3_moe()
+    return cfg, hf_model(cfg)
+
+
+def test_a_mixture_of_experts_steps_statically_as_eagerly(moe):
+    """Static steps run every expert (dense_experts): the same tokens and log-probabilities as the routed
+    eager step, plain and speculative."""
+    cfg, hf = moe
+    ps = prompts(5, seed=3)
+    draft = trained_draft(cfg, hf, ps)
+    for policy in (None, Static(SpecConfig(3, 2, 6))):
+        runs = []
+        for static in (False, True):
+            e = EmbeddedEngine(cfg, 4, 128, eos_id=EOS, pad_id=0, policy=policy, static_steps=static)
+            e.update_weights(hf.state_dict().items(), version=0)
+            e.update_draft(draft.state_dict().items(), version=0)
+            runs.append(e.generate([Request(p) for p in ps], SAMPLINGS["t1"], seed=2))
+        assert_same(hf, ps, runs[1], runs[0], SAMPLINGS["t1"], 2)
+
+
+def audited(e: EmbeddedEngine) -> list[tuple[object, StepAudit]]:
+    """Every static step of `e` runs inside a strict audit; returns (step key, audit) per step."""
+    audits = []
+    run = e.graphs.run
+
+    def run_audited(key, step):
+        e.graphs.audit = StepAudit()
+        audits.append((key, e.graphs.audit))
+        try:
+            return run(key, step)
+        finally:
+            e.graphs.audit = None
+
+    e.graphs.run = run_audited
+    return audits
+
+
+@pytest.mark.parametrize("name", ["t0.7-cut", "greedy"])
+def test_no_step_function_syncs_or_copies_host_data(dense, moe, name):
+    """A step captured as a CUDA graph must not read values back or build tensors from host data: the
+    strict audit raises on either. Dense plain and speculative steps and a MoE step pass it."""
+    cfg, target, draft = dense
+    for e in (engine(cfg, target, True, draft, Static(SpecConfig(4, 4, 12))), engine(cfg, target, True, draft)):
+        audits = audited(e)
+        e.generate([Request(p) for p in prompts(5, seed=1)], SAMPLINGS[name], seed=1)
+        assert audits and all(not a.violations for _, a in audits)
+    moe_cfg, hf = moe
+    e = EmbeddedEngine(moe_cfg, 4, 128, eos_id=EOS, pad_id=0, static_steps=True)
+    e.update_weights(hf.state_dict().items(), version=0)
+    audits = audited(e)
+    e.generate([Request(p) for p in prompts(3, seed=1)], SAMPLINGS[name], seed=1)
+    assert audits and all(not a.violations for _, a in audits)
+
+
+def test_the_audit_catches_what_the_eager_step_does(dense):
+    """The control: the eager plain step (its Python token lists, `.tolist()`, the context read back) fails
+    the same audit, so a passing static step is not an audit that sees nothing."""
+    cfg, target, _ = dense
+    e = engine(cfg, target, False)
+    audit = StepAudit(strict=False)
+    decode = e._decode
+
+    def audited_decode(*args):
+        with audit:
+            return decode(*args)
+
+    e._decode = audited_decode
+    e.generate([Request(p) for p in prompts(3, seed=1)], SAMPLINGS["t1"], seed=1)
+    assert any("tolist" in v for v in audit.violations)
+    assert any("lift_fresh" in v for v in audit.violations)  # torch.tensor of the pending tokens
+    with pytest.raises(HostSync, match="sync with the host"), StepAudit():
+        int(torch.arange(3).max())
+
+
+def test_op_budgets_per_step(dense):
+    """Ops a static step dispatches (every aten call, views included), at two depths of the same model: a
+    plain step within 170 + 75 per layer, a d4k4n12 speculative step within 1150 + 75 per layer (measured:
+    153 + 67 and 1054 + 67). An op per row, per node or per layer more breaks these."""
+    cfg, target, draft = dense
+    counts = {}
+    for layers in (2, 4):
+        c = cfg.__class__(**{**cfg.to_dict(), "num_hidden_layers": layers})
+        t = new_policy(c, seed=1).eval()
+        for policy in (None, Static(SpecConfig(4, 4, 12))):
+            e = engine(c, t, True, draft, policy)
+            audits = audited(e)
+            e.generate([Request(p) for p in prompts(4, seed=1)], SAMPLINGS["t1"], seed=1)
+            counts[(layers, policy is None)] = max(a.total for _, a in audits)
+    per_layer_plain = (counts[(4, True)] - counts[(2, True)]) / 2
+    per_layer_spec = (counts[(4, False)] - counts[(2, False)]) / 2
+    print(f"\nops: plain {counts[(2, True)]} at 2 layers (+{per_layer_plain:.0f}/layer), "
+          f"d4k4n12 {counts[(2, False)]} (+{per_layer_spec:.0f}/layer)")
+    assert per_layer_plain <= 75 and counts[(2, True)] - 2 * per_layer_plain <= 170
+    assert per_layer_spec <= 75 and counts[(2, False)] - 2 * per_layer_spec <= 1150
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graphs_replay_the_static_steps(dense):
+    cfg, target, draft = dense
+    ps = prompts(9, seed=2)
+    runs = []
+    for graphs in (False, True):
+        e = EmbeddedEngine(cfg, 6, 128, eos_id=EOS, pad_id=0, policy=Static(SpecConfig(4, 4, 12)), device="cuda",
+                           static_steps=True, graphs=graphs)
+        e.update_weights(target.state_dict().items(), version=0)
+        e.update_draft(draft.state_dict().items(), version=0)
+        runs.append(e.generate([Request(p) for p in ps], SAMPLINGS["t1"], seed=4))
+    assert e.graphs.captures > 0 and e.graphs.replays > e.graphs.captures
+    for a, b in zip(*runs):
+        assert a.token_ids == b.token_ids
