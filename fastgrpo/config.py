@@ -41,6 +41,7 @@ LayerSpec = Literal["auto", "local", "transformer_engine"]  # megatron layer spe
 Precision = Literal["auto", "bf16", "fp32"]
 PromptFormat = Literal["auto", "chat", "plain"]
 EngineBackend = Literal["embedded", "sglang"]  # what `engines.build_engine` can build
+StepMode = Literal["auto", "static", "eager"]  # the embedded engine's decode steps (engine.steps)
 Device = Literal["auto", "cpu", "cuda"]
 BUILTIN_REWARDS = ("math",)  # task.reward's built-ins (tasks/rewards.py `load_reward`); else module:function
 _IMPORT_PATH = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*")
@@ -401,6 +402,10 @@ class EngineConfig:
     # GPUs per engine (SGLang's tp_size; the embedded engine runs on one rank: 1). Engines tile every
     # policy rank whatever the trainer's layout: policy ranks / tensor of them, none spanning a node
     tensor: int = 1
+    # the embedded engine's decode steps: static (shapes fixed by batch and context buckets, captured as
+    # CUDA graphs on a GPU), eager (shapes from the data), or auto (static on CUDA, eager on a CPU, where
+    # an eager step is not launch-bound and pads nothing)
+    steps: StepMode = "auto"
 
     def check(self) -> None:
         _check(self.tensor >= 1, "engine.tensor", "must be >= 1", self.tensor)

@@ -30,9 +30,10 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, text: TextFormat,
     the device and dtype, default `cfg`'s resolved on this machine (a benchmark passes its trainer's,
     bf16 emulated on a CPU that a run would refuse)."""
     compute = compute or resolve(cfg)  # the trainer's device and dtype: pushed weights arrive as they are held
+    steps = cfg.engine.steps
     engine = EmbeddedEngine(model_config, cfg.rollout.max_batch, cfg.model.max_context,
                             eos_id=text.stop_ids, device=compute.device,
-                            dtype=compute.dtype)
+                            dtype=compute.dtype, static_steps=None if steps == "auto" else steps == "static")
     if weights is not None:
         engine.update_weights(weights, version=0)
     mode = speculation or cfg.speculation.policy
