@@ -581,7 +581,7 @@ def test_aware_probes_plain_decoding_when_its_calibration_overrates_it():
         if c is None:
             aware.observe(None, 16, 16, real_off)
         else:  # speculation costs what the calibration says and accepts one draft token per step
-            raw = aware.predicted_seconds(c, 16) / aware._correction("spec", 16)
+            raw = aware._calibrated_seconds(c, 16)
             aware.observe(c, 16, 32, raw, accepted=[1] * 16)
     assert aware.choose(16) is None
     assert sum(c is not None for c in chosen[-100:]) <= 100 // 32 + 1  # probes only
@@ -641,7 +641,7 @@ def test_aware_probes_less_often_while_probes_confirm_its_choice():
         if c is None:
             aware.observe(None, 16, 16, real_off)
         else:  # accepting one draft token per sequence per step
-            raw = aware.predicted_seconds(c, 16) / aware._correction("spec", 16)
+            raw = aware._calibrated_seconds(c, 16)
             aware.observe(c, 16, 32, raw * spec_factor, accepted=[1] * 16)
         return c
 
@@ -665,7 +665,7 @@ def test_aware_spends_at_most_its_probe_budget_probing_while_plain_decoding_wins
         spent = {"plain": 0.0, "probe": 0.0}
         for _ in range(20_000):
             c = aware.choose(256)
-            seconds = aware.predicted_seconds(c, 256) / aware._correction("spec" if c else "off", 256)
+            seconds = aware._calibrated_seconds(c, 256)
             spent["probe" if c else "plain"] += seconds
             aware.observe(c, 256, 256 if c is None else 256 * 2, seconds, accepted=None if c is None else [1] * 256)
         plain_step = costs.target(256)

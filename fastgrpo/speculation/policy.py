@@ -7,7 +7,10 @@ decoding (one token per sequence per target forward).
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
 
 from fastgrpo.speculation.cost_model import CostModel
 from fastgrpo.speculation.spec import SpecConfig
@@ -154,26 +157,98 @@ class AcceptanceModel:
         self.count[c] = self.count.get(c, 0.0) + len(accepted)
 
 
+class StepFit:
+    """A speculative step's seconds in one concurrency bucket, fitted online to measured steps:
+
+        T(c) = (U - u) + f * F(c) + U * (h + g * depth(c) + q * (nodes(c) - 1))
+
+    u is a plain step's calibrated forward and U its measured time there (the calibration times plain's
+    correction), so U - u is what a plain step costs beyond its forward: host work (sampling, bookkeeping,
+    launches) that a speculative step pays too. F(c) is the step's calibrated forwards (the draft's levels
+    and the verify, `Aware._calibrated_seconds`), h a further fixed cost, g a cost per draft level and q
+    one per verified node of a row beyond its root, in plain steps. On an eager GPU engine most of a step
+    is host work per step and per level that no forward timing sees, and a verify of many tokens can
+    cost more than its forward alone; h, g and q price them, and since g and q weigh trees by their depth
+    and size, measured times change which shape wins, not only whether to speculate.
+
+    Fitted by weighted least squares over the bucket's last `window` speculative steps (each in units of
+    its U; older steps weigh `decay` less a step, a probe as much as all the others together, as aware's
+    plain correction weighs them), with a ridge of `prior_weight` steps toward f = 1, h = g = q = 0: until
+    steps disagree, a speculative step costs a plain step's overhead plus its forwards. h, g, q stay >= 0."""
+
+    def __init__(self, window: int = 64, prior_weight: float = 1.0, decay: float = 0.9, per_node: bool = False):
+        self.steps: deque[list[float]] = deque(maxlen=window)  # [F, depth, nodes, seconds, u, weight]
+        # q is fitted only when asked: in simulation, the steps aware explores (a few shapes near the best)
+        # leave a per-node cost poorly determined, and its noise moved the choice between shapes
+        self.per_node = per_node
+        self.prior_weight, self.decay = prior_weight, decay
+        self.f, self.h, self.g, self.q = 1.0, 0.0, 0.0, 0.0
+
+    def add(self, forwards: float, c: SpecConfig, seconds: float, plain: float, probe: bool = False) -> None:
+        for step in self.steps:
+            step[5] *= self.decay
+        weight = max(sum(step[5] for step in self.steps), 1.0) if probe else 1.0
+        self.steps.append([forwards, c.depth, c.num_verify, seconds, plain, weight])
+
+    def fit(self, scale: float) -> None:
+        """Refit with `scale`, plain's current correction (U = u * scale)."""
+        self.f, self.h, self.g, self.q = 1.0, 0.0, 0.0, 0.0
+        if not self.steps:
+            return
+        w = torch.tensor([step[5] for step in self.steps], dtype=torch.float64).sqrt()[:, None]
+        x = w * torch.tensor([[F / (u * scale), 1.0, float(d), n - 1.0] for F, d, n, _, u, _ in self.steps],
+                             dtype=torch.float64)[:, : 4 if self.per_node else 3]
+        y = w[:, 0] * torch.tensor([(sec - u * (scale - 1)) / (u * scale) for _, _, _, sec, u, _ in self.steps],
+                                   dtype=torch.float64)
+        prior = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+        keep = [0, 1, 2, 3] if self.per_node else [0, 1, 2]
+        while True:  # least squares with the overheads >= 0: drop a negative one and solve again
+            xs, ridge = x[:, keep], self.prior_weight * torch.eye(len(keep), dtype=torch.float64)
+            solved = torch.linalg.solve(xs.T @ xs + ridge, xs.T @ y + ridge @ prior[keep])
+            negative = [k for k, v in zip(keep, solved.tolist()) if k > 0 and v < 0]
+            if not negative:
+                break
+            keep.remove(negative[0])
+        theta = torch.zeros(4, dtype=torch.float64)
+        theta[keep] = solved
+        self.f, self.h, self.g, self.q = theta.tolist()  # (q: 0 unless per_node)
+
+    def seconds(self, forwards: float, c: SpecConfig, plain: float, scale: float) -> float:
+        """plain: u, a plain step's calibrated forward; scale: plain's correction (U = u * scale)."""
+        overhead = self.h + self.g * c.depth + self.q * (c.num_verify - 1)
+        return plain * (scale - 1) + self.f * forwards + plain * scale * overhead
+
+    def to_json(self) -> dict:
+        return {"f": self.f, "h": self.h, "g": self.g, "q": self.q, "steps": len(self.steps)}
+
+
 class Aware(Off):
     """fastgrpo's rule (docs/speculation.md): at B running sequences choose the shape c maximising
 
-        goodput(c) = B * E[emitted | c] / (T_draft(c, B) + T_verify(B * n_c))
+        goodput(c) = B * E[emitted | c] / T_step(c, B)
 
-    over a candidate set that contains plain decoding (E = 1, no draft, n = 1). T_* come from the
-    measured cost model at the running rows' context, rescaled online by the ratio of real to predicted
-    step times (per kind and concurrency bucket); E comes from the acceptance model. A tree must beat
-    plain decoding by `margin` to be chosen."""
+    over a candidate set that contains plain decoding (E = 1, one target forward of B tokens). A plain
+    step's T is its calibrated forward times the bucket's measured correction; a speculative step's is
+    `StepFit`'s model of whole measured steps (its calibrated forwards, a fixed cost and a cost per draft
+    level), per concurrency bucket at the running rows' context; E comes from the acceptance model,
+    seeded with the draft's measured acceptance when known. A tree must beat plain decoding by `margin`
+    to be chosen; the shapes not chosen (plain decoding, the next best trees) are probed now and then."""
 
     name = "aware"
 
     def __init__(self, costs: CostModel, candidates: list[SpecConfig] | None = None, correction_decay: float = 0.9,
-                 probe_every: int = 64, max_probe_every: int = 1024, margin: float = 0.05, probe_budget: float = 0.0025):
+                 probe_every: int = 64, max_probe_every: int = 1024, margin: float = 0.05, probe_budget: float = 0.0025,
+                 acceptance_prior: float | None = None, explore: int = 3):
         self.costs = costs
         # speculate only for a predicted gain above this fraction: near a tie the step-time noise and
         # the costs the model leaves out (catch-up after a gap, tree bookkeeping) decide, and they lose
         self.margin = margin
         self.candidates = candidates or candidate_configs()
-        self.acceptance = AcceptanceModel()
+        # seeded with the draft's measured acceptance where known (its held-out top-1 agreement): a prior
+        # of 0.6 is optimistic for a fresh draft and pushes a cold start toward wide trees
+        self.acceptance = AcceptanceModel() if acceptance_prior is None else AcceptanceModel(acceptance_prior)
+        self.fits: dict[int, StepFit] = {}  # per concurrency bucket: the speculative step's cost
+        self.explore = explore  # probes of speculation rotate over the best `explore` shapes
         self.decay = correction_decay
         self.probe_every = probe_every
         # measured / predicted step time, per kind (off, spec) and concurrency bucket: the calibration's
@@ -193,12 +268,14 @@ class Aware(Off):
         # the never-slower guarantee allows (`bench guarantee`), leaving room for the machine's noise
         self.probe_budget = probe_budget
         self._probe_interval: dict[int, int] = {}
+        self._probe_turn: dict[int, int] = {}  # per bucket: which of the shapes not chosen the next probe tries
         self._probing: int | None = None  # bucket of the step being probed
         # best tree per concurrency: (shape, its goodput, its step seconds). Its inputs (the acceptance
         # model and the speculative correction) move only when speculative steps are observed, so it is
         # refreshed then (every 16 of them, or after a probe), not searched anew at every step: a
         # search over the candidates costs more than a small model's plain step
         self._trees: dict[tuple[int, float | None], tuple[SpecConfig | None, float, float]] = {}
+        self._ranked: dict[tuple[int, float | None], list[SpecConfig]] = {}  # the best `explore` shapes there
         # the context level (context_level) of the step being decided: every price is at it. Reading
         # the rows' caches costs a plain step and a tree step alike, so a step priced at the sweep's
         # context and scaled by a measured ratio makes a tree look dearer the longer the context is
@@ -215,7 +292,17 @@ class Aware(Off):
         return self.correction.get((kind, self._bucket(running)), 1.0)
 
     def predicted_seconds(self, c: SpecConfig | None, running: int) -> float:
-        return self._calibrated_seconds(c, running) * self._correction("off" if c is None else "spec", running)
+        if c is None:
+            return self._calibrated_seconds(None, running) * self._correction("off", running)
+        return self._fit(running).seconds(self._calibrated_seconds(c, running), c,
+                                          self._calibrated_seconds(None, running), self._correction("off", running))
+
+    def _fit(self, running: int) -> StepFit:
+        b = self._bucket(running)
+        if b not in self.fits:
+            self.fits[b] = StepFit()
+            self.fits[b].fit(self._correction("off", running))
+        return self.fits[b]
 
     def _calibrated_seconds(self, c: SpecConfig | None, running: int) -> float:
         """The step's time by the calibration alone (before the online correction)."""
@@ -244,14 +331,26 @@ class Aware(Off):
 
     def _tree(self, running: int) -> tuple[SpecConfig | None, float, float]:
         if (key := (running, self.context)) not in self._trees:
-            best, best_rate = None, 0.0
-            for c in self.candidates:
-                rate = self.goodput(c, running)
-                if rate > best_rate:
-                    best, best_rate = c, rate
+            self._fit(running).fit(self._correction("off", running))
+            # best first; a tie goes to the earlier candidate
+            ranked = sorted((-self.goodput(c, running), i) for i, c in enumerate(self.candidates))
+            self._ranked[key] = [self.candidates[i] for _, i in ranked[: self.explore]]
+            best, best_rate = (self.candidates[ranked[0][1]], -ranked[0][0]) if ranked else (None, 0.0)
             seconds = 0.0 if best is None else self.predicted_seconds(best, running)
             self._trees[key] = (best, best_rate, seconds)
         return self._trees[key]
+
+    def _probe_choice(self, running: int, choice: SpecConfig | None) -> SpecConfig | None:
+        """What a probe tries: the best tree while plain decoding is chosen; else, in turn, plain decoding
+        and the next best shapes (a shape is only ever measured when it is taken)."""
+        tree = self._tree(running)[0]
+        if choice is None:
+            return tree
+        others = [None] + [c for c in self._ranked[(running, self.context)] if c != choice]
+        b = self._bucket(running)
+        turn = self._probe_turn.get(b, 0)
+        self._probe_turn[b] = turn + 1
+        return others[turn % len(others)]
 
     def _decide(self, running: int) -> SpecConfig | None:
         tree, rate, _ = self._tree(running)
@@ -266,21 +365,23 @@ class Aware(Off):
             # same ~225 ms for 1 and 512 tokens, so the largest tree looked free and cost 10 plain steps)
             return None
         choice = self._decide(running)
-        other = "spec" if choice is None else "off"
-        if self._since.get((other, b), 0) >= self._interval(running, choice):
+        if self._since.get(("probe", b), 0) >= self._interval(running, choice):
             self._probing = b
             self.probes += 1
-            return None if other == "off" else self._tree(running)[0]
+            return self._probe_choice(running, choice)
         return choice
 
     def _interval(self, running: int, choice: SpecConfig | None) -> int:
-        """Steps between probes of the kind not chosen in this bucket."""
+        """Steps between probes in this bucket: `probe_every`, doubled by each probe that confirms the
+        choice; while plain decoding is chosen, long enough that a probe's extra time stays within
+        `probe_budget`; never over `max_probe_every` (a probe must come, or a decision taken on a wrong
+        price would never be undone)."""
         interval = self._probe_interval.get(self._bucket(running), self.probe_every)
         tree, _, tree_seconds = self._tree(running)
         if choice is None and tree is not None:  # the probe would be a speculative step: bound its share
             extra = tree_seconds / self.predicted_seconds(None, running) - 1
             interval = max(interval, math.ceil(extra / self.probe_budget))
-        return interval
+        return min(interval, self.max_probe_every)
 
     def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
                 accepted: list[int] | None = None) -> None:
@@ -294,16 +395,22 @@ class Aware(Off):
         # kind is measured there, it takes the same factor: a calibration is most likely off by a common
         # scale (a busier or faster machine than during the sweep), and so the two stay comparable
         probe = self._probing == b
+        decided = self._decide(running) if probe else None  # the choice the probe tests
         current = self.correction.get((kind, b)) if (kind, b) in self._measured else None
         self._measured.add((kind, b))
         keep = 0.5 if probe else self.decay
-        self.correction[(kind, b)] = ratio if current is None else keep * current + (1 - keep) * ratio
+        if config is None:
+            self.correction[(kind, b)] = ratio if current is None else keep * current + (1 - keep) * ratio
+        else:  # (clipped as the ratio is: beyond it the measurement is absurd, not the model wrong)
+            forwards = self._calibrated_seconds(config, running)
+            self._fit(running).add(forwards, config, ratio * forwards, self._calibrated_seconds(None, running),
+                                   probe)
+            self.correction[(kind, b)] = ratio if current is None else keep * current + (1 - keep) * ratio
         if (other, b) not in self._measured:
             self.correction[(other, b)] = self.correction[(kind, b)]
             if current is None:  # (searched again on the first measurement only: a search costs ~0.5 ms)
                 self._trees.clear()
-        self._since[(kind, b)] = 0
-        self._since[(other, b)] = self._since.get((other, b), 0) + 1
+        self._since[("probe", b)] = 0 if probe else self._since.get(("probe", b), 0) + 1
         if config is not None:
             if accepted is not None:
                 self.acceptance.observe(config, accepted, self.verified_depth)
@@ -313,6 +420,6 @@ class Aware(Off):
                 self._trees.clear()  # fresh evidence on speculation: search the trees again
         if probe:
             self._probing = None
-            overturned = (self._decide(running) is None) == (config is None)
+            overturned = self._decide(running) != decided
             interval = self._probe_interval.get(b, self.probe_every)
             self._probe_interval[b] = self.probe_every if overturned else min(2 * interval, self.max_probe_every)
