@@ -21,8 +21,10 @@ CALIBRATED = frozenset({Aware.name, AwarePerSequence.name})
 assert set(POLICIES) == set(get_args(SpeculationPolicyName)), "the registry and the config name other policies"
 
 
-def make_policy(cfg: SpeculationConfig, costs: CostModel | None = None) -> SpeculationPolicy:
-    """The policy `cfg.policy` names; a static one runs `cfg`'s tree, a calibrated one `costs`."""
+def make_policy(cfg: SpeculationConfig, costs: CostModel | None = None,
+                acceptance_prior: float | None = None) -> SpeculationPolicy:
+    """The policy `cfg.policy` names; a static one runs `cfg`'s tree, a calibrated one `costs` (and
+    `acceptance_prior`, the draft's measured chance of accepting a level, where known)."""
     cls = POLICIES.get(cfg.policy)
     if cls is None:
         raise ValueError(f"speculation.policy {cfg.policy!r} is not available (one of {', '.join(POLICIES)})")
@@ -31,5 +33,5 @@ def make_policy(cfg: SpeculationConfig, costs: CostModel | None = None) -> Specu
     if cfg.policy in CALIBRATED:
         if costs is None:
             raise ValueError(f"the {cfg.policy} policy needs a calibrated cost model")
-        return cls(costs)
+        return cls(costs, acceptance_prior=acceptance_prior)
     return cls()

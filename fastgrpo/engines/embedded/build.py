@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from fastgrpo.device import Compute, resolve
 from fastgrpo.engines.embedded.engine import EmbeddedEngine
 from fastgrpo.engines.embedded.calibrate import load_or_calibrate
 from fastgrpo.models.draft import DraftHead
-from fastgrpo.paths import draft_dir, draft_weights, has_draft
+from fastgrpo.paths import DRAFT_CONFIG, draft_dir, draft_weights, has_draft
 from fastgrpo.speculation.policy import SpeculationPolicy
 from fastgrpo.speculation.registry import CALIBRATED, make_policy
 
@@ -55,4 +56,15 @@ def speculation_policy(engine: EmbeddedEngine, cfg: Config, mode: str) -> Specul
         assert engine.draft is not None
         costs = load_or_calibrate(engine.model, engine.draft, Path(cfg.speculation.cost_model_dir))
     sc = cfg.speculation
-    return make_policy(type(sc)(**{**sc.__dict__, "policy": mode}), costs)
+    return make_policy(type(sc)(**{**sc.__dict__, "policy": mode}), costs, draft_acceptance(draft_dir(cfg)))
+
+
+def draft_acceptance(directory: Path | str) -> float | None:
+    """The draft's held-out top-1 agreement with the policy, as its pretraining measured it (the chance a
+    drafted level is accepted, at temperature 0), or None where its files do not say."""
+    try:
+        meta = json.loads((Path(directory) / DRAFT_CONFIG).read_text())
+    except (OSError, ValueError):
+        return None
+    top1 = meta.get("pretrain", {}).get("eval_top1") if isinstance(meta.get("pretrain"), dict) else None
+    return float(top1) if isinstance(top1, (int, float)) and 0 < top1 < 1 else None

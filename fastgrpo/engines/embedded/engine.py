@@ -289,10 +289,11 @@ class EmbeddedEngine:
                 # a draft that arrives during the call (async learning) is used from the next call: the
                 # states of the steps before it were not kept
                 # the context a step is priced at: attention reads every row to the longest row's cache
+                # a step's seconds include the policy's choice: aware is held to realised wall time
+                t = time.perf_counter()
                 context = max(_cached(s) for s in running)
                 config = (self.policy.choose(len(running), context)
                           if self._pending is not None and self.speculating else None)
-                t = time.perf_counter()
                 self._in_step = True
                 try:
                     if self._static_takes(config):
