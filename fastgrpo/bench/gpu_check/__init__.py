@@ -37,11 +37,14 @@ the run and its timing helpers), `stages` (one function per stage), `report` (th
 from __future__ import annotations
 
 from fastgrpo.bench.gpu_check.driver import main, run
-from fastgrpo.bench.gpu_check.harness import PLANNED_S, SIZES, STAGES, Check, Size
+from fastgrpo.bench.gpu_check.harness import PEAK_BANDWIDTH, PLANNED_S, SIZES, STAGES, Check, Size, spread
 from fastgrpo.bench.gpu_check.pins import BASE, GPU_EXTRAS, GPU_TORCH, WHEELS, gpu_requirements, wheels_to_install
-from fastgrpo.bench.gpu_check.report import against_simulator, markdown
-from fastgrpo.bench.gpu_check.stages import DECODE_BATCHES, STAGE_FUNCTIONS, SWEEP_MODES
+from fastgrpo.bench.gpu_check.report import against_simulator, dumps, markdown
+from fastgrpo.bench.gpu_check.stages import (AA_PAIR, AWARE_MODES, DECODE_BATCHES, FIXED_MODES, STAGE_FUNCTIONS,
+                                             STEP_SHAPES, SWEEP_MODES, grpo_summary, level_row, policy_state,
+                                             step_cells)
 
-__all__ = ["BASE", "DECODE_BATCHES", "GPU_EXTRAS", "GPU_TORCH", "PLANNED_S", "SIZES", "STAGES", "STAGE_FUNCTIONS",
-           "SWEEP_MODES", "WHEELS", "Check", "Size", "against_simulator", "gpu_requirements", "main", "markdown", "run",
-           "wheels_to_install"]
+__all__ = ["AA_PAIR", "AWARE_MODES", "BASE", "DECODE_BATCHES", "FIXED_MODES", "GPU_EXTRAS", "GPU_TORCH",
+           "PEAK_BANDWIDTH", "PLANNED_S", "SIZES", "STAGES", "STAGE_FUNCTIONS", "STEP_SHAPES", "SWEEP_MODES", "WHEELS",
+           "Check", "Size", "against_simulator", "dumps", "gpu_requirements", "grpo_summary", "level_row", "main",
+           "markdown", "policy_state", "run", "spread", "step_cells", "wheels_to_install"]

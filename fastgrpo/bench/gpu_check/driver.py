@@ -13,7 +13,7 @@ from pathlib import Path
 
 from fastgrpo.bench.gpu_check.harness import SIZES, STAGES, Check, log, release
 from fastgrpo.bench.gpu_check.pins import WHEELS, wheels_to_install
-from fastgrpo.bench.gpu_check.report import against_simulator, finite, markdown
+from fastgrpo.bench.gpu_check.report import against_simulator, dumps, finite, markdown
 from fastgrpo.bench.gpu_check.stages import STAGE_FUNCTIONS
 
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         result = json.loads(path.read_text())
         if sim := against_simulator(result):
             result["against_simulator"] = sim
-            path.write_text(json.dumps(finite(result), indent=2))
+            path.write_text(dumps(finite(result)))
         (path.parent / "gpu_check.md").write_text(markdown(result))
         print((path.parent / "gpu_check.md").read_text())
         return 0

@@ -16,16 +16,20 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from fastgrpo.bench.gpu_check.report import finite, markdown
+from fastgrpo.bench.gpu_check.report import dumps, finite, markdown
 
 # spec-sheet HBM bandwidth, bytes/s, by device name (first match; "H100" alone: the SXM part)
 PEAK_BANDWIDTH = (("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12))
-STAGES = ("environment", "sft", "draft", "train_step", "weight_push", "decode_bound", "rollout")
-# seconds each stage is planned to take at gpu size on an H100 (sft and draft are held to theirs by
-# sft.max_minutes and draft.pretrain_minutes; rollout fits itself into what is left of the run's budget);
-# the report sets each stage's time beside its plan
-PLANNED_S = {"environment": 10, "sft": 140, "draft": 75, "train_step": 45, "weight_push": 15, "decode_bound": 25,
-             "rollout": 140}
+STAGES = ("environment", "sft", "draft", "train_step", "weight_push", "decode_bound", "step_bench", "simulator_fit",
+          "decode_8b", "rollout")
+# Seconds each stage is planned to take at gpu size on an H100 or H200, within one 600-second command of
+# tools/gpu_check.sh: the run's own budget (Size.budget_s, 540 s) leaves ~60 s for installing the wheels,
+# starting Python and writing the report. sft and draft are held to theirs by sft.max_minutes and
+# draft.pretrain_minutes (their evaluation and saving come on top); step_bench skips a level that would
+# overrun its plan by a quarter; rollout, the last, fits itself into what is left of the run's budget. The
+# report sets each stage's time beside its plan.
+PLANNED_S = {"environment": 10, "sft": 100, "draft": 50, "train_step": 30, "weight_push": 5, "decode_bound": 25,
+             "step_bench": 70, "simulator_fit": 2, "decode_8b": 40, "rollout": 190}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,35 +37,56 @@ class Size:
     overrides: tuple[str, ...]  # on top of the schema's defaults
     levels: tuple[int, ...]  # running sequences of the rollout sweep
     sweep_tokens: int  # tokens per sequence at fixed concurrency
-    reps: int  # timed repetitions after a warm-up (rollout)
+    reps: int  # timed repetitions after a warm-up (rollout: each mode, in an order rotated per repetition)
     grpo_prompts: int  # the GRPO batch: prompts x 8 samples
     grpo_max_new: int
     decode_tokens: int  # decode_bound: tokens per timed generate call
     train_sequences: int  # train_step's batch
     push_reps: int
+    step_levels: tuple[int, ...] = (1, 4, 16, 64, 256)  # step_bench: running rows
+    step_tokens: int = 32  # step_bench: tokens per sequence of each timed call
+    step_reps: int = 3  # step_bench: calls per (level, shape, engine), in rotated order
+    big_batches: tuple[int, ...] = (1, 16, 64)  # decode_8b: batches
+    big_tokens: int = 64  # decode_8b: tokens per generate call
+    big_full: bool = True  # decode_8b: the real 8B shape (False: a scaled-down one of the same structure)
     budget_s: float = 0.0  # the whole run's; the rollout stage (the last) fits itself into what is left; 0: none
 
 
 SIZES = {
     "gpu": Size(
-        overrides=("model.size=gpu", "model.max_context=512", "task.train_size=20000", "task.eval_size=64",
+        overrides=("model.size=gpu", "model.max_context=512", "task.train_size=20000", "task.eval_size=32",
                    "rollout.max_batch=256", "rollout.max_new_tokens=256",
-                   # 1800 steps of 64; the guard ends it at 2 minutes if this GPU is slower than planned
-                   "sft.examples=115200", "sft.batch_size=64", "sft.lr=6e-4", "sft.warmup_steps=100",
-                   "sft.max_minutes=2.0", "draft.pretrain_steps=6000", "draft.batch_size=32",
-                   "draft.pretrain_minutes=1.0", "eval.samples=2", "grpo.minibatches=2",
+                   # 450 steps of 64 (~63 s at the 7.1 steps/s measured on an H100); the guard ends it at 66 s
+                   # if this GPU is slower. The policy matters here for the draft's acceptance, not accuracy
+                   "sft.examples=28800", "sft.batch_size=64", "sft.lr=6e-4", "sft.warmup_steps=50",
+                   "sft.max_minutes=1.1", "draft.pretrain_steps=1500", "draft.batch_size=32",
+                   "draft.pretrain_minutes=0.6", "eval.samples=2", "grpo.minibatches=2",
                    "grpo.micro_batch_size=16"),
-        levels=(1, 4, 16, 64, 256), sweep_tokens=64, reps=1, grpo_prompts=8, grpo_max_new=256, decode_tokens=64,
-        train_sequences=32, push_reps=3, budget_s=480.0),
+        levels=(1, 4, 16, 64, 256), sweep_tokens=64, reps=3, grpo_prompts=8, grpo_max_new=256, decode_tokens=64,
+        train_sequences=32, push_reps=3, budget_s=540.0),
     "test": Size(
         overrides=("model.size=test", "model.max_context=160", "task.train_size=400", "task.eval_size=8",
                    "task.max_steps=6", "rollout.max_batch=16", "rollout.max_new_tokens=48", "sft.examples=1600",
                    "sft.batch_size=32", "sft.lr=3e-3", "sft.warmup_steps=5", "draft.pretrain_steps=40",
                    "draft.lr=3e-3", "draft.buffer_tokens=20000", "eval.samples=2", "grpo.minibatches=2",
                    "grpo.micro_batch_size=8", "optim.lr=1e-3"),
-        levels=(1, 4, 16), sweep_tokens=8, reps=1, grpo_prompts=2, grpo_max_new=16, decode_tokens=8,
-        train_sequences=8, push_reps=2),
+        levels=(1, 4), sweep_tokens=8, reps=3, grpo_prompts=2, grpo_max_new=12, decode_tokens=8,
+        train_sequences=8, push_reps=2, step_levels=(1, 4), step_tokens=6, step_reps=3, big_tokens=6,
+        big_full=False),
 }
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """n, median, mean and the standard error of the mean (sample standard deviation / sqrt(n); 0 for one
+    value) of repeated measurements: the median is what the tables compare (one slow repetition moves it
+    least), the standard error how far the repetitions disagree (a ratio between two modes inside a few of
+    them is noise, as the A/A pair shows)."""
+    n = len(values)
+    if not n:
+        return {"n": 0, "median": math.nan, "mean": math.nan, "se": math.nan}
+    mean = sum(values) / n
+    se = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else 0.0
+    return {"n": n, "median": statistics.median(values), "mean": mean, "se": se}
 
 
 def log(msg: str) -> None:
@@ -165,7 +190,7 @@ class Check:
     def write(self) -> None:
         self.result["meta"]["seconds"] = self.seconds()
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "gpu_check.json").write_text(json.dumps(finite(self.result), indent=2))
+        (self.out / "gpu_check.json").write_text(dumps(finite(self.result)))
         try:
             text = markdown(finite(self.result))
         except Exception as e:  # the JSON stands; the tables say why they are missing

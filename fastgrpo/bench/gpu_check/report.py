@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -18,13 +19,25 @@ def finite(x: Any) -> Any:
     return x
 
 
+def dumps(x: Any, depth: int = 0) -> str:
+    """JSON indented by structure, with every list of plain values on one line: the per-step traces and
+    the tables' columns stay one line each (indented one value a line, a run's file would be ~10x longer)."""
+    pad = "  " * depth
+    if isinstance(x, dict) and x:
+        items = [f"{pad}  {json.dumps(str(k))}: {dumps(v, depth + 1)}" for k, v in x.items()]
+        return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+    if isinstance(x, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) for v in x):
+        return "[\n" + ",\n".join(f"{pad}  {dumps(v, depth + 1)}" for v in x) + f"\n{pad}]"
+    return json.dumps(list(x) if isinstance(x, tuple) else x)
+
+
 def _f(x: Any, digits: int = 3) -> str:
     if x is None:
         return "-"
     if isinstance(x, bool):
         return "yes" if x else "no"
     if isinstance(x, (int, float)):
-        return f"{x:.{digits}g}"
+        return f"{x:.0f}" if abs(x) >= 10**digits else f"{x:.{digits}g}"  # 12345, not 1.23e+04
     return str(x)
 
 
@@ -55,13 +68,44 @@ def _summary(name: str, d: dict) -> str:
     if name == "decode_bound":
         return "; ".join(f"batch {B}: step {_f(r['step_ms'])} ms, {_f(r['step_vs_bound'])}x the bound"
                          for B, r in d["batches"].items())
+    if name == "step_bench":
+        best = d.get("best") or {}
+        skipped = d.get("levels_skipped_for_time")
+        return (f"{len(d['levels'])} levels x {len(d['shapes'])} shapes, eager and static steps (graphs "
+                f"{_f(d['engines']['static']['graphs'])})" + (f", levels {skipped} skipped for time" if skipped else "")
+                + "; fastest static shape by level: "
+                + ", ".join(f"{B}: {b.get('static')}" for B, b in best.items()))
+    if name == "simulator_fit":
+        held = d.get("error_held_out")
+        return (f"{d['profile']} fitted to {len(d['points'])} static steps: max |error| "
+                f"{_pct(d['error_before']['max_abs_error'])} before, {_pct(d['error_after']['max_abs_error'])} after"
+                + (f", {_pct(held['max_abs_error'])} with each level held out" if held else ""))
+    if name == "decode_8b":
+        if d.get("skipped"):
+            return f"skipped: {d['skipped']}"
+        return (("" if d.get("full_shape") else "scaled-down shape (test size); ")
+                + "; ".join(f"batch {B}: step {_f(r['step_ms'])} ms, {_f(r['step_vs_bound'])}x the bound"
+                            for B, r in d["batches"].items()))
     if name == "rollout":
         g = d["grpo_batch"]
         skipped = d.get("levels_skipped_for_time")
-        return (f"{len(d['levels'])} levels x {len(d['modes'])} modes"
+        text = (f"{len(d['levels'])} levels x {len(d['modes'])} modes, {d.get('repetitions')} repetitions"
                 + (f" (levels {skipped} skipped for time)" if skipped else "")
                 + f"; GRPO batch off {_f(g['off_s'])} s, aware {_f(g['aware_s'])} s ({_f(g['off_s'] / g['aware_s'])}x)")
+        if "aware_vs_best" in g:
+            text += (f", aware / best fixed ({g['best_fixed']}) {_f(g['aware_vs_best'])}x, "
+                     f"A/A {_f(g.get('aa_ratio'), 4)}")
+        return text
     return ""
+
+
+def _pct(x: Any) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _pm(median: Any, se: Any, digits: int = 3) -> str:
+    """A median with its standard error: "123 ± 4"."""
+    return _f(median, digits) + ("" if se is None else f" ± {_f(se, 2)}")
 
 
 def markdown(result: dict) -> str:
@@ -91,22 +135,7 @@ def markdown(result: dict) -> str:
             text = s["error"].splitlines()[0][:200].replace("|", "/")
         lines.append(f"| {name} | {s['status']} | {s['seconds']:.1f} | {_f(s.get('planned_s'))} | "
                      f"{_f(s.get('peak_memory_gb'))} | {text} |")
-    r = (stages.get("rollout") or {}).get("data")
-    if r:
-        modes = r["modes"]
-        lines += ["", f"Rollout at fixed concurrency ({r['tokens_per_sequence']} tokens per sequence, EOS ignored; "
-                  f"median of {r['repetitions']} after a warm-up), tokens/s (aware's accepted length):", "",
-                  "| running | " + " | ".join(modes) + " | best / off |", "| ---: |" + " ---: |" * (len(modes) + 1)]
-        for row in r["sweep"]:
-            cells = [f"{row[f'{mode}_tok_s']:.0f}" for mode in modes]
-            cells[modes.index("aware")] += f" ({row['aware_accept_len']:.2f})"
-            lines.append(f"| {row['concurrency']} | " + " | ".join(cells)
-                         + f" | {row['best_vs_off']:.2f}x ({row['best']}) |")
-        g = r.get("grpo_batch")
-        if g:
-            lines += ["", f"GRPO batch ({r['grpo_prompts']} prompts x 8 samples, up to {r['grpo_max_new']} new "
-                      "tokens), seconds:", "", "| " + " | ".join(g["all_s"]) + " |", "|" + " ---: |" * len(g["all_s"]),
-                      "| " + " | ".join(f"{s:.2f}" for s in g["all_s"].values()) + " |"]
+    lines += _rollout_tables((stages.get("rollout") or {}).get("data"))
     d = (stages.get("decode_bound") or {}).get("data")
     if d:
         lines += ["", f"Plain decode step against its memory-bandwidth bound ({d['bandwidth_gb_s']:.0f} GB/s, "
@@ -132,6 +161,9 @@ def markdown(result: dict) -> str:
         for B, row in sim["batches"].items():
             lines.append(f"| {B} | {_f(row['step_ms'])} | {_f(row['simulated_step_ms'])} | {_f(row['step_ratio'])}x | "
                          f"{_f(row['matmuls_graph_ms'])} | {_f(row['simulated_bytes_ms'])} | {_f(row['bytes_ratio'])}x |")
+    lines += _step_tables((stages.get("step_bench") or {}).get("data"))
+    lines += _fit_tables((stages.get("simulator_fit") or {}).get("data"))
+    lines += _big_tables((stages.get("decode_8b") or {}).get("data"))
     t = (stages.get("train_step") or {}).get("data")
     if t:
         lines += ["", f"One GRPO step ({t['sequences']} sequences, {t['minibatches']} minibatches, {t['dtype']}), "
@@ -142,6 +174,123 @@ def markdown(result: dict) -> str:
             lines.append(f"| {name} | {_f(t[f'{name}_first_step_s'])} | {_f(t[f'{name}_step_s'])} | "
                          f"{_f(mm['loss'], 6)} | {_f(mm['grad_norm'], 6)} |")
     return "\n".join(lines) + "\n"
+
+
+def _rollout_tables(r: dict | None) -> list[str]:
+    """The sweep (median tokens/s ± standard error of each mode, the A/A pair's ratio, aware against the
+    best fixed choice and plain decoding), the GRPO batch (median seconds ± standard error) and aware's
+    choices in its last timed call of each workload. Rows of a run before repetitions were kept (no
+    standard errors) print without them."""
+    if not r:
+        return []
+    modes = r["modes"]
+    lines = ["", f"Rollout at fixed concurrency ({r['tokens_per_sequence']} tokens per sequence, EOS ignored; "
+             f"median of {r['repetitions']} after a warm-up, in an order rotated every repetition, ± the standard "
+             "error), tokens/s (aware's accepted length). A/A: the same static tree under a second name, its "
+             "speed over the first's (the noise floor); best fixed: the fastest of "
+             + ", ".join(r.get("fixed_modes") or ["off", "static", "fastgrpo"]) + ".", "",
+             "| running | " + " | ".join(modes) + " | A/A | best fixed | aware / best fixed | aware / off |",
+             "| ---: |" + " ---: |" * (len(modes) + 4)]
+    for row in r["sweep"]:
+        cells = [_pm(row[f"{mode}_tok_s"], row.get(f"{mode}_tok_s_se")) for mode in modes]
+        if "aware" in modes:
+            cells[modes.index("aware")] += f" ({row['aware_accept_len']:.2f})"
+        lines.append(f"| {row['concurrency']} | " + " | ".join(cells) + f" | {_f(row.get('aa_ratio'), 4)} | "
+                     f"{row.get('best_fixed', row.get('best'))} | {_f(row.get('aware_vs_best'))}x | "
+                     f"{_f(row.get('aware_vs_off', row['aware_tok_s'] / row['off_tok_s']))}x |")
+    g = r.get("grpo_batch")
+    if g:
+        se = g.get("se_s") or {}
+        lines += ["", f"GRPO batch ({r['grpo_prompts']} prompts x 8 samples, up to {r['grpo_max_new']} new "
+                  "tokens), median seconds ± standard error:", "", "| " + " | ".join(g["all_s"]) + " |",
+                  "|" + " ---: |" * len(g["all_s"]),
+                  "| " + " | ".join(_pm(v, se.get(m)) for m, v in g["all_s"].items()) + " |"]
+        if "aware_vs_best" in g:
+            lines += ["", f"aware / best fixed ({g['best_fixed']}): {_f(g['aware_vs_best'])}x; aware / off: "
+                      f"{_f(g['aware_vs_off'])}x; A/A ({' / '.join(r.get('aa_pair', []))}): {_f(g.get('aa_ratio'), 4)}."]
+    last: dict[str, dict] = {}
+    for call in r.get("calls") or []:
+        if call["mode"] == "aware" and call["rep"] > 0:
+            last[call["workload"]] = call
+    if last:
+        lines += ["", "aware's step shapes in its last timed call of each workload (steps, by running sequences):",
+                  "", "| workload | shapes |", "| --- | --- |"]
+        for workload, call in last.items():
+            shapes = "; ".join(f"{bucket}: " + ", ".join(f"{c} {n}" for c, n in counts.items())
+                               for bucket, counts in (call.get("configs") or {}).items())
+            lines.append(f"| {workload} | {shapes} |")
+    return lines
+
+
+def _step_tables(d: dict | None) -> list[str]:
+    """step_bench: each level and shape, eager against static steps (median ms ± standard error)."""
+    if not d or not d.get("cells"):
+        return []
+    graphs = d["engines"]["static"]["graphs"]
+    lines = ["", f"Decode steps alone ({d['tokens_per_sequence']} tokens a row a call, {d['repetitions']} calls in "
+             f"rotated order, the first {d['warmup_steps']} steps of each left out; median of the calls' median "
+             f"steps ± standard error). Static: fixed shapes, {'replayed from CUDA graphs' if graphs else 'run eagerly (no graphs here)'}; "
+             "tokens/s: what steps like these emit (rows x tokens a row-step / step).", "",
+             "| running | shape | eager ms | static ms | eager / static | tokens a row-step (static) | static tokens/s "
+             "| graphs captured / replayed |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    by = {(r["level"], r["shape"], r["engine"]): r for r in d["cells"]}
+    for B in d["levels"]:
+        for shape in d["shapes"]:
+            e, s = by.get((B, shape, "eager")), by.get((B, shape, "static"))
+            if not e or not s:
+                continue
+            em, sm = e["step_ms"], s["step_ms"]
+            ratio = em["median"] / sm["median"] if em["median"] and sm["median"] else None
+            lines.append(f"| {B} | {shape} | {_pm(em['median'], em['se'])} | {_pm(sm['median'], sm['se'])} | "
+                         f"{_f(ratio)}x | {_f(s.get('tokens_per_row_step'))} | {_f(s.get('tok_s'))} | "
+                         f"{s.get('captures', 0)} / {s.get('replays', 0)} |")
+    return lines
+
+
+def _fit_tables(d: dict | None) -> list[str]:
+    """simulator_fit: the constants before and after, the errors, each step priced before and after."""
+    if not d:
+        return []
+    b, a = d["before"], d["after"]
+    lines = ["", f"`bench simulate`'s GPU price ({d['profile']} roofline) fitted to the static steps above "
+             "(fit.py: the roofline's scale and its overheads)" + (f"; {d['note']}" if d.get("note") else "") + ":",
+             "", "| constant | before | after |", "| --- | ---: | ---: |"]
+    for k in b:
+        scale = 1000 if k.endswith("_s") else 1
+        lines.append(f"| {k.removesuffix('_s') + (' ms' if scale > 1 else '')} | {_f(b[k] * scale)} | {_f(a[k] * scale)} |")
+    held = d.get("error_held_out") or {}
+    lines += ["", "| error (simulated / measured - 1) | before | after | each level held out |",
+              "| --- | ---: | ---: | ---: |",
+              f"| max abs | {_pct(d['error_before']['max_abs_error'])} | {_pct(d['error_after']['max_abs_error'])} | "
+              f"{_pct(held.get('max_abs_error'))} |",
+              f"| median abs | {_pct(d['error_before']['median_abs_error'])} | "
+              f"{_pct(d['error_after']['median_abs_error'])} | {_pct(held.get('median_abs_error'))} |",
+              "", "| running | shape | measured ms | simulated before ms | after ms | held out error |",
+              "| ---: | --- | ---: | ---: | ---: | ---: |"]
+    for p in d["points"]:
+        lines.append(f"| {p['level']} | {p['shape']} | {_f(p['measured_ms'])} | {_f(p['before_ms'])} | "
+                     f"{_f(p['after_ms'])} | {_pct(p.get('error_held_out'))} |")
+    return lines
+
+
+def _big_tables(d: dict | None) -> list[str]:
+    """decode_8b: the 8B shape's static step against its bandwidth bound, or why it did not run."""
+    if not d:
+        return []
+    if d.get("skipped"):
+        return ["", f"Llama-3.1-8B shape ({d['config']}): skipped, {d['skipped']}."]
+    m = d["model"]
+    lines = ["", f"{'Llama-3.1-8B shape' if d.get('full_shape') else 'A scaled-down Llama-3.1-8B structure'} "
+             f"({d['config']}: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} / {m['kv_heads']} heads, "
+             f"vocab {m['vocab']}; {_f(d['parameters'] / 1e9)}B parameters, random weights, {d['dtype']}), plain decode "
+             f"steps of the static engine (graphs {_f(d['engine']['graphs'])}) against the memory-bandwidth bound "
+             f"({d['bandwidth_gb_s']:.0f} GB/s, {d['bandwidth_source']}; weights {_f(d['weight_bytes'] / 1e9)} GB):", "",
+             "| batch | step ms | bound ms | step / bound | bound at the padded context ms | tokens/s "
+             "| graphs captured / replayed |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for B, row in d["batches"].items():
+        lines.append(f"| {B} | {_f(row['step_ms'])} | {_f(row['bound_ms'])} | {_f(row['step_vs_bound'])}x | "
+                     f"{_f(row['bound_padded_ms'])} | {_f(row['tok_s'])} | {row['captures']} / {row['replays']} |")
+    return lines
 
 
 def against_simulator(result: dict) -> dict | None:

@@ -9,12 +9,30 @@ import os
 import platform
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
-from fastgrpo.bench.gpu_check.harness import Check, copy_bandwidth, log, peak_bandwidth, release, sync, timed
+from fastgrpo.bench.gpu_check.harness import (PLANNED_S, Check, copy_bandwidth, log, peak_bandwidth, release, spread,
+                                             sync, timed)
 
-SWEEP_MODES = ("off", "static", "fastgrpo", "tlt", "aware", "aware_per_sequence")
+# the rollout's modes: `static` twice under two names (the A/A pair: the same tree, policy and seeds, so
+# their ratio is the run's noise floor), every fixed choice aware must match, and aware's two
+SWEEP_MODES = ("off", "static", "static_aa", "fastgrpo", "tlt", "aware", "aware_per_sequence")
+AA_PAIR = ("static", "static_aa")
+FIXED_MODES = ("off", "static", "fastgrpo", "tlt")  # the GRPO batch adds bench rollout's static trees
+AWARE_MODES = ("aware", "aware_per_sequence")
+UNSHARED = "off_unshared_prefill"  # plain decoding, every sample prefilling its own copy of its prompt
 DECODE_BATCHES = (1, 64)
+# step_bench's trees (depth, top-k, verified tokens): bench rollout's STATIC_SWEEP, the GRPO batch's fixed
+# trees, and aware's widest candidate; with plain decoding, six step shapes at each level
+STEP_SHAPES = ((2, 2, 4), (3, 4, 8), (4, 4, 12), (5, 8, 24), (6, 8, 48))
+STEP_WARMUP = 2  # steps of a step_bench call left out: a new shape's first (its graph capture) and one more
+ROOT = Path(__file__).resolve().parents[3]  # the repository: configs/models/
+BIG_MODEL = "llama-3.1-8b-instruct.json"
+# decode_8b at test size: the 8B's structure (4 query heads a KV head, an MLP 3.5x the width, untied, the
+# llama3 rope scaling) at a size a CPU decodes in milliseconds
+SCALED_8B = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 896, "num_attention_heads": 8,
+             "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 4096}
 
 
 def environment(c: Check) -> dict:
@@ -307,8 +325,9 @@ def _matmul_chain(model, B: int, device, graph: bool) -> float:
 
 
 def decode_bound(c: Check) -> dict:
-    """The engine's plain decode step (no speculation, no CUDA graphs: the embedded engine runs eagerly)
-    at batch 1 and 64 against its memory-bandwidth bound, and where the rest goes.
+    """The engine's plain decode step (no speculation; as the engine runs it on this device: static steps
+    replayed from CUDA graphs on a GPU, eager on a CPU) at batch 1 and 64 against its memory-bandwidth
+    bound, and where the rest goes.
 
     measured: the step's wall time (the engine's own per-step trace: forward, sampling, bookkeeping, the
     host round trips it makes on purpose); the forward alone (synchronised wall time); on CUDA, the
@@ -336,7 +355,9 @@ def decode_bound(c: Check) -> dict:
     T = c.size.decode_tokens
     out: dict[str, Any] = {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token,
                            "bandwidth_gb_s": bandwidth / 1e9, "bandwidth_source": source, "tokens": T,
-                           "prompt_tokens": len(prompt), "graphs": "off (the embedded engine runs eagerly)",
+                           "prompt_tokens": len(prompt), "engine": engine_info(engine),
+                           "graphs": ("on" if engine_info(engine)["graphs"] else "off")
+                           + (" (static steps)" if engine_info(engine)["static_steps"] else " (eager steps)"),
                            "model": {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
                                      "intermediate": cfg.intermediate_size, "heads": cfg.num_attention_heads,
                                      "kv_heads": cfg.num_key_value_heads, "vocab": cfg.vocab_size},
@@ -401,11 +422,188 @@ def decode_bound(c: Check) -> dict:
     return out
 
 
+# -- what the rollout and step stages share ------------------------------------------------------------
+JSON_ITEMS = 2000  # the most items of one list or dict a policy's state records (its tables are smaller)
+
+
+def _key(k: Any) -> str:
+    from fastgrpo.speculation.spec import SpecConfig
+
+    if isinstance(k, SpecConfig):
+        return k.name
+    if isinstance(k, tuple):
+        return "/".join(_key(v) for v in k)
+    return str(k)
+
+
+def jsonable(x: Any, depth: int = 0) -> Any:
+    """`x` as JSON values, whatever it holds: a tree shape by its name, an object with `to_json` by what
+    that returns, other objects by their public attributes (four levels deep at most), small tensors and
+    arrays as lists, anything else by its repr. For state whose layout this module does not own (a
+    speculation policy's, which changes with the policy): what is there is recorded, never a failure."""
+    import numpy as np
+    import torch
+
+    from fastgrpo.speculation.spec import SpecConfig
+
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, SpecConfig):
+        return x.name
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        n = x.numel() if isinstance(x, torch.Tensor) else x.size
+        return x.tolist() if n <= JSON_ITEMS else {"shape": list(x.shape)}
+    if depth > 6:
+        return repr(x)[:200]
+    if callable(getattr(x, "to_json", None)) and not isinstance(x, type):
+        try:
+            return jsonable(x.to_json(), depth + 1)
+        except Exception as e:  # a state that cannot be written is recorded as such
+            return f"to_json failed: {type(e).__name__}: {e}"[:300]
+    if isinstance(x, dict):
+        return {_key(k): jsonable(v, depth + 1) for k, v in list(x.items())[:JSON_ITEMS]}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v, depth + 1) for v in list(x)[:JSON_ITEMS]]
+    if isinstance(x, (set, frozenset)):
+        return sorted((jsonable(v, depth + 1) for v in list(x)[:JSON_ITEMS]), key=str)
+    if depth < 4 and hasattr(x, "__dict__"):
+        return {k: jsonable(v, depth + 1) for k, v in vars(x).items() if not k.startswith("_") and not callable(v)}
+    return repr(x)[:200]
+
+
+def policy_state(policy: Any) -> dict:
+    """A speculation policy's public state (every attribute not starting with "_": for `aware`, its cost
+    model, corrections, probes, acceptance counts and whatever else it keeps), plus its acceptance
+    model's per-level estimates where it has `acceptance.alpha(depth)`. Read through public names only,
+    whatever they are: the policy's model changes independently of this check."""
+    try:
+        state = jsonable(policy)
+        state = state if isinstance(state, dict) else {"value": state}
+        acceptance = getattr(policy, "acceptance", None)
+        if callable(getattr(acceptance, "alpha", None)):
+            with contextlib.suppress(Exception):
+                state["acceptance_alpha"] = [float(acceptance.alpha(d)) for d in range(1, 9)]
+        return state
+    except Exception as e:  # the run's numbers matter more than this snapshot
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def _graph_counts(engine: Any) -> tuple[int, int]:
+    """(CUDA graphs captured, replayed) by the engine so far; (0, 0) where it keeps none."""
+    graphs = getattr(engine, "graphs", None)
+    return int(getattr(graphs, "captures", 0) or 0), int(getattr(graphs, "replays", 0) or 0)
+
+
+def engine_info(engine: Any) -> dict:
+    """How the engine runs its steps: static (fixed shapes) or eager, replayed from CUDA graphs or not."""
+    graphs = getattr(engine, "graphs", None)
+    captures, replays = _graph_counts(engine)
+    return {"static_steps": bool(getattr(engine, "static", False)), "graphs": bool(getattr(graphs, "enabled", False)),
+            "captures": captures, "replays": replays, "device": str(getattr(engine, "device", "")),
+            "dtype": str(getattr(engine, "dtype", "")).removeprefix("torch.")}
+
+
+def trace_columns(trace: list) -> dict[str, list]:
+    """The engine's per-step trace ((running, config, tokens emitted, seconds) a step) as columns, the
+    seconds in milliseconds."""
+    rows = [tuple(step) for step in trace]
+    return {"running": [int(r[0]) for r in rows], "config": [str(r[1]) for r in rows],
+            "emitted": [int(r[2]) for r in rows], "ms": [round(1000 * float(r[3]), 4) for r in rows]}
+
+
+def generate_call(engine, policy, requests, sampling, seed: int, share_prefill: bool = True) -> dict:
+    """One synchronised generate() call under `policy`: its time and tokens, the engine's statistics (the
+    configurations it ran by concurrency, its per-step trace) and the CUDA graphs it captured and replayed."""
+    engine.set_speculation(policy)
+    engine.share_prefill = share_prefill
+    captures, replays = _graph_counts(engine)
+    sync()
+    t = time.perf_counter()
+    out = engine.generate(requests, sampling, seed=seed)
+    sync()
+    seconds = time.perf_counter() - t
+    stats = engine.stats()
+    tokens = sum(len(o.token_ids) for o in out)
+    steps = stats.get("decode_steps") or 0
+    after = _graph_counts(engine)
+    return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / max(seconds, 1e-12),
+            "accept_len": stats.get("accept_len", 1.0), "spec_fraction": stats.get("spec_steps", 0) / max(steps, 1),
+            "prefill_s": stats.get("prefill_s", 0.0), "decode_steps": steps,
+            "configs": jsonable(stats.get("config_by_concurrency", {})), "trace": trace_columns(stats.get("trace", [])),
+            "captures": after[0] - captures, "replays": after[1] - replays, "lengths": [len(o.token_ids) for o in out]}
+
+
+def _shares(r: dict) -> dict[str, float]:
+    """bench rollout's time shares (prefill, steps by running sequences) of one call."""
+    from fastgrpo.bench.rollout import time_shares
+
+    t = r["trace"]
+    return time_shares({"seconds": r["seconds"], "prefill_s": r["prefill_s"],
+                        "trace": list(zip(t["running"], t["config"], t["emitted"], [ms / 1000 for ms in t["ms"]]))})
+
+
+# -- rollout -------------------------------------------------------------------------------------------
+def level_row(B: int, runs: dict[str, list[dict]]) -> dict:
+    """One level of the sweep from each mode's timed calls: median tokens/s and its standard error, the
+    A/A pair's ratio (the noise floor: two identical policies), the best fixed choice and aware against
+    it and against plain decoding."""
+    row: dict[str, Any] = {"concurrency": B}
+    for mode, rs in runs.items():
+        tok = spread([r["tok_s"] for r in rs])
+        row |= {f"{mode}_tok_s": tok["median"], f"{mode}_tok_s_se": tok["se"], f"{mode}_runs": tok["n"],
+                f"{mode}_accept_len": statistics.median(r["accept_len"] for r in rs),
+                f"{mode}_spec_fraction": statistics.median(r["spec_fraction"] for r in rs)}
+    modes = list(runs)
+    best = max(modes, key=lambda m: row[f"{m}_tok_s"])
+    row |= {"best": best, "best_vs_off": row[f"{best}_tok_s"] / row["off_tok_s"]}
+    fixed = [m for m in FIXED_MODES if m in runs]
+    best_fixed = max(fixed, key=lambda m: row[f"{m}_tok_s"])
+    row |= {"best_fixed": best_fixed, "best_fixed_tok_s": row[f"{best_fixed}_tok_s"]}
+    if "aware" in runs:
+        row |= {"aware_vs_best": row["aware_tok_s"] / row["best_fixed_tok_s"],
+                "aware_vs_off": row["aware_tok_s"] / row["off_tok_s"]}
+    a, b = AA_PAIR
+    if a in runs and b in runs:
+        row["aa_ratio"] = row[f"{b}_tok_s"] / row[f"{a}_tok_s"]
+    return row
+
+
+def grpo_summary(runs: dict[str, list[dict]], fixed: tuple[str, ...]) -> dict:
+    """The GRPO batch from each contender's timed calls: median seconds and standard errors, the best of
+    the `fixed` choices, aware against it and against plain decoding (speed ratios: > 1 faster), the A/A
+    pair's ratio (static_aa's speed over static's)."""
+    spreads = {m: spread([r["seconds"] for r in rs]) for m, rs in runs.items()}
+    med = {m: s["median"] for m, s in spreads.items()}
+    statics = {m: med[m] for m in med if m.startswith("static_") and m != AA_PAIR[1]}
+    best_static = min(statics or {"static": med["static"]}, key=lambda m: med[m])
+    best_fixed = min((m for m in fixed if m in med), key=lambda m: med[m])
+    out = {"off_s": med["off"], "static_best_s": med[best_static], "static_best": best_static,
+           "all_s": med, "se_s": {m: s["se"] for m, s in spreads.items()}, "runs": {m: s["n"] for m, s in spreads.items()},
+           "tokens_median": {m: statistics.median(r["tokens"] for r in rs) for m, rs in runs.items()},
+           "best_fixed": best_fixed, "best_fixed_s": med[best_fixed]}
+    out |= {f"{m}_s": med[m] for m in med if m in (*SWEEP_MODES, UNSHARED)}
+    if "aware" in med:
+        out |= {"aware_vs_best": med[best_fixed] / med["aware"], "aware_vs_off": med["off"] / med["aware"],
+                "aware_accept_len": statistics.median(r["accept_len"] for r in runs["aware"])}
+    a, b = AA_PAIR
+    if a in med and b in med:
+        out["aa_ratio"] = med[a] / med[b]
+    return out
+
+
 def rollout(c: Check) -> dict:
-    """`bench rollout`'s sweep and GRPO batch (its own functions), with every speculation mode and up to
-    256 running sequences, on the run's device; aware's cost model is calibrated here first (timed)."""
+    """`bench rollout`'s workloads on the run's device, repeated until they decide: the modes of
+    SWEEP_MODES (an A/A pair among them) at each level of running sequences and on a GRPO batch (with
+    bench rollout's static trees and unshared prefill), `reps` timed calls each after a warm-up, the
+    modes' order rotated every repetition. Kept with the results: every call (time, tokens, the
+    configurations it ran by concurrency, its per-step trace, graph captures), aware's state after each of
+    its calls, and its calibrated cost model (calibrated here first, timed)."""
+    from fastgrpo.bench.rollout import STATIC_SWEEP, rotated
     from fastgrpo.engines.embedded.build import build_engine, speculation_policy
-    from fastgrpo.bench.rollout import STATIC_SWEEP, concurrency_sweep, grpo_batch
+    from fastgrpo.speculation.policy import Static
+    from fastgrpo.types import Request, SamplingParams
 
     cfg, size = c.cfg, c.size
     policy, text = c.policy()
@@ -418,17 +616,43 @@ def rollout(c: Check) -> dict:
     sync()
     calibration_s = time.perf_counter() - t
     del policy
-    policies = {mode: speculation_policy(engine, cfg, mode) for mode in SWEEP_MODES}
+    policies = {mode: speculation_policy(engine, cfg, "static" if mode == AA_PAIR[1] else mode) for mode in SWEEP_MODES}
+    cost_model = jsonable(getattr(policies["aware"], "costs", None))
     log(f"rollout: engine on {engine.device} ({engine.dtype}) built with aware's cost model in {calibration_s:.1f}s; "
          f"{c.left():.0f}s left in the budget")
-    out: dict[str, Any] = {"modes": list(SWEEP_MODES), "levels": [], "levels_skipped_for_time": [],
-                           "tokens_per_sequence": size.sweep_tokens, "repetitions": size.reps,
-                           "calibration_s": calibration_s, "grpo_prompts": size.grpo_prompts}
+    out: dict[str, Any] = {"modes": list(SWEEP_MODES), "fixed_modes": list(FIXED_MODES), "aa_pair": list(AA_PAIR),
+                           "levels": [], "levels_skipped_for_time": [], "tokens_per_sequence": size.sweep_tokens,
+                           "repetitions": size.reps, "calibration_s": calibration_s, "grpo_prompts": size.grpo_prompts,
+                           "engine": engine_info(engine), "cost_model": cost_model, "calls": [], "aware_states": []}
+
+    def record(workload: str, mode: str, rep: int, order: list[str], r: dict, policy) -> None:
+        out["calls"].append({"workload": workload, "mode": mode, "rep": rep, "position": order.index(mode)}
+                            | {k: v for k, v in r.items() if k != "lengths"})
+        if mode in AWARE_MODES:
+            state = policy_state(policy)
+            if state.get("costs") == cost_model:  # the calibration, unchanged: saved once, as cost_model
+                state["costs"] = "unchanged: rollout.cost_model"
+            out["aware_states"].append({"workload": workload, "mode": mode, "rep": rep, "state": state})
+
+    def run_reps(workload: str, contenders: dict, requests, sampling, seed, unshared: str | None = None) -> dict:
+        runs: dict[str, list[dict]] = {m: [] for m in contenders}
+        for rep in range(size.reps + 1):  # rep 0 warms up (and teaches the learning policies, as in training)
+            order = rotated(list(contenders), rep)
+            for mode in order:
+                r = generate_call(engine, contenders[mode], requests, sampling, seed(rep), share_prefill=mode != unshared)
+                record(workload, mode, rep, order, r, contenders[mode])
+                if rep:
+                    runs[mode].append(r)
+        engine.share_prefill = True
+        return runs
+
     # the GRPO batch's generate calls: every mode, the static sweep and unshared prefill, each reps + 1 times
     calls = (len(SWEEP_MODES) + len(STATIC_SWEEP) + 1) * (size.reps + 1)
     sweep: list[dict] = []
     t = time.perf_counter()
     level_s = 0.0
+    sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                              max_new_tokens=size.sweep_tokens, ignore_eos=True)
     for B in size.levels:
         # within the budget: a level costs at most about twice the one before (the engine's steps cost much
         # the same at 4x the sequences until the GPU is busy), and the GRPO batch needs its least (64 tokens)
@@ -437,12 +661,15 @@ def rollout(c: Check) -> dict:
             out["levels_skipped_for_time"].append(B)
             continue
         t1 = time.perf_counter()
-        row = concurrency_sweep(engine, policies, prompts, cfg, (B,), size.sweep_tokens, size.reps, log)[0]
+        requests = [Request(prompts[i % len(prompts)], max_new_tokens=size.sweep_tokens) for i in range(B)]
+        runs = run_reps(f"sweep_{B}", policies, requests, sampling, lambda rep, B=B: 1000 * rep + B)
         level_s = time.perf_counter() - t1
-        best = max(SWEEP_MODES, key=lambda mode: row[f"{mode}_tok_s"])
-        row |= {"best": best, "best_vs_off": row[f"{best}_tok_s"] / row["off_tok_s"], "seconds": level_s}
+        row = level_row(B, runs) | {"seconds": level_s}
         sweep.append(row)
         out["levels"].append(B)
+        log(f"concurrency {B:3d}: " + ", ".join(f"{m} {row[f'{m}_tok_s']:.0f}±{row[f'{m}_tok_s_se']:.0f}"
+                                                for m in SWEEP_MODES)
+            + f" tok/s | A/A {row['aa_ratio']:.3f}, aware / best fixed ({row['best_fixed']}) {row['aware_vs_best']:.2f}")
         c.partial("rollout", out | {"sweep": sweep})
     out["sweep"], out["sweep_s"] = sweep, time.perf_counter() - t
     # the GRPO batch's length cap, lowered (to 32 at least) if its calls would not fit in what is left, priced
@@ -454,13 +681,290 @@ def rollout(c: Check) -> dict:
         max_new = min(max_new, max(32, int(c.left() / (1.5 * calls * step_s))))
     out["grpo_max_new"] = max_new
     t = time.perf_counter()
-    out["grpo_batch"] = grpo_batch(engine, policies, prompts, cfg, size.grpo_prompts, 8, max_new, size.reps, log)
-    out["grpo_batch_s"] = time.perf_counter() - t
+    contenders = dict(policies) | {f"static_{s.depth}_{s.topk}_{s.num_verify}": Static(s) for s in STATIC_SWEEP}
+    contenders[UNSHARED] = policies["off"]  # plain decoding with every sample prefilling its own prompt
+    requests = [Request(p) for p in prompts[: size.grpo_prompts] for _ in range(8)]
+    grpo_sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=max_new)
+    runs = run_reps("grpo", contenders, requests, grpo_sampling, lambda rep: 77 + rep, unshared=UNSHARED)
+    fixed = (*FIXED_MODES, *(m for m in contenders if m.startswith("static_") and m != AA_PAIR[1]))
+    g = grpo_summary(runs, fixed)
+    # the shares of each mode's median-time repetition (medians of each part would not add up to 1)
+    g["time_shares"] = {m: _shares(sorted(runs[m], key=lambda r: r["seconds"])[len(runs[m]) // 2])
+                        for m in ("off", "aware")}
+    out["grpo_batch"], out["grpo_batch_s"] = g, time.perf_counter() - t
+    log("GRPO batch: " + ", ".join(f"{m} {s:.2f}s" for m, s in g["all_s"].items())
+        + f" | A/A {g['aa_ratio']:.3f}, aware / best fixed ({g['best_fixed']}) {g['aware_vs_best']:.2f}, "
+          f"aware / off {g['aware_vs_off']:.2f}")
+    out["engine"] = engine_info(engine)
+    out["cost_model_after"] = jsonable(getattr(policies["aware"], "costs", None))
     if out["levels_skipped_for_time"] or max_new < size.grpo_max_new:
         log(f"rollout: to stay within the budget, skipped levels {out['levels_skipped_for_time']} and capped the "
              f"GRPO batch at {max_new} new tokens (planned {size.grpo_max_new})")
     return out
 
 
+# -- step_bench ------------------------------------------------------------------------------------------
+def _step_engines(c: Check, config, text, weights, draft, rows: int, max_context: int) -> dict:
+    """The policy in two engines of `rows` rows: eager steps, and static ones (CUDA graphs on a GPU)."""
+    from fastgrpo.engines.embedded.engine import EmbeddedEngine
+
+    engines = {}
+    for name, static in (("eager", False), ("static", True)):
+        engine = EmbeddedEngine(config, rows, max_context, eos_id=text.stop_ids, device=c.compute.device,
+                                dtype=c.compute.dtype, static_steps=static)
+        engine.update_weights(weights.items(), version=0)
+        engine.update_draft(draft.items(), version=0)
+        engines[name] = engine
+    return engines
+
+
+def step_cells(B: int, shape: str, engine: str, calls: list[dict], warmup: int) -> dict:
+    """One (level, shape, engine) of the step benchmark from its calls: each call's median step (its steps
+    after `warmup`, at all B rows and of this shape: the tail where rows finish apart and a fallback to a
+    plain step are left out), then the median and standard error over the calls."""
+    per_call, tokens, steps = [], [], 0
+    for r in calls:
+        t = r["trace"]
+        kept = [(ms, e) for run, cfg, e, ms in
+                list(zip(t["running"], t["config"], t["emitted"], t["ms"]))[warmup:]
+                if run == B and (cfg == shape or (shape == "plain" and cfg == "off"))]
+        if kept:
+            per_call.append(statistics.median(ms for ms, _ in kept))
+            tokens.append(sum(e for _, e in kept) / (B * len(kept)))
+            steps += len(kept)
+    ms = spread(per_call)
+    row = {"level": B, "shape": shape, "engine": engine, "step_ms": ms, "steps": steps, "calls": len(calls),
+           "tokens_per_row_step": statistics.median(tokens) if tokens else None,
+           "captures": sum(r["captures"] for r in calls), "replays": sum(r["replays"] for r in calls)}
+    if tokens and ms["median"] > 0:
+        row["tok_s"] = B * row["tokens_per_row_step"] / (ms["median"] / 1000)
+    return row
+
+
+def step_bench(c: Check) -> dict:
+    """The steps rollout runs, alone: plain decoding and five tree shapes (STEP_SHAPES) at each level of
+    running rows, in the eager engine and in the static one (CUDA graphs on a GPU; on a CPU the same
+    static step functions, run eagerly). Each (level, shape, engine) is `step_reps` generate calls of
+    `step_tokens` tokens per row (EOS ignored), the combinations' order rotated per repetition; a step is
+    timed by the engine's own per-step trace (a step ends with its results on the host: synchronised),
+    the first STEP_WARMUP steps of a call left out (a new shape's graph capture), the median step of each
+    call, then the median and standard error over the calls. A level that would overrun the stage's plan
+    by a quarter (twice the last level's time) is skipped and recorded (gpu size)."""
+    from fastgrpo.bench.rollout import rotated
+    from fastgrpo.models.draft import DraftHead
+    from fastgrpo.paths import draft_dir
+    from fastgrpo.speculation.policy import Off, Static
+    from fastgrpo.speculation.spec import SpecConfig
+    from fastgrpo.types import Request, SamplingParams
+
+    cfg, size = c.cfg, c.size
+    policy, text = c.policy()
+    prompts = c.prompts(text)
+    levels, T = size.step_levels, size.step_tokens
+    used = [prompts[i % len(prompts)] for i in range(max(levels))]
+    # a cache as long as the calls need (the KV of 256 rows at the run's context would take ~20 GB twice)
+    max_context = min(cfg.model.max_context, 64 * -(-(max(map(len, used)) + T + 8) // 64))
+    draft = DraftHead.load(draft_dir(cfg), policy.config, cfg.model.max_context)
+    weights = policy.state_dict()
+    m = policy.config
+    engines = _step_engines(c, m, text, weights, draft.state_dict(), max(levels), max_context)
+    del policy, weights, draft
+    shapes = {"plain": None} | {SpecConfig(*s).name: SpecConfig(*s) for s in STEP_SHAPES}
+    combos = [(name, engine) for name in shapes for engine in engines]
+    sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=T,
+                              ignore_eos=True)
+    element = engines["static"].model.embed.element_size()
+    out: dict[str, Any] = {"levels": [], "levels_skipped_for_time": [], "shapes": list(shapes),
+                           "engines": {name: engine_info(e) for name, e in engines.items()},
+                           "tokens_per_sequence": T, "repetitions": size.step_reps, "warmup_steps": STEP_WARMUP,
+                           "max_context": max_context, "draft_window": engines["static"].draft_window,
+                           "model": {"layers": m.num_hidden_layers, "hidden": m.hidden_size,
+                                     "intermediate": m.intermediate_size, "heads": m.num_attention_heads,
+                                     "kv_heads": m.num_key_value_heads, "vocab": m.vocab_size,
+                                     "head_dim": getattr(m, "head_dim", None) or m.hidden_size // m.num_attention_heads},
+                           "bytes_per_param": element, "cells": []}
+    plan = 1.25 * PLANNED_S["step_bench"] if c.size_name == "gpu" else math.inf
+    t0, last = time.perf_counter(), 0.0
+    for B in levels:
+        if out["levels"] and time.perf_counter() - t0 + 2 * last > plan:
+            out["levels_skipped_for_time"].append(B)
+            continue
+        t1 = time.perf_counter()
+        requests = [Request(prompts[i % len(prompts)], max_new_tokens=T) for i in range(B)]
+        context = statistics.mean(len(r.prompt_ids) for r in requests) + T / 2  # the steps' middle
+        calls: dict[tuple[str, str], list[dict]] = {k: [] for k in combos}
+        for rep in range(size.step_reps):
+            for name, engine in rotated(combos, rep):
+                shape = shapes[name]
+                calls[(name, engine)].append(generate_call(engines[engine], Off() if shape is None else Static(shape),
+                                                           requests, sampling, seed=1000 * rep + B))
+        for (name, engine), rs in calls.items():
+            row = step_cells(B, name, engine, rs, STEP_WARMUP)
+            shape = shapes[name]
+            # the draft's catch-up per row: a static step feeds its whole window, an eager one what it kept
+            width = (out["draft_window"] if engine == "static" else row["tokens_per_row_step"] or 1.0)
+            row |= {"tree": None if shape is None else [shape.depth, shape.topk, shape.num_verify], "rows": B,
+                    "context": context, "catch_up_width": width if shape is not None else 0}
+            out["cells"].append(row)
+        last = time.perf_counter() - t1
+        out["levels"].append(B)
+        by = {(r["shape"], r["engine"]): r for r in out["cells"] if r["level"] == B}
+        log(f"steps at {B:3d} rows (eager / static ms): " + ", ".join(
+            f"{n} {by[(n, 'eager')]['step_ms']['median']:.2f}/{by[(n, 'static')]['step_ms']['median']:.2f}"
+            for n in shapes) + f" ({last:.1f}s)")
+        c.partial("step_bench", out)
+    out["engines"] = {name: engine_info(e) for name, e in engines.items()}
+    out["best"] = {}
+    for B in out["levels"]:
+        cells = [r for r in out["cells"] if r["level"] == B and r.get("tok_s")]
+        for engine in engines:
+            mine = [r for r in cells if r["engine"] == engine]
+            if mine:
+                best = max(mine, key=lambda r: r["tok_s"])
+                out["best"].setdefault(str(B), {})[engine] = best["shape"]
+    return out
+
+
+# -- simulator_fit ---------------------------------------------------------------------------------------
+def simulator_fit(c: Check) -> dict:
+    """`bench simulate`'s GPU price (the roofline of speculation/roofline.py for this GPU, by name) fitted
+    to step_bench's static steps (fit.py: the roofline's scale and the overhead constants), with its error
+    per step before the fit, after it, and with each level held out of the fit."""
+    from fastgrpo.bench.gpu_check.fit import StepPoint, fit_overheads
+    from fastgrpo.speculation.roofline import ModelShape, accelerator_named
+    from fastgrpo.speculation.spec import SpecConfig
+
+    bench = c.result["stages"].get("step_bench") or {}
+    if bench.get("status") != "ok":
+        raise RuntimeError("simulator_fit needs step_bench's measured steps (run that stage first)")
+    d = bench["data"]
+    env = (c.result["stages"].get("environment") or {}).get("data") or {}
+    device_name = env.get("device_name", "")
+    hw = accelerator_named(device_name)
+    m = d["model"]
+    shape = ModelShape("policy", m["layers"], m["hidden"], m["intermediate"], m["heads"], m["kv_heads"], m["vocab"],
+                       bytes_per_param=d["bytes_per_param"], head_size=m.get("head_dim") or 0)
+    points = [StepPoint(None if r["tree"] is None else SpecConfig(*r["tree"]), r["rows"], r["catch_up_width"],
+                        r["context"], r["step_ms"]["median"] / 1000, r["level"])
+              for r in d["cells"] if r["engine"] == "static" and r["step_ms"]["n"]]
+    out = fit_overheads(hw, shape, points) | {"engine": "static", "device_name": device_name,
+                                             "graphs": d["engines"]["static"]["graphs"]}
+    if "cuda" not in str(env.get("device", "")):
+        out["note"] = (f"not a GPU: {hw.name}'s profile fitted to this device's steps exercises the code only")
+    log(f"simulator fit to {len(points)} steps ({hw.name}): max |error| {100 * out['error_before']['max_abs_error']:.0f}% "
+         f"before, {100 * out['error_after']['max_abs_error']:.0f}% after"
+         + (f", {100 * out['error_held_out']['max_abs_error']:.0f}% held out" if "error_held_out" in out else ""))
+    return out
+
+
+# -- decode_8b -------------------------------------------------------------------------------------------
+def random_weights(engine, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights in place of a checkpoint: normal(0, std) matrices, norms of one (the activations stay
+    finite through any depth), generated on the engine's device one tensor at a time."""
+    import torch
+
+    specs = [(n, tuple(t.shape), t.dtype) for n, t in engine.model.named_weights()]
+    g = torch.Generator(device=engine.device).manual_seed(seed)
+
+    def tensors():
+        for name, shape, dtype in specs:
+            if len(shape) == 1:
+                yield name, torch.ones(shape, dtype=dtype, device=engine.device)
+            else:
+                yield name, (torch.randn(shape, generator=g, device=engine.device) * std).to(dtype)
+
+    engine.update_weights(tensors(), version=0)
+
+
+def decode_8b(c: Check) -> dict:
+    """A random-weight Llama-3.1-8B shape (configs/models/, bf16) decoding plainly at batch 1, 16 and 64
+    in the static engine (CUDA graphs), each step against its memory-bandwidth bound: the bytes it must
+    read (every weight once, the embedding's B rows aside, and each row's KV cache) over the device's
+    peak bandwidth. Steps are the engine's per-step trace after its first WARMUP_STEPS, two timed calls
+    after a warm-up. At test size a scaled-down model of the same structure (SCALED_8B) runs instead (the
+    full shape is recorded as skipped); at gpu size it is skipped, with the reason, on a CPU or where the
+    device lacks the memory."""
+    import random
+
+    import torch
+    from transformers import LlamaConfig
+
+    from fastgrpo.bench.rollout import WARMUP_STEPS
+    from fastgrpo.engines.embedded.engine import STATIC_TREE_ROOM, TREE_SLACK, EmbeddedEngine
+    from fastgrpo.engines.embedded.steps import batch_bucket, context_bucket
+    from fastgrpo.speculation.policy import Off
+    from fastgrpo.types import Request, SamplingParams
+
+    size, device = c.size, c.compute.device
+    config = LlamaConfig.from_json_file(str(ROOT / "configs" / "models" / BIG_MODEL))
+    out: dict[str, Any] = {"config": f"configs/models/{BIG_MODEL}", "batches": {}, "full_shape": size.big_full}
+    if not size.big_full:
+        config = LlamaConfig.from_dict({**config.to_dict(), **SCALED_8B})
+        out["skipped_full_shape"] = "test size: a scaled-down model of the same structure (SCALED_8B) instead"
+    elif device.type != "cuda":
+        return out | {"skipped": f"the 8B shape needs a GPU (device {device.type}): minutes a step on a CPU"}
+    dtype = torch.bfloat16 if size.big_full else c.compute.dtype
+    element = torch.empty((), dtype=dtype).element_size()
+    h, L, V, I = config.hidden_size, config.num_hidden_layers, config.vocab_size, config.intermediate_size
+    hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    params = L * (h * (q + 2 * kv) + q * h + 3 * h * I + 2 * h) + V * h * (1 if config.tie_word_embeddings else 2) + h
+    prompt_len, T = (32 if size.big_full else 16), size.big_tokens
+    max_context = 64 * -(-(prompt_len + T + 8) // 64)
+    rows = batch_bucket(max(size.big_batches))
+    kv_per_token = 2 * L * kv * element
+    need = params * element + kv_per_token * rows * (max_context + TREE_SLACK) + 2e9  # + activations, graphs
+    out |= {"model": {"layers": L, "hidden": h, "intermediate": I, "heads": config.num_attention_heads,
+                      "kv_heads": config.num_key_value_heads, "head_dim": hd, "vocab": V},
+            "parameters": params, "dtype": str(dtype).removeprefix("torch."), "needs_gb": need / 1e9,
+            "prompt_tokens": prompt_len, "tokens": T}
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        out["free_gb"] = free / 1e9
+        if need > 0.95 * free:
+            return out | {"skipped": f"needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free on the device"}
+    t = time.perf_counter()
+    engine = EmbeddedEngine(config, max(size.big_batches), max_context, eos_id=0, device=device, dtype=dtype,
+                            static_steps=True)
+    random_weights(engine)
+    sync()
+    out["build_s"] = time.perf_counter() - t
+    m = engine.model
+    weight_bytes = sum(t.numel() * t.element_size() for layer in m.layers for t in layer.values())
+    weight_bytes += m.lm_head.numel() * m.lm_head.element_size() + m.norm.numel() * m.norm.element_size()
+    bandwidth, source = c.bandwidth()
+    out |= {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token, "bandwidth_gb_s": bandwidth / 1e9,
+            "bandwidth_source": source, "engine": engine_info(engine)}
+    rng = random.Random(0)
+    prompt = [rng.randrange(1, V) for _ in range(prompt_len)]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=T, ignore_eos=True)
+    for B in size.big_batches:
+        steps: list[float] = []
+        counts = [0, 0]
+        for rep in range(3):  # a warm-up call, then two timed
+            r = generate_call(engine, Off(), [Request(prompt, max_new_tokens=T)] * B, sampling, seed=rep)
+            if rep:
+                steps += r["trace"]["ms"][WARMUP_STEPS:]
+                counts = [counts[0] + r["captures"], counts[1] + r["replays"]]
+        step_ms = statistics.median(steps)
+        context = prompt_len + (WARMUP_STEPS + T) / 2  # the middle of the steps timed
+        kv_bytes = B * context * kv_per_token
+        bound_ms = 1000 * (weight_bytes + kv_bytes) / bandwidth
+        bucket = context_bucket(int(context) + 1, max_context + TREE_SLACK - STATIC_TREE_ROOM)
+        padded_ms = 1000 * (weight_bytes + B * bucket * kv_per_token) / bandwidth
+        row = {"step_ms": step_ms, "steps": len(steps), "bound_ms": bound_ms, "step_vs_bound": step_ms / bound_ms,
+               "context": context, "kv_bytes": kv_bytes, "context_bucket": bucket, "bound_padded_ms": padded_ms,
+               "tok_s": B / (step_ms / 1000), "captures": counts[0], "replays": counts[1]}
+        out["batches"][str(B)] = row
+        log(f"8B shape{'' if size.big_full else ' (scaled)'} batch {B}: step {step_ms:.2f} ms against a bound of "
+             f"{bound_ms:.3f} ms ({row['step_vs_bound']:.2f}x); graphs captured {counts[0]}, replayed {counts[1]}")
+    out["engine"] = engine_info(engine)
+    one = out["batches"].get("1")
+    if one:
+        out["batch1_within_1_5x"] = one["step_vs_bound"] <= 1.5
+    return out
+
+
 STAGE_FUNCTIONS = {"environment": environment, "sft": sft, "draft": draft, "train_step": train_step,
-                   "weight_push": weight_push, "decode_bound": decode_bound, "rollout": rollout}
+                   "weight_push": weight_push, "decode_bound": decode_bound, "step_bench": step_bench,
+                   "simulator_fit": simulator_fit, "decode_8b": decode_8b, "rollout": rollout}
