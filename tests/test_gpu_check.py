@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from fastgrpo.bench.gpu_check import (BASE, DECODE_BATCHES, GPU_TORCH, SIZES, STAGES, SWEEP_MODES, WHEELS,
-                                     gpu_requirements, wheels_to_install)
+from fastgrpo.bench.gpu_check import (AA_PAIR, AWARE_MODES, BASE, DECODE_BATCHES, GPU_TORCH, PLANNED_S, SIZES, STAGES,
+                                     STEP_SHAPES, SWEEP_MODES, WHEELS, dumps, gpu_requirements, grpo_summary, level_row,
+                                     policy_state, spread, step_cells, wheels_to_install)
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_PYTHON = {"extra": "", "python_version": "3.12", "python_full_version": "3.12.0"}  # the GPU machine's
@@ -132,7 +133,7 @@ def _positive(*values) -> bool:
     return all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)
 
 
-@pytest.mark.slow  # the whole check at test size on the CPU: ~30 s (one run shared by three tests)
+@pytest.mark.slow  # the whole check at test size on the CPU: ~60 s (one run shared by three tests)
 def test_every_stage_runs_on_the_cpu_with_plausible_numbers(check):
     """The driver at test size: every stage ok, each with numbers of the right kind and range."""
     stages = check["result"]["stages"]
@@ -169,28 +170,72 @@ def test_every_stage_runs_on_the_cpu_with_plausible_numbers(check):
         assert row["step_vs_bound"] > 1  # no step beats the bytes it must read
     assert b["batches"]["64"]["kv_bytes"] > b["batches"]["1"]["kv_bytes"]
 
+    size = SIZES["test"]
     r = d["rollout"]
-    assert [row["concurrency"] for row in r["sweep"]] == list(SIZES["test"].levels)
+    assert [row["concurrency"] for row in r["sweep"]] == list(size.levels) and r["repetitions"] == size.reps >= 3
     for row in r["sweep"]:
         assert _positive(*(row[f"{mode}_tok_s"] for mode in SWEEP_MODES)) and row["aware_accept_len"] >= 1
+        assert all(row[f"{mode}_runs"] == size.reps and row[f"{mode}_tok_s_se"] >= 0 for mode in SWEEP_MODES)
+        assert row["aa_ratio"] == pytest.approx(row["static_aa_tok_s"] / row["static_tok_s"])
+        assert row["aware_vs_best"] == pytest.approx(row["aware_tok_s"] / max(row[f"{m}_tok_s"] for m in
+                                                                                ("off", "static", "fastgrpo", "tlt")))
     g = r["grpo_batch"]
     assert set(SWEEP_MODES) | {"off_unshared_prefill"} <= set(g["all_s"]) and _positive(*g["all_s"].values())
-    assert any(m.startswith("static_") for m in g["all_s"])
+    assert any(m.startswith("static_") for m in g["all_s"]) and g["aa_ratio"] == pytest.approx(
+        g["all_s"]["static"] / g["all_s"]["static_aa"])
+    assert set(g["se_s"]) == set(g["all_s"]) and all(n == size.reps for n in g["runs"].values())
+    # every call kept, each mode once a repetition in an order rotated by one per repetition, with its trace
+    calls = r["calls"]
+    grpo_modes = list(g["all_s"])
+    assert len(calls) == (size.reps + 1) * (len(size.levels) * len(SWEEP_MODES) + len(grpo_modes))
+    for call in calls:
+        modes = list(SWEEP_MODES) if call["workload"].startswith("sweep_") else grpo_modes
+        # the contenders in their own order, the repetition's first mode at position 0
+        assert call["position"] == (modes.index(call["mode"]) - call["rep"]) % len(modes)
+        assert len(call["trace"]["ms"]) == call["decode_steps"] == sum(n for counts in call["configs"].values()
+                                                                      for n in counts.values())
+    aware_calls = [c for c in calls if c["mode"] in AWARE_MODES]
+    assert [(s["workload"], s["mode"], s["rep"]) for s in r["aware_states"]] == [
+        (c["workload"], c["mode"], c["rep"]) for c in aware_calls]
+    assert all(s["state"] and "error" not in s["state"] for s in r["aware_states"])
+    assert _positive(*r["cost_model"]["target_s"].values())
+
+    sb = d["step_bench"]  # every shape at every level, in both engines, each from every call
+    shapes = ["plain", *(f"d{a}k{b}n{c}" for a, b, c in STEP_SHAPES)]
+    assert sb["levels"] == list(size.step_levels) and sb["shapes"] == shapes
+    assert sb["engines"]["eager"]["static_steps"] is False and sb["engines"]["static"]["static_steps"] is True
+    assert len(sb["cells"]) == len(size.step_levels) * len(shapes) * 2
+    for cell in sb["cells"]:
+        assert cell["step_ms"]["n"] == cell["calls"] == size.step_reps and _positive(cell["step_ms"]["median"])
+        assert cell["tokens_per_row_step"] == 1 if cell["shape"] == "plain" else cell["tokens_per_row_step"] >= 1
+    fit = d["simulator_fit"]
+    assert len(fit["points"]) == len(size.step_levels) * len(shapes) and "not a GPU" in fit["note"]
+    # the fit minimises the squared relative error, and the simulator's own constants are one candidate
+    assert (sum(p["error_after"] ** 2 for p in fit["points"])
+            <= sum(p["error_before"] ** 2 for p in fit["points"]) * (1 + 1e-9))
+    big = d["decode_8b"]
+    assert not big["full_shape"] and "scaled-down" in big["skipped_full_shape"] and big["model"]["layers"] == 2
+    assert set(big["batches"]) == {str(B) for B in size.big_batches}
+    for row in big["batches"].values():
+        assert _positive(row["step_ms"], row["bound_ms"]) and row["step_vs_bound"] > 1
 
 
-@pytest.mark.slow  # the whole check at test size on the CPU: ~30 s (one run shared by three tests)
+@pytest.mark.slow  # the whole check at test size on the CPU: ~60 s (one run shared by three tests)
 def test_the_markdown_has_every_table(check):
     md_text = check["markdown"]
     assert "| stage | status | seconds | planned s | peak GPU memory GB | result |" in md_text
     assert "every stage ok" in md_text
     for name in STAGES:
         assert f"| {name} | ok |" in md_text, name
-    for table in ("Rollout at fixed concurrency", "GRPO batch", "memory-bandwidth bound", "One GRPO step"):
+    for table in ("Rollout at fixed concurrency", "GRPO batch", "memory-bandwidth bound", "One GRPO step",
+                  "| running | off | static | static_aa |", "A/A", "aware's step shapes", "Decode steps alone",
+                  "| running | shape | eager ms | static ms |", "fitted to the static steps", "| max abs |",
+                  "A scaled-down Llama-3.1-8B structure"):
         assert table in md_text, table
-    assert "| 16 |" in md_text  # a sweep row
+    assert "| 4 | d6k8n48 |" in md_text and " ± " in md_text  # a step row, standard errors
 
 
-@pytest.mark.slow  # the whole check at test size on the CPU: ~30 s (one run shared by three tests)
+@pytest.mark.slow  # the whole check at test size on the CPU: ~60 s (one run shared by three tests)
 def test_the_run_imports_only_what_a_gpu_machine_has(check):
     """Every module outside the base packages' and the wheels' was hidden, and the run still passed;
     what it imported is among those allowed (what it looked for in vain, optional imports of the
@@ -283,3 +328,178 @@ def test_the_report_of_the_committed_h100_run_sets_it_against_the_simulator(tmp_
     assert one["step_ratio"] == pytest.approx(one["step_ms"] / one["simulated_step_ms"])
     assert f"| 1 | 25.1 | 0.932 | 26.9x |" in text
 
+
+
+# -- the statistics, the fit and the records, against values worked out by hand ---------------------------
+def _runs(tok_s: list[float], accept: float = 1.0) -> list[dict]:
+    return [{"tok_s": t, "seconds": 100 / t, "tokens": 100, "accept_len": accept, "spec_fraction": 0.5} for t in tok_s]
+
+
+def test_spread_is_the_median_and_the_standard_error_of_the_mean():
+    # 100, 110, 90: mean 100, deviations 0, 10, -10, sample variance 200 / 2 = 100, s = 10, s / sqrt(3)
+    assert spread([100.0, 110.0, 90.0]) == pytest.approx({"n": 3, "median": 100.0, "mean": 100.0, "se": 5.773502692})
+    # 1, 2, 3, 10: median 2.5, mean 4, squared deviations 9 + 4 + 1 + 36 = 50, variance 50 / 3, se sqrt(50 / 3 / 4)
+    assert spread([1.0, 2.0, 3.0, 10.0]) == pytest.approx({"n": 4, "median": 2.5, "mean": 4.0, "se": 2.041241452})
+    assert spread([7.0]) == {"n": 1, "median": 7.0, "mean": 7.0, "se": 0.0}
+    assert spread([])["n"] == 0
+
+
+def test_a_sweep_level_reports_the_aa_ratio_and_aware_against_the_best_fixed_choice():
+    runs = {"off": _runs([100, 104, 96]), "static": _runs([200, 180, 220], 3.0), "static_aa": _runs([210, 230, 190], 3.0),
+            "fastgrpo": _runs([150, 150, 150]), "tlt": _runs([205, 195, 200]), "aware": _runs([190, 200, 210], 2.5)}
+    row = level_row(16, runs)
+    assert row["static_tok_s"] == 200 and row["static_aa_tok_s"] == 210
+    assert row["aa_ratio"] == pytest.approx(210 / 200)  # the noise floor: 5% between identical policies
+    assert row["static_tok_s_se"] == pytest.approx(20 / 3**0.5)  # s = 20 (deviations 0, -20, 20)
+    assert row["off_tok_s_se"] == pytest.approx(4 / 3**0.5) and row["fastgrpo_tok_s_se"] == 0
+    # best fixed: tlt's 200 ties static's 200; the first of FIXED_MODES' order wins a tie (static)
+    assert row["best_fixed"] == "static" and row["best_fixed_tok_s"] == 200
+    assert row["aware_vs_best"] == pytest.approx(1.0) and row["aware_vs_off"] == pytest.approx(2.0)
+    assert row["best"] == "static_aa" and row["best_vs_off"] == pytest.approx(2.1)
+    assert row["aware_accept_len"] == 2.5 and row["static_runs"] == 3
+
+
+def test_the_grpo_batch_reports_seconds_the_aa_ratio_and_aware_against_the_best_fixed_choice():
+    def secs(values):
+        return [{"seconds": v, "tokens": 500, "accept_len": 2.0} for v in values]
+
+    runs = {"off": secs([10, 12, 11]), "static": secs([5, 6, 4]), "static_aa": secs([5.5, 4.5, 5.0]),
+            "fastgrpo": secs([7, 7, 7]), "tlt": secs([6, 6, 6]), "aware": secs([4, 4.2, 4.4]),
+            "static_2_2_4": secs([4.8, 4.8, 4.8]), "off_unshared_prefill": secs([13, 13, 13])}
+    g = grpo_summary(runs, ("off", "static", "fastgrpo", "tlt", "static_2_2_4"))
+    assert g["all_s"]["static"] == 5 and g["all_s"]["static_aa"] == 5.0 and g["aa_ratio"] == pytest.approx(1.0)
+    assert g["best_fixed"] == "static_2_2_4" and g["best_fixed_s"] == 4.8 and g["static_best"] == "static_2_2_4"
+    assert g["aware_vs_best"] == pytest.approx(4.8 / 4.2) and g["aware_vs_off"] == pytest.approx(11 / 4.2)
+    assert g["se_s"]["off"] == pytest.approx(1 / 3**0.5) and g["se_s"]["tlt"] == 0  # s = 1 (deviations -1, 1, 0)
+    assert g["aware_s"] == 4.2 and g["off_unshared_prefill_s"] == 13
+
+
+def test_a_step_cell_takes_the_full_steps_of_its_shape_after_the_warm_up():
+    def call(running, config, emitted, ms):
+        return {"trace": {"running": running, "config": config, "emitted": emitted, "ms": ms}, "captures": 1,
+                "replays": 4}
+
+    calls = [call([4] * 6 + [3], ["d2k2n4"] * 4 + ["off", "d2k2n4", "d2k2n4"], [8, 8, 12, 8, 4, 10, 6],
+                  [90.0, 9.0, 2.0, 4.0, 1.0, 3.0, 3.0]),
+             call([4] * 5, ["d2k2n4"] * 5, [8, 8, 8, 8, 8], [50.0, 5.0, 6.0, 6.0, 7.0])]
+    cell = step_cells(4, "d2k2n4", "static", calls, warmup=2)
+    # call 1 keeps steps 3, 4 and 6 (2, 4, 3 ms; 12, 8, 10 tokens over 4 rows): median 3 ms, 2.5 tokens a row;
+    # the plain fallback (5) and the step at 3 rows (7) are not this shape at 4 rows. Call 2: 6, 6, 7 ms, 2 tokens
+    assert cell["steps"] == 6 and cell["step_ms"]["median"] == pytest.approx(4.5)
+    assert cell["step_ms"]["se"] == pytest.approx(1.5)  # two values 3 and 6: s = 2.12, / sqrt(2)
+    assert cell["tokens_per_row_step"] == pytest.approx(2.25) and cell["captures"] == 2 and cell["replays"] == 8
+    assert cell["tok_s"] == pytest.approx(4 * 2.25 / 4.5e-3)
+
+
+def test_the_step_shapes_are_the_grpo_batch_trees_and_aware_widest():
+    from fastgrpo.bench.rollout import STATIC_SWEEP
+    from fastgrpo.speculation.policy import candidate_configs
+
+    assert [(c.depth, c.topk, c.num_verify) for c in STATIC_SWEEP] == list(STEP_SHAPES[:-1])
+    widest = max(candidate_configs(), key=lambda c: (c.depth, c.topk, c.num_verify if c.num_verify <= 48 else 0))
+    assert STEP_SHAPES[-1] == (widest.depth, widest.topk, 48)
+
+
+def test_the_simulator_fit_recovers_the_constants_that_made_the_steps():
+    """Steps priced by a roofline with known constants (efficiencies scaled alike, overheads unlike the
+    defaults): the fit finds them (the target's and the step's overheads as their sum) and prices every step
+    exactly, also with a level held out; before it, the default constants are off by what they differ."""
+    import dataclasses
+
+    from fastgrpo.bench.gpu_check.fit import StepPoint, fit_overheads, price
+    from fastgrpo.speculation.roofline import H100, ModelShape
+    from fastgrpo.speculation.spec import SpecConfig
+
+    shape = ModelShape("policy", 24, 1024, 4096, 16, 8, 296)
+    true = dataclasses.replace(H100, bw_eff=0.4, flops_eff=0.3, target_overhead_s=1.0e-3, step_overhead_s=0.5e-3,
+                               spec_overhead_s=0.8e-3, draft_overhead_s=0.2e-3)
+    points = []
+    for B in (1, 4, 16, 64, 256):
+        for c in (None, SpecConfig(2, 2, 4), SpecConfig(4, 4, 12), SpecConfig(6, 8, 48)):
+            p = StepPoint(c, B, 16, 80.0, 1.0, B)
+            points.append(dataclasses.replace(p, seconds=price(true, shape, p)))
+    fit = fit_overheads(H100, shape, points)
+    after = fit["after"]
+    assert after["bw_eff"] == pytest.approx(0.4) and after["flops_eff"] == pytest.approx(0.3)
+    assert after["target_overhead_s"] + after["step_overhead_s"] == pytest.approx(1.5e-3)
+    assert after["spec_overhead_s"] == pytest.approx(0.8e-3) and after["draft_overhead_s"] == pytest.approx(0.2e-3)
+    assert fit["error_after"]["max_abs_error"] < 1e-9 and fit["error_held_out"]["max_abs_error"] < 1e-9
+    assert fit["before"] == {"bw_eff": 0.8, "flops_eff": 0.6, "target_overhead_s": 0.4e-3, "draft_overhead_s": 0.1e-3,
+                             "step_overhead_s": 0.3e-3, "spec_overhead_s": 0.3e-3}
+    # a plain step at batch 1: 2 bytes x (24 layers x (1024 x (1024 + 2 x 512) + 1024 x 1024 attention +
+    # 3 x 1024 x 4096 MLP) + 296 x 1024 head parameters) + the KV of 80 tokens (24 layers x 2 x 8 heads x 64 x
+    # 2 bytes each) over 80% of 3.35 TB/s, + 0.7 ms of overheads
+    one = next(p for p in fit["points"] if p["level"] == 1 and p["shape"] == "plain")
+    megabytes = (2 * (24 * (3_145_728 + 12_582_912) + 296 * 1024) + 80 * 24 * 2 * 8 * 64 * 2) / 1e6
+    assert one["before_ms"] == pytest.approx(megabytes / (0.8 * 3350) + 0.7, rel=1e-6)
+    assert one["measured_ms"] == pytest.approx(megabytes / (0.4 * 3350) + 1.5, rel=1e-6)
+
+
+def test_a_policy_state_is_recorded_whatever_it_holds():
+    from fastgrpo.speculation.spec import SpecConfig
+
+    class Curve:
+        def to_json(self):
+            return {"target_s": {1: 0.5}}
+
+    class Broken:
+        def to_json(self):
+            raise RuntimeError("no")
+
+    class Acceptance:
+        def __init__(self):
+            self.counts = {SpecConfig(2, 2, 4): 3}
+
+        def alpha(self, d):
+            return 1 / d
+
+    class Policy:
+        name = "aware"
+
+        def __init__(self):
+            self.costs, self.broken, self.acceptance = Curve(), Broken(), Acceptance()
+            self.correction = {("spec", 4): 1.5}
+            self.candidates = [SpecConfig(4, 4, 12)]
+            self.seen = {3, 1}
+            self._private = object()
+
+    state = policy_state(Policy())
+    assert state["costs"] == {"target_s": {"1": 0.5}} and state["broken"].startswith("to_json failed: RuntimeError")
+    assert state["correction"] == {"spec/4": 1.5} and state["candidates"] == ["d4k4n12"] and state["seen"] == [1, 3]
+    assert state["acceptance"] == {"counts": {"d2k2n4": 3}} and "_private" not in state
+    assert state["acceptance_alpha"] == pytest.approx([1 / d for d in range(1, 9)])
+    assert json.loads(dumps(state)) == state
+
+
+def test_results_are_written_with_lists_of_values_on_one_line():
+    x = {"trace": {"ms": [1.5, 2.0], "config": ["off", "d4k4n12"]}, "rows": [{"a": 1}, {"b": [1, 2]}], "e": []}
+    text = dumps(x)
+    assert json.loads(text) == x and '"ms": [1.5, 2.0]' in text and '"b": [1, 2]' in text
+
+
+def test_the_gpu_stages_fit_one_600_second_command():
+    """Every stage has a plan; the plans fit the run's budget, and the budget leaves a minute of the
+    600-second command for installing the wheels, starting Python and the report."""
+    assert set(PLANNED_S) == set(STAGES)
+    assert sum(PLANNED_S.values()) <= SIZES["gpu"].budget_s <= 540
+    gpu = SIZES["gpu"]
+    assert gpu.reps >= 3 and gpu.levels == gpu.step_levels == (1, 4, 16, 64, 256) and gpu.big_batches == (1, 16, 64)
+    overrides = dict(o.split("=", 1) for o in gpu.overrides)
+    # SFT and the draft's pretraining, each held to its plan less its evaluation and saving
+    assert 60 * float(overrides["sft.max_minutes"]) <= PLANNED_S["sft"] - 30
+    assert 60 * float(overrides["draft.pretrain_minutes"]) <= PLANNED_S["draft"] - 10
+
+
+def test_the_8b_shape_is_the_configs_llama_3_1_8b():
+    from transformers import LlamaConfig
+
+    from fastgrpo.bench.gpu_check.stages import BIG_MODEL, ROOT, SCALED_8B, decoder_parameters
+
+    config = LlamaConfig.from_json_file(str(ROOT / "configs" / "models" / BIG_MODEL))
+    assert decoder_parameters(config) == 8_030_261_248  # the published size (configs/models/README.md)
+    scaled = LlamaConfig.from_dict({**config.to_dict(), **SCALED_8B})
+    # the structure kept: 4 query heads a KV head, an MLP 3.5x the width, untied, llama3 rope scaling
+    assert scaled.num_attention_heads // scaled.num_key_value_heads == config.num_attention_heads // config.num_key_value_heads
+    assert scaled.intermediate_size / scaled.hidden_size == config.intermediate_size / config.hidden_size
+    assert not scaled.tie_word_embeddings and scaled.rope_scaling == config.rope_scaling
+    assert scaled.head_dim * scaled.num_attention_heads == scaled.hidden_size

@@ -876,6 +876,15 @@ def random_weights(engine, seed: int = 0, std: float = 0.02) -> None:
     engine.update_weights(tensors(), version=0)
 
 
+def decoder_parameters(config) -> int:
+    """A dense Llama-style decoder's parameters: per layer the q, k, v, o projections, the gated MLP's three
+    matrices and two norms; the embedding, the LM head unless tied, the final norm."""
+    h, L, V, I = config.hidden_size, config.num_hidden_layers, config.vocab_size, config.intermediate_size
+    hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    return L * (h * (q + 2 * kv) + q * h + 3 * h * I + 2 * h) + V * h * (1 if config.tie_word_embeddings else 2) + h
+
+
 def decode_8b(c: Check) -> dict:
     """A random-weight Llama-3.1-8B shape (configs/models/, bf16) decoding plainly at batch 1, 16 and 64
     in the static engine (CUDA graphs), each step against its memory-bandwidth bound: the bytes it must
@@ -907,8 +916,8 @@ def decode_8b(c: Check) -> dict:
     element = torch.empty((), dtype=dtype).element_size()
     h, L, V, I = config.hidden_size, config.num_hidden_layers, config.vocab_size, config.intermediate_size
     hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    params = L * (h * (q + 2 * kv) + q * h + 3 * h * I + 2 * h) + V * h * (1 if config.tie_word_embeddings else 2) + h
+    kv = config.num_key_value_heads * hd
+    params = decoder_parameters(config)
     prompt_len, T = (32 if size.big_full else 16), size.big_tokens
     max_context = 64 * -(-(prompt_len + T + 8) // 64)
     rows = batch_bucket(max(size.big_batches))
