@@ -1,6 +1,6 @@
 """`fastgrpo bench gpu-check` (or `python -m fastgrpo.bench.gpu_check`; `tools/gpu_check.sh` wraps it for
-an offline GPU machine): the GPU path shown to work and measured, in one run of at most 8 minutes on one
-H100 or H200.
+an offline GPU machine): the GPU path shown to work and measured, in one command of at most 600 seconds
+on one H100 or H200 (the run holds itself to 540 s; `harness.PLANNED_S` is each stage's plan).
 
 Stages, each timed and printed as it goes; a stage that fails is recorded with its error and the run
 goes on to the next (the exit status is 1 if any failed). The JSON and the markdown tables are rewritten
@@ -8,8 +8,9 @@ after every stage, so a run cut short keeps what it finished.
 
 - environment: versions, the device, its spec-sheet memory bandwidth (by name) and a measured copy's.
 - sft: the policy (`model.size=gpu`, ~308M parameters) warm-started on the task (`fastgrpo sft`'s
-  code) on the device, bf16 autocast, ~2 minutes (a fixed step count, `sft.max_minutes` as a guard).
-- draft: its draft (`fastgrpo draft-pretrain`'s code) on the device, ~1 minute.
+  code) on the device, bf16 autocast, ~1 minute (a fixed step count, `sft.max_minutes` as a guard): the
+  policy matters here for the draft's acceptance, not its accuracy.
+- draft: its draft (`fastgrpo draft-pretrain`'s code) on the device, ~36 s.
 - train_step: one GRPO step of the Megatron trainer (world of 1, TP1 PP1, NCCL on a GPU) against the
   torch trainer's, both bf16, on the same batch: log-probabilities, loss, gradient norm, step times.
 - weight_push: the trainer's weights into an engine through the weight bridge (buckets, a version,
@@ -17,9 +18,17 @@ after every stage, so a run cut short keeps what it finished.
   refused at the commit; the Megatron trainer's export is pushed too when that stage built one.
 - decode_bound: the plain decode step at batch 1 and 64 against its memory-bandwidth bound (bytes of
   weights + KV cache read per step / peak bandwidth), and what the rest is (see `decode_bound`).
-- rollout: `bench rollout`'s own sweep and GRPO-batch code on this device: modes off, static,
-  fastgrpo, tlt, aware, aware_per_sequence at 1, 4, 16, 64 and 256 running sequences, and a GRPO batch
-  (with its static-tree sweep and shared-prefill comparison).
+- step_bench: the decode steps alone, plain and five tree shapes at 1, 4, 16, 64 and 256 rows, in the
+  eager engine and the static one (CUDA graphs), medians and standard errors of repeated calls.
+- simulator_fit: `bench simulate`'s roofline and overhead constants fitted to those steps (`fit.py`),
+  its error before and after, and with each level held out.
+- decode_8b: a random-weight Llama-3.1-8B shape (configs/models/, bf16) decoding at batch 1, 16 and 64
+  in the graphed engine against its bandwidth bound (skipped, with the reason, without the memory).
+- rollout: `bench rollout`'s workloads on this device, repeated until they decide: off, static and its
+  A/A twin (the noise floor), fastgrpo, tlt, aware, aware_per_sequence at 1, 4, 16, 64 and 256 running
+  sequences and on a GRPO batch (with bench rollout's static trees and unshared prefill), 3 repetitions
+  in rotated order, medians and standard errors; every call's per-step trace, aware's state after each
+  of its calls and its calibrated cost model kept with the results.
 
 `--size test --device cpu` runs every stage at toy sizes in well under a minute (tests/test_gpu_check.py,
 inside `make test`), so the script cannot rot before a GPU runs it.
@@ -30,8 +39,8 @@ that the modules this path imports come from nowhere else. No MLflow (`tracking.
 here starts a tracker), no plots.
 
 The package: `pins` (the GPU installs' pins and which carried wheels to install), `harness` (the sizes,
-the run and its timing helpers), `stages` (one function per stage), `report` (the tables), `driver`
-(`run`, `main`).
+the run and its timing helpers), `stages` (one function per stage), `fit` (the simulator's constants
+fitted to measured steps), `report` (the tables), `driver` (`run`, `main`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ def run(out: Path, size: str = "gpu", device: str = "auto", work: Path | None = 
         stages: tuple[str, ...] = STAGES, overrides: list[str] | None = None, budget_s: float | None = None) -> int:
     """Every stage in order; 0 if all succeeded, else 1. The policy, draft and cost model go to `work`
     (default: a temporary directory, removed at the end). `budget_s`: the whole run's (default: the
-    size's, 480 s at gpu size), which the last stage (rollout) fits itself into."""
+    size's, 540 s at gpu size), which the last stage (rollout) fits itself into."""
     own_work = work is None
     work = Path(tempfile.mkdtemp(prefix="fastgrpo-gpu-check-")) if own_work else Path(work)
     try:
@@ -57,13 +57,13 @@ def run(out: Path, size: str = "gpu", device: str = "auto", work: Path | None = 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fastgrpo.bench.gpu_check", description=sys.modules[__package__].__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/gpu_check", help="directory of gpu_check.json and gpu_check.md")
-    p.add_argument("--size", choices=sorted(SIZES), default="gpu", help="gpu (~308M policy, ~8 minutes on an H100) "
+    p.add_argument("--size", choices=sorted(SIZES), default="gpu", help="gpu (~308M policy, ~9 minutes on an H100 or H200) "
                    "or test (toy sizes, seconds, any device)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")  # config.DEVICES
     p.add_argument("--work", help="where the policy, draft and cost model go (default: a temporary directory, removed)")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {', '.join(STAGES)}")
     p.add_argument("--budget-s", type=float, help="the whole run's seconds, which rollout (the last stage) fits "
-                   "itself into (default: 480 at gpu size, none at test size; 0: none)")
+                   "itself into (default: 540 at gpu size, none at test size; 0: none)")
     p.add_argument("--wheel-specs", action="store_true", help="print the wheels the GPU machine needs and exit")
     p.add_argument("--wheels-to-install", metavar="DIR", help="print the wheels in DIR this Python lacks or has "
                    "in an older version, and exit (tools/gpu_check.sh installs those)")

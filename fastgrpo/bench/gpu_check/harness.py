@@ -29,7 +29,7 @@ STAGES = ("environment", "sft", "draft", "train_step", "weight_push", "decode_bo
 # overrun its plan by a quarter; rollout, the last, fits itself into what is left of the run's budget. The
 # report sets each stage's time beside its plan.
 PLANNED_S = {"environment": 10, "sft": 100, "draft": 50, "train_step": 30, "weight_push": 5, "decode_bound": 25,
-             "step_bench": 70, "simulator_fit": 2, "decode_8b": 40, "rollout": 190}
+             "step_bench": 90, "simulator_fit": 2, "decode_8b": 30, "rollout": 180}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,7 @@ class Size:
     train_sequences: int  # train_step's batch
     push_reps: int
     step_levels: tuple[int, ...] = (1, 4, 16, 64, 256)  # step_bench: running rows
-    step_tokens: int = 32  # step_bench: tokens per sequence of each timed call
+    step_tokens: int = 24  # step_bench: tokens per sequence of each timed call (~5 steps of a tree)
     step_reps: int = 3  # step_bench: calls per (level, shape, engine), in rotated order
     big_batches: tuple[int, ...] = (1, 16, 64)  # decode_8b: batches
     big_tokens: int = 64  # decode_8b: tokens per generate call
@@ -71,7 +71,7 @@ SIZES = {
                    "draft.lr=3e-3", "draft.buffer_tokens=20000", "eval.samples=2", "grpo.minibatches=2",
                    "grpo.micro_batch_size=8", "optim.lr=1e-3"),
         levels=(1, 4), sweep_tokens=8, reps=3, grpo_prompts=2, grpo_max_new=12, decode_tokens=8,
-        train_sequences=8, push_reps=2, step_levels=(1, 4), step_tokens=6, step_reps=3, big_tokens=6,
+        train_sequences=8, push_reps=2, step_levels=(1, 4), step_tokens=8, step_reps=3, big_tokens=6,
         big_full=False),
 }
 

@@ -720,17 +720,21 @@ def _step_engines(c: Check, config, text, weights, draft, rows: int, max_context
 
 def step_cells(B: int, shape: str, engine: str, calls: list[dict], warmup: int) -> dict:
     """One (level, shape, engine) of the step benchmark from its calls: each call's median step (its steps
-    after `warmup`, at all B rows and of this shape: the tail where rows finish apart and a fallback to a
-    plain step are left out), then the median and standard error over the calls."""
+    after `warmup`, of this shape, while the running rows still fill B's batch bucket: the static step's
+    shape is B's then, and rows that finish a step apart under speculation leave most steps in; a fallback
+    to a plain step is left out), then the median and standard error over the calls that kept a step."""
+    from fastgrpo.engines.embedded.steps import batch_bucket
+
+    bucket = batch_bucket(B)
     per_call, tokens, steps = [], [], 0
     for r in calls:
         t = r["trace"]
-        kept = [(ms, e) for run, cfg, e, ms in
+        kept = [(ms, e, run) for run, cfg, e, ms in
                 list(zip(t["running"], t["config"], t["emitted"], t["ms"]))[warmup:]
-                if run == B and (cfg == shape or (shape == "plain" and cfg == "off"))]
+                if batch_bucket(run) == bucket and (cfg == shape or (shape == "plain" and cfg == "off"))]
         if kept:
-            per_call.append(statistics.median(ms for ms, _ in kept))
-            tokens.append(sum(e for _, e in kept) / (B * len(kept)))
+            per_call.append(statistics.median(ms for ms, _, _ in kept))
+            tokens.append(sum(e for _, e, _ in kept) / sum(run for _, _, run in kept))
             steps += len(kept)
     ms = spread(per_call)
     row = {"level": B, "shape": shape, "engine": engine, "step_ms": ms, "steps": steps, "calls": len(calls),
@@ -748,7 +752,7 @@ def step_bench(c: Check) -> dict:
     `step_tokens` tokens per row (EOS ignored), the combinations' order rotated per repetition; a step is
     timed by the engine's own per-step trace (a step ends with its results on the host: synchronised),
     the first STEP_WARMUP steps of a call left out (a new shape's graph capture), the median step of each
-    call, then the median and standard error over the calls. A level that would overrun the stage's plan
+    call (`step_cells`), then the median and standard error over the calls. A level that would overrun the stage's plan
     by a quarter (twice the last level's time) is skipped and recorded (gpu size)."""
     from fastgrpo.bench.rollout import rotated
     from fastgrpo.models.draft import DraftHead
