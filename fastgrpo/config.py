@@ -28,7 +28,8 @@ class ConfigError(ValueError):
 ModelSize = Literal["test", "bench", "gpu"]  # `fastgrpo sft`'s recipes (models/policy.py SIZES)
 SpeculationPolicyName = Literal["off", "static", "fastgrpo", "tlt", "aware", "aware_per_sequence"]  # speculation/registry.py
 OnlineDraft = Literal["off", "sync", "async"]
-LossAggregation = Literal["token_mean", "seq_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]  # grpo/loss.py
+# grpo/loss.py
+LossAggregation = Literal["token_mean", "seq_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 RatioLevel = Literal["token", "sequence"]  # grpo.ratio_level: PPO's per-token ratio, or GSPO's per-sequence one
 RolloutCorrection = Literal["none", "token_tis", "sequence_tis", "token_mask", "sequence_mask", "geometric_mask",
                             "icepop"]  # grpo/correction.py

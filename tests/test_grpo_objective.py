@@ -322,7 +322,8 @@ def test_the_batch_keeps_the_first_informative_groups_a_refilled_step_needs():
 @pytest.mark.parametrize("override, key", [
     ("grpo.ratio_level=sentence", "grpo.ratio_level"), ("grpo.dual_clip=0.5", "grpo.dual_clip"),
     ("grpo.dual_clip=1", "grpo.dual_clip"), ("grpo.log_ratio_clamp=-1", "grpo.log_ratio_clamp"),
-    ("grpo.loss_aggregation=seq_sum", "grpo.loss_aggregation"), ("grpo.rollout_correction=mis", "grpo.rollout_correction"),
+    ("grpo.loss_aggregation=seq_sum", "grpo.loss_aggregation"),
+    ("grpo.rollout_correction=mis", "grpo.rollout_correction"),
     ("grpo.kl_estimator=k4", "grpo.kl_estimator"), ("grpo.advantage=ppo", "grpo.advantage"),
     ("grpo.std_scope=global", "grpo.std_scope"), ("grpo.tis_cap=0", "grpo.tis_cap"),
     ("grpo.mask_high=0.9", "grpo.mask_low"), ("grpo.loss_norm_tokens=-2", "grpo.loss_norm_tokens"),

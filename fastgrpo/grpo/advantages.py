@@ -5,8 +5,9 @@
   A_i = r_i - mean of the group's other G - 1 rewards = G / (G - 1) * (r_i - mean(group)),
   an unbiased baseline (it does not depend on the sample it judges);
 then, with `scale_by_std`, divided by (std + eps): the group's own std (GRPO) or the std of every
-reward of the step (`std_scope=batch`, TRL's scale_rewards="batch"), which keeps a group that is nearly all right or all wrong from being up-weighted. std is
-the unbiased (Bessel-corrected) standard deviation, as in TRL.
+reward of the step (`std_scope=batch`, TRL's scale_rewards="batch"), which keeps a group that is
+nearly all right or all wrong from being up-weighted. std is the unbiased (Bessel-corrected) standard
+deviation, as in TRL.
 """
 
 from __future__ import annotations
