@@ -79,17 +79,14 @@ def oracle(logp, old, engine, ref, adv, o: GRPOConfig):
             continue
         scale = 1 / (denominator * (n if o.loss_aggregation == "seq_mean" else 1))  # each token's share
         if o.ratio_level == "sequence":  # GSPO: s = (pi(y|x) / pi_old(y|x))^(1/|y|), one for the sequence
-            x = sum(a - b for a, b in zip(logp[i], old[i])) / max(n, 1)
-            xs = [x] * n
-            # d log s / d logp_t = 1/|y|, and a sequence-level term's gradient spread over the tokens is the
-            # GSPO gradient: (1/|y|) sum_t s A grad log pi(y_t) -- each token's own term carries s A
-            own = [1.0] * n
+            # GSPO-token (the paper's token form): every token carries s, and its term's gradient is
+            # s A grad log pi(y_t) (with seq_mean: GSPO's (1/|y|) sum_t s A grad log pi(y_t))
+            xs = [sum(a - b for a, b in zip(logp[i], old[i])) / n] * n
         else:
             xs = [a - b for a, b in zip(logp[i], old[i])]
-            own = [1.0] * n
         g = []
         for t in range(n):
-            x, d = xs[t], own[t]
+            x, d = xs[t], 1.0  # d: d x / d logp_t as the token's own term sees it
             if C and abs(x) > C:
                 x, d = math.copysign(C, x), 0.0
                 counts["clamped"] += 1
