@@ -632,7 +632,8 @@ def rollout(c: Check) -> dict:
             state = policy_state(policy)
             if state.get("costs") == cost_model:  # the calibration, unchanged: saved once, as cost_model
                 state["costs"] = "unchanged: rollout.cost_model"
-            out["aware_states"].append({"workload": workload, "mode": mode, "rep": rep, "state": state})
+            out["aware_states"].append({"workload": workload, "mode": mode, "rep": rep, "configs": r["configs"],
+                                        "probes": state.get("probes"), "state": state})
 
     def run_reps(workload: str, contenders: dict, requests, sampling, seed, unshared: str | None = None) -> dict:
         runs: dict[str, list[dict]] = {m: [] for m in contenders}
