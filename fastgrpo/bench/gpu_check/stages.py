@@ -10,10 +10,19 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastgrpo.bench.gpu_check.harness import (PLANNED_S, Check, copy_bandwidth, log, peak_bandwidth, release, spread,
                                              sync, timed)
+
+if TYPE_CHECKING:  # annotations only: importing gpu_check must not need the engine (pins runs first)
+    from torch import Tensor
+    from transformers import PretrainedConfig
+
+    from fastgrpo.engines.embedded.engine import EmbeddedEngine
+    from fastgrpo.models.tokenizer import TextFormat
+    from fastgrpo.speculation.policy import SpeculationPolicy
+    from fastgrpo.types import Request, SamplingParams
 
 # the rollout's modes: `static` twice under two names (the A/A pair: the same tree, policy and seeds, so
 # their ratio is the run's noise floor), every fixed choice aware must match, and aware's two
@@ -513,7 +522,8 @@ def trace_columns(trace: list) -> dict[str, list]:
             "emitted": [int(r[2]) for r in rows], "ms": [round(1000 * float(r[3]), 4) for r in rows]}
 
 
-def generate_call(engine, policy, requests, sampling, seed: int, share_prefill: bool = True) -> dict:
+def generate_call(engine: EmbeddedEngine, policy: SpeculationPolicy, requests: list[Request], sampling: SamplingParams,
+                  seed: int, share_prefill: bool = True) -> dict:
     """One synchronised generate() call under `policy`: its time and tokens, the engine's statistics (the
     configurations it ran by concurrency, its per-step trace) and the CUDA graphs it captured and replayed."""
     engine.set_speculation(policy)
@@ -705,7 +715,8 @@ def rollout(c: Check) -> dict:
 
 
 # -- step_bench ------------------------------------------------------------------------------------------
-def _step_engines(c: Check, config, text, weights, draft, rows: int, max_context: int) -> dict:
+def _step_engines(c: Check, config: PretrainedConfig, text: TextFormat, weights: dict[str, Tensor],
+                  draft: dict[str, Tensor], rows: int, max_context: int) -> dict[str, EmbeddedEngine]:
     """The policy in two engines of `rows` rows: eager steps, and static ones (CUDA graphs on a GPU)."""
     from fastgrpo.engines.embedded.engine import EmbeddedEngine
 
@@ -863,7 +874,7 @@ def simulator_fit(c: Check) -> dict:
 
 
 # -- decode_8b -------------------------------------------------------------------------------------------
-def random_weights(engine, seed: int = 0, std: float = 0.02) -> None:
+def random_weights(engine: EmbeddedEngine, seed: int = 0, std: float = 0.02) -> None:
     """Random weights in place of a checkpoint: normal(0, std) matrices, norms of one (the activations stay
     finite through any depth), generated on the engine's device one tensor at a time."""
     import torch
@@ -881,7 +892,7 @@ def random_weights(engine, seed: int = 0, std: float = 0.02) -> None:
     engine.update_weights(tensors(), version=0)
 
 
-def decoder_parameters(config) -> int:
+def decoder_parameters(config: PretrainedConfig) -> int:
     """A dense Llama-style decoder's parameters: per layer the q, k, v, o projections, the gated MLP's three
     matrices and two norms; the embedding, the LM head unless tied, the final norm."""
     h, L, V, I = config.hidden_size, config.num_hidden_layers, config.vocab_size, config.intermediate_size
