@@ -160,6 +160,7 @@ class EmbeddedEngine:
         self.state = StepState(self.rows) if self.static else None
         self.steps = StaticSteps(self.model, self.cache, self.state) if self.state is not None else None
         self._readback: Tensor | None = None  # the pinned host buffer a static step's results land in
+        self._kept_pending: _PendingStates | None = None  # static steps: the draft's pending states, kept
         self.draft: DraftHead | None = None
         self.draft_cache: KVCache | None = None
         self.policy: SpeculationPolicy = policy or Off()
@@ -257,12 +258,10 @@ class EmbeddedEngine:
                   capture: bool) -> list[Completion]:
         self._check(requests)
         self._capture = capture
-        self._pending = (_PendingStates(self.rows, self.draft_window, self.cfg.hidden_size, self.dtype)
-                         if self.speculating else None)
+        self._pending = self._pending_states() if self.speculating else None
         if self.state is not None:
             self.state.active.zero_()
             self.state.set_seed(seed)
-            self.graphs.clear()  # the draft's pending states are this call's buffers
         self.cache.lengths.zero_()
         if self.draft_cache is not None:
             self.draft_cache.lengths.zero_()
@@ -317,6 +316,17 @@ class EmbeddedEngine:
                            {"spec_steps": s.spec_steps, "spec_emitted": s.spec_emitted}, self._captured(s),
                            s.sample_sets[: len(s.tokens)] if cuts(sampling) else None)
                 for s in out]
+
+    def _pending_states(self) -> _PendingStates:
+        """The draft's pending states for a call: one buffer for the engine's life when steps are static (a
+        captured step reads the buffer it was captured with; every entry is written before it is read),
+        a fresh one per call otherwise."""
+        if self.state is None:
+            return _PendingStates(self.rows, self.draft_window, self.cfg.hidden_size, self.dtype)
+        if self._kept_pending is None:
+            self._kept_pending = _PendingStates(self.rows, self.draft_window, self.cfg.hidden_size, self.dtype)
+        self._kept_pending._deferred.clear()
+        return self._kept_pending
 
     def _swap_draft(self) -> None:
         if self.draft_source is not None and (update := self.draft_source()) is not None:
