@@ -90,7 +90,7 @@ def test_nan_step_is_skipped_and_training_goes_on(tmp_path, tiny_policy, monkeyp
     import fastgrpo.grpo.batch as batch
 
     real = batch.group_advantages
-    monkeypatch.setattr(batch, "group_advantages", lambda r, s: real(r, s) * float("nan"))
+    monkeypatch.setattr(batch, "group_advantages", lambda r, s, **kw: real(r, s, **kw) * float("nan"))
     cfg = tiny_config(tmp_path, tiny_policy, **{"grpo.drop_equal_reward_groups": "false", "grpo.steps": 1})
     before = load_file(tiny_policy / "model.safetensors")
     train(cfg)
