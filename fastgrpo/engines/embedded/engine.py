@@ -30,13 +30,13 @@ from fastgrpo.bridge import checksum
 from fastgrpo.device import on_device
 from fastgrpo.models.families import checkpoint_tensors
 from fastgrpo.types import Completion, EngineStats, Request, SamplingParams
-from fastgrpo.engines.embedded.model import InferenceModel, KVCache, block_mask, cache_kv
+from fastgrpo.engines.embedded.model import InferenceModel, KVCache
 from fastgrpo.models.sampling import cuts, kept_sets, sample, sampling_logprobs, sampling_uniforms
 from fastgrpo.models.draft import DraftHead
 from fastgrpo.speculation.policy import Off, PerSequencePolicy, SpeculationPolicy
 from fastgrpo.engines.embedded.graphs import StepGraphs
-from fastgrpo.engines.embedded.steps import (StaticSteps, StepOutput, StepResult, StepState, batch_bucket,
-                                             context_bucket)
+from fastgrpo.engines.embedded.steps import (StaticSteps, StepResult, StepState, batch_bucket, catch_up,
+                                             context_bucket, keep_path)
 from fastgrpo.engines.embedded.tree import NonFiniteDraft, Verified, draft_tree, verify_tree
 from fastgrpo.speculation.spec import SpecConfig
 
@@ -295,13 +295,14 @@ class EmbeddedEngine:
                           if self._pending is not None and self.speculating else None)
                 self._in_step = True
                 try:
-                    if self._static_takes(config):
+                    static = self._static_takes(config)
+                    if static:
                         emitted, accepted = self._static_step(running, config, context, sampling)
                     elif config is None:
                         emitted, accepted = self._decode(running, sampling, seed), None
                     else:
                         emitted, accepted = self._speculate(running, config, sampling, seed)
-                    if self.state is not None and not self._static_takes(config):  # an eager step in a static engine
+                    if self.state is not None and not static:  # an eager step in a static engine
                         self.state.start_rows(0, [s.pending for s in running], [s.key for s in running],
                                               [len(s.tokens) for s in running])
                 finally:
@@ -568,38 +569,17 @@ class EmbeddedEngine:
         assert self.draft is not None and self.draft_cache is not None
         assert self._pending is not None
         B = len(running)
-        rows = slice(0, B)
-        end = self.cache.lengths[rows]  # the draft catches up to the target
-        behind = end - self.draft_cache.lengths[rows]
-        counts = behind.clamp(max=self._pending.window)
-        width = int(counts.max())
-        start = end - counts
+        end = self.cache.lengths[:B]  # the draft catches up to the target
+        counts = (end - self.draft_cache.lengths[:B]).clamp(0, self._pending.window)
         self._pending.flush(self.cache.lengths)
-        hidden, tokens = self._pending.take(start, width)
-        visible = self.draft_cache.visible_from[rows]
-        visible[:] = torch.where(counts < behind, start, visible)
-        # rows with fewer new states pad; padding writes to the row's first free slot and is never read
-        slots = torch.minimum(start[:, None] + torch.arange(width), end[:, None])
-        ctx = int(end.max()) + 1
-        with torch.inference_mode():
-            feats = self.draft.features(hidden, tokens, slots, block_mask(start, width, ctx, None, visible),
-                                        cache_kv(self.draft_cache, 0, rows, slots, ctx))
-        self.draft_cache.lengths[rows] = end
-        return feats[torch.arange(B), counts - 1]
+        with torch.inference_mode():  # as wide as the furthest-behind row, over the longest row's cache
+            return catch_up(self.draft, self.draft_cache, self.cache, self._pending, B, int(counts.max()),
+                            int(end.max()) + 1)
 
     def _keep_path(self, rows: slice, start: Tensor, path: Tensor, accepted: Tensor) -> None:
-        """Move the accepted nodes' keys/values to the positions right after the root (only those
-        entries are copied; the rest of the tree is left beyond the length and overwritten later)."""
-        D = int(accepted.max())
-        if D == 0:
-            return
-        k = torch.arange(1, D + 1)
-        valid = k[None] <= accepted[:, None]
-        src = start[:, None] + torch.where(valid, path[:, :D], 0)
-        dst = start[:, None] + torch.where(valid, k[None], 0)
-        r = torch.arange(rows.start, rows.stop)[:, None]
-        for c in (self.cache.k, self.cache.v):
-            c[:, r, dst] = c[:, r, src]
+        """Move the accepted nodes' keys/values to the positions right after the root, for the deepest
+        accepted path's levels only (the rest of the tree is left beyond the length, overwritten later)."""
+        keep_path(self.cache, rows.stop, start, path[:, : int(accepted.max())], accepted)
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _retire(self, running: list[_Sequence], done: dict[int, _Sequence]) -> None:

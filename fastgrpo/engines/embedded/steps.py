@@ -179,7 +179,7 @@ class StaticSteps:
         row's accepted path. `ctx` covers every row's length + config.num_verify."""
         assert self.draft is not None and self.draft_cache is not None
         st, rows = self.state, slice(0, B)
-        root_features = self._catch_up(B, ctx, states)
+        root_features = catch_up(self.draft, self.draft_cache, self.cache, states, B, states.window, ctx)
         tree = draft_tree(self.draft, self.draft_cache, rows, root_features, st.pending[rows], config, ctx=ctx)
         start = self.cache.lengths[rows].clone()
         logits, hidden = self.model.forward(tree.tokens, self.cache, rows, positions=start[:, None] + tree.depth,
@@ -194,25 +194,29 @@ class StaticSteps:
         return StepOutput(pack(result.tokens, result.logprobs, result.path, result.accepted, tree.valid[:, 1:].any(-1)),
                           hidden, node_logprobs)
 
-    def _catch_up(self, B: int, ctx: int, states: _PendingStates) -> Tensor:
-        """The eager engine's catch-up (`EmbeddedEngine._draft_catch_up`) at a fixed width, the window:
-        each row feeds the draft the target states it has not seen (at most a window of them), padded to
-        the window; the padding writes to the row's first free slot and is never read. Returns the draft's
-        state at each row's pending token [B, H]."""
-        assert self.draft is not None and self.draft_cache is not None
-        rows, dc, W = slice(0, B), self.draft_cache, states.window
-        end = self.cache.lengths[rows]
-        behind = end - dc.lengths[rows]
-        counts = behind.clamp(0, W)
-        start = end - counts
-        hidden, tokens = states.take(start, W)
-        visible = dc.visible_from[rows]
-        visible.copy_(torch.where(counts < behind, start, visible))
-        slots = torch.minimum(start[:, None] + torch.arange(W, device=end.device), end[:, None])
-        feats = self.draft.features(hidden, tokens, slots, block_mask(start, W, ctx, None, visible),
-                                    cache_kv(dc, 0, rows, slots, ctx))
-        dc.lengths[rows] = end
-        return feats[torch.arange(B, device=end.device), (counts - 1).clamp(min=0)]
+
+def catch_up(draft: DraftHead, draft_cache: KVCache, cache: KVCache, states: _PendingStates, B: int, width: int,
+             ctx: int) -> Tensor:
+    """Feed the draft the target states of rows 0..B-1 it has not seen (accepted paths, decoded and
+    prefilled tokens; at most a window of them: a row further behind feeds its last `states.window` and
+    attends to those onwards) in one forward of `width` tokens a row over `ctx` draft-cache positions.
+    Rows with fewer states pad; the padding writes to the row's first free slot and is never read.
+    Returns the draft's state at each row's pending token [B, H] (its prediction of the next one).
+    The eager step passes the widest row's count and the longest row's length + 1, the static one the
+    window and its context bucket."""
+    rows = slice(0, B)
+    end = cache.lengths[rows]
+    behind = end - draft_cache.lengths[rows]
+    counts = behind.clamp(0, states.window)
+    start = end - counts
+    hidden, tokens = states.take(start, width)
+    visible = draft_cache.visible_from[rows]
+    visible.copy_(torch.where(counts < behind, start, visible))
+    slots = torch.minimum(start[:, None] + torch.arange(width, device=end.device), end[:, None])
+    feats = draft.features(hidden, tokens, slots, block_mask(start, width, ctx, None, visible),
+                           cache_kv(draft_cache, 0, rows, slots, ctx))
+    draft_cache.lengths[rows] = end
+    return feats[torch.arange(B, device=end.device), (counts - 1).clamp(min=0)]
 
 
 def keep_path(cache: KVCache, B: int, start: Tensor, path: Tensor, accepted: Tensor) -> None:
