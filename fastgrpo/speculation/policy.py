@@ -160,11 +160,12 @@ class AcceptanceModel:
 class StepFit:
     """A speculative step's seconds in one concurrency bucket, fitted online to measured steps:
 
-        T(c) = (U - u) + f * F(c) + U * (h + g * depth(c) + q * (nodes(c) - 1))
+        T(c) = max(U - u, 0) + f * min(U / u, 1) * F(c) + U * (h + g * depth(c) + q * (nodes(c) - 1))
 
     u is a plain step's calibrated forward and U its measured time there (the calibration times plain's
-    correction), so U - u is what a plain step costs beyond its forward: host work (sampling, bookkeeping,
-    launches) that a speculative step pays too. F(c) is the step's calibrated forwards (the draft's levels
+    correction). A plain step slower than its forward (U > u) pays U - u beyond it: host work (sampling,
+    bookkeeping, launches) that a speculative step pays too. One faster than its forward (U < u) says the
+    calibration overprices this machine (a sweep taken while it was busy): every forward is scaled by U / u. F(c) is the step's calibrated forwards (the draft's levels
     and the verify, `Aware._calibrated_seconds`), h a further fixed cost, g a cost per draft level and q
     one per verified node of a row beyond its root, in plain steps. On an eager GPU engine most of a step
     is host work per step and per level that no forward timing sees, and a verify of many tokens can
@@ -196,9 +197,9 @@ class StepFit:
         if not self.steps:
             return
         w = torch.tensor([step[5] for step in self.steps], dtype=torch.float64).sqrt()[:, None]
-        x = w * torch.tensor([[F / (u * scale), 1.0, float(d), n - 1.0] for F, d, n, _, u, _ in self.steps],
+        x = w * torch.tensor([[F * min(scale, 1) / (u * scale), 1.0, float(d), n - 1.0] for F, d, n, _, u, _ in self.steps],
                              dtype=torch.float64)[:, : 4 if self.per_node else 3]
-        y = w[:, 0] * torch.tensor([(sec - u * (scale - 1)) / (u * scale) for _, _, _, sec, u, _ in self.steps],
+        y = w[:, 0] * torch.tensor([(sec - u * max(scale - 1, 0)) / (u * scale) for _, _, _, sec, u, _ in self.steps],
                                    dtype=torch.float64)
         prior = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
         keep = [0, 1, 2, 3] if self.per_node else [0, 1, 2]
@@ -216,7 +217,7 @@ class StepFit:
     def seconds(self, forwards: float, c: SpecConfig, plain: float, scale: float) -> float:
         """plain: u, a plain step's calibrated forward; scale: plain's correction (U = u * scale)."""
         overhead = self.h + self.g * c.depth + self.q * (c.num_verify - 1)
-        return plain * (scale - 1) + self.f * forwards + plain * scale * overhead
+        return plain * max(scale - 1, 0) + self.f * min(scale, 1) * forwards + plain * scale * overhead
 
     def to_json(self) -> dict:
         return {"f": self.f, "h": self.h, "g": self.g, "q": self.q, "steps": len(self.steps)}
