@@ -87,6 +87,7 @@ FLOORS = {eager_h100: {1: 0.97, 4: 0.96, 16: 0.97, 64: 0.97, 256: 0.88},
           graphed: {1: 0.97, 4: 0.97, 16: 0.97, 64: 0.96, 256: 0.97}}
 
 
+@pytest.mark.slow  # 3000 simulated steps at five concurrencies: ~15 s each
 @pytest.mark.parametrize("truth", [eager_h100, graphed], ids=["eager-h100", "graphed"])
 def test_aware_nears_the_best_fixed_choice_at_every_concurrency(truth):
     for B, floor in FLOORS[truth].items():
