@@ -72,16 +72,21 @@ def _contract(rank, world, backend, policy_dir, tmp):
                 continued=continued, resumed=resumed)
 
 
-@pytest.fixture(scope="module")
-def contract(tiny_policy, tmp_path_factory):
+def per_backend(fn, name: str, tiny_policy, tmp_path_factory, timeout_s: float) -> dict:
+    """fn(backend, policy, tmp) run in a world of one for each backend: {backend: its result}."""
     pytest.importorskip("megatron.core")
     pytest.importorskip("deepspeed")
     results = {}
     for backend in BACKENDS:
-        tmp = tmp_path_factory.mktemp(f"contract-{backend}")
-        results[backend] = run_world(_contract, 1, tmp / "world", backend, str(tiny_policy), str(tmp),
-                                     timeout_s=600.0)[0]
+        tmp = tmp_path_factory.mktemp(f"{name}-{backend}")
+        results[backend] = run_world(fn, 1, tmp / "world", backend, str(tiny_policy), str(tmp),
+                                     timeout_s=timeout_s)[0]
     return results
+
+
+@pytest.fixture(scope="module")
+def contract(tiny_policy, tmp_path_factory):
+    return per_backend(_contract, "contract", tiny_policy, tmp_path_factory, timeout_s=600.0)
 
 
 @pytest.fixture(scope="module")
@@ -161,14 +166,7 @@ def _options(rank, world, backend, policy_dir, tmp):
 
 @pytest.fixture(scope="module")
 def options(tiny_policy, tmp_path_factory):
-    pytest.importorskip("megatron.core")
-    pytest.importorskip("deepspeed")
-    results = {}
-    for backend in BACKENDS:
-        tmp = tmp_path_factory.mktemp(f"options-{backend}")
-        results[backend] = run_world(_options, 1, tmp / "world", backend, str(tiny_policy), str(tmp),
-                                     timeout_s=900.0)[0]
-    return results
+    return per_backend(_options, "options", tiny_policy, tmp_path_factory, timeout_s=900.0)
 
 
 @pytest.mark.slow
