@@ -25,6 +25,7 @@ token's 2nd and 3rd experts near a tie, checked), fp32.
 from __future__ import annotations
 
 import json
+import time
 import weakref
 from pathlib import Path
 
@@ -354,7 +355,8 @@ class Recorder:
     (the push must not hold them); at the commit it checks each tensor against the sender's checksum,
     as an engine does."""
 
-    def __init__(self):
+    def __init__(self, wait_s: float = 5.0):
+        self.wait_s = wait_s
         self.buckets: list[tuple[list[str], int]] = []
         self.received: dict[str, torch.Tensor] = {}
         self.alive_earlier: list[int] = []
@@ -362,7 +364,7 @@ class Recorder:
         self.committed: int | None = None
 
     def update_weights(self, named_tensors, version: int, complete: bool = True) -> None:
-        self.alive_earlier.append(sum(ref() is not None for ref in self._earlier))
+        self.alive_earlier.append(self._alive_earlier())
         named = list(named_tensors)
         self._earlier += [weakref.ref(t) for _, t in named]
         self.buckets.append(([n for n, _ in named], sum(t.numel() * t.element_size() for _, t in named)))
@@ -370,12 +372,47 @@ class Recorder:
             assert name not in self.received, f"{name} pushed twice"
             self.received[name] = t.clone()
 
+    def _alive_earlier(self) -> int:
+        """How many tensors of the earlier buckets are alive. Gloo's worker thread marks a collective
+        complete before it drops its reference to the work and the work's tensors
+        (`ProcessGroupGloo::runLoop` resets `workInProgress_` after `execute`), so the tensor a broadcast
+        just filled can outlive the push's own reference for as long as that thread waits for a core.
+        The push is blocked inside this call while it waits, so only other threads can release
+        anything: a reference the push itself kept stays alive through the wait and is counted."""
+        deadline = time.monotonic() + self.wait_s
+        while (alive := sum(ref() is not None for ref in self._earlier)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return alive
+
     def commit_weights(self, version: int, checksums: dict[str, int] | None = None) -> None:
         from fastgrpo.bridge import checksum
 
         assert checksums is not None and checksums.keys() == self.received.keys()
         assert all(checksum(t) == checksums[n] for n, t in self.received.items())
         self.committed = version
+
+
+def test_the_recorder_counts_what_a_push_keeps_and_not_what_it_frees():
+    """The control for the push's no-holding check: a push whose source keeps every tensor it sent
+    is counted at each later bucket; one that keeps none counts zero."""
+    from fastgrpo.bridge import WeightBridge
+
+    def source(keep: bool):
+        kept = []
+        for i in range(4):
+            t = torch.full((1000,), float(i))  # 4000 bytes: one tensor a bucket
+            if keep:
+                kept.append(t)
+            yield f"w{i}", t
+            del t
+
+    counts = {}
+    for keep in (True, False):
+        recorder = Recorder(wait_s=0.05)
+        WeightBridge([recorder], bucket_bytes=4000).push(source(keep), 1)
+        counts[keep] = recorder.alive_earlier
+    # the last bucket is sent after the source is exhausted, its list gone with it
+    assert counts == {True: [0, 1, 2, 0], False: [0, 0, 0, 0]}
 
 
 PUSH_BUCKET = 40_000  # bytes: a few experts' matrices (16 KiB each) per bucket
