@@ -1,0 +1,319 @@
+"""Draft candidates from text already written: a suffix index per prompt (docs/drafts.md).
+
+GRPO samples `group_size` responses per prompt and returns to the same prompts epoch after epoch, so
+much of what a response is about to write was already written, by a sibling a few steps earlier or by
+the prompt's responses in an earlier step (repeated derivations, copied numbers, the answer format).
+The index holds, for each prompt key:
+
+- the prompt itself, once (a response copies numbers from its problem);
+- the last `responses` finished responses of the prompt, from any earlier generate() call (history);
+- the responses of the current call while they are written (live siblings, and the request itself:
+  a response that repeats its own earlier text matches there too).
+
+Each response is indexed as the prompt's last `window + depth` tokens followed by the response, so
+that the first tokens of a response are predicted from the end of the prompt.
+
+The structure is a suffix trie cut at depth `window + depth`: a node is a string of at most that many
+tokens that occurs in the indexed text, with the number of its occurrences (end positions). Every node
+has a suffix link to the node of its string without its first token, which exists because a string's
+suffix occurs at least as often as the string. A lookup feeds the last `window` tokens of the
+sequence through the trie along these links, in time proportional to those tokens (each token
+descends at most one level, each link climbs one), and ends at the longest suffix of the sequence
+that occurs in the index; from there it climbs to the longest one that has occurred with a
+continuation. The continuations below that node are the candidates: the `budget` most probable paths,
+a child's probability being its count over its siblings' counts plus `prior` (one occurrence is not
+certainty), multiplied along the path. Since a path's probability never exceeds its prefix's, the
+chosen set is ancestor-closed.
+
+Limits: each prompt keeps its last `responses` finished responses (older ones are removed from its
+trie); all prompts together hold at most `max_tokens` tokens of indexed text (a trie holds at most
+`window + depth` nodes per token), the least recently used prompts being dropped whole when the cap is
+passed (never one with a response still being written).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+
+class _Node:
+    """A string of the trie: its occurrences, its length, its children by next token and its suffix link."""
+
+    __slots__ = ("children", "count", "depth", "link")
+
+    def __init__(self, depth: int, link: _Node | None):
+        self.children: dict[int, _Node] = {}
+        self.count = 0
+        self.depth = depth
+        self.link = link
+
+
+class SuffixTrie:
+    """The suffixes of every inserted text, each cut at `max_depth` tokens, with occurrence counts."""
+
+    def __init__(self, max_depth: int):
+        if max_depth < 2:
+            raise ValueError(f"max_depth must be >= 2, got {max_depth}")
+        self.max_depth = max_depth
+        self.root = _Node(0, None)
+        self.root.link = self.root
+
+    def writer(self) -> TrieWriter:
+        """A text inserted token by token (its occurrences count from each token on)."""
+        return TrieWriter(self)
+
+    def insert(self, tokens: Iterable[int]) -> TrieWriter:
+        w = self.writer()
+        w.extend(tokens)
+        return w
+
+    def remove(self, tokens: Sequence[int]) -> None:
+        """Remove one earlier insertion of `tokens`: every count it added is taken back, and strings
+        that no longer occur leave the trie (their suffixes occur at least as often, so no suffix link
+        of a remaining node points at a removed one)."""
+        frontier: list[_Node] = []
+        for x in tokens:
+            new = []
+            for parent in [self.root, *(n for n in frontier if n.depth < self.max_depth)]:
+                child = parent.children[x]
+                child.count -= 1
+                if child.count == 0:
+                    del parent.children[x]  # the detached node is still walked for the tokens after it
+                new.append(child)
+            frontier = new
+
+    def match(self, tail: Sequence[int], window: int) -> tuple[_Node, int]:
+        """The node of the longest suffix of `tail` (at most `window` tokens) that occurs with a
+        continuation, and its length (0: the root, no suffix occurs with one)."""
+        node = self.root
+        for x in tail[-window:]:
+            while True:
+                if node.depth >= window:  # the match may not grow past the window
+                    node = node.link
+                child = node.children.get(x)
+                if child is not None:
+                    node = child
+                    break
+                if node is self.root:
+                    break
+                node = node.link
+        while node is not self.root and not node.children:
+            node = node.link  # the suffix occurred only where nothing followed it (the sequence's own end)
+        return node, node.depth
+
+    def continuations(self, node: _Node, budget: int, depth: int, prior: float = 1.0,
+                      min_prob: float = 0.0) -> Candidates:
+        """The `budget` most probable continuation paths below `node`, at most `depth` tokens deep, best
+        first (so every node's parent comes before it)."""
+        out = Candidates()
+        heap: list[tuple[float, int, _Node, int, int]] = []
+        tie = 0
+
+        floor = math.log(min_prob) if min_prob > 0 else -math.inf
+
+        def push(parent: _Node, logp: float, index: int) -> None:
+            nonlocal tie
+            total = sum(c.count for c in parent.children.values()) + prior
+            for token, child in parent.children.items():
+                lp = logp + math.log(child.count / total)
+                if lp >= floor:
+                    heapq.heappush(heap, (-lp, tie, child, index, token))
+                    tie += 1
+
+        push(node, 0.0, -1)
+        while heap and len(out.tokens) < budget:
+            neg, _, child, parent, token = heapq.heappop(heap)
+            out.tokens.append(token)
+            out.parents.append(parent)
+            out.logp.append(-neg)
+            out.counts.append(child.count)
+            d = 1 if parent < 0 else out.depth[parent] + 1
+            out.depth.append(d)
+            if d < depth:
+                push(child, -neg, len(out.tokens) - 1)
+        return out
+
+
+class TrieWriter:
+    """One text being inserted: the trie's nodes of its suffixes that end at its last token (shortest
+    first), so each new token adds one occurrence to each of those suffixes extended by it."""
+
+    def __init__(self, trie: SuffixTrie):
+        self.trie = trie
+        self.tokens: list[int] = []
+        self._frontier: list[_Node] = []
+
+    def append(self, x: int) -> None:
+        trie = self.trie
+        new: list[_Node] = []
+        for parent in [trie.root, *self._frontier]:
+            if parent.depth >= trie.max_depth:
+                continue
+            child = parent.children.get(x)
+            if child is None:  # its suffix link: the same string without its first token, made just before
+                child = parent.children[x] = _Node(parent.depth + 1, new[-1] if new else trie.root)
+            child.count += 1
+            new.append(child)
+        self._frontier = new
+        self.tokens.append(x)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for x in tokens:
+            self.append(x)
+
+
+@dataclass
+class Candidates:
+    """Continuations proposed for one sequence after its last token: node i is `tokens[i]` under node
+    `parents[i]` (-1: directly after the sequence), `depth[i]` levels down, with the log of its path's
+    estimated probability and how often the matched context was followed by its path. Parents come
+    before children."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depth: list[int] = field(default_factory=list)
+    logp: list[float] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    match_len: int = 0  # tokens of the sequence's end matched in the index
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def paths(self) -> list[tuple[int, ...]]:
+        """Each node's token path from the sequence's end."""
+        out: list[tuple[int, ...]] = []
+        for t, p in zip(self.tokens, self.parents):
+            out.append((out[p] if p >= 0 else ()) + (t,))
+        return out
+
+
+@dataclass(frozen=True)
+class IndexLimits:
+    window: int = 16  # most tokens of a sequence's end matched (a lookup's time is proportional to them)
+    depth: int = 8  # deepest continuation proposed
+    responses: int = 16  # finished responses kept per prompt (the most recent)
+    max_tokens: int = 2_000_000  # indexed tokens over all prompts; least recently used prompts dropped past it
+    prior: float = 1.0  # a continuation seen c times of n: probability c / (n + prior)
+
+    def __post_init__(self) -> None:
+        for key in ("window", "depth", "responses", "max_tokens"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"index {key} must be >= 1, got {getattr(self, key)}")
+        if self.prior < 0:
+            raise ValueError(f"index prior must be >= 0, got {self.prior}")
+
+
+class _Prompt:
+    """One prompt key's trie: its prompt, finished responses (oldest first) and open responses."""
+
+    def __init__(self, prompt: Sequence[int], limits: IndexLimits):
+        self.trie = SuffixTrie(limits.window + limits.depth)
+        self.tail = list(prompt[-(limits.window + limits.depth):])
+        self.trie.insert(prompt)
+        self.tokens = len(prompt)  # indexed tokens
+        self.history: deque[list[int]] = deque()
+        self.open = 0
+
+
+class Response:
+    """A response being written into its prompt's index (`SuffixIndex.open`): extend it with the
+    tokens as they are emitted, look up candidates after its last one, close it when it finishes."""
+
+    def __init__(self, index: SuffixIndex, key: Hashable, entry: _Prompt):
+        self.index, self.key, self.entry = index, key, entry
+        self.writer = entry.trie.insert(entry.tail)
+        entry.tokens += len(entry.tail)
+        self.written = 0  # response tokens written
+        self.closed = False
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.writer.extend(tokens)
+        self.written += len(tokens)
+        self.entry.tokens += len(tokens)
+        self.index.tokens += len(tokens)
+
+    def lookup(self, budget: int, depth: int | None = None, min_prob: float = 0.0) -> Candidates:
+        """Candidates after this response's last token: at most `budget` nodes, `depth` levels deep."""
+        return self.index.lookup(self.key, self.writer.tokens, budget, depth, min_prob)
+
+    def close(self) -> None:
+        self.index.close(self)
+
+
+class SuffixIndex:
+    """Suffix tries of what each prompt's responses wrote (module docstring). Keys are any hashable
+    value that identifies a prompt across calls (the engine uses its token ids)."""
+
+    def __init__(self, limits: IndexLimits | None = None):
+        self.limits = limits or IndexLimits()
+        self.prompts: OrderedDict[Hashable, _Prompt] = OrderedDict()  # least recently used first
+        self.tokens = 0
+        self.lookups = 0
+        self.lookup_s = 0.0  # host seconds spent in lookups
+        self.evicted = 0  # prompts dropped for the memory cap
+
+    def open(self, key: Hashable, prompt: Sequence[int]) -> Response:
+        """Start indexing a response of prompt `key` (visible to its siblings from its first token)."""
+        entry = self.prompts.get(key)
+        if entry is None:
+            entry = self.prompts[key] = _Prompt(prompt, self.limits)
+            self.tokens += entry.tokens
+        self.prompts.move_to_end(key)
+        entry.open += 1
+        response = Response(self, key, entry)
+        self.tokens += len(entry.tail)
+        return response
+
+    def close(self, response: Response) -> None:
+        """The response is finished: it stays as the prompt's history; the prompt keeps its last
+        `responses`, and prompts are dropped, least recently used first, while the index is over its cap."""
+        if response.closed:
+            return
+        response.closed = True
+        entry = response.entry
+        entry.open -= 1
+        if self.prompts.get(response.key) is not entry:  # its prompt was dropped meanwhile
+            return
+        entry.history.append(response.writer.tokens)
+        while len(entry.history) > self.limits.responses:
+            old = entry.history.popleft()
+            entry.trie.remove(old)
+            entry.tokens -= len(old)
+            self.tokens -= len(old)
+        self._evict()
+
+    def _evict(self) -> None:
+        for key in [k for k, e in self.prompts.items() if e.open == 0]:
+            if self.tokens <= self.limits.max_tokens:
+                return
+            self.tokens -= self.prompts.pop(key).tokens
+            self.evicted += 1
+
+    def lookup(self, key: Hashable, context: Sequence[int], budget: int, depth: int | None = None,
+               min_prob: float = 0.0) -> Candidates:
+        """Continuations of `context` (a sequence of prompt `key`; its last `window` tokens are
+        matched) from that prompt's index: empty if the prompt is unknown or nothing matches."""
+        t = time.perf_counter()
+        entry = self.prompts.get(key)
+        if entry is None:
+            out = Candidates()
+        else:
+            self.prompts.move_to_end(key)
+            node, length = entry.trie.match(context, self.limits.window)
+            depth = self.limits.depth if depth is None else min(depth, self.limits.depth)
+            out = Candidates() if length == 0 else entry.trie.continuations(node, budget, depth, self.limits.prior,
+                                                                            min_prob)
+            out.match_len = length if out.tokens else 0
+        self.lookups += 1
+        self.lookup_s += time.perf_counter() - t
+        return out
+
+    def history(self, key: Hashable) -> list[list[int]]:
+        """The prompt's finished responses kept, oldest first, each as indexed (the prompt's tail first)."""
+        entry = self.prompts.get(key)
+        return [] if entry is None else list(entry.history)

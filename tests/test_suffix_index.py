@@ -1,0 +1,204 @@
+"""The suffix index (fastgrpo/speculation/suffix_index.py): its matches and candidates against a brute
+force count over the indexed texts, removal, the per-prompt and memory limits, live siblings."""
+
+import math
+import random
+
+import pytest
+
+from fastgrpo.speculation.suffix_index import IndexLimits, SuffixIndex, SuffixTrie
+
+
+def occurrences(texts: list[list[int]], s: tuple[int, ...]) -> int:
+    """How many times `s` occurs in `texts` (overlapping occurrences counted)."""
+    n = len(s)
+    return sum(tuple(t[i : i + n]) == s for t in texts for i in range(len(t) - n + 1))
+
+
+def brute_match(texts: list[list[int]], context: list[int], window: int) -> int:
+    """The length of the longest suffix of `context` (at most `window`) that occurs followed by a token."""
+    for m in range(min(window, len(context)), 0, -1):
+        s = tuple(context[-m:])
+        if any(tuple(t[i : i + m]) == s for t in texts for i in range(len(t) - m)):
+            return m
+    return 0
+
+
+def brute_paths(texts, s, alphabet, depth, prior) -> dict[tuple[int, ...], float]:
+    """Every continuation path of `s` up to `depth` tokens with its probability: each step's count over
+    its siblings' counts plus `prior`, multiplied along the path."""
+    out, level = {}, {(): 1.0}
+    for _ in range(depth):
+        nxt = {}
+        for path, p in level.items():
+            counts = {y: occurrences(texts, s + path + (y,)) for y in alphabet}
+            total = sum(counts.values()) + prior
+            for y, c in counts.items():
+                if c:
+                    nxt[path + (y,)] = p * c / total
+        out |= nxt
+        level = nxt
+    return out
+
+
+def check_candidates(cands, texts, context, window, depth, budget, alphabet, prior=1.0):
+    m = brute_match(texts, context, window)
+    assert cands.match_len == m
+    if m == 0:
+        assert len(cands) == 0
+        return
+    s = tuple(context[-m:])
+    want = brute_paths(texts, s, alphabet, depth, prior)
+    got = dict(zip(cands.paths(), (math.exp(lp) for lp in cands.logp)))
+    assert len(got) == min(budget, len(want))
+    for path, p in got.items():
+        assert p == pytest.approx(want[path], rel=1e-9)
+        assert cands.counts[cands.paths().index(path)] == occurrences(texts, s + path)
+    # the best `budget` paths: nothing left out is more probable than what was chosen
+    left = [p for path, p in want.items() if path not in got]
+    assert not left or max(left) <= min(got.values()) + 1e-12
+    for i, parent in enumerate(cands.parents):  # parents first, depths consistent
+        assert parent < i and cands.depth[i] == (1 if parent < 0 else cands.depth[parent] + 1) <= depth
+
+
+def test_matches_and_candidates_equal_a_brute_force_count():
+    rng = random.Random(0)
+    alphabet = range(4)
+    for trial in range(40):
+        window, depth = rng.randint(1, 5), rng.randint(1, 4)
+        trie = SuffixTrie(window + depth)
+        texts = [[rng.randrange(4) for _ in range(rng.randint(1, 30))] for _ in range(rng.randint(1, 4))]
+        for t in texts:
+            trie.insert(t)
+        for _ in range(5):
+            context = [rng.randrange(4) for _ in range(rng.randint(1, 8))]
+            node, m = trie.match(context, window)
+            budget = rng.randint(1, 12)
+            cands = trie.continuations(node, budget, depth) if m else None
+            if cands is not None:
+                cands.match_len = m
+                check_candidates(cands, texts, context, window, depth, budget, alphabet)
+            else:
+                assert brute_match(texts, context, window) == 0
+
+
+def test_a_text_being_written_matches_its_own_earlier_text_not_its_end():
+    """The sequence's own end is in the index (it is being written there): the match skips that
+    occurrence, which has nothing after it, and finds the earlier one that does."""
+    trie = SuffixTrie(8)
+    w = trie.writer()
+    w.extend([5, 1, 2, 3, 9, 7, 1, 2, 3])  # "1 2 3" occurred before, followed by 9
+    node, m = trie.match(w.tokens, window=4)
+    assert m == 3  # "7 1 2 3" occurs only at the end; "1 2 3" earlier, followed by 9
+    cands = trie.continuations(node, budget=4, depth=3)
+    assert cands.paths()[:3] == [(9,), (9, 7), (9, 7, 1)]
+    assert math.exp(cands.logp[0]) == pytest.approx(1 / 2)  # seen once: 1 / (1 + prior)
+
+
+def test_removal_takes_back_exactly_what_an_insertion_added():
+    rng = random.Random(1)
+    for _ in range(20):
+        texts = [[rng.randrange(3) for _ in range(rng.randint(1, 25))] for _ in range(4)]
+        trie, fresh = SuffixTrie(5), SuffixTrie(5)
+        for t in texts:
+            trie.insert(t)
+        for t in texts[1:3]:
+            trie.remove(t)
+        for t in (texts[0], texts[3]):
+            fresh.insert(t)
+        assert dump(trie.root) == dump(fresh.root)
+
+
+def dump(node, prefix=()) -> dict:
+    """Every string of the trie with its count and the length of its suffix link's string."""
+    out = {}
+    for token, child in node.children.items():
+        assert child.count > 0 and child.link.depth == child.depth - 1
+        out[prefix + (token,)] = child.count
+        out |= dump(child, prefix + (token,))
+    return out
+
+
+def test_suffix_links_point_at_the_string_less_its_first_token():
+    trie = SuffixTrie(6)
+    for t in ([1, 2, 3, 1, 2, 4], [2, 3, 1, 2, 4, 4, 4]):
+        trie.insert(t)
+
+    def walk(node, prefix=()):
+        for token, child in node.children.items():
+            s = prefix + (token,)
+            target = trie.root
+            for x in s[1:]:
+                target = target.children[x]
+            assert child.link is target, s
+            walk(child, s)
+
+    walk(trie.root)
+
+
+def test_siblings_see_each_others_tokens_while_they_are_written():
+    index = SuffixIndex(IndexLimits(window=4, depth=4))
+    prompt = [1, 2, 3]
+    a, b = index.open("p", prompt), index.open("p", prompt)
+    a.extend([10, 11, 12, 13, 14])
+    b.extend([10, 11])
+    cands = b.lookup(budget=3)
+    assert cands.paths() == [(12,), (12, 13), (12, 13, 14)]  # a's text, before a finished
+    assert cands.match_len == 4  # prompt tail 2 3 then 10 11... matched to the window
+    other = index.open("q", prompt)  # another prompt key sees nothing of p's responses
+    other.extend([10, 11])
+    assert len(other.lookup(budget=3)) == 0
+
+
+def test_the_first_tokens_of_a_response_are_predicted_from_the_end_of_the_prompt():
+    index = SuffixIndex(IndexLimits(window=3, depth=2))
+    prompt = [7, 8, 9, 4]
+    for response in ([20, 21], [20, 21], [22, 23]):
+        r = index.open(("k",), prompt)
+        r.extend(response)
+        r.close()
+    new = index.open(("k",), prompt)
+    cands = new.lookup(budget=2, depth=1)
+    assert cands.paths() == [(20,), (22,)]
+    assert [math.exp(lp) for lp in cands.logp] == pytest.approx([2 / 4, 1 / 4])  # counts over 3 + prior
+    assert cands.counts == [2, 1]
+
+
+def test_a_prompt_keeps_only_its_last_responses():
+    index = SuffixIndex(IndexLimits(window=2, depth=2, responses=2))
+    prompt = [1]
+    for first in (30, 40, 50):
+        r = index.open("p", prompt)
+        r.extend([first, first + 1])
+        r.close()
+    assert [h[-2:] for h in index.history("p")] == [[40, 41], [50, 51]]
+    probe = index.open("p", prompt)
+    assert sorted(probe.lookup(budget=5, depth=1).tokens) == [40, 50]  # 30 was removed from the trie
+    # the prompt, the two kept responses with their tails, the open probe's tail
+    assert index.tokens == 1 + 2 * (len(index.prompts["p"].tail) + 2) + len(index.prompts["p"].tail)
+
+
+def test_the_memory_cap_drops_the_least_recently_used_prompts_but_not_open_ones():
+    limits = IndexLimits(window=2, depth=2, max_tokens=60)
+    index = SuffixIndex(limits)
+    held = index.open("held", [9])  # stays open throughout: never dropped
+    held.extend([5] * 10)
+    for key in ("a", "b", "c"):
+        r = index.open(key, [1, 2])
+        r.extend([3] * 10)
+        r.close()
+    index.lookup("a", [1, 2, 3], budget=1)  # a is now more recent than b and c
+    r = index.open("d", [1, 2])
+    r.extend([4] * 10)
+    r.close()
+    assert index.tokens <= limits.max_tokens
+    assert "held" in index.prompts and "a" in index.prompts and "d" in index.prompts
+    assert "b" not in index.prompts and index.evicted >= 1
+    assert index.tokens == sum(e.tokens for e in index.prompts.values())
+
+
+def test_limits_are_validated():
+    with pytest.raises(ValueError, match="window"):
+        IndexLimits(window=0)
+    with pytest.raises(ValueError, match="prior"):
+        IndexLimits(prior=-1.0)
