@@ -73,11 +73,11 @@ def test_matches_and_candidates_equal_a_brute_force_count():
         for _ in range(5):
             context = [rng.randrange(4) for _ in range(rng.randint(1, 8))]
             node, m = trie.match(context, window)
-            budget = rng.randint(1, 12)
-            cands = trie.continuations(node, budget, depth) if m else None
+            budget, prior = rng.randint(1, 12), rng.choice([0.0, 0.5, 1.0])
+            cands = trie.continuations(node, budget, depth, prior) if m else None
             if cands is not None:
                 cands.match_len = m
-                check_candidates(cands, texts, context, window, depth, budget, alphabet)
+                check_candidates(cands, texts, context, window, depth, budget, alphabet, prior)
             else:
                 assert brute_match(texts, context, window) == 0
 
@@ -160,7 +160,9 @@ def test_the_first_tokens_of_a_response_are_predicted_from_the_end_of_the_prompt
     new = index.open(("k",), prompt)
     cands = new.lookup(budget=2, depth=1)
     assert cands.paths() == [(20,), (22,)]
-    assert [math.exp(lp) for lp in cands.logp] == pytest.approx([2 / 4, 1 / 4])  # counts over 3 + prior
+    # counts over 3 + prior / match length: "8 9 4" (the prompt's tail) matched
+    assert cands.match_len == 3
+    assert [math.exp(lp) for lp in cands.logp] == pytest.approx([2 / (3 + 1 / 3), 1 / (3 + 1 / 3)])
     assert cands.counts == [2, 1]
 
 

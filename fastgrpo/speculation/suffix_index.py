@@ -21,8 +21,10 @@ sequence through the trie along these links, in time proportional to those token
 descends at most one level, each link climbs one), and ends at the longest suffix of the sequence
 that occurs in the index; from there it climbs to the longest one that has occurred with a
 continuation. The continuations below that node are the candidates: the `budget` most probable paths,
-a child's probability being its count over its siblings' counts plus `prior` (one occurrence is not
-certainty), multiplied along the path. Since a path's probability never exceeds its prefix's, the
+a child's probability being its count over its siblings' counts plus `prior / m`, m the match's length,
+multiplied along the path. The prior keeps one occurrence from being certainty, the more so the
+shorter the context it followed: after a match of 16 tokens a continuation seen once is nearly sure to
+recur, after one token it is a guess. Since a path's probability never exceeds its prefix's, the
 chosen set is ancestor-closed.
 
 Limits: each prompt keeps its last `responses` finished responses (older ones are removed from its
@@ -198,7 +200,7 @@ class IndexLimits:
     depth: int = 8  # deepest continuation proposed
     responses: int = 16  # finished responses kept per prompt (the most recent)
     max_tokens: int = 2_000_000  # indexed tokens over all prompts; least recently used prompts dropped past it
-    prior: float = 1.0  # a continuation seen c times of n: probability c / (n + prior)
+    prior: float = 1.0  # a continuation seen c times of n after a match of m tokens: probability c / (n + prior / m)
 
     def __post_init__(self) -> None:
         for key in ("window", "depth", "responses", "max_tokens"):
@@ -306,8 +308,8 @@ class SuffixIndex:
             self.prompts.move_to_end(key)
             node, length = entry.trie.match(context, self.limits.window)
             depth = self.limits.depth if depth is None else min(depth, self.limits.depth)
-            out = Candidates() if length == 0 else entry.trie.continuations(node, budget, depth, self.limits.prior,
-                                                                            min_prob)
+            out = Candidates() if length == 0 else entry.trie.continuations(
+                node, budget, depth, self.limits.prior / length, min_prob)
             out.match_len = length if out.tokens else 0
         self.lookups += 1
         self.lookup_s += time.perf_counter() - t

@@ -37,8 +37,9 @@ from fastgrpo.speculation.policy import Off, PerSequencePolicy, SpeculationPolic
 from fastgrpo.engines.embedded.graphs import StepGraphs
 from fastgrpo.engines.embedded.steps import (StaticSteps, StepResult, StepState, batch_bucket, catch_up,
                                              context_bucket, keep_path)
-from fastgrpo.engines.embedded.tree import NonFiniteDraft, Verified, draft_tree, verify_tree
+from fastgrpo.engines.embedded.tree import INDEX, NonFiniteDraft, Tree, Verified, draft_tree, hybrid_tree, verify_tree
 from fastgrpo.speculation.spec import SpecConfig
+from fastgrpo.speculation.suffix_index import Candidates, IndexLimits, Response, SuffixIndex
 
 log = logging.getLogger(__name__)
 TREE_SLACK = 256  # cache room past the context for tree tokens that are verified and then dropped
@@ -62,6 +63,7 @@ class _Sequence:
     spec_steps: int = 0
     spec_emitted: int = 0
     captured: list[Tensor] = field(default_factory=list)  # target states of every position, in order
+    response: Response | None = None  # its text in the suffix index (drafts: index | hybrid)
 
 
 class _PendingStates:
@@ -177,6 +179,9 @@ class EmbeddedEngine:
         self.draft_source: Callable[[], tuple[Iterable[tuple[str, Tensor]], int] | None] | None = None
         self._in_step = False
         self._stats: EngineStats = {}
+        self.drafts = "learned"  # who proposes a speculative step's tree: learned | index | hybrid
+        self.index: SuffixIndex | None = None  # what the prompts' responses wrote (drafts: index | hybrid)
+        self._requests: list[Request] = []
 
     # -- weights --------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int, complete: bool = True) -> None:
@@ -235,6 +240,19 @@ class EmbeddedEngine:
     def set_speculation(self, policy: SpeculationPolicy) -> None:
         self.policy = policy
 
+    def set_drafts(self, drafts: str, limits: IndexLimits | None = None) -> None:
+        """Who proposes the trees of eager speculative steps: the learned draft, the suffix index of the
+        prompts' responses (earlier calls' and this call's siblings') or both in one tree
+        (`tree.hybrid_tree`). The index lives across generate() calls: that is its history. Static steps
+        take only learned trees, so with the index every speculative step runs eagerly."""
+        if drafts not in ("learned", "index", "hybrid"):
+            raise ValueError(f"drafts must be learned, index or hybrid, got {drafts!r}")
+        self.drafts = drafts
+        if drafts == "learned":
+            self.index = None
+        elif self.index is None or (limits is not None and limits != self.index.limits):
+            self.index = SuffixIndex(limits)
+
     def release_memory(self) -> None:
         """No-op on CPU: the KV cache stays allocated (SGLang frees GPU memory here for the trainer)."""
 
@@ -258,6 +276,7 @@ class EmbeddedEngine:
                   capture: bool) -> list[Completion]:
         self._check(requests)
         self._capture = capture
+        self._requests = requests
         self._pending = self._pending_states() if self.speculating else None
         if self.state is not None:
             self.state.active.zero_()
@@ -445,7 +464,8 @@ class EmbeddedEngine:
             return False
         if config is None:
             return True
-        return (not isinstance(self.policy, PerSequencePolicy) and config.depth + 1 <= self.draft_window
+        return (self.drafts == "learned" and not isinstance(self.policy, PerSequencePolicy)
+                and config.depth + 1 <= self.draft_window
                 and (config.depth - 1) * config.topk <= STATIC_TREE_ROOM)
 
     def _static_step(self, running: list[_Sequence], config: SpecConfig | None, context: int,
@@ -505,15 +525,15 @@ class EmbeddedEngine:
         assert self.draft is not None and self.draft_cache is not None
         B = len(running)
         rows = slice(0, B)
-        root_features = self._draft_catch_up(running)
         pending = torch.tensor([s.pending for s in running])
         try:
-            tree = draft_tree(self.draft, self.draft_cache, rows, root_features, pending, config)
+            tree = self._draft(running, rows, pending, config)
         except NonFiniteDraft as e:
             log.warning("%s (draft version %d): plain decoding for this step", e, self.draft_version)
             return self._decode(running, sampling, seed), None
         if isinstance(self.policy, PerSequencePolicy):  # a verify budget per sequence
-            tree = tree.restricted(self.policy.select(tree.score[:, 1:], tree.depth[:, 1:], config, B))
+            chosen = self.policy.select(tree.score[:, 1:], tree.depth[:, 1:], config, B)
+            tree = tree.restricted(chosen if tree.valid is None else chosen & tree.valid[:, 1:])
         start = self.cache.lengths[rows].clone()
         ragged = tree.valid is not None and not bool(tree.valid.all())
         logits, hidden = self.model.forward(tree.tokens, self.cache, rows, positions=start[:, None] + tree.depth,
@@ -524,6 +544,10 @@ class EmbeddedEngine:
         self._keep_path(rows, start, result.path, result.accepted)
         self.cache.lengths[rows] = start + result.accepted + 1
         self._keep_pending(start, hidden, result)
+        if tree.source is not None:  # accepted tokens the index proposed (the learned draft may have too)
+            on_path = torch.arange(result.path.shape[1])[None] < result.accepted[:, None]
+            from_index = (tree.source.gather(1, result.path) & INDEX) > 0
+            self._counts["index_accepted"] += int((from_index & on_path).sum())
         emitted = 0
         accepted, tokens, logprobs, path = (t.tolist() for t in (result.accepted, result.tokens, result.logprobs, result.path))
         for b, s in enumerate(running):
@@ -538,6 +562,39 @@ class EmbeddedEngine:
             if self._capture:  # the root and the accepted nodes (a view: nothing writes to forward outputs)
                 s.captured.append(hidden[b, [0] + path[b][:a]])
         return emitted, accepted
+
+    def _draft(self, running: list[_Sequence], rows: slice, pending: Tensor, config: SpecConfig) -> Tree:
+        """The step's tree of `config`'s node budget: the learned draft's (EAGLE-2), the index's
+        continuations, or both merged (`hybrid_tree`)."""
+        if self.drafts == "index":
+            return hybrid_tree(None, self._index_candidates(running, config), pending, config.num_verify)
+        assert self.draft is not None and self.draft_cache is not None
+        root_features = self._draft_catch_up(running)
+        tree = draft_tree(self.draft, self.draft_cache, rows, root_features, pending, config)
+        if self.drafts == "hybrid":
+            tree = hybrid_tree(tree, self._index_candidates(running, config), pending, config.num_verify)
+        return tree
+
+    def _index_candidates(self, running: list[_Sequence], config: SpecConfig) -> list[Candidates]:
+        """Each row's continuations from the index after its pending token, at most the tree's budget
+        (its text brought up to date first: a sibling's lookup sees every token emitted before this step)."""
+        assert self.index is not None
+        t = time.perf_counter()
+        out = [self._indexed(s).lookup(config.num_verify - 1) for s in running]
+        self._counts["index_s"] += time.perf_counter() - t
+        self._counts["index_matched"] += sum(c.match_len > 0 for c in out)
+        self._counts["index_lookups"] += len(out)
+        return out
+
+    def _indexed(self, s: _Sequence) -> Response:
+        """The sequence's response in the index, holding every token it has emitted (opened at first use)."""
+        assert self.index is not None
+        if s.response is None:
+            prompt = self._requests[s.index].prompt_ids
+            s.response = self.index.open(tuple(prompt), prompt)
+        if len(s.tokens) > s.response.written:
+            s.response.extend(s.tokens[s.response.written:])
+        return s.response
 
     def _keep_pending(self, start: Tensor, hidden: Tensor, result: Verified) -> None:
         """The states of a verify step whose keys stay in the cache (the root and the accepted nodes,
@@ -591,6 +648,10 @@ class EmbeddedEngine:
                 continue
             if self._pending is not None:
                 self._pending.flush(self.cache.lengths)  # rows are about to move
+            if self.index is not None:  # a finished response stays in the index as its prompt's history
+                t = time.perf_counter()
+                self._indexed(running[row]).close()
+                self._counts["index_s"] += time.perf_counter() - t
             done[running[row].index] = running[row]
             last = len(running) - 1
             if row != last:
@@ -634,6 +695,10 @@ class EmbeddedEngine:
             spec_steps=c["spec_steps"], spec_seq_steps=c["spec_seq_steps"], spec_emitted=c["spec_emitted"],
             # tokens emitted per sequence per verify forward (accepted draft tokens + 1)
             accept_len=c["spec_emitted"] / c["spec_seq_steps"] if c["spec_seq_steps"] else 1.0,
+            # drafts: index | hybrid: the index's host seconds (lookups, inserts, history), how many
+            # lookups matched, and the accepted tokens the index proposed
+            index_s=c["index_s"], index_lookups=c["index_lookups"], index_matched=c["index_matched"],
+            index_accepted=c["index_accepted"],
             config_by_concurrency={b: dict(v) for b, v in sorted(self._by_config.items())},
             trace=list(self._trace),
         )

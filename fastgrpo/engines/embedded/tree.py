@@ -12,6 +12,12 @@ token is an ordinary sample from the target given all tokens before it, whatever
 so the output distribution is exactly the target's. The draft only decides how often we get to
 continue, i.e. how many tokens one target forward yields. Greedy decoding is the argmax special case.
 
+Hybrid trees (`hybrid_tree`, `speculation.drafts: index | hybrid`, eager steps only): the learned
+draft's nodes and the suffix index's continuations (`speculation/suffix_index.py`: what the prompt's
+earlier responses and its live siblings wrote) merged into one tree of the same node budget, a path
+both propose being one node. Verification is the same, so the output stays exactly the target's
+(docs/drafts.md).
+
 Both functions run eagerly (shapes from the data: the engine's eager step) or statically (`ctx` and
 `depth` given: every shape fixed by the tree's configuration and the step's context bucket, no value read
 back to the host), which a graph-captured step (`steps.py`) needs.
@@ -19,6 +25,8 @@ back to the host), which a graph-captured step (`steps.py`) needs.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +37,7 @@ from fastgrpo.models.sampling import sample
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.types import SamplingParams
 from fastgrpo.models.draft import DraftHead
+from fastgrpo.speculation.suffix_index import Candidates
 
 
 class NonFiniteDraft(RuntimeError):
@@ -52,6 +61,7 @@ class Tree:
     mask: Tensor  # [B, N, N] ancestors (self included)
     score: Tensor | None = None  # [B, N] cumulative draft log-probability of each node (root 0)
     valid: Tensor | None = None  # [B, N] the nodes to verify (None: all); ancestor-closed per row
+    source: Tensor | None = None  # [B, N] who proposed each node: LEARNED | INDEX bits (None: the learned draft)
 
     def restricted(self, nodes: Tensor) -> Tree:
         """This tree verifying only `nodes` [B, N - 1] of each row's non-root nodes (an ancestor-closed
@@ -59,7 +69,8 @@ class Tree:
         valid = torch.cat([torch.ones(len(nodes), 1, dtype=torch.bool), nodes], 1)
         # a left-out node still sees itself: no query row is wholly masked (attention would give NaN)
         eye = torch.eye(valid.shape[1], dtype=torch.bool)
-        return Tree(self.tokens, self.parents, self.depth, self.mask & (valid[:, None, :] | eye), self.score, valid)
+        return Tree(self.tokens, self.parents, self.depth, self.mask & (valid[:, None, :] | eye), self.score, valid,
+                    self.source)
 
 
 @torch.inference_mode()
@@ -128,6 +139,61 @@ def draft_tree(draft: DraftHead, cache: KVCache, rows: slice, root_features: Ten
         return tree
     # static: a row with a non-finite draft keeps its root only (its other nodes are never accepted)
     return tree.restricted(finite[:, None].expand(B, N - 1))
+
+
+LEARNED, INDEX = 1, 2  # Tree.source bits: the learned draft proposed the node, the suffix index did
+
+
+def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tokens: Tensor, num_verify: int) -> Tree:
+    """One tree per row from the learned draft's tree (None: the index alone) and the index's
+    continuations of that row (`SuffixIndex` candidates after the root), `num_verify` nodes with the root.
+
+    A node is a token path from the root, whoever proposed it: a path both propose is one node (so a
+    node's children are distinct tokens), scored by the larger of the two estimates of its probability
+    (the draft's cumulative probability, the index's count-based one). Of all nodes the `num_verify - 1`
+    best are kept, exact ties going to the shallower: a path's estimate never exceeds its prefix's under
+    either source, hence under their maximum, so the kept set is ancestor-closed. A row with fewer nodes
+    pads with nodes it does not verify (`valid`).
+
+    Verification (`verify_tree`) does not read the scores or the sources: it samples the target at each
+    node and moves on only if a child holds that token, so any child set keeps the output exactly the
+    target's (docs/drafts.md). The scores only decide which nodes hold the most of its mass."""
+    B, N = len(root_tokens), num_verify
+    if learned is not None and learned.valid is not None:
+        raise ValueError("hybrid_tree merges whole learned trees (restrict the merged tree instead)")
+    roots = root_tokens.tolist()
+    rows: list[tuple[list[tuple[int, ...]], dict[tuple[int, ...], list]]] = []
+    for b in range(B):
+        nodes: dict[tuple[int, ...], list] = {}  # path -> [log-probability estimate, source bits]
+        if learned is not None:
+            tokens, parents, score = (t[b].tolist() for t in (learned.tokens, learned.parents, learned.score))
+            paths: list[tuple[int, ...]] = [()]
+            for j in range(1, len(tokens)):  # parents come before children
+                paths.append(paths[parents[j]] + (tokens[j],))
+                nodes[paths[j]] = [score[j], LEARNED]
+        for path, logp in zip(candidates[b].paths(), candidates[b].logp):
+            entry = nodes.setdefault(path, [logp, 0])
+            entry[0], entry[1] = max(entry[0], logp), entry[1] | INDEX
+        kept = sorted(nodes, key=lambda p: (-nodes[p][0], len(p)))[: N - 1]
+        rows.append((sorted(kept, key=len), nodes))  # parents before children (a stable sort by depth)
+
+    tokens = torch.zeros(B, N, dtype=torch.long)
+    parents = torch.zeros(B, N, dtype=torch.long)
+    depth = torch.ones(B, N, dtype=torch.long)
+    score = torch.full((B, N), -math.inf)
+    source = torch.zeros(B, N, dtype=torch.int8)
+    valid = torch.zeros(B, N, dtype=torch.bool)
+    for b, (kept, nodes) in enumerate(rows):
+        position = {(): 0} | {p: i + 1 for i, p in enumerate(kept)}
+        n = len(kept) + 1
+        tokens[b, :n] = torch.tensor([roots[b]] + [p[-1] for p in kept])
+        parents[b, 1:n] = torch.tensor([position[p[:-1]] for p in kept], dtype=torch.long)
+        depth[b, :n] = torch.tensor([0] + [len(p) for p in kept])
+        score[b, :n] = torch.tensor([0.0] + [nodes[p][0] for p in kept])
+        source[b, 1:n] = torch.tensor([nodes[p][1] for p in kept], dtype=torch.int8)
+        valid[b, :n] = True
+    tree = Tree(tokens, parents, depth, ancestor_mask(parents, depth, int(depth.max())), score, source=source)
+    return tree if bool(valid.all()) else tree.restricted(valid[:, 1:])
 
 
 def ancestor_mask(parents: Tensor, depth: Tensor, max_depth: int) -> Tensor:

@@ -1,0 +1,298 @@
+"""Hybrid draft trees (tree.hybrid_tree, speculation.drafts: index | hybrid): the merged tree's shape,
+and losslessness whatever proposed a node's children: verification equals sequential keyed sampling
+on any tree, the engine's tokens equal plain decoding's, and sampled tokens follow the target's
+distribution at nodes the index proposed, right or wrong, alone or with the learned draft."""
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+import fastgrpo.engines.embedded.engine as engine_module
+from fastgrpo.engines.embedded.tree import INDEX, LEARNED, Tree, ancestor_mask, hybrid_tree, verify_tree
+from fastgrpo.models.sampling import sample, sampling_logprobs
+from fastgrpo.speculation.per_sequence import AwarePerSequence
+from fastgrpo.speculation.policy import Static
+from fastgrpo.speculation.spec import SpecConfig
+from fastgrpo.speculation.suffix_index import Candidates, IndexLimits
+from fastgrpo.types import Request, SamplingParams
+from tests.conftest import first_divergence_is_a_near_tie
+from tests.test_speculation import (MIXED_PROMPTS, VOCAB, engine_for, linear_costs, rank_fit_p,  # noqa: F401
+                                    small_vocab, spread_vocab)
+
+SAMPLINGS = [SamplingParams(temperature=1.0, max_new_tokens=30),
+             SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=30)]
+
+
+def learned_tree(paths: list[tuple[int, ...]], scores: list[float], root: int) -> Tree:
+    """A one-row learned tree of these paths (parents listed before children) and draft log-probabilities."""
+    index = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
+    parents = torch.tensor([[0] + [index[p[:-1]] for p in paths]])
+    depth = torch.tensor([[0] + [len(p) for p in paths]])
+    return Tree(torch.tensor([[root] + [p[-1] for p in paths]]), parents, depth,
+                ancestor_mask(parents, depth, int(depth.max())), torch.tensor([[0.0] + scores]))
+
+
+def candidates(paths: list[tuple[int, ...]], logp: list[float]) -> Candidates:
+    index = {p: i for i, p in enumerate(paths)}
+    return Candidates(tokens=[p[-1] for p in paths], parents=[index.get(p[:-1], -1) for p in paths],
+                      depth=[len(p) for p in paths], logp=logp, counts=[1] * len(paths), match_len=2)
+
+
+def node_paths(tree: Tree, b: int = 0) -> list[tuple[int, ...]]:
+    paths: list[tuple[int, ...]] = [()]
+    for j in range(1, tree.tokens.shape[1]):
+        paths.append(paths[int(tree.parents[b, j])] + (int(tree.tokens[b, j]),))
+    return paths
+
+
+def test_a_path_both_sources_propose_is_one_node_scored_by_the_larger_estimate():
+    learned = learned_tree([(3,), (4,), (3, 5), (3, 6)], [-0.1, -1.0, -0.5, -2.0], root=7)
+    index = candidates([(3,), (3, 5), (3, 5, 2), (6,)], [-0.3, -0.4, -0.45, -3.0])
+    tree = hybrid_tree(learned, [index], torch.tensor([7]), num_verify=6)
+    paths = node_paths(tree)
+    assert tree.valid is None and len(paths) == 6
+    # the five best of seven distinct paths: (3) -0.1, (3,5) -0.4, (3,5,2) -0.45, (4) -1.0, (3,6) -2.0; (6) -3.0 out
+    want = {(3,): (-0.1, LEARNED | INDEX), (3, 5): (-0.4, LEARNED | INDEX), (3, 5, 2): (-0.45, INDEX),
+            (4,): (-1.0, LEARNED), (3, 6): (-2.0, LEARNED)}
+    got = {p: (round(float(tree.score[0, j]), 6), int(tree.source[0, j])) for j, p in enumerate(paths) if p}
+    assert got == want
+    for j, p in enumerate(paths):  # each node's parent is its path's prefix, its depth the path's length
+        assert int(tree.depth[0, j]) == len(p) and (j == 0 or paths[int(tree.parents[0, j])] == p[:-1])
+        siblings = [q[-1] for q in paths if q and q[:-1] == p[:-1]]
+        assert not p or siblings.count(p[-1]) == 1  # a node's children are distinct tokens
+    assert all(tree.mask[0, j, k] == (paths[k] == paths[j][: len(paths[k])]) for j in range(6) for k in range(6))
+
+
+def test_rows_with_fewer_nodes_than_the_budget_verify_only_theirs():
+    rows = [candidates([(1,), (1, 2)], [-0.1, -0.2]), Candidates()]
+    tree = hybrid_tree(None, rows, torch.tensor([5, 6]), num_verify=4)
+    assert tree.valid.tolist() == [[True, True, True, False], [True, False, False, False]]
+    assert node_paths(tree)[:3] == [(), (1,), (1, 2)]
+    # a left-out node is never accepted, whatever the target samples there
+    logprobs = torch.full((2, 4, VOCAB), -30.0)
+    logprobs[:, :, 0] = 0.0  # the target always samples token 0: row 1's padding node is token 0
+    result = verify_tree(logprobs, tree, SamplingParams(temperature=1.0), torch.rand(2, 3))
+    assert result.accepted.tolist() == [0, 0]
+
+
+def target_logprobs(prefix: tuple[int, ...], sampling: SamplingParams) -> torch.Tensor:
+    """A synthetic target: its next-token distribution after `prefix`, a fixed function of the prefix."""
+    g = torch.Generator().manual_seed(hash(prefix) % (2**31))
+    return sampling_logprobs(2.0 * torch.randn(VOCAB, generator=g), sampling)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["t1", "t0.7-k5-p0.9"])
+def test_verification_emits_the_plain_samples_whatever_proposed_the_children(sampling):
+    """On any merged tree (index candidates right, wrong, or the learned draft's own), verification
+    emits exactly the tokens sequential sampling with the same per-position noise emits: the children
+    decide only how many of them one verify yields. Checked against the plain sequence, computed apart."""
+    rng = random.Random(0)
+    depth_seen, index_accepted, learned_accepted = 0, 0, 0
+    for trial in range(300):
+        u = torch.rand(1, 8, generator=torch.Generator().manual_seed(trial))
+        plain, prefix = [], ()
+        for k in range(8):  # the plain sequence: position k sampled with noise u[k]
+            x = int(sample(target_logprobs(prefix, sampling)[None], sampling, u[:, k])[0])
+            plain.append(x)
+            prefix += (x,)
+
+        def some_paths(n, right_len):
+            """`right_len` tokens of the plain sequence, then random branches (mostly wrong)."""
+            paths = [tuple(plain[:d]) for d in range(1, right_len + 1)]
+            while len(paths) < n:
+                base = rng.choice([()] + paths)
+                if len(base) < 6:
+                    p = base + (rng.randrange(VOCAB),)
+                    if p not in paths:
+                        paths.append(p)
+            return sorted(paths, key=len)
+
+        lpaths = some_paths(rng.randint(1, 8), rng.randint(0, 2))
+        learned = learned_tree(lpaths, sorted((-rng.random() * len(p) for p in lpaths), reverse=True), root=1)
+        ipaths = some_paths(rng.randint(0, 8), rng.randint(0, 6)) + rng.sample(lpaths, min(2, len(lpaths)))
+        ipaths = sorted(set(ipaths), key=len)
+        index = candidates(ipaths, [-0.3 * len(p) - 0.01 * rng.random() for p in ipaths])
+        tree = hybrid_tree(learned if trial % 4 else None, [index], torch.tensor([1]), rng.randint(2, 12))
+        paths = node_paths(tree)
+        logprobs = torch.stack([target_logprobs(p, sampling) for p in paths])[None]
+        result = verify_tree(logprobs, tree, sampling, u[:, : int(tree.depth.max()) + 1])
+        a = int(result.accepted)
+        assert result.tokens[0, : a + 1].tolist() == plain[: a + 1]
+        assert [paths[j] for j in result.path[0, :a].tolist()] == [tuple(plain[:d]) for d in range(1, a + 1)]
+        assert tuple(plain[: a + 1]) not in paths  # it stopped where no child held the sample
+        depth_seen = max(depth_seen, a)
+        sources = tree.source[0, result.path[0, :a]].tolist()
+        index_accepted += sum(s == INDEX for s in sources)
+        learned_accepted += sum(s & LEARNED > 0 for s in sources)
+    assert depth_seen >= 4 and index_accepted >= 100 and learned_accepted >= 20
+
+
+class RecordingTrees:
+    """The merged trees an engine verifies, and the accepted nodes' sources."""
+
+    def __init__(self, monkeypatch):
+        self.trees, self.accepted_sources = [], []
+        verify = engine_module.verify_tree
+
+        def recording(logprobs, tree, *args):
+            result = verify(logprobs, tree, *args)
+            if tree.source is not None:
+                self.trees.append(tree)
+                for b, a in enumerate(result.accepted.tolist()):
+                    self.accepted_sources += tree.source[b, result.path[b, :a]].tolist()
+            return result
+
+        monkeypatch.setattr(engine_module, "verify_tree", recording)
+
+    def proposed(self, bits: int) -> int:
+        return sum(int(((t.source == bits) & (t.valid if t.valid is not None else True)).sum()) for t in self.trees)
+
+
+def wrong_history(engine, prompts, rng: random.Random) -> None:
+    """Fill the engine's index with random responses of these prompts (wrong candidates, mostly)."""
+    for p in prompts:
+        for _ in range(4):
+            r = engine.index.open(tuple(p), p)
+            r.extend([rng.randrange(2, VOCAB) for _ in range(30)])
+            r.close()
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0, max_new_tokens=30)] + SAMPLINGS,
+                         ids=["greedy", "t1", "t0.7-k5-p0.9"])
+@pytest.mark.parametrize("drafts", ["hybrid", "index"])
+def test_tokens_equal_plain_decoding_with_index_candidates_right_wrong_and_duplicated(
+        small_vocab, monkeypatch, sampling, drafts):
+    """Keyed sampling: each position's noise is fixed by (seed, request, position), so speculative
+    decoding emits plain decoding's tokens (sampled: up to a float-rounding flip at a CDF boundary,
+    checked by a full forward), whatever the index proposes: first wrong history (random responses of
+    the same prompts), then live siblings, then the right one (the same call again: its history holds
+    these very responses). The learned draft (random) and the index propose the same node often."""
+    cfg, target, draft = small_vocab
+    prompts = [[1, 3, 4], [1, 5, 5, 6], [1, 2]]
+    reqs = [Request(prompts[i % 3], max_new_tokens=10 + (7 * i) % 21) for i in range(24)]
+    plain = [c.token_ids for c in engine_for(cfg, target, None).generate(reqs, sampling, seed=9)]
+    trees = RecordingTrees(monkeypatch)
+    engine = engine_for(cfg, target, draft, Static(SpecConfig(3, 2, 6)), max_batch=12)
+    engine.set_drafts(drafts, IndexLimits(window=8, depth=6))
+    wrong_history(engine, prompts, random.Random(0))
+    first = [c.token_ids for c in engine.generate(reqs, sampling, seed=9)]
+    accepted_first = engine.stats()["index_accepted"]
+    again = [c.token_ids for c in engine.generate(reqs, sampling, seed=9)]
+    accept_again = engine.stats()["accept_len"]
+    for out in (first, again):
+        same = sum(a == b for a, b in zip(out, plain))
+        assert same >= 22 if not sampling.greedy else same == 24
+        for i, (a, b) in enumerate(zip(out, plain)):
+            assert first_divergence_is_a_near_tie(target, reqs[i].prompt_ids, a, b, sampling, 9, i), i
+    assert engine.stats()["index_accepted"] > accepted_first  # the right history was accepted more...
+    assert accept_again > 2.0  # ...deep (the repeated call's own responses are in the index)
+    assert trees.proposed(INDEX) > 100  # index-only nodes, right and wrong
+    assert trees.accepted_sources.count(INDEX) > 50
+    if drafts == "hybrid":
+        assert trees.proposed(LEARNED) > 100 and trees.proposed(LEARNED | INDEX) > 10  # merged duplicates
+
+
+def test_a_per_sequence_budget_cuts_hybrid_trees_and_keeps_their_padding_out(small_vocab, monkeypatch):
+    """Index rows with fewer candidates than the budget pad with unverified nodes; a per-sequence
+    budget's cut must not bring those back. Greedy output equals plain decoding's."""
+    cfg, target, draft = small_vocab
+    reqs = [Request([1, 3, 4], max_new_tokens=25) for _ in range(8)] + [Request([1, 2], max_new_tokens=20)] * 4
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=25)
+    plain = [c.token_ids for c in engine_for(cfg, target, None).generate(reqs, greedy)]
+    trees = RecordingTrees(monkeypatch)
+    policy = AwarePerSequence(linear_costs(per_token=0.001))
+    engine = engine_for(cfg, target, draft, policy, max_batch=12)
+    engine.set_drafts("index")
+    for _ in range(2):
+        assert [c.token_ids for c in engine.generate(reqs, greedy)] == plain
+    assert any(t.valid is not None and not t.valid.all() for t in trees.trees)
+    assert engine.stats()["index_accepted"] > 0
+
+
+def test_learned_drafts_keep_static_steps_and_the_index_runs_eager(small_vocab):
+    cfg, target, draft = small_vocab
+    engine = engine_for(cfg, target, draft, Static(SpecConfig(2, 2, 3)))
+    engine.steps = object()  # stands for a static engine's step functions
+    assert engine._static_takes(SpecConfig(2, 2, 3))
+    engine.set_drafts("hybrid")
+    assert not engine._static_takes(SpecConfig(2, 2, 3)) and engine._static_takes(None)
+    engine.set_drafts("learned")
+    assert engine.index is None and engine._static_takes(SpecConfig(2, 2, 3))
+    with pytest.raises(ValueError, match="drafts"):
+        engine.set_drafts("ngram")
+
+
+# -- distribution ----------------------------------------------------------------------------------
+def hybrid_sampled_tokens(cfg, target, draft, sampling, calls, monkeypatch):
+    """Calls of 128 requests of MIXED_PROMPTS (2 to 12 new tokens) through a hybrid engine whose index
+    starts with random (wrong) responses of those prompts and then gathers the calls' own: every
+    emitted token with the target's logits before it (a full forward over its prefix) and, for tokens a
+    verify step sampled below the root, the source bits of the node it was sampled at (else None)."""
+    engine = engine_for(cfg, target, draft, Static(SpecConfig(4, 3, 12)), max_batch=48)
+    engine.set_drafts("hybrid", IndexLimits(window=8, depth=6))
+    wrong_history(engine, MIXED_PROMPTS, random.Random(1))
+    where, last = {}, []
+    verify, speculate = engine_module.verify_tree, engine._speculate
+
+    def recording_verify(logprobs, tree, *args):
+        result = verify(logprobs, tree, *args)
+        last.append((tree, result))
+        return result
+
+    def recording_speculate(running, config, sampling_, seed):
+        before = [(s, len(s.tokens)) for s in running]
+        last.clear()
+        out = speculate(running, config, sampling_, seed)
+        if last:
+            tree, result = last.pop()
+            for b, (s, n) in enumerate(before):
+                nodes = [0] + result.path[b, : len(s.tokens) - n - 1].tolist()
+                for k, node in enumerate(nodes[: len(s.tokens) - n]):
+                    where[(seed, s.index, n + k)] = int(tree.source[b, node]) if node else None
+        return out
+
+    monkeypatch.setattr(engine_module, "verify_tree", recording_verify)
+    monkeypatch.setattr(engine, "_speculate", recording_speculate)
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for call in range(calls):
+        prompts = torch.randint(len(MIXED_PROMPTS), (128,), generator=g).tolist()
+        lengths = torch.randint(2, 13, (128,), generator=g).tolist()
+        reqs = [Request(MIXED_PROMPTS[i], max_new_tokens=n) for i, n in zip(prompts, lengths)]
+        out = engine.generate(reqs, sampling, seed=1000 + call)
+        seqs += [(1000 + call, i, r.prompt_ids, o.token_ids) for i, (r, o) in enumerate(zip(reqs, out))]
+    ids = torch.zeros(len(seqs), max(len(p) + len(t) for *_, p, t in seqs), dtype=torch.long)
+    rows, positions, found = [], [], []
+    for row, (seed, i, prompt, tokens) in enumerate(seqs):
+        ids[row, : len(prompt) + len(tokens)] = torch.tensor(prompt + tokens)
+        rows += [row] * len(tokens)
+        positions += range(len(prompt), len(prompt) + len(tokens))
+        found += [where.get((seed, i, j), "plain") for j in range(len(tokens))]
+    with torch.no_grad():
+        logits = target(ids).logits[rows, torch.tensor(positions) - 1]
+    return logits, ids[rows, positions], found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling, calls", [
+    (SamplingParams(temperature=1.0, max_new_tokens=12), 24),
+    (SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=12), 24),
+], ids=["t1", "t0.7-k5-p0.9"])
+def test_hybrid_tokens_follow_the_target_distribution(spread_vocab, monkeypatch, sampling, calls):
+    """Tokens sampled at nodes only the index proposed, at nodes both sources proposed and at the
+    learned draft's own are each draws from the target's sampling distribution given their prefix
+    (rank_fit_p, tests/test_speculation.py), and the same tokens scored at 1.04x the temperature fail
+    the fit (the test sees a bias that small)."""
+    logits, tokens, found = hybrid_sampled_tokens(*spread_vocab, sampling, calls, monkeypatch)
+    logprobs = sampling_logprobs(logits, sampling)
+    assert not torch.isinf(logprobs.gather(-1, tokens[:, None])[:, 0]).any()
+    verified = torch.tensor([w != "plain" for w in found])
+    for bits in (INDEX, LEARNED, LEARNED | INDEX):
+        at = torch.tensor([w == bits for w in found])
+        assert int(at.sum()) >= 400, (bits, int(at.sum()))  # each kind of node was reached often
+        assert rank_fit_p(logprobs[at], tokens[at]) > 1e-3, bits
+    assert rank_fit_p(logprobs[verified], tokens[verified]) > 1e-3
+    biased = sampling_logprobs(logits[verified], replace(sampling, temperature=1.04 * sampling.temperature))
+    assert rank_fit_p(biased, tokens[verified]) < 1e-3
