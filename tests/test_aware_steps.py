@@ -79,23 +79,19 @@ def best_fixed(truth, B: int) -> tuple[float, SpecConfig | None]:
     return rate, c
 
 
-# what aware reaches of the best fixed choice, at least, by concurrency (measured: eager-h100 0.988, 0.967,
-# 0.984, 0.986, 0.900; graphed 0.990, 0.991, 0.990, 0.969, 0.999). Short of the 0.97 asked at 4 and 64, and
-# at 256 on the eager costs: there the truth's verify costs 4x its forward per token, which the fit prices
-# only through its per-level and fixed terms (a per-node term, StepFit.per_node, was noisier still)
-FLOORS = {eager_h100: {1: 0.97, 4: 0.96, 16: 0.97, 64: 0.97, 256: 0.88},
-          graphed: {1: 0.97, 4: 0.97, 16: 0.97, 64: 0.96, 256: 0.97}}
+# the never-slower bar: aware reaches 0.97x the best fixed choice at every concurrency (the target;
+# at seeds B, B + 1000 and B + 2000 the least was 0.972, graphed costs at 64 running)
+FLOOR = 0.97
 
 
-@pytest.mark.slow  # 3000 simulated steps at five concurrencies: ~15 s each
 @pytest.mark.parametrize("truth", [eager_h100, graphed], ids=["eager-h100", "graphed"])
 def test_aware_nears_the_best_fixed_choice_at_every_concurrency(truth):
-    for B, floor in FLOORS[truth].items():
+    for B in (1, 4, 16, 64, 256):
         rate, shape = best_fixed(truth, B)
         got = simulate(truth, B, steps=3000, seed=B)
         print(f"\n{truth.__name__} B={B}: aware {got:.0f} tok/s, best fixed {rate:.0f} ({shape and shape.name}) "
               f"-> {got / rate:.3f}")
-        assert got >= floor * rate, (B, got / rate, shape)
+        assert got >= FLOOR * rate, (B, got / rate, shape)
         assert got <= 1.02 * rate  # the best fixed choice bounds it, up to the noise
 
 
@@ -105,7 +101,7 @@ def test_without_the_step_fit_the_eager_costs_defeat_aware():
     original = StepFit.fit
 
     def one_ratio(self, scale):  # T = f F with f the mean measured / calibrated: one correction a bucket
-        ratios = [sec / F for F, _, _, sec, _, _ in self.steps]
+        ratios = [sec / F for F, sec, _, _ in self.shapes.values()]
         self.f, self.h, self.g = (sum(ratios) / len(ratios) if ratios else scale), 0.0, 0.0
 
     def seconds(self, forwards, c, plain, scale):

@@ -165,41 +165,50 @@ class StepFit:
     u is a plain step's calibrated forward and U its measured time there (the calibration times plain's
     correction). A plain step slower than its forward (U > u) pays U - u beyond it: host work (sampling,
     bookkeeping, launches) that a speculative step pays too. One faster than its forward (U < u) says the
-    calibration overprices this machine (a sweep taken while it was busy): every forward is scaled by U / u. F(c) is the step's calibrated forwards (the draft's levels
-    and the verify, `Aware._calibrated_seconds`), h a further fixed cost, g a cost per draft level and q
-    one per verified node of a row beyond its root, in plain steps. On an eager GPU engine most of a step
-    is host work per step and per level that no forward timing sees, and a verify of many tokens can
-    cost more than its forward alone; h, g and q price them, and since g and q weigh trees by their depth
-    and size, measured times change which shape wins, not only whether to speculate.
+    calibration overprices this machine (a sweep taken while it was busy): every forward is scaled by
+    U / u. F(c) is the step's calibrated forwards (the draft's levels and the verify,
+    `Aware._calibrated_seconds`), h a further fixed cost, g a cost per draft level and q one per verified
+    node of a row beyond its root, in plain steps. On an eager GPU engine most of a step is host work per
+    step and per level that no forward timing sees, and a verify of many tokens can cost more than its
+    forward alone; h, g and q price them, and since f, g and q weigh trees by their size and depth,
+    measured times change which shape wins, not only whether to speculate.
 
-    Fitted by weighted least squares over the bucket's last `window` speculative steps (each in units of
-    its U; older steps weigh `decay` less a step, a probe as much as all the others together, as aware's
-    plain correction weighs them), with a ridge of `prior_weight` steps toward f = 1, h = g = q = 0: until
-    steps disagree, a speculative step costs a plain step's overhead plus its forwards. h, g, q stay >= 0."""
+    The evidence is kept per shape, not per step: each shape's running mean of (F, seconds, u) (the
+    first measurement replaces nothing; later ones move it by `1 - decay`, a probe by a half). Aware takes
+    one shape for long stretches and measures the others only at its rare probes; a window of recent
+    steps would hold the chosen shape alone, whose cost cannot separate f from h and g, and the fit would
+    fall back to its prior exactly where shapes must be compared. Each shape weighs min(its steps,
+    `cap`) in a weighted least squares, with a ridge of `prior_weight` toward f = 1, h = g = q = 0 (until
+    shapes disagree, a speculative step costs a plain step's overhead plus its forwards); h, g, q stay >= 0."""
 
-    def __init__(self, window: int = 64, prior_weight: float = 1.0, decay: float = 0.9, per_node: bool = False):
-        self.steps: deque[list[float]] = deque(maxlen=window)  # [F, depth, nodes, seconds, u, weight]
-        # q is fitted only when asked: in simulation, the steps aware explores (a few shapes near the best)
-        # leave a per-node cost poorly determined, and its noise moved the choice between shapes
+    def __init__(self, prior_weight: float = 1.0, decay: float = 0.9, cap: float = 4.0, per_node: bool = False):
+        self.shapes: dict[SpecConfig, list[float]] = {}  # per shape: mean [F, seconds, u], and its steps
+        # q is fitted only when asked: the shapes aware explores (a few near the best) leave a per-node
+        # cost poorly determined beside f, whose forwards already grow with the nodes
         self.per_node = per_node
-        self.prior_weight, self.decay = prior_weight, decay
+        self.prior_weight, self.decay, self.cap = prior_weight, decay, cap
         self.f, self.h, self.g, self.q = 1.0, 0.0, 0.0, 0.0
 
     def add(self, forwards: float, c: SpecConfig, seconds: float, plain: float, probe: bool = False) -> None:
-        for step in self.steps:
-            step[5] *= self.decay
-        weight = max(sum(step[5] for step in self.steps), 1.0) if probe else 1.0
-        self.steps.append([forwards, c.depth, c.num_verify, seconds, plain, weight])
+        seen = self.shapes.get(c)
+        if seen is None:
+            self.shapes[c] = [forwards, seconds, plain, 1.0]
+            return
+        keep = 0.5 if probe else self.decay
+        for i, value in enumerate((forwards, seconds, plain)):
+            seen[i] = keep * seen[i] + (1 - keep) * value
+        seen[3] += 1
 
     def fit(self, scale: float) -> None:
         """Refit with `scale`, plain's current correction (U = u * scale)."""
         self.f, self.h, self.g, self.q = 1.0, 0.0, 0.0, 0.0
-        if not self.steps:
+        if not self.shapes:
             return
-        w = torch.tensor([step[5] for step in self.steps], dtype=torch.float64).sqrt()[:, None]
-        x = w * torch.tensor([[F * min(scale, 1) / (u * scale), 1.0, float(d), n - 1.0] for F, d, n, _, u, _ in self.steps],
-                             dtype=torch.float64)[:, : 4 if self.per_node else 3]
-        y = w[:, 0] * torch.tensor([(sec - u * max(scale - 1, 0)) / (u * scale) for _, _, _, sec, u, _ in self.steps],
+        rows = [(c, F, sec, u, min(n, self.cap)) for c, (F, sec, u, n) in self.shapes.items()]
+        w = torch.tensor([weight for *_, weight in rows], dtype=torch.float64).sqrt()[:, None]
+        x = w * torch.tensor([[F * min(scale, 1) / (u * scale), 1.0, float(c.depth), c.num_verify - 1.0]
+                              for c, F, _, u, _ in rows], dtype=torch.float64)
+        y = w[:, 0] * torch.tensor([(sec - u * max(scale - 1, 0)) / (u * scale) for _, _, sec, u, _ in rows],
                                    dtype=torch.float64)
         prior = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
         keep = [0, 1, 2, 3] if self.per_node else [0, 1, 2]
@@ -220,7 +229,8 @@ class StepFit:
         return plain * max(scale - 1, 0) + self.f * min(scale, 1) * forwards + plain * scale * overhead
 
     def to_json(self) -> dict:
-        return {"f": self.f, "h": self.h, "g": self.g, "q": self.q, "steps": len(self.steps)}
+        return {"f": self.f, "h": self.h, "g": self.g, "q": self.q, "shapes": len(self.shapes),
+                "steps": int(sum(n for *_, n in self.shapes.values()))}
 
 
 class Aware(Off):
@@ -301,7 +311,7 @@ class Aware(Off):
     def _fit(self, running: int) -> StepFit:
         b = self._bucket(running)
         if b not in self.fits:
-            self.fits[b] = StepFit()
+            self.fits[b] = StepFit(per_node=True)
             self.fits[b].fit(self._correction("off", running))
         return self.fits[b]
 
