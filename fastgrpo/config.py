@@ -28,6 +28,7 @@ class ConfigError(ValueError):
 ModelSize = Literal["test", "bench", "gpu"]  # `fastgrpo sft`'s recipes (models/policy.py SIZES)
 SpeculationPolicyName = Literal["off", "static", "fastgrpo", "tlt", "aware", "aware_per_sequence"]  # speculation/registry.py
 OnlineDraft = Literal["off", "sync", "async"]
+DraftSource = Literal["learned", "index", "hybrid"]  # who proposes speculation's trees (docs/drafts.md)
 # grpo/loss.py
 LossAggregation = Literal["token_mean", "seq_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 RatioLevel = Literal["token", "sequence"]  # grpo.ratio_level: PPO's per-token ratio, or GSPO's per-sequence one
@@ -159,8 +160,19 @@ class SpeculationConfig:
     topk: int = 4  # static: children per expanded node
     num_verify: int = 12  # static: tokens verified per sequence (root included)
     cost_model_dir: str = "artifacts/cost_models"  # cached calibration sweeps, one per machine and model shape
+    # who proposes a tree (docs/drafts.md): the learned draft; the suffix index of what each prompt's
+    # responses wrote (earlier steps' and the live group's); or both merged into one tree of the same budget
+    drafts: DraftSource = "learned"
+    index_window: int = 16  # the index matches at most this many of a sequence's last tokens
+    index_depth: int = 8  # its deepest proposed continuation
+    index_responses: int = 16  # finished responses it keeps per prompt (the latest)
+    index_max_tokens: int = 2_000_000  # tokens it holds over all prompts; least recently used prompts dropped
+    index_prior: float = 1.0  # a continuation seen c of n times after m matched tokens: probability c/(n + prior/m)
 
     def check(self) -> None:
+        for key in ("index_window", "index_depth", "index_responses", "index_max_tokens"):
+            _check(getattr(self, key) >= 1, f"speculation.{key}", "must be >= 1", getattr(self, key))
+        _check(self.index_prior >= 0, "speculation.index_prior", "must be >= 0", self.index_prior)
         _check(self.depth >= 1, "speculation.depth", "must be >= 1", self.depth)
         _check(self.topk >= 1, "speculation.topk", "must be >= 1", self.topk)
         _check(2 <= self.num_verify <= 1 + self.topk + (self.depth - 1) * self.topk**2, "speculation.num_verify",
@@ -641,6 +653,8 @@ def validate(c: Config) -> None:
     _check(c.draft.online == "off" or c.speculation.policy != "off", "draft.online",
            "needs speculation (speculation.policy != off): the draft learns from the states rollout computes for it",
            c.draft.online)
+    _check(c.speculation.drafts == "learned" or c.engine.backend == "embedded", "speculation.drafts",
+           "index and hybrid trees are the embedded engine's (engine.backend=embedded)", c.speculation.drafts)
 
 
 def enforce(rules: list[Rule]) -> None:

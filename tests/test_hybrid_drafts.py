@@ -296,3 +296,48 @@ def test_hybrid_tokens_follow_the_target_distribution(spread_vocab, monkeypatch,
     assert rank_fit_p(logprobs[verified], tokens[verified]) > 1e-3
     biased = sampling_logprobs(logits[verified], replace(sampling, temperature=1.04 * sampling.temperature))
     assert rank_fit_p(biased, tokens[verified]) < 1e-3
+
+
+# -- config ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override, key", [
+    ("speculation.drafts=ngram", "speculation.drafts"),
+    ("speculation.index_window=0", "speculation.index_window"),
+    ("speculation.index_depth=0", "speculation.index_depth"),
+    ("speculation.index_responses=0", "speculation.index_responses"),
+    ("speculation.index_max_tokens=0", "speculation.index_max_tokens"),
+    ("speculation.index_prior=-1", "speculation.index_prior"),
+])
+def test_bad_draft_sources_and_index_limits_name_the_key(override, key):
+    from fastgrpo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_the_config_sets_the_draft_source_and_the_index_limits():
+    from fastgrpo.config import ConfigError, load_config
+
+    c = load_config(None, ["speculation.drafts=hybrid", "speculation.index_window=12", "speculation.index_depth=5",
+                           "speculation.index_responses=3", "speculation.index_max_tokens=1000",
+                           "speculation.index_prior=0.5"])
+    assert c.speculation.drafts == "hybrid"
+    assert IndexLimits.of(c.speculation) == IndexLimits(window=12, depth=5, responses=3, max_tokens=1000, prior=0.5)
+    assert load_config(None, []).speculation.drafts == "learned"
+    with pytest.raises(ConfigError, match="speculation.drafts"):  # SGLang drafts with its own EAGLE
+        load_config(None, ["speculation.drafts=index", "engine.backend=sglang"])
+
+
+def test_build_engine_gives_the_engine_the_configured_draft_source(small_vocab, monkeypatch):
+    import fastgrpo.engines.embedded.build as build
+    from fastgrpo.config import load_config
+    from fastgrpo.models.draft import DraftHead
+
+    cfg, target, draft = small_vocab
+    monkeypatch.setattr(build, "has_draft", lambda directory: True)
+    monkeypatch.setattr(DraftHead, "load", classmethod(lambda cls, *args: draft))
+    monkeypatch.setattr(build, "speculation_policy", lambda engine, c, mode: Static(SpecConfig(2, 2, 3)))
+    run = load_config(None, ["speculation.policy=static", "speculation.drafts=index", "speculation.index_depth=3",
+                             "model.max_context=64", "rollout.max_new_tokens=32", "rollout.max_batch=4", "engine.steps=eager", "device=cpu"])
+    text = type("Text", (), {"stop_ids": [VOCAB + 1]})()
+    engine = build.build_engine(run, cfg, text, target.state_dict().items())
+    assert engine.drafts == "index" and engine.index.limits == IndexLimits.of(run.speculation)

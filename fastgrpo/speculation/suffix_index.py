@@ -202,6 +202,13 @@ class IndexLimits:
     max_tokens: int = 2_000_000  # indexed tokens over all prompts; least recently used prompts dropped past it
     prior: float = 1.0  # a continuation seen c times of n after a match of m tokens: probability c / (n + prior / m)
 
+    @classmethod
+    def of(cls, speculation) -> IndexLimits:
+        """The limits a run's `speculation` config section sets (its index_* keys)."""
+        return cls(window=speculation.index_window, depth=speculation.index_depth,
+                   responses=speculation.index_responses, max_tokens=speculation.index_max_tokens,
+                   prior=speculation.index_prior)
+
     def __post_init__(self) -> None:
         for key in ("window", "depth", "responses", "max_tokens"):
             if getattr(self, key) < 1:

@@ -18,6 +18,7 @@ from fastgrpo.models.draft import DraftHead
 from fastgrpo.paths import DRAFT_CONFIG, draft_dir, draft_weights, has_draft
 from fastgrpo.speculation.policy import SpeculationPolicy
 from fastgrpo.speculation.registry import CALIBRATED, make_policy
+from fastgrpo.speculation.suffix_index import IndexLimits
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, text: TextFormat,
         draft = DraftHead.load(draft_dir(cfg), model_config, cfg.model.max_context)
         engine.update_draft(draft.state_dict().items(), version=0)
         engine.set_speculation(speculation_policy(engine, cfg, mode))
+        engine.set_drafts(cfg.speculation.drafts, IndexLimits.of(cfg.speculation))
     return engine
 
 
