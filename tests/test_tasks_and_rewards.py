@@ -57,6 +57,20 @@ def test_score(completion, expected):
     assert score(completion, "12") == expected
 
 
+@pytest.mark.parametrize("gold, right, wrong", [
+    ("\\sqrt{2}", "\\sqrt{2}", "\\sqrt{3}"),  # a MATH answer as the dataset loader reduces it: bare LaTeX
+    ("x^2+1", "1+x^2", "x^2-1"),
+    ("\\frac{1}{2}", "0.5", "\\frac{1}{3}"),
+    ("\\pi", "\\pi", "3"),
+    ("1,000", "1000", "100"),
+    ("$\\frac12$", "\\frac{1}{2}", "2"),  # delimited gold answers are read as they are
+    ("\\boxed{7}", "7", "8"),
+])
+def test_score_reads_a_bare_latex_gold_answer(gold, right, wrong):
+    assert score(f"so \\boxed{{{right}}}", gold) == 1.0
+    assert score(f"so \\boxed{{{wrong}}}", gold) == 0.0
+
+
 def test_step_credit_counts_the_steps_right_before_the_first_mistake():
     solution = "3 + 4 = 7\n7 * 2 = 14\n14 - 5 = 9\n9 + 1 = 10\nThe answer is \\boxed{10}."
     assert step_credit(solution, solution) == 1.0

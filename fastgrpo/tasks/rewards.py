@@ -47,7 +47,10 @@ def score(completion: str, answer: str, timeout_seconds: float = 2.0) -> float:
     # math-verify's timeouts use SIGALRM, which only works in the main thread
     timeout = max(1, math.ceil(timeout_seconds)) if threading.current_thread() is threading.main_thread() else None
     try:
-        gold = parse(answer, parsing_timeout=timeout, raise_on_error=True)
+        # a bare gold answer is read as the boxed answer it is: math-verify's default extraction reads
+        # LaTeX only inside delimiters, so a bare `\sqrt{2}` or `x^2+1` would parse to nothing
+        delimited = "\\boxed" in answer or "$" in answer
+        gold = parse(answer if delimited else "\\boxed{" + answer + "}", parsing_timeout=timeout, raise_on_error=True)
         if not gold:
             raise ValueError(f"the gold answer {answer!r} does not parse")
         pred = parse("\\boxed{" + boxed + "}", parsing_timeout=timeout, raise_on_error=True)
