@@ -516,6 +516,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         msg = str(e.msg).splitlines()[0]
         raise ConfigError(f"config key {key!r}: {msg}" if key else msg) from None
     validate(config)
+    # Dr. GRPO's constant resolved once, here, so every trainer built from this config (the run's, a
+    # bench's, the GPU check's) gets the same one: 0 means the rollout's token budget
+    config.grpo = config.grpo.for_rollout(config.rollout.max_new_tokens)
     return config
 
 

@@ -337,5 +337,6 @@ def test_keys_that_need_each_other():
     assert GRPOConfig(rollout_correction="icepop").mask_band() == (0.5, 5.0)
     assert GRPOConfig(rollout_correction="geometric_mask", mask_high=1.01).mask_band() == (0.999, 1.01)
     cfg = load_config(None, ["grpo.loss_aggregation=seq_mean_token_sum_norm", "rollout.max_new_tokens=64"])
-    assert cfg.grpo.for_rollout(cfg.rollout.max_new_tokens).loss_norm_tokens == 64
+    assert cfg.grpo.loss_norm_tokens == 64  # resolved at load: a trainer built from cfg.grpo alone has it
+    assert load_config(None, ["grpo.loss_norm_tokens=9"]).grpo.loss_norm_tokens == 9
     assert GRPOConfig(loss_norm_tokens=7).for_rollout(64).loss_norm_tokens == 7
