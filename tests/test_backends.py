@@ -1,6 +1,7 @@
 """The seams: backends chosen by config through one factory, and the batch a trainer receives."""
 
 import dataclasses
+import math
 import sys
 
 import pytest
@@ -106,7 +107,8 @@ def test_the_engine_returns_each_tokens_sampling_set_and_the_trainer_scores_in_i
     """With top-k and top-p, each token comes with the set it was sampled from (it holds the token; at
     most top_k ids), plain and speculative decoding alike, and the trainer scoring in those sets gives
     the engine's log-probabilities to float rounding: `kl_engine_trainer` below 1e-5 after a step.
-    Without the sets the trainer recomputes them from its own logits and disagrees at the cut."""
+    Without the sets the trainer recomputes them from its own logits: each sampled token's top-k /
+    top-p log-probability as computed by hand from the model's logits (`_cut_logprob`)."""
     extra = {"draft.path": str(tiny_draft), "speculation.policy": speculation} if speculation != "off" else {}
     cfg, trainer, engine = _engine_and_trainer(tmp_path, tiny_policy, **extra, **{  # static: the draft of draft.path
         "rollout.top_k": 5, "rollout.top_p": 0.9, "rollout.max_new_tokens": 24})
@@ -124,10 +126,35 @@ def test_the_engine_returns_each_tokens_sampling_set_and_the_trainer_scores_in_i
     for i, c in enumerate(out):
         got = scored[i, len(prompts[i]): len(prompts[i]) + len(c.token_ids)]
         torch.testing.assert_close(got, torch.tensor(c.logprobs), atol=2e-5, rtol=0)
-    recomputed = dataclasses.replace(batch, sample_sets=None)
-    assert trainer.logprobs(recomputed).isfinite().all()
+    recomputed = trainer.logprobs(dataclasses.replace(batch, sample_sets=None))
+    top_p_cut = 0
+    with torch.no_grad():
+        for i, c in enumerate(out):
+            logits = trainer.model(torch.tensor([prompts[i] + c.token_ids])).logits[0].double().tolist()
+            for j, token in enumerate(c.token_ids):
+                row = logits[len(prompts[i]) + j - 1]
+                want = _cut_logprob(row, token, sampling.top_k, sampling.top_p)
+                assert abs(float(recomputed[i, len(prompts[i]) + j]) - want) < 2e-5, (i, j)
+                top_p_cut += abs(_cut_logprob(row, token, sampling.top_k, 1.0) - want) > 1e-3
+    assert top_p_cut > 0  # the control: an oracle without top-p would fail the comparison above
     metrics = trainer.train_step(batch)
     assert abs(metrics["kl_engine_trainer"]) < 1e-5 and metrics["updates"] == 1, metrics
+
+
+def _cut_logprob(logits: list[float], token: int, top_k: int, top_p: float) -> float:
+    """The sampling distribution at temperature 1 written out: the top_k largest logits, of which those
+    (in order) whose predecessors' probability mass is still below top_p, renormalised; the sampled
+    token is scored inside the set even where it fell outside (the trainer never scores -inf)."""
+    order = sorted(range(len(logits)), key=lambda t: -logits[t])[:top_k]
+    weights = [math.exp(logits[t] - logits[order[0]]) for t in order]
+    kept, covered = [], 0.0
+    for t, w in zip(order, weights):
+        if covered < top_p:
+            kept.append(t)
+        covered += w / sum(weights)
+    kept += [] if token in kept else [token]
+    top = max(logits[t] for t in kept)
+    return logits[token] - top - math.log(sum(math.exp(logits[t] - top) for t in kept))
 
 
 def test_sampling_sets_fall_back_and_pad_correctly():

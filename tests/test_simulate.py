@@ -238,16 +238,29 @@ def test_aware_recovers_from_a_wrong_calibration_through_what_it_observes():
 
 
 def test_acceptance_draws_follow_the_profile_and_measured_histograms():
+    """The profile's survival written out from its formula (depth 4, top-2, 8 verified: the fill w is
+    7 / 4 = 1.75 candidates a level, each depth j covered with 1 - (1 - alpha_j) w^-beta), and its draws
+    accepting >= d tokens as often as that survival says; the EAGLE-3 chain's alpha the root of
+    1 + a + ... + a^7 = 3.34 found by numpy, not by the profile's own bisection."""
     p = AcceptanceProfile([0.8, 0.6], 0.5)
     c = SpecConfig(4, 2, 8)
+    cover = [1 - 0.2 * 1.75**-0.5] + [1 - 0.4 * 1.75**-0.5] * 3  # alpha 0.8 at depth 1, then 0.6 repeated
+    survival = np.cumprod(cover)
+    assert p.survival(c) == pytest.approx(survival.tolist(), abs=1e-12)
+    assert p.mean(c) == pytest.approx(1 + survival.sum(), abs=1e-12)
     draws = p.draw(c, 200_000, np.random.default_rng(0))
-    assert draws.mean() + 1 == pytest.approx(p.mean(c), rel=0.01)
+    for d in range(1, 5):  # 200k draws: a standard error of 0.0011 at most
+        assert (draws >= d).mean() == pytest.approx(survival[d - 1], abs=0.005), d
+    assert draws.max() == 4
     assert p.mean(SpecConfig(4, 4, 16)) > p.mean(SpecConfig(4, 1, 5)) > p.mean(SpecConfig(2, 1, 3))
     measured = {SpecConfig(2, 2, 4): [2] * 300, SpecConfig(3, 4, 8): [0, 1] * 150}
     fitted = fit_acceptance(measured, "test")
     assert (fitted.draw(SpecConfig(2, 2, 4), 50, np.random.default_rng(0)) == 2).all()
     chain = eagle_profile(0.5)
-    assert chain.mean(SpecConfig(7, 1, 8)) == pytest.approx(3.34, abs=0.01)
+    roots = np.roots([1, 1, 1, 1, 1, 1, 1, 1 - 3.34])  # a^7 + ... + a + 1 - 3.34 = 0
+    (a,) = [r.real for r in roots if abs(r.imag) < 1e-12 and 0 < r.real < 1]
+    assert chain.alpha == [pytest.approx(a, abs=1e-9)]
+    assert chain.mean(SpecConfig(7, 1, 8)) == pytest.approx((1 - a**8) / (1 - a), abs=1e-9)  # a chain: w = 1
 
 
 def test_roofline_is_memory_bound_at_small_batch_and_compute_bound_at_large():
