@@ -35,6 +35,7 @@ def test_bench_help_lists_every_benchmark_without_importing_them():
     (["bench", "simulate", "--repetitions", "0"], "`bench simulate`: argument --repetitions: must be >= 1"),
     (["bench", "guarantee", "--threads", "0,1"], "`bench guarantee`: argument --threads: thread counts must be >= 1"),
     (["bench", "learning", "--every", "x"], "`bench learning`: argument --every: expected an integer"),
+    (["bench", "learning", "--variants", "gspo:ratio"], "argument --variants: 'gspo:ratio' is not name or name:key=value"),
 ])
 def test_a_flag_a_benchmark_does_not_have_is_refused_with_the_benchmark_named(argv, named, tmp_path, capsys):
     assert main([*argv, "--output", str(tmp_path / "out.json")]) == 1
@@ -48,6 +49,8 @@ def test_each_benchmark_parses_its_own_flags_and_says_what_it_needs():
     assert (args.what, args.seeds, args.modes, args.quick, args.needs) == ("learning", 2, "off,aware", True, "draft")
     assert args.overrides == ["a=1"] and rest == ["b=2"]  # main appends overrides found after options
     assert args.run.__module__ == "fastgrpo.bench.learning"
+    args, _ = parse(["bench", "learning", "--variants", "default,gspo:grpo.ratio_level=sequence+grpo.eps_low=3e-4"])
+    assert args.variants == {"default": [], "gspo": ["grpo.ratio_level=sequence", "grpo.eps_low=3e-4"]}
     args, _ = parse(["bench", "draft", "--policy", "ckpt/policy"])
     assert args.policy == "ckpt/policy" and args.run.__module__ == "fastgrpo.bench.draft_fit"
     args, _ = parse(["bench", "guarantee", "--runs", "2", "--threads", "1,2"])
@@ -113,3 +116,16 @@ def test_a_draft_rank_checks_the_layout_once_and_never_trains(tmp_path, layout_c
         main(["train", "--config", CONFIG, "trainer.backend=megatron", "draft.online=async", "parallel.draft_ranks=1",
               f"run_dir={tmp_path / 'run'}", "tracking.enabled=false"])
     assert served == ["channel"] and len(layout_checks) == 1
+
+
+def test_a_learning_variant_is_the_config_with_its_overrides_validated():
+    from fastgrpo.bench.learning import with_overrides
+    from fastgrpo.config import ConfigError, load_config
+
+    cfg = load_config(None)
+    gspo = with_overrides(cfg, ["grpo.ratio_level=sequence", "rollout.refill_rounds=2"])
+    assert (gspo.grpo.ratio_level, gspo.rollout.refill_rounds, cfg.grpo.ratio_level) == ("sequence", 2, "token")
+    with pytest.raises(ConfigError, match="grpo.no_such_key"):
+        with_overrides(cfg, ["grpo.no_such_key=1"])
+    with pytest.raises(ConfigError, match="rollout.refill_rounds"):  # a rule across sections
+        with_overrides(cfg, ["rollout.refill_rounds=2", "grpo.drop_equal_reward_groups=false"])
