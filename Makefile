@@ -9,7 +9,6 @@ STAMP := $(VENV)/.installed
 # SGLang's torch. `make install` on such a node (the CPU install over it) removes it.
 GPU_STAMP := $(VENV)/.installed-gpu
 INSTALLED = $(if $(wildcard $(GPU_STAMP)),$(GPU_STAMP),$(STAMP))
-POLICY := artifacts/policy-bench
 CONFIG ?= configs/tiny_cpu.yaml
 
 .PHONY: install install-gpu check-gpu-install train train-distributed test test-slow test-all test-slurm policy bench bench-quick bench-e2e bench-forward clean

@@ -54,11 +54,6 @@ class TLT:
             self.mean[b] = [0.0] * len(self.arms)
         return self.pulls[b], self.mean[b]
 
-    def best_arm(self, running: int) -> SpecConfig:
-        """The arm of highest mean reward so far in `running`'s bucket (the first one before any pull)."""
-        pulls, mean = self._stats(self.bucket(running))
-        return self.arms[max(range(len(self.arms)), key=lambda i: (pulls[i] > 0, mean[i]))]
-
     def choose(self, running: int, context: float | None = None) -> SpecConfig | None:
         if running > self.threshold:
             return None

@@ -6,8 +6,6 @@ import logging
 import random
 from dataclasses import dataclass, field
 
-from transformers import PreTrainedTokenizerBase
-
 from fastgrpo.config import TaskConfig
 from fastgrpo.models.tokenizer import TextFormat
 from fastgrpo.tasks.arithmetic import arithmetic_splits

@@ -32,7 +32,6 @@ WHEELS = (
     "megatron-core==0.16.1", "psutil==7.2.2",  # the Megatron trainer
 )
 BASE = ("torch", "transformers", "safetensors", "numpy")  # what the offline GPU machine's Python has
-WHEEL_BUDGET_MB = 20.0
 GPU_TORCH = "torch==2.14.1"  # sglang 0.5.23's Requires-Dist (fastgrpo's own pin, 2.13.0, is the CPU build's)
 GPU_EXTRAS = ("test", "megatron", "sglang")  # deepspeed stays on CPU installs (built from source against torch)
 

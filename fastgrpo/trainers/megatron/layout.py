@@ -61,7 +61,6 @@ QK_NORMS = {"self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
 EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1\.weight|linear_fc2\.weight)$")
 ROUTER = "mlp.router.weight"
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 VOCAB_DIVISIBLE_BY = 128  # megatron pads the vocabulary to a multiple of this x TP
 
 
