@@ -20,6 +20,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "forward": ("fastgrpo.bench.forward", "the policy forward by batch, tokens per sequence and matmul kernel"),
     "shapes": ("fastgrpo.bench.shapes", "draft and target costs for deeper, narrower policies of the same size"),
     "draft": ("fastgrpo.bench.draft_fit", "how well drafts fit a policy, on its own samples, with fixed trees"),
+    "drafts": ("fastgrpo.bench.drafts", "learned, index and hybrid draft trees at equal node budget over epochs of "
+                                        "the same prompts"),
     "learning": ("fastgrpo.bench.learning", "held-out accuracy curves of GRPO over seeds, with and without "
                                             "speculation"),
     "noise": ("fastgrpo.bench.noise", "how much of one GRPO update is signal: the gradient noise scale"),
@@ -28,7 +30,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "guarantee": ("fastgrpo.bench.guarantee", "aware against plain decoding, paired, over runs and thread counts"),
     "simulate": ("fastgrpo.bench.simulate.command", "rollout at GPU scale, simulated, validated against this CPU's "
                                                     "engine"),
-    "sglang-tiers": ("fastgrpo.bench.sglang_tiers", "aware on SGLang's adaptive EAGLE against SGLang's own "
+    "sglang-tiers": ("fastgrpo.bench.sglang_speculation", "aware on SGLang's adaptive EAGLE against SGLang's own "
                                                     "speculation, simulated"),
     "gpu-check": ("fastgrpo.bench.gpu_check.driver", "the GPU path in one run: SFT and draft of a ~308M policy, "
                   "Megatron against torch, the weight push, the decode step against its bandwidth bound, rollout "

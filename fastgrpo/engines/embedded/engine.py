@@ -240,16 +240,19 @@ class EmbeddedEngine:
     def set_speculation(self, policy: SpeculationPolicy) -> None:
         self.policy = policy
 
-    def set_drafts(self, drafts: str, limits: IndexLimits | None = None) -> None:
+    def set_drafts(self, drafts: str, limits: IndexLimits | None = None, index: SuffixIndex | None = None) -> None:
         """Who proposes the trees of eager speculative steps: the learned draft, the suffix index of the
         prompts' responses (earlier calls' and this call's siblings') or both in one tree
-        (`tree.hybrid_tree`). The index lives across generate() calls: that is its history. Static steps
-        take only learned trees, so with the index every speculative step runs eagerly."""
+        (`tree.hybrid_tree`). The index lives across generate() calls: that is its history (`index`: one
+        to use instead, as a benchmark keeping one per source does). Static steps take only learned
+        trees, so with the index every speculative step runs eagerly."""
         if drafts not in ("learned", "index", "hybrid"):
             raise ValueError(f"drafts must be learned, index or hybrid, got {drafts!r}")
         self.drafts = drafts
         if drafts == "learned":
             self.index = None
+        elif index is not None:
+            self.index = index
         elif self.index is None or (limits is not None and limits != self.index.limits):
             self.index = SuffixIndex(limits)
 
