@@ -135,7 +135,7 @@ def test_the_refreshed_table_stays_within_the_candidates():
 def test_bench_sglang_tiers_quick(tmp_path):
     """The simulated comparison at its quick size: every policy ran, and the adaptive policies learned
     (aware_sglang beats SGLang's default tiers, which leave long contexts at high concurrency plain)."""
-    from fastgrpo.bench.sglang_tiers import bench_sglang_tiers
+    from fastgrpo.bench.sglang_speculation import bench_sglang_tiers
 
     out = bench_sglang_tiers(types.SimpleNamespace(seed=0), True, tmp_path / "st.json")
     assert (tmp_path / "st.json").is_file() and out["meta"]["simulated"]
