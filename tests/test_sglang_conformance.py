@@ -1,5 +1,5 @@
 """The SGLang adapter and its emulation against sglang 0.5.23's own source (the pinned wheel, read
-with ast by tests/sglang_conformance.py: nothing of SGLang is imported, nothing needs CUDA), and
+with ast by tests/sglang_conformance/: nothing of SGLang is imported, nothing needs CUDA), and
 the GPU install against the wheel's pins. Skipped, with the reason, only when the wheel cannot be
 downloaded."""
 
