@@ -341,3 +341,24 @@ def test_build_engine_gives_the_engine_the_configured_draft_source(small_vocab, 
     text = type("Text", (), {"stop_ids": [VOCAB + 1]})()
     engine = build.build_engine(run, cfg, text, target.state_dict().items())
     assert engine.drafts == "index" and engine.index.limits == IndexLimits.of(run.speculation)
+
+
+# -- bench drafts ----------------------------------------------------------------------------------
+def test_bench_drafts_pools_accepted_length_over_sequences_and_averages_replicates():
+    from fastgrpo.bench.drafts import MODES, ratio_se, summarise
+
+    r, se = ratio_se([6, 2, 0], [2, 2, 0])  # the third sequence never speculated: left out
+    assert r == 2.0  # (6 + 2) / (2 + 2)
+    # residuals e - r s: 2, -2; their variance 8 over n = 2, divided by the mean steps 2
+    assert se == pytest.approx((8 / 2) ** 0.5 / 2)
+    records = []
+    for rep, (learned, hybrid) in enumerate([(2.0, 3.0), (3.0, 3.0)]):
+        for mode in MODES:
+            accept = {"learned": learned, "hybrid": hybrid}.get(mode, 1.5)
+            records.append({"epoch": 0, "mode": mode, "seconds": 10.0 + rep, "accept_len": accept,
+                            "index_share": 0.01, "index_accepted_share": 0.5, "identical": 1.0, "index_matched": 0.9,
+                            "emitted": [int(10 * accept)], "steps": [10]})
+    row = summarise(records, epochs=1)[0]
+    assert row["learned_accept_len"] == 2.5 and row["learned_accept_len_se"] == pytest.approx(0.5)
+    assert row["hybrid_over_learned_accepted"] == pytest.approx((2 / 1 + 2 / 2) / 2)  # accepted tokens: (a-1)/(b-1)
+    assert row["hybrid_over_learned_seconds"] == 1.0 and row["off_seconds"] == 10.5
