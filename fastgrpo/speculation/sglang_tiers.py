@@ -249,7 +249,11 @@ class AwareTiers(Off):
     `prices`: the step seconds of the GPU and model (decode_step / spec_step, as speculation/roofline.py
     gives them). aware's own cost model is not used: its sweep, timed at one short context and
     extended linearly, misses that memory and compute overlap, and on SGLang there is no calibration
-    of the engine's own forwards to sweep anyway."""
+    of the engine's own forwards to sweep anyway. Nor is its step fit (`StepFit`): it needs each
+    step's measured time and shape, and SGLang gives its caller neither (per-request histograms of
+    accepted drafts only; `Engine.collective_rpc` returns nothing), while a fit to whole calls' wall
+    time would have one equation per generate call for several unknowns. SGLang's steps run as CUDA
+    graphs, which is where the roofline's forwards are the step."""
 
     name = "aware_sglang"
 
