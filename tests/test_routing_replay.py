@@ -1,0 +1,117 @@
+"""Routing replay (fastgrpo/models/routing.py) on a tiny Qwen3-MoE: the record of one forward imposed on
+another, gate weights from the replaying forward's own router, the router's gradient kept, and the
+mismatch counted as the share of recorded picks the router would have changed."""
+
+import pytest
+import torch
+
+from fastgrpo.models.routing import (Mismatch, bytes_per_token, record_routing, replay_routing, routers,
+                                     stack_record)
+from tests.family_checkpoints import MOE_EXPERTS, MOE_TOP_K, family_config
+
+
+def moe(seed: int = 0, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = family_config("qwen3_moe", 300, 1, 2, 0)
+    cfg.mlp_only_layers = []  # three sparse layers
+    return AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+
+
+def forward_record(model, ids):
+    with record_routing(model) as per_layer:
+        out = model(input_ids=ids).logits
+    return out, stack_record(per_layer, *ids.shape)
+
+
+def picks_differing(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
+    """Written out with Python sets: of b's picks per (row, position, layer), how many are not in a's set."""
+    total = differ = 0
+    for x, y in zip(a.reshape(-1, a.shape[-1]).tolist(), b.reshape(-1, b.shape[-1]).tolist()):
+        total += len(y)
+        differ += sum(e not in set(x) for e in y)
+    return total, differ
+
+
+def test_replaying_a_models_own_routing_changes_nothing():
+    model, ids = moe(), torch.randint(3, 300, (2, 24))
+    want, own = forward_record(model, ids)
+    assert own.shape == (2, 24, 3, MOE_TOP_K) and len(routers(model)) == 3
+    with replay_routing(model, own) as found:
+        got = model(input_ids=ids).logits
+    assert torch.equal(got, want) and (found.picks, found.differ) == (2 * 24 * 3 * MOE_TOP_K, 0)
+
+
+def test_another_forwards_routing_is_imposed_with_this_forwards_gate_weights():
+    """A record from another model (other weights: most picks differ) is imposed on every sparse layer;
+    a layer's output equals Hugging Face's experts run on the recorded ids with the weights written out
+    here (softmax of this forward's router logits at those ids, renormalised)."""
+    model, other, ids = moe(0), moe(1), torch.randint(3, 300, (2, 16))
+    _, recorded = forward_record(other, ids)
+    layer = model.model.layers[0].mlp
+    seen = {}
+    layer.register_forward_hook(lambda m, i, o: seen.update(x=i[0], y=o))
+    # hooks run in the order registered: `own` sees the router's own picks, `replayed` what replaced them
+    with record_routing(model) as own, replay_routing(model, recorded) as found, record_routing(model) as replayed:
+        model(input_ids=ids)
+    assert torch.equal(stack_record(replayed, 2, 16), recorded)  # what the experts ran
+    total, differ = picks_differing(stack_record(own, 2, 16), recorded)
+    assert (found.picks, found.differ) == (total, differ) and differ > total // 4
+    x = seen["x"].reshape(-1, seen["x"].shape[-1])
+    probs = torch.softmax(torch.nn.functional.linear(x, layer.gate.weight).float(), -1)
+    idx = recorded[:, :, 0].reshape(-1, MOE_TOP_K).long()
+    w = probs.gather(-1, idx)
+    w = w / w.sum(-1, keepdim=True)
+    want = layer.experts(x, idx, w).reshape(seen["y"].shape)
+    torch.testing.assert_close(seen["y"], want, rtol=0, atol=1e-6)
+
+
+def test_the_router_still_learns_under_replay_and_unrecorded_positions_keep_their_own_routing():
+    model, other, ids = moe(0), moe(1), torch.randint(3, 300, (1, 12))
+    _, recorded = forward_record(other, ids)
+    partial = recorded.clone()
+    partial[:, 6:] = -1  # the second half unrecorded
+    with record_routing(model) as mine, replay_routing(model, partial) as found, record_routing(model) as replayed:
+        model(input_ids=ids).logits.sum().backward()
+    ran, own = stack_record(replayed, 1, 12), stack_record(mine, 1, 12)
+    assert torch.equal(ran[:, :6], recorded[:, :6]) and torch.equal(ran[:, 6:], own[:, 6:])
+    assert found.picks == 6 * 3 * MOE_TOP_K  # only recorded positions are counted
+    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in routers(model))
+
+
+def test_bf16_engine_routing_differs_from_an_fp32_trainers_and_replay_removes_the_difference():
+    """The pair that really flips routes here: the same weights in bf16 (an engine) and fp32 (a trainer).
+    Without replay some recorded picks differ; replayed, the fp32 forward runs the bf16 picks and its
+    log-probabilities move toward the bf16 forward's."""
+    trainer = moe(0)
+    engine = moe(0, torch.bfloat16)
+    ids = torch.randint(3, 300, (8, 64))
+    engine_logits, recorded = forward_record(engine, ids)
+    plain = trainer(input_ids=ids).logits
+    with replay_routing(trainer, recorded, replay=False) as off:
+        trainer(input_ids=ids)
+    with replay_routing(trainer, recorded) as on, record_routing(trainer) as ran:
+        replayed = trainer(input_ids=ids).logits
+    # (with replay on, a later layer's own picks are made on hidden states the replayed layers before it
+    # computed, so its count may differ slightly from replay off's; the picks counted are the same)
+    assert off.differ > 0 and off.fraction < 0.2 and on.picks == off.picks
+    assert torch.equal(stack_record(ran, 8, 64), recorded)
+    ref = torch.log_softmax(engine_logits.float(), -1)
+    gap = lambda logits: (torch.log_softmax(logits, -1) - ref).abs().mean()  # noqa: E731
+    assert gap(replayed) < gap(plain)
+
+
+def test_bad_records_are_refused_and_a_dense_model_has_nothing_to_replay():
+    model, ids = moe(), torch.randint(3, 300, (1, 8))
+    with pytest.raises(ValueError, match="2 sparse layers; the model has 3"):
+        with replay_routing(model, torch.zeros(1, 8, 2, MOE_TOP_K, dtype=torch.int16)):
+            pass
+    with pytest.raises(ValueError, match="covers 14 tokens, the forward 8"):
+        with replay_routing(model, torch.zeros(2, 7, 3, MOE_TOP_K, dtype=torch.int16)):
+            model(input_ids=ids)
+    with replay_routing(model, None) as found:
+        model(input_ids=ids)
+    assert found == Mismatch() and found.fraction == 0.0
+    assert bytes_per_token(48, 8) == 768 and bytes_per_token(94, 8) == 1504  # 30B-A3B, 235B-A22B
+    assert MOE_EXPERTS < 2**15  # ids fit int16
