@@ -80,6 +80,9 @@ class Completion:
     # when top-k or top-p cut the distribution: for each token, the ids of the set it was sampled from
     # (the trainer scores in that set, not in one it recomputes from its own, slightly different logits)
     sample_sets: list[list[int]] | None = None
+    # a mixture of experts with routing recorded: the experts each position of prompt + response ran,
+    # [T, sparse layers, k] int16 (the last token, sampled but never run: -1); None: not recorded
+    routing: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,9 @@ class RolloutBatch:
     # [N, L, K] token ids of the set each response token was sampled from, -1 padded (every entry -1 at
     # positions that are no sampled token); None when nothing cut the distribution (no top-k / top-p)
     sample_sets: Tensor | None = None
+    # [N, L, sparse layers, k] int16: a mixture of experts' experts each position ran in rollout (its
+    # input token's), -1 where nothing was recorded; None: not recorded (models/routing.py)
+    routing: Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -145,13 +151,14 @@ class RolloutBatch:
             self.input_ids[idx, :width], self.attention_mask[idx, :width], self.response_mask[idx, :width],
             self.engine_logprobs[idx, :width], self.advantages[idx],
             None if self.sample_sets is None else self.sample_sets[idx, :width],
+            None if self.routing is None else self.routing[idx, :width],
         )
 
     def to(self, device: torch.device | str) -> RolloutBatch:
         """The same rows on `device` (a no-op where they are already)."""
         return RolloutBatch(*(None if t is None else t.to(device, non_blocking=True) for t in (
             self.input_ids, self.attention_mask, self.response_mask, self.engine_logprobs, self.advantages,
-            self.sample_sets)))
+            self.sample_sets, self.routing)))
 
     def shard(self, rank: int, world: int, group_size: int) -> RolloutBatch:
         """This data-parallel rank's share: whole groups, as even as the group count allows (ranks

@@ -115,3 +115,22 @@ def test_bad_records_are_refused_and_a_dense_model_has_nothing_to_replay():
     assert found == Mismatch() and found.fraction == 0.0
     assert bytes_per_token(48, 8) == 768 and bytes_per_token(94, 8) == 1504  # 30B-A3B, 235B-A22B
     assert MOE_EXPERTS < 2**15  # ids fit int16
+
+
+def test_the_batch_carries_each_sequences_routing_through_select_shard_and_to():
+    from fastgrpo.grpo.batch import build_batch
+
+    prompts, responses = [[5, 6], [5, 6, 7], [8], [9, 9]], [[1, 2, 3], [4], [1, 1], [2]]
+    routing = [torch.randint(0, 8, (len(p) + len(r), 3, 2), dtype=torch.int16) for p, r in zip(prompts, responses)]
+    for r in routing:
+        r[-1] = -1  # the last token never ran
+    batch = build_batch(prompts, responses, [[0.0] * len(r) for r in responses], torch.zeros(4), routing=routing)
+    assert batch.routing.shape == (4, 5, 3, 2) and batch.routing.dtype == torch.int16
+    for i, r in enumerate(routing):
+        assert torch.equal(batch.routing[i, : len(r)], r) and (batch.routing[i, len(r):] == -1).all()
+    part = batch.shard(1, 2, 2).to("cpu")  # rows 2, 3 trimmed to their width (3)
+    assert torch.equal(part.routing, batch.routing[2:, :3])
+    assert build_batch(prompts, responses, [[0.0] * len(r) for r in responses], torch.zeros(4)).routing is None
+    with pytest.raises(ValueError, match="every sequence of a batch, or for none"):
+        build_batch(prompts, responses, [[0.0] * len(r) for r in responses], torch.zeros(4),
+                    routing=[routing[0], None, None, None])

@@ -28,14 +28,17 @@ def training_batch(prompts: list[list[int]], completions: list[Completion], rewa
         return None, 0
     batch = build_batch([prompts[i // G] for i in rows], [completions[i].token_ids for i in rows],
                         [completions[i].logprobs for i in rows], advantages.flatten()[rows],
-                        sample_sets=[completions[i].sample_sets for i in rows])
+                        sample_sets=[completions[i].sample_sets for i in rows],
+                        routing=[completions[i].routing for i in rows])
     return batch, int(keep.sum())
 
 
 def build_batch(prompts: list[list[int]], responses: list[list[int]], engine_logprobs: list[list[float]],
-                advantages: Tensor, pad_id: int = 0, sample_sets: list[list[list[int]] | None] | None = None) -> RolloutBatch:
+                advantages: Tensor, pad_id: int = 0, sample_sets: list[list[list[int]] | None] | None = None,
+                routing: list[Tensor | None] | None = None) -> RolloutBatch:
     """Right-padded rows of prompt + response; `sample_sets`: each response token's sampling set (from
-    the engine's completions; None where nothing cut the distribution)."""
+    the engine's completions; None where nothing cut the distribution); `routing`: each sequence's
+    recorded experts [positions, sparse layers, k] (`Completion.routing`; all or none)."""
     if not (len(prompts) == len(responses) == len(engine_logprobs) == advantages.shape[0]):
         raise ValueError("prompts, responses, logprobs and advantages must have one entry per sequence")
     n = len(prompts)
@@ -62,4 +65,20 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], engine_log
         for i, (p, row) in enumerate(zip(prompts, sample_sets)):
             for t, kept in enumerate(row):
                 sets[i, len(p) + t, : len(kept)] = torch.tensor(kept, device="cpu")
-    return RolloutBatch(ids, attn, resp, lps, advantages.float(), sets)
+    return RolloutBatch(ids, attn, resp, lps, advantages.float(), sets, _routing(routing, width))
+
+
+def _routing(per_row: list[Tensor | None] | None, width: int) -> Tensor | None:
+    """Rows' routing records [positions, layers, k] right-padded with -1 to [N, width, layers, k]."""
+    if per_row is None or all(r is None for r in per_row):
+        return None
+    if any(r is None for r in per_row):
+        raise ValueError("routing must be recorded for every sequence of a batch, or for none")
+    layers, k = per_row[0].shape[1:]
+    out = torch.full((len(per_row), width, layers, k), -1, dtype=torch.int16, device="cpu")
+    for i, r in enumerate(per_row):
+        if r.shape[0] > width or r.shape[1:] != (layers, k):
+            raise ValueError(f"sequence {i}: routing of shape {tuple(r.shape)} for {width} positions of "
+                             f"{layers} sparse layers x {k}")
+        out[i, : r.shape[0]] = r.to("cpu", torch.int16)
+    return out
