@@ -2,7 +2,7 @@
 
 `emulated_sglang()` puts the emulation first on the import path (removing any `sglang` already
 imported, and putting it back after) and lets the adapter's GPU check pass; it yields the
-emulator module, whose knobs (DEFAULT_CHUNKED_PREFILL, reset_ipc) tests may set.
+emulator package, whose knobs tests may set (`scheduler.DEFAULT_CHUNKED_PREFILL`, `reset_ipc`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ EMULATION = Path(__file__).parent / "sglang_emulation"
 
 
 def _ours(name: str) -> bool:
-    return name in ("sglang", "_sglang_emulator") or name.startswith("sglang.")
+    return name in ("sglang", "_sglang_emulator") or name.startswith(("sglang.", "_sglang_emulator."))
 
 
 @contextmanager

@@ -9,7 +9,7 @@ GPU are installed (skipped elsewhere, with the reason: `make test` on a CPU mach
 the first two). The reference is the Hugging Face policy itself.
 
 What `sglang-emulated` emulates, each rule read in SGLang's source (tests/sglang_emulation/
-_sglang_emulator.py cites the lines): the Engine / TokenizerManager calls and request objects the
+_sglang_emulator/ cites the lines): the Engine / TokenizerManager calls and request objects the
 adapter sends, the scheduler's continuous batching and radix-cache hits, the pytorch sampling backend
 (top-k, top-p, seeds under deterministic inference, the sampling mask and its cap), the log-probabilities
 and finish reasons it reports, stop ids, context validation, weight-update sessions and tensor IPC per

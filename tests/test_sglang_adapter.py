@@ -248,7 +248,7 @@ def test_every_group_member_gets_all_its_states_despite_radix_cache_hits(sglang,
 def test_capture_with_prompts_longer_than_a_prefill_chunk(sglang, reference, monkeypatch):
     """Chunked prefill returns no states for a prompt's middle chunks: an engine whose draft learns
     online starts without chunking; one that does not says why its capture fails."""
-    monkeypatch.setattr(sglang.emulator, "DEFAULT_CHUNKED_PREFILL", 4)  # prompts longer than SGLang's chunk
+    monkeypatch.setattr(sglang.emulator.scheduler, "DEFAULT_CHUNKED_PREFILL", 4)  # prompts longer than SGLang's chunk
     prompt = [1] + list(range(40, 50))
     engine = sglang(**{"speculation.policy": "static", "draft.online": "sync"})
     out = engine.generate([Request(prompt)], SamplingParams(max_new_tokens=5), seed=1, capture=True)

@@ -228,7 +228,7 @@ def test_sglang_values_the_adapter_and_the_emulation_mirror(src):
                                      .defs["DEFAULT_ADAPTIVE_CONFIG"].value)
     steps = {k: v["candidate_steps"] for k, v in default_tiers.items()}
     assert max(max(v) for v in steps.values()) == sglang_requests.SGLANG_DEFAULT_ADAPTIVE_STEPS
-    emulator = (EMULATION / "_sglang_emulator.py").read_text()
+    emulator = (EMULATION / "_sglang_emulator" / "common.py").read_text()
     assert f"DEFAULT_ADAPTIVE_CONFIG = {json.dumps(steps)}" in emulator
     assert conformance.literal(src.module("sglang.srt.sampling.sampling_params").defs["TOP_K_ALL"].value) == 1 << 30
     assert "TOP_K_ALL = 1 << 30" in emulator

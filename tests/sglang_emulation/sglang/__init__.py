@@ -2,7 +2,7 @@
 
 Every public module, class, function, signature, field and constant in this package is checked
 against the real sglang 0.5.23 source by tests/test_sglang_conformance.py (names starting with an
-underscore are the emulation's own). The behaviour behind it is in ../_sglang_emulator.py.
+underscore are the emulation's own). The behaviour behind it is in ../_sglang_emulator/.
 """
 
 from sglang.srt.entrypoints.engine import Engine  # noqa: F401  (sglang: a LazyImport of the same)
