@@ -134,3 +134,32 @@ def test_the_batch_carries_each_sequences_routing_through_select_shard_and_to():
     with pytest.raises(ValueError, match="every sequence of a batch, or for none"):
         build_batch(prompts, responses, [[0.0] * len(r) for r in responses], torch.zeros(4),
                     routing=[routing[0], None, None, None])
+
+
+@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "speculative"])
+def test_the_engine_records_the_experts_hugging_face_routes_each_position_to(speculate):
+    """The embedded engine's record (prefill, plain steps, and a verify forward's accepted nodes) is the
+    routing Hugging Face computes on the finished sequence, position for position; the last token, never
+    run, is -1; recording changes no token. (A mixed model: one sparse layer between dense ones.)"""
+    from fastgrpo.models.draft import DraftHead
+    from fastgrpo.speculation.policy import Static
+    from fastgrpo.speculation.spec import SpecConfig
+    from fastgrpo.types import Request, SamplingParams
+    from tests.test_families import engine_for, prompts
+    from tests.test_moe_engine import CONFIGS, hf_model
+
+    cfg = CONFIGS["mixed"]()
+    hf = hf_model(cfg)
+    draft, policy = (DraftHead(cfg), Static(SpecConfig(3, 3, 8))) if speculate else (None, None)
+    engine = engine_for(cfg, hf, draft, policy)
+    requests, sampling = [Request(p) for p in prompts(4, seed=3)], SamplingParams(temperature=1.0, max_new_tokens=20)
+    plain = engine.generate(requests, sampling, seed=1)
+    recorded = engine.generate(requests, sampling, seed=1, routing=True)
+    assert [c.token_ids for c in recorded] == [c.token_ids for c in plain] and plain[0].routing is None
+    if speculate:
+        assert engine.stats()["spec_steps"] > 0
+    for r, c in zip(requests, recorded):
+        ids = torch.tensor([r.prompt_ids + c.token_ids])
+        _, want = forward_record(hf, ids)
+        assert c.routing.shape == (ids.shape[1], 1, 2) and c.routing.dtype == torch.int16
+        assert torch.equal(c.routing[:-1], want[0, :-1]) and (c.routing[-1] == -1).all()

@@ -58,7 +58,8 @@ KVFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
 def decoder_layer(x: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerLayout, cos: Tensor, sin: Tensor,
-                  mask: Tensor | None, kv: KVFn, valid: Tensor | None = None, static: bool = False) -> Tensor:
+                  mask: Tensor | None, kv: KVFn, valid: Tensor | None = None, static: bool = False,
+                  routing: list[Tensor] | None = None) -> Tensor:
     """One decoder layer of `layout`'s family. `kv(k, v)` turns this block's keys/values [B, KV, n, D] into
     the keys/values to attend over: the cache after appending them (inference), or themselves (training).
 
@@ -70,7 +71,7 @@ def decoder_layer(x: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerL
     zeros in the gaps (their keys must be masked out; what their queries compute is dropped).
 
     `static`: no shape may depend on the values (a graph-captured step): routed experts run as
-    `dense_experts`."""
+    `dense_experts`. `routing`: a sparse layer appends its tokens' experts to it (`moe_mlp`)."""
     H, KV, D, eps = layout.heads, layout.kv_heads, layout.head_dim, layout.eps
     h = rms_norm(x, L["attn_norm"], eps)
     qkv = linear(h, L["wqkv"], L.get("bqkv"))
@@ -90,8 +91,8 @@ def decoder_layer(x: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerL
     attn = attn.transpose(1, 2).reshape(B, n, H * D)
     x = x + linear(attn if valid is None else attn[valid], L["wo"], L.get("bo"))
     h = rms_norm(x, L["mlp_norm"], eps)
-    if static and layout.mlp == "moe":
-        return x + moe_mlp(h, L, layout, experts=dense_experts)
+    if layout.mlp == "moe":
+        return x + moe_mlp(h, L, layout, experts=dense_experts if static else None, routing=routing)
     return x + MLPS[layout.mlp](h, L, layout)
 
 
@@ -101,17 +102,20 @@ def swiglu_mlp(h: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerLayo
 
 
 def moe_mlp(h: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerLayout,
-            experts: Callable[..., Tensor] | None = None) -> Tensor:
+            experts: Callable[..., Tensor] | None = None, routing: list[Tensor] | None = None) -> Tensor:
     """A sparse MLP as transformers' Qwen3MoeSparseMoeBlock: the router's logits, softmax in fp32, the
     top-k experts of each token (their weights renormalised when norm_topk_prob), each expert's
     SwiGLU on the tokens routed to it, summed with those weights (by `experts`: `routed_experts`
-    unless given)."""
+    unless given). `routing`: the tokens' experts [tokens, k] (int16) are appended to it (the record
+    routing replay imposes on the trainer, models/routing.py)."""
     r = layout.moe
     x = h.reshape(-1, h.shape[-1])
     probs = torch.softmax(linear(x, L["router"]).float(), dim=-1)
     weight, expert = probs.topk(r.top_k, dim=-1)  # [T, k], largest first
     if r.norm_topk_prob:
         weight = weight / weight.sum(dim=-1, keepdim=True)
+    if routing is not None:
+        routing.append(expert.to(torch.int16))
     out = (experts or routed_experts)(x, expert, weight.to(x.dtype), L["experts_gate_up"], L["experts_down"])
     return out.view(h.shape)
 

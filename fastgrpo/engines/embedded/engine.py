@@ -63,6 +63,7 @@ class _Sequence:
     spec_steps: int = 0
     spec_emitted: int = 0
     captured: list[Tensor] = field(default_factory=list)  # target states of every position, in order
+    routed: list[Tensor] = field(default_factory=list)  # a MoE's experts at every position, in order
     response: Response | None = None  # its text in the suffix index (drafts: index | hybrid)
 
 
@@ -174,6 +175,7 @@ class EmbeddedEngine:
         self.draft_window = draft_window  # most target states the draft catches up on per row at once
         self.share_prefill = True  # prefill a prompt several requests share once (off: to measure what it saves)
         self._capture = False  # this generate() call returns the target's hidden states (online draft learning)
+        self._routing = False  # this generate() call returns a mixture of experts' routing (routing replay)
         self._pending: _PendingStates | None = None  # for the draft's catch-up, kept while speculating
         # async draft learning: polled between decode steps for a newer draft, (weights, version) or None
         self.draft_source: Callable[[], tuple[Iterable[tuple[str, Tensor]], int] | None] | None = None
@@ -271,14 +273,18 @@ class EmbeddedEngine:
 
     # -- generation -----------------------------------------------------------------------
     def generate(self, requests: list[Request], sampling: SamplingParams, seed: int = 0,
-                 capture: bool = False) -> list[Completion]:
+                 capture: bool = False, routing: bool = False) -> list[Completion]:
+        """`capture`: each completion carries the target's hidden states (the draft learner's data);
+        `routing`: a mixture of experts' completions carry the experts each position ran (routing replay;
+        those calls take eager steps: a captured step returns no routing)."""
         with self._on_device():
-            return self._generate(requests, sampling, seed, capture)
+            return self._generate(requests, sampling, seed, capture, routing)
 
     def _generate(self, requests: list[Request], sampling: SamplingParams, seed: int,
-                  capture: bool) -> list[Completion]:
+                  capture: bool, routing: bool = False) -> list[Completion]:
         self._check(requests)
         self._capture = capture
+        self._routing = routing and self.model.sparse_layers > 0
         self._requests = requests
         self._pending = self._pending_states() if self.speculating else None
         if self.state is not None:
@@ -337,7 +343,7 @@ class EmbeddedEngine:
         self._finish_stats(out, time.perf_counter() - t0)
         return [Completion(s.tokens, s.logprobs, s.finish or "length",
                            {"spec_steps": s.spec_steps, "spec_emitted": s.spec_emitted}, self._captured(s),
-                           s.sample_sets[: len(s.tokens)] if cuts(sampling) else None)
+                           s.sample_sets[: len(s.tokens)] if cuts(sampling) else None, self._routed(s))
                 for s in out]
 
     def _pending_states(self) -> _PendingStates:
@@ -380,7 +386,9 @@ class EmbeddedEngine:
             tokens[r, : len(p)] = torch.tensor(p)
         rows = slice(first_row, first_row + len(prompts))
         self.cache.lengths[rows] = 0
-        logits, hidden = self.model.forward(tokens, self.cache, slice(first_row, first_row + len(unique)))
+        routed = [] if self._routing else None
+        logits, hidden = self.model.forward(tokens, self.cache, slice(first_row, first_row + len(unique)),
+                                            routing=routed)
         if len(unique) < len(prompts):
             for c in (self.cache.k, self.cache.v):
                 c[:, rows, :width] = c[:, first_row : first_row + len(unique), :width][:, which]
@@ -399,6 +407,10 @@ class EmbeddedEngine:
         if self._capture:
             for s, w in zip(seqs, which.tolist()):
                 s.captured.append(hidden[w, : s.prompt_len])
+        if routed is not None:
+            experts = torch.stack(routed, 2)  # [prompts, width, sparse layers, k]
+            for s, w in zip(seqs, which.tolist()):
+                s.routed.append(experts[w, : s.prompt_len])
         return seqs
 
     def _keep_prompt_states(self, first_row: int, which: Tensor, hidden: Tensor, tokens: Tensor, lens: Tensor,
@@ -419,7 +431,8 @@ class EmbeddedEngine:
     def _decode(self, running: list[_Sequence], sampling: SamplingParams, seed: int) -> int:
         rows = slice(0, len(running))
         tokens = torch.tensor([[s.pending] for s in running])
-        logits, hidden = self.model.forward(tokens, self.cache, rows)
+        routed = [] if self._routing else None
+        logits, hidden = self.model.forward(tokens, self.cache, rows, routing=routed)
         self.cache.lengths[rows] += 1
         new = self._sample_one(running, logits[:, 0], sampling, seed)
         if self._pending is not None:
@@ -427,6 +440,9 @@ class EmbeddedEngine:
         if self._capture:
             for s, h in zip(running, hidden):
                 s.captured.append(h)
+        if routed is not None:
+            for s, r in zip(running, torch.stack(routed, 2)):
+                s.routed.append(r)
         return len(running)
 
     def _sample_one(self, seqs: list[_Sequence], logits: Tensor, sampling: SamplingParams,
@@ -463,7 +479,7 @@ class EmbeddedEngine:
     def _static_takes(self, config: SpecConfig | None) -> bool:
         """A static step can run this step: the engine has static steps, and a speculative step verifies
         whole trees (no per-sequence budget) no deeper than the draft window holds."""
-        if self.steps is None:
+        if self.steps is None or self._routing:
             return False
         if config is None:
             return True
@@ -539,8 +555,10 @@ class EmbeddedEngine:
             tree = tree.restricted(chosen if tree.valid is None else chosen & tree.valid[:, 1:])
         start = self.cache.lengths[rows].clone()
         ragged = tree.valid is not None and not bool(tree.valid.all())
+        routed = [] if self._routing else None
         logits, hidden = self.model.forward(tree.tokens, self.cache, rows, positions=start[:, None] + tree.depth,
-                                            new_mask=tree.mask, valid=tree.valid if ragged else None)
+                                            new_mask=tree.mask, valid=tree.valid if ragged else None, routing=routed)
+        experts = torch.stack(routed, 2) if routed is not None else None  # [B, nodes, sparse layers, k]
         node_logprobs = sampling_logprobs(logits, sampling)
         result = verify_tree(node_logprobs, tree, sampling,
                              _uniforms(running, sampling, seed, levels=int(tree.depth.max()) + 1))
@@ -564,6 +582,8 @@ class EmbeddedEngine:
             s.spec_emitted += a + 1
             if self._capture:  # the root and the accepted nodes (a view: nothing writes to forward outputs)
                 s.captured.append(hidden[b, [0] + path[b][:a]])
+            if experts is not None:  # the verify forward's routing of the kept nodes; rejected ones' is dropped
+                s.routed.append(experts[b, [0] + path[b][:a]])
         return emitted, accepted
 
     def _draft(self, running: list[_Sequence], rows: slice, pending: Tensor, config: SpecConfig) -> Tree:
@@ -610,6 +630,15 @@ class EmbeddedEngine:
         rows = torch.arange(B)[:, None].expand(B, D + 1)
         self._pending.put(rows[kept], (start[:, None] + k)[kept], hidden[rows[kept], nodes[kept]],
                           result.tokens[:, : D + 1][kept])
+
+    def _routed(self, s: _Sequence) -> Tensor | None:
+        """Experts of positions 0..T-1 of prompt + response [T, sparse layers, k]: each position's from
+        the forward that ran its token (a prompt's prefill, a plain step, or the verify that accepted
+        it); the last token was sampled and never ran (-1), and rows past a stop are dropped."""
+        if not self._routing:
+            return None
+        ran = torch.cat(s.routed)[: s.prompt_len + len(s.tokens) - 1].cpu()
+        return torch.cat([ran, torch.full_like(ran[:1], -1)])
 
     def _captured(self, s: _Sequence) -> Tensor | None:
         """States of positions 0..T-2 of prompt + response (T tokens); rows computed for tokens

@@ -157,6 +157,11 @@ class InferenceModel:
         self._repack(layers, head)  # a bucket of a weight push repacks only what it wrote
         return n
 
+    @property
+    def sparse_layers(self) -> int:
+        """How many layers route to experts (0: a dense model)."""
+        return sum(layout.mlp == "moe" for layout in self.layouts)
+
     def named_weights(self) -> Iterable[tuple[str, Tensor]]:
         """Every tensor once, under the installed transformers' names (experts stacked)."""
         return self.views.items()
@@ -171,6 +176,7 @@ class InferenceModel:
         new_mask: Tensor | None = None,
         valid: Tensor | None = None,
         ctx: int | None = None,
+        routing: list[Tensor] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Run `tokens` [B, n] for cache rows `rows`, appending their keys/values after each row's length.
 
@@ -185,6 +191,8 @@ class InferenceModel:
         longest row's, read from the device: a host sync). A static step passes its context bucket, so
         that its shapes never depend on the cache's contents (positions past a row's block are masked, and a
         mixture of experts runs every expert: `layers.dense_experts`).
+        routing: a mixture of experts' sparse layers each append their tokens' experts [B, n, k] (int16;
+        -1 at tokens `valid` leaves out), in layer order.
         Returns logits [B, n, V] and final hidden states [B, n, H] (post-norm: the draft's input).
         """
         B, n = tokens.shape
@@ -199,9 +207,12 @@ class InferenceModel:
         pos = slots if positions is None else positions
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, n, D]
         x = F.embedding(tokens if valid is None else tokens[valid], self.embed)
+        routed: list[Tensor] | None = [] if routing is not None else None
         for li, L in enumerate(self.matmul_layers):
             x = decoder_layer(x, L, self.layouts[li], cos, sin, mask, cache_kv(cache, li, rows, slots, ctx), valid,
-                              static=static)
+                              static=static, routing=routed)
+        if routing is not None:
+            routing.extend(e.view(B, n, -1) if valid is None else unpack(e + 1, valid) - 1 for e in routed)
         hidden = rms_norm(x, self.norm, self.eps)
         logits = linear(hidden, self.head)
         return (logits, hidden) if valid is None else (unpack(logits, valid), unpack(hidden, valid))
