@@ -39,6 +39,7 @@ Advantage = Literal["grpo", "rloo"]  # grpo/advantages.py
 StdScope = Literal["group", "batch"]
 EvalSplit = Literal["test", "validation"]
 TrainerBackend = Literal["torch", "megatron", "deepspeed"]  # what `trainers.build_trainer` can build
+RoutingReplay = Literal["off", "rollout"]  # trainer.routing_replay: a MoE trains on its own routing or the engine's
 LayerSpec = Literal["auto", "local", "transformer_engine"]  # megatron layer specs `trainers/megatron/model.py` builds
 Precision = Literal["auto", "bf16", "fp32"]
 PromptFormat = Literal["auto", "chat", "plain"]
@@ -384,6 +385,11 @@ class TrainerConfig:
     # coefficient weighs them differently. router_z_loss is megatron-core's (Hugging Face has none)
     router_aux_loss: float = 0.0
     router_z_loss: float = 0.0
+    # a mixture-of-experts policy: `rollout` trains on the experts the engine routed each token to
+    # (models/routing.py; R3, arXiv 2510.11370: GRPO on Qwen3-30B-A3B without it collapsed), the gate
+    # weights still the trainer's router's; `off` routes by the trainer's own router. Either way a step
+    # whose batch carries the engine's routing reports routing_mismatch
+    routing_replay: RoutingReplay = "off"
 
     def check(self) -> None:
         _check(self.router_aux_loss >= 0, "trainer.router_aux_loss", "must be >= 0", self.router_aux_loss)
@@ -656,6 +662,12 @@ def validate(c: Config) -> None:
     _check(c.draft.online == "off" or c.speculation.policy != "off", "draft.online",
            "needs speculation (speculation.policy != off): the draft learns from the states rollout computes for it",
            c.draft.online)
+    _check(c.trainer.routing_replay == "off" or c.engine.backend == "embedded", "trainer.routing_replay",
+           "rollout needs engines that record routing: the embedded engine (engine.backend=embedded) does; "
+           "fastgrpo does not yet read SGLang's return_routed_experts", c.trainer.routing_replay)
+    _check(c.trainer.routing_replay == "off" or c.trainer.backend in ("torch", "deepspeed"), "trainer.routing_replay",
+           "rollout is replayed by the torch and DeepSpeed trainers (Hugging Face's router); the Megatron trainer "
+           "does not replay yet", c.trainer.routing_replay)
     _check(c.speculation.drafts == "learned" or c.engine.backend == "embedded", "speculation.drafts",
            "index and hybrid trees are the embedded engine's (engine.backend=embedded)", c.speculation.drafts)
 

@@ -54,9 +54,11 @@ class Engine(WeightConsumer, Protocol):
     draft_source: Callable[[], DraftUpdate | None] | None
 
     def generate(self, requests: list[Request], sampling: SamplingParams, seed: int = 0,
-                 capture: bool = False) -> list[Completion]:
+                 capture: bool = False, routing: bool = False) -> list[Completion]:
         """Completions in request order. `capture`: each completion also carries the target's hidden
-        states (what online draft learning trains on), taken from the forwards rollout runs anyway."""
+        states (what online draft learning trains on), taken from the forwards rollout runs anyway.
+        `routing`: a mixture of experts' completions carry the experts each position ran (routing
+        replay, `trainer.routing_replay`)."""
         ...
 
     def update_draft(self, named_tensors: NamedTensors, version: int) -> None: ...

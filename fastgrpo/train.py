@@ -205,7 +205,8 @@ def rollout(run: Run, problems: list[EncodedProblem], seed: int, first: int = 0)
                     for j in range(G)]
         # with a draft learner, keep the target states rollout computes anyway
         completions = run.engine.generate(requests, SamplingParams.of(r), seed=seed,
-                                          capture=run.draft_learner is not None)
+                                          capture=run.draft_learner is not None,
+                                          routing=run.cfg.trainer.routing_replay == "rollout")
         rewards, errors, first_error = score_completions(run, mine, completions)
         local = (completions, rewards, run.engine.stats(), errors, first_error)
     if world.size == 1:

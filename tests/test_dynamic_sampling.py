@@ -44,7 +44,7 @@ class _Engine:
     def __init__(self):
         self.keys: list[list[int]] = []
 
-    def generate(self, requests, sampling, seed=0, capture=False):
+    def generate(self, requests, sampling, seed=0, capture=False, routing=False):
         self.keys.append([r.key for r in requests])
         return [Completion([r.key, 2], [-0.5, -0.6], "stop") for r in requests]
 

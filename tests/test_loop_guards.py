@@ -65,7 +65,7 @@ class _Engine:
     def __init__(self, version):
         self.version = version
 
-    def generate(self, requests, sampling, seed=0, capture=False):
+    def generate(self, requests, sampling, seed=0, capture=False, routing=False):
         return _completions(len(requests))
 
     def stats(self):

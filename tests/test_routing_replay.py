@@ -163,3 +163,15 @@ def test_the_engine_records_the_experts_hugging_face_routes_each_position_to(spe
         _, want = forward_record(hf, ids)
         assert c.routing.shape == (ids.shape[1], 1, 2) and c.routing.dtype == torch.int16
         assert torch.equal(c.routing[:-1], want[0, :-1]) and (c.routing[-1] == -1).all()
+
+
+def test_replay_is_refused_where_it_cannot_run_naming_the_key():
+    from fastgrpo.config import ConfigError, load_config
+
+    assert load_config(None, ["trainer.routing_replay=rollout"]).trainer.routing_replay == "rollout"
+    with pytest.raises(ConfigError, match=r"trainer\.routing_replay.*embedded engine"):
+        load_config(None, ["trainer.routing_replay=rollout", "engine.backend=sglang"])
+    with pytest.raises(ConfigError, match=r"trainer\.routing_replay.*Megatron trainer does not replay"):
+        load_config(None, ["trainer.routing_replay=rollout", "trainer.backend=megatron"])
+    with pytest.raises(ConfigError, match="trainer.routing_replay"):
+        load_config(None, ["trainer.routing_replay=always"])

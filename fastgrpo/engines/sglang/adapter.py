@@ -308,9 +308,12 @@ class SGLangEngine:
         return min(request.max_new_tokens or sampling.max_new_tokens, room)
 
     def generate(self, requests: list[Request], sampling: SamplingParams, seed: int = 0,
-                 capture: bool = False) -> list[Completion]:
+                 capture: bool = False, routing: bool = False) -> list[Completion]:
         from sglang.srt.managers.io_struct import GenerateReqInput
 
+        if routing:  # SGLang 0.5.23 can (return_routed_experts); this adapter does not ask for it yet
+            raise ValueError("routing replay (trainer.routing_replay=rollout) needs the embedded engine: the SGLang "
+                             "adapter does not request SGLang's routed experts yet")
         if self._stale:
             raise RuntimeError("the engine's weights were released for training: no generation until the next "
                                "weight push commits")
