@@ -390,9 +390,17 @@ class TrainerConfig:
     # weights still the trainer's router's; `off` routes by the trainer's own router. Either way a step
     # whose batch carries the engine's routing reports routing_mismatch
     routing_replay: RoutingReplay = "off"
+    # every trainer: the last stage's logits, log-softmax and gradient computed for at most this many tokens
+    # at once (trainers/chunked_logprobs.py: each chunk's logits recomputed in the backward, one more LM-head
+    # matmul); 0: a micro-batch's whole logits at once. 1024 tokens hold 0.58 GiB of fp32 logits at a 152K
+    # vocabulary (an 18K-token sequence's whole: 10.4 GiB per copy), and a 1024 x hidden x vocab matmul is
+    # still large enough to run at full speed; a micro-batch of no more tokens is scored as it was before
+    logits_chunk_tokens: int = 1024
 
     def check(self) -> None:
         _check(self.router_aux_loss >= 0, "trainer.router_aux_loss", "must be >= 0", self.router_aux_loss)
+        _check(self.logits_chunk_tokens >= 0, "trainer.logits_chunk_tokens", "must be >= 0 (0: no chunking)",
+               self.logits_chunk_tokens)
         _check(self.router_z_loss >= 0, "trainer.router_z_loss", "must be >= 0", self.router_z_loss)
         _check(not self.recompute or self.backend == "megatron", "trainer.recompute",
                "is megatron's activation recompute: trainer.backend=megatron only", self.recompute)

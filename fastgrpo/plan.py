@@ -16,9 +16,12 @@ buffer (`grad_reduce_in_fp32`) and 12 B of fp32 main weights and Adam moments. T
 (8 B or 12 B) is replicated over the data-parallel ranks, or divided by their number with
 `trainer.distributed_optimizer` (megatron's DistributedOptimizer); the weights and the gradient
 buffer are not (the gradients are reduce-scattered inside the full buffer). Activations are held in
-the training dtype, the last stage's logits in fp32. The torch trainer keeps what megatron does
+the training dtype, the last stage's logits in fp32: a micro-batch's whole logits, or with
+`trainer.logits_chunk_tokens` (when the micro-batch has more tokens) one chunk's and the output
+weight's fp32 gradient summed over the chunks (`trainers/chunked_logprobs.py`), times the copies of
+the logits the scoring holds at once (`LOGIT_COPIES`). The torch trainer keeps what megatron does
 without a distributed optimizer; DeepSpeed's ZeRO is priced by the ZeRO paper's accounting
-(`_deepspeed_state`). Nothing here is measured.
+(`_deepspeed_state`). Nothing here is measured but `LOGIT_COPIES`.
 """
 
 from __future__ import annotations
@@ -41,6 +44,15 @@ FP32, BF16 = 4, 2
 # a fixed allowance per device for the runtime: on GPUs the CUDA context, communication buffers and the
 # allocator's fragmentation; in a CPU process (the embedded engine) the interpreter and torch
 RESERVE_GIB = {"sglang": 3.0, "embedded": 0.5}
+# fp32 copies of the logits the last stage holds at once while scoring them, forward and backward (the
+# logits, their scaled copy, log-softmax, its exp and the entropy's product, and the gradients back through
+# them), measured on CPU with torch's profiler (peak bytes allocated; tests/test_chunked_logits.py holds the
+# scoring to them): 5.0 (Megatron's vocab-parallel scoring) to 5.25 (torch's) x a micro-batch's whole logits,
+# 6.1 to 6.4 x one chunk's (the backward recomputes the chunk's logits beside their gradient); with top-k or
+# top-p (a sort with its int64 indices, its softmax and masks) 9.25 to 9.35 x the whole, 9.1 to 9.4 x a
+# chunk's. By what is held: the whole logits, or one chunk's
+LOGIT_COPIES = {"whole": 5.25, "chunk": 6.5}
+LOGIT_COPIES_CUT = {"whole": 9.5, "chunk": 9.5}
 
 
 @dataclass
@@ -338,14 +350,30 @@ def _policy_phases(plan: Plan, cfg: Config, s: Shape, dp: int, capacity: float) 
     else:
         act = width * (layer_elems + scores) * stage_layers * in_flight
         what = f"{stage_layers} layers x {in_flight} in flight x {formula}"
-    padded = padded_vocab(s.vocab, t) // t  # per TP rank
-    logits = 3 * FP32 * b * L * padded
-    train = resident + [Term(f"activations ({dtype})", _gib(act), what),
-                        Term("logits (last stage)", _gib(logits), f"3 x 4 B x b{b} x s{L} x {padded} vocab/TP "
-                                                                   f"(fp32 logits, log-softmax, gradient)"), reserve]
+    train = resident + [Term(f"activations ({dtype})", _gib(act), what), _logits_term(cfg, s, b * L, t), reserve]
     plan.phases.append(Phase("policy GPU", "training", train, capacity))
     if not plan.phases[-1].fits and not cfg.trainer.recompute:
         plan.advice.append("trainer.recompute=true keeps one input per layer instead of every activation")
+
+
+def _logits_term(cfg: Config, s: Shape, tokens: int, t: int) -> Term:
+    """The last stage's scoring of a micro-batch of `tokens` tokens: `LOGIT_COPIES` fp32 copies of its
+    logits over this TP rank's vocabulary, or with `trainer.logits_chunk_tokens` (fewer than `tokens`)
+    of one chunk's, plus the output weight's gradient summed over the chunks in fp32 (4 B x vocab/TP x h)."""
+    r = cfg.rollout
+    cut = r.temperature > 0 and (r.top_k > 0 or r.top_p < 1.0)
+    copies = LOGIT_COPIES_CUT if cut else LOGIT_COPIES
+    what = "fp32 logits, scaled, log-softmax, exp, gradients" + (", top-k/top-p sort and masks" if cut else "")
+    padded = padded_vocab(s.vocab, t) // t  # per TP rank
+    chunk = cfg.trainer.logits_chunk_tokens
+    if 0 < chunk < tokens:
+        k = copies["chunk"]
+        return Term("logits (last stage, one chunk)", _gib(k * FP32 * chunk * padded + FP32 * padded * s.hidden),
+                    f"{k:g} x 4 B x {chunk} tokens (trainer.logits_chunk_tokens) x {padded} vocab/TP ({what}) "
+                    f"+ 4 B x {padded} vocab/TP x h (output weight's gradient over chunks)")
+    k = copies["whole"]
+    return Term("logits (last stage)", _gib(k * FP32 * tokens * padded),
+                f"{k:g} x 4 B x {tokens} tokens (micro-batch) x {padded} vocab/TP ({what})")
 
 
 def _draft_phase(plan: Plan, cfg: Config, s: Shape, capacity: float) -> None:

@@ -14,10 +14,18 @@ sequences so that micro-batches and data-parallel shares add up as the GRPO loss
 (0) leaves the pretrained routing to the policy gradient alone, whatever the checkpoint's own
 `output_router_logits` / `router_aux_loss_coef` say: those act only when Hugging Face is given
 labels, which the trainer never passes.
+
+A micro-batch of more than `trainer.logits_chunk_tokens` scored tokens never holds its whole logits:
+for that forward the LM head's forward is `chunked_logprobs.chunked_scores` (its weight, each chunk's
+logits scored and dropped, recomputed in the backward), and the model's `logits` output carries the
+per-token log-probability and entropy instead ([n, width - 1, 2]); the families served pass the LM
+head's output through untouched. The head is still called as a module, once per forward, so hooks on
+it see its weight in use (DeepSpeed ZeRO-3 gathers it before the forward and again before the backward).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Iterator
@@ -30,7 +38,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from fastgrpo.config import ConfigError, GRPOConfig, OptimConfig, TrainerConfig
 from fastgrpo.device import Compute
 from fastgrpo.models.families import MOE_BLOCKS
-from fastgrpo.models.sampling import sampling_logprobs
+from fastgrpo.trainers.chunked_logprobs import chunked_scores, token_scores
 from fastgrpo.paths import checkpoint_policy
 from fastgrpo.types import Placement, RolloutBatch, SamplingParams
 from fastgrpo.grpo.step import STATS, LossFn, grpo_step, minibatch_loss
@@ -44,19 +52,54 @@ def token_logprobs(model: PreTrainedModel, batch: RolloutBatch, sampling: Sampli
     return logp, entropy
 
 
-def _score(model: PreTrainedModel, batch: RolloutBatch, sampling: SamplingParams,
-           router: bool) -> tuple[Tensor, Tensor, tuple[Tensor, ...] | None]:
-    """`token_logprobs`, and with `router` each sparse layer's router logits [N x L, E]."""
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                **({"output_router_logits": True} if router else {}))
-    logits = out.logits[:, :-1]
+def _score(model: PreTrainedModel, batch: RolloutBatch, sampling: SamplingParams, router: bool,
+           chunk_tokens: int = 0) -> tuple[Tensor, Tensor, tuple[Tensor, ...] | None]:
+    """`token_logprobs`, and with `router` each sparse layer's router logits [N x L, E]. More than
+    `chunk_tokens` scored tokens (> 0): scored in chunks of that many from the LM head's input
+    (`scores_from_head`), never holding the whole logits. `model`: a Hugging Face model, or a
+    DeepSpeed engine around one."""
     tokens = batch.input_ids[:, 1:]
     sets = None if batch.sample_sets is None else batch.sample_sets[:, 1:]
-    logp_all = sampling_logprobs(logits, sampling, sampled=tokens, sets=sets)
-    logp = logp_all.gather(-1, tokens[..., None])[..., 0]
-    entropy = -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)
+    kwargs = {"output_router_logits": True} if router else {}
+    if 0 < chunk_tokens < tokens.numel():
+        head = getattr(model, "module", model).get_output_embeddings()  # (a DeepSpeed engine's model)
+        with scores_from_head(head, tokens, sets, sampling, chunk_tokens):
+            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **kwargs)
+        logp, entropy = out.logits.unbind(-1)
+    else:
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **kwargs)
+        logp, entropy = token_scores(out.logits[:, :-1], tokens, sampling, sets)
     pad = torch.zeros_like(logp[:, :1])
     return torch.cat([pad, logp], 1), torch.cat([pad, entropy], 1), (tuple(out.router_logits) if router else None)
+
+
+@contextlib.contextmanager
+def scores_from_head(head: torch.nn.Module, tokens: Tensor, sets: Tensor | None, sampling: SamplingParams,
+                     chunk_tokens: int) -> Iterator[None]:
+    """For the forwards inside: the LM head's forward turns the final hidden states [n, width, H]
+    into the scores of `tokens` [n, width - 1] (the next token at each position but the last), stacked
+    as [n, width - 1, 2] (log-probability, entropy), by `chunked_scores` on the head's own weight in
+    chunks of `chunk_tokens`. Only this instance's forward is replaced, and restored on exit; the head
+    is still called through its module call (its hooks run)."""
+    if not isinstance(head, torch.nn.Linear):
+        raise TypeError(f"trainer.logits_chunk_tokens: the LM head is a {type(head).__name__}, not a Linear "
+                        f"layer; set trainer.logits_chunk_tokens=0")
+
+    def scores(hidden: Tensor) -> Tensor:
+        logp, entropy = chunked_scores(hidden[:, :-1], head.weight, tokens,
+                                       lambda logits, t, s: token_scores(logits, t, sampling, s),
+                                       chunk_tokens, sets, head.bias)
+        return torch.stack([logp, entropy], -1)
+
+    own = head.__dict__.get("forward")  # an instance's own forward (a wrapper's), if it has one
+    head.forward = scores
+    try:
+        yield
+    finally:
+        if own is None:
+            del head.forward  # the class's forward again
+        else:
+            head.forward = own
 
 
 def routed_tokens(router_logits: tuple[Tensor, ...], attention_mask: Tensor, top_k: int) -> Tensor:
@@ -106,6 +149,7 @@ class TorchPolicyTrainer:
                  reference: PreTrainedModel | None = None, compute: Compute | None = None,
                  trainer: TrainerConfig | None = None):
         trainer = trainer or TrainerConfig()
+        self.logits_chunk_tokens = trainer.logits_chunk_tokens
         self.sparse_layers = sparse_blocks(model)
         self.moe = self.sparse_layers > 0
         check_router_losses(trainer, self.moe)
@@ -150,7 +194,7 @@ class TorchPolicyTrainer:
         model = model or self.model
         out = torch.zeros(batch.input_ids.shape, device=self.device)
         for rows, mb in self._micro_batches(batch, list(range(batch.size))):
-            lp, _ = token_logprobs(model, mb, self.sampling)
+            lp, _, _ = _score(model, mb, self.sampling, router=False, chunk_tokens=self.logits_chunk_tokens)
             if rows:
                 out[rows, : lp.shape[1]] = lp
         return out
@@ -179,7 +223,8 @@ class TorchPolicyTrainer:
 
     def accumulate(self, batch: RolloutBatch, rows: list[int], loss_of: LossFn) -> None:
         for micro_rows, micro in self._micro_batches(batch, rows):
-            logp, entropy, router = _score(self.model, micro, self.sampling, router=self.moe)
+            logp, entropy, router = _score(self.model, micro, self.sampling, router=self.moe,
+                                           chunk_tokens=self.logits_chunk_tokens)
             loss = loss_of(micro_rows, micro, logp, entropy)
             if router is not None:
                 if micro_rows and self._routed is not None:  # a padding micro-batch (no rows) routes nothing
