@@ -164,10 +164,12 @@ class SpeculationConfig:
     # who proposes a tree (docs/drafts.md): the learned draft; the suffix index of what each prompt's
     # responses wrote (earlier steps' and the live group's); or both merged into one tree of the same budget
     drafts: DraftSource = "learned"
-    index_window: int = 16  # the index matches at most this many of a sequence's last tokens
+    index_window: int = 8  # the index matches at most this many of a sequence's last tokens
     index_depth: int = 8  # its deepest proposed continuation
     index_responses: int = 16  # finished responses it keeps per prompt (the latest)
-    index_max_tokens: int = 2_000_000  # tokens it holds over all prompts; least recently used prompts dropped
+    # tokens it holds over all prompts, least recently used prompts dropped past it: up to 4.1 KB of host
+    # memory a token at window + depth = 16 (text that never repeats), 0.8 GB at 200k
+    index_max_tokens: int = 200_000
     index_prior: float = 1.0  # a continuation seen c of n times after m matched tokens: probability c/(n + prior/m)
 
     def check(self) -> None:

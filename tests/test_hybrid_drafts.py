@@ -12,13 +12,12 @@ import torch
 import fastgrpo.engines.embedded.engine as engine_module
 from fastgrpo.engines.embedded.tree import INDEX, LEARNED, Tree, ancestor_mask, hybrid_tree, verify_tree
 from fastgrpo.models.sampling import sample, sampling_logprobs
-from fastgrpo.speculation.per_sequence import AwarePerSequence
 from fastgrpo.speculation.policy import Static
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.speculation.suffix_index import Candidates, IndexLimits
 from fastgrpo.types import Request, SamplingParams
 from tests.conftest import first_divergence_is_a_near_tie
-from tests.test_speculation import (MIXED_PROMPTS, VOCAB, engine_for, linear_costs, rank_fit_p,  # noqa: F401
+from tests.test_speculation import (MIXED_PROMPTS, VOCAB, engine_for, rank_fit_p,  # noqa: F401
                                     small_vocab, spread_vocab)
 
 SAMPLINGS = [SamplingParams(temperature=1.0, max_new_tokens=30),
@@ -194,20 +193,30 @@ def test_tokens_equal_plain_decoding_with_index_candidates_right_wrong_and_dupli
         assert trees.proposed(LEARNED) > 100 and trees.proposed(LEARNED | INDEX) > 10  # merged duplicates
 
 
-def test_a_per_sequence_budget_cuts_hybrid_trees_and_keeps_their_padding_out(small_vocab, monkeypatch):
-    """Index rows with fewer candidates than the budget pad with unverified nodes; a per-sequence
-    budget's cut must not bring those back. Greedy output equals plain decoding's."""
+class SelectEverything(Static):
+    """A per-sequence budget that keeps every node it is offered, padding included."""
+
+    def select(self, scores, depth, config, running):
+        self.offered = getattr(self, "offered", 0) + scores.numel()
+        return torch.ones_like(scores, dtype=torch.bool)
+
+
+def test_a_per_sequence_budget_cannot_bring_back_the_padding_of_rows_with_fewer_nodes(small_vocab, monkeypatch):
+    """Index rows with fewer candidates than the budget pad with nodes they do not verify; the engine
+    keeps them out whatever a per-sequence budget selects. Greedy output equals plain decoding's."""
     cfg, target, draft = small_vocab
     reqs = [Request([1, 3, 4], max_new_tokens=25) for _ in range(8)] + [Request([1, 2], max_new_tokens=20)] * 4
     greedy = SamplingParams(temperature=0.0, max_new_tokens=25)
     plain = [c.token_ids for c in engine_for(cfg, target, None).generate(reqs, greedy)]
     trees = RecordingTrees(monkeypatch)
-    policy = AwarePerSequence(linear_costs(per_token=0.001))
+    policy = SelectEverything(SpecConfig(3, 2, 6))
     engine = engine_for(cfg, target, draft, policy, max_batch=12)
-    engine.set_drafts("index")
+    engine.set_drafts("index", IndexLimits(window=4, depth=2))  # chains of at most 2: fewer nodes than 5
     for _ in range(2):
         assert [c.token_ids for c in engine.generate(reqs, greedy)] == plain
-    assert any(t.valid is not None and not t.valid.all() for t in trees.trees)
+    padding = [(t.source == 0) & (torch.arange(t.source.shape[1]) > 0) for t in trees.trees]
+    assert policy.offered > 0 and sum(int(p.sum()) for p in padding) > 100
+    assert not any((t.valid & p).any() for t, p in zip(trees.trees, padding))  # never verified
     assert engine.stats()["index_accepted"] > 0
 
 
