@@ -142,19 +142,20 @@ def test_a_weight_without_gradient_and_hidden_states_without_one():
 # -- memory ------------------------------------------------------------------------------------------------
 class LargestLogits(TorchDispatchMode):
     """The most rows of any floating tensor an operation makes (views excluded: they hold no memory of
-    their own) whose last dimension is the vocabulary: logits and the log-softmax, exp and gradients
-    of them."""
+    their own) whose last dimension is a vocabulary's (`vocab`: one width or several, e.g. Megatron's
+    shard per TP rank, the padded and the tokenizer's vocabulary): logits and the log-softmax, exp and
+    gradients of them."""
 
-    def __init__(self, vocab: int):
+    def __init__(self, vocab: int | set[int]):
         super().__init__()
-        self.vocab, self.rows = vocab, 0
+        self.widths, self.rows = {vocab} if isinstance(vocab, int) else set(vocab), 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if not func.is_view:
             for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() and t.shape[-1] == self.vocab:
-                    self.rows = max(self.rows, t.numel() // self.vocab)
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() and t.shape[-1] in self.widths:
+                    self.rows = max(self.rows, t.numel() // t.shape[-1])
         return out
 
 
@@ -240,7 +241,11 @@ def _batch(vocab: int, rows: int = 4, seed: int = 0):
 def policies(tmp_path_factory) -> dict[str, Path]:
     from tests.family_checkpoints import MOE_FAMILY, write_family_checkpoint
 
-    return {name: write_family_checkpoint(name, tmp_path_factory.mktemp(name)) for name in (MOE_FAMILY, "qwen2.5")}
+    policies = {name: write_family_checkpoint(name, tmp_path_factory.mktemp(name)) for name in (MOE_FAMILY, "qwen2.5")}
+    # Megatron's MoE: every layer sparse
+    policies["qwen3_moe-sparse"] = write_family_checkpoint(MOE_FAMILY, tmp_path_factory.mktemp("sparse"),
+                                                           mlp_only_layers=[])
+    return policies
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2.5"])  # router logits beside; a head tied to the embedding
@@ -288,7 +293,8 @@ def test_the_chunk_size_is_a_validated_config_key(tmp_path):
 # -- Megatron and DeepSpeed in worlds of two -------------------------------------------------------------------
 def _steps(rank, world, policy, tmp, backend, overrides, chunk):
     """In the world: a fresh trainer without chunks and one with chunks of `chunk` tokens, each scoring
-    the batch and taking one GRPO step (two minibatches) on it."""
+    the batch and taking one GRPO step (two minibatches) on it; and the most rows of logits any
+    operation made (`LargestLogits`)."""
     from fastgrpo.trainers import build_trainer
 
     out = {}
@@ -297,13 +303,21 @@ def _steps(rank, world, policy, tmp, backend, overrides, chunk):
                                  "grpo.micro_batch_size=2", "grpo.minibatches=2", "optim.lr=1e-3", "threads=1",
                                  "rollout.temperature=0.7", f"trainer.logits_chunk_tokens={c}", *overrides])
         trainer = build_trainer(cfg)
-        batch = _batch(_vocab(policy))
-        if backend == "megatron":
-            logprobs, entropy = trainer.logprobs_and_entropy(batch)
-        else:
-            logprobs, entropy = trainer.logprobs(batch), None
-        metrics = trainer.train_step(batch)
-        out[c] = (logprobs, entropy, metrics, {n: t.detach().clone() for n, t in trainer.export_weights()})
+        vocab = _vocab(policy)
+        batch = _batch(vocab)
+        widths = {vocab}
+        if backend == "megatron":  # this rank's shard of the padded vocabulary, and the padded one (top-k)
+            from megatron.core import parallel_state
+
+            padded = trainer.layout.padded_vocab
+            widths |= {padded // parallel_state.get_tensor_model_parallel_world_size(), padded}
+        with LargestLogits(widths) as seen:
+            if backend == "megatron":
+                logprobs, entropy = trainer.logprobs_and_entropy(batch)
+            else:
+                logprobs, entropy = trainer.logprobs(batch), None
+            metrics = trainer.train_step(batch)
+        out[c] = (logprobs, entropy, metrics, {n: t.detach().clone() for n, t in trainer.export_weights()}, seen.rows)
     return out
 
 
@@ -319,7 +333,9 @@ def _check_same_steps(results: list, policy: Path, chunk: int) -> None:
 
     start = load_policy(policy).state_dict()
     for out in results:
-        (lp0, ent0, m0, w0), (lp, ent, m, w) = out[0], out[chunk]
+        (lp0, ent0, m0, w0, rows0), (lp, ent, m, w, rows) = out[0], out[chunk]
+        # the micro-batches' whole logits without chunks (2 rows x up to 16 positions); one chunk's with
+        assert rows0 >= 2 * 10 and rows == chunk, (rows0, rows)
         _close(lp, lp0, 1e-6)
         if ent0 is not None:
             _close(ent, ent0, 1e-6)
@@ -333,7 +349,7 @@ def _check_same_steps(results: list, policy: Path, chunk: int) -> None:
 
 MEGATRON_LAYOUTS = {
     # sequence parallel (a mixture of experts at TP > 1): the output layer's input gathered over the TP ranks
-    "moe-tp2-sequence-parallel": ("qwen3_moe", ["parallel.tensor=2"]),
+    "moe-tp2-sequence-parallel": ("qwen3_moe-sparse", ["parallel.tensor=2"]),
     # TP2 without sequence parallelism: the input's gradient all-reduced; a tied head; a reference policy
     "dense-tp2-tied-reference": ("qwen2.5", ["parallel.tensor=2", "grpo.kl_coef=0.05"]),
     # the tied head's copy on the last stage; top-k / top-p (the chunk's logits gathered over the vocabulary)

@@ -47,6 +47,16 @@ tokens (padding included) and weighted so that a minibatch's gradient gets the c
 their mean over its micro-batches on every data-parallel rank. A step reports its expert load as the
 torch trainer does (`torch_trainer.expert_load`: the real tokens each expert was routed in the
 step's training forwards, over every rank), counted from each router's routing map.
+
+Logits in chunks (`trainer.logits_chunk_tokens`): a micro-batch of more scored tokens than that
+never holds its whole vocab-parallel logits. For its forward the last stage's output layer returns
+its input as the layer itself would take it (under sequence parallelism gathered over the TP ranks,
+the gradient reduce-scattered back; otherwise with the gradient all-reduced over them, as the
+ColumnParallelLinear does) instead of projecting it, and the loss function scores those hidden
+states a chunk of tokens at a time (`chunked_logprobs.chunked_scores`) on this rank's shard of the
+output weight, each chunk through `vocab_parallel_logprobs` (its max, sum of exp and target logit
+reduced over the TP ranks: the whole vocabulary's log-sum-exp, never gathered). In bf16 the hidden
+states stay bf16 (`Float16Module`'s `fp32_output=False`), as the output layer would have taken them.
 """
 
 from __future__ import annotations
@@ -64,22 +74,26 @@ from torch import Tensor
 
 from fastgrpo.trainers.megatron.checkpoint import checkpoint_identity, start_write_results_queue
 from fastgrpo.trainers.megatron.layout import Layout, LayoutError
+from fastgrpo.trainers.chunked_logprobs import chunked_scores
 from fastgrpo.trainers.megatron.logprobs import vocab_parallel_logprobs
 from fastgrpo.trainers.megatron.model import build_model, export_hf, initialize, load_hf_state
-from fastgrpo.config import GRPOConfig, OptimConfig
+from fastgrpo.config import GRPOConfig, OptimConfig, TrainerConfig
 from fastgrpo.device import Compute
 from fastgrpo.grpo.step import LossFn, grpo_step
 from fastgrpo.paths import checkpoint_policy, is_policy
 from fastgrpo.types import Placement, RolloutBatch, SamplingParams
 
 Micro = tuple[list[int], RolloutBatch]  # batch rows (empty: a placeholder that trains nothing) and their data
+# (rows, micro-batch, log-probabilities, entropy [n, width - 1]) -> its loss (training) or None (scoring)
+OnScores = Callable[[list[int], RolloutBatch, Tensor, Tensor], "Tensor | None"]
 
 
 class MegatronPolicyTrainer:
     def __init__(self, policy_dir: str | Path, grpo: GRPOConfig, optim: OptimConfig, sampling: SamplingParams,
                  tensor: int = 1, pipeline: int = 1, seed: int = 0, layer_spec: str = "auto",
                  recompute: bool = False, compute: Compute | None = None, distributed_optimizer: bool = False,
-                 expert: int = 1, router_aux_loss: float = 0.0, router_z_loss: float = 0.0):
+                 expert: int = 1, router_aux_loss: float = 0.0, router_z_loss: float = 0.0,
+                 logits_chunk_tokens: int = TrainerConfig.logits_chunk_tokens):
         """`compute`: the device and dtype (`fastgrpo.device.resolve`; fp32 on this machine's device by
         default). bf16 is megatron-core's: bf16 weights and activations (`Float16Module`), gradients
         accumulated and reduced in fp32 (`grad_reduce_in_fp32`), an optimizer stepping fp32 main
@@ -88,7 +102,8 @@ class MegatronPolicyTrainer:
         ranks (gradients reduce-scattered, updated weights all-gathered). `expert`: the expert-parallel
         size of a mixture of experts (`parallel.expert`); `router_aux_loss`, `router_z_loss`: the
         coefficients of its router's load-balancing loss and z-loss (`trainer.router_aux_loss`,
-        `trainer.router_z_loss`; 0: none)."""
+        `trainer.router_z_loss`; 0: none). `logits_chunk_tokens`: the most tokens whose logits are
+        held at once (`trainer.logits_chunk_tokens`; 0: a micro-batch's whole logits)."""
         if optim.trainable:
             raise ValueError("optim.trainable: the Megatron trainer trains every parameter")
         from transformers import AutoConfig
@@ -125,16 +140,20 @@ class MegatronPolicyTrainer:
         self._routed: Tensor | None = None  # during a train step: routed real tokens [layers, E] of this rank
         self._real_tokens: Tensor | None = None  # during a training forward: its real tokens, [tokens] as routed
         load_hf_state(self.gpt, hf.state_dict(), self.layout)
+        self.logits_chunk_tokens = logits_chunk_tokens
+        self._defer_logits = False  # during a forward whose logits are scored in chunks (module docstring)
+        self._defer_output_layer(self.gpt)
         module = _precision_wrapper(self.gpt)
         # the k3 KL's reference: the initial policy, frozen, in the same layout and precision (each rank
         # holds its own shard of it, as of the policy), scored through the same schedule
-        self.reference = None
+        self.reference = self._reference_gpt = None
         if grpo.kl_coef > 0:
             reference = build_model(hf.config, self.layout, layer_spec, dtype=dtype)
             load_hf_state(reference, hf.state_dict(), self.layout)
             reference.requires_grad_(False).eval()
             reference.config.variable_seq_lengths = True
-            self.reference = _precision_wrapper(reference)
+            self._defer_output_layer(reference)
+            self.reference, self._reference_gpt = _precision_wrapper(reference), reference
         del hf
         config = self.gpt.config
         config.calculate_per_token_loss = True  # DDP sums the ranks' gradients: the loss is normalised globally
@@ -191,15 +210,16 @@ class MegatronPolicyTrainer:
         k = len(rows)
         return rows[self.dp_rank * k // self.dp_size: (self.dp_rank + 1) * k // self.dp_size]
 
-    def _run(self, micros: list[Micro], on_logits: Callable[[list[int], RolloutBatch, Tensor], Tensor | None],
-             forward_only: bool, model: torch.nn.Module | None = None) -> None:
+    def _run(self, micros: list[Micro], on_scores: OnScores, forward_only: bool,
+             model: torch.nn.Module | None = None) -> None:
         """One schedule call of `model` (the policy by default) over `micros`; on the last stage,
-        `on_logits(rows, micro, logits)` sees each micro-batch's vocab-parallel logits and returns
-        its loss (training) or None."""
+        `on_scores(rows, micro, logp, entropy)` sees each micro-batch's log-probabilities and entropy of
+        tokens 1.. ([n, width - 1] each, `_score`) and returns its loss (training) or None."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         # sequence parallelism (a mixture of experts at TP > 1) splits each sequence over the TP ranks
         multiple = self.layout.tp if self.gpt.config.sequence_parallel else 1
+        gpt = self.gpt if model is None or model is self.model else self._reference_gpt
 
         def forward_step(data_iterator, model):
             rows, micro = next(data_iterator)
@@ -211,12 +231,20 @@ class MegatronPolicyTrainer:
             if self._routed is not None and not forward_only:  # a training forward of a MoE: count its routes
                 self._real_tokens = self._routed_order(micro.attention_mask.bool() if rows else
                                                        torch.zeros_like(micro.attention_mask, dtype=torch.bool), padded)
+            # more tokens than a chunk: the last stage returns the output layer's input, scored in chunks
+            self._defer_logits = 0 < self.logits_chunk_tokens < n * (width - 1)
+            # (bf16: the hidden states as the output layer takes them, not cast to fp32 by Float16Module)
+            precision = {"fp32_output": False} if self._defer_logits and gpt.config.bf16 else {}
             try:
                 out = model(ids, torch.arange(padded, device=device).expand(n, -1),
-                            attention_mask=torch.triu(torch.ones(padded, padded, dtype=torch.bool, device=device), 1)[None, None])
+                            attention_mask=torch.triu(torch.ones(padded, padded, dtype=torch.bool, device=device), 1)[None, None],
+                            **precision)
             finally:
                 self._real_tokens = None  # (a recompute in the backward is the same forward: not counted again)
-            return out, functools.partial(_loss_func, on_logits, rows, micro)
+            weight = _output_weight(gpt) if self._defer_logits else None
+            self._defer_logits = False
+            return out, functools.partial(_loss_func, functools.partial(self._score, micro, weight=weight),
+                                          on_scores, rows, micro)
 
         self._weigh_router_losses(len(micros) * self.dp_size)
         with self._cpu():
@@ -254,8 +282,7 @@ class MegatronPolicyTrainer:
         rank scores its share of the rows)."""
         out = torch.zeros(2, *batch.input_ids.shape, device=self.device)
 
-        def score(rows: list[int], micro: RolloutBatch, logits: Tensor) -> None:
-            logp, entropy = self._score(micro, logits)
+        def score(rows: list[int], micro: RolloutBatch, logp: Tensor, entropy: Tensor) -> None:
             if rows:
                 out[0, rows, 1: logp.shape[1] + 1] = logp
                 out[1, rows, 1: entropy.shape[1] + 1] = entropy
@@ -268,10 +295,47 @@ class MegatronPolicyTrainer:
     def logprobs(self, batch: RolloutBatch) -> Tensor:
         return self.logprobs_and_entropy(batch)[0]
 
-    def _score(self, micro: RolloutBatch, logits: Tensor) -> tuple[Tensor, Tensor]:
-        """Log-probability and entropy of tokens 1.. of `micro`, [n, width - 1] each."""
+    def _score(self, micro: RolloutBatch, output: Tensor, weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Log-probability and entropy of tokens 1.. of `micro`, [n, width - 1] each, from the last
+        stage's `output` [n, width, ...]: this TP rank's vocab-parallel logits, or (`weight` given:
+        this rank's shard of the output weight) the output layer's input, scored in chunks of
+        `logits_chunk_tokens` tokens."""
         sets = None if micro.sample_sets is None else micro.sample_sets[:, 1:]
-        return vocab_parallel_logprobs(logits[:, :-1], micro.input_ids[:, 1:], self.sampling, self.layout.vocab, sets)
+        tokens = micro.input_ids[:, 1:]
+        if weight is None:
+            return vocab_parallel_logprobs(output[:, :-1], tokens, self.sampling, self.layout.vocab, sets)
+
+        def score(logits: Tensor, chunk_tokens: Tensor, chunk_sets: Tensor | None) -> tuple[Tensor, Tensor]:
+            return vocab_parallel_logprobs(logits, chunk_tokens, self.sampling, self.layout.vocab, chunk_sets)
+
+        return chunked_scores(output[:, :-1], weight, tokens, score, self.logits_chunk_tokens, sets)
+
+    def _defer_output_layer(self, gpt) -> None:
+        """`gpt`'s output layer (the last stage's; none elsewhere), during a forward whose logits are
+        scored in chunks (`_defer_logits`), returns its input as its matmul would take it: under
+        sequence parallelism gathered over the TP ranks (the gradient reduce-scattered back), else
+        with the gradient all-reduced over them (what ColumnParallelLinear does around its matmul);
+        otherwise it is the layer itself. Only the instance's forward is replaced: its parameters,
+        names and checkpoints are the layer's."""
+        from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                            gather_from_sequence_parallel_region)
+
+        layer = getattr(gpt, "output_layer", None)
+        if layer is None:
+            return
+        project = layer.forward
+
+        def forward(input_: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None):
+            if not self._defer_logits:
+                return project(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+            if layer.sequence_parallel:
+                return gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True,
+                                                            group=layer.tp_group), None
+            if layer.allreduce_dgrad:
+                return copy_to_tensor_model_parallel_region(input_, group=layer.tp_group), None
+            return input_, None
+
+        layer.forward = forward
 
     # -- training: what the GRPO step (`grpo.step.grpo_step`) asks of a backend --------------------
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
@@ -330,12 +394,11 @@ class MegatronPolicyTrainer:
     def accumulate(self, batch: RolloutBatch, rows: list[int], loss_of: LossFn) -> None:
         """This data-parallel rank's share of `rows` through the pipeline schedule; the last stage
         scores each micro-batch's logits and the loss is backpropagated through every stage."""
-        def on_logits(micro_rows: list[int], micro: RolloutBatch, logits: Tensor) -> Tensor:
-            logp, entropy = self._score(micro, logits)
+        def on_scores(micro_rows: list[int], micro: RolloutBatch, logp: Tensor, entropy: Tensor) -> Tensor:
             pad = torch.zeros_like(logp[:, :1])
             return loss_of(micro_rows, micro, torch.cat([pad, logp], 1), torch.cat([pad, entropy], 1))
 
-        self._run(self._micro_batches(batch, rows), on_logits, forward_only=False)
+        self._run(self._micro_batches(batch, rows), on_scores, forward_only=False)
 
     def update(self, loss_finite: bool) -> float | None:
         """megatron's optimizer.step() is prepare, norm, clip, update, unconditionally; a NaN/inf
@@ -568,13 +631,23 @@ def _precision_wrapper(gpt):
     return Float16Module(gpt.config, gpt)
 
 
-def _loss_func(on_logits, rows: list[int], micro: RolloutBatch, logits: Tensor):
+def _output_weight(gpt) -> Tensor:
+    """The weight the last stage's output layer projects with (this TP rank's vocabulary shard): the
+    word embeddings' when they are tied (on the last stage of a pipeline, its copy of them), as
+    GPTModel passes it to the layer, else the layer's own."""
+    return gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
+
+
+def _loss_func(score: Callable[[Tensor], tuple[Tensor, Tensor]], on_scores: OnScores, rows: list[int],
+               micro: RolloutBatch, output: Tensor):
     """megatron's loss function contract (last stage only): (loss, token count, reduced dict). With
     `calculate_per_token_loss` the schedule neither divides the loss by the token count nor by the
-    micro-batch count; our loss is already normalised over the whole minibatch. Logits beyond the
-    micro-batch's width (sequence-parallel padding) are cut off first."""
-    loss = on_logits(rows, micro, logits[:, : micro.input_ids.shape[1]])
-    return (loss if loss is not None else logits.new_zeros(())), torch.zeros((), dtype=torch.int, device=logits.device), {}
+    micro-batch count; our loss is already normalised over the whole minibatch. The last stage's
+    output (logits, or the hidden states scored in chunks) beyond the micro-batch's width (sequence-
+    parallel padding) is cut off before `score` turns it into log-probabilities and entropy."""
+    logp, entropy = score(output[:, : micro.input_ids.shape[1]])
+    loss = on_scores(rows, micro, logp, entropy)
+    return (loss if loss is not None else logp.new_zeros(())), torch.zeros((), dtype=torch.int, device=logp.device), {}
 
 
 def _finalize_model_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
