@@ -346,7 +346,8 @@ def test_build_engine_gives_the_engine_the_configured_draft_source(small_vocab, 
     monkeypatch.setattr(DraftHead, "load", classmethod(lambda cls, *args: draft))
     monkeypatch.setattr(build, "speculation_policy", lambda engine, c, mode: Static(SpecConfig(2, 2, 3)))
     run = load_config(None, ["speculation.policy=static", "speculation.drafts=index", "speculation.index_depth=3",
-                             "model.max_context=64", "rollout.max_new_tokens=32", "rollout.max_batch=4", "engine.steps=eager", "device=cpu"])
+                             "model.max_context=64", "rollout.max_new_tokens=32", "rollout.max_batch=4",
+                             "engine.steps=eager", "device=cpu"])
     text = type("Text", (), {"stop_ids": [VOCAB + 1]})()
     engine = build.build_engine(run, cfg, text, target.state_dict().items())
     assert engine.drafts == "index" and engine.index.limits == IndexLimits.of(run.speculation)
