@@ -113,6 +113,12 @@ class EngineStats(TypedDict, total=False):
     spec_seq_steps: int  # sequence-steps that speculated (a speculative step of B rows counts B)
     spec_emitted: int  # tokens emitted by speculative sequence-steps (accepted draft tokens + 1 each)
     accept_len: float  # spec_emitted / spec_seq_steps (1.0 when nothing speculated)
+    # embedded only, drafts from the suffix index (speculation.drafts index | hybrid): seconds in its
+    # lookups and inserts, lookups, lookups that matched, accepted tokens it proposed
+    index_s: float
+    index_lookups: int
+    index_matched: int
+    index_accepted: int
     config_by_concurrency: dict[str, dict[str, int]]  # steps per chosen tree shape, by concurrency bucket (SGLang: {})
     trace: list[tuple[int, str, int, float]]  # per decode step: running, shape name, emitted, seconds (SGLang: [])
 
