@@ -59,7 +59,7 @@ def test_hf_to_megatron_tp2_pp2_to_hf_is_bit_exact(tmp_path, model):
 
     config = real_scaled(model)
     expected = save_hf(config, tmp_path / "hf")
-    assert run("hf-to-megatron", "--hf", tmp_path / "hf", "--out", tmp_path / "mg", "--tp", 2, "--pp", 2) == 0
+    assert run("hf-to-megatron", "--hf", tmp_path / "hf", "--out", tmp_path / "mg", "--tensor", 2, "--pipeline", 2) == 0
     assert run("megatron-to-hf", "--megatron", tmp_path / "mg", "--out", tmp_path / "back") == 0
     assert_bit_exact(hf_tensors(tmp_path / "back"), expected)
     info = json.loads((tmp_path / "mg" / "megatron" / "fastgrpo.json").read_text())
@@ -76,7 +76,8 @@ def test_reshard_tp2_to_pp2_and_sharded_hf_in_and_out(tmp_path):
     config = real_scaled("qwen2.5-72b")
     expected = save_hf(config, tmp_path / "hf", max_shard_size="100KB")
     assert (tmp_path / "hf" / cc.INDEX).is_file()
-    assert run("hf-to-megatron", "--hf", tmp_path / "hf", "--out", tmp_path / "tp2", "--tp", 2) == 0
+    assert run("hf-to-megatron", "--hf", tmp_path / "hf", "--out", tmp_path / "tp2", "--tensor", 2) == 0
+    # --tp and --pp: the older names of --tensor and --pipeline, the same options
     assert run("reshard", "--megatron", tmp_path / "tp2", "--out", tmp_path / "pp2", "--tp", 1, "--pp", 2) == 0
     assert run("megatron-to-hf", "--megatron", tmp_path / "pp2", "--out", tmp_path / "back",
                "--max-shard-size", "100KB") == 0
@@ -127,7 +128,7 @@ def _megatron_keys(rank, world, raw):
         elif isinstance(v, ShardedObject):
             out[v.unique_key] = None
         elif isinstance(v, ShardedTensorFactory):  # swiglu fc1: [gate; up] stacked over layers (and experts)
-            out[v.key] = ((config.num_hidden_layers, layout.experts, 2 * layout.moe_ffn, config.hidden_size)
+            out[v.key] = ((config.num_hidden_layers, layout.experts, 2 * layout.expert_ffn, config.hidden_size)
                           if layout.experts else (config.num_hidden_layers, 2 * config.intermediate_size,
                                                   config.hidden_size))
     return out
@@ -166,7 +167,7 @@ def test_the_trainer_loads_a_conversion_and_its_checkpoint_converts_back(tmp_pat
         for p in other.parameters():
             p.add_(torch.randn_like(p) * 0.01)  # another model of the same shape: the load must show
     other.save_pretrained(tmp_path / "other")
-    assert run("hf-to-megatron", "--hf", tmp_path / "other", "--out", tmp_path / "converted", "--tp", 2, "--pp", 2) == 0
+    assert run("hf-to-megatron", "--hf", tmp_path / "other", "--out", tmp_path / "converted", "--tensor", 2, "--pipeline", 2) == 0
     loaded, trained, logits = run_world(_trainer_loads_and_saves, 2, tmp_path / "world", tmp_path / "policy",
                                         tmp_path / "converted", tmp_path / "step", timeout_s=300.0)[0]
     assert_bit_exact(loaded, other.state_dict())
@@ -191,7 +192,7 @@ def test_qwen3_moe_through_megatron_at_tp2_pp2_ep2_is_bit_exact(tmp_path, capsys
     save_hf(config, tmp_path / "hf")
     expected = hf_tensors(tmp_path / "hf")  # as save_pretrained writes them: each expert its own tensors
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in expected
-    assert run("hf-to-megatron", "--hf", tmp_path / "hf", "--out", tmp_path / "mg", "--tp", 2, "--pp", 2, "--ep", 2) == 0
+    assert run("hf-to-megatron", "--hf", tmp_path / "hf", "--out", tmp_path / "mg", "--tensor", 2, "--pipeline", 2, "--expert", 2) == 0
     assert run("megatron-to-hf", "--megatron", tmp_path / "mg", "--out", tmp_path / "back") == 0
     assert_bit_exact(hf_tensors(tmp_path / "back"), expected)
     info = json.loads((tmp_path / "mg" / "megatron" / "fastgrpo.json").read_text())
@@ -204,12 +205,12 @@ def test_qwen3_moe_through_megatron_at_tp2_pp2_ep2_is_bit_exact(tmp_path, capsys
     assert run("verify", tmp_path / "hf", tmp_path / "back", "--logits-atol", 0) == 0
     assert run("verify", tmp_path / "hf", tmp_path / "mg", "--logits-atol", 0) == 0
     capsys.readouterr()
-    result = cc.dry_run(config, 2, 1, ep=2)
+    result = cc.dry_run(config, 2, 1, expert=2)
     out = capsys.readouterr().out
     assert "decoder.layers.1.mlp.experts.local_experts.7.linear_fc1.weight" in out and "at TP2 x PP1 x EP2" in out
     experts = 2 * 8 * 3 * 48 * 128 * 4  # layers x experts x (gate, up, down) x their size, fp32
-    assert result["per_rank"]["tp0_pp0"] - cc.dry_run(config, 2, 1, ep=1)["per_rank"]["tp0_pp0"] == -experts // 2 // 2
-    assert run("hf-to-megatron", "--hf", tmp_path / "hf", "--out", tmp_path / "bad", "--ep", 3) == 2
+    assert result["per_rank"]["tp0_pp0"] - cc.dry_run(config, 2, 1, expert=1)["per_rank"]["tp0_pp0"] == -experts // 2 // 2
+    assert run("hf-to-megatron", "--hf", tmp_path / "hf", "--out", tmp_path / "bad", "--expert", 3) == 2
     assert "parallel.expert=3 divides the 8 experts" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
 
@@ -218,7 +219,7 @@ def test_inspect_verify_and_the_manifest(tmp_path, capsys):
     config = real_scaled("llama-3-8b")
     save_hf(config, tmp_path / "hf")
     save_hf(config, tmp_path / "hf2", seed=1)
-    assert run("hf-to-megatron", "--hf", tmp_path / "hf", "--out", tmp_path / "mg", "--tp", 2) == 0
+    assert run("hf-to-megatron", "--hf", tmp_path / "hf", "--out", tmp_path / "mg", "--tensor", 2) == 0
     capsys.readouterr()
     info = cc.inspect(tmp_path / "mg", check=True, tensors=True)
     assert info["kind"] == "megatron" and info["layout"] == {"tensor": 2, "pipeline": 1}
@@ -240,7 +241,7 @@ def _corrupt(file: Path, at: int) -> None:
 def test_bad_input_is_named_and_leaves_no_output(tmp_path, capsys):
     config = real_scaled("qwen2.5-7b")  # 14 heads, 2 KV heads
     save_hf(config, tmp_path / "hf")
-    assert run("hf-to-megatron", "--hf", tmp_path / "hf", "--out", tmp_path / "mg", "--tp", 2) == 0
+    assert run("hf-to-megatron", "--hf", tmp_path / "hf", "--out", tmp_path / "mg", "--tensor", 2) == 0
     capsys.readouterr()
 
     def fails(*argv, says: str) -> None:
@@ -251,9 +252,9 @@ def test_bad_input_is_named_and_leaves_no_output(tmp_path, capsys):
         assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))  # nothing half-written
 
     o = tmp_path / "out"
-    fails("hf-to-megatron", "--hf", tmp_path / "hf", "--out", o, "--tp", 4, says="tensor 4 divides the 14 attention heads")
+    fails("hf-to-megatron", "--hf", tmp_path / "hf", "--out", o, "--tensor", 4, says="tensor 4 divides the 14 attention heads")
     save_hf(real_scaled("llama-3-70b"), tmp_path / "gqa")  # 16 heads, 2 KV heads
-    fails("hf-to-megatron", "--hf", tmp_path / "gqa", "--out", o, "--tp", 4, says="tensor 4 divides the 2 key/value heads")
+    fails("hf-to-megatron", "--hf", tmp_path / "gqa", "--out", o, "--tensor", 4, says="tensor 4 divides the 2 key/value heads")
     fails("megatron-to-hf", "--megatron", tmp_path / "hf", "--out", o, says="not a Megatron checkpoint")
     fails("hf-to-megatron", "--hf", tmp_path / "mg" / "megatron", "--out", o, says="is a Megatron checkpoint, not a")
     (tmp_path / "noweights").mkdir()

@@ -204,7 +204,7 @@ def test_hf_to_megatron_tp2_pp2_to_hf_is_bit_exact(tmp_path, checkpoints, family
     from fastgrpo.conversion import verify
 
     src = checkpoints[family]
-    assert run("hf-to-megatron", "--hf", src, "--out", tmp_path / "mg", "--tp", 2, "--pp", 2) == 0
+    assert run("hf-to-megatron", "--hf", src, "--out", tmp_path / "mg", "--tensor", 2, "--pipeline", 2) == 0
     assert run("megatron-to-hf", "--megatron", tmp_path / "mg", "--out", tmp_path / "back") == 0
     expected, got = hf_tensors(src), hf_tensors(tmp_path / "back")
     assert set(got) == set(expected), set(got) ^ set(expected)
@@ -276,7 +276,7 @@ def test_convert_refuses_an_unsupported_family_naming_the_supported_ones(tmp_pat
     (bad / "config.json").write_text(json.dumps(raw))
     for name in ("model.safetensors", "tokenizer.json"):
         (bad / name).write_bytes((checkpoints["qwen3"] / name).read_bytes())
-    for argv in (("hf-to-megatron", "--hf", bad, "--out", tmp_path / "out", "--tp", 2),
+    for argv in (("hf-to-megatron", "--hf", bad, "--out", tmp_path / "out", "--tensor", 2),
                  ("hf-to-megatron", "--dry-run", "--config", bad / "config.json"),
                  ("inspect", bad)):
         assert run(*argv) == 2

@@ -80,7 +80,7 @@ def test_qkv_rows_are_grouped_per_query_group():
 
 def test_fc1_shards_hold_their_own_gate_and_up():
     model = llama()
-    layout = Layout.of(model.config, tp=2)
+    layout = Layout.of(model.config, tensor=2)
     full = layout.to_megatron(hf_state(model))
     shard1 = layout.rank_tensors(full, 1, 0)["decoder.layers.0.mlp.linear_fc1.weight"]
     mlp = model.model.layers[0].mlp
@@ -90,11 +90,11 @@ def test_fc1_shards_hold_their_own_gate_and_up():
 def test_layouts_that_cannot_split_fail_clearly():
     cfg = LlamaConfig(**LLAMA)
     with pytest.raises(LayoutError, match="key/value heads"):
-        Layout.of(cfg, tp=8)  # 8 query heads split, but only 4 KV heads
+        Layout.of(cfg, tensor=8)  # 8 query heads split, but only 4 KV heads
     with pytest.raises(LayoutError, match=r"parallel\.pipeline breaks a layout rule: pipeline \d+ divides the 4 layers"):
-        Layout.of(cfg, pp=3)
+        Layout.of(cfg, pipeline=3)
     with pytest.raises(LayoutError, match="attention heads"):
-        Layout.of(cfg, tp=3)
+        Layout.of(cfg, tensor=3)
     with pytest.raises(LayoutError, match="vocabulary"):
         Layout.of(cfg).to_megatron({"model.embed_tokens.weight": torch.zeros(7, 64), "model.norm.weight": torch.ones(64)})
     with pytest.raises(LayoutError, match="unknown Megatron parameter"):

@@ -140,7 +140,7 @@ def test_the_layout_round_trip_is_bit_exact_and_places_each_expert_on_its_rank(t
     assert on_disk(model.state_dict()).keys() == disk.keys()
     assert all(torch.equal(on_disk(model.state_dict())[k], t) for k, t in disk.items())
     layout = Layout.of(model.config, tp, pp, ep)
-    assert (layout.experts, layout.topk, layout.moe_ffn, layout.norm_topk, layout.qk_norm) == (4, 2, 32, True, True)
+    assert (layout.experts, layout.top_k, layout.expert_ffn, layout.norm_topk, layout.qk_norm) == (4, 2, 32, True, True)
     full = layout.to_megatron(model.state_dict() if names == "stacked" else disk)
     assert set(full) == set(layout.megatron_names())
     ranks = {(t, p, e): layout.rank_tensors(full, t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
@@ -468,7 +468,7 @@ def test_ep2_trains_as_the_torch_trainer_and_checkpoints_its_policy(tmp_path, po
 
     hf_model(seed=1).save_pretrained(tmp_path / "other")
     assert cc.main(["hf-to-megatron", "--hf", str(tmp_path / "other"), "--out", str(tmp_path / "converted"),
-                    "--tp", "2"]) == 0
+                    "--tensor", "2"]) == 0
     results = run_world(_ep2_steps_checkpoint_and_router_losses, 2, tmp_path / "world", policy,
                         tmp_path / "checkpoint", tmp_path / "converted", timeout_s=400)
     metrics, trained, micro_counts, router, push, loaded = results[0]

@@ -31,7 +31,7 @@ def _full_logits(trainer, ids):
 
     with torch.no_grad():
         trainer._run([(list(range(ids.shape[0])), micro)], keep, forward_only=True)
-    if trainer.layout.pp > 1:
+    if trainer.layout.pipeline > 1:
         dist.all_reduce(out, group=trainer.pp_group)  # only the last stage has them
     return out
 

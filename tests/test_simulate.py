@@ -489,16 +489,18 @@ def test_bench_simulate_model_flag_builds_the_config_alone_and_writes_beside_the
 
     parse = build_parser().parse_known_args
     assert parse(["bench", "simulate"])[0].needs == "draft"
-    args = parse(["bench", "simulate", "--model", "configs/models/qwen3-30b-a3b.json", "--tp", "2"])[0]
-    assert (args.needs, args.model, args.tp, args.hardware) == ("config", "configs/models/qwen3-30b-a3b.json", 2, "h100")
+    args = parse(["bench", "simulate", "--model", "configs/models/qwen3-30b-a3b.json", "--tensor", "2"])[0]
+    assert (args.needs, args.model, args.tensor, args.hardware) == ("config", "configs/models/qwen3-30b-a3b.json", 2,
+                                                                    "h100")
+    assert parse(["bench", "simulate", "--model", "m.json", "--tp", "2"])[0].tensor == 2  # the older name, the same
     seen = {}
     monkeypatch.setattr("fastgrpo.bench.simulate.shape.bench_simulate_model",
-                        lambda cfg, model, hw, tp, quick, output, extra: seen.update(output=output, tp=tp))
+                        lambda cfg, model, hw, tensor, quick, output, extra: seen.update(output=output, tensor=tensor))
     from pathlib import Path
 
     args.output, args.extra = Path("bench/simulate.json"), []  # `fastgrpo bench`'s default
     command.from_cli(args, SimpleNamespace(seed=0))
-    assert seen == {"output": Path("bench/simulate-qwen3-30b-a3b.json"), "tp": 2}
+    assert seen == {"output": Path("bench/simulate-qwen3-30b-a3b.json"), "tensor": 2}
     args.repetitions = 3
     with pytest.raises(ValueError, match="--repetitions"):
         command.from_cli(args, SimpleNamespace(seed=0))

@@ -95,7 +95,7 @@ def round_trip(path: Path, work: Path) -> dict:
 
     from tools import convert_checkpoint as cc
 
-    assert cc.main(["hf-to-megatron", "--hf", str(path), "--out", str(work / "mg"), "--tp", "2", "--pp", "2"]) == 0
+    assert cc.main(["hf-to-megatron", "--hf", str(path), "--out", str(work / "mg"), "--tensor", "2", "--pipeline", "2"]) == 0
     assert cc.main(["megatron-to-hf", "--megatron", str(work / "mg"), "--out", str(work / "back")]) == 0
 
     def tensors(d: Path) -> dict:

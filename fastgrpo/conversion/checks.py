@@ -92,7 +92,7 @@ def inspect(path: Path, check: bool = False, tensors: bool = False, out=None) ->
                                                                   [src.config.model_type])[0],
             "parameters": params, "dtype": sorted(dtypes), "size_on_disk": disk, "files": len(src.files)}
     if src.kind == "megatron":
-        info["layout"] = {"tensor": src.layout.tp, "pipeline": src.layout.pp}
+        info["layout"] = {"tensor": src.layout.tensor, "pipeline": src.layout.pipeline}
         info["training_checkpoint"] = src.info.get("optimizer", True)
         info["updates"] = src.info.get("updates")
     manifest = src.check.manifest

@@ -27,6 +27,14 @@ def _dtype_arg(text: str | None) -> torch.dtype | None:
     return DTYPES[text]
 
 
+def _parallel_sizes(p: argparse.ArgumentParser, expert_help: str = "expert-parallel size") -> None:
+    """The target layout's sizes, named as the config names them (parallel.tensor, .pipeline, .expert);
+    --tp, --pp and --ep are the same options."""
+    p.add_argument("--tensor", "--tp", dest="tensor", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pipeline", "--pp", dest="pipeline", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--expert", "--ep", dest="expert", type=int, default=1, help=expert_help)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="convert_checkpoint.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -34,10 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf", type=Path, help="Hugging Face directory (safetensors)")
     p.add_argument("--config", type=Path, help="with --dry-run: a config.json alone (e.g. configs/models/llama-3-70b.json)")
     p.add_argument("--out", type=Path)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size recorded (a mixture of experts; the stored "
-                                                     "form is the same at every EP, and loads at any)")
+    _parallel_sizes(p, expert_help="expert-parallel size recorded (a mixture of experts; the stored form is the "
+                                   "same at every EP, and loads at any)")
     p.add_argument("--dtype", default="keep")
     p.add_argument("--dry-run", action="store_true", help="list the output tensors and bytes per rank on the meta device")
     p = sub.add_parser("megatron-to-hf", help="a Megatron checkpoint (any layout, or a training step_N) -> Hugging Face")
@@ -54,9 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("reshard", help="a Megatron checkpoint -> the same at another TP x PP (model only)")
     p.add_argument("--megatron", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--ep", type=int, default=1)
+    _parallel_sizes(p)
     p = sub.add_parser("verify", help="compare two checkpoints of any kind tensor by tensor and by logits")
     p.add_argument("a", type=Path)
     p.add_argument("b", type=Path)
@@ -93,7 +97,7 @@ def _run(args) -> int:
             config = load_config(args.config or args.hf) if (args.config or args.hf) else None
             if config is None:
                 raise ConversionError("--dry-run needs --config FILE or --hf DIR")
-            dry_run(config, args.tp, args.pp, _dtype_arg(args.dtype), ep=args.ep)
+            dry_run(config, args.tensor, args.pipeline, _dtype_arg(args.dtype), expert=args.expert)
             return 0
         if not args.hf or not args.out:
             raise ConversionError("hf-to-megatron needs --hf DIR and --out DIR (or --dry-run)")
@@ -101,7 +105,7 @@ def _run(args) -> int:
         if source.kind != "hf":
             raise ConversionError(f"{args.hf} is a Megatron checkpoint, not a Hugging Face directory (use reshard, "
                                   f"or megatron-to-hf)")
-        stats = write_megatron(source, args.out, layout_of(source.config, args.tp, args.pp, args.ep),
+        stats = write_megatron(source, args.out, layout_of(source.config, args.tensor, args.pipeline, args.expert),
                                _dtype_arg(args.dtype))
     elif c == "megatron-to-hf":
         source = open_checkpoint(args.megatron)
@@ -114,7 +118,7 @@ def _run(args) -> int:
         source = open_checkpoint(args.megatron)
         if source.kind != "megatron":
             raise ConversionError(f"{args.megatron} is a Hugging Face directory, not a Megatron checkpoint")
-        stats = write_megatron(source, args.out, layout_of(source.config, args.tp, args.pp, args.ep))
+        stats = write_megatron(source, args.out, layout_of(source.config, args.tensor, args.pipeline, args.expert))
     elif c == "verify":
         return 0 if verify(args.a, args.b, args.atol, args.logits_atol, not args.no_logits) else 1
     elif c == "inspect":

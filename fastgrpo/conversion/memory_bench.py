@@ -46,7 +46,7 @@ def bench_memory(size_gb: float, output: Path, workdir: Path | None) -> dict:
     model_bytes = writer.total
     largest = max(math.prod(s) * 4 for _, s, _ in plan)
     runs = {}
-    for name, argv in (("hf-to-megatron TP2xPP2", ["hf-to-megatron", "--hf", str(hf), "--out", str(mg), "--tp", "2", "--pp", "2"]),
+    for name, argv in (("hf-to-megatron TP2xPP2", ["hf-to-megatron", "--hf", str(hf), "--out", str(mg), "--tensor", "2", "--pipeline", "2"]),
                        ("megatron-to-hf", ["megatron-to-hf", "--megatron", str(mg), "--out", str(back)])):
         code = ("import resource, runpy, sys, time; sys.argv = ['convert_checkpoint'] + sys.argv[1:]; t = time.time()\n"
                 "try:\n    runpy.run_module('fastgrpo.conversion', run_name='__main__')\n"

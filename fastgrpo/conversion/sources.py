@@ -33,9 +33,9 @@ def load_config(path: Path):
     return AutoConfig.for_model(**raw)
 
 
-def layout_of(config, tp: int = 1, pp: int = 1, ep: int = 1) -> Layout:
+def layout_of(config, tensor: int = 1, pipeline: int = 1, expert: int = 1) -> Layout:
     try:
-        return Layout.of(config, tp, pp, ep)
+        return Layout.of(config, tensor, pipeline, expert)
     except LayoutError as e:
         raise ConversionError(str(e)) from e
 

@@ -145,8 +145,8 @@ def write_megatron(source, out: Path, layout: Layout, dtype: torch.dtype | None 
         write_manifest(mdir, "megatron", manifest)
         (mdir / "fastgrpo.json").write_text(json.dumps(
             {"model": checkpoint_identity(source.config, layout),
-             "saved_at": {"tensor": layout.tp, "pipeline": layout.pp, "expert": layout.ep, "data": 1}, "updates": 0,
-             "optimizer": False,
+             "saved_at": {"tensor": layout.tensor, "pipeline": layout.pipeline, "expert": layout.expert, "data": 1},
+             "updates": 0, "optimizer": False,
              "written_by": "tools/convert_checkpoint.py"}, indent=1))
         hf = tmp / "hf"
         hf.mkdir()
@@ -181,38 +181,41 @@ class MetaSource:
         return {k: self.state[k] for k in self.layout.hf_sources(name)}
 
 
-def dry_run(config, tp: int, pp: int, dtype: torch.dtype | None = None, out=None, ep: int = 1) -> dict:
-    """Every tensor a conversion to TP x PP writes (shape, each rank's piece) and the bytes each rank
-    holds, computed by the conversion's own code on the meta device. A mixture of experts at EP `ep`:
-    each rank holds E / ep of each layer's experts (counted for EP rank 0; every EP rank holds as many)."""
+def dry_run(config, tensor: int = 1, pipeline: int = 1, dtype: torch.dtype | None = None, out=None,
+            expert: int = 1) -> dict:
+    """Every tensor a conversion to `tensor` x `pipeline` writes (shape, each rank's piece) and the bytes
+    each rank holds (`per_rank`, keyed tp{rank}_pp{stage}), computed by the conversion's own code on the
+    meta device. A mixture of experts at expert-parallel size `expert`: each rank holds E / expert of
+    each layer's experts (counted for EP rank 0; every EP rank holds as many)."""
     out = out or sys.stdout
     source = MetaSource(config)
-    layout = layout_of(config, tp, pp, ep)
-    per_rank = {(t, p): 0 for p in range(pp) for t in range(tp)}
+    layout = layout_of(config, tensor, pipeline, expert)
+    per_rank = {(t, p): 0 for p in range(pipeline) for t in range(tensor)}
     print(f"{'tensor':<52} {'dtype':<9} {'full shape':<14} {'per-TP-rank':<14} stage", file=out)
     for name in layout.megatron_names():
         full = layout.megatron_tensor(name, source.hf_meta(name))
         if dtype is not None:
             full = full.to(dtype)
-        stages = [s for s in range(pp) if any(layout.stage_name(name, s, e) is not None for e in range(ep))]
-        if layout.tied and pp > 1 and name == "embedding.word_embeddings.weight":
-            stages.append(pp - 1)  # the last stage's copy for the LM head
+        stages = [s for s in range(pipeline) if any(layout.stage_name(name, s, e) is not None for e in range(expert))]
+        if layout.tied and pipeline > 1 and name == "embedding.word_embeddings.weight":
+            stages.append(pipeline - 1)  # the last stage's copy for the LM head
         piece = layout.shard(name, full, 0)
         for s in stages:
             if layout.stage_name(name, s, 0) is None and not (layout.tied and name.startswith("embedding.")):
                 continue  # an expert of another EP rank
-            for t in range(tp):
+            for t in range(tensor):
                 per_rank[(t, s)] += piece.numel() * piece.element_size()
         print(f"{name:<52} {_dtype_name(full.dtype):<9} {'x'.join(map(str, full.shape)):<14} "
               f"{'x'.join(map(str, piece.shape)):<14} {','.join(map(str, stages))}", file=out)
     total = sum(math.prod(t.shape) * t.element_size() for t in source.state.values()
                 if not (layout.tied and t is source.state.get("lm_head.weight")))
-    print(f"\nbytes per rank at TP{tp} x PP{pp}{f' x EP{ep}' if ep > 1 else ''} (vocabulary padded to "
-          f"{layout.padded_vocab}; every TP{' and EP' if ep > 1 else ''} rank of a stage holds the same):", file=out)
-    for s in range(pp):
-        b = {per_rank[(t, s)] for t in range(tp)}
+    ep_label = f" x EP{expert}" if expert > 1 else ""
+    print(f"\nbytes per rank at TP{tensor} x PP{pipeline}{ep_label} (vocabulary padded to {layout.padded_vocab}; every "
+          f"TP{' and EP' if expert > 1 else ''} rank of a stage holds the same):", file=out)
+    for s in range(pipeline):
+        b = {per_rank[(t, s)] for t in range(tensor)}
         print(f"  stage {s} (layers {layout.stage_layers(s).start}-{layout.stage_layers(s).stop - 1}): "
-              f"{max(b):,} bytes = {max(b) / 2**30:.2f} GiB on each of its {tp} TP ranks", file=out)
+              f"{max(b):,} bytes = {max(b) / 2**30:.2f} GiB on each of its {tensor} TP ranks", file=out)
     print(f"model: {sum(v.numel() for v in source.state.values()) / 1e9:.2f}B parameters "
           f"({total / 2**30:.1f} GiB as {_dtype_name(next(iter(source.state.values())).dtype)}); "
           f"largest rank {max(per_rank.values()) / 2**30:.2f} GiB", file=out)

@@ -301,7 +301,8 @@ def add_arguments(parser) -> None:
                         "validation; written to bench/simulate-<its stem>.json unless --output names another file); a MoE also "
                         "runs aware priced expert-blind")
     parser.add_argument("--hardware", choices=sorted(ACCELERATORS), default="h100", help="with --model: the GPU")
-    parser.add_argument("--tp", type=at_least_one, default=1, help="with --model: tensor-parallel GPUs")
+    parser.add_argument("--tensor", "--tp", dest="tensor", type=at_least_one, default=1,
+                        help="with --model: tensor-parallel GPUs (the config's parallel.tensor; --tp the same)")
     parser.set_defaults(run=from_cli)
 
 
@@ -315,7 +316,7 @@ def from_cli(args, cfg) -> dict:
             raise BenchUsageError("`bench simulate`: --repetitions is the CPU validation's, which --model does not run")
         if args.output == Path("bench/simulate.json"):  # the full run's file: a model's run goes beside it
             args.output = Path(f"bench/simulate-{Path(args.model).stem}.json")
-        return bench_simulate_model(cfg, args.model, args.hardware, args.tp, args.quick, args.output, args.extra)
-    if args.hardware != "h100" or args.tp != 1:
-        raise BenchUsageError("`bench simulate`: --hardware and --tp go with --model")
+        return bench_simulate_model(cfg, args.model, args.hardware, args.tensor, args.quick, args.output, args.extra)
+    if args.hardware != "h100" or args.tensor != 1:
+        raise BenchUsageError("`bench simulate`: --hardware and --tensor go with --model")
     return bench_simulate(cfg, args.quick, args.output, args.extra, args.repetitions)

@@ -66,12 +66,12 @@ def step_prices(costs: Roofline, blind: Roofline) -> list[dict]:
     return out
 
 
-def bench_simulate_model(cfg, model: str, hardware: str, tp: int, quick: bool, output: Path,
+def bench_simulate_model(cfg, model: str, hardware: str, tensor: int, quick: bool, output: Path,
                          extra: list[str] | None = None) -> dict:
     from fastgrpo.bench.report import command_line, publish
 
     t0 = time.perf_counter()
-    shape = load_model_shape(model, tp=tp)
+    shape = load_model_shape(model, tp=tensor)
     costs = Roofline(ACCELERATORS[hardware], shape)
     accept = eagle_profile(GPU_BETA)
     lt = dict(prompts=16 if quick else 64, group=8, mean=3000.0, sigma=1.0, max_new=8192 if quick else 16384,
@@ -85,10 +85,10 @@ def bench_simulate_model(cfg, model: str, hardware: str, tp: int, quick: bool, o
     statics = {m: s for m, s in seconds.items() if m.startswith("static_")}
     best = min(statics, key=statics.get)
     for m in sorted(seconds, key=seconds.get):
-        print(f"SIMULATED {costs.name} (TP{tp}) {m}: {seconds[m]:.1f}s", flush=True)
+        print(f"SIMULATED {costs.name} (TP{tensor}) {m}: {seconds[m]:.1f}s", flush=True)
     result = {
         "meta": {"date": datetime.date.today().isoformat(), "simulated": True, "quick": quick, "seed": cfg.seed,
-                 "model": str(model), "shape": asdict(shape), "hardware": costs.hw.name, "tp": tp,
+                 "model": str(model), "shape": asdict(shape), "hardware": costs.hw.name, "tp": tensor,
                  "case": costs.name, "workload": workload.name, "longtail": lt, "max_running": GPU_MAX_BATCH,
                  "repetitions": reps, "acceptance": accept.to_json(), "moe": shape.moe},
         "seconds": seconds, "best_static": best[7:],
@@ -99,7 +99,7 @@ def bench_simulate_model(cfg, model: str, hardware: str, tp: int, quick: bool, o
     }
     result["meta"]["seconds"] = time.perf_counter() - t0
     flags = [f"--model {model}", *([f"--hardware {hardware}"] if hardware != "h100" else []),
-             *([f"--tp {tp}"] if tp != 1 else [])]
+             *([f"--tensor {tensor}"] if tensor != 1 else [])]
     publish(result, output, command_line("simulate", quick, output, (extra or []) + flags), markdown)
     return result
 

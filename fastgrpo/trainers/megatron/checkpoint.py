@@ -59,5 +59,5 @@ def checkpoint_identity(hf_config, layout: Layout) -> dict:
                 "kv_heads": l.kv_heads, "head_dim": l.head_dim, "ffn": l.ffn, "vocab": l.vocab, "tied": l.tied,
                 "qkv_bias": l.qkv_bias}
     if l.experts:  # (a dense model's identity is unchanged: its checkpoints keep loading)
-        identity.update(experts=l.experts, topk=l.topk, moe_ffn=l.moe_ffn)
+        identity.update(experts=l.experts, topk=l.top_k, moe_ffn=l.expert_ffn)  # the keys checkpoints hold
     return identity

@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
@@ -64,8 +64,8 @@ LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 VOCAB_DIVISIBLE_BY = 128  # megatron pads the vocabulary to a multiple of this x TP
 
 
-def padded_vocab(vocab: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
-    multiple = divisible_by * tp
+def padded_vocab(vocab: int, tensor: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
+    multiple = divisible_by * tensor
     return math.ceil(vocab / multiple) * multiple
 
 
@@ -74,61 +74,53 @@ class LayoutError(ValueError):
 
 
 @dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    padded_vocab: int  # a multiple of make_vocab_size_divisible_by * tp; the extra rows are zero and never sampled
-    tied: bool  # the LM head is the embedding
-    qkv_bias: bool  # Qwen2
-    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k (replicated over TP)
-    # a mixture of experts (every layer sparse): E routed experts of width moe_ffn, the top `topk` of
-    # them per token, their weights renormalised over the k (norm_topk) or the softmax's as they are
-    experts: int = 0  # 0: a dense model
-    topk: int = 0
-    moe_ffn: int = 0
+class Layout(Shape):
+    """A policy's shape (`topology.Shape`: its sizes and family parts, not repeated here) laid out for
+    megatron-core at the config's parallel sizes: `tensor` (`parallel.tensor`), `pipeline`
+    (`parallel.pipeline`) and `expert` (`parallel.expert`: each rank of an expert-parallel group
+    holds experts / expert of every layer's experts). A mixture of experts (every layer sparse)
+    renormalises its top-k weights over the k (`norm_topk`) or keeps the softmax's."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    expert: int = 1
     norm_topk: bool = False
-    ep: int = 1  # expert-parallel size: each rank of an EP group holds experts / ep of every layer's experts
+    vocab_divisible_by: int = VOCAB_DIVISIBLE_BY
 
     @classmethod
-    def of(cls, hf_config, tp: int = 1, pp: int = 1, ep: int = 1,
+    def of(cls, hf_config, tensor: int = 1, pipeline: int = 1, expert: int = 1,
            vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> Layout:
         c = hf_config
         try:
             check_family(c.to_dict(), f"the {c.model_type} config")
         except UnsupportedModel as e:
             raise LayoutError(str(e)) from e
-        _check_megatron_features(c)
-        if tp < 1 or pp < 1 or ep < 1:
-            raise LayoutError(f"parallel sizes must be >= 1, got tensor {tp}, pipeline {pp}, expert {ep}")
+        _check_megatron_features(c)  # o_proj's bias alone refused: qkv_bias is Qwen2's
+        if tensor < 1 or pipeline < 1 or expert < 1:
+            raise LayoutError(f"parallel sizes must be >= 1, got tensor {tensor}, pipeline {pipeline}, "
+                              f"expert {expert}")
         shape = Shape.of(c)
-        refused = broken(shape_rules(shape, tp, pp, ep))
+        refused = broken(shape_rules(shape, tensor, pipeline, expert))
         if refused is not None:
             raise LayoutError(f"{refused.key} breaks a layout rule: {refused.text}")
-        heads, kv, experts = shape.heads, shape.kv_heads, shape.experts
-        moe = {}
-        if experts:
-            moe = dict(experts=experts, topk=shape.top_k, moe_ffn=shape.expert_ffn, norm_topk=bool(c.norm_topk_prob),
-                       ep=ep)
-        return cls(tp, pp, shape.layers, shape.hidden, heads, kv, shape.head_dim, shape.ffn, shape.vocab,
-                   padded_vocab(shape.vocab, tp, vocab_divisible_by), shape.tied, c.model_type == "qwen2",
-                   shape.qk_norm, **moe)
+        return cls(**{f.name: getattr(shape, f.name) for f in fields(Shape)}, tensor=tensor, pipeline=pipeline,
+                   expert=expert, norm_topk=bool(shape.experts and c.norm_topk_prob),
+                   vocab_divisible_by=vocab_divisible_by)
+
+    @property
+    def padded_vocab(self) -> int:
+        """A multiple of `vocab_divisible_by` x tensor; the extra rows are zero and never sampled."""
+        return padded_vocab(self.vocab, self.tensor, self.vocab_divisible_by)
 
     def stage_layers(self, pp_rank: int) -> range:
         """The global indices of the layers pipeline stage `pp_rank` holds."""
-        per = self.layers // self.pp
+        per = self.layers // self.pipeline
         return range(pp_rank * per, (pp_rank + 1) * per)
 
     @property
     def local_experts(self) -> int:
         """The experts of each layer one expert-parallel rank holds."""
-        return self.experts // self.ep
+        return self.experts // self.expert
 
     def expert_owner(self, e: int) -> tuple[int, int]:
         """(the expert-parallel rank holding global expert e, its local index there)."""
@@ -174,7 +166,7 @@ class Layout:
         if rest.startswith("self_attention.linear_qkv."):
             return ((self.heads + 2 * self.kv_heads) * self.head_dim,)
         if EXPERT.match(rest):
-            return (2 * self.moe_ffn,)
+            return (2 * self.expert_ffn,)
         return (2 * self.ffn,) if rest == "mlp.linear_fc1.weight" else (1,)
 
     def megatron_tensor(self, name: str, hf: Mapping[str, Tensor]) -> Tensor:
@@ -203,7 +195,7 @@ class Layout:
         if rest in QK_NORMS and self.qk_norm:
             return hf[p + QK_NORMS[rest]]
         if rest == "mlp.linear_fc1.weight":
-            gates, ups = hf[p + "mlp.gate_proj.weight"].chunk(self.tp), hf[p + "mlp.up_proj.weight"].chunk(self.tp)
+            gates, ups = hf[p + "mlp.gate_proj.weight"].chunk(self.tensor), hf[p + "mlp.up_proj.weight"].chunk(self.tensor)
             return torch.cat([t for g, u in zip(gates, ups) for t in (g, u)])
         if rest == "mlp.linear_fc2.weight":
             return hf[p + "mlp.down_proj.weight"]
@@ -214,7 +206,7 @@ class Layout:
             e, matrix = int(expert.group(1)), expert.group(2)
             if matrix == "linear_fc2.weight":
                 return _hf_expert(hf, p, e, "down")
-            gates, ups = _hf_expert(hf, p, e, "gate").chunk(self.tp), _hf_expert(hf, p, e, "up").chunk(self.tp)
+            gates, ups = _hf_expert(hf, p, e, "gate").chunk(self.tensor), _hf_expert(hf, p, e, "up").chunk(self.tensor)
             return torch.cat([t for g, u in zip(gates, ups) for t in (g, u)])
         raise LayoutError(f"unknown Megatron parameter {name!r}")
 
@@ -255,7 +247,7 @@ class Layout:
         elif rest in QK_NORMS and self.qk_norm:
             yield p + QK_NORMS[rest], full
         elif rest == "mlp.linear_fc1.weight":
-            blocks = [b.chunk(2) for b in full.chunk(self.tp)]
+            blocks = [b.chunk(2) for b in full.chunk(self.tensor)]
             yield p + "mlp.gate_proj.weight", torch.cat([g for g, _ in blocks])
             yield p + "mlp.up_proj.weight", torch.cat([u for _, u in blocks])
         elif rest == "mlp.linear_fc2.weight":
@@ -267,7 +259,7 @@ class Layout:
             if matrix == "linear_fc2.weight":
                 yield f"{p}mlp.experts.{e}.down_proj.weight", full
             else:
-                blocks = [b.chunk(2) for b in full.chunk(self.tp)]
+                blocks = [b.chunk(2) for b in full.chunk(self.tensor)]
                 yield f"{p}mlp.experts.{e}.gate_proj.weight", torch.cat([g for g, _ in blocks])
                 yield f"{p}mlp.experts.{e}.up_proj.weight", torch.cat([u for _, u in blocks])
         else:
@@ -311,7 +303,7 @@ class Layout:
             return f"decoder.layers.{i - layers.start}.{rest}"
         if name.startswith("embedding."):
             return name if pp_rank == 0 else None
-        return name if pp_rank == self.pp - 1 else None  # final norm and output layer
+        return name if pp_rank == self.pipeline - 1 else None  # final norm and output layer
 
     def global_name(self, local: str, pp_rank: int, ep_rank: int = 0) -> str:
         """`stage_name`'s inverse."""
@@ -334,14 +326,14 @@ class Layout:
             local = self.stage_name(name, pp_rank, ep_rank)
             if local is not None:
                 out[local] = self.shard(name, t, tp_rank)
-        if self.tied and self.pp > 1 and pp_rank == self.pp - 1:
+        if self.tied and self.pipeline > 1 and pp_rank == self.pipeline - 1:
             out["output_layer.weight"] = self.shard("output_layer.weight", full["embedding.word_embeddings.weight"],
                                                     tp_rank)
         return out
 
     def shard(self, name: str, full: Tensor, tp_rank: int) -> Tensor:
         dim = self.tp_dim(name)
-        return full if dim is None else full.chunk(self.tp, dim)[tp_rank].contiguous()
+        return full if dim is None else full.chunk(self.tensor, dim)[tp_rank].contiguous()
 
     def unshard(self, name: str, shards: list[Tensor]) -> Tensor:
         dim = self.tp_dim(name)
@@ -397,7 +389,7 @@ class Layout:
         """A full Megatron tensor as the distributed checkpoint stores it (fc1: [gate; up])."""
         if not self._swiglu_fc1(name):
             return full
-        blocks = [b.chunk(2) for b in full.chunk(self.tp)]
+        blocks = [b.chunk(2) for b in full.chunk(self.tensor)]
         return torch.cat([g for g, _ in blocks] + [u for _, u in blocks])
 
     def from_dist(self, name: str, stored: Tensor) -> Tensor:
@@ -405,15 +397,15 @@ class Layout:
         if not self._swiglu_fc1(name):
             return stored
         gate, up = stored.chunk(2)
-        return torch.cat([t for g, u in zip(gate.chunk(self.tp), up.chunk(self.tp)) for t in (g, u)])
+        return torch.cat([t for g, u in zip(gate.chunk(self.tensor), up.chunk(self.tensor)) for t in (g, u)])
 
     def dist_chunks(self, name: str, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """(offsets, sizes) of the pieces the TP ranks of this layout save of a tensor in its stored
         (`to_dist`) form: fc1's gate and up halves each split over TP, others along `tp_dim`."""
         dim = self.tp_dim(name)
-        if dim is None or self.tp == 1:
+        if dim is None or self.tensor == 1:
             return [((0,) * len(shape), tuple(shape))]
-        pieces = 2 * self.tp if self._swiglu_fc1(name) else self.tp
+        pieces = 2 * self.tensor if self._swiglu_fc1(name) else self.tensor
         step = shape[dim] // pieces
         out = []
         for k in range(pieces):

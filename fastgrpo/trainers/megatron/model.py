@@ -52,10 +52,10 @@ def _megatron():
     megatron_patches.apply()  # on CPU every patch; with CUDA only the local spec's (megatron_patches)
 
 
-def initialize(tp: int, pp: int, seed: int = 0, ep: int = 1) -> None:
+def initialize(tensor: int, pipeline: int, seed: int = 0, expert: int = 1) -> None:
     """Megatron's model-parallel groups over the torch.distributed world (torchrun's, or a world of
     one made here); every rank of the world must call this, in the same order (group creation is
-    collective). `ep`: the expert-parallel size, which splits the data-parallel ranks of each stage
+    collective). `expert`: the expert-parallel size, which splits the data-parallel ranks of each stage
     (the experts' tensor-parallel size is TP), so the world must be a multiple of TP x PP x EP."""
     _megatron()
     from megatron.core import parallel_state
@@ -68,18 +68,19 @@ def initialize(tp: int, pp: int, seed: int = 0, ep: int = 1) -> None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=COLLECTIVE_TIMEOUT)
     world = dist.get_world_size()
-    if world % (tp * pp):
-        raise LayoutError(f"a world of {world} ranks does not split into tensor {tp} x pipeline {pp} groups")
-    if world % (tp * pp * ep):
-        raise LayoutError(f"parallel.expert={ep}: a world of {world} ranks at tensor {tp} x pipeline {pp} has "
-                          f"{world // (tp * pp)} data-parallel ranks per stage, which {ep} expert-parallel ranks "
-                          f"do not split")
+    if world % (tensor * pipeline):
+        raise LayoutError(f"a world of {world} ranks does not split into tensor {tensor} x pipeline {pipeline} groups")
+    if world % (tensor * pipeline * expert):
+        raise LayoutError(f"parallel.expert={expert}: a world of {world} ranks at tensor {tensor} x pipeline "
+                          f"{pipeline} has {world // (tensor * pipeline)} data-parallel ranks per stage, which "
+                          f"{expert} expert-parallel ranks do not split")
     if parallel_state.model_parallel_is_initialized():
         if (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
-                parallel_state.get_expert_model_parallel_world_size()) != (tp, pp, ep):
+                parallel_state.get_expert_model_parallel_world_size()) != (tensor, pipeline, expert):
             raise RuntimeError("megatron's parallel groups already exist with another layout")
         return
-    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
+    parallel_state.initialize_model_parallel(tensor, pipeline, expert_model_parallel_size=expert,
+                                             expert_tensor_parallel_size=tensor,
                                              distributed_timeout_minutes=int(COLLECTIVE_TIMEOUT.seconds // 60))
     model_parallel_cuda_manual_seed(seed)
 
@@ -112,7 +113,7 @@ def moe_config(layout: Layout, router_aux_loss: float = 0.0, router_z_loss: floa
     if not layout.experts:
         return {}
     return dict(
-        num_moe_experts=layout.experts, moe_router_topk=layout.topk, moe_ffn_hidden_size=layout.moe_ffn,
+        num_moe_experts=layout.experts, moe_router_topk=layout.top_k, moe_ffn_hidden_size=layout.expert_ffn,
         moe_router_score_function="softmax", moe_router_pre_softmax=not layout.norm_topk,
         moe_router_topk_scaling_factor=None, moe_router_dtype="fp32",
         moe_router_load_balancing_type="aux_loss" if router_aux_loss > 0 else "none",
@@ -120,8 +121,8 @@ def moe_config(layout: Layout, router_aux_loss: float = 0.0, router_z_loss: floa
         moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=None,
         # CUDA kernels (Transformer Engine's fused permute / router, the grouped GEMM): off, the same mathematics
         moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
-        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.tp,
-        sequence_parallel=layout.tp > 1)
+        expert_model_parallel_size=layout.expert, expert_tensor_parallel_size=layout.tensor,
+        sequence_parallel=layout.tensor > 1)
 
 
 def transformer_config(hf_config, layout: Layout, recompute: bool = False, dtype: torch.dtype = torch.float32,
@@ -140,7 +141,7 @@ def transformer_config(hf_config, layout: Layout, recompute: bool = False, dtype
         num_query_groups=layout.kv_heads, kv_channels=layout.head_dim, ffn_hidden_size=layout.ffn,
         normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, add_qkv_bias=layout.qkv_bias, qk_layernorm=layout.qk_norm,
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        tensor_model_parallel_size=layout.tensor, pipeline_model_parallel_size=layout.pipeline,
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not torch.cuda.is_available(),
@@ -296,7 +297,7 @@ def export_hf(model, layout: Layout, grads: bool = False) -> Iterator[tuple[str,
     params = dict(model.named_parameters())
     first = next(iter(params.values()))
     dtype, device = first.dtype, first.device
-    for stage in range(layout.pp):
+    for stage in range(layout.pipeline):
         for name in _stage_parameter_names(layout, stage):
             if layout.tied and name == "output_layer.weight":
                 continue  # the last stage's copy of the embedding
@@ -305,17 +306,17 @@ def export_hf(model, layout: Layout, grads: bool = False) -> Iterator[tuple[str,
             if stage == pp_rank and (owner is None or owner == ep_rank):
                 param = params[_module_name(model, layout.stage_name(name, stage, owner or 0))]
                 shard = (param.grad if param.grad is not None else torch.zeros_like(param)) if grads else param.detach()
-                if layout.tp > 1 and layout.tp_dim(name) is not None:
-                    shards = [torch.empty_like(shard) for _ in range(layout.tp)]
+                if layout.tensor > 1 and layout.tp_dim(name) is not None:
+                    shards = [torch.empty_like(shard) for _ in range(layout.tensor)]
                     dist.all_gather(shards, shard.contiguous(), group=etp_group if expert else tp_group)
                     full = layout.unshard(name, shards)
                 else:
                     full = shard.clone()
             else:
                 full = torch.empty(_full_shape(layout, name), dtype=dtype, device=device)
-            if expert and stage == pp_rank and layout.ep > 1:
+            if expert and stage == pp_rank and layout.expert > 1:
                 dist.broadcast(full, src=ep_ranks[owner], group=ep_group)
-            if layout.pp > 1:
+            if layout.pipeline > 1:
                 dist.broadcast(full, src=pp_ranks[stage], group=pp_group)
             yield from layout.to_hf(name, full)
 
@@ -326,7 +327,7 @@ def _stage_parameter_names(layout: Layout, stage: int) -> list[str]:
     names = [f"decoder.layers.{i}.{p}" for i in layout.stage_layers(stage) for p in layout.layer_parameters()]
     if stage == 0:
         names.insert(0, "embedding.word_embeddings.weight")
-    if stage == layout.pp - 1:
+    if stage == layout.pipeline - 1:
         names.append("decoder.final_layernorm.weight")
         if not layout.tied:
             names.append("output_layer.weight")
@@ -340,7 +341,7 @@ def _full_shape(layout: Layout, name: str) -> tuple[int, ...]:
     rest = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
     expert = EXPERT.match(rest)
     if expert:
-        return (2 * layout.moe_ffn, h) if expert.group(2) == "linear_fc1.weight" else (h, layout.moe_ffn)
+        return (2 * layout.expert_ffn, h) if expert.group(2) == "linear_fc1.weight" else (h, layout.expert_ffn)
     shapes = {"embedding.word_embeddings.weight": (layout.padded_vocab, h), "output_layer.weight": (layout.padded_vocab, h),
               "decoder.final_layernorm.weight": (h,), "input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
               "self_attention.linear_qkv.weight": (qkv_rows, h), "self_attention.linear_qkv.bias": (qkv_rows,),

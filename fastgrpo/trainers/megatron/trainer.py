@@ -191,7 +191,7 @@ class MegatronPolicyTrainer:
         m = self.cfg.micro_batch_size
         mine = self._my_rows(rows)
         micros = [(mine[i: i + m], batch.select(mine[i: i + m]).to(self.device)) for i in range(0, len(mine), m)]
-        count = self._micro_count(rows) if self.layout.ep > 1 else max(len(micros), 1)
+        count = self._micro_count(rows) if self.layout.expert > 1 else max(len(micros), 1)
         if len(micros) < count:
             empty = batch.select([0]).to(self.device)
             empty.response_mask = torch.zeros_like(empty.response_mask)
@@ -218,7 +218,7 @@ class MegatronPolicyTrainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         # sequence parallelism (a mixture of experts at TP > 1) splits each sequence over the TP ranks
-        multiple = self.layout.tp if self.gpt.config.sequence_parallel else 1
+        multiple = self.layout.tensor if self.gpt.config.sequence_parallel else 1
         gpt = self.gpt if model is None or model is self.model else self._reference_gpt
 
         def forward_step(data_iterator, model):
@@ -268,7 +268,7 @@ class MegatronPolicyTrainer:
 
     def _sum_over_stages_and_replicas(self, t: Tensor) -> Tensor:
         """Sum over the pipeline group (only the last stage holds values) and the data-parallel group."""
-        if self.layout.pp > 1:
+        if self.layout.pipeline > 1:
             dist.all_reduce(t, group=self.pp_group)
         if self.dp_size > 1:
             dist.all_reduce(t, group=self.dp_group)
@@ -349,7 +349,7 @@ class MegatronPolicyTrainer:
         try:
             metrics = grpo_step(self, batch, self.cfg)
             counts = self._routed
-            if self.layout.tp > 1:  # sequence parallel: each TP rank routed its own shard of the tokens
+            if self.layout.tensor > 1:  # sequence parallel: each TP rank routed its own shard of the tokens
                 from megatron.core import parallel_state
 
                 dist.all_reduce(counts, group=parallel_state.get_tensor_model_parallel_group())
@@ -379,7 +379,7 @@ class MegatronPolicyTrainer:
 
         real = torch.nn.functional.pad(real, (0, padded - real.shape[1])).t()
         if self.gpt.config.sequence_parallel:
-            real = real.chunk(self.layout.tp)[parallel_state.get_tensor_model_parallel_rank()]
+            real = real.chunk(self.layout.tensor)[parallel_state.get_tensor_model_parallel_rank()]
         return real.reshape(-1)
 
     def reference_logprobs(self, batch: RolloutBatch) -> Tensor:
@@ -557,8 +557,8 @@ class MegatronPolicyTrainer:
         if dist.get_rank() == 0:  # last: its presence says the checkpoint is complete
             l = self.layout
             (megatron_dir / "fastgrpo.json").write_text(json.dumps(
-                {"model": self._identity(), "saved_at": {"tensor": l.tp, "pipeline": l.pp, "expert": l.ep,
-                                                         "data": self.dp_size},
+                {"model": self._identity(),
+                 "saved_at": {"tensor": l.tensor, "pipeline": l.pipeline, "expert": l.expert, "data": self.dp_size},
                  "updates": self.updates, "precision": self._precision(),
                  "distributed_optimizer": self.distributed_optimizer, "optimizer": with_optimizer}, indent=1))
         dist.barrier()
@@ -614,11 +614,12 @@ class MegatronPolicyTrainer:
                               f"(saved, now: {differs}){hint}")
         at = saved["saved_at"]
         l = self.layout
-        if self.distributed_optimizer and (at["tensor"], at["pipeline"], at.get("expert", 1)) != (l.tp, l.pp, l.ep):
+        now = (l.tensor, l.pipeline, l.expert)
+        if self.distributed_optimizer and (at["tensor"], at["pipeline"], at.get("expert", 1)) != now:
             raise LayoutError(f"the checkpoint {directory} holds a distributed optimizer's state saved at tensor "
                               f"{at['tensor']} x pipeline {at['pipeline']} x expert {at.get('expert', 1)}: it reloads "
-                              f"at another data-parallel size, not at tensor {l.tp} x pipeline {l.pp} x expert "
-                              f"{l.ep}{hint}")
+                              f"at another data-parallel size, not at tensor {l.tensor} x pipeline {l.pipeline} x "
+                              f"expert {l.expert}{hint}")
 
 
 def _precision_wrapper(gpt):
