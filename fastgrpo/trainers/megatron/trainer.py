@@ -332,7 +332,7 @@ class MegatronPolicyTrainer:
                 return gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True,
                                                             group=layer.tp_group), None
             if layer.allreduce_dgrad:
-                return copy_to_tensor_model_parallel_region(input_, group=layer.tp_group), None
+                return _ContiguousGradient.apply(copy_to_tensor_model_parallel_region(input_, group=layer.tp_group)), None
             return input_, None
 
         layer.forward = forward
@@ -630,6 +630,21 @@ def _precision_wrapper(gpt):
     from megatron.core.transformer.module import Float16Module
 
     return Float16Module(gpt.config, gpt)
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity, whose backward makes the gradient contiguous. megatron's
+    `copy_to_tensor_model_parallel_region` all-reduces `grad.contiguous()` in its backward and returns
+    `grad` itself: a non-contiguous gradient (the hidden states' comes back through GPTModel's
+    transpose) would leave it unreduced, each TP rank with its own vocabulary shard's part alone."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
 
 
 def _output_weight(gpt) -> Tensor:
