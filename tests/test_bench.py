@@ -1,5 +1,5 @@
-"""The benchmark commands on the test-size policy: every mode runs, the JSON holds what the issues
-ask for, the tables are consistent with it. (Speed itself is judged from the bench-size runs in
+"""The benchmark commands on the test-size policy: every mode runs, the JSON holds what each
+benchmark's documentation and BENCHMARKS.md section report, the tables are consistent with it. (Speed itself is judged from the bench-size runs in
 BENCHMARKS.md, never here.)"""
 
 import json

@@ -1,4 +1,4 @@
-"""Datasets as people have them (issue 52): GSM8K's and MATH's own fields, veRL's parquet (chat-message
+"""Datasets as people have them: GSM8K's and MATH's own fields, veRL's parquet (chat-message
 prompts, `reward_model.ground_truth`), a `datasets.save_to_disk` directory, Arrow and JSON files; errors
 that name the file, the keys expected, the first bad row's place and its keys; chat-message prompts
 through the checkpoint's template; `fastgrpo train` and `fastgrpo eval` on a veRL-layout parquet."""
@@ -131,7 +131,7 @@ def test_a_saved_datasets_directory_arrow_and_json_files(tmp_path):
 
 
 def test_errors_name_the_file_the_keys_expected_and_the_first_bad_row(tmp_path, caplog):
-    # the issue's case: fields a new user has; nothing fastgrpo knows
+    # fields a new user's own file has, none of which fastgrpo knows
     f = tmp_path / "mine.jsonl"
     write_jsonl(f, [{"q": "1+1", "a": "2"}, {"q": "2+2", "a": "4"}])
     with pytest.raises(DatasetError) as e:

@@ -1,4 +1,4 @@
-"""The demonstration task of `make train` (issue 33): a slipping teacher's SFT corpus, and a clear
+"""The demonstration task of `make train`: a slipping teacher's SFT corpus, and a clear
 error when the policy has not been built."""
 
 from __future__ import annotations

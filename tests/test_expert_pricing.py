@@ -1,4 +1,4 @@
-"""Speculation priced for experts (issue 42): a mixture-of-experts forward reads every expert its tokens
+"""Speculation priced for experts: a mixture-of-experts forward reads every expert its tokens
 touch, E (1 - (1 - k/E)^T) per sparse layer, and computes with k per token; a dense model prices as
 it always did."""
 

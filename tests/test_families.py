@@ -1,4 +1,4 @@
-"""The embedded engine serves the model families people RL-train (issue 39), each as Hugging Face computes it:
+"""The embedded engine serves the model families people RL-train, each as Hugging Face computes it:
 Llama 3.1 (llama3 rope scaling, untied head), Qwen2.5 (q/k/v biases, tied head), Qwen3 dense (q/k norms
 per head before the rotation, a head size other than hidden / heads). Tiny random-weight models from
 transformers' own config classes, fp32; every norm weight and bias drawn away from its initial 1 / 0, so

@@ -1,4 +1,4 @@
-"""Every option of the GRPO objective (issue 50) against an oracle written here from the papers'
+"""Every option of the GRPO objective against an oracle written here from the papers'
 formulas, token by token in Python floats (values and gradients by hand, not by autograd through
 the code under test): GSPO's sequence ratio (arXiv 2507.18071), dual-clip PPO (arXiv 1912.09729), the
 log-ratio clamp, Dr. GRPO's aggregations (arXiv 2503.20783), the rollout corrections (token/sequence

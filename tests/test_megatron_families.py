@@ -1,4 +1,4 @@
-"""The Megatron trainer and HF <-> Megatron conversion on each family fastgrpo serves (issue 39): Llama 3.1
+"""The Megatron trainer and HF <-> Megatron conversion on each family fastgrpo serves: Llama 3.1
 (llama3 rope scaling, untied head), Qwen2.5 (QKV biases, tied head), Qwen3 (q/k norms, head_dim other
 than hidden / heads), as `tests/family_checkpoints.py` writes them (every norm weight and bias drawn
 away from 1 / 0, so a part left out shows).

@@ -1,4 +1,4 @@
-"""The Megatron trainer on Qwen3-MoE (issue 42): megatron-core's MoELayer (alltoall token dispatcher,
+"""The Megatron trainer on Qwen3-MoE: megatron-core's MoELayer (alltoall token dispatcher,
 SequentialMLP experts) at TP x PP x EP on gloo, against Hugging Face's Qwen3MoeForCausalLM and the torch
 trainer.
 

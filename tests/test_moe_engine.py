@@ -1,4 +1,4 @@
-"""The embedded engine serves Qwen3-MoE (issue 42) as Hugging Face computes it: softmax routing over the
+"""The embedded engine serves Qwen3-MoE as Hugging Face computes it: softmax routing over the
 router's logits, the top-k experts per token (their weights renormalised when `norm_topk_prob`), each
 expert a SwiGLU, held stacked and run as grouped matmuls over the tokens routed to it; dense layers
 among the sparse ones where the config says so (`decoder_sparse_step`, `mlp_only_layers`). The

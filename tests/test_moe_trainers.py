@@ -1,4 +1,4 @@
-"""Qwen3-MoE trained by the torch and DeepSpeed trainers (issue 42): the Hugging Face model computes
+"""Qwen3-MoE trained by the torch and DeepSpeed trainers: the Hugging Face model computes
 the experts; every step reports its expert load (a typed StepRecord field, None for a dense policy);
 the router's load-balancing loss is added only when trainer.router_aux_loss is set; and what a push
 sends SGLang names each expert as SGLang's Qwen3-MoE `load_weights` maps it (that check reads

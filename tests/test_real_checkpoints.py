@@ -1,4 +1,4 @@
-"""Real checkpoints (issue 39): `fastgrpo train` runs Llama 3.1, Qwen2.5 and Qwen3 dense from their Hugging
+"""Real checkpoints: `fastgrpo train` runs Llama 3.1, Qwen2.5 and Qwen3 dense from their Hugging
 Face directories as a user has them (tests/family_checkpoints.py: the families' special tokens, chat
 templates and generation_config stop ids; Llama without a pad token, the Qwens without BOS), and refuses
 what it does not compute before any work."""

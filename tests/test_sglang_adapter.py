@@ -81,9 +81,10 @@ def sglang_routes(tiers: dict[str, dict], batch: int, sizes: list[int]) -> tuple
 
 def test_the_fastgrpo_rule_becomes_sglang_batch_size_tiers():
     """One slot per run of equal depths over the captured sizes, each holding the policy's choice at the
-    size SGLang pads the batch to (which is what the step computes). Before the fix the slots were
-    keyed by raw concurrency (the policy asked at 81, a size SGLang never routes: it pads 81-88 to 88)
-    and this test read them without padding: it promised depth 4 at 13 rows, where SGLang runs 3."""
+    size SGLang pads the batch to (which is what the step computes). Keyed by raw concurrency instead,
+    a slot would hold the policy's answer at a size SGLang never routes (it pads 81-88 to 88), and a
+    reading without the padding would promise a depth SGLang does not run (4 at 13 rows, where it runs
+    3): the check reads each slot at the padded size."""
     from fastgrpo.speculation.sglang_tiers import spec_capture_sizes
 
     policy, max_batch = FastGRPOFormula(), 128
@@ -183,7 +184,7 @@ def states(model, prompt, tokens):
 
 
 def test_generate_sends_a_request_object_with_the_sampling_mask(sglang, reference):
-    """Engine.generate has no return_sampling_mask (a TypeError for every call before the fix); the
+    """Engine.generate has no return_sampling_mask (passing it is a TypeError for every call); the
     request object carries it, and the mask's kept ids become each token's sampling set."""
     engine = sglang(**{"rollout.top_k": 5})
     with pytest.raises(TypeError, match="return_sampling_mask"):
@@ -210,7 +211,7 @@ def test_a_seed_repeats_only_with_deterministic_inference(sglang):
     a, b = (engine.generate(requests, sampling, seed=9) for _ in range(2))
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
     assert scheduler(engine).args.enable_deterministic_inference
-    scheduler(engine).args.enable_deterministic_inference = False  # the engine as started before the fix
+    scheduler(engine).args.enable_deterministic_inference = False  # an engine started without it: seeds ignored
     a, b = (engine.generate(requests, sampling, seed=9) for _ in range(2))
     assert [c.token_ids for c in a] != [c.token_ids for c in b]
 
@@ -222,7 +223,7 @@ def test_a_top_k_beyond_the_engines_mask_cap_is_refused_before_sglang_aborts(sgl
     with pytest.raises(ValueError, match="rollout.top_k 20"):
         engine.generate([Request([1, 5, 6])], SamplingParams(top_k=20, max_new_tokens=4))
     assert len(scheduler(engine).calls) == calls
-    # what SGLang does with it (before the fix the adapter sent it, sized against its own top-k)
+    # why the adapter refuses it first: SGLang aborts a request whose top-k exceeds its mask cap
     engine.mask_cap = 10_000
     with pytest.raises(ValueError, match="sampling-mask-max-tokens"):
         engine.generate([Request([1, 5, 6])], SamplingParams(top_k=100, max_new_tokens=4))
@@ -384,8 +385,8 @@ def test_steps_of_a_depth_0_slot_are_not_speculation_and_teach_aware_nothing(sgl
     """SGLang runs a step of a depth-0 slot as the verify of a one-node tree and counts it as a verify
     step with 0 correct drafts (spec_verify_ct, slot 0 of the histogram: the emulation does too).
     The adapter knows the depths it set: a call that ran plain at every step reports no speculative
-    step and leaves aware's acceptance as it was (before the fix: 60 speculative steps, and 60
-    level-1 rejections learned)."""
+    step and leaves aware's acceptance as it was (counted as speculation, the call's 60 plain steps would
+    teach aware 60 level-1 rejections it never tried)."""
     engine = sglang(**{"speculation.policy": "aware", "rollout.max_batch": 8})
     engine.aware.count([10_000])  # every draft rejected: every slot goes plain
     engine._learn([], [], [], [])
@@ -491,8 +492,8 @@ def test_the_engines_stop_ids_stop_sglang(tiny_policy, reference, tmp_path):
     """SGLang stops by itself on config.json's and generation_config.json's eos ids only (ModelConfig
     hf_eos_token_id; never the tokenizer's eos, with skip_tokenizer_init): the adapter's `stop_ids`
     go with every request as stop_token_ids, which SGLang honours unless ignore_eos
-    (managers/schedule_batch.py:1857-1878). Before the fix the adapter had no stop ids to send, and a
-    response ran past its end-of-turn token."""
+    (managers/schedule_batch.py:1857-1878). Without them a response runs past its end-of-turn token,
+    as the engine started without stop ids below shows."""
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
     prompt = [1, 9, 10, 11]
     with emulated_sglang():

@@ -98,7 +98,7 @@ class Adapter:
         self._engine = engine
 
     def generate(self, requests, masked, capture):
-        # the adapter's call before the fix: Engine.generate has no return_sampling_mask
+        # a call SGLang refuses: Engine.generate has no return_sampling_mask (the check must say so)
         return self._engine.generate(input_ids=[r.prompt_ids for r in requests], sampling_params=[],
                                      return_logprob=True, return_sampling_mask=masked or None,
                                      return_hidden_states=capture)

@@ -175,7 +175,7 @@ def oracle_grpo(policy, prompts, responses, engine_lp, rewards, G, *, lr, epochs
     return losses, norms
 
 
-# the objective's options (issue 50) as the trainers are checked under them: every option in some run,
+# the objective's options as the trainers are checked under them: every option in some run,
 # each run's branches active on the contract's batch (its metric says so); GSPO with corrections that
 # are constant over a sequence, where its paper's sequence-level objective and the token form agree
 OPTION_RUNS = {

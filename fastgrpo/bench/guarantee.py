@@ -48,7 +48,7 @@ from fastgrpo.models.tokenizer import load_text_format
 from fastgrpo.tasks.source import encode_problems, load_task
 from fastgrpo.types import Request, SamplingParams
 
-FLOOR = 0.97  # aware / off throughput that counts as "not slower" (the guarantee)
+FLOOR = 0.97  # aware / off throughput that counts as "not slower": the guarantee aware is held to
 LEVELS = (1, 4, 16, 64)
 
 
