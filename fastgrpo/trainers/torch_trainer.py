@@ -38,6 +38,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from fastgrpo.config import ConfigError, GRPOConfig, OptimConfig, TrainerConfig
 from fastgrpo.device import Compute
 from fastgrpo.models.families import MOE_BLOCKS
+from fastgrpo.models.routing import Mismatch, replay_routing
 from fastgrpo.trainers.chunked_logprobs import chunked_scores, token_scores
 from fastgrpo.paths import checkpoint_policy
 from fastgrpo.types import Placement, RolloutBatch, SamplingParams
@@ -53,22 +54,30 @@ def token_logprobs(model: PreTrainedModel, batch: RolloutBatch, sampling: Sampli
 
 
 def _score(model: PreTrainedModel, batch: RolloutBatch, sampling: SamplingParams, router: bool,
-           chunk_tokens: int = 0) -> tuple[Tensor, Tensor, tuple[Tensor, ...] | None]:
+           chunk_tokens: int = 0, replay: bool = False, mismatch: Mismatch | None = None
+           ) -> tuple[Tensor, Tensor, tuple[Tensor, ...] | None]:
     """`token_logprobs`, and with `router` each sparse layer's router logits [N x L, E]. More than
     `chunk_tokens` scored tokens (> 0): scored in chunks of that many from the LM head's input
-    (`scores_from_head`), never holding the whole logits. `model`: a Hugging Face model, or a
-    DeepSpeed engine around one."""
+    (`scores_from_head`), never holding the whole logits. `replay`: a mixture of experts routes each
+    token to the experts the batch recorded in rollout (models/routing.py); `mismatch`: adds the
+    recorded picks its router would have changed. `model`: a Hugging Face model, or a DeepSpeed engine
+    around one."""
     tokens = batch.input_ids[:, 1:]
     sets = None if batch.sample_sets is None else batch.sample_sets[:, 1:]
     kwargs = {"output_router_logits": True} if router else {}
-    if 0 < chunk_tokens < tokens.numel():
-        head = getattr(model, "module", model).get_output_embeddings()  # (a DeepSpeed engine's model)
-        with scores_from_head(head, tokens, sets, sampling, chunk_tokens):
+    record = batch.routing if replay or mismatch is not None else None
+    with replay_routing(model, record, replay) as found:
+        if 0 < chunk_tokens < tokens.numel():
+            head = getattr(model, "module", model).get_output_embeddings()  # (a DeepSpeed engine's model)
+            with scores_from_head(head, tokens, sets, sampling, chunk_tokens):
+                out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **kwargs)
+            logp, entropy = out.logits.unbind(-1)
+        else:
             out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **kwargs)
-        logp, entropy = out.logits.unbind(-1)
-    else:
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **kwargs)
-        logp, entropy = token_scores(out.logits[:, :-1], tokens, sampling, sets)
+            logp, entropy = token_scores(out.logits[:, :-1], tokens, sampling, sets)
+    if mismatch is not None:
+        mismatch.picks += found.picks
+        mismatch.differ += found.differ
     pad = torch.zeros_like(logp[:, :1])
     return torch.cat([pad, logp], 1), torch.cat([pad, entropy], 1), (tuple(out.router_logits) if router else None)
 
@@ -154,6 +163,13 @@ class TorchPolicyTrainer:
         self.moe = self.sparse_layers > 0
         check_router_losses(trainer, self.moe)
         self.router_aux_loss = trainer.router_aux_loss
+        # trainer.routing_replay=rollout: every forward of the policy (not the reference's) runs the
+        # experts the engine recorded; a step whose batch carries a record counts routing_mismatch
+        self.replay = trainer.routing_replay == "rollout"
+        if self.replay and not self.moe:
+            raise ConfigError(f"trainer.routing_replay=rollout: the policy ({model.config.model_type}) has no "
+                              f"mixture-of-experts layer to replay")
+        self._mismatch: Mismatch | None = None  # during a step whose batch carries routing
         self.top_k = int(getattr(model.config, "num_experts_per_tok", 0))
         self.num_experts = int(getattr(model.config, "num_experts", 0))
         self._routed: Tensor | None = None  # the step's routed-token counts [sparse layers, E], during a step
@@ -193,8 +209,10 @@ class TorchPolicyTrainer:
     def logprobs(self, batch: RolloutBatch, model: PreTrainedModel | None = None) -> Tensor:
         model = model or self.model
         out = torch.zeros(batch.input_ids.shape, device=self.device)
+        replay = self.replay and model is self.model  # the reference routes by its own router
         for rows, mb in self._micro_batches(batch, list(range(batch.size))):
-            lp, _, _ = _score(model, mb, self.sampling, router=False, chunk_tokens=self.logits_chunk_tokens)
+            lp, _, _ = _score(model, mb, self.sampling, router=False, chunk_tokens=self.logits_chunk_tokens,
+                              replay=replay)
             if rows:
                 out[rows, : lp.shape[1]] = lp
         return out
@@ -205,11 +223,16 @@ class TorchPolicyTrainer:
         if not self.moe:
             return grpo_step(self, batch, self.cfg)
         self._routed = torch.zeros(self.sparse_layers, self.num_experts, device=self.device, dtype=torch.float64)
+        self._mismatch = Mismatch() if batch.routing is not None else None
         try:
-            metrics = grpo_step(self, batch, self.cfg)
-            return metrics | expert_load(self.all_sum(self._routed))
+            metrics = grpo_step(self, batch, self.cfg) | expert_load(self.all_sum(self._routed))
+            if self._mismatch is not None:  # over the training forwards, as kl_engine_trainer
+                picks, differ = self.all_sum(torch.tensor([self._mismatch.picks, self._mismatch.differ],
+                                                          dtype=torch.float64, device=self.device)).tolist()
+                metrics["routing_mismatch"] = differ / picks if picks else 0.0
+            return metrics
         finally:
-            self._routed = None
+            self._routed = self._mismatch = None
 
     # -- what the GRPO step asks of a backend (`grpo.step.StepBackend`) -------------------------------
     def reference_logprobs(self, batch: RolloutBatch) -> Tensor:
@@ -224,7 +247,8 @@ class TorchPolicyTrainer:
     def accumulate(self, batch: RolloutBatch, rows: list[int], loss_of: LossFn) -> None:
         for micro_rows, micro in self._micro_batches(batch, rows):
             logp, entropy, router = _score(self.model, micro, self.sampling, router=self.moe,
-                                           chunk_tokens=self.logits_chunk_tokens)
+                                           chunk_tokens=self.logits_chunk_tokens, replay=self.replay,
+                                           mismatch=self._mismatch if micro_rows else None)
             loss = loss_of(micro_rows, micro, logp, entropy)
             if router is not None:
                 if micro_rows and self._routed is not None:  # a padding micro-batch (no rows) routes nothing
