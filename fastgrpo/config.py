@@ -12,7 +12,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -501,12 +501,21 @@ class Config:
 LAYER_SPECS = get_args(LayerSpec)
 
 # keys whose documented values include the word `off`, which YAML 1.1 (and so OmegaConf) reads as false
-OFF_KEYS = (("speculation", "policy"), ("draft", "online"))
+def _off_keys() -> list[tuple[str, str]]:
+    """(section, key) of every option whose values include the word `off` (a Literal of the schema)."""
+    out = []
+    for section, section_type in get_type_hints(Config).items():
+        if dataclasses.is_dataclass(section_type):
+            for key, t in get_type_hints(section_type).items():
+                if get_origin(t) is Literal and "off" in get_args(t):
+                    out.append((section, key))
+    return out
 
 
 def _off_as_word(node: Any) -> Any:
-    """`policy: off` means the mode named off, not a boolean: give those keys their word back."""
-    for section, key in OFF_KEYS:
+    """`policy: off` means the mode named off, not a boolean (YAML reads a bare off as false): give
+    every key whose options include the word off its word back."""
+    for section, key in _off_keys():
         if OmegaConf.select(node, f"{section}.{key}") is False:
             node[section][key] = "off"
     return node

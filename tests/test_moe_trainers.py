@@ -229,19 +229,23 @@ def moe_run(tmp_path: Path, path: Path, *extra: str) -> list[str]:
     return family_run(tmp_path, path, "speculation.policy=off", "draft.online=off", *extra)
 
 
-def test_grpo_trains_qwen3_moe_from_its_hugging_face_directory(moe_policy, tmp_path):
+@pytest.mark.parametrize("replay", ["off", "rollout"])
+def test_grpo_trains_qwen3_moe_from_its_hugging_face_directory(moe_policy, tmp_path, replay):
     """Two GRPO steps (torch trainer, the embedded engine, top-k sample sets): the trainer scores what
     the engine sampled with the engine's own log-probabilities (the engine's grouped experts against
     Hugging Face's MoE forward, at the same weights); each step has its expert load; the checkpoint
-    reloads as a Qwen3-MoE."""
+    reloads as a Qwen3-MoE. With routing replay the engine's routing reaches the trainer and each step
+    reports routing_mismatch (fp32 on both sides: no pick differs)."""
     from transformers import AutoConfig
 
     from fastgrpo.train import train
 
-    result = train(load_config(None, moe_run(tmp_path, moe_policy)))
+    result = train(load_config(None, moe_run(tmp_path, moe_policy) + [f"trainer.routing_replay={replay}"]))
     assert len(result.steps) == 2
     for r in result.steps:
         assert r.policy["updates"] > 0 and abs(r.policy["kl_engine_trainer"]) < 1e-5, r.policy
+        assert ("routing_mismatch" in r.policy) == (replay == "rollout")
+        assert r.policy.get("routing_mismatch", 0.0) == 0.0
         assert 1.0 <= r.expert_load_max_over_mean <= MOE_EXPERTS / MOE_TOP_K
         assert 0.0 <= r.expert_idle_fraction < 1.0
     assert AutoConfig.from_pretrained(result.checkpoint / "policy").model_type == "qwen3_moe"
