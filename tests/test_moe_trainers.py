@@ -252,6 +252,22 @@ def test_grpo_trains_qwen3_moe_from_its_hugging_face_directory(moe_policy, tmp_p
 
 
 # -- DeepSpeed ZeRO-3 at DP2 ----------------------------------------------------------------------------
+def with_foreign_routing(batch, policy_dir: Path):
+    """The batch with a routing record of another model of the policy's shape (other weights): most of
+    its picks differ from the policy's own, so replaying it changes every sparse layer's output."""
+    from transformers import AutoModelForCausalLM
+
+    from fastgrpo.models.routing import record_routing, stack_record
+
+    torch.manual_seed(1)
+    other = AutoModelForCausalLM.from_config(load_policy(policy_dir).config).eval()
+    with torch.no_grad(), record_routing(other) as per_layer:
+        other(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    batch.routing = stack_record(per_layer, *batch.input_ids.shape)
+    batch.routing[batch.attention_mask == 0] = -1
+    return batch
+
+
 def _one_step(rank, world, args, backend):
     from fastgrpo.trainers import build_trainer
 
@@ -259,7 +275,10 @@ def _one_step(rank, world, args, backend):
     cfg = load_config(None, args + [f"trainer.backend={backend}"])
     trainer = build_trainer(cfg)
     rows = 5 if cfg.grpo.minibatches > 1 else 4
-    metrics = trainer.train_step(a_batch(Path(cfg.model.path), rows))
+    batch = a_batch(Path(cfg.model.path), rows)
+    if cfg.trainer.routing_replay == "rollout":
+        batch = with_foreign_routing(batch, Path(cfg.model.path))
+    metrics = trainer.train_step(batch)
     leaves = []
     if backend == "deepspeed":
         from deepspeed.utils import get_z3_leaf_modules
@@ -269,14 +288,15 @@ def _one_step(rank, world, args, backend):
 
 
 @pytest.mark.slow  # a world of 2 (gloo)
-@pytest.mark.parametrize("aux", [0.0, 0.05])
-def test_a_zero3_step_at_dp2_equals_the_torch_trainer(moe_policy, tmp_path, aux):
+@pytest.mark.parametrize("aux, replay", [(0.0, "off"), (0.05, "off"), (0.0, "rollout")])
+def test_a_zero3_step_at_dp2_equals_the_torch_trainer(moe_policy, tmp_path, aux, replay):
     """ZeRO-3 over two ranks, the sparse blocks ZeRO leaves: the same loss, gradient norm, engine/trainer
     mismatch, expert load and weights as one process's torch trainer on the whole batch. Without the
     auxiliary loss: five rows (shares of 2 and 3, one rank pads), two minibatches (the second update
     off-policy); with it: four rows in micro-batches of 2, so each rank's share is one of the torch
     trainer's micro-batches (the load-balancing loss is a micro-batch's, not additive over its rows),
-    two epochs."""
+    two epochs. With routing replay (of another model's routing, most picks differing): the same step
+    and the same routing_mismatch, its counts summed over the ranks."""
     pytest.importorskip("deepspeed")
     from fastgrpo.local_world import run_world
     from tests.conftest import assert_same_update
@@ -284,7 +304,7 @@ def test_a_zero3_step_at_dp2_equals_the_torch_trainer(moe_policy, tmp_path, aux)
     shape = {"grpo.minibatches": 2} if aux == 0 else {"grpo.epochs": 2}
     args = [f"model.path={moe_policy}", f"run_dir={tmp_path / 'run'}", "grpo.micro_batch_size=2", "optim.lr=1e-3",
             "optim.grad_clip=0.5", "deepspeed.zero_stage=3", f"trainer.router_aux_loss={aux}", "threads=1",
-            *(f"{k}={v}" for k, v in shape.items())]
+            f"trainer.routing_replay={replay}", *(f"{k}={v}" for k, v in shape.items())]
     reference, weights, _ = _one_step(0, 1, args, "torch")
     results = run_world(_one_step, 2, tmp_path / "world", args, "deepspeed", timeout_s=300.0)
     assert reference["updates"] == 2.0
@@ -292,11 +312,15 @@ def test_a_zero3_step_at_dp2_equals_the_torch_trainer(moe_policy, tmp_path, aux)
     for metrics, exported, leaves in results:
         assert leaves == ["Qwen3MoeSparseMoeBlock"]
         for key in ("loss", "grad_norm", "clip_fraction", "entropy", "updates", "expert_load_max_over_mean",
-                    "expert_idle_fraction"):
+                    "expert_idle_fraction") + (("routing_mismatch",) if replay == "rollout" else ()):
             assert metrics[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-9), key
         # the batch's engine log-probabilities are the policy's own: both mismatches are fp32 rounding
         # (the experts' matmuls grouped over other rows), ~1e-8
-        assert abs(metrics["kl_engine_trainer"]) < 1e-6 and abs(reference["kl_engine_trainer"]) < 1e-6
+        if replay == "off":
+            assert abs(metrics["kl_engine_trainer"]) < 1e-6 and abs(reference["kl_engine_trainer"]) < 1e-6
+        else:  # the engine log-probabilities are the policy's own routing's, the step another's
+            assert reference["routing_mismatch"] > 0.3
+            assert metrics["kl_engine_trainer"] == pytest.approx(reference["kl_engine_trainer"], rel=1e-5)
         assert exported.keys() == weights.keys()
         assert_same_update(exported, weights, start)
 
