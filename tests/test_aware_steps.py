@@ -79,8 +79,8 @@ def best_fixed(truth, B: int) -> tuple[float, SpecConfig | None]:
     return rate, c
 
 
-# the never-slower bar: aware reaches 0.97x the best fixed choice at every concurrency (the target;
-# at seeds B, B + 1000 and B + 2000 the least was 0.972, graphed costs at 64 running)
+# the never-slower bar: aware reaches 0.97x the best fixed choice at every concurrency (at seeds B,
+# B + 1000 and B + 2000 the least was 0.972, graphed costs at 64 running)
 FLOOR = 0.97
 
 

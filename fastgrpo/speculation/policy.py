@@ -335,11 +335,6 @@ class Aware(Off):
         emitted = 1.0 if c is None else self.acceptance.expected(c)
         return running * emitted / self.predicted_seconds(c, running)
 
-    def best_tree(self, running: int) -> tuple[SpecConfig | None, float]:
-        """The candidate tree of highest predicted goodput at `running`, and that goodput."""
-        tree, rate, _ = self._tree(running)
-        return tree, rate
-
     def _tree(self, running: int) -> tuple[SpecConfig | None, float, float]:
         if (key := (running, self.context)) not in self._trees:
             self._fit(running).fit(self._correction("off", running))
