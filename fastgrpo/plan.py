@@ -46,11 +46,12 @@ FP32, BF16 = 4, 2
 RESERVE_GIB = {"sglang": 3.0, "embedded": 0.5}
 # fp32 copies of the logits the last stage holds at once while scoring them, forward and backward (the
 # logits, their scaled copy, log-softmax, its exp and the entropy's product, and the gradients back through
-# them), measured on CPU with torch's profiler (peak bytes allocated; tests/test_chunked_logits.py holds the
-# scoring to them): 5.0 (Megatron's vocab-parallel scoring) to 5.25 (torch's) x a micro-batch's whole logits,
-# 6.1 to 6.4 x one chunk's (the backward recomputes the chunk's logits beside their gradient); with top-k or
-# top-p (a sort with its int64 indices, its softmax and masks) 9.25 to 9.35 x the whole, 9.1 to 9.4 x a
-# chunk's. By what is held: the whole logits, or one chunk's
+# them), measured on CPU with torch's profiler (peak bytes allocated: `python tools/logits_memory.py`, fp32
+# and bf16; tests/test_chunked_logits.py holds the scoring to them): 5.0 (Megatron's vocab-parallel scoring)
+# to 5.25 (torch's) x a micro-batch's whole logits, 5.8 to 6.3 x one chunk's beside the output weight's fp32
+# gradient sum (the backward recomputes the chunk's logits beside their gradient); with top-k or top-p (a
+# sort with its int64 indices, its softmax and masks) 9.25 to 9.35 x the whole, 9.3 x a chunk's. By what is
+# held: the whole logits, or one chunk's
 LOGIT_COPIES = {"whole": 5.25, "chunk": 6.5}
 LOGIT_COPIES_CUT = {"whole": 9.5, "chunk": 9.5}
 

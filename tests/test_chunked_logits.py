@@ -7,8 +7,8 @@ entropy every trainer scores, computed from the final hidden states a chunk of t
   out of the loss; and both equal the distribution written out by hand in float64;
 - no operation makes a tensor of more than one chunk's logits, forward or backward (a dispatch mode
   sees every tensor made), where the whole computation makes the whole logits (the control);
-- the peak of bytes allocated (torch's profiler on CPU) is within the plan's `LOGIT_COPIES` of one
-  chunk's logits, and the whole logits' within its multiple of them;
+- the peak of bytes allocated (torch's profiler on CPU, `tools/logits_memory.peak_bytes`) is within the
+  plan's `LOGIT_COPIES` of one chunk's logits, and the whole logits' within its multiple of them;
 - each trainer's step is the same with and without chunking: torch in this process (a mixture of
   experts with the router's logits, a tied head), Megatron (TP2 with sequence parallelism, TP2 without,
   PP2 with the tied head's copy on the last stage, a reference policy) and DeepSpeed ZeRO-3 at DP2 in
@@ -18,9 +18,6 @@ entropy every trainer scores, computed from the final hidden states a chunk of t
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -32,6 +29,7 @@ from fastgrpo.config import ConfigError, GRPOConfig, OptimConfig, TrainerConfig,
 from fastgrpo.plan import LOGIT_COPIES, LOGIT_COPIES_CUT
 from fastgrpo.trainers.chunked_logprobs import chunked_scores, token_scores
 from fastgrpo.types import SamplingParams
+from tools.logits_memory import peak_bytes
 
 V, H = 96, 16
 ROWS, WIDTH = 3, 12  # 36 tokens
@@ -176,27 +174,6 @@ def test_no_tensor_holds_more_than_one_chunks_logits():
     assert rows[chunk] == chunk
 
 
-def peak_bytes(fn) -> int:
-    """The most bytes allocated at once while `fn` runs, beyond what was allocated before: torch's
-    profiler records every CPU allocation and free ([memory] events); their running sum's maximum."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("name") == "[memory]"]
-    finally:
-        os.unlink(path)
-    now = peak = 0
-    for e in sorted(events, key=lambda e: e["ts"]):
-        now += e["args"]["Bytes"]
-        peak = max(peak, now)
-    return peak
-
-
 @pytest.mark.parametrize("cut", [False, True], ids=["temperature", "top-k-top-p"])
 def test_peak_memory_is_one_chunks_logits_within_the_plans_multiple(cut):
     """What `fastgrpo plan` prices (plan.LOGIT_COPIES x 4 B x tokens x vocab, and for a chunk the
@@ -262,9 +239,9 @@ def test_the_torch_trainers_step_is_the_same_in_chunks(policies, family):
     for chunk in (0, 7):  # micro-batches of 2 rows, 10 and 16 wide: 18 and 30 scored tokens, 7 divides neither
         trainer = TorchPolicyTrainer(load_policy(policies[family]), GRPOConfig(micro_batch_size=2, minibatches=2),
                                      OptimConfig(lr=1e-3), sampling, trainer=TrainerConfig(logits_chunk_tokens=chunk))
-        with LargestLogits(vocab) as seen:
-            logprobs = trainer.logprobs(batch)
-            gradient = trainer.loss_gradient(batch)
+        logprobs = trainer.logprobs(batch)
+        gradient = trainer.loss_gradient(batch)
+        with LargestLogits(vocab) as seen:  # the training forwards and backwards
             metrics = trainer.train_step(batch)
         results[chunk] = (seen.rows, logprobs, gradient, metrics, trainer.model.state_dict())
     (rows0, lp0, grad0, m0, w0), (rows7, lp7, grad7, m7, w7) = results[0], results[7]
