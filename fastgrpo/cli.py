@@ -126,8 +126,9 @@ def cmd_bench(args: argparse.Namespace) -> int | None:
     if args.needs is None:  # its own config (gpu-check: the policy and draft are two of its timed stages)
         return args.run(args, None)
     cfg = _config(args)
-    if args.needs in ("policy", "draft"):
-        ensure_policy_and_draft(cfg, draft=args.needs == "draft")
+    needs = args.needs_of(args, cfg) if getattr(args, "needs_of", None) else args.needs  # (flags may say less)
+    if needs in ("policy", "draft"):
+        ensure_policy_and_draft(cfg, draft=needs == "draft")
     args.output = Path(args.output or f"bench/{args.what}.json")
     args.extra = [*(["--config", args.config] if args.config else []), *args.overrides]  # the command line, recorded
     args.run(args, cfg)

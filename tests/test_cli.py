@@ -129,3 +129,15 @@ def test_a_learning_variant_is_the_config_with_its_overrides_validated():
         with_overrides(cfg, ["grpo.no_such_key=1"])
     with pytest.raises(ConfigError, match="rollout.refill_rounds"):  # a rule across sections
         with_overrides(cfg, ["rollout.refill_rounds=2", "grpo.drop_equal_reward_groups=false"])
+
+
+def test_bench_learning_without_speculation_needs_no_draft():
+    from fastgrpo.bench.learning import needs
+    from fastgrpo.config import load_config
+
+    parse = build_parser().parse_known_args
+    cfg = load_config(None, ["speculation.policy=aware"])
+    assert needs(parse(["bench", "learning", "--modes", "off"])[0], cfg) == "policy"
+    assert needs(parse(["bench", "learning", "--modes", "off,aware"])[0], cfg) == "draft"
+    assert needs(parse(["bench", "learning"])[0], cfg) == "draft"  # the config's aware, and off
+    assert needs(parse(["bench", "learning"])[0], load_config(None, ["speculation.policy=off"])) == "policy"

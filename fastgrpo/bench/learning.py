@@ -202,7 +202,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--variants", type=parse_variants,
                         help="objectives to compare, comma-separated, each name or name:key=value+key=value "
                              "(e.g. default,gspo:grpo.ratio_level=sequence); each runs in every mode")
-    parser.set_defaults(run=from_cli)
+    parser.set_defaults(run=from_cli, needs_of=needs)
+
+
+def needs(args, cfg: Config) -> str:
+    """Runs without speculation (`--modes off`, or the config's policy off) need no draft."""
+    modes = args.modes.split(",") if args.modes else [cfg.speculation.policy, "off"]
+    return "policy" if set(modes) == {"off"} else "draft"
 
 
 def from_cli(args, cfg) -> dict:
