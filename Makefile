@@ -82,12 +82,13 @@ bench-forward: policy
 
 # -rs: say why a test skipped (here: the engine contract tests on SGLang, which needs CUDA).
 # `make test` is the fast tier; the multi-process worlds (torchrun, DP/TP/PP runs) are marked slow and
-# run by `make test-slow`, which CI runs too (`make test-all`: both)
+# run by `make test-slow`, which CI runs too (`make test-all`: both); --durations prints the slowest
+# tests, what CI's time budget is spent on
 test: $(INSTALLED)
-	$(BIN)/pytest -x -q -rs -m "not slow"
+	$(BIN)/pytest -x -q -rs --durations=15 -m "not slow"
 
 test-slow: $(INSTALLED)
-	$(BIN)/pytest -x -q -rs -m slow
+	$(BIN)/pytest -x -q -rs --durations=25 -m slow
 
 test-all: test test-slow
 
