@@ -26,7 +26,8 @@ def _full_logits(trainer, ids):
     micro = RolloutBatch(ids, torch.ones_like(ids), zeros, zeros, torch.zeros(ids.shape[0]))
     out = torch.zeros(*ids.shape, trainer.layout.vocab)
 
-    def keep(rows, micro, logits):
+    def keep(rows, micro, logits, weight):
+        assert weight is None  # 30 scored tokens, fewer than trainer.logits_chunk_tokens: the logits themselves
         out.copy_(gather_from_tensor_model_parallel_region(logits)[..., : trainer.layout.vocab])
 
     with torch.no_grad():

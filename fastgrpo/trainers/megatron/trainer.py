@@ -84,8 +84,9 @@ from fastgrpo.paths import checkpoint_policy, is_policy
 from fastgrpo.types import Placement, RolloutBatch, SamplingParams
 
 Micro = tuple[list[int], RolloutBatch]  # batch rows (empty: a placeholder that trains nothing) and their data
-# (rows, micro-batch, log-probabilities, entropy [n, width - 1]) -> its loss (training) or None (scoring)
-OnScores = Callable[[list[int], RolloutBatch, Tensor, Tensor], "Tensor | None"]
+# (rows, micro-batch, the last stage's output [n, width, ...], the output weight it is to be scored with or None:
+# `MegatronPolicyTrainer._score`) -> its loss (training) or None (scoring)
+OnOutput = Callable[[list[int], RolloutBatch, Tensor, "Tensor | None"], "Tensor | None"]
 
 
 class MegatronPolicyTrainer:
@@ -210,11 +211,13 @@ class MegatronPolicyTrainer:
         k = len(rows)
         return rows[self.dp_rank * k // self.dp_size: (self.dp_rank + 1) * k // self.dp_size]
 
-    def _run(self, micros: list[Micro], on_scores: OnScores, forward_only: bool,
+    def _run(self, micros: list[Micro], on_output: OnOutput, forward_only: bool,
              model: torch.nn.Module | None = None) -> None:
         """One schedule call of `model` (the policy by default) over `micros`; on the last stage,
-        `on_scores(rows, micro, logp, entropy)` sees each micro-batch's log-probabilities and entropy of
-        tokens 1.. ([n, width - 1] each, `_score`) and returns its loss (training) or None."""
+        `on_output(rows, micro, output, weight)` sees each micro-batch's vocab-parallel logits (`weight`
+        None), or for a micro-batch scored in chunks the output layer's input and this rank's shard of
+        the output weight (`_score` turns either into log-probabilities and entropy), and returns its
+        loss (training) or None."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         # sequence parallelism (a mixture of experts at TP > 1) splits each sequence over the TP ranks
@@ -243,8 +246,7 @@ class MegatronPolicyTrainer:
                 self._real_tokens = None  # (a recompute in the backward is the same forward: not counted again)
             weight = _output_weight(gpt) if self._defer_logits else None
             self._defer_logits = False
-            return out, functools.partial(_loss_func, functools.partial(self._score, micro, weight=weight),
-                                          on_scores, rows, micro)
+            return out, functools.partial(_loss_func, on_output, rows, micro, weight)
 
         self._weigh_router_losses(len(micros) * self.dp_size)
         with self._cpu():
@@ -282,7 +284,8 @@ class MegatronPolicyTrainer:
         rank scores its share of the rows)."""
         out = torch.zeros(2, *batch.input_ids.shape, device=self.device)
 
-        def score(rows: list[int], micro: RolloutBatch, logp: Tensor, entropy: Tensor) -> None:
+        def score(rows: list[int], micro: RolloutBatch, output: Tensor, weight: Tensor | None) -> None:
+            logp, entropy = self._score(micro, output, weight)
             if rows:
                 out[0, rows, 1: logp.shape[1] + 1] = logp
                 out[1, rows, 1: entropy.shape[1] + 1] = entropy
@@ -394,11 +397,12 @@ class MegatronPolicyTrainer:
     def accumulate(self, batch: RolloutBatch, rows: list[int], loss_of: LossFn) -> None:
         """This data-parallel rank's share of `rows` through the pipeline schedule; the last stage
         scores each micro-batch's logits and the loss is backpropagated through every stage."""
-        def on_scores(micro_rows: list[int], micro: RolloutBatch, logp: Tensor, entropy: Tensor) -> Tensor:
+        def on_output(micro_rows: list[int], micro: RolloutBatch, output: Tensor, weight: Tensor | None) -> Tensor:
+            logp, entropy = self._score(micro, output, weight)
             pad = torch.zeros_like(logp[:, :1])
             return loss_of(micro_rows, micro, torch.cat([pad, logp], 1), torch.cat([pad, entropy], 1))
 
-        self._run(self._micro_batches(batch, rows), on_scores, forward_only=False)
+        self._run(self._micro_batches(batch, rows), on_output, forward_only=False)
 
     def update(self, loss_finite: bool) -> float | None:
         """megatron's optimizer.step() is prepare, norm, clip, update, unconditionally; a NaN/inf
@@ -654,16 +658,15 @@ def _output_weight(gpt) -> Tensor:
     return gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
 
 
-def _loss_func(score: Callable[[Tensor], tuple[Tensor, Tensor]], on_scores: OnScores, rows: list[int],
-               micro: RolloutBatch, output: Tensor):
+def _loss_func(on_output: OnOutput, rows: list[int], micro: RolloutBatch, weight: Tensor | None, output: Tensor):
     """megatron's loss function contract (last stage only): (loss, token count, reduced dict). With
     `calculate_per_token_loss` the schedule neither divides the loss by the token count nor by the
     micro-batch count; our loss is already normalised over the whole minibatch. The last stage's
-    output (logits, or the hidden states scored in chunks) beyond the micro-batch's width (sequence-
-    parallel padding) is cut off before `score` turns it into log-probabilities and entropy."""
-    logp, entropy = score(output[:, : micro.input_ids.shape[1]])
-    loss = on_scores(rows, micro, logp, entropy)
-    return (loss if loss is not None else logp.new_zeros(())), torch.zeros((), dtype=torch.int, device=logp.device), {}
+    output (logits, or the hidden states scored in chunks with `weight`) beyond the micro-batch's width
+    (sequence-parallel padding) is cut off first."""
+    loss = on_output(rows, micro, output[:, : micro.input_ids.shape[1]], weight)
+    zero = torch.zeros((), device=output.device)
+    return (loss if loss is not None else zero), torch.zeros((), dtype=torch.int, device=output.device), {}
 
 
 def _finalize_model_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
