@@ -94,7 +94,8 @@ def test_engines_holding_different_weight_versions_stop_the_rollout(monkeypatch,
     import fastgrpo.train as loop
 
     monkeypatch.setattr(loop, "score_completions", lambda run, problems, completions: (torch.zeros(len(problems), G), 0, ""))
-    cfg = SimpleNamespace(rollout=SimpleNamespace(group_size=G, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8))
+    cfg = SimpleNamespace(rollout=SimpleNamespace(group_size=G, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8),
+                          trainer=SimpleNamespace(routing_replay="off"))
     run = SimpleNamespace(cfg=cfg, world=_World(other), engine=_Engine(3), draft_learner=None)
     if fails:
         with pytest.raises(RuntimeError, match="the engines hold different weight versions"):
