@@ -7,7 +7,6 @@ decoding (one token per sequence per target forward).
 from __future__ import annotations
 
 import math
-from collections import deque
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -173,19 +172,17 @@ class StepFit:
     forward alone; h, g and q price them, and since f, g and q weigh trees by their size and depth,
     measured times change which shape wins, not only whether to speculate.
 
-    The evidence is kept per shape, not per step: each shape's running mean of (F, seconds, u) (the
-    first measurement replaces nothing; later ones move it by `1 - decay`, a probe by a half). Aware takes
+    The evidence is kept per shape, not per step: each shape's running mean of (F, seconds, u) (its
+    first measurement sets it; later ones move it by `1 - decay`, a probe by a half). Aware takes
     one shape for long stretches and measures the others only at its rare probes; a window of recent
     steps would hold the chosen shape alone, whose cost cannot separate f from h and g, and the fit would
     fall back to its prior exactly where shapes must be compared. Each shape weighs min(its steps,
     `cap`) in a weighted least squares, with a ridge of `prior_weight` toward f = 1, h = g = q = 0 (until
     shapes disagree, a speculative step costs a plain step's overhead plus its forwards); h, g, q stay >= 0."""
 
-    def __init__(self, prior_weight: float = 1.0, decay: float = 0.9, cap: float = 4.0, per_node: bool = False):
+    def __init__(self, prior_weight: float = 1.0, decay: float = 0.9, cap: float = 4.0, per_node: bool = True):
         self.shapes: dict[SpecConfig, list[float]] = {}  # per shape: mean [F, seconds, u], and its steps
-        # q is fitted only when asked: the shapes aware explores (a few near the best) leave a per-node
-        # cost poorly determined beside f, whose forwards already grow with the nodes
-        self.per_node = per_node
+        self.per_node = per_node  # fit q (else 0: forwards alone price a tree's size)
         self.prior_weight, self.decay, self.cap = prior_weight, decay, cap
         self.f, self.h, self.g, self.q = 1.0, 0.0, 0.0, 0.0
 
@@ -311,7 +308,7 @@ class Aware(Off):
     def _fit(self, running: int) -> StepFit:
         b = self._bucket(running)
         if b not in self.fits:
-            self.fits[b] = StepFit(per_node=True)
+            self.fits[b] = StepFit()
             self.fits[b].fit(self._correction("off", running))
         return self.fits[b]
 
