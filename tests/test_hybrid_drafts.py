@@ -17,7 +17,7 @@ from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.speculation.suffix_index import Candidates, IndexLimits
 from fastgrpo.types import Request, SamplingParams
 from tests.conftest import first_divergence_is_a_near_tie
-from tests.test_speculation import (MIXED_PROMPTS, VOCAB, engine_for, rank_fit_p,  # noqa: F401
+from tests.test_speculation import (MIXED_PROMPTS, VOCAB, engine_for, mixed_calls_scored, rank_fit_p,  # noqa: F401
                                     small_vocab, spread_vocab)
 
 SAMPLINGS = [SamplingParams(temperature=1.0, max_new_tokens=30),
@@ -264,24 +264,7 @@ def hybrid_sampled_tokens(cfg, target, draft, sampling, calls, monkeypatch):
 
     monkeypatch.setattr(engine_module, "verify_tree", recording_verify)
     monkeypatch.setattr(engine, "_speculate", recording_speculate)
-    g = torch.Generator().manual_seed(0)
-    seqs = []
-    for call in range(calls):
-        prompts = torch.randint(len(MIXED_PROMPTS), (128,), generator=g).tolist()
-        lengths = torch.randint(2, 13, (128,), generator=g).tolist()
-        reqs = [Request(MIXED_PROMPTS[i], max_new_tokens=n) for i, n in zip(prompts, lengths)]
-        out = engine.generate(reqs, sampling, seed=1000 + call)
-        seqs += [(1000 + call, i, r.prompt_ids, o.token_ids) for i, (r, o) in enumerate(zip(reqs, out))]
-    ids = torch.zeros(len(seqs), max(len(p) + len(t) for *_, p, t in seqs), dtype=torch.long)
-    rows, positions, found = [], [], []
-    for row, (seed, i, prompt, tokens) in enumerate(seqs):
-        ids[row, : len(prompt) + len(tokens)] = torch.tensor(prompt + tokens)
-        rows += [row] * len(tokens)
-        positions += range(len(prompt), len(prompt) + len(tokens))
-        found += [where.get((seed, i, j), "plain") for j in range(len(tokens))]
-    with torch.no_grad():
-        logits = target(ids).logits[rows, torch.tensor(positions) - 1]
-    return logits, ids[rows, positions], found
+    return mixed_calls_scored(engine, target, sampling, calls, where, default="plain")
 
 
 @pytest.mark.slow

@@ -176,7 +176,13 @@ def sampled_tokens(cfg, target, draft, policy, sampling, calls, monkeypatch):
     and drains): every emitted token with the target's logits before it from a full forward over its
     actual prefix, and where a verify step sampled it (record_verify_steps; None: not a verify step)."""
     engine = engine_for(cfg, target, draft, policy, max_batch=48)
-    where = record_verify_steps(engine, monkeypatch)
+    return mixed_calls_scored(engine, target, sampling, calls, record_verify_steps(engine, monkeypatch))
+
+
+def mixed_calls_scored(engine, target, sampling, calls, where, default=None):
+    """`calls` calls of 128 requests of MIXED_PROMPTS (2 to 12 new tokens each) through `engine`: every
+    emitted token, the target's logits before it (a full forward over its prefix) and `where`'s entry
+    for it, keyed (call seed, request, token index) (`default` where it has none)."""
     g = torch.Generator().manual_seed(0)
     seqs = []
     for call in range(calls):
@@ -191,7 +197,7 @@ def sampled_tokens(cfg, target, draft, policy, sampling, calls, monkeypatch):
         ids[row, : len(prompt) + len(tokens)] = torch.tensor(prompt + tokens)
         rows += [row] * len(tokens)
         positions += range(len(prompt), len(prompt) + len(tokens))
-        found += [where.get((seed, i, j)) for j in range(len(tokens))]
+        found += [where.get((seed, i, j), default) for j in range(len(tokens))]
     with torch.no_grad():
         logits = target(ids).logits[rows, torch.tensor(positions) - 1]  # right-padding is never attended
     return logits, ids[rows, positions], found
