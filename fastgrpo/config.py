@@ -523,8 +523,17 @@ def _off_as_word(node: Any) -> Any:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Schema defaults <- YAML file <- `key=value` overrides, then validation."""
+    return _built(lambda: OmegaConf.structured(Config), path, overrides)
+
+
+def with_overrides(config: Config, overrides: list[str]) -> Config:
+    """`config` with `key=value` overrides, checked and validated as `load_config` checks a file's."""
+    return _built(lambda: OmegaConf.structured(config), None, overrides)
+
+
+def _built(base, path: str | Path | None, overrides: list[str] | None) -> Config:
     try:
-        cfg = OmegaConf.structured(Config)
+        cfg = base()
         if path is not None:
             path = Path(path)
             if not path.is_file():

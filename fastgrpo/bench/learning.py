@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from fastgrpo.bench.report import command_line, publish
-from fastgrpo.config import Config
+from fastgrpo.config import Config, with_overrides
 from fastgrpo.train import train
 
 METRICS = ("mean_accuracy", "pass1_greedy")
@@ -43,25 +43,6 @@ def parse_variants(text: str) -> dict[str, list[str]]:
         if name in out:
             raise argparse.ArgumentTypeError(f"{name!r} twice")
         out[name] = overrides
-    return out
-
-
-def with_overrides(cfg: Config, overrides: list[str]) -> Config:
-    """`cfg` with `key=value` overrides applied and validated as a config file's would be."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from fastgrpo.config import ConfigError, _off_as_word, validate
-
-    if not overrides:
-        return cfg
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(cfg), _off_as_word(OmegaConf.from_dotlist(overrides)))
-        out: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    except OmegaConfBaseException as e:  # an unknown key or a bad value: named as load_config names it
-        key, msg = getattr(e, "full_key", None), str(e.msg).splitlines()[0]
-        raise ConfigError(f"--variants: config key {key!r}: {msg}" if key else f"--variants: {msg}") from None
-    validate(out)
     return out
 
 
