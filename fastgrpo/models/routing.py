@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -47,15 +47,15 @@ def bytes_per_token(sparse_layers: int, top_k: int) -> int:
 
 @dataclass
 class Mismatch:
-    """Counts of recorded picks, and of those the trainer's router did not pick, over a step."""
+    """Counts of recorded picks, and of those the trainer's router did not pick, over a step: device
+    tensors once counted (read on the host once a step, not once a layer)."""
 
-    picks: int = 0
-    differ: int = 0
-    per_layer: list[list[int]] = field(default_factory=list)
+    picks: Tensor | int = 0
+    differ: Tensor | int = 0
 
     @property
     def fraction(self) -> float:
-        return self.differ / self.picks if self.picks else 0.0
+        return float(self.differ) / float(self.picks) if float(self.picks) else 0.0
 
 
 def _differ(own: Tensor, recorded: Tensor) -> Tensor:
@@ -98,7 +98,6 @@ def replay_routing(model: torch.nn.Module, routing: Tensor | None, replay: bool 
         return
     if routing.shape[2] != len(layers):
         raise ValueError(f"the routing record has {routing.shape[2]} sparse layers; the model has {len(layers)}")
-    found.per_layer = [[0, 0] for _ in layers]
 
     def hook(index: int):
         def replace(router: torch.nn.Module, inputs, output):
@@ -108,11 +107,8 @@ def replay_routing(model: torch.nn.Module, routing: Tensor | None, replay: bool 
                 raise ValueError(f"sparse layer {index}: the routing record covers {recorded.shape[0]} tokens, "
                                  f"the forward {own.shape[0]}")
             known = (recorded >= 0).all(-1)
-            differ = _differ(own, recorded)[known]
-            found.picks += differ.numel()
-            found.differ += int(differ.sum())
-            found.per_layer[index][0] += differ.numel()
-            found.per_layer[index][1] += int(differ.sum())
+            found.picks = found.picks + known.sum() * recorded.shape[-1]
+            found.differ = found.differ + (_differ(own, recorded) & known[:, None]).sum()
             if not replay:
                 return output
             chosen = torch.where(known[:, None], recorded, own)

@@ -227,8 +227,9 @@ class TorchPolicyTrainer:
         try:
             metrics = grpo_step(self, batch, self.cfg) | expert_load(self.all_sum(self._routed))
             if self._mismatch is not None:  # over the training forwards, as kl_engine_trainer
-                picks, differ = self.all_sum(torch.tensor([self._mismatch.picks, self._mismatch.differ],
-                                                          dtype=torch.float64, device=self.device)).tolist()
+                counts = torch.stack([torch.as_tensor(n, dtype=torch.float64, device=self.device)
+                                      for n in (self._mismatch.picks, self._mismatch.differ)])
+                picks, differ = self.all_sum(counts).tolist()
                 metrics["routing_mismatch"] = differ / picks if picks else 0.0
             return metrics
         finally:
