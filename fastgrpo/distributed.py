@@ -6,6 +6,7 @@ SIGTERM. (A world of local processes for tests and benches is `fastgrpo/local_wo
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import datetime
 import os
@@ -93,7 +94,20 @@ def init_world(draft_ranks: int = 0) -> Channel | None:
                                 world_size=draft_ranks, timeout=COLLECTIVE_TIMEOUT)
     if draft_ranks:
         _channel = Channel(store, rank, size)
+    atexit.register(close_world)
     return _channel
+
+
+def close_world() -> None:
+    """Every process group of this process destroyed (megatron's and DeepSpeed's with the default one,
+    and the channel's); `init_world` has it run at exit. A gloo group left to the interpreter's
+    finalization can abort the process (its worker threads still hold finished work, whose release
+    then needs a GIL that is gone: pytorch issue 190489), and under torchrun one rank's abort ends the
+    job: the others' final evaluation, checkpoint and summary with it."""
+    global _channel
+    _channel = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class Channel:

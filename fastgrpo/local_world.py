@@ -79,9 +79,12 @@ def run_world(fn, world: int, tmp: Path, *args, timeout_s: float = 180.0, thread
     for r, out in enumerate(saved):
         if out is not None and "error" in out:
             raise RuntimeError(f"rank {r} of {world} failed:\n{out['error']}")
-    for r, p in enumerate(procs):
-        if saved[r] is None and p not in alive and p.exitcode not in (None, 0):
-            raise RuntimeError(f"rank {r} of {world} exited with code {p.exitcode} without a result")
+    ended = [r for r, p in enumerate(procs) if p in alive]
+    for r, p in enumerate(procs):  # a rank that returns and then exits badly fails too, as under torchrun
+        if p not in alive and p.exitcode not in (None, 0):
+            raise RuntimeError(f"rank {r} of {world} exited with code {p.exitcode} "
+                               + ("after its result" if saved[r] is not None else "without a result")
+                               + (f" (ranks {ended} were ended then)" if ended else ""))
     for r, out in enumerate(saved):
         if out is None:
             raise TimeoutError(f"rank {r} of {world} gave no result within {timeout_s:.0f}s"

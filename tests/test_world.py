@@ -58,3 +58,56 @@ def test_engine_leaders_share_and_gather_over_a_world_of_four(tmp_path):
     want = [[f"engine 0: {x}" for x in (0, 1, 2)], [f"engine 1: {x}" for x in (3, 4, 5, 6)]]
     assert all(r["gathered"] == want for r in results)
     assert all(r["any"] and not r["none"] and r["broadcast"] == "from 0" for r in results)
+
+
+
+def _init_world_and_leave(rank, world, out):
+    """A world made as `fastgrpo train` makes it (`init_world`: a policy rank and a draft rank, each
+    its own default group, and the channel between them), a message sent, then left as a run leaves
+    it; at exit the process records whether a group was still there."""
+    import atexit
+
+    import torch
+    import torch.distributed as dist
+
+    from fastgrpo import distributed
+
+    # registered before init_world registers its handler, so it runs after it (last in, first out)
+    atexit.register(lambda: (out / f"exit{rank}").write_text(
+        f"initialized={dist.is_initialized()} channel={distributed._channel is not None}"))
+    distributed.init_world(draft_ranks=1)
+    t = torch.full((1,), 7.0) if rank == 0 else torch.zeros(1)
+    dist.all_reduce(t)  # each rank's own default group
+    if rank == 0:
+        distributed._channel.send(t, 1, tag=3)
+    else:
+        distributed._channel.recv(t, 0, tag=3)
+    return float(t.item())
+
+
+@pytest.mark.slow  # a multi-process world
+def test_a_run_world_destroys_its_groups_before_the_interpreter_exits(tmp_path):
+    """Every process group `init_world` made is gone when the process exits: a gloo group left to the
+    interpreter's finalization can abort the process, and a rank's abort ends a torchrun job."""
+    assert run_world(_init_world_and_leave, 2, tmp_path / "world", tmp_path, timeout_s=120.0) == [7.0, 7.0]
+    assert [(tmp_path / f"exit{r}").read_text() for r in range(2)] == ["initialized=False channel=False"] * 2
+
+
+def _return_then_exit_badly(rank, world):
+    import atexit
+    import os
+    import time
+
+    if rank == 1:
+        atexit.register(os._exit, 6)  # after its result is saved, as a teardown abort would
+        return "done"
+    time.sleep(60)  # still working when rank 1 fails
+    return "late"
+
+
+def test_a_rank_that_exits_badly_after_its_result_fails_the_world(tmp_path):
+    """As under torchrun, a rank whose process exits badly fails the world even after it returned, and
+    the error says so (not that the rank it ended gave no result)."""
+    with pytest.raises(RuntimeError, match=r"rank 1 of 2 exited with code 6 after its result \(ranks \[0\] were "
+                                           r"ended then\)"):
+        run_world(_return_then_exit_badly, 2, tmp_path, timeout_s=120.0)
