@@ -693,9 +693,6 @@ def validate(c: Config) -> None:
     _check(c.trainer.routing_replay == "off" or c.engine.backend == "embedded", "trainer.routing_replay",
            "rollout needs engines that record routing: the embedded engine (engine.backend=embedded) does; "
            "fastgrpo does not yet read SGLang's return_routed_experts", c.trainer.routing_replay)
-    _check(c.trainer.routing_replay == "off" or c.trainer.backend in ("torch", "deepspeed"), "trainer.routing_replay",
-           "rollout is replayed by the torch and DeepSpeed trainers (Hugging Face's router); the Megatron trainer "
-           "does not replay yet", c.trainer.routing_replay)
     _check(c.speculation.drafts == "learned" or c.engine.backend == "embedded", "speculation.drafts",
            "index and hybrid trees are the embedded engine's (engine.backend=embedded)", c.speculation.drafts)
 

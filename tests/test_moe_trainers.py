@@ -252,22 +252,6 @@ def test_grpo_trains_qwen3_moe_from_its_hugging_face_directory(moe_policy, tmp_p
 
 
 # -- DeepSpeed ZeRO-3 at DP2 ----------------------------------------------------------------------------
-def with_foreign_routing(batch, policy_dir: Path):
-    """The batch with a routing record of another model of the policy's shape (other weights): most of
-    its picks differ from the policy's own, so replaying it changes every sparse layer's output."""
-    from transformers import AutoModelForCausalLM
-
-    from fastgrpo.models.routing import record_routing, stack_record
-
-    torch.manual_seed(1)
-    other = AutoModelForCausalLM.from_config(load_policy(policy_dir).config).eval()
-    with torch.no_grad(), record_routing(other) as per_layer:
-        other(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-    batch.routing = stack_record(per_layer, *batch.input_ids.shape)
-    batch.routing[batch.attention_mask == 0] = -1
-    return batch
-
-
 def _one_step(rank, world, args, backend):
     from fastgrpo.trainers import build_trainer
 
@@ -277,6 +261,8 @@ def _one_step(rank, world, args, backend):
     rows = 5 if cfg.grpo.minibatches > 1 else 4
     batch = a_batch(Path(cfg.model.path), rows)
     if cfg.trainer.routing_replay == "rollout":
+        from tests.routing_records import with_foreign_routing
+
         batch = with_foreign_routing(batch, Path(cfg.model.path))
     metrics = trainer.train_step(batch)
     leaves = []

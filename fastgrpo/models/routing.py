@@ -58,7 +58,7 @@ class Mismatch:
         return float(self.differ) / float(self.picks) if float(self.picks) else 0.0
 
 
-def _differ(own: Tensor, recorded: Tensor) -> Tensor:
+def differing_picks(own: Tensor, recorded: Tensor) -> Tensor:
     """Per recorded pick [T, k]: whether the trainer's own top-k set [T, k] lacks it."""
     return ~(recorded[:, :, None] == own[:, None, :]).any(-1)
 
@@ -108,7 +108,7 @@ def replay_routing(model: torch.nn.Module, routing: Tensor | None, replay: bool 
                                  f"the forward {own.shape[0]}")
             known = (recorded >= 0).all(-1)
             found.picks = found.picks + known.sum() * recorded.shape[-1]
-            found.differ = found.differ + (_differ(own, recorded) & known[:, None]).sum()
+            found.differ = found.differ + (differing_picks(own, recorded) & known[:, None]).sum()
             if not replay:
                 return output
             chosen = torch.where(known[:, None], recorded, own)

@@ -111,13 +111,18 @@ def scores_from_head(head: torch.nn.Module, tokens: Tensor, sets: Tensor | None,
             head.forward = own
 
 
-def routed_tokens(router_logits: tuple[Tensor, ...], attention_mask: Tensor, top_k: int) -> Tensor:
+def routed_tokens(router_logits: tuple[Tensor, ...], attention_mask: Tensor, top_k: int,
+                  replayed: Tensor | None = None) -> Tensor:
     """The tokens each expert of each sparse layer was routed (the top-k of the router's softmax, as
-    the model routes them), counting the real tokens of `attention_mask` only: [layers, E]."""
+    the model routes them; under replay the recorded experts, `replayed` [N, L, layers, k], where a
+    position has a record), counting the real tokens of `attention_mask` only: [layers, E]."""
     mask = attention_mask.reshape(-1, 1).to(torch.float64)
     counts = []
-    for logits in router_logits:
+    for layer, logits in enumerate(router_logits):
         chosen = torch.softmax(logits.detach().float(), -1).topk(top_k, dim=-1).indices  # [tokens, k]
+        if replayed is not None:
+            recorded = replayed[:, :, layer].reshape(-1, top_k).to(chosen.device, torch.long)
+            chosen = torch.where((recorded >= 0).all(-1, keepdim=True), recorded, chosen)
         hits = torch.zeros(logits.shape[0], logits.shape[1], dtype=torch.float64, device=logits.device)
         counts.append((hits.scatter_(1, chosen, 1.0) * mask).sum(0))
     return torch.stack(counts)
@@ -253,7 +258,8 @@ class TorchPolicyTrainer:
             loss = loss_of(micro_rows, micro, logp, entropy)
             if router is not None:
                 if micro_rows and self._routed is not None:  # a padding micro-batch (no rows) routes nothing
-                    self._routed += routed_tokens(router, micro.attention_mask, self.top_k)
+                    self._routed += routed_tokens(router, micro.attention_mask, self.top_k,
+                                                  micro.routing if self.replay else None)
                 if self.router_aux_loss > 0:
                     loss = loss + self._aux_loss(router, micro, len(micro_rows) / len(rows))
             self._backprop(loss)

@@ -46,7 +46,10 @@ padding, and its logits are cut off before scoring). The router's load-balancing
 tokens (padding included) and weighted so that a minibatch's gradient gets the coefficient times
 their mean over its micro-batches on every data-parallel rank. A step reports its expert load as the
 torch trainer does (`torch_trainer.expert_load`: the real tokens each expert was routed in the
-step's training forwards, over every rank), counted from each router's routing map.
+step's training forwards, over every rank), counted from each router's routing map. Routing replay
+(`routing_replay`, `trainer.routing_replay=rollout`) gives each router of the policy the experts the
+engine recorded, micro-batch by micro-batch through megatron-core's `router_replay` hook, and a step
+whose batch carries a record reports routing_mismatch (`routing.py`).
 
 Logits in chunks (`trainer.logits_chunk_tokens`): a micro-batch of more scored tokens than that
 never holds its whole vocab-parallel logits. For its forward the last stage's output layer returns
@@ -69,18 +72,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from fastgrpo.models.policy import save_policy_tensors
 from torch import Tensor
 
-from fastgrpo.trainers.megatron.checkpoint import checkpoint_identity, start_write_results_queue
-from fastgrpo.trainers.megatron.layout import Layout, LayoutError
-from fastgrpo.trainers.chunked_logprobs import chunked_scores
-from fastgrpo.trainers.megatron.logprobs import vocab_parallel_logprobs
-from fastgrpo.trainers.megatron.model import build_model, export_hf, initialize, load_hf_state
-from fastgrpo.config import GRPOConfig, OptimConfig, TrainerConfig
+from fastgrpo.config import ConfigError, GRPOConfig, OptimConfig, TrainerConfig
 from fastgrpo.device import Compute
 from fastgrpo.grpo.step import LossFn, grpo_step
+from fastgrpo.models.policy import save_policy_tensors
 from fastgrpo.paths import checkpoint_policy, is_policy
+from fastgrpo.trainers.chunked_logprobs import chunked_scores
+from fastgrpo.trainers.megatron.checkpoint import checkpoint_identity, start_write_results_queue
+from fastgrpo.trainers.megatron.layout import Layout, LayoutError
+from fastgrpo.trainers.megatron.logprobs import vocab_parallel_logprobs
+from fastgrpo.trainers.megatron.model import build_model, export_hf, initialize, load_hf_state
+from fastgrpo.trainers.megatron.routing import QueuedRecord, RecordedRouting, routed_order
 from fastgrpo.types import Placement, RolloutBatch, SamplingParams
 
 Micro = tuple[list[int], RolloutBatch]  # batch rows (empty: a placeholder that trains nothing) and their data
@@ -94,7 +98,7 @@ class MegatronPolicyTrainer:
                  tensor: int = 1, pipeline: int = 1, seed: int = 0, layer_spec: str = "auto",
                  recompute: bool = False, compute: Compute | None = None, distributed_optimizer: bool = False,
                  expert: int = 1, router_aux_loss: float = 0.0, router_z_loss: float = 0.0,
-                 logits_chunk_tokens: int = TrainerConfig.logits_chunk_tokens):
+                 logits_chunk_tokens: int = TrainerConfig.logits_chunk_tokens, routing_replay: bool = False):
         """`compute`: the device and dtype (`fastgrpo.device.resolve`; fp32 on this machine's device by
         default). bf16 is megatron-core's: bf16 weights and activations (`Float16Module`), gradients
         accumulated and reduced in fp32 (`grad_reduce_in_fp32`), an optimizer stepping fp32 main
@@ -104,7 +108,9 @@ class MegatronPolicyTrainer:
         size of a mixture of experts (`parallel.expert`); `router_aux_loss`, `router_z_loss`: the
         coefficients of its router's load-balancing loss and z-loss (`trainer.router_aux_loss`,
         `trainer.router_z_loss`; 0: none). `logits_chunk_tokens`: the most tokens whose logits are
-        held at once (`trainer.logits_chunk_tokens`; 0: a micro-batch's whole logits)."""
+        held at once (`trainer.logits_chunk_tokens`; 0: a micro-batch's whole logits). `routing_replay`:
+        the policy's forwards route each token to the experts the batch recorded in rollout
+        (`trainer.routing_replay=rollout`; `routing.py`)."""
         if optim.trainable:
             raise ValueError("optim.trainable: the Megatron trainer trains every parameter")
         from transformers import AutoConfig
@@ -120,7 +126,11 @@ class MegatronPolicyTrainer:
         if not is_policy(policy_dir):
             raise FileNotFoundError(f"no Hugging Face policy at {policy_dir} (config.json missing)")
         # the layout is checked on the config alone, before any group or weight exists
-        self.layout = Layout.of(AutoConfig.from_pretrained(policy_dir), tensor, pipeline, expert)
+        hf_config = AutoConfig.from_pretrained(policy_dir)
+        self.layout = Layout.of(hf_config, tensor, pipeline, expert)
+        if routing_replay and not self.layout.experts:
+            raise ConfigError(f"trainer.routing_replay=rollout: the policy ({hf_config.model_type}) has no "
+                              f"mixture-of-experts layer to replay")
         initialize(tensor, pipeline, seed, expert)  # on CUDA: this rank's GPU (LOCAL_RANK) made current
         self.device = torch.device("cuda", torch.cuda.current_device()) if here.type == "cuda" else here
         from megatron.core import parallel_state
@@ -166,8 +176,13 @@ class MegatronPolicyTrainer:
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.last_stage = parallel_state.is_pipeline_last_stage()
+        self.replay = routing_replay
+        self._recorded: list[RecordedRouting] = []  # the stage's routers' replay (a mixture of experts)
         if self.layout.experts:
             self._count_routes()
+            self._recorded = [RecordedRouting(recompute) for _ in self.gpt.decoder.layers]
+            for block, recorded in zip(self.gpt.decoder.layers, self._recorded, strict=True):
+                block.mlp.router.router_replay = recorded
         self.distributed_optimizer = distributed_optimizer
         self._cpu = megatron_patches.cpu_device_literals
         with self._cpu():
@@ -234,6 +249,8 @@ class MegatronPolicyTrainer:
             if self._routed is not None and not forward_only:  # a training forward of a MoE: count its routes
                 self._real_tokens = self._routed_order(micro.attention_mask.bool() if rows else
                                                        torch.zeros_like(micro.attention_mask, dtype=torch.bool), padded)
+            if gpt is self.gpt and micro.routing is not None:
+                self._queue_routing(micro, padded, count=bool(rows) and not forward_only, forward_only=forward_only)
             # more tokens than a chunk: the last stage returns the output layer's input, scored in chunks
             self._defer_logits = 0 < self.logits_chunk_tokens < n * (width - 1)
             # (bf16: the hidden states as the output layer takes them, not cast to fp32 by Float16Module)
@@ -356,9 +373,28 @@ class MegatronPolicyTrainer:
                 from megatron.core import parallel_state
 
                 dist.all_reduce(counts, group=parallel_state.get_tensor_model_parallel_group())
-            return metrics | expert_load(self._sum_over_stages_and_replicas(counts).cpu())
+            metrics |= expert_load(self._sum_over_stages_and_replicas(counts).cpu())
+            if batch.routing is not None:  # over the training forwards, as kl_engine_trainer
+                metrics["routing_mismatch"] = self._routing_mismatch()
+            return metrics
         finally:
             self._routed = None
+            for recorded in self._recorded:
+                recorded.clear()
+
+    def _routing_mismatch(self) -> float:
+        """The share of the step's recorded picks the routers would have changed, over every router of
+        every stage, TP shard (sequence parallel) and data-parallel rank."""
+        counts = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for recorded in self._recorded:
+            counts += torch.stack([torch.as_tensor(n, dtype=torch.float64, device=self.device)
+                                   for n in (recorded.picks, recorded.differ)])
+        if self.gpt.config.sequence_parallel:
+            from megatron.core import parallel_state
+
+            dist.all_reduce(counts, group=parallel_state.get_tensor_model_parallel_group())
+        picks, differ = self._sum_over_stages_and_replicas(counts).tolist()
+        return differ / picks if picks else 0.0
 
     def _count_routes(self) -> None:
         """A hook on each of this stage's routers adds, during a training forward, the real tokens it
@@ -374,16 +410,25 @@ class MegatronPolicyTrainer:
         for i, block in enumerate(self.gpt.decoder.layers):
             block.mlp.router.register_forward_hook(functools.partial(count, layer=first + i))
 
-    def _routed_order(self, real: Tensor, padded: int) -> Tensor:
-        """The real-token mask [n, width] of a micro-batch in the order its routers see the tokens: padded
-        to `padded` positions, sequence-major ([s, b] flattened, megatron's layout), and under sequence
-        parallelism this TP rank's contiguous shard of the sequence."""
+    def _routed_order(self, per_position: Tensor, padded: int) -> Tensor:
+        """`per_position` [n, width, ...] of a micro-batch in the order this rank's routers see its tokens
+        (`routing.routed_order`)."""
         from megatron.core import parallel_state
 
-        real = torch.nn.functional.pad(real, (0, padded - real.shape[1])).t()
-        if self.gpt.config.sequence_parallel:
-            real = real.chunk(self.layout.tensor)[parallel_state.get_tensor_model_parallel_rank()]
-        return real.reshape(-1)
+        shard = ((parallel_state.get_tensor_model_parallel_rank(), self.layout.tensor)
+                 if self.gpt.config.sequence_parallel else None)
+        return routed_order(per_position, padded, shard)
+
+    def _queue_routing(self, micro: RolloutBatch, padded: int, count: bool, forward_only: bool) -> None:
+        """Queue `micro`'s routing record on each of this stage's routers (`routing.py`): imposed when
+        replaying, its picks counted toward routing_mismatch in a training forward of real rows."""
+        if not (self.replay or count):
+            return
+        first = self.layout.stage_layers(self.pp_rank).start
+        recomputed = self.gpt.config.recompute_granularity == "full" and not forward_only
+        for i, recorded in enumerate(self._recorded):
+            experts = self._routed_order(micro.routing[:, :, first + i], padded)
+            recorded.queue(QueuedRecord(experts, count, self.replay, recomputed))
 
     def reference_logprobs(self, batch: RolloutBatch) -> Tensor:
         if self.reference is None:
