@@ -568,6 +568,39 @@ def test_ep2_trains_as_the_torch_trainer_and_checkpoints_its_policy(tmp_path, po
     assert abs(lossy["grad_norm"] - plain["grad_norm"]) > 1e-4 * plain["grad_norm"]
 
 
+def _router_losses_on_two_paddings(rank, world, policy_dir):
+    """TP2 x PP2 with the router's load-balancing and z-losses: one GRPO step on the test batch, and one
+    on the same batch with other token ids at its padding; each step's metrics and weights after it."""
+    out = []
+    batch = grpo_batch()
+    for padding_ids in (False, True):
+        if padding_ids:
+            batch = grpo_batch()
+            pad = batch.attention_mask == 0
+            batch.input_ids[pad] = torch.randint(3, VOCAB, (int(pad.sum()),), generator=torch.Generator().manual_seed(5))
+        trainer = _trainer(policy_dir, 2, 2, 1, dict(GRPO_ONE, micro_batch_size=3), router_aux_loss=0.05,
+                           router_z_loss=0.01)
+        batch.engine_logprobs = trainer.logprobs(batch) * batch.response_mask
+        out.append((trainer.train_step(batch), dict(trainer.export_weights())))
+    return out
+
+
+@pytest.mark.slow  # a world of 4
+def test_padding_is_left_out_of_the_router_losses_at_tp2_x_pp2(tmp_path, policy):
+    """What padding holds cannot move a step with the router's losses on: with other token ids at the
+    padding (micro-batches of rows of unequal lengths, plus the columns sequence parallelism adds), the
+    same loss, gradient norm and weights, on the first stage (megatron scatters the mask over the TP
+    ranks) and the second (the trainer passes each TP rank its shard)."""
+    results = run_world(_router_losses_on_two_paddings, 4, tmp_path / "world", policy, timeout_s=400)
+    for (plain, plain_weights), (other, other_weights) in results:
+        assert int((grpo_batch().attention_mask == 0).sum()) > 10  # padding in the micro-batches
+        for key in ("loss", "grad_norm"):
+            assert other[key] == pytest.approx(plain[key], rel=1e-6), key
+        assert all(torch.allclose(other_weights[k], t, rtol=0, atol=1e-7) for k, t in plain_weights.items())
+    print(f"\nrouter losses, other padding ids: grad norm {results[0][1][0]['grad_norm']:.9g} vs "
+          f"{results[0][0][0]['grad_norm']:.9g}")
+
+
 def _distributed_optimizer_and_resume(rank, world, policy_dir, checkpoint):
     """EP2: one step with the replicated optimizer and one with the distributed one; the latter saved,
     loaded by a new trainer, and one more step of each (resumed and continued)."""

@@ -43,7 +43,7 @@ batches that train nothing). With TP > 1 the model is sequence-parallel, so each
 padded on the right to a multiple of TP tokens (causal attention: the real positions never see the
 padding, and its logits are cut off before scoring). The router's load-balancing loss and z-loss
 (`router_aux_loss`, `router_z_loss`; 0 by default) are megatron's, computed per micro-batch over its
-tokens (padding included) and weighted so that a minibatch's gradient gets the coefficient times
+real tokens (megatron's padding mask: `_padding_mask`) and weighted so that a minibatch's gradient gets the coefficient times
 their mean over its micro-batches on every data-parallel rank. A step reports its expert load as the
 torch trainer does (`torch_trainer.expert_load`: the real tokens each expert was routed in the
 step's training forwards, over every rank), counted from each router's routing map. Routing replay
@@ -154,6 +154,7 @@ class MegatronPolicyTrainer:
         self.logits_chunk_tokens = logits_chunk_tokens
         self._defer_logits = False  # during a forward whose logits are scored in chunks (module docstring)
         self._defer_output_layer(self.gpt)
+        _send_contiguous(self.gpt)
         module = _precision_wrapper(self.gpt)
         # the k3 KL's reference: the initial policy, frozen, in the same layout and precision (each rank
         # holds its own shard of it, as of the policy), scored through the same schedule
@@ -164,6 +165,7 @@ class MegatronPolicyTrainer:
             reference.requires_grad_(False).eval()
             reference.config.variable_seq_lengths = True
             self._defer_output_layer(reference)
+            _send_contiguous(reference)
             self.reference, self._reference_gpt = _precision_wrapper(reference), reference
         del hf
         config = self.gpt.config
@@ -255,6 +257,8 @@ class MegatronPolicyTrainer:
             self._defer_logits = 0 < self.logits_chunk_tokens < n * (width - 1)
             # (bf16: the hidden states as the output layer takes them, not cast to fp32 by Float16Module)
             precision = {"fp32_output": False} if self._defer_logits and gpt.config.bf16 else {}
+            if any(self.router_losses) and not forward_only and gpt is self.gpt:
+                precision["padding_mask"] = self._padding_mask(micro, padded)
             try:
                 out = model(ids, torch.arange(padded, device=device).expand(n, -1),
                             attention_mask=torch.triu(torch.ones(padded, padded, dtype=torch.bool, device=device), 1)[None, None],
@@ -272,6 +276,22 @@ class MegatronPolicyTrainer:
                 num_microbatches=len(micros),
                 seq_length=max(-(-m.input_ids.shape[1] // multiple) * multiple for _, m in micros),
                 micro_batch_size=max(m.size for _, m in micros), forward_only=forward_only)
+
+    def _padding_mask(self, micro: RolloutBatch, padded: int) -> Tensor:
+        """The router losses' padding mask of a micro-batch, [n, positions] (True: padding, megatron's
+        convention): its padding and the positions added to make its width `padded`. megatron's MoE
+        layers leave padding out of the load-balancing loss and the z-loss with it, as Hugging Face's
+        load_balancing_loss_func does with the attention mask. GPTModel takes it whole on the first
+        stage and scatters it over the TP ranks itself under sequence parallelism
+        (models/gpt/gpt_model.py, `_preprocess`); a later stage passes it on as given, so there it is
+        this TP rank's shard of the positions already."""
+        pad = torch.nn.functional.pad(~micro.attention_mask.bool(), (0, padded - micro.attention_mask.shape[1]),
+                                      value=True)
+        if self.gpt.config.sequence_parallel and not self.gpt.pre_process:
+            from megatron.core import parallel_state
+
+            pad = pad.chunk(self.layout.tensor, dim=1)[parallel_state.get_tensor_model_parallel_rank()]
+        return pad.contiguous()
 
     def _weigh_router_losses(self, micro_batches: int) -> None:
         """The router's auxiliary losses enter each micro-batch's backward with megatron's coefficient
@@ -669,6 +689,16 @@ class MegatronPolicyTrainer:
                               f"{at['tensor']} x pipeline {at['pipeline']} x expert {at.get('expert', 1)}: it reloads "
                               f"at another data-parallel size, not at tensor {l.tensor} x pipeline {l.pipeline} x "
                               f"expert {l.expert}{hint}")
+
+
+def _send_contiguous(gpt) -> None:
+    """A stage before the last sends its output to the next stage as it is, and point-to-point sends
+    take contiguous tensors only (gloo and NCCL alike). Under sequence parallelism (a mixture of experts
+    at TP > 1) on the CPU path the embedding's output [s / TP, b, h] comes back with batch-major
+    strides, every layer's residual sum keeps them, and at TP2 x PP2 the send refused it. The output is
+    made contiguous (a no-op when it is)."""
+    if not gpt.post_process:
+        gpt.register_forward_hook(lambda module, inputs, output: output.contiguous())
 
 
 def _precision_wrapper(gpt):
