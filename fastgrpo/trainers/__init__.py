@@ -35,7 +35,8 @@ def build_trainer(cfg: Config) -> PolicyTrainer:
                                               distributed_optimizer=cfg.trainer.distributed_optimizer,
                                               expert=cfg.parallel.expert, router_aux_loss=cfg.trainer.router_aux_loss,
                                               router_z_loss=cfg.trainer.router_z_loss,
-                                              logits_chunk_tokens=cfg.trainer.logits_chunk_tokens)
+                                              logits_chunk_tokens=cfg.trainer.logits_chunk_tokens,
+                                              optimizer_offload=cfg.trainer.optimizer_offload)
     if name == "deepspeed":
         import_backend("deepspeed", "trainer.backend", name, extra="deepspeed")  # not installed: say how to install it
         from fastgrpo.trainers.deepspeed_trainer import DeepSpeedPolicyTrainer
