@@ -279,8 +279,8 @@ def _megatron_state(cfg: Config, P: float, dp: int, expert_P: float = 0.0) -> li
 
 # host bytes per parameter of a rank's optimizer share under trainer.optimizer_offload, megatron-core 0.16.1's
 # HybridDeviceOptimizer (megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py): the fp32 main weight
-# (a pinned host copy of the shard, lines 273-279), Adam's two fp32 moments (its host AdamW's state), and a
-# pinned fp32 host copy of the shard's gradient, which the host step reads (lines 108-112)
+# (a host copy of the shard, lines 273-279), Adam's two fp32 moments (its host AdamW's state), and a pinned
+# fp32 host copy of the shard's gradient, which the host step reads (lines 108-112)
 OFFLOAD_HOST_BYTES = FP32 + 2 * FP32 + FP32
 
 
@@ -296,13 +296,13 @@ def _host_terms(cfg: Config, s: Shape, P: float, P_opt: float, ranks: int) -> li
       (fp32) x all parameters x ranks, on top of the training term;
     - at the start (`MegatronPolicyTrainer.__init__`): every rank loads the whole Hugging Face policy in
       fp32 (`models.policy.load_policy`) and frees it once its shard is built, before the optimizer
-      exists: 4 B x all parameters x ranks. With the offload, the offloading optimizer's first build
-      then copies the rank's weights to the host (megatron-core's `get_megatron_optimizer` hands it the
-      whole shard, bf16 pinned and an fp32 copy, before the distributed optimizer rebuilds it around its
-      own shards): 6 B x `P` x ranks, when that is more.
+      exists: 4 B x all parameters x ranks. (With the offload, megatron-core's first offloading optimizer
+      then copies the rank's weights to the host in fp32 before the distributed optimizer replaces it:
+      4 B x `P`, never more than that load, and freed by the trainer right after.)
 
     The peak is the larger of the start and the training state with a checkpoint. Not counted: each
-    process's runtime (interpreter, libraries, CUDA's host side), the engines' host memory, page cache."""
+    process's runtime (interpreter, libraries, CUDA's host side), pinned staging memory the CUDA host
+    allocator keeps cached, the engines' host memory, page cache."""
     n, total = ranks, parameters(s)
     width = BF16 if planned_precision(cfg) == "bf16" else FP32
     terms = []
@@ -313,16 +313,11 @@ def _host_terms(cfg: Config, s: Shape, P: float, P_opt: float, ranks: int) -> li
     terms.append(Term(f"checkpoint: exported policy ({'bf16' if width == BF16 else 'fp32'})",
                       _gib(width * total * n), f"{width} B x {total / 1e9:.2f}B parameters x {n} rank(s) (each gathers "
                                                f"the whole policy to the host to save it)"))
-    hf, first_build = FP32 * total, (BF16 + FP32) * P if cfg.trainer.optimizer_offload else 0.0
-    if first_build > hf:
-        terms.append(Term("start: first offloading optimizer", _gib(first_build * n),
-                          f"6 B x {P / 1e9:.2f}B parameters (a rank's shard, bf16 pinned + fp32) x {n} rank(s)"))
-    else:
-        terms.append(Term("start: Hugging Face policy (fp32)", _gib(hf * n),
-                          f"4 B x {total / 1e9:.2f}B parameters x {n} rank(s) (each loads it whole, frees it once its "
-                          f"shard is built)"))
-    training = sum(t.gib for t in terms[:-1])  # the offload and a checkpoint's export, held together
-    terms.append(Term("peak", max(terms[-1].gib, training), "the larger of the start and training with a checkpoint"))
+    training = sum(t.gib for t in terms)  # the offload and a checkpoint's export, held together
+    start = Term("start: Hugging Face policy (fp32)", _gib(FP32 * total * n),
+                 f"4 B x {total / 1e9:.2f}B parameters x {n} rank(s) (each loads it whole, frees it once its shard "
+                 f"is built)")
+    terms += [start, Term("peak", max(start.gib, training), "the larger of the start and training with a checkpoint")]
     return terms
 
 

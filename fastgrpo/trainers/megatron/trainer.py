@@ -62,6 +62,7 @@ states stay bf16 (`Float16Module`'s `fp32_output=False`), as the output layer wo
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -182,6 +183,12 @@ class MegatronPolicyTrainer:
                 adam_beta2=optim.betas[1], adam_eps=1e-8, clip_grad=optim.grad_clip, params_dtype=dtype,
                 bf16=dtype == torch.bfloat16, use_distributed_optimizer=distributed_optimizer,
                 **offload), [self.model])
+        if offload:
+            # megatron-core first builds an offloading optimizer over this rank's whole weights (fp32 host copies,
+            # 4 B a parameter) and the distributed optimizer replaces it with one over its own shards
+            # (distrib_optimizer.py:602-605); the first one's step hooks hold it in a reference cycle
+            # (cpu_offloading/hybrid_optimizer.py:117-148), which only the cycle collector frees: now, not later
+            gc.collect()
         config.no_sync_func = self.model.no_sync
         config.finalize_model_grads_func = _finalize_model_grads
         self.model.eval()
@@ -425,8 +432,11 @@ class MegatronPolicyTrainer:
         with self._cpu():
             for opt in self.optimizer.chained_optimizers:
                 if opt.config.clip_grad > 0 and opt.get_parameters():
-                    megatron_optimizer.clip_grad_by_total_norm_fp32(opt.get_parameters(), max_norm=opt.config.clip_grad,
-                                                                    total_norm=norm)
+                    # the precision-aware optimizer (trainer.optimizer_offload) keeps gradients in .decoupled_grad,
+                    # not .grad: read there, as megatron's own clip_grad_norm does (optimizer.py:203-220)
+                    megatron_optimizer.clip_grad_by_total_norm_fp32(
+                        opt.get_parameters(), max_norm=opt.config.clip_grad, total_norm=norm,
+                        use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
             self.optimizer.step_with_ready_grads()
         self.updates += 1
         return norm
