@@ -378,6 +378,12 @@ class TrainerConfig:
     # megatron: the optimizer state (fp32 master weights and Adam's moments) sharded over the data-
     # parallel ranks (megatron-core's DistributedOptimizer)
     distributed_optimizer: bool = False
+    # megatron: the optimizer's fp32 main weights and Adam moments (this rank's shard of them) held in host
+    # memory and stepped there by torch's AdamW, megatron-core's optimizer CPU offload (what slime runs
+    # Qwen3-30B-A3B on 8 H100s with); the GPU keeps the bf16 weights and the fp32 gradient buffer. It needs
+    # trainer.distributed_optimizer, bf16 and, at run time, CUDA and Transformer Engine (`check`,
+    # `MegatronPolicyTrainer`); `fastgrpo plan` prices it in host memory. DeepSpeed's: deepspeed.offload_optimizer
+    optimizer_offload: bool = False
     # a mixture-of-experts policy: the router's load-balancing (auxiliary) loss and z-loss coefficients,
     # added to the GRPO loss. 0 (the default) leaves the pretrained routing to the policy gradient alone, as RL
     # recipes on Qwen3-MoE do (slime's scripts/models/qwen3-30B-A3B.sh: --moe-aux-loss-coeff 0; veRL's Megatron
@@ -409,6 +415,19 @@ class TrainerConfig:
         _check(not self.distributed_optimizer or self.backend == "megatron", "trainer.distributed_optimizer",
                "is megatron's DistributedOptimizer: trainer.backend=megatron only (ZeRO shards DeepSpeed's)",
                self.distributed_optimizer)
+        # megatron-core 0.16.1's offload (megatron/core/optimizer/: optimizer_config.py, __init__.py,
+        # distrib_optimizer.py, cpu_offloading/hybrid_optimizer.py), whose rules `MegatronPolicyTrainer` cites
+        _check(not self.optimizer_offload or self.backend == "megatron", "trainer.optimizer_offload",
+               f"is megatron-core's optimizer CPU offload: trainer.backend=megatron only (trainer.backend="
+               f"{self.backend}; DeepSpeed's ZeRO offload is deepspeed.offload_optimizer=true)", self.optimizer_offload)
+        _check(not self.optimizer_offload or self.distributed_optimizer, "trainer.optimizer_offload",
+               "needs trainer.distributed_optimizer=true: megatron-core offloads the distributed optimizer's shards "
+               "(only it rebuilds the offloading optimizer around its fp32 main-weight shards, and the precision-"
+               "aware optimizer that keeps those off the GPU asserts it)", self.optimizer_offload)
+        _check(not self.optimizer_offload or self.precision != "fp32", "trainer.optimizer_offload",
+               "offloads bf16 training's optimizer: trainer.precision=bf16 (or auto, bf16 on CUDA); in fp32 "
+               "megatron-core 0.16.1 hands its offloading optimizer views of the weights, which torch's optimizer "
+               "refuses (\"can't optimize a non-leaf Tensor\")", self.optimizer_offload)
 
 
 @dataclass
@@ -693,6 +712,10 @@ def validate(c: Config) -> None:
     _check(c.trainer.routing_replay == "off" or c.engine.backend == "embedded", "trainer.routing_replay",
            "rollout needs engines that record routing: the embedded engine (engine.backend=embedded) does; "
            "fastgrpo does not yet read SGLang's return_routed_experts", c.trainer.routing_replay)
+    _check(not c.trainer.optimizer_offload or c.device != "cpu", "trainer.optimizer_offload",
+           "moves the optimizer from GPU to host memory: it needs CUDA (device=cuda or auto), not device=cpu, where "
+           "the optimizer is in host memory already and megatron-core's offloading optimizer cannot run "
+           "(`MegatronPolicyTrainer` says why)", c.trainer.optimizer_offload)
     _check(c.speculation.drafts == "learned" or c.engine.backend == "embedded", "speculation.drafts",
            "index and hybrid trees are the embedded engine's (engine.backend=embedded)", c.speculation.drafts)
 

@@ -22,6 +22,10 @@ weight's fp32 gradient summed over the chunks (`trainers/chunked_logprobs.py`), 
 the logits the scoring holds at once (`LOGIT_COPIES`). The torch trainer keeps what megatron does
 without a distributed optimizer; DeepSpeed's ZeRO is priced by the ZeRO paper's accounting
 (`_deepspeed_state`). Nothing here is measured but `LOGIT_COPIES`.
+
+`trainer.optimizer_offload` (megatron-core's optimizer CPU offload) moves the optimizer's part off the
+GPU into host memory, which the Megatron trainer's plan prices per node (`_host_terms`): what each
+trainer rank keeps there, times the trainer ranks of a node.
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ class Plan:
     checks: list[tuple[bool, str]] = field(default_factory=list)
     rank_map: list[str] = field(default_factory=list)
     phases: list[Phase] = field(default_factory=list)
+    host: list[Term] = field(default_factory=list)  # host memory per node (the Megatron trainer's, `_host_terms`)
     notes: list[str] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
 
@@ -226,34 +231,94 @@ def _gib(n_bytes: float) -> float:
 def planned_precision(cfg: Config) -> str:
     """`trainer.precision` as the planned machines resolve it (`fastgrpo.device.resolve`, which the plan
     does not call: it plans GPU clusters from a login node): auto is bf16 on CUDA (device=cuda, or auto
-    with SGLang engines, which run on GPUs only) and fp32 on a CPU (the embedded engine's worlds)."""
+    with SGLang engines, which run on GPUs only, or with `trainer.optimizer_offload`, which needs CUDA) and
+    fp32 on a CPU (the embedded engine's worlds)."""
     if cfg.trainer.precision != "auto":
         return cfg.trainer.precision
-    cuda = cfg.device == "cuda" or (cfg.device == "auto" and cfg.engine.backend == "sglang")
+    # (trainer.optimizer_offload runs on CUDA only: config validation refuses device=cpu with it)
+    cuda = (cfg.device == "cuda" or (cfg.device == "auto" and cfg.engine.backend == "sglang")
+            or cfg.trainer.optimizer_offload)
     return "bf16" if cuda else "fp32"
+
+
+def optimizer_share(cfg: Config, P: float, dp: int, expert_P: float = 0.0) -> tuple[float, str]:
+    """The parameters whose optimizer state one Megatron rank keeps, of `P` parameters of its shard
+    (`expert_P` of them its experts), and how they are divided: all of them (replicated over the data
+    ranks), or with the distributed optimizer the rest / data and the experts / expert-data (data /
+    parallel.expert: the ranks holding the same experts)."""
+    if not cfg.trainer.distributed_optimizer:
+        return P, "replicated over data ranks"
+    expert_dp = max(dp // cfg.parallel.expert, 1)
+    where = f"/ data {dp}" + (f", experts / expert-data {expert_dp}" if expert_P else "") + \
+        " (trainer.distributed_optimizer)"
+    return (P - expert_P) / dp + expert_P / expert_dp, where
 
 
 def _megatron_state(cfg: Config, P: float, dp: int, expert_P: float = 0.0) -> list[Term]:
     """What megatron's DDP and optimizer keep per GPU for `P` parameters of this rank's shard, `expert_P`
-    of them its experts. The distributed optimizer shards the rest over the data ranks and the experts
-    over the expert-data ranks (data / parallel.expert: the ranks holding the same experts)."""
+    of them its experts (`optimizer_share`: what the distributed optimizer divides). With
+    `trainer.optimizer_offload` the optimizer's part is in host memory (`_host_terms`), 0 on the GPU:
+    megatron-core's precision-aware distributed optimizer allocates no fp32 main-weight shard on the GPU
+    and its HybridDeviceOptimizer keeps main weights and moments on the host (the trainer's
+    `_offload_fields` cites the lines)."""
     bf16 = planned_precision(cfg) == "bf16"
-    if cfg.trainer.distributed_optimizer:
-        expert_dp = max(dp // cfg.parallel.expert, 1)
-        P_opt = (P - expert_P) / dp + expert_P / expert_dp  # this rank's share of the optimizer's parameters
-        where = f"/ data {dp}" + (f", experts / expert-data {expert_dp}" if expert_P else "") + \
-            " (trainer.distributed_optimizer)"
-    else:
-        P_opt, where = P, "replicated over data ranks"
+    P_opt, where = optimizer_share(cfg, P, dp, expert_P)
+    offload = cfg.trainer.optimizer_offload
     weights = (Term("weights (bf16)", _gib(BF16 * P), f"2 B x {P / 1e9:.2f}B parameters (largest stage / TP)") if bf16
                else Term("weights (fp32)", _gib(FP32 * P), f"4 B x {P / 1e9:.2f}B parameters (largest stage / TP)"))
     grads = Term("gradients (fp32)", _gib(FP32 * P), "4 B x parameters (megatron's fp32 gradient buffer"
                  + (", grad_reduce_in_fp32)" if bf16 else ")"))
-    if bf16:
-        optimizer = Term("main weights + Adam moments (fp32)", _gib(3 * FP32 * P_opt), f"12 B x parameters {where}")
+    name, width = ("main weights + Adam moments (fp32)", 3 * FP32) if bf16 else ("Adam moments (fp32)", 2 * FP32)
+    if offload:
+        optimizer = Term(name, 0.0, f"in host memory (trainer.optimizer_offload): {width} B x {P_opt / 1e9:.2f}B "
+                                    f"parameters {where}")
     else:
-        optimizer = Term("Adam moments (fp32)", _gib(2 * FP32 * P_opt), f"8 B x parameters {where}")
+        optimizer = Term(name, _gib(width * P_opt), f"{width} B x parameters {where}")
     return [weights, grads, optimizer]
+
+
+# host bytes per parameter of a rank's optimizer share under trainer.optimizer_offload, megatron-core 0.16.1's
+# HybridDeviceOptimizer (megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py): the fp32 main weight
+# (a host copy of the shard, lines 273-279), Adam's two fp32 moments (its host AdamW's state), and a pinned
+# fp32 host copy of the shard's gradient, which the host step reads (lines 108-112)
+OFFLOAD_HOST_BYTES = FP32 + 2 * FP32 + FP32
+
+
+def _host_terms(cfg: Config, s: Shape, P: float, P_opt: float, ranks: int) -> list[Term]:
+    """What a node's host memory holds for the Megatron trainer's `ranks` ranks on it (at most the node's
+    GPUs), each a process with `P` parameters of its shard and the optimizer state of `P_opt` (the
+    largest stage's, as on the GPU), and when:
+
+    - training, with `trainer.optimizer_offload`: 16 B per parameter of the optimizer share
+      (`OFFLOAD_HOST_BYTES`) x ranks;
+    - at a checkpoint (`MegatronPolicyTrainer.save`): every rank gathers the whole policy to the host
+      in the training dtype (`export_weights`, copied to the CPU; rank 0 writes it): 2 B (bf16) or 4 B
+      (fp32) x all parameters x ranks, on top of the training term;
+    - at the start (`MegatronPolicyTrainer.__init__`): every rank loads the whole Hugging Face policy in
+      fp32 (`models.policy.load_policy`) and frees it once its shard is built, before the optimizer
+      exists: 4 B x all parameters x ranks. (With the offload, megatron-core's first offloading optimizer
+      then copies the rank's weights to the host in fp32 before the distributed optimizer replaces it:
+      4 B x `P`, never more than that load, and freed by the trainer right after.)
+
+    The peak is the larger of the start and the training state with a checkpoint. Not counted: each
+    process's runtime (interpreter, libraries, CUDA's host side), pinned staging memory the CUDA host
+    allocator keeps cached, the engines' host memory, page cache."""
+    n, total = ranks, parameters(s)
+    width = BF16 if planned_precision(cfg) == "bf16" else FP32
+    terms = []
+    if cfg.trainer.optimizer_offload:
+        terms.append(Term("training: optimizer offload", _gib(OFFLOAD_HOST_BYTES * P_opt * n),
+                          f"16 B x {P_opt / 1e9:.2f}B parameters (a rank's optimizer share) x {n} rank(s): fp32 main "
+                          f"weights 4 + Adam moments 8 + pinned gradient copy 4 (trainer.optimizer_offload)"))
+    terms.append(Term(f"checkpoint: exported policy ({'bf16' if width == BF16 else 'fp32'})",
+                      _gib(width * total * n), f"{width} B x {total / 1e9:.2f}B parameters x {n} rank(s) (each gathers "
+                                               f"the whole policy to the host to save it)"))
+    training = sum(t.gib for t in terms)  # the offload and a checkpoint's export, held together
+    start = Term("start: Hugging Face policy (fp32)", _gib(FP32 * total * n),
+                 f"4 B x {total / 1e9:.2f}B parameters x {n} rank(s) (each loads it whole, frees it once its shard "
+                 f"is built)")
+    terms += [start, Term("peak", max(start.gib, training), "the larger of the start and training with a checkpoint")]
+    return terms
 
 
 def _deepspeed_state(cfg: Config, P: float, dp: int) -> list[Term]:
@@ -277,7 +342,7 @@ def _deepspeed_state(cfg: Config, P: float, dp: int) -> list[Term]:
                  else f"{optimizer_bytes} B x parameters / data {dp} (ZeRO)")]
 
 
-def _policy_phases(plan: Plan, cfg: Config, s: Shape, dp: int, capacity: float) -> None:
+def _policy_phases(plan: Plan, cfg: Config, s: Shape, dp: int, capacity: float, gpus_per_node: int) -> None:
     t, p = cfg.parallel.tensor, cfg.parallel.pipeline
     stage_layers = s.layers // p
     embed = s.vocab * s.hidden
@@ -292,6 +357,9 @@ def _policy_phases(plan: Plan, cfg: Config, s: Shape, dp: int, capacity: float) 
         resident = _deepspeed_state(cfg, P, dp)
     else:
         resident = _megatron_state(cfg, P, dp, experts)
+    if cfg.trainer.backend == "megatron":
+        plan.host = _host_terms(cfg, s, P, optimizer_share(cfg, P, dp, experts)[0],
+                                min(gpus_per_node, t * p * dp))
     dtype = planned_precision(cfg)  # of activations, and of the reference policy but under DeepSpeed (fp32 there)
     width = BF16 if dtype == "bf16" else FP32
     if ref:
@@ -408,7 +476,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gb: float)
     plan.notes.append(f"{parameters(s) / 1e9:.2f}B parameters{active} ({s.describe()}) from {source}; draft head "
                       f"{draft_parameters(s) / 1e9:.2f}B")
     _rank_map(plan, cfg, nodes, gpus_per_node, dp)
-    _policy_phases(plan, cfg, s, dp, gpu_memory_gb)
+    _policy_phases(plan, cfg, s, dp, gpu_memory_gb, gpus_per_node)
     if cfg.parallel.draft_ranks:
         _draft_phase(plan, cfg, s, gpu_memory_gb)
     for phase in plan.phases:
@@ -434,6 +502,9 @@ def render(plan: Plan, cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_g
         lines += [f"  {t.name:<38} {t.gib:8.2f}   {t.formula}" for t in phase.terms]
         lines.append(f"  {'total':<38} {phase.total_gib:8.2f}   of {phase.capacity_gib:g}: "
                      f"{'fits' if phase.fits else 'DOES NOT FIT'}")
+    if plan.host:
+        lines += ["", "host memory per node (estimates, GiB; the Megatron trainer's ranks):"]
+        lines += [f"  {t.name:<38} {t.gib:8.2f}   {t.formula}" for t in plan.host]
     lines += [""] + [f"note: {n}" for n in plan.notes]
     lines += [f"to change: {a}" for a in plan.advice]
     lines.append("verdict: fits" if plan.fits else "verdict: does not fit")

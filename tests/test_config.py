@@ -87,3 +87,25 @@ def test_off_is_a_word_on_the_command_line_and_in_files(tmp_path, capsys):
     assert main(["train", "--config", str(f), "speculation.policy=off", "draft.online=off", "grpo.steps=-1"]) == 2
     err = capsys.readouterr().err
     assert "grpo.steps" in err and "speculation.policy" not in err
+
+
+def test_optimizer_offload_is_megatrons_with_the_distributed_optimizer_in_bf16():
+    """trainer.optimizer_offload: megatron-core's optimizer CPU offload, refused naming the key where it
+    cannot apply: another trainer (DeepSpeed's is deepspeed.offload_optimizer), no distributed
+    optimizer, fp32, a CPU device."""
+    megatron = ["trainer.backend=megatron", "trainer.distributed_optimizer=true", "trainer.optimizer_offload=true"]
+    for backend in ("torch", "deepspeed"):
+        with pytest.raises(ConfigError, match=rf"trainer\.optimizer_offload is megatron-core's optimizer CPU offload: "
+                                              rf"trainer\.backend=megatron only \(trainer\.backend={backend}; "
+                                              rf"DeepSpeed's ZeRO offload is deepspeed\.offload_optimizer=true\)"):
+            load_config(None, [f"trainer.backend={backend}", "trainer.optimizer_offload=true"])
+    with pytest.raises(ConfigError, match=r"trainer\.optimizer_offload needs trainer\.distributed_optimizer=true"):
+        load_config(None, megatron + ["trainer.distributed_optimizer=false"])
+    with pytest.raises(ConfigError, match=r"trainer\.optimizer_offload offloads bf16 training's optimizer"):
+        load_config(None, megatron + ["trainer.precision=fp32"])
+    with pytest.raises(ConfigError, match=r"trainer\.optimizer_offload moves the optimizer from GPU to host memory: "
+                                          r"it needs CUDA"):
+        load_config(None, megatron + ["device=cpu"])
+    for precision in ("auto", "bf16"):
+        assert load_config(None, megatron + [f"trainer.precision={precision}"]).trainer.optimizer_offload
+    assert not load_config(None, ["trainer.backend=megatron"]).trainer.optimizer_offload  # off by default

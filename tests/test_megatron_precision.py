@@ -202,3 +202,29 @@ def test_bf16_steps_as_fp32_within_bf16_rounding(tmp_path):
         assert bf16["optimizer_bytes"] >= 12 * parameters  # fp32 main weights + two moments
         assert distributed["optimizer_bytes"] == pytest.approx(bf16["optimizer_bytes"] / 2, rel=0.02)
         assert r["resumed"] and r["same_weights"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a CPU build of torch")
+def test_optimizer_offload_is_refused_on_a_cpu_saying_why(tmp_path):
+    """trainer.optimizer_offload (megatron-core's optimizer CPU offload) cannot run on a CPU build: the
+    run's trainer, built from a config that validates (device auto, precision auto), refuses it naming
+    megatron-core's source lines, before any process group exists; and without the distributed
+    optimizer the trainer refuses it for that first, whatever the device."""
+    import torch.distributed as dist
+
+    from fastgrpo.config import GRPOConfig, OptimConfig, load_config
+    from fastgrpo.trainers import build_trainer
+    from fastgrpo.trainers.megatron.trainer import MegatronPolicyTrainer
+    from fastgrpo.types import SamplingParams
+
+    cfg = load_config(None, ["trainer.backend=megatron", "trainer.distributed_optimizer=true",
+                             "trainer.optimizer_offload=true", f"model.path={tmp_path}"])
+    with pytest.raises(ValueError, match=r"cannot run on a CPU build of torch: megatron-core 0\.16\.1's "
+                                         r"HybridDeviceOptimizer chooses what to offload by param\.is_cuda") as refused:
+        build_trainer(cfg)
+    for cited in ("hybrid_optimizer.py:256-258, 273", "KeyError (hybrid_optimizer.py:99-101)",
+                  "torch.cuda.Stream()s (hybrid_optimizer.py:219-221)", "optimizer_config.py:383"):
+        assert cited in str(refused.value)
+    with pytest.raises(ValueError, match=r"needs the distributed optimizer \(trainer\.distributed_optimizer=true\)"):
+        MegatronPolicyTrainer(tmp_path, GRPOConfig(), OptimConfig(), SamplingParams(), optimizer_offload=True)
+    assert not dist.is_initialized()

@@ -65,6 +65,7 @@ states stay bf16 (`Float16Module`'s `fp32_output=False`), as the output layer wo
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -98,7 +99,8 @@ class MegatronPolicyTrainer:
                  tensor: int = 1, pipeline: int = 1, seed: int = 0, layer_spec: str = "auto",
                  recompute: bool = False, compute: Compute | None = None, distributed_optimizer: bool = False,
                  expert: int = 1, router_aux_loss: float = 0.0, router_z_loss: float = 0.0,
-                 logits_chunk_tokens: int = TrainerConfig.logits_chunk_tokens, routing_replay: bool = False):
+                 logits_chunk_tokens: int = TrainerConfig.logits_chunk_tokens, routing_replay: bool = False,
+                 optimizer_offload: bool = False):
         """`compute`: the device and dtype (`fastgrpo.device.resolve`; fp32 on this machine's device by
         default). bf16 is megatron-core's: bf16 weights and activations (`Float16Module`), gradients
         accumulated and reduced in fp32 (`grad_reduce_in_fp32`), an optimizer stepping fp32 main
@@ -110,7 +112,10 @@ class MegatronPolicyTrainer:
         `trainer.router_z_loss`; 0: none). `logits_chunk_tokens`: the most tokens whose logits are
         held at once (`trainer.logits_chunk_tokens`; 0: a micro-batch's whole logits). `routing_replay`:
         the policy's forwards route each token to the experts the batch recorded in rollout
-        (`trainer.routing_replay=rollout`; `routing.py`)."""
+        (`trainer.routing_replay=rollout`; `routing.py`).
+        `optimizer_offload`: megatron-core's optimizer CPU offload (`trainer.optimizer_offload`): the
+        distributed optimizer's fp32 main weights and Adam moments in host memory, stepped there
+        (`_offload_fields` has its rules, refused here before any process group exists)."""
         if optim.trainable:
             raise ValueError("optim.trainable: the Megatron trainer trains every parameter")
         from transformers import AutoConfig
@@ -122,6 +127,7 @@ class MegatronPolicyTrainer:
                              f"{compute.device.type} (device={compute.device.type})")
         if compute.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"the Megatron trainer trains in fp32 or bf16, not {compute.dtype}")
+        offload = _offload_fields(optimizer_offload, here, compute.dtype, distributed_optimizer)
         self.compute = compute
         if not is_policy(policy_dir):
             raise FileNotFoundError(f"no Hugging Face policy at {policy_dir} (config.json missing)")
@@ -193,7 +199,14 @@ class MegatronPolicyTrainer:
             self.optimizer = get_megatron_optimizer(OptimizerConfig(
                 optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.betas[0],
                 adam_beta2=optim.betas[1], adam_eps=1e-8, clip_grad=optim.grad_clip, params_dtype=dtype,
-                bf16=dtype == torch.bfloat16, use_distributed_optimizer=distributed_optimizer), [self.model])
+                bf16=dtype == torch.bfloat16, use_distributed_optimizer=distributed_optimizer,
+                **offload), [self.model])
+        if offload:
+            # megatron-core first builds an offloading optimizer over this rank's whole weights (fp32 host copies,
+            # 4 B a parameter) and the distributed optimizer replaces it with one over its own shards
+            # (distrib_optimizer.py:602-605); the first one's step hooks hold it in a reference cycle
+            # (cpu_offloading/hybrid_optimizer.py:117-148), which only the cycle collector frees: now, not later
+            gc.collect()
         config.no_sync_func = self.model.no_sync
         config.finalize_model_grads_func = _finalize_model_grads
         self.model.eval()
@@ -485,8 +498,11 @@ class MegatronPolicyTrainer:
         with self._cpu():
             for opt in self.optimizer.chained_optimizers:
                 if opt.config.clip_grad > 0 and opt.get_parameters():
-                    megatron_optimizer.clip_grad_by_total_norm_fp32(opt.get_parameters(), max_norm=opt.config.clip_grad,
-                                                                    total_norm=norm)
+                    # the precision-aware optimizer (trainer.optimizer_offload) keeps gradients in .decoupled_grad,
+                    # not .grad: read there, as megatron's own clip_grad_norm does (optimizer.py:203-220)
+                    megatron_optimizer.clip_grad_by_total_norm_fp32(
+                        opt.get_parameters(), max_norm=opt.config.clip_grad, total_norm=norm,
+                        use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
             self.optimizer.step_with_ready_grads()
         self.updates += 1
         return norm
@@ -699,6 +715,69 @@ def _send_contiguous(gpt) -> None:
     made contiguous (a no-op when it is)."""
     if not gpt.post_process:
         gpt.register_forward_hook(lambda module, inputs, output: output.contiguous())
+
+
+def _offload_fields(offload: bool, device: torch.device, dtype: torch.dtype, distributed_optimizer: bool) -> dict:
+    """megatron-core's `OptimizerConfig` fields of `trainer.optimizer_offload` (none without it), or a
+    ValueError saying which of its conditions this trainer does not meet. Read in megatron-core 0.16.1,
+    paths under megatron/core/optimizer/:
+
+    - The fields (optimizer_config.py:304-326) as slime and megatron's cpu_offloading/README.md set them:
+      `optimizer_cpu_offload`, all of the optimizer state (`optimizer_offload_fraction=1.0`), the
+      device-to-host and host-to-device copies overlapped with the host step
+      (`overlap_cpu_optimizer_d2h_h2d`), and `use_precision_aware_optimizer`. With offload the latter
+      makes the distributed optimizer hand the offloading optimizer its bf16 weight shards instead of
+      allocating fp32 main-weight shards on the GPU (optimizer_config.py:355-362; distrib_optimizer.py:
+      399, 406-408: "main params are held by FusedAdam"), so main weights and moments both leave the GPU;
+      without it a 4 B fp32 main weight per parameter would stay there.
+    - `get_megatron_optimizer` builds a `HybridDeviceOptimizer` (__init__.py:306-347): torch's AdamW
+      (fused) on the host for the offloaded part, fp32 updates, AdamW mode (decoupled weight decay,
+      asserted at __init__.py:312-314; `OptimizerConfig`'s default, as without offload).
+    - The distributed optimizer: the precision-aware optimizer asserts it (optimizer_config.py:379-381),
+      and only `DistributedOptimizer` rebuilds the offloading optimizer around its own shards
+      (distrib_optimizer.py:602-605); `trainer.distributed_optimizer` (config validation refuses first).
+    - bf16: in fp32 the distributed optimizer's shards are views of the weights that keep their autograd
+      history (distrib_optimizer.py:421, no `detach()`), and the rebuilt offloading optimizer passes them
+      through torch's `Optimizer.add_param_group`, which raises "can't optimize a non-leaf Tensor" (run
+      here, on CPU; the same views on any device).
+    - CUDA: `HybridDeviceOptimizer` offloads by `param.is_cuda` (cpu_offloading/hybrid_optimizer.py:
+      256-258, 273): on a CPU nothing is offloaded and every parameter lands in its host group (285-288),
+      whose gradient copy then looks each up among the offloaded copies and raises KeyError (99-101; run
+      here, in bf16, without the two settings below); the overlapped copies run on `torch.cuda.Stream()`s
+      (219-221: "torch.cuda.Stream requires CUDA support" on a CPU build); and the precision-aware
+      optimizer compares Transformer Engine's version (optimizer_config.py:383), which a CPU build cannot
+      have. On a CPU the optimizer is in host memory already.
+    - Transformer Engine, on CUDA too: `is_te_min_version` compares None with a version without it
+      (optimizer_config.py:383 -> utils.py:348: TypeError)."""
+    if not offload:
+        return {}
+    if not distributed_optimizer:
+        raise ValueError("trainer.optimizer_offload needs the distributed optimizer (trainer.distributed_optimizer="
+                         "true): megatron-core offloads its shards (distrib_optimizer.py:602-605), and the precision-"
+                         "aware optimizer that keeps the fp32 main weights off the GPU asserts it "
+                         "(optimizer_config.py:379-381)")
+    if device.type != "cuda":
+        raise ValueError(
+            "trainer.optimizer_offload cannot run on a CPU build of torch: megatron-core 0.16.1's "
+            "HybridDeviceOptimizer chooses what to offload by param.is_cuda (optimizer/cpu_offloading/"
+            "hybrid_optimizer.py:256-258, 273), so on a CPU it offloads nothing and puts every parameter in its "
+            "host group, whose gradient copy then looks each one up among the offloaded copies and raises KeyError "
+            "(hybrid_optimizer.py:99-101); its overlapped copies make torch.cuda.Stream()s (hybrid_optimizer.py:"
+            "219-221), and the precision-aware optimizer it needs asks for Transformer Engine (optimizer_config.py:"
+            "383). On a CPU the optimizer is in host memory already: trainer.optimizer_offload=false")
+    if dtype != torch.bfloat16:
+        raise ValueError(f"trainer.optimizer_offload offloads bf16 training's optimizer (trainer.precision=bf16), not "
+                         f"{dtype}'s: in fp32 megatron-core 0.16.1's distributed optimizer hands the offloading "
+                         f"optimizer views of the weights (distrib_optimizer.py:421), which torch's optimizer refuses "
+                         f"(\"can't optimize a non-leaf Tensor\")")
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        raise ValueError("trainer.optimizer_offload needs Transformer Engine installed: the precision-aware optimizer "
+                         "that keeps the fp32 main weights off the GPU checks its version (megatron-core 0.16.1 "
+                         "optimizer_config.py:383, a TypeError without it)")
+    return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, overlap_cpu_optimizer_d2h_h2d=True,
+                use_precision_aware_optimizer=True)
 
 
 def _precision_wrapper(gpt):
