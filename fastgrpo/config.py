@@ -690,9 +690,14 @@ def validate(c: Config) -> None:
     _check(c.draft.online == "off" or c.speculation.policy != "off", "draft.online",
            "needs speculation (speculation.policy != off): the draft learns from the states rollout computes for it",
            c.draft.online)
-    _check(c.trainer.routing_replay == "off" or c.engine.backend == "embedded", "trainer.routing_replay",
-           "rollout needs engines that record routing: the embedded engine (engine.backend=embedded) does; "
-           "fastgrpo does not yet read SGLang's return_routed_experts", c.trainer.routing_replay)
+    # both engines record routing; SGLang's record under EAGLE is not the accepted tokens' routing (the
+    # adapter's ROUTING_SPECULATION, engines/sglang/requests.py, says why in full)
+    _check(c.trainer.routing_replay == "off" or c.engine.backend != "sglang" or c.speculation.policy == "off",
+           "trainer.routing_replay", "rollout with engine.backend=sglang needs speculation.policy=off: SGLang 0.5.23 "
+           "keys its routed-experts record by KV slot, and under EAGLE it is not the accepted tokens' routing (tree "
+           "drafts move the accepted path's KV but not the record: speculative/eagle_worker_common.py:772-784; the "
+           "capture buffer is not sized for verify steps: state_capturer/routed_experts.py:79-83)",
+           c.trainer.routing_replay)
     _check(c.trainer.routing_replay == "off" or c.trainer.backend in ("torch", "deepspeed"), "trainer.routing_replay",
            "rollout is replayed by the torch and DeepSpeed trainers (Hugging Face's router); the Megatron trainer "
            "does not replay yet", c.trainer.routing_replay)
