@@ -330,6 +330,11 @@ class SGLangEngine:
 
     def generate(self, requests: list[Request], sampling: SamplingParams, seed: int = 0,
                  capture: bool = False, routing: bool = False) -> list[Completion]:
+        """The Engine protocol's generate as one SGLang request object (module docstring). `capture`: the
+        target's hidden states (an engine started with enable_return_hidden_states); `routing`: a mixture
+        of experts' completions carry SGLang's routed experts in the embedded engine's format (an engine
+        started with enable_return_routed_experts, which `server_args` sets only without speculation, as
+        SGLang's record under EAGLE is not the accepted tokens'); a dense model's carry none."""
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         routing = routing and is_moe(self.cfg)  # a dense model has no routing (None, as the embedded engine)
