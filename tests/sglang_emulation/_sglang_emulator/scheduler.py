@@ -180,10 +180,11 @@ class Scheduler(Eagle, Weights):
         return [next(self.kv_slots) for _ in range(n)]
 
     @contextmanager
-    def _recording(self, r: _Request):
-        """Around one target forward of `r`: each sparse layer's top-k, by layer id (SGLang's capturer
-        records every forward; only a routed request's rows are ever read here)."""
-        if self.experts is None or not r.routed:
+    def _recording(self):
+        """Around one target forward: each sparse layer's top-k, by layer id, when the server captures
+        (it records every forward, a request's that did not ask too: a later request that asks may read
+        those rows through the radix cache)."""
+        if self.experts is None:
             yield None
             return
         with self.experts.capture() as seen:
@@ -259,7 +260,7 @@ class Scheduler(Eagle, Weights):
         P = len(prompt)
         r.cached, r.slots = self._match(prompt)
         r.slots += self._allocate(P - r.cached)  # the uncached part's slots: what the forward computes
-        with self._recording(r) as seen:
+        with self._recording() as seen:
             out = self._forward([prompt])
         if seen is not None:
             self.experts.write(r.slots[r.cached:], seen, first=r.cached)
@@ -287,7 +288,7 @@ class Scheduler(Eagle, Weights):
         if steps == 0:
             slot = self._allocate(1)
             r.slots += slot
-            with self._recording(r) as seen:
+            with self._recording() as seen:
                 out = self._forward([[pending]], cache)
             if seen is not None:
                 self.experts.write(slot, seen, first=0)
