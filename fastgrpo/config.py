@@ -709,13 +709,18 @@ def validate(c: Config) -> None:
     _check(c.draft.online == "off" or c.speculation.policy != "off", "draft.online",
            "needs speculation (speculation.policy != off): the draft learns from the states rollout computes for it",
            c.draft.online)
-    _check(c.trainer.routing_replay == "off" or c.engine.backend == "embedded", "trainer.routing_replay",
-           "rollout needs engines that record routing: the embedded engine (engine.backend=embedded) does; "
-           "fastgrpo does not yet read SGLang's return_routed_experts", c.trainer.routing_replay)
     _check(not c.trainer.optimizer_offload or c.device != "cpu", "trainer.optimizer_offload",
            "moves the optimizer from GPU to host memory: it needs CUDA (device=cuda or auto), not device=cpu, where "
            "the optimizer is in host memory already and megatron-core's offloading optimizer cannot run "
            "(`MegatronPolicyTrainer` says why)", c.trainer.optimizer_offload)
+    # both engines record routing; SGLang's record under EAGLE is not the accepted tokens' routing (the
+    # adapter's ROUTING_SPECULATION, engines/sglang/requests.py, says why in full)
+    _check(c.trainer.routing_replay == "off" or c.engine.backend != "sglang" or c.speculation.policy == "off",
+           "trainer.routing_replay", "rollout with engine.backend=sglang needs speculation.policy=off: SGLang 0.5.23 "
+           "keys its routed-experts record by KV slot, and under EAGLE it is not the accepted tokens' routing (tree "
+           "drafts move the accepted path's KV but not the record: speculative/eagle_worker_common.py:772-784; the "
+           "capture buffer is not sized for verify steps: state_capturer/routed_experts.py:79-83)",
+           c.trainer.routing_replay)
     _check(c.speculation.drafts == "learned" or c.engine.backend == "embedded", "speculation.drafts",
            "index and hybrid trees are the embedded engine's (engine.backend=embedded)", c.speculation.drafts)
 

@@ -66,7 +66,7 @@ def test_every_sglang_use_of_the_adapter_is_in_sglangs_source(src):
     # the scan saw what the adapter does (a scan that typed nothing would pass vacuously)
     for expected in [
         "sglang.srt.managers.io_struct.GenerateReqInput(input_ids, sampling_params, return_logprob, "
-        "return_sampling_mask, return_hidden_states)",
+        "return_sampling_mask, return_hidden_states, return_routed_experts)",
         "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request()",
         "sglang.srt.managers.io_struct.UpdateWeightsFromTensorReqInput(serialized_named_tensors, flush_cache, "
         "weight_version, selector)",
@@ -151,7 +151,7 @@ def test_the_keys_the_adapter_reads_are_sglangs(src):
     assert sorted(keys - sglang_keys - set(ADAPTER_OWN_KEYS)) == []
     assert {"output_token_sampling_mask", "output_token_sampling_logprobs", "output_token_logprobs", "cached_tokens",
             "hidden_states", "finish_reason", "spec_verify_ct", "num_retractions",
-            "spec_correct_drafts_histogram"} <= keys & src.output_keys
+            "spec_correct_drafts_histogram", "routed_experts"} <= keys & src.output_keys
     tiers = src.module("sglang.srt.speculative.adaptive_spec_params").path.read_text()
     assert 'entry.get("candidate_steps")' in tiers and 'entry["candidate_steps"]' in tiers
     assert set(sglang_requests.FINISH_REASONS) <= src.finish_types == {"stop", "length", "abort"}
@@ -171,6 +171,12 @@ def test_the_engine_arguments_are_serverargs_fields_the_emulation_models(src):
                            Path("tiers.json") if mode == "fastgrpo" else None, 0)
         assert check_keys(src, "server_args", args, owner=f"{overrides}: ") == []
         assert sorted(set(args) - set(emulated)) == []
+    # routing replay: a mixture of experts' engine records its routing (without speculation: the config refuses it)
+    cfg = load_config(None, ["engine.backend=sglang", "trainer.routing_replay=rollout", "speculation.policy=off",
+                             "draft.online=off"])
+    args = server_args(cfg, "off", None, None, 0, moe=True)
+    assert args["enable_return_routed_experts"] is True
+    assert check_keys(src, "server_args", args) == [] and sorted(set(args) - set(emulated)) == []
 
 
 def test_the_sampling_parameters_are_sglangs(src):
@@ -584,3 +590,117 @@ def test_a_qwen3_moe_push_names_what_sglangs_load_weights_maps(src):
     assert len(stacked) == 2 * layers
     assert all(c == [] for c in conformance.load_weights_calls(
         src, f"{QWEN3_MOE}.Qwen3MoeForCausalLM", cfg, parameters, stacked).values())
+
+
+# -- routed experts (routing replay) -------------------------------------------------------------------------
+
+# each place in SGLang's source the adapter's routing rests on, as it cites it (path under sglang/srt/,
+# first and last line), with text those lines hold: a newer wheel that moved or changed them fails here
+ROUTED_CITATIONS = [
+    ("state_capturer/routed_experts.py", 72, 93, "topk_size = model_config.hf_text_config.num_experts_per_tok"),
+    ("state_capturer/routed_experts.py", 72, 93, "num_layers = model_config.hf_text_config.num_hidden_layers"),
+    ("state_capturer/routed_experts.py", 79, 83, "# FIXME: spec decoding's num_verify_tokens is still not accounted"),
+    ("state_capturer/routed_experts.py", 79, 83, "max_running_requests * get_parallel().num_dp_ranks"),
+    ("state_capturer/routed_experts.py", 177, 190, "module.topk_config.allow_routed_experts_capture = False"),
+    ("state_capturer/base.py", 38, 42, "self.buffer = torch.zeros("),
+    ("state_capturer/base.py", 63, 75, "dtype=torch.int32"),
+    ("state_capturer/base.py", 63, 75, "self.buffer.zero_()"),
+    ("state_capturer/base.py", 117, 118, "self.host_cache.buffer[self.out_cache_loc] = self.topk"),
+    ("state_capturer/base.py", 173, 188, "req_to_token_pool.req_to_token[req_pool_idx][start_len : seqlen - 1]"),
+    ("state_capturer/base.py", 190, 221, "self.host_cache.buffer[out_cache_loc_cpu] = slice_gpu.cpu()"),
+    ("layers/moe/topk.py", 2574, 2574, "capture_routed_experts_if_allowed(topk_config, layer_id, routed_topk_ids)"),
+    ("model_executor/model_runner.py", 721, 723, "disable_routed_experts_capture_for_draft(self.model)"),
+    ("model_executor/model_runner.py", 1222, 1227, "if self.is_draft_worker:"),
+    ("managers/scheduler_components/batch_result_processor.py", 136, 161,
+     "seqlen = len(req.origin_input_ids) + len(req.output_ids_through_stop)"),
+    ("managers/scheduler_components/batch_result_processor.py", 151, 153, "if capturer is None:\n            return"),
+    ("managers/detokenizer_manager.py", 432, 448, 'pybase64.b64encode(item.numpy().tobytes()).decode("utf-8")'),
+    ("managers/tokenizer_manager.py", 2602, 2609, 'val = pybase64.b64encode(val.numpy().tobytes()).decode("utf-8")'),
+    ("managers/tokenizer_manager.py", 2602, 2609, 'meta_info["routed_experts"] = val'),
+    ("speculative/eagle_worker_common.py", 772, 784, "if finalize_tree_path and not batch.forward_mode.is_idle() and topk > 1:"),
+    ("speculative/eagle_worker_common.py", 772, 784, "predict = _finalize_accept_tree_path("),
+    ("speculative/spec_utils.py", 859, 910, "token_to_kv_pool_allocator.get_kvcache().move_kv_cache("),
+]
+
+
+def _lines(src, path: str, first: int, last: int) -> str:
+    return "\n".join((src.root / "sglang" / "srt" / path).read_text().splitlines()[first - 1: last])
+
+
+def test_what_the_routing_record_rests_on_is_where_the_adapter_cites_it(src):
+    """Every file:line the adapter's refusal of routing under speculation cites (ROUTING_SPECULATION, and
+    the config's refusal) is checked below, and each checked range holds what the adapter says it does:
+    the per-slot int32 host rows of every layer's top-k, zeroed; positions 0..seqlen-2 through the stop;
+    base64 of the bytes; the draft never captured; a tree's accepted path moved in the KV cache but not
+    in the record (finalize writes at the verify's own slots); the FIXME on the buffer's size."""
+    import re
+
+    from fastgrpo.config import ConfigError
+
+    for path, first, last, text in ROUTED_CITATIONS:
+        assert text in _lines(src, path, first, last), (path, first, last, text)
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, ["engine.backend=sglang", "trainer.routing_replay=rollout", "speculation.policy=static"])
+    checked = {(p, f, la) for p, f, la, _ in ROUTED_CITATIONS}
+    for text in (sglang_requests.ROUTING_SPECULATION, str(refused.value)):
+        cited = re.findall(r"([\w/]+\.py):(\d+)(?:-(\d+))?", text)
+        assert len(cited) >= 2
+        for path, first, last in cited:
+            assert (path, int(first), int(last or first)) in checked, (path, first, last)
+
+
+def test_the_routing_record_leaves_sglang_as_the_emulation_encodes_it_and_the_adapter_decodes_it(src):
+    """SGLang's own code, compiled from the wheel, gathers a request's rows from a per-slot host buffer
+    (`BaseTopkCapturer.get_topk`: a prompt whose first 3 positions a cache hit shares with another
+    request's slots), encodes them (`DetokenizerManager._b64_encode_per_request`, pybase64 standing in
+    as the standard library's base64, which writes the same text) and decodes them as it tells users to
+    (`extract_routed_experts_from_meta_info`). The emulation's capturer gathers and encodes the same
+    rows to the same string, and the adapter's `decode_routing` reads that string as the embedded engine
+    records: int16 [T, layers, k], the last position -1. A record of the wrong size or with ids outside
+    the model's experts is refused."""
+    from types import SimpleNamespace as NS
+    from typing import List, Optional
+
+    import base64
+    import numpy as np
+    import torch
+
+    from fastgrpo.engines.sglang.requests import decode_routing
+    from tests.sglang_emulated import emulated_sglang
+
+    pybase64 = NS(b64encode=base64.b64encode, b64decode=base64.b64decode)
+    get_topk = conformance.sglang_function(src, "sglang.srt.state_capturer.base", "get_topk", "BaseTopkCapturer")
+    encode = conformance.sglang_function(src, "sglang.srt.managers.detokenizer_manager", "_b64_encode_per_request",
+                                         "DetokenizerManager", {"pybase64": pybase64, "Optional": Optional,
+                                                                "List": List, "torch": torch})
+    extract = conformance.sglang_function(src, "sglang.srt.state_capturer.routed_experts",
+                                          "extract_routed_experts_from_meta_info", namespace={"np": np,
+                                                                                              "pybase64": pybase64})
+    layers, k, experts, slots = 3, 2, 8, 40
+    g = torch.Generator().manual_seed(0)
+    host = torch.randint(0, experts, (slots, layers, k), generator=g, dtype=torch.int32)
+    prompt, response = [5, 6, 7, 8, 9], [10, 11, 12]
+    T = len(prompt) + len(response)
+    req_slots = [21, 22, 23, 3, 30, 31, 32, 33]  # 21-23 a cache hit's slots; 33, the last token's, is never read
+    pool = NS(req_to_token=torch.tensor([req_slots]))
+    rows = get_topk(NS(host_cache=NS(buffer=host)), 0, T, pool)
+    assert torch.equal(rows, host[req_slots[: T - 1]])  # positions 0..T-2
+    [sent] = encode([rows])
+    with emulated_sglang():
+        from _sglang_emulator.routed import RoutedExperts, encode as emulated_encode
+
+        capturer = RoutedExperts({}, layers, k)
+        capturer.host = {s: host[s] for s in range(slots)}
+        assert torch.equal(capturer.get_topk(req_slots, T), rows)
+        assert emulated_encode(capturer.get_topk(req_slots, T)) == sent
+    meta = {"routed_experts": sent}
+    assert extract({"meta_info": meta}).tolist() == rows.flatten().tolist()
+    record = decode_routing(meta, len(prompt), len(response), layers, k, experts)
+    assert record.dtype == torch.int16 and record.shape == (T, layers, k)
+    assert torch.equal(record[:-1], rows.to(torch.int16)) and (record[-1] == -1).all()
+    with pytest.raises(RuntimeError, match="positions 0..6 of 3 layers x top-2 are 42"):
+        decode_routing({"routed_experts": encode([rows[:-1]])[0]}, len(prompt), len(response), layers, k, experts)
+    with pytest.raises(RuntimeError, match="the model has 4"):
+        decode_routing(meta, len(prompt), len(response), layers, k, 4)
+    with pytest.raises(RuntimeError, match="enable_return_routed_experts"):
+        decode_routing({}, len(prompt), len(response), layers, k, experts)

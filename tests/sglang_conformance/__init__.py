@@ -21,12 +21,13 @@ Three checks use it (tests/test_sglang_conformance.py runs them):
 
 The modules: `wheel` (fetching and unpacking the pinned wheel, `source()`), `reading` (`Source`,
 `ClassInfo`, signatures), `adapter` (`check_adapter`, `check_keys`), `emulation`
-(`check_emulation`) and `loading` (`load_weights_calls`).
+(`check_emulation`) and `loading` (`sglang_function`: one of SGLang's functions compiled from the
+source; `load_weights_calls`).
 """
 
 from tests.sglang_conformance.adapter import ATTRIBUTE_TYPES, AdapterScan, check_adapter, check_keys
 from tests.sglang_conformance.emulation import EMULATION, check_emulation, compare_signature, emulated_modules
-from tests.sglang_conformance.loading import LoaderCall, load_weights_calls
+from tests.sglang_conformance.loading import LoaderCall, load_weights_calls, sglang_function
 from tests.sglang_conformance.reading import (NOT_LITERAL, ClassInfo, Module, Param, Source, Symbol, bind_problems,
                                               call_kind, literal, parameters)
 from tests.sglang_conformance.wheel import (WHEEL, WHEEL_SHA256, SourceUnavailable, cache_dir, fetch_wheel,
@@ -35,4 +36,5 @@ from tests.sglang_conformance.wheel import (WHEEL, WHEEL_SHA256, SourceUnavailab
 __all__ = ["ATTRIBUTE_TYPES", "AdapterScan", "ClassInfo", "EMULATION", "LoaderCall", "Module", "NOT_LITERAL", "Param",
            "Source", "SourceUnavailable", "Symbol", "WHEEL", "WHEEL_SHA256", "bind_problems", "cache_dir", "call_kind",
            "check_adapter", "check_emulation", "check_keys", "compare_signature", "emulated_modules", "fetch_wheel",
-           "literal", "load_weights_calls", "metadata_requirements", "parameters", "source", "source_root"]
+           "literal", "load_weights_calls", "metadata_requirements", "parameters", "sglang_function", "source",
+           "source_root"]

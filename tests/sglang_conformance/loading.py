@@ -1,6 +1,6 @@
-"""A model's weight loading run from SGLang's own source: `load_weights_calls` compiles a model
-class's `load_weights` (and the helpers it calls) from the wheel and records which parameter each
-tensor is loaded into, with the loader's shard and expert ids."""
+"""SGLang's own functions run from the wheel's source: `sglang_function` compiles one; a model's weight
+loading, `load_weights_calls`, compiles a model class's `load_weights` (and the helpers it calls) and
+records which parameter each tensor is loaded into, with the loader's shard and expert ids."""
 
 from __future__ import annotations
 
@@ -26,6 +26,19 @@ def _compiled(node: ast.FunctionDef, filename: str, namespace: dict):
     module = ast.fix_missing_locations(ast.Module([fn], []))
     exec(compile(module, filename, "exec"), namespace)
     return namespace[node.name]
+
+
+def sglang_function(src: Source, module: str, name: str, owner: str | None = None, namespace: dict | None = None):
+    """SGLang's own function `name` of `module` (a method of class `owner` if given, called with its
+    `self` / `cls` passed by the caller), compiled from the wheel's source into `namespace` (the globals
+    it reads: what the caller provides stands in for SGLang's imports). Decorators are dropped."""
+    symbol = src.resolve(module, owner or name)
+    if symbol is None:
+        raise LookupError(f"{module}.{owner or name} is not in sglang's source")
+    node = src.cls(symbol).method(name) if owner else symbol.node
+    if node is None:
+        raise LookupError(f"{module}.{owner}.{name} is not in sglang's source")
+    return _compiled(node, str(symbol.module.path), dict(namespace or {}))
 
 
 def load_weights_calls(src: Source, model_class: str, config, parameters: list[str],

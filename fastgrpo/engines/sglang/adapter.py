@@ -7,7 +7,7 @@ SGLang import, attribute, call, keyword, field and output key this module uses, 
 contract suite runs this module's own code against an emulation of SGLang's engine
 (tests/sglang_emulation) whose interface the same test checks against that source. What it relies
 on, all in 0.5.23 (paths in the wheel, under sglang/srt/), beside what a request sends and its output
-holds (`requests.py`: seeds, log-probabilities, stops, the context, hidden states):
+holds (`requests.py`: seeds, log-probabilities, stops, the context, hidden states, routed experts):
 - Generation sends one `GenerateReqInput` through `tokenizer_manager.generate_request(obj, None)` on
   the engine's event loop, as `Engine.generate` does (entrypoints/engine.py), because
   `Engine.generate` has no `return_sampling_mask` parameter (the request object has the field).
@@ -38,6 +38,15 @@ holds (`requests.py`: seeds, log-probabilities, stops, the context, hidden state
   `aware_per_sequence` runs as `aware` (SGLang has no per-sequence verify budget).
 - The draft SGLang runs is our draft under its EAGLE Llama names (`sglang_eagle_tensors`) without the
   two norms that class has no place for: still lossless, acceptance unmeasured.
+- Routing replay (`trainer.routing_replay=rollout`, a mixture of experts): the engine starts with
+  `enable_return_routed_experts` and `generate(routing=True)` asks each request for
+  `return_routed_experts`; SGLang's per-KV-slot record of every layer's top-k comes back as
+  `meta_info["routed_experts"]` and becomes `Completion.routing` exactly as the embedded engine
+  records it (`requests.decode_routing`: positions 0..T-2 of prompt + response, -1 at the last;
+  Qwen3-MoE's layers are all sparse in SGLang, `check_model`, so its layer columns are the trainer's
+  routers in order). The order of the k ids within a row is SGLang's top-k kernel's, which replay does not read
+  (models/routing.py compares sets and takes each recorded expert's own gate weight). Refused with
+  speculation (`requests.ROUTING_SPECULATION`: under EAGLE the record is not the accepted tokens').
 """
 
 from __future__ import annotations
@@ -62,8 +71,9 @@ from fastgrpo.models.draft import export_sglang_eagle, sglang_eagle_tensors
 from fastgrpo.models.families import checkpoint_tensors
 from fastgrpo.paths import draft_dir, draft_weights, has_draft
 from fastgrpo.speculation.policy import FastGRPOFormula, SpeculationPolicy
-from fastgrpo.engines.sglang.requests import (SGLANG_MASK_CAP, captured, check_sampling, completion, eagle_reservation,
-                                              fill_prefixes, sampling_mask_cap, sampling_params)
+from fastgrpo.engines.sglang.requests import (ROUTING_SPECULATION, SGLANG_MASK_CAP, captured, check_sampling,
+                                              completion, decode_routing, eagle_reservation, fill_prefixes,
+                                              sampling_mask_cap, sampling_params)
 from fastgrpo.speculation.sglang_tiers import AdaptiveSlots, AwareTiers, plain_steps, spec_capture_sizes
 from fastgrpo.types import Completion, EngineStats, Request, SamplingParams
 
@@ -105,10 +115,18 @@ def adaptive_tiers(policy: SpeculationPolicy, max_batch: int) -> dict[str, dict]
     return slots
 
 
+def is_moe(model_config: PretrainedConfig) -> bool:
+    """Whether the policy routes tokens to experts (only then is there routing to record)."""
+    return bool(getattr(model_config, "num_experts", 0)) and bool(getattr(model_config, "num_experts_per_tok", 0))
+
+
 def server_args(cfg: Config, mode: str, draft_export: Path | None, tiers_file: Path | None,
-                base_gpu_id: int, dtype: str = "bfloat16") -> dict[str, Any]:
+                base_gpu_id: int, dtype: str = "bfloat16", moe: bool = False) -> dict[str, Any]:
     """The keyword arguments of `sglang.Engine` for this rank's engine: `engine.tensor` GPUs of its
-    node from `base_gpu_id` (the GPUs of the engine's own ranks, colocated with the trainer)."""
+    node from `base_gpu_id` (the GPUs of the engine's own ranks, colocated with the trainer). A mixture
+    of experts (`moe`) under routing replay records its routing (`enable_return_routed_experts`), without
+    speculation only: under EAGLE the record is not the accepted tokens' (`ROUTING_SPECULATION`), and
+    the capture costs a host row per KV slot, which no other run needs."""
     args: dict[str, Any] = dict(
         model_path=cfg.model.path, tp_size=cfg.engine.tensor, base_gpu_id=base_gpu_id, mem_fraction_static=cfg.engine.mem_fraction,
         context_length=cfg.model.max_context, max_running_requests=cfg.rollout.max_batch, random_seed=cfg.seed,
@@ -120,6 +138,8 @@ def server_args(cfg: Config, mode: str, draft_export: Path | None, tiers_file: P
         args["chunked_prefill_size"] = -1  # a chunked prompt's middle chunks return no hidden states
     if cfg.rollout.top_k > 0:
         args["sampling_mask_max_tokens"] = sampling_mask_cap(cfg.rollout.top_k)
+    if cfg.trainer.routing_replay == "rollout" and moe and mode == "off":
+        args["enable_return_routed_experts"] = True  # generate(routing=True) at any time
     if mode == "off":
         return args
     sc = cfg.speculation
@@ -152,6 +172,7 @@ class SGLangEngine:
         self.mode = mode
         self.mask_cap = args.get("sampling_mask_max_tokens", SGLANG_MASK_CAP)
         self.capture = bool(args.get("enable_return_hidden_states"))
+        self.records_routing = bool(args.get("enable_return_routed_experts"))
         self.reserved = eagle_reservation(args, tiers)
         self.weights_version: int | None = -1  # None: a push is under way
         self._incoming = -1
@@ -309,11 +330,20 @@ class SGLangEngine:
 
     def generate(self, requests: list[Request], sampling: SamplingParams, seed: int = 0,
                  capture: bool = False, routing: bool = False) -> list[Completion]:
+        """The Engine protocol's generate as one SGLang request object (module docstring). `capture`: the
+        target's hidden states (an engine started with enable_return_hidden_states); `routing`: a mixture
+        of experts' completions carry SGLang's routed experts in the embedded engine's format (an engine
+        started with enable_return_routed_experts, which `server_args` sets only without speculation, as
+        SGLang's record under EAGLE is not the accepted tokens'); a dense model's carry none."""
         from sglang.srt.managers.io_struct import GenerateReqInput
 
-        if routing:  # SGLang 0.5.23 can (return_routed_experts); this adapter does not ask for it yet
-            raise ValueError("routing replay (trainer.routing_replay=rollout) needs the embedded engine: the SGLang "
-                             "adapter does not request SGLang's routed experts yet")
+        routing = routing and is_moe(self.cfg)  # a dense model has no routing (None, as the embedded engine)
+        if routing and self.mode != "off":
+            raise ValueError(f"routing replay (trainer.routing_replay=rollout) on SGLang needs speculation.policy=off "
+                             f"(this engine speculates: {self.mode}): {ROUTING_SPECULATION}")
+        if routing and not self.records_routing:
+            raise ValueError("routing needs an SGLang engine started with enable_return_routed_experts "
+                             "(trainer.routing_replay=rollout)")
         if self._stale:
             raise RuntimeError("the engine's weights were released for training: no generation until the next "
                                "weight push commits")
@@ -338,7 +368,8 @@ class SGLangEngine:
             input_ids=[list(r.prompt_ids) for r in requests],
             sampling_params=[sampling_params(sampling, r, seed, i, limits[i], self.stop_ids)
                              for i, r in enumerate(requests)],
-            return_logprob=True, return_sampling_mask=masked, return_hidden_states=capture)
+            return_logprob=True, return_sampling_mask=masked, return_hidden_states=capture,
+            return_routed_experts=routing)
         outs = self._run(self._engine.tokenizer_manager.generate_request(obj, None).__anext__())
         seconds = time.perf_counter() - t0
         # each request's steps at depth-0 slots (the depths set for this call, before aware moves them)
@@ -351,6 +382,9 @@ class SGLangEngine:
             states = fill_prefixes([r.prompt_ids + c.token_ids for r, c in zip(requests, done)], parts)
             for c, h in zip(done, states):
                 c.hidden = h
+        if routing:
+            for o, r, c in zip(outs, requests, done):
+                c.routing = self._routing(o["meta_info"], len(r.prompt_ids), len(c.token_ids))
         if self.aware is not None:
             self._learn(requests, done, outs, plain)
         tokens = sum(len(c.token_ids) for c in done)
@@ -362,6 +396,12 @@ class SGLangEngine:
                            mean_running=0.0, accept_len=emitted / spec if spec else 1.0,
                            config_by_concurrency={}, trace=[])
         return done
+
+    def _routing(self, meta: dict, prompt_len: int, n_tokens: int) -> Tensor:
+        """One output's routed experts as `Completion.routing` (`requests.decode_routing`): SGLang's record
+        has a column per layer (num_hidden_layers), each a sparse layer here (`check_model`)."""
+        return decode_routing(meta, prompt_len, n_tokens, self.cfg.num_hidden_layers, self.cfg.num_experts_per_tok,
+                       self.cfg.num_experts)
 
     def close(self) -> None:
         self._engine.shutdown()
@@ -454,7 +494,7 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrai
             tiers_file = work / "adaptive.json"
             tiers_file.write_text(json.dumps(tiers, indent=1))
     base_gpu_id = int(os.environ.get("LOCAL_RANK", 0))
-    args = server_args(cfg, mode, draft_export, tiers_file, base_gpu_id, dtype)
+    args = server_args(cfg, mode, draft_export, tiers_file, base_gpu_id, dtype, moe=is_moe(model_config))
     engine = sglang.Engine(**args)
     adapter = SGLangEngine(engine, cfg, model_config, mode, args, tiers, aware, stop_ids)
     if weights is not None:

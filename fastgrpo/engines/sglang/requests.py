@@ -26,13 +26,29 @@ conformance test checks each use against it):
   first), then one row per emitted token. Chunked prefill (whose middle chunks return no rows) is off
   when states are captured; a capture call starts from an empty cache, so the rows a cache hit
   skipped were computed by another request of the same call and are taken from it (`fill_prefixes`).
+- `return_routed_experts=True` (server flag `enable_return_routed_experts`; `routed_experts`): the
+  experts each position ran, as the embedded engine records them (`Completion.routing`). SGLang keeps
+  one int32 row [num_hidden_layers, num_experts_per_tok] per KV slot in a zeroed host buffer
+  (state_capturer/routed_experts.py:72-93, state_capturer/base.py:63-75); every target forward writes
+  the rows of the slots it computed, each sparse layer's column from its top-k, the logical expert ids
+  before any expert-parallel remap (layers/moe/topk.py:2574, remap after it), the draft's layers never
+  (routed_experts.py:177-190, model_executor/model_runner.py:721-723, 1222-1227), dense layers' columns
+  left 0 (nothing captures them). A finished request gathers the rows of its slots for positions
+  0..seqlen-2, seqlen = prompt + output through the stop (scheduler_components/batch_result_processor.py:
+  136-161, base.py:173-188): every position but the last token, which was sampled and never run; a
+  radix-cache hit's positions carry the routing of the forward that computed their KV. The tensor goes
+  out as base64 of its bytes (detokenizer_manager.py:432-448; with skip_tokenizer_init, encoded the
+  same way in tokenizer_manager.py:2602-2609). `decode_routing` decodes it and adds the last
+  position's -1 row. Not with speculation (`ROUTING_SPECULATION`).
 """
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -43,6 +59,18 @@ FINISH_REASONS = {"stop": "stop", "length": "length"}  # SGLang's meta_info["fin
 SGLANG_MASK_CAP = 4096  # sampling_mask_max_tokens' default (arg_groups/fields/exec_.py)
 SGLANG_DEFAULT_ADAPTIVE_STEPS = 7  # the most steps of SGLang's default adaptive tiers (adaptive_spec_params.py)
 TIE_HEADROOM = 64  # sampling-mask slots beyond top-k for tokens tied at the cutoff
+
+
+# why routing replay on SGLang needs speculation off (the adapter and the config refuse it, citing this)
+ROUTING_SPECULATION = (
+    "SGLang 0.5.23 keys its routed-experts record by KV slot, and under EAGLE that record is not the accepted "
+    "tokens' routing: with tree drafts (speculative_eagle_topk > 1) the accepted path's KV is moved to the "
+    "front slots of the verify window (speculative/eagle_worker_common.py:772-784, speculative/spec_utils.py:"
+    "859-910) while the record stays at the slots each tree node was verified in (state_capturer/base.py:"
+    "117-118), so accepted tokens get other nodes' experts; and the capture buffer holds max(chunked_prefill_"
+    "size, max_running_requests) tokens, not a verify step's requests x draft tokens (state_capturer/"
+    "routed_experts.py:79-83, a FIXME). Chains (top-k 1) keep the accepted path in place but meet the same "
+    "buffer, and none of it has run")
 
 
 def sampling_mask_cap(top_k: int) -> int:
@@ -140,6 +168,28 @@ def fill_prefixes(sequences: list[list[int]], parts: list[tuple[int, Tensor]]) -
                                f"(a radix-cache hit on a prefix from an earlier call)")
         out.append(torch.cat([torch.stack([state_at[path[p]] for p in range(first)]), rows]) if first else rows)
     return out
+
+
+def decode_routing(meta: dict, prompt_len: int, n_tokens: int, layers: int, top_k: int, experts: int) -> Tensor:
+    """One output's `meta_info["routed_experts"]` as the embedded engine's record (`Completion.routing`):
+    [prompt_len + n_tokens, layers, top_k] int16, position t the experts of the forward that ran token
+    t, the last position -1 (sampled, never run). SGLang sends positions 0..T-2 as base64 of an int32
+    [T-1, num_hidden_layers, top_k] tensor's bytes (module docstring): the adapter and SGLang's tokenizer
+    manager share a process, so its byte order is ours. A length or id that does not fit is an error:
+    a record that does not line up with the sequence would replay experts onto the wrong tokens."""
+    encoded = meta.get("routed_experts")
+    if encoded is None:
+        raise RuntimeError("SGLang returned no routed experts (meta_info['routed_experts']): the engine must start "
+                           "with enable_return_routed_experts")
+    rows = prompt_len + n_tokens - 1
+    ids = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    if ids.size != rows * layers * top_k:
+        raise RuntimeError(f"SGLang's routed experts hold {ids.size} ids; positions 0..{rows - 1} of {layers} layers "
+                           f"x top-{top_k} are {rows * layers * top_k}")
+    if ids.size and not (0 <= ids.min() and ids.max() < experts):
+        raise RuntimeError(f"SGLang's routed experts name experts {ids.min()}..{ids.max()}; the model has {experts}")
+    ran = torch.from_numpy(ids.astype(np.int16)).view(rows, layers, top_k)
+    return torch.cat([ran, torch.full((1, layers, top_k), -1, dtype=torch.int16)])
 
 
 def completion(out: dict, prompt_len: int, requested: int, limit: int, masked: bool, plain: int = 0) -> Completion:

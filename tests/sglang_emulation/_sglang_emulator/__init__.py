@@ -22,6 +22,12 @@ What it runs:
 - hidden states: prefill rows for the prompt's uncached part only, and with chunked prefill only
   for its last chunk (scheduler_components/batch_result_processor.py), then one row per emitted
   token; the list sliced to the output length (output_streamer.py).
+- routed experts (enable_return_routed_experts, return_routed_experts): a record per KV slot, zeroed,
+  written by each target forward for the slots it computes (a cache hit's slots keep the rows of the
+  request that computed them), gathered for positions 0..seqlen-2 when a request finishes and sent as
+  base64 of the int32 bytes (state_capturer/, managers/detokenizer_manager.py: routed.py); refused under
+  EAGLE. A Qwen3-MoE checkpoint with dense layers raises (SGLang builds every layer sparse), and its
+  experts load one tensor per expert, the names SGLang's loader maps (weights.py checkpoint_names).
 - EAGLE: the exported draft directory read as SGLang reads it (config.json: LlamaForCausalLMEagle,
   tie_word_embeddings, dtype / torch_dtype through configs/model_config.py _get_and_verify_dtype;
   weights by llama_eagle.py's names), chain drafts verified against the target's own samples, so
@@ -40,8 +46,8 @@ What it runs:
   draft comes back from its CPU backup, resuming a tag that was not released fails.
 
 The package: `common` (SGLang's constants, `EmulationError`, tensor IPC, what SGLang derives at start),
-`scheduler` (`Scheduler`: start, validation, generation; its knob `DEFAULT_CHUNKED_PREFILL`), and the
-scheduler's mixins `eagle` and `weights`.
+`scheduler` (`Scheduler`: start, validation, generation; its knob `DEFAULT_CHUNKED_PREFILL`), the
+scheduler's mixins `eagle` and `weights`, and `routed` (the routed-experts capturer).
 """
 
 from .common import (ALL_TAGS, DEFAULT_ADAPTIVE_CONFIG, TOP_K_ALL, EmulationError, _IPC, decode_capture_sizes,

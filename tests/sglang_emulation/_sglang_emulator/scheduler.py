@@ -1,12 +1,15 @@
 """The emulated scheduler: its start (the policy, the arguments it derives from), request validation and
-generation (continuous batching, the radix cache, sampling, EAGLE's verify, hidden states, outputs);
-EAGLE and weight updates are its mixins (eagle.py, weights.py)."""
+generation (continuous batching, the radix cache with the KV slots it holds, sampling, EAGLE's verify,
+hidden states, routed experts, outputs); EAGLE and weight updates are its mixins (eagle.py, weights.py),
+the routed-experts record its capturer (routed.py)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import warnings
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +18,8 @@ import torch
 
 from .common import EmulationError, decode_capture_sizes, hf_eos_token_ids, resolve_dtype
 from .eagle import Eagle
-from .weights import Weights
+from .routed import RoutedExperts, encode
+from .weights import Weights, checkpoint_names
 
 DEFAULT_CHUNKED_PREFILL = 8192  # what SGLang picks on a large GPU when chunked_prefill_size is None
 
@@ -27,6 +31,7 @@ class _Request:
     params: Any  # SamplingParams
     hidden: bool
     mask: bool
+    routed: bool = False  # return_routed_experts
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask_ids: list[list[int]] = field(default_factory=list)
@@ -36,6 +41,8 @@ class _Request:
     verify_ct: int = 0
     cached: int = 0
     histogram: list[int] = field(default_factory=list)  # verify steps by accepted drafts
+    slots: list[int] = field(default_factory=list)  # the KV slot of each position fed (req_to_token)
+    routed_experts: Any = None  # int32 [seqlen - 1, layers, k], gathered when it finished
 
 
 @dataclass
@@ -58,17 +65,25 @@ class Scheduler(Eagle, Weights):
         self.args = args
         path = Path(args.model_path)
         self.config = json.loads((path / "config.json").read_text())
+        if self.config.get("model_type") == "qwen3_moe" and (self.config.get("mlp_only_layers")
+                                                           or self.config.get("decoder_sparse_step", 1) != 1):
+            raise EmulationError("SGLang builds every Qwen3-MoE layer as a sparse block (models/qwen3_moe.py "
+                                 "stage_facts): this checkpoint's dense layers would lose their weights")
         self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
         self.vocab = self.config["vocab_size"]
         self.context_len = args.context_length or self.config.get("max_position_embeddings", 2048)
         self.eos = hf_eos_token_ids(path, self.config)
         self.target_dtype = resolve_dtype(self.config, args.dtype)
         self.tp = args.tp_size
-        self.names = {n: tuple(t.shape) for n, t in self.model.state_dict().items()}
+        self.targets = checkpoint_names(self.model)  # what a push loads, by the names SGLang's loader maps
+        self.names = {n: tuple(t.shape) for n, t in self.targets.items()}
         self.garbage: set[str] = set()  # target tensors whose memory was released and not reloaded
         self.draft_garbage: set[str] = set()
         self.generation = 0  # target weight loads so far (the radix cache's entries remember theirs)
-        self.cache: list[tuple[tuple[int, ...], int]] = []  # sequences whose KV the radix cache holds
+        self.cache: list[tuple[tuple[int, ...], int, list[int]]] = []  # sequences whose KV the radix cache
+        # holds: tokens, the weight load that computed them, their KV slots
+        self.kv_slots = itertools.count()  # KV slots, never reused (a freed slot's old row is never read)
+        self.experts = RoutedExperts.for_model(self.model, self.config) if args.enable_return_routed_experts else None
         self.session: str | None = None
         self.session_loaded = False
         self.offloaded: set[str] = set()
@@ -108,6 +123,10 @@ class Scheduler(Eagle, Weights):
                                  f"tensors are garbage): SGLang would sample from garbage")
         if self.draft is not None and self.draft_garbage:
             raise EmulationError("generate with a released draft that has no CPU backup")
+        if self.experts is not None and self.algorithm is not None and any(r.routed for r in requests):
+            raise EmulationError("routed experts under EAGLE: SGLang moves a tree's accepted path in the KV cache "
+                                 "but not its record, and sizes the capture buffer without verify tokens "
+                                 "(state_capturer/routed_experts.py:79-83); not emulated")
         for r in requests:  # scheduler.py: requests it refuses end as aborts (400), which the call raises
             if r.mask:
                 top_k = r.params.top_k
@@ -135,24 +154,41 @@ class Scheduler(Eagle, Weights):
                     self._retire(state)
             running = [state for state in running if not state.done]
 
-    def _match(self, prompt: list[int]) -> int:
-        best, generation = 0, self.generation
-        for seq, gen in self.cache:
+    def _match(self, prompt: list[int]) -> tuple[int, list[int]]:
+        """(cached tokens, their KV slots): the longest prefix the radix cache holds, short of the whole
+        prompt (SGLang computes at least its last token)."""
+        best, generation, slots = 0, self.generation, []
+        for seq, gen, held in self.cache:
             n = 0
             for a, b in zip(seq, prompt):
                 if a != b:
                     break
                 n += 1
             if n > best:
-                best, generation = n, gen
+                best, generation, slots = n, gen, held
         best = min(best, len(prompt) - 1)
         if best and generation != self.generation:
             raise EmulationError("a prefix computed by older weights was served from the radix cache: the cache "
                                  "was not flushed after a weight update")
-        return best
+        return best, list(slots[:best])
 
-    def _insert(self, seq: list[int]) -> None:
-        self.cache.append((tuple(seq), self.generation))
+    def _insert(self, seq: list[int], slots: list[int]) -> None:
+        assert len(slots) == len(seq)
+        self.cache.append((tuple(seq), self.generation, list(slots)))
+
+    def _allocate(self, n: int) -> list[int]:
+        return [next(self.kv_slots) for _ in range(n)]
+
+    @contextmanager
+    def _recording(self):
+        """Around one target forward: each sparse layer's top-k, by layer id, when the server captures
+        (it records every forward, a request's that did not ask too: a later request that asks may read
+        those rows through the radix cache)."""
+        if self.experts is None:
+            yield None
+            return
+        with self.experts.capture() as seen:
+            yield seen
 
     def _noise(self, seed: int, position: int) -> torch.Tensor:
         g = torch.Generator().manual_seed((seed * 1_000_003 + position) % (2**63))
@@ -222,14 +258,18 @@ class Scheduler(Eagle, Weights):
         """The request's prefill and first token; None if that finished it."""
         prompt = r.prompt
         P = len(prompt)
-        r.cached = self._match(prompt)
-        out = self._forward([prompt])
+        r.cached, r.slots = self._match(prompt)
+        r.slots += self._allocate(P - r.cached)  # the uncached part's slots: what the forward computes
+        with self._recording() as seen:
+            out = self._forward([prompt])
+        if seen is not None:
+            self.experts.write(r.slots[r.cached:], seen, first=r.cached)
         cache, states = out.past_key_values, out.hidden_states[-1][0]
         extend = P - r.cached
         stored = extend if self.chunk <= 0 or extend <= self.chunk else (extend - 1) % self.chunk + 1
         if r.hidden:
             r.hidden_states.append(states[P - stored:].tolist())  # one element: the (last) prefill chunk's rows
-        self._insert(prompt)
+        self._insert(prompt, r.slots)
         if r.params.max_new_tokens == 0:
             r.finish = {"type": "length", "length": 0}
             return None
@@ -246,7 +286,12 @@ class Scheduler(Eagle, Weights):
         n = len(r.prompt) + len(r.out) - 1  # position of the last emitted token, not yet fed
         pending = r.out[-1]
         if steps == 0:
-            out = self._forward([[pending]], cache)
+            slot = self._allocate(1)
+            r.slots += slot
+            with self._recording() as seen:
+                out = self._forward([[pending]], cache)
+            if seen is not None:
+                self.experts.write(slot, seen, first=0)
             state.cache, hidden = out.past_key_values, out.hidden_states[-1][0, -1]
             if r.hidden:
                 r.hidden_states.append(hidden.tolist())
@@ -274,6 +319,7 @@ class Scheduler(Eagle, Weights):
             if state.done or i == steps or sampled[0] != drafted[i]:
                 break
         self._count_correct(r, correct)
+        r.slots += self._allocate(accepted)  # the accepted nodes' slots (the rest are freed)
         if r.hidden:
             r.hidden_states.extend(fed_states[:accepted].tolist())
         state.last_state = fed_states[accepted - 1]
@@ -283,7 +329,10 @@ class Scheduler(Eagle, Weights):
 
     def _retire(self, state: _Running) -> None:
         r = state.request
-        self._insert(r.prompt + r.out[:-1])
+        seqlen = len(r.prompt) + len(r.out)  # out ends at the stop
+        self._insert(r.prompt + r.out[:-1], r.slots[: seqlen - 1])
+        if self.experts is not None and r.routed:  # batch_result_processor.py _maybe_collect_routed_experts
+            r.routed_experts = self.experts.get_topk(r.slots, seqlen)
         if r.hidden:
             r.hidden_states = r.hidden_states[: len(r.out)]  # output_streamer.py: hs[: finished_len]
 
@@ -309,4 +358,6 @@ class Scheduler(Eagle, Weights):
             meta["spec_correct_drafts_histogram"] = list(r.histogram)
         if r.hidden:
             meta["hidden_states"] = r.hidden_states
+        if r.routed_experts is not None:
+            meta["routed_experts"] = encode(r.routed_experts)
         return {"output_ids": list(r.out), "meta_info": meta}

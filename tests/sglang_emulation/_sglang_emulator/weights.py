@@ -1,11 +1,40 @@
 """Weight updates and the memory saver in the emulated scheduler: update sessions with selectors, one
-payload per TP rank, loading by name and shape, the cache flush; release and resume with tags."""
+payload per TP rank, loading by name and shape (a mixture of experts' experts one tensor per expert, as
+SGLang's loader maps them), the cache flush; release and resume with tags."""
 
 from __future__ import annotations
+
+import re
 
 import torch
 
 from .common import ALL_TAGS, EmulationError, _IPC
+
+
+_STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def checkpoint_names(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a push may name, each a view of the model's own storage to load into: Hugging Face's
+    names, but transformers 5's stacked experts (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj`
+    [E, H, I]) as a checkpoint names them, expert j's `gate_proj.weight` / `up_proj.weight` (the first /
+    second half of `gate_up_proj[j]`) and `down_proj.weight`: the only expert names SGLang's Qwen3-MoE
+    `load_weights` maps (FusedMoE.make_expert_params_mapping; a stacked name matches none and is skipped:
+    tests/test_sglang_conformance.py runs that loader)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        match = _STACKED.match(name)
+        if match is None:
+            out[name] = t
+            continue
+        prefix, kind = match.groups()
+        for j in range(t.shape[0]):
+            if kind == "down_proj":
+                out[f"{prefix}.{j}.down_proj.weight"] = t[j]
+            else:
+                gate, up = t[j].chunk(2, dim=0)
+                out[f"{prefix}.{j}.gate_proj.weight"], out[f"{prefix}.{j}.up_proj.weight"] = gate, up
+    return out
 
 
 class Weights:
@@ -50,9 +79,8 @@ class Weights:
                 if tuple(t.shape) != self.names[name]:
                     raise EmulationError(f"{name}: shape {tuple(t.shape)}, the model's is {self.names[name]}")
             with torch.no_grad():
-                state = self.model.state_dict()
                 for name, t in named:
-                    state[name].copy_(t)
+                    self.targets[name].copy_(t)
                     self.garbage.discard(name)
             self.generation += 1
         if "draft" in roles and self.draft is not None:

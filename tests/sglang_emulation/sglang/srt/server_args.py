@@ -22,6 +22,7 @@ class ServerArgs:
     enable_weights_cpu_backup: bool = False
     enable_draft_weights_cpu_backup: bool = False
     enable_return_hidden_states: bool = False
+    enable_return_routed_experts: bool = False
     enable_deterministic_inference: bool = False
     sampling_mask_max_tokens: int = 4096
     speculative_algorithm: Optional[str] = None

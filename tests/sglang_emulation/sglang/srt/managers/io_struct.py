@@ -18,6 +18,7 @@ class GenerateReqInput:
     return_sampling_mask: Optional[Union[List[bool], bool]] = None
     stream: bool = False
     return_hidden_states: Union[List[bool], bool] = False
+    return_routed_experts: bool = False  # one value for every request of a batch (io_struct.py:1001)
 
     def normalize_batch_and_arguments(self):
         if self.text is not None:

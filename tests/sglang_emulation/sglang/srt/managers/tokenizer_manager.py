@@ -36,8 +36,10 @@ class TokenizerManager:
                 raise ValueError("The server is not configured to return the hidden states. Please set "
                                  "`--enable-return-hidden-states` to enable this feature.")
             self._scheduler.validate(prompt, params)
+            # return_routed_experts: no check here; without the server flag SGLang has no capturer and the
+            # output no key (scheduler_components/batch_result_processor.py:151-153)
             requests.append(_Request(rids[i], list(prompt), params, bool(obj.return_hidden_states[i]),
-                                     bool(obj.return_sampling_mask[i])))
+                                     bool(obj.return_sampling_mask[i]), bool(obj.return_routed_experts)))
         self._scheduler.last_params = [dict(p) for p in obj.sampling_params]  # what SGLang received, for tests
         self._scheduler.run(requests)
         outputs = [self._scheduler.output(r) for r in requests]
