@@ -26,6 +26,8 @@ BENCHES: dict[str, tuple[str, str]] = {
                                             "speculation"),
     "noise": ("fastgrpo.bench.noise", "how much of one GRPO update is signal: the gradient noise scale"),
     "trainer": ("fastgrpo.bench.trainer", "one GRPO step of the torch and Megatron trainers at world 1, 2 and 4"),
+    "replay": ("fastgrpo.bench.replay", "routing replay of a mixture of experts on each trainer: the engine/"
+                                        "trainer mismatch it removes, what it costs"),
     "engines": ("fastgrpo.bench.engines", "a GRPO batch's rollout in a world of two ranks on one engine or two"),
     "guarantee": ("fastgrpo.bench.guarantee", "aware against plain decoding, paired, over runs and thread counts"),
     "simulate": ("fastgrpo.bench.simulate.command", "rollout at GPU scale, simulated, validated against this CPU's "
