@@ -205,8 +205,8 @@ def prompts(n, seed):
             for _ in range(n)]
 
 
-def engine_for(cfg, hf, draft=None, policy=None, max_batch=4):
-    engine = EmbeddedEngine(cfg, max_batch, 128, eos_id=EOS, pad_id=0, policy=policy)
+def engine_for(cfg, hf, draft=None, policy=None, max_batch=4, static_steps=None):
+    engine = EmbeddedEngine(cfg, max_batch, 128, eos_id=EOS, pad_id=0, policy=policy, static_steps=static_steps)
     engine.update_weights(hf.state_dict().items(), version=0)
     if draft is not None:
         engine.update_draft(draft.state_dict().items(), version=0)

@@ -136,11 +136,13 @@ def test_the_batch_carries_each_sequences_routing_through_select_shard_and_to():
                     routing=[routing[0], None, None, None])
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("speculate", [False, True], ids=["plain", "speculative"])
-def test_the_engine_records_the_experts_hugging_face_routes_each_position_to(speculate):
-    """The embedded engine's record (prefill, plain steps, and a verify forward's accepted nodes) is the
-    routing Hugging Face computes on the finished sequence, position for position; the last token, never
-    run, is -1; recording changes no token. (A mixed model: one sparse layer between dense ones.)"""
+def test_the_engine_records_the_experts_hugging_face_routes_each_position_to(speculate, static):
+    """The embedded engine's record (prefill, plain steps, and a verify forward's accepted nodes; eager
+    steps or static ones, which run every expert and capture as graphs) is the routing Hugging Face
+    computes on the finished sequence, position for position; the last token, never run, is -1;
+    recording changes no token. (A mixed model: one sparse layer between dense ones.)"""
     from fastgrpo.models.draft import DraftHead
     from fastgrpo.speculation.policy import Static
     from fastgrpo.speculation.spec import SpecConfig
@@ -151,11 +153,17 @@ def test_the_engine_records_the_experts_hugging_face_routes_each_position_to(spe
     cfg = CONFIGS["mixed"]()
     hf = hf_model(cfg)
     draft, policy = (DraftHead(cfg), Static(SpecConfig(3, 3, 8))) if speculate else (None, None)
-    engine = engine_for(cfg, hf, draft, policy)
+    engine = engine_for(cfg, hf, draft, policy, static_steps=static)
     requests, sampling = [Request(p) for p in prompts(4, seed=3)], SamplingParams(temperature=1.0, max_new_tokens=20)
     plain = engine.generate(requests, sampling, seed=1)
+    static_calls = []
+    if static:  # every step of the recording call is a static one
+        step = engine._static_step
+        engine._static_step = lambda *args: static_calls.append(1) or step(*args)
+        engine._decode = engine._speculate = None
     recorded = engine.generate(requests, sampling, seed=1, routing=True)
     assert [c.token_ids for c in recorded] == [c.token_ids for c in plain] and plain[0].routing is None
+    assert len(static_calls) >= 10 if static else not static_calls
     if speculate:
         assert engine.stats()["spec_steps"] > 0
     for r, c in zip(requests, recorded):

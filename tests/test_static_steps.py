@@ -159,7 +159,8 @@ def audited(e: EmbeddedEngine) -> list[tuple[object, StepAudit]]:
 @pytest.mark.parametrize("name", ["t0.7-cut", "greedy"])
 def test_no_step_function_syncs_or_copies_host_data(dense, moe, name):
     """A step captured as a CUDA graph must not read values back or build tensors from host data: the
-    strict audit raises on either. Dense plain and speculative steps and a MoE step pass it."""
+    strict audit raises on either. Dense plain and speculative steps and a MoE step (with and without
+    recording its routing) pass it."""
     cfg, target, draft = dense
     for e in (engine(cfg, target, True, draft, Static(SpecConfig(4, 4, 12))), engine(cfg, target, True, draft)):
         audits = audited(e)
@@ -168,9 +169,10 @@ def test_no_step_function_syncs_or_copies_host_data(dense, moe, name):
     moe_cfg, hf = moe
     e = EmbeddedEngine(moe_cfg, 4, 128, eos_id=EOS, pad_id=0, static_steps=True)
     e.update_weights(hf.state_dict().items(), version=0)
-    audits = audited(e)
-    e.generate([Request(p) for p in prompts(3, seed=1)], SAMPLINGS[name], seed=1)
-    assert audits and all(not a.violations for _, a in audits)
+    for routing in (False, True):  # with routing replay's record too
+        audits = audited(e)
+        e.generate([Request(p) for p in prompts(3, seed=1)], SAMPLINGS[name], seed=1, routing=routing)
+        assert audits and all(not a.violations for _, a in audits)
 
 
 def test_the_audit_catches_what_the_eager_step_does(dense):

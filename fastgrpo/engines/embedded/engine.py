@@ -276,7 +276,7 @@ class EmbeddedEngine:
                  capture: bool = False, routing: bool = False) -> list[Completion]:
         """`capture`: each completion carries the target's hidden states (the draft learner's data);
         `routing`: a mixture of experts' completions carry the experts each position ran (routing replay;
-        those calls take eager steps: a captured step returns no routing)."""
+        eager and static steps alike, a static step's captured graph keyed apart)."""
         with self._on_device():
             return self._generate(requests, sampling, seed, capture, routing)
 
@@ -479,7 +479,7 @@ class EmbeddedEngine:
     def _static_takes(self, config: SpecConfig | None) -> bool:
         """A static step can run this step: the engine has static steps, and a speculative step verifies
         whole trees (no per-sequence budget) no deeper than the draft window holds."""
-        if self.steps is None or self._routing:
+        if self.steps is None:
             return False
         if config is None:
             return True
@@ -500,11 +500,12 @@ class EmbeddedEngine:
         if self._pending is not None:
             self._pending.flush(self.cache.lengths)  # the states of eager plain steps before this one
         if config is None:
-            out = self.graphs.run(("plain", rows, ctx, sampling),
-                                  lambda: self.steps.plain(rows, ctx, sampling, self._pending))
+            out = self.graphs.run(("plain", rows, ctx, sampling, self._routing),
+                                  lambda: self.steps.plain(rows, ctx, sampling, self._pending, self._routing))
         else:
-            out = self.graphs.run((config, rows, ctx, sampling),
-                                  lambda: self.steps.speculate(config, rows, ctx, sampling, self._pending))
+            out = self.graphs.run((config, rows, ctx, sampling, self._routing),
+                                  lambda: self.steps.speculate(config, rows, ctx, sampling, self._pending,
+                                                               self._routing))
         levels = 1 if config is None else config.depth + 1
         result = StepResult.unpack(self._read_back(out.packed[:B]), levels)
         if not all(result.finite):
@@ -523,6 +524,8 @@ class EmbeddedEngine:
                 s.spec_emitted += a + 1
             if self._capture:  # a copy: a graph's outputs are overwritten by its next replay
                 s.captured.append(out.hidden[b, nodes].clone())
+            if out.experts is not None:  # the accepted nodes' routing (a copy, as the states)
+                s.routed.append(out.experts[b, nodes].clone())
         return emitted, None if config is None else result.accepted
 
     def _read_back(self, packed: Tensor) -> Tensor:

@@ -104,6 +104,7 @@ class StepOutput:
     packed: Tensor  # [B, 3 L + 1] float64 (`pack`): what the host reads back
     hidden: Tensor  # [B, n, H] the target's final states of the step's tokens (the draft learns from them)
     logprobs: Tensor  # [B, n, V] sampling log-probabilities at each of them (the sets top-k / top-p keep)
+    experts: Tensor | None = None  # [B, n, sparse layers, k] int16: a mixture of experts' routing, when recorded
 
 
 def pack(tokens: Tensor, logprobs: Tensor, path: Tensor, accepted: Tensor, finite: Tensor) -> Tensor:
@@ -159,10 +160,13 @@ class StaticSteps:
         last = tokens.gather(1, accepted[:, None])[:, 0]
         st.pending[rows] = torch.where(active, last, st.pending[rows])
 
-    def plain(self, B: int, ctx: int, sampling: SamplingParams, states: _PendingStates | None) -> StepOutput:
-        """One token for each row (rows 0..B-1, attention over `ctx` positions)."""
+    def plain(self, B: int, ctx: int, sampling: SamplingParams, states: _PendingStates | None,
+              routing: bool = False) -> StepOutput:
+        """One token for each row (rows 0..B-1, attention over `ctx` positions); `routing`: with the
+        experts each row's token ran (a mixture of experts' routing replay)."""
         st, rows = self.state, slice(0, B)
-        logits, hidden = self.model.forward(st.pending[rows, None], self.cache, rows, ctx=ctx)
+        routed = [] if routing else None
+        logits, hidden = self.model.forward(st.pending[rows, None], self.cache, rows, ctx=ctx, routing=routed)
         logprobs = sampling_logprobs(logits, sampling)  # [B, 1, V]
         u = self._uniforms(B, 1, sampling)
         token = sample(logprobs[:, 0], sampling, None if u is None else u[:, 0])
@@ -171,19 +175,22 @@ class StaticSteps:
             states.put(torch.arange(B, device=token.device), self.cache.lengths[rows], hidden[:, 0], token)
         none = torch.zeros(B, dtype=torch.long, device=token.device)
         self._advance(B, token[:, None], none)
-        return StepOutput(pack(token[:, None], token_lp, none[:, None][:, :0], none, none == 0), hidden, logprobs)
+        return StepOutput(pack(token[:, None], token_lp, none[:, None][:, :0], none, none == 0), hidden, logprobs,
+                          _stacked(routed))
 
     def speculate(self, config: SpecConfig, B: int, ctx: int, sampling: SamplingParams,
-                  states: _PendingStates) -> StepOutput:
+                  states: _PendingStates, routing: bool = False) -> StepOutput:
         """Catch the draft up, draft a tree of `config` per row, verify all in one target forward, keep each
-        row's accepted path. `ctx` covers every row's length + config.num_verify."""
+        row's accepted path. `ctx` covers every row's length + config.num_verify. `routing`: with the
+        experts each tree node ran (the engine keeps the accepted nodes')."""
         assert self.draft is not None and self.draft_cache is not None
         st, rows = self.state, slice(0, B)
         root_features = catch_up(self.draft, self.draft_cache, self.cache, states, B, states.window, ctx)
         tree = draft_tree(self.draft, self.draft_cache, rows, root_features, st.pending[rows], config, ctx=ctx)
         start = self.cache.lengths[rows].clone()
+        routed = [] if routing else None
         logits, hidden = self.model.forward(tree.tokens, self.cache, rows, positions=start[:, None] + tree.depth,
-                                            new_mask=tree.mask, ctx=ctx)
+                                            new_mask=tree.mask, ctx=ctx, routing=routed)
         node_logprobs = sampling_logprobs(logits, sampling)
         result = verify_tree(node_logprobs, tree, sampling, self._uniforms(B, config.depth + 1, sampling),
                              depth=config.depth)
@@ -192,7 +199,12 @@ class StaticSteps:
         self._advance(B, result.tokens, result.accepted)
         assert tree.valid is not None  # static trees always say which nodes are verified
         return StepOutput(pack(result.tokens, result.logprobs, result.path, result.accepted, tree.valid[:, 1:].any(-1)),
-                          hidden, node_logprobs)
+                          hidden, node_logprobs, _stacked(routed))
+
+
+def _stacked(routed: list[Tensor] | None) -> Tensor | None:
+    """The sparse layers' experts [B, n, k] each, as [B, n, layers, k]; None when not recorded."""
+    return None if routed is None else torch.stack(routed, 2)
 
 
 def catch_up(draft: DraftHead, draft_cache: KVCache, cache: KVCache, states: _PendingStates, B: int, width: int,
