@@ -321,7 +321,8 @@ def _train(rank, world, args):
 def test_a_deepspeed_zero3_world_trains_qwen3_moe(moe_policy, tmp_path):
     """`fastgrpo train` with DeepSpeed ZeRO-3 at DP2 (an engine per rank) on the MoE: two GRPO steps whose
     trainer log-probabilities equal what the engines sampled with, and every rank's step reports the
-    same expert load (the counts summed over the ranks)."""
+    same expert load (the counts summed over the ranks); its checkpoint's policy names each expert's
+    tensors as the Hugging Face directory it started from does (as the torch and Megatron trainers')."""
     pytest.importorskip("deepspeed")
     from fastgrpo.local_world import run_world
 
@@ -332,3 +333,7 @@ def test_a_deepspeed_zero3_world_trains_qwen3_moe(moe_policy, tmp_path):
         assert all(abs(m["kl_engine_trainer"]) < 1e-5 for m in rank_steps), rank_steps
         assert all(1.0 <= m["expert_load_max_over_mean"] <= MOE_EXPERTS / MOE_TOP_K for m in rank_steps)
     assert [m["expert_load_max_over_mean"] for m in steps[0]] == [m["expert_load_max_over_mean"] for m in steps[1]]
+    saved = load_file(tmp_path / "run" / "checkpoints" / "step_00000002" / "policy" / "model.safetensors")
+    start = load_file(moe_policy / "model.safetensors")
+    assert saved.keys() == start.keys() and "model.layers.0.mlp.experts.0.gate_proj.weight" in saved
+    assert all(saved[k].shape == t.shape for k, t in start.items())

@@ -35,14 +35,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from fastgrpo.models.policy import save_policy_tensors
 from torch import Tensor
 
-from fastgrpo.trainers.torch_trainer import TorchPolicyTrainer
 from fastgrpo.config import DeepSpeedConfig, GRPOConfig, OptimConfig, TrainerConfig
 from fastgrpo.device import Compute
-from fastgrpo.models.families import MOE_BLOCKS
+from fastgrpo.models.families import MOE_BLOCKS, checkpoint_tensors
+from fastgrpo.models.policy import save_policy_tensors
 from fastgrpo.paths import checkpoint_policy
+from fastgrpo.trainers.torch_trainer import TorchPolicyTrainer
 from fastgrpo.types import Placement, RolloutBatch, SamplingParams
 
 CHECKPOINT_TAG = "state"  # DeepSpeed's tag inside a checkpoint's `deepspeed/` directory
@@ -173,7 +173,9 @@ class DeepSpeedPolicyTrainer(TorchPolicyTrainer):
     # the model, optimizer and schedule, plus `fastgrpo.json` with the layout it was saved at).
     def save(self, directory: Path) -> None:
         directory = Path(directory)
-        tensors = {name: t.contiguous().clone() for name, t in self.export_weights()}  # every rank takes part
+        # every rank takes part; a mixture of experts' experts one tensor each, the names `save_pretrained`
+        # writes (the torch trainer's and Megatron's policy/ hold the same)
+        tensors = {name: t.contiguous().clone() for name, t in checkpoint_tensors(self.export_weights())}
         if self.dp_rank == 0:
             save_policy_tensors(checkpoint_policy(directory), tensors, self.hf_config, self.hf_config.tie_word_embeddings)
         del tensors
