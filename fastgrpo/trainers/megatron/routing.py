@@ -63,10 +63,15 @@ class RecordedRouting:
     def queue(self, record: QueuedRecord) -> None:
         self.queued.append(record)
 
-    def clear(self) -> None:
-        """Between steps: nothing queued, nothing counted (a failed step must not leave records behind)."""
+    def drop_queued(self) -> None:
+        """Before a schedule call: nothing queued (a forward that failed must not leave its records to the
+        next); each call's forwards and backwards take what it queues."""
         self.queued.clear()
         self.to_recompute.clear()
+
+    def clear(self) -> None:
+        """Between steps: nothing queued, nothing counted."""
+        self.drop_queued()
         self.picks = self.differ = 0
 
     def get_replay_topk(self, scores: Tensor, topk: int, num_groups: int | None = None,

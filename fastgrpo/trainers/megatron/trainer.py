@@ -43,8 +43,8 @@ batches that train nothing). With TP > 1 the model is sequence-parallel, so each
 padded on the right to a multiple of TP tokens (causal attention: the real positions never see the
 padding, and its logits are cut off before scoring). The router's load-balancing loss and z-loss
 (`router_aux_loss`, `router_z_loss`; 0 by default) are megatron's, computed per micro-batch over its
-real tokens (megatron's padding mask: `_padding_mask`) and weighted so that a minibatch's gradient gets the coefficient times
-their mean over its micro-batches on every data-parallel rank. A step reports its expert load as the
+real tokens (megatron's padding mask: `_padding_mask`) and weighted so that a minibatch's gradient
+gets the coefficient times their mean over its micro-batches on every data-parallel rank. A step reports its expert load as the
 torch trainer does (`torch_trainer.expert_load`: the real tokens each expert was routed in the
 step's training forwards, over every rank), counted from each router's routing map. Routing replay
 (`routing_replay`, `trainer.routing_replay=rollout`) gives each router of the policy the experts the
@@ -283,6 +283,8 @@ class MegatronPolicyTrainer:
             return out, functools.partial(_loss_func, on_output, rows, micro, weight)
 
         self._weigh_router_losses(len(micros) * self.dp_size)
+        for recorded in self._recorded:
+            recorded.drop_queued()
         with self._cpu():
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(micros), model=model or self.model,
