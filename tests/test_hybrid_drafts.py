@@ -3,6 +3,7 @@ and losslessness whatever proposed a node's children: verification equals sequen
 on any tree, the engine's tokens equal plain decoding's, and sampled tokens follow the target's
 distribution at nodes the index proposed, right or wrong, alone or with the learned draft."""
 
+import math
 import random
 from dataclasses import replace
 
@@ -355,3 +356,61 @@ def test_bench_drafts_pools_accepted_length_over_sequences_and_averages_replicat
     assert row["learned_accept_len"] == 2.5 and row["learned_accept_len_se"] == pytest.approx(0.5)
     assert row["hybrid_over_learned_accepted"] == pytest.approx((2 / 1 + 2 / 2) / 2)  # accepted tokens: (a-1)/(b-1)
     assert row["hybrid_over_learned_seconds"] == 1.0 and row["off_seconds"] == 10.5
+
+
+# -- calibration: what each source's nodes are worth, learned from verification ----------------------
+
+def test_node_calibration_starts_at_the_raw_estimate_and_learns_each_class_apart():
+    from fastgrpo.speculation.node_calibration import INDEX_LONG, LEARNED_CLASS, NodeCalibration
+
+    cal = NodeCalibration(buckets=10, prior=4.0)
+    assert cal.conditional(LEARNED_CLASS, 0.85) == pytest.approx(0.85)  # nothing seen: the raw estimate
+    # the learned draft's 0.8-0.9 nodes accepted 1 time in 4 (overconfident); the index's long matches at a raw
+    # 0.3-0.4, 9 times in 10 (cautious)
+    cal.observe([(LEARNED_CLASS, 0.85, i % 4 == 0) for i in range(400)])
+    cal.observe([(INDEX_LONG, 0.35, i % 10 != 0) for i in range(400)])
+    assert cal.conditional(LEARNED_CLASS, 0.85) == pytest.approx((100 + 4 * 0.85) / 404)
+    assert cal.conditional(INDEX_LONG, 0.35) == pytest.approx((360 + 4 * 0.35) / 404)
+    assert cal.conditional(LEARNED_CLASS, 0.35) == pytest.approx(0.35)  # another bucket: still the raw estimate
+    assert cal.summary() == {LEARNED_CLASS: pytest.approx(0.25), INDEX_LONG: pytest.approx(0.9)}
+    with pytest.raises(ValueError, match="buckets"):
+        NodeCalibration(buckets=0)
+
+
+def test_a_calibrated_merge_spends_the_budget_on_the_source_verification_found_better():
+    """Raw estimates favour the learned branch (0.9 against the index's 0.35 at every level); once
+    verification has found the learned draft's 0.9s accepted a quarter of the time and the index's long
+    matches 90%, the calibrated merge keeps the index's branch instead (path probabilities by hand:
+    learned 0.25, 0.0625; index 0.9, 0.81, 0.729)."""
+    from fastgrpo.speculation.node_calibration import INDEX_LONG, LEARNED_CLASS, NodeCalibration
+
+    learned = learned_tree([(3,), (3, 4)], [math.log(0.9), 2 * math.log(0.9)], root=7)
+    index = candidates([(5,), (5, 6), (5, 6, 8)], [math.log(0.35), 2 * math.log(0.35), 3 * math.log(0.35)])
+    index.match_len = 6
+    raw = hybrid_tree(learned, [index], torch.tensor([7]), num_verify=4)
+    assert node_paths(raw)[1:] == [(3,), (5,), (3, 4)]
+    cal = NodeCalibration(prior=1e-6)
+    cal.observe([(LEARNED_CLASS, 0.9, i % 4 == 0) for i in range(100)] +
+                [(INDEX_LONG, 0.35, i % 10 != 0) for i in range(100)])
+    tree = hybrid_tree(learned, [index], torch.tensor([7]), num_verify=4, calibration=cal)
+    assert node_paths(tree)[1:] == [(5,), (5, 6), (5, 6, 8)]
+    assert [round(math.exp(float(s)), 4) for s in tree.score[0, 1:]] == [0.9, 0.81, 0.729]
+    assert tree.raw[0, 1:].tolist() == pytest.approx([0.35, 0.35, 0.35]) and tree.match.tolist() == [6]
+
+
+def test_calibration_counts_the_nodes_whose_parent_was_reached():
+    """Tree: root -> a(1) -> b(2), root -> c(3); b's walk accepted a then stopped: a accepted, b rejected
+    (its parent reached), c rejected (its parent, the root, reached)."""
+    from fastgrpo.engines.embedded.tree import Verified, calibration_outcomes
+    from fastgrpo.speculation.node_calibration import BOTH, INDEX_SHORT, LEARNED_CLASS
+
+    tree = learned_tree([(3,), (3, 4), (5,)], [-0.1, -0.2, -1.0], root=7)
+    tree = replace(tree, source=torch.tensor([[0, LEARNED, LEARNED | INDEX, INDEX]], dtype=torch.int8),
+                   raw=torch.tensor([[0.0, 0.9, 0.8, 0.3]]), match=torch.tensor([1]))
+    result = Verified(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3), torch.tensor([[1, 0]]), torch.tensor([1]))
+    got = calibration_outcomes(tree, result)
+    assert [(c, round(r, 3), a) for c, r, a in got] == [(LEARNED_CLASS, 0.9, True), (BOTH, 0.8, False),
+                                                        (INDEX_SHORT, 0.3, False)]
+    # nothing accepted: only the root's children were reached
+    none = Verified(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3), torch.tensor([[0, 0]]), torch.tensor([0]))
+    assert [(c, a) for c, _, a in calibration_outcomes(tree, none)] == [(LEARNED_CLASS, False), (INDEX_SHORT, False)]

@@ -43,6 +43,7 @@ from fastgrpo.engines.embedded.build import build_engine
 from fastgrpo.engines.embedded.engine import EmbeddedEngine
 from fastgrpo.models.policy import load_policy, num_parameters
 from fastgrpo.models.tokenizer import load_text_format
+from fastgrpo.speculation.node_calibration import NodeCalibration
 from fastgrpo.speculation.policy import Off, Static
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.speculation.suffix_index import IndexLimits, SuffixIndex
@@ -73,14 +74,16 @@ def ratio_se(emitted: list[int], steps: list[int]) -> tuple[float, float | None]
     return r, math.sqrt(var / n) / mean_steps
 
 
-def use(engine: EmbeddedEngine, mode: str, tree: Static, indexes: dict[str, SuffixIndex]) -> None:
-    """Set the engine to decode as `mode`: plain, or `tree` proposed by that source with its own index."""
+def use(engine: EmbeddedEngine, mode: str, tree: Static, indexes: dict[str, SuffixIndex],
+        calibrations: dict[str, NodeCalibration]) -> None:
+    """Set the engine to decode as `mode`: plain, or `tree` proposed by that source with its own index
+    and node calibration."""
     if mode == "off":
         engine.set_speculation(Off())
         engine.set_drafts("learned")
         return
     engine.set_speculation(tree)
-    engine.set_drafts(mode, index=indexes.get(mode))
+    engine.set_drafts(mode, index=indexes.get(mode), calibration=calibrations.get(mode))
 
 
 def run_replicate(engine: EmbeddedEngine, prompts: list[list[int]], group: int, epochs: int, seed: int,
@@ -88,11 +91,12 @@ def run_replicate(engine: EmbeddedEngine, prompts: list[list[int]], group: int, 
     """`epochs` rollouts of the prompts (each `group` times) by every mode: one record per (epoch, mode)."""
     requests = [Request(p) for p in prompts for _ in range(group)]
     indexes = {mode: SuffixIndex(limits) for mode in ("index", "hybrid")}
+    calibrations = {mode: NodeCalibration() for mode in ("index", "hybrid")}
     records = []
     for epoch in range(epochs):
         tokens: dict[str, list[list[int]]] = {}
         for mode in rotated(list(MODES), seed + epoch):
-            use(engine, mode, tree, indexes)
+            use(engine, mode, tree, indexes, calibrations)
             t = time.perf_counter()
             out = engine.generate(requests, sampling, seed=seed * 1000 + epoch)
             seconds = time.perf_counter() - t

@@ -37,7 +37,9 @@ from fastgrpo.speculation.policy import Off, PerSequencePolicy, SpeculationPolic
 from fastgrpo.engines.embedded.graphs import StepGraphs
 from fastgrpo.engines.embedded.steps import (StaticSteps, StepResult, StepState, batch_bucket, catch_up,
                                              context_bucket, keep_path)
-from fastgrpo.engines.embedded.tree import INDEX, NonFiniteDraft, Tree, Verified, draft_tree, hybrid_tree, verify_tree
+from fastgrpo.engines.embedded.tree import (INDEX, NonFiniteDraft, Tree, Verified, calibration_outcomes, draft_tree,
+                                            hybrid_tree, verify_tree)
+from fastgrpo.speculation.node_calibration import NodeCalibration
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.speculation.suffix_index import Candidates, IndexLimits, Response, SuffixIndex
 
@@ -183,6 +185,7 @@ class EmbeddedEngine:
         self._stats: EngineStats = {}
         self.drafts = "learned"  # who proposes a speculative step's tree: learned | index | hybrid
         self.index: SuffixIndex | None = None  # what the prompts' responses wrote (drafts: index | hybrid)
+        self.calibration: NodeCalibration | None = None  # merged trees' node acceptance per source, learned
         self._requests: list[Request] = []
 
     # -- weights --------------------------------------------------------------------------
@@ -242,15 +245,18 @@ class EmbeddedEngine:
     def set_speculation(self, policy: SpeculationPolicy) -> None:
         self.policy = policy
 
-    def set_drafts(self, drafts: str, limits: IndexLimits | None = None, index: SuffixIndex | None = None) -> None:
+    def set_drafts(self, drafts: str, limits: IndexLimits | None = None, index: SuffixIndex | None = None,
+                   calibration: NodeCalibration | None = None) -> None:
         """Who proposes the trees of eager speculative steps: the learned draft, the suffix index of the
         prompts' responses (earlier calls' and this call's siblings') or both in one tree
-        (`tree.hybrid_tree`). The index lives across generate() calls: that is its history (`index`: one
-        to use instead, as a benchmark keeping one per source does). Static steps take only learned
-        trees, so with the index every speculative step runs eagerly."""
+        (`tree.hybrid_tree`, its nodes ranked by `calibration`: each source's acceptance as verification
+        found it). The index and the calibration live across generate() calls: that is their history
+        (`index`, `calibration`: ones to use instead, as a benchmark keeping one per source does). Static
+        steps take only learned trees, so with the index every speculative step runs eagerly."""
         if drafts not in ("learned", "index", "hybrid"):
             raise ValueError(f"drafts must be learned, index or hybrid, got {drafts!r}")
         self.drafts = drafts
+        self.calibration = None if drafts == "learned" else (calibration or self.calibration or NodeCalibration())
         if drafts == "learned":
             self.index = None
         elif index is not None:
@@ -568,6 +574,8 @@ class EmbeddedEngine:
         self._keep_path(rows, start, result.path, result.accepted)
         self.cache.lengths[rows] = start + result.accepted + 1
         self._keep_pending(start, hidden, result)
+        if tree.source is not None and self.calibration is not None:  # what each source's nodes are worth
+            self.calibration.observe(calibration_outcomes(tree, result))
         if tree.source is not None:  # accepted tokens the index proposed (the learned draft may have too)
             on_path = torch.arange(result.path.shape[1])[None] < result.accepted[:, None]
             from_index = (tree.source.gather(1, result.path) & INDEX) > 0
@@ -593,12 +601,14 @@ class EmbeddedEngine:
         """The step's tree of `config`'s node budget: the learned draft's (EAGLE-2), the index's
         continuations, or both merged (`hybrid_tree`)."""
         if self.drafts == "index":
-            return hybrid_tree(None, self._index_candidates(running, config), pending, config.num_verify)
+            return hybrid_tree(None, self._index_candidates(running, config), pending, config.num_verify,
+                               self.calibration)
         assert self.draft is not None and self.draft_cache is not None
         root_features = self._draft_catch_up(running)
         tree = draft_tree(self.draft, self.draft_cache, rows, root_features, pending, config)
         if self.drafts == "hybrid":
-            tree = hybrid_tree(tree, self._index_candidates(running, config), pending, config.num_verify)
+            tree = hybrid_tree(tree, self._index_candidates(running, config), pending, config.num_verify,
+                               self.calibration)
         return tree
 
     def _index_candidates(self, running: list[_Sequence], config: SpecConfig) -> list[Candidates]:

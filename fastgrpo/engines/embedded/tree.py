@@ -37,6 +37,7 @@ from fastgrpo.models.sampling import sample
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.types import SamplingParams
 from fastgrpo.models.draft import DraftHead
+from fastgrpo.speculation.node_calibration import NodeCalibration, node_class
 from fastgrpo.speculation.suffix_index import Candidates
 
 
@@ -62,6 +63,8 @@ class Tree:
     score: Tensor | None = None  # [B, N] cumulative draft log-probability of each node (root 0)
     valid: Tensor | None = None  # [B, N] the nodes to verify (None: all); ancestor-closed per row
     source: Tensor | None = None  # [B, N] who proposed each node: LEARNED | INDEX bits (None: the learned draft)
+    raw: Tensor | None = None  # [B, N] a merged tree's raw conditional estimate of each node (`node_calibration`)
+    match: Tensor | None = None  # [B] a merged tree's index match length per row
 
     def restricted(self, nodes: Tensor) -> Tree:
         """This tree verifying only `nodes` [B, N - 1] of each row's non-root nodes (an ancestor-closed
@@ -70,7 +73,7 @@ class Tree:
         # a left-out node still sees itself: no query row is wholly masked (attention would give NaN)
         eye = torch.eye(valid.shape[1], dtype=torch.bool)
         return Tree(self.tokens, self.parents, self.depth, self.mask & (valid[:, None, :] | eye), self.score, valid,
-                    self.source)
+                    self.source, self.raw, self.match)
 
 
 @torch.inference_mode()
@@ -144,16 +147,38 @@ def draft_tree(draft: DraftHead, cache: KVCache, rows: slice, root_features: Ten
 LEARNED, INDEX = 1, 2  # Tree.source bits: the learned draft proposed the node, the suffix index did
 
 
-def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tokens: Tensor, num_verify: int) -> Tree:
+def calibration_outcomes(tree: Tree, result: Verified) -> list[tuple[str, float, bool]]:
+    """A merged tree's verified nodes whose parent was reached (the root, or a node on the accepted
+    path): each one's class, raw conditional estimate and whether it was accepted
+    (`NodeCalibration.observe`)."""
+    assert tree.source is not None and tree.raw is not None and tree.match is not None
+    out = []
+    valid = tree.valid.tolist() if tree.valid is not None else None
+    parents, source, raw, path, accepted, match = (t.tolist() for t in (
+        tree.parents, tree.source, tree.raw, result.path, result.accepted, tree.match))
+    for b in range(len(parents)):
+        on_path = set(path[b][: accepted[b]])
+        reached = on_path | {0}
+        for j in range(1, len(parents[b])):
+            if (valid is None or valid[b][j]) and parents[b][j] in reached:
+                bits = source[b][j]
+                out.append((node_class(bool(bits & LEARNED), bool(bits & INDEX), match[b]), raw[b][j], j in on_path))
+    return out
+
+
+def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tokens: Tensor, num_verify: int,
+                calibration: NodeCalibration | None = None) -> Tree:
     """One tree per row from the learned draft's tree (None: the index alone) and the index's
     continuations of that row (`SuffixIndex` candidates after the root), `num_verify` nodes with the root.
 
     A node is a token path from the root, whoever proposed it: a path both propose is one node (so a
-    node's children are distinct tokens), scored by the larger of the two estimates of its probability
-    (the draft's cumulative probability, the index's count-based one). Of all nodes the `num_verify - 1`
-    best are kept, exact ties going to the shallower: a path's estimate never exceeds its prefix's under
-    either source, hence under their maximum, so the kept set is ancestor-closed. A row with fewer nodes
-    pads with nodes it does not verify (`valid`).
+    node's children are distinct tokens). Its score: without `calibration`, the larger of the two
+    estimates of its path's probability (the draft's cumulative probability, the index's count-based
+    one); with it, the product along the path of each node's calibrated conditional
+    (`node_calibration`: learned per source from what verification accepted, the raw conditional the
+    larger of the two sources'). Of all nodes the `num_verify - 1` best are kept, exact ties going to
+    the shallower: no path scores above its prefix, so the kept set is ancestor-closed. A row with
+    fewer nodes pads with nodes it does not verify (`valid`).
 
     Verification (`verify_tree`) does not read the scores or the sources: it samples the target at each
     node and moves on only if a child holds that token, so any child set keeps the output exactly the
@@ -164,16 +189,26 @@ def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tok
     roots = root_tokens.tolist()
     rows: list[tuple[list[tuple[int, ...]], dict[tuple[int, ...], list]]] = []
     for b in range(B):
-        nodes: dict[tuple[int, ...], list] = {}  # path -> [log-probability estimate, source bits]
+        # path -> [score, source bits, raw conditional]: the score a log-probability (the larger estimate, or
+        # the calibrated one), the raw conditional the larger of the sources' own
+        nodes: dict[tuple[int, ...], list] = {}
         if learned is not None:
             tokens, parents, score = (t[b].tolist() for t in (learned.tokens, learned.parents, learned.score))
             paths: list[tuple[int, ...]] = [()]
             for j in range(1, len(tokens)):  # parents come before children
                 paths.append(paths[parents[j]] + (tokens[j],))
-                nodes[paths[j]] = [score[j], LEARNED]
-        for path, logp in zip(candidates[b].paths(), candidates[b].logp):
-            entry = nodes.setdefault(path, [logp, 0])
-            entry[0], entry[1] = max(entry[0], logp), entry[1] | INDEX
+                nodes[paths[j]] = [score[j], LEARNED, math.exp(score[j] - score[parents[j]])]
+        c = candidates[b]
+        for i, (path, logp) in enumerate(zip(c.paths(), c.logp)):
+            conditional = math.exp(logp - (c.logp[c.parents[i]] if c.parents[i] >= 0 else 0.0))
+            entry = nodes.setdefault(path, [logp, 0, 0.0])
+            entry[0], entry[1], entry[2] = max(entry[0], logp), entry[1] | INDEX, max(entry[2], conditional)
+        if calibration is not None:  # parents first: each path's score is its parent's plus its own node's
+            for path in sorted(nodes, key=len):
+                entry = nodes[path]
+                cls = node_class(bool(entry[1] & LEARNED), bool(entry[1] & INDEX), c.match_len)
+                entry[0] = (nodes[path[:-1]][0] if len(path) > 1 else 0.0) + math.log(
+                    max(calibration.conditional(cls, entry[2]), 1e-12))
         kept = sorted(nodes, key=lambda p: (-nodes[p][0], len(p)))[: N - 1]
         rows.append((sorted(kept, key=len), nodes))  # parents before children (a stable sort by depth)
 
@@ -182,6 +217,7 @@ def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tok
     depth = torch.ones(B, N, dtype=torch.long)
     score = torch.full((B, N), -math.inf)
     source = torch.zeros(B, N, dtype=torch.int8)
+    raw = torch.zeros(B, N)
     valid = torch.zeros(B, N, dtype=torch.bool)
     for b, (kept, nodes) in enumerate(rows):
         position = {(): 0} | {p: i + 1 for i, p in enumerate(kept)}
@@ -191,8 +227,11 @@ def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tok
         depth[b, :n] = torch.tensor([0] + [len(p) for p in kept])
         score[b, :n] = torch.tensor([0.0] + [nodes[p][0] for p in kept])
         source[b, 1:n] = torch.tensor([nodes[p][1] for p in kept], dtype=torch.int8)
+        raw[b, 1:n] = torch.tensor([nodes[p][2] for p in kept])
         valid[b, :n] = True
-    tree = Tree(tokens, parents, depth, ancestor_mask(parents, depth, int(depth.max())), score, source=source)
+    match = torch.tensor([c.match_len for c in candidates])
+    tree = Tree(tokens, parents, depth, ancestor_mask(parents, depth, int(depth.max())), score, source=source,
+                raw=raw, match=match)
     return tree if bool(valid.all()) else tree.restricted(valid[:, 1:])
 
 
