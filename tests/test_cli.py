@@ -59,7 +59,7 @@ def test_each_benchmark_parses_its_own_flags_and_says_what_it_needs():
     assert parse(["bench", "noise", "--batches", "3"])[0].batches == 3
     needs = {name: parse(["bench", name])[0].needs for name in BENCHES}
     assert needs == {**{name: "draft" for name in BENCHES}, "engines": "policy", "sglang-tiers": "config",
-                     "gpu-check": None}
+                     "replay": "config", "gpu-check": None}
     for name, (module, _) in BENCHES.items():  # each registered by its own module
         assert parse(["bench", name])[0].run.__module__ == module, name
 
