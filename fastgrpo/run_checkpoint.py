@@ -20,15 +20,24 @@ def rng_file(rank: int) -> str:
     return "rng.pt" if rank == 0 else f"rng_rank{rank}.pt"
 
 
+def index_file(rank: int) -> str:
+    """An engine leader's suffix index (`speculation.drafts` index or hybrid): each engine holds its own."""
+    return f"suffix_index_rank{rank}.json"
+
+
 def save_checkpoint(run: Run) -> Path:
     """On every rank (collective): the trainer's state (a Megatron trainer's ranks write their shards),
-    the draft's, every rank's RNG state; rank 0 the tokenizer, the data position (one prompt stream,
-    the same on every rank) and the run's history."""
+    the draft's, every rank's RNG state, an engine's suffix index (its prompts' earlier responses: a
+    resumed run drafts from them as the uninterrupted one would); rank 0 the tokenizer, the data
+    position (one prompt stream, the same on every rank) and the run's history."""
     def write(d: Path) -> None:
         run.trainer.save(d)
         if run.draft_learner is not None:
             run.draft_learner.save(checkpoint_draft(d))
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, d / rng_file(run.world.rank))
+        index = getattr(run.engine, "index", None)
+        if index is not None:
+            (d / index_file(run.world.rank)).write_text(json.dumps(index.state_dict()))
         if not run.world.main:
             return
         run.text.tokenizer.save_pretrained(checkpoint_policy(d))
@@ -55,6 +64,9 @@ def restore_checkpoint(run: Run, path: Path) -> str | None:
         rng = torch.load(rng_path, weights_only=False)
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
+    index, index_path = getattr(run.engine, "index", None), path / index_file(run.world.rank)
+    if index is not None and index_path.is_file():  # (a checkpoint of a run without the index has none)
+        index.load_state_dict(json.loads(index_path.read_text()))
     run.data.load_state_dict(state["data"])
     run.step = int(state["step"])
     history = state.get("history", {"steps": [], "evals": {}})

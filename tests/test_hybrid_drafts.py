@@ -414,3 +414,27 @@ def test_calibration_counts_the_nodes_whose_parent_was_reached():
     # nothing accepted: only the root's children were reached
     none = Verified(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3), torch.tensor([[0, 0]]), torch.tensor([0]))
     assert [(c, a) for c, _, a in calibration_outcomes(tree, none)] == [(LEARNED_CLASS, False), (INDEX_SHORT, False)]
+
+
+def test_a_resumed_run_drafts_from_the_index_its_checkpoint_kept(tmp_path, tiny_policy, tiny_draft):
+    """`speculation.drafts=hybrid`: each checkpoint holds the engine's suffix index (its prompts' finished
+    responses); a resumed run's engine starts with that index, not an empty one."""
+    import json
+
+    from fastgrpo.run_setup import setup_run
+    from fastgrpo.train import train
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(tmp_path, tiny_policy, **{"speculation.drafts": "hybrid", "speculation.policy": "static",
+                                                "draft.path": str(tiny_draft),
+                                                "grpo.steps": 2, "checkpoint.every": 1, "draft.online": "off",
+                                                "tracking.enabled": "false"})
+    result = train(cfg)
+    saved = json.loads((result.checkpoint / "suffix_index_rank0.json").read_text())
+    histories = {tuple(p["key"]): p["history"] for p in saved["prompts"]}
+    # 2 steps x 4 prompts, each prompt's group of 4 finished responses kept (and the evaluated prompts' answers:
+    # evaluation runs on the same engine)
+    assert sum(len(h) == 4 for h in histories.values()) >= 8
+    run = setup_run(cfg, resume=True)
+    assert run.step == 2 and list(run.engine.index.prompts) == list(histories)
+    assert all(run.engine.index.history(k) == h for k, h in histories.items())

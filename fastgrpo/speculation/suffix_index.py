@@ -40,7 +40,7 @@ import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 
 class _Node:
@@ -223,6 +223,7 @@ class _Prompt:
     """One prompt key's trie: its prompt, finished responses (oldest first) and open responses."""
 
     def __init__(self, prompt: Sequence[int], limits: IndexLimits):
+        self.prompt = list(prompt)
         self.trie = SuffixTrie(limits.window + limits.depth)
         self.tail = list(prompt[-(limits.window + limits.depth):])
         self.trie.insert(prompt)
@@ -323,6 +324,29 @@ class SuffixIndex:
         self.lookups += 1
         self.lookup_s += time.perf_counter() - t
         return out
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the index: each prompt's key, prompt and finished responses (as
+        indexed), least recently used first, and the limits they were kept under. Responses still being
+        written are not kept (a checkpoint falls between rollouts, when none is). Keys are saved as lists:
+        `load_state_dict` makes them tuples, the engine's keys (a prompt's token ids)."""
+        return {"limits": asdict(self.limits),
+                "prompts": [{"key": list(key), "prompt": e.prompt, "history": [list(r) for r in e.history]}
+                            for key, e in self.prompts.items()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Rebuild the tries of a checkpoint's `state_dict` (replacing what this index holds), in its
+        order of use, under this index's limits (a smaller cap keeps the most recent)."""
+        self.prompts.clear()
+        self.tokens = 0
+        for saved in state["prompts"]:
+            entry = self.prompts[tuple(saved["key"])] = _Prompt(saved["prompt"], self.limits)
+            for response in saved["history"][-self.limits.responses:]:
+                entry.trie.insert(response)
+                entry.history.append(list(response))
+                entry.tokens += len(response)
+            self.tokens += entry.tokens
+        self._evict()
 
     def history(self, key: Hashable) -> list[list[int]]:
         """The prompt's finished responses kept, oldest first, each as indexed (the prompt's tail first)."""
