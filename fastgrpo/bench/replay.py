@@ -110,9 +110,9 @@ def bench_replay(cfg: Config, quick: bool, output: Path, extra: list[str] | None
         layers, k = batch.routing.shape[2:]
         tokens = int(batch.attention_mask.sum())
         recorded, plain = engine["recorded_s"], engine["plain_s"]
-        ratio, se = _ratio(recorded, plain)
+        rollout_ratio, rollout_se = _ratio(recorded, plain)
         print(f"rollout with the record {statistics.median(recorded):.3f} s, without {statistics.median(plain):.3f} s "
-              f"({ratio:.3f}x ± {se:.3f})", flush=True)
+              f"({rollout_ratio:.3f}x ± {rollout_se:.3f})", flush=True)
         rows = []
         for name, overrides in TRAINERS.items():
             r = run_world(_rank, 1, Path(tmp) / name.split()[0], cfg, overrides, batch, reps, timeout_s=1800.0,
@@ -130,7 +130,7 @@ def bench_replay(cfg: Config, quick: bool, output: Path, extra: list[str] | None
               "record": {"bytes_per_token": bytes_per_token(int(layers), int(k)),
                          "bytes": int(batch.routing.numel() * batch.routing.element_size()),
                          "input_ids_bytes": int(batch.input_ids.numel() * batch.input_ids.element_size())},
-              "rollout": {**engine, "ratio": _ratio(recorded, plain)[0], "ratio_se": _ratio(recorded, plain)[1]},
+              "rollout": {**engine, "ratio": rollout_ratio, "ratio_se": rollout_se},
               "rows": rows}
     publish(result, output, command_line("replay", quick, output, list(extra or [])), markdown)
     return result

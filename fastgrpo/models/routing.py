@@ -58,9 +58,23 @@ class Mismatch:
         return float(self.differ) / float(self.picks) if float(self.picks) else 0.0
 
 
-def differing_picks(own: Tensor, recorded: Tensor) -> Tensor:
-    """Per recorded pick [T, k]: whether the trainer's own top-k set [T, k] lacks it."""
-    return ~(recorded[:, :, None] == own[:, None, :]).any(-1)
+@dataclass
+class Imposed:
+    """A record imposed on one router's forward of T tokens (`impose`)."""
+
+    chosen: Tensor  # [T, k] the experts the forward runs: the recorded ones where a token has a record, else its own
+    picks: Tensor  # the recorded picks (tokens with a record x k)
+    differ: Tensor  # of them, those the router's own top-k set lacks (top-k order does not change the output)
+
+
+def impose(own: Tensor, recorded: Tensor) -> Imposed:
+    """The router's own top-k experts `own` [T, k] under the record `recorded` [T, k] (-1: no record):
+    every trainer's rule (the Hugging Face hook below, Megatron's `RecordedRouting`, the expert load)."""
+    recorded = recorded.to(own.device, torch.long)
+    known = (recorded >= 0).all(-1)
+    lacks = ~(recorded[:, :, None] == own[:, None, :]).any(-1)
+    return Imposed(torch.where(known[:, None], recorded, own), known.sum() * recorded.shape[-1],
+                   (lacks & known[:, None]).sum())
 
 
 @contextlib.contextmanager
@@ -102,16 +116,16 @@ def replay_routing(model: torch.nn.Module, routing: Tensor | None, replay: bool 
     def hook(index: int):
         def replace(router: torch.nn.Module, inputs, output):
             logits, scores, own = output
-            recorded = routing[:, :, index].reshape(-1, routing.shape[-1]).to(own.device, torch.long)
+            recorded = routing[:, :, index].reshape(-1, routing.shape[-1])
             if recorded.shape[0] != own.shape[0]:
                 raise ValueError(f"sparse layer {index}: the routing record covers {recorded.shape[0]} tokens, "
                                  f"the forward {own.shape[0]}")
-            known = (recorded >= 0).all(-1)
-            found.picks = found.picks + known.sum() * recorded.shape[-1]
-            found.differ = found.differ + (differing_picks(own, recorded) & known[:, None]).sum()
+            imposed = impose(own, recorded)
+            found.picks = found.picks + imposed.picks
+            found.differ = found.differ + imposed.differ
             if not replay:
                 return output
-            chosen = torch.where(known[:, None], recorded, own)
+            chosen = imposed.chosen
             weight = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, chosen)
             if getattr(router, "norm_topk_prob", False):
                 weight = weight / weight.sum(-1, keepdim=True)

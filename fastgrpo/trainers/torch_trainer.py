@@ -38,7 +38,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from fastgrpo.config import ConfigError, GRPOConfig, OptimConfig, TrainerConfig
 from fastgrpo.device import Compute
 from fastgrpo.models.families import MOE_BLOCKS
-from fastgrpo.models.routing import Mismatch, replay_routing
+from fastgrpo.models.routing import Mismatch, impose, replay_routing
 from fastgrpo.trainers.chunked_logprobs import chunked_scores, token_scores
 from fastgrpo.paths import checkpoint_policy
 from fastgrpo.types import Placement, RolloutBatch, SamplingParams
@@ -121,8 +121,7 @@ def routed_tokens(router_logits: tuple[Tensor, ...], attention_mask: Tensor, top
     for layer, logits in enumerate(router_logits):
         chosen = torch.softmax(logits.detach().float(), -1).topk(top_k, dim=-1).indices  # [tokens, k]
         if replayed is not None:
-            recorded = replayed[:, :, layer].reshape(-1, top_k).to(chosen.device, torch.long)
-            chosen = torch.where((recorded >= 0).all(-1, keepdim=True), recorded, chosen)
+            chosen = impose(chosen, replayed[:, :, layer].reshape(-1, top_k)).chosen
         hits = torch.zeros(logits.shape[0], logits.shape[1], dtype=torch.float64, device=logits.device)
         counts.append((hits.scatter_(1, chosen, 1.0) * mask).sum(0))
     return torch.stack(counts)

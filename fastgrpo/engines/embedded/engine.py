@@ -528,10 +528,11 @@ class EmbeddedEngine:
             if config is not None:
                 s.spec_steps += 1
                 s.spec_emitted += a + 1
-            if self._capture:  # a copy: a graph's outputs are overwritten by its next replay
-                s.captured.append(out.hidden[b, nodes].clone())
-            if out.experts is not None:  # the accepted nodes' routing (a copy, as the states)
-                s.routed.append(out.experts[b, nodes].clone())
+            # indexing by a list copies: a graph's outputs are overwritten by its next replay
+            if self._capture:
+                s.captured.append(out.hidden[b, nodes])
+            if out.experts is not None:  # the accepted nodes' routing
+                s.routed.append(out.experts[b, nodes])
         return emitted, None if config is None else result.accepted
 
     def _read_back(self, packed: Tensor) -> Tensor:

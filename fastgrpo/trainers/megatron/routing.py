@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fastgrpo.models.routing import differing_picks
+from fastgrpo.models.routing import impose
 
 
 @dataclass
@@ -88,18 +88,16 @@ class RecordedRouting:
                 self.to_recompute.append(record)
         else:  # a forward without a record (the batch carries none): the router's own routing
             return values, own
-        recorded = record.experts.to(own.device, torch.long)
-        if recorded.shape != own.shape:
-            raise ValueError(f"the routing record covers {tuple(recorded.shape)} (tokens, k) picks; the router "
+        if record.experts.shape != own.shape:
+            raise ValueError(f"the routing record covers {tuple(record.experts.shape)} (tokens, k) picks; the router "
                              f"routes {tuple(own.shape)}")
-        known = (recorded >= 0).all(-1)
+        imposed = impose(own, record.experts)
         if record.count and not recomputing:
-            self.picks = self.picks + known.sum() * recorded.shape[-1]
-            self.differ = self.differ + (differing_picks(own, recorded) & known[:, None]).sum()
+            self.picks = self.picks + imposed.picks
+            self.differ = self.differ + imposed.differ
         if not record.replay:
             return values, own
-        chosen = torch.where(known[:, None], recorded, own)
-        return scores.gather(1, chosen), chosen
+        return scores.gather(1, imposed.chosen), imposed.chosen
 
 
 def routed_order(per_position: Tensor, padded: int, tp_shard: tuple[int, int] | None) -> Tensor:
