@@ -350,7 +350,7 @@ def test_bench_drafts_pools_accepted_length_over_sequences_and_averages_replicat
         for mode in MODES:
             accept = {"learned": learned, "hybrid": hybrid}.get(mode, 1.5)
             records.append({"epoch": 0, "mode": mode, "seconds": 10.0 + rep, "accept_len": accept,
-                            "index_share": 0.01, "index_accepted_share": 0.5, "identical": 1.0, "index_matched": 0.9,
+                            "index_share": 0.01, "host_share": 0.02, "index_accepted_share": 0.5, "identical": 1.0, "index_matched": 0.9,
                             "emitted": [int(10 * accept)], "steps": [10]})
     row = summarise(records, epochs=1)[0]
     assert row["learned_accept_len"] == 2.5 and row["learned_accept_len_se"] == pytest.approx(0.5)

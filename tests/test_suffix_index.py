@@ -99,23 +99,29 @@ def test_removal_takes_back_exactly_what_an_insertion_added():
     rng = random.Random(1)
     for _ in range(20):
         texts = [[rng.randrange(3) for _ in range(rng.randint(1, 25))] for _ in range(4)]
-        trie, fresh = SuffixTrie(5), SuffixTrie(5)
+        trie, fresh, whole = SuffixTrie(5), SuffixTrie(5), SuffixTrie(5)
         for t in texts:
             trie.insert(t)
+            whole.insert(t)
         for t in texts[1:3]:
             trie.remove(t)
         for t in (texts[0], texts[3]):
             fresh.insert(t)
-        assert dump(trie.root) == dump(fresh.root)
+        assert dump(trie) == dump(fresh)
+        assert trie.nodes == fresh.nodes == len(dump(fresh)) + 1
+        for t in texts[1:3]:  # the removed nodes' ids are reused, and the trie is as if never removed
+            trie.insert(t)
+        assert dump(trie) == dump(whole)
+        assert trie.nodes == whole.nodes and len(trie.count) <= len(whole.count) + 25
 
 
-def dump(node, prefix=()) -> dict:
-    """Every string of the trie with its count and the length of its suffix link's string."""
+def dump(trie, node=0, prefix=()) -> dict:
+    """Every string of the trie with its count (checking each suffix link's string is one shorter)."""
     out = {}
-    for token, child in node.children.items():
-        assert child.count > 0 and child.link.depth == child.depth - 1
-        out[prefix + (token,)] = child.count
-        out |= dump(child, prefix + (token,))
+    for token, child in trie.children[node].items():
+        assert trie.count[child] > 0 and trie.depth[trie.link[child]] == trie.depth[child] - 1
+        out[prefix + (token,)] = trie.count[child]
+        out |= dump(trie, child, prefix + (token,))
     return out
 
 
@@ -125,12 +131,12 @@ def test_suffix_links_point_at_the_string_less_its_first_token():
         trie.insert(t)
 
     def walk(node, prefix=()):
-        for token, child in node.children.items():
+        for token, child in trie.children[node].items():
             s = prefix + (token,)
             target = trie.root
             for x in s[1:]:
-                target = target.children[x]
-            assert child.link is target, s
+                target = trie.children[target][x]
+            assert trie.link[child] == target, s
             walk(child, s)
 
     walk(trie.root)

@@ -19,10 +19,12 @@ flip; `identical` counts them), so their rollouts are the same work and their se
 
 Per epoch and source: tokens emitted per sequence per verify (`accept_len`, accepted draft tokens + 1)
 pooled over the call's sequences, the rollout's seconds, the index's host seconds (lookups, inserts,
-history upkeep) as a share of the decode steps' seconds, and the share of accepted tokens the index
-proposed. Sources run in a rotated order each epoch; the whole run is repeated over `replicates`
+history upkeep) as a share of the decode steps' seconds, the same with building and calibrating the
+merged trees (`host_share`: all a hybrid step adds on the host), and the share of accepted tokens the
+index proposed. Sources run in a rotated order each epoch; the whole run is repeated over `replicates`
 independent sets of prompts and seeds, and every figure is the mean over replicates with its standard
-error (over replicates; accept_len also has one over sequences, pooled).
+error (over replicates; accept_len also has one over sequences, pooled). After the epochs, the SIMULATED
+part (`drafts_simulated`): learned-only and hybrid trees priced by `aware` on an H100.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from fastgrpo.bench.drafts_simulated import QUICK_SHAPES, SHAPES, merge_sweeps, simulated_h100, sweep_shapes
+from fastgrpo.bench.drafts_simulated import markdown as simulated_markdown
 from fastgrpo.bench.report import command_line, publish
 from fastgrpo.bench.rollout import rotated
 from fastgrpo.config import Config
@@ -87,8 +91,11 @@ def use(engine: EmbeddedEngine, mode: str, tree: Static, indexes: dict[str, Suff
 
 
 def run_replicate(engine: EmbeddedEngine, prompts: list[list[int]], group: int, epochs: int, seed: int,
-                  sampling: SamplingParams, tree: Static, limits: IndexLimits, log) -> list[dict]:
-    """`epochs` rollouts of the prompts (each `group` times) by every mode: one record per (epoch, mode)."""
+                  sampling: SamplingParams, tree: Static, limits: IndexLimits, shapes: tuple[SpecConfig, ...],
+                  log) -> tuple[list[dict], dict]:
+    """`epochs` rollouts of the prompts (each `group` times) by every mode: one record per (epoch, mode);
+    then the shape sweep of the SIMULATED part (`drafts_simulated.sweep_shapes`) from the history the
+    epochs left."""
     requests = [Request(p) for p in prompts for _ in range(group)]
     indexes = {mode: SuffixIndex(limits) for mode in ("index", "hybrid")}
     calibrations = {mode: NodeCalibration() for mode in ("index", "hybrid")}
@@ -110,14 +117,18 @@ def run_replicate(engine: EmbeddedEngine, prompts: list[list[int]], group: int, 
                 "epoch": epoch, "mode": mode, "seconds": seconds, "tokens": sum(map(len, tokens[mode])),
                 "decode_s": stats["decode_s"], "accept_len": accept, "accept_len_se_seq": accept_se,
                 "emitted": emitted, "steps": steps, "index_s": stats.get("index_s", 0.0),
+                "merge_s": stats.get("merge_s", 0.0),
                 "index_share": stats.get("index_s", 0.0) / max(stats["decode_s"], 1e-9),
+                "host_share": (stats.get("index_s", 0.0) + stats.get("merge_s", 0.0)) / max(stats["decode_s"], 1e-9),
                 "index_accepted_share": stats.get("index_accepted", 0) / accepted_tokens if accepted_tokens else 0.0,
                 "index_matched": stats.get("index_matched", 0) / max(stats.get("index_lookups", 0), 1)})
             log(f"  epoch {epoch} {mode:>7}: {seconds:6.2f} s, {records[-1]['tokens']} tokens, accept_len "
                 f"{accept:.2f}, index {100 * records[-1]['index_share']:.1f}% of decode")
         for r in records[-len(MODES):]:  # keyed sampling: every source emits plain decoding's tokens
             r["identical"] = sum(a == b for a, b in zip(tokens[r["mode"]], tokens["off"])) / len(requests)
-    return records
+    sweep = sweep_shapes(engine, requests, sampling, seed * 1000 + epochs, shapes, indexes["hybrid"],
+                         calibrations["hybrid"], log)
+    return records, sweep
 
 
 def summarise(records: list[dict], epochs: int) -> list[dict]:
@@ -127,7 +138,8 @@ def summarise(records: list[dict], epochs: int) -> list[dict]:
         row: dict = {"epoch": epoch}
         by_mode = {m: [r for r in records if r["epoch"] == epoch and r["mode"] == m] for m in MODES}
         for mode, rs in by_mode.items():
-            for key in ("seconds", "accept_len", "index_share", "index_accepted_share", "identical", "index_matched"):
+            for key in ("seconds", "accept_len", "index_share", "host_share", "index_accepted_share", "identical",
+                        "index_matched"):
                 values = [r[key] for r in rs]
                 row[f"{mode}_{key}"] = statistics.mean(values)
                 row[f"{mode}_{key}_se"] = standard_error(values)
@@ -163,20 +175,26 @@ def bench_drafts(cfg: Config, quick: bool, output: Path, extra: list[str] | None
     encoded = encode_problems(train[: n_prompts * replicates], text, cfg.model.max_context)
     if len(encoded) < n_prompts * replicates:
         raise ValueError(f"bench drafts needs {n_prompts * replicates} training prompts, the task gives {len(encoded)}")
+    shapes = QUICK_SHAPES if quick else SHAPES
     t0 = time.perf_counter()
-    records = []
+    records, sweeps = [], []
     for rep in range(replicates):
         prompts = [e.prompt_ids for e in encoded[rep * n_prompts: (rep + 1) * n_prompts]]
-        log(f"replicate {rep}: {n_prompts} prompts x {group} samples, {epochs} epochs")
-        for r in run_replicate(engine, prompts, group, epochs, rep + 1, sampling, tree, limits, log):
-            records.append(r | {"replicate": rep})
+        log(f"replicate {rep}: {n_prompts} prompts x {group} samples, {epochs} epochs, then {len(shapes)} shapes")
+        runs, sweep = run_replicate(engine, prompts, group, epochs, rep + 1, sampling, tree, limits, shapes, log)
+        records += [r | {"replicate": rep} for r in runs]
+        sweeps.append(sweep)
+    measured_s = time.perf_counter() - t0
+    simulated = simulated_h100(merge_sweeps(sweeps), quick, cfg.seed, log)
     result = {
         "meta": {"date": datetime.date.today().isoformat(), "quick": quick, "threads": torch.get_num_threads(),
                  "torch": torch.__version__, "policy_parameters": num_parameters(policy), "tree": tree.config.name,
                  "prompts": n_prompts, "group": group, "epochs": epochs, "replicates": replicates,
                  "max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
-                 "index_limits": dataclasses.asdict(limits), "seconds": time.perf_counter() - t0},
+                 "index_limits": dataclasses.asdict(limits), "measured_seconds": measured_s,
+                 "seconds": time.perf_counter() - t0},
         "epochs": summarise(records, epochs),
+        "simulated": simulated,
         "runs": [{k: v for k, v in r.items() if k not in ("emitted", "steps")} for r in records],
     }
     publish(result, output, command_line("drafts", quick, output, extra), markdown)
@@ -210,14 +228,20 @@ def markdown(result: dict, command: str) -> str:
             f" | {_pm(r['hybrid_over_learned_accepted'], r['hybrid_over_learned_accepted_se'])}x"
             f" | {100 * r['hybrid_index_accepted_share']:.0f}%"
             f" | {', '.join(percent(r[f'{s}_identical']) for s in SOURCES)} |")
-    lines += ["", "Rollout seconds (and the index's host seconds as a share of the decode steps'):", "",
-              "| epoch | off | learned | index | hybrid | hybrid / learned | index share (index, hybrid) |",
-              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += ["", "Rollout seconds, and host seconds as a share of the decode steps': the index's (lookups, "
+              "inserts, upkeep) and all of the index's and merged trees' (with building and calibrating the "
+              "trees):", "",
+              "| epoch | off | learned | index | hybrid | hybrid / learned | index share (index, hybrid) "
+              "| host share (index, hybrid) |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in result["epochs"]:
         lines.append(
             f"| {r['epoch'] + 1} | " + " | ".join(_pm(r[f'{s}_seconds'], r[f'{s}_seconds_se']) for s in MODES)
             + f" | {_pm(r['hybrid_over_learned_seconds'], r['hybrid_over_learned_seconds_se'])}x"
-            f" | {100 * r['index_index_share']:.1f}%, {100 * r['hybrid_index_share']:.1f}% |")
+            f" | {100 * r['index_index_share']:.1f}%, {100 * r['hybrid_index_share']:.1f}%"
+            f" | {100 * r['index_host_share']:.1f}%, {100 * r['hybrid_host_share']:.1f}% |")
+    if "simulated" in result:
+        lines += simulated_markdown(result["simulated"])
     return "\n".join(lines)
 
 

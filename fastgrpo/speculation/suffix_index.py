@@ -43,27 +43,42 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 
-class _Node:
-    """A string of the trie: its occurrences, its length, its children by next token and its suffix link."""
-
-    __slots__ = ("children", "count", "depth", "link")
-
-    def __init__(self, depth: int, link: _Node | None):
-        self.children: dict[int, _Node] = {}
-        self.count = 0
-        self.depth = depth
-        self.link = link
-
-
 class SuffixTrie:
-    """The suffixes of every inserted text, each cut at `max_depth` tokens, with occurrence counts."""
+    """The suffixes of every inserted text, each cut at `max_depth` tokens, with occurrence counts.
+
+    Nodes are integer ids into flat lists (children by next token, occurrences, length, suffix link;
+    node 0 the root), not objects: a trie holds up to `max_depth` nodes per indexed token, and that
+    many container objects make every full pass of Python's garbage collector walk them all (a
+    trie of objects inserted at 5x the cost, measured). A dict of ints to ints is not tracked by the
+    collector. Ids of removed nodes are reused."""
 
     def __init__(self, max_depth: int):
         if max_depth < 2:
             raise ValueError(f"max_depth must be >= 2, got {max_depth}")
         self.max_depth = max_depth
-        self.root = _Node(0, None)
-        self.root.link = self.root
+        self.root = 0
+        self.children: list[dict[int, int]] = [{}]
+        self.count = [0]
+        self.depth = [0]
+        self.link = [0]
+        self._free: list[int] = []
+
+    def _new(self, depth: int, link: int) -> int:
+        """A node of no occurrence yet (a removed node's id if one is free)."""
+        if self._free:
+            node = self._free.pop()
+            self.count[node], self.depth[node], self.link[node] = 0, depth, link
+            return node
+        self.children.append({})
+        self.count.append(0)
+        self.depth.append(depth)
+        self.link.append(link)
+        return len(self.count) - 1
+
+    @property
+    def nodes(self) -> int:
+        """Nodes in the trie, the root included."""
+        return len(self.count) - len(self._free)
 
     def writer(self) -> TrieWriter:
         """A text inserted token by token (its occurrences count from each token on)."""
@@ -77,52 +92,61 @@ class SuffixTrie:
     def remove(self, tokens: Sequence[int]) -> None:
         """Remove one earlier insertion of `tokens`: every count it added is taken back, and strings
         that no longer occur leave the trie (their suffixes occur at least as often, so no suffix link
-        of a remaining node points at a removed one)."""
-        frontier: list[_Node] = []
+        of a remaining node points at a removed one; their extensions occurred only where they did, so
+        this walk removes those too)."""
+        children, count, depth = self.children, self.count, self.depth
+        frontier: list[int] = []
+        freed: list[int] = []
         for x in tokens:
             new = []
-            for parent in [self.root, *(n for n in frontier if n.depth < self.max_depth)]:
-                child = parent.children[x]
-                child.count -= 1
-                if child.count == 0:
-                    del parent.children[x]  # the detached node is still walked for the tokens after it
+            for parent in [self.root, *(n for n in frontier if depth[n] < self.max_depth)]:
+                child = children[parent][x]
+                count[child] -= 1
+                if count[child] == 0:
+                    del children[parent][x]  # the detached node is still walked for the tokens after it
+                    freed.append(child)
                 new.append(child)
             frontier = new
+        for node in freed:  # reusable only now that the walk is done
+            children[node].clear()
+        self._free += freed
 
-    def match(self, tail: Sequence[int], window: int) -> tuple[_Node, int]:
+    def match(self, tail: Sequence[int], window: int) -> tuple[int, int]:
         """The node of the longest suffix of `tail` (at most `window` tokens) that occurs with a
         continuation, and its length (0: the root, no suffix occurs with one)."""
+        children, depth, link = self.children, self.depth, self.link
         node = self.root
         for x in tail[-window:]:
             while True:
-                if node.depth >= window:  # the match may not grow past the window
-                    node = node.link
-                child = node.children.get(x)
+                if depth[node] >= window:  # the match may not grow past the window
+                    node = link[node]
+                child = children[node].get(x)
                 if child is not None:
                     node = child
                     break
-                if node is self.root:
+                if node == self.root:
                     break
-                node = node.link
-        while node is not self.root and not node.children:
-            node = node.link  # the suffix occurred only where nothing followed it (the sequence's own end)
-        return node, node.depth
+                node = link[node]
+        while node != self.root and not children[node]:
+            node = link[node]  # the suffix occurred only where nothing followed it (the sequence's own end)
+        return node, depth[node]
 
-    def continuations(self, node: _Node, budget: int, depth: int, prior: float = 1.0,
+    def continuations(self, node: int, budget: int, depth: int, prior: float = 1.0,
                       min_prob: float = 0.0) -> Candidates:
         """The `budget` most probable continuation paths below `node`, at most `depth` tokens deep, best
         first (so every node's parent comes before it)."""
         out = Candidates()
-        heap: list[tuple[float, int, _Node, int, int]] = []
+        heap: list[tuple[float, int, int, int, int]] = []
         tie = 0
-
+        children, count = self.children, self.count
         floor = math.log(min_prob) if min_prob > 0 else -math.inf
 
-        def push(parent: _Node, logp: float, index: int) -> None:
+        def push(parent: int, logp: float, index: int) -> None:
             nonlocal tie
-            total = sum(c.count for c in parent.children.values()) + prior
-            for token, child in parent.children.items():
-                lp = logp + math.log(child.count / total)
+            below = children[parent]
+            total = sum(count[c] for c in below.values()) + prior
+            for token, child in below.items():
+                lp = logp + math.log(count[child] / total)
                 if lp >= floor:
                     heapq.heappush(heap, (-lp, tie, child, index, token))
                     tie += 1
@@ -133,7 +157,7 @@ class SuffixTrie:
             out.tokens.append(token)
             out.parents.append(parent)
             out.logp.append(-neg)
-            out.counts.append(child.count)
+            out.counts.append(count[child])
             d = 1 if parent < 0 else out.depth[parent] + 1
             out.depth.append(d)
             if d < depth:
@@ -148,18 +172,19 @@ class TrieWriter:
     def __init__(self, trie: SuffixTrie):
         self.trie = trie
         self.tokens: list[int] = []
-        self._frontier: list[_Node] = []
+        self._frontier: list[int] = []
 
     def append(self, x: int) -> None:
         trie = self.trie
-        new: list[_Node] = []
+        children, count, depth, max_depth = trie.children, trie.count, trie.depth, trie.max_depth
+        new: list[int] = []
         for parent in [trie.root, *self._frontier]:
-            if parent.depth >= trie.max_depth:
+            if depth[parent] >= max_depth:
                 continue
-            child = parent.children.get(x)
+            child = children[parent].get(x)
             if child is None:  # its suffix link: the same string without its first token, made just before
-                child = parent.children[x] = _Node(parent.depth + 1, new[-1] if new else trie.root)
-            child.count += 1
+                child = children[parent][x] = trie._new(depth[parent] + 1, new[-1] if new else trie.root)
+            count[child] += 1
             new.append(child)
         self._frontier = new
         self.tokens.append(x)

@@ -576,7 +576,9 @@ class EmbeddedEngine:
         self.cache.lengths[rows] = start + result.accepted + 1
         self._keep_pending(start, hidden, result)
         if tree.source is not None and self.calibration is not None:  # what each source's nodes are worth
+            t = time.perf_counter()
             self.calibration.observe(calibration_outcomes(tree, result))
+            self._counts["merge_s"] += time.perf_counter() - t
         if tree.source is not None:  # accepted tokens the index proposed (the learned draft may have too)
             on_path = torch.arange(result.path.shape[1])[None] < result.accepted[:, None]
             from_index = (tree.source.gather(1, result.path) & INDEX) > 0
@@ -601,15 +603,17 @@ class EmbeddedEngine:
     def _draft(self, running: list[_Sequence], rows: slice, pending: Tensor, config: SpecConfig) -> Tree:
         """The step's tree of `config`'s node budget: the learned draft's (EAGLE-2), the index's
         continuations, or both merged (`hybrid_tree`)."""
-        if self.drafts == "index":
-            return hybrid_tree(None, self._index_candidates(running, config), pending, config.num_verify,
-                               self.calibration)
-        assert self.draft is not None and self.draft_cache is not None
-        root_features = self._draft_catch_up(running)
-        tree = draft_tree(self.draft, self.draft_cache, rows, root_features, pending, config)
-        if self.drafts == "hybrid":
-            tree = hybrid_tree(tree, self._index_candidates(running, config), pending, config.num_verify,
-                               self.calibration)
+        learned = None
+        if self.drafts != "index":
+            assert self.draft is not None and self.draft_cache is not None
+            root_features = self._draft_catch_up(running)
+            learned = draft_tree(self.draft, self.draft_cache, rows, root_features, pending, config)
+            if self.drafts == "learned":
+                return learned
+        candidates = self._index_candidates(running, config)
+        t = time.perf_counter()
+        tree = hybrid_tree(learned, candidates, pending, config.num_verify, self.calibration)
+        self._counts["merge_s"] += time.perf_counter() - t
         return tree
 
     def _index_candidates(self, running: list[_Sequence], config: SpecConfig) -> list[Candidates]:
@@ -741,9 +745,11 @@ class EmbeddedEngine:
             spec_steps=c["spec_steps"], spec_seq_steps=c["spec_seq_steps"], spec_emitted=c["spec_emitted"],
             # tokens emitted per sequence per verify forward (accepted draft tokens + 1)
             accept_len=c["spec_emitted"] / c["spec_seq_steps"] if c["spec_seq_steps"] else 1.0,
-            # drafts: index | hybrid: the index's host seconds (lookups, inserts, history), how many
-            # lookups matched, and the accepted tokens the index proposed
-            index_s=c["index_s"], index_lookups=c["index_lookups"], index_matched=c["index_matched"],
+            # drafts: index | hybrid: the index's host seconds (lookups, inserts, history), the host
+            # seconds of building the merged trees and calibrating their nodes, how many lookups
+            # matched, and the accepted tokens the index proposed
+            index_s=c["index_s"], merge_s=c["merge_s"], index_lookups=c["index_lookups"],
+            index_matched=c["index_matched"],
             index_accepted=c["index_accepted"],
             config_by_concurrency={b: dict(v) for b, v in sorted(self._by_config.items())},
             trace=list(self._trace),

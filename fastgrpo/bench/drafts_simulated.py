@@ -1,0 +1,167 @@
+"""`fastgrpo bench drafts`, its SIMULATED part: learned-only and hybrid trees priced by `aware` on an H100.
+
+On this CPU a verify forward of many tokens costs several plain forwards, so rollout seconds here say
+little about a GPU, where verifying tens of tokens costs about one plain step. What transfers is how
+many tokens each source's trees accept. So, after the benchmark's epochs (when each prompt has a
+history), the same prompts are rolled out once more by each source at every tree shape of `SHAPES`,
+each shape from the same history (a copy of the index and node calibration as the epochs left them)
+and with the same sampling keys (so every shape writes the same text). Every step's accepted lengths
+are kept, and an acceptance profile is fitted to each source's (`fit_acceptance`: per-depth acceptance
+and what width adds; the measured histograms are used as they are for the shapes measured).
+
+The simulator (`bench simulate`, its accuracy on this CPU in BENCHMARKS section 8) then runs `aware`
+and `aware_per_sequence` on the long-tail reasoning workload of H100 SXM and Llama-3-8B, once with each
+source's profile. A hybrid step also pays its host work: the index's lookups and the merging and
+calibrating of its trees, measured here per running row and speculative step, are added to every
+simulated speculative step (`HostWork`): a GPU host runs the same Python.
+
+What the simulator does not know: a hybrid step here runs eagerly (the captured steps take only
+learned trees), while the simulated step costs what a captured one would; and the profiles come from
+the bench policy on its task, not from an 8B model on reasoning text. Both are stated with the figures.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from fastgrpo.bench.simulate.acceptance import AcceptanceProfile, fit_acceptance
+from fastgrpo.bench.simulate.costs import Costs
+from fastgrpo.bench.simulate.gpu import GPU_MAX_BATCH, GPU_STATICS, run_policies
+from fastgrpo.bench.simulate.workload import longtail_workload
+from fastgrpo.engines.embedded.engine import EmbeddedEngine
+from fastgrpo.speculation.node_calibration import NodeCalibration
+from fastgrpo.speculation.policy import Static
+from fastgrpo.speculation.roofline import ACCELERATORS, MODELS, Roofline
+from fastgrpo.speculation.spec import SpecConfig
+from fastgrpo.speculation.suffix_index import SuffixIndex
+from fastgrpo.types import Request, SamplingParams
+
+# from a chain to the deepest, widest corner of aware's grid; a profile fitted to these prices the rest
+SHAPES = (SpecConfig(3, 1, 4), SpecConfig(2, 2, 4), SpecConfig(3, 4, 8), SpecConfig(4, 4, 12),
+          SpecConfig(5, 8, 24), SpecConfig(6, 8, 32))
+QUICK_SHAPES = (SpecConfig(2, 2, 4), SpecConfig(4, 4, 12), SpecConfig(6, 8, 32))
+SIMULATED_SOURCES = ("learned", "hybrid")
+SIMULATED_POLICIES = ("off", "aware", "aware_per_sequence")
+
+
+class RecordingStatic(Static):
+    """A fixed tree that keeps every speculative step's accepted lengths (what a profile is fitted to)."""
+
+    def __init__(self, config: SpecConfig):
+        super().__init__(config)
+        self.accepted: list[int] = []
+
+    def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
+                accepted: list[int] | None = None) -> None:
+        if config is not None and accepted is not None:
+            self.accepted.extend(accepted)
+
+
+def sweep_shapes(engine: EmbeddedEngine, requests: list[Request], sampling: SamplingParams, seed: int,
+                 shapes: tuple[SpecConfig, ...], index: SuffixIndex, calibration: NodeCalibration,
+                 log: Callable[[str], None]) -> dict:
+    """One rollout of `requests` per source and shape, the hybrid ones each from a copy of `index` and
+    `calibration` (so that every shape starts from the same history): per source, the accepted lengths
+    per shape and the hybrid's host seconds per running row and speculative step."""
+    out: dict = {source: {"accepted": {}, "host_row_s": []} for source in SIMULATED_SOURCES}
+    for source in SIMULATED_SOURCES:
+        for c in shapes:
+            policy = RecordingStatic(c)
+            engine.set_speculation(policy)
+            if source == "hybrid":
+                copied = SuffixIndex(index.limits)
+                copied.load_state_dict(index.state_dict())
+                engine.set_drafts("hybrid", index=copied, calibration=copy.deepcopy(calibration))
+            else:
+                engine.set_drafts("learned")
+            engine.generate(requests, sampling, seed=seed)
+            stats = engine.stats()
+            out[source]["accepted"][c] = policy.accepted
+            host = stats.get("index_s", 0.0) + stats.get("merge_s", 0.0)
+            out[source]["host_row_s"].append(host / max(stats["spec_seq_steps"], 1))
+            log(f"  sweep {source:>7} {c.name:>8}: {1 + float(np.mean(policy.accepted)):.2f} tokens per verify, "
+                f"host {1e6 * out[source]['host_row_s'][-1]:.0f} us per row-step")
+    return out
+
+
+@dataclass
+class HostWork:
+    """`costs` with `seconds_per_row` of host work added to every speculative step of B rows (a hybrid
+    tree's lookups and merging, which the GPU waits for)."""
+
+    costs: Costs
+    seconds_per_row: float
+
+    def __getattr__(self, name: str):
+        return getattr(self.costs, name)
+
+    def spec_step(self, c: SpecConfig, B: int, width: int, ctx_max: int, ctx_sum: int,
+                  verified: float | None = None) -> float:
+        return self.costs.spec_step(c, B, width, ctx_max, ctx_sum, verified) + B * self.seconds_per_row
+
+
+def merge_sweeps(sweeps: list[dict]) -> dict:
+    """The replicates' sweeps pooled: accepted lengths concatenated, host seconds averaged."""
+    out: dict = {}
+    for source in SIMULATED_SOURCES:
+        accepted: dict[SpecConfig, list[int]] = {}
+        for s in sweeps:
+            for c, values in s[source]["accepted"].items():
+                accepted.setdefault(c, []).extend(values)
+        host = [h for s in sweeps for h in s[source]["host_row_s"]]
+        out[source] = {"accepted": accepted, "host_row_s": statistics.mean(host) if host else 0.0}
+    return out
+
+
+def simulated_h100(pooled: dict, quick: bool, seed: int, log: Callable[[str], None]) -> dict:
+    """Each source's fitted profile on the SIMULATED H100 SXM / Llama-3-8B long tail (`bench simulate`'s
+    target case and workload): `off`, `aware` and `aware_per_sequence` per source, the best static tree
+    beside them, the median of `reps` runs each (after a warm-up for the learning policies)."""
+    costs = Roofline(ACCELERATORS["h100"], MODELS["llama3-8b"])
+    lt = dict(prompts=16 if quick else 64, group=8, mean=3000.0, sigma=1.0, max_new=8192 if quick else 16384,
+              prompt_len=256)
+    workload = longtail_workload(lt["prompts"], lt["group"], lt["mean"], lt["sigma"], lt["max_new"],
+                                 lt["prompt_len"], seed)
+    reps = 1 if quick else 3
+    profiles: dict[str, AcceptanceProfile] = {}
+    seconds: dict[str, dict[str, float]] = {}
+    for source in SIMULATED_SOURCES:
+        profiles[source] = fit_acceptance(pooled[source]["accepted"], f"bench policy, {source} trees, after the epochs")
+        priced = HostWork(costs, pooled[source]["host_row_s"]) if source == "hybrid" else costs
+        modes = (*SIMULATED_POLICIES, *(f"static_{c.name}" for c in GPU_STATICS))
+        res = run_policies(workload, priced, profiles[source], GPU_STATICS, GPU_MAX_BATCH, reps, seed, modes=modes)
+        seconds[source] = {m: r["seconds"] for m, r in res.items()}
+        best = min((m for m in seconds[source] if m.startswith("static_")), key=seconds[source].get)
+        seconds[source]["static_best"] = seconds[source][best]
+        seconds[source]["static_best_shape"] = best[7:]
+        log(f"SIMULATED H100 / Llama-3-8B long tail, {source} trees: " + ", ".join(
+            f"{m} {seconds[source][m]:.1f}s" for m in (*SIMULATED_POLICIES, "static_best")))
+    ratios = {m: seconds["learned"][m] / seconds["hybrid"][m] for m in ("aware", "aware_per_sequence", "static_best")}
+    return {"case": costs.name, "workload": workload.name, "longtail": lt, "max_running": GPU_MAX_BATCH,
+            "repetitions": reps, "seconds": seconds, "learned_over_hybrid": ratios,
+            "profiles": {s: p.to_json() for s, p in profiles.items()},
+            "host_row_s": {s: pooled[s]["host_row_s"] for s in SIMULATED_SOURCES}}
+
+
+def markdown(sim: dict) -> list[str]:
+    """The SIMULATED table of `bench drafts`' report."""
+    s, lt = sim["seconds"], sim["longtail"]
+    lines = ["", f"SIMULATED: {sim['case']}, the long-tail workload (lognormal mean {lt['mean']:.0f}, sigma "
+             f"{lt['sigma']}, cap {lt['max_new']}, {lt['prompts']} prompts x {lt['group']}, at most "
+             f"{sim['max_running']} running), each source's acceptance profile fitted to its trees' accepted "
+             f"lengths at {len(sim['profiles']['learned']['measured_samples'])} shapes after the epochs; hybrid steps "
+             f"pay {1e6 * sim['host_row_s']['hybrid']:.0f} us of measured host work per row; median of "
+             f"{sim['repetitions']} simulated rollouts:", "",
+             "| policy | learned trees (SIMULATED s) | hybrid trees (SIMULATED s) | learned / hybrid |",
+             "| --- | ---: | ---: | ---: |"]
+    for m in ("off", "aware", "aware_per_sequence", "static_best"):
+        name = f"best static ({s['learned']['static_best_shape']}, {s['hybrid']['static_best_shape']})" \
+            if m == "static_best" else f"`{m}`"
+        ratio = s["learned"][m] / s["hybrid"][m]
+        lines.append(f"| {name} | {s['learned'][m]:.1f} | {s['hybrid'][m]:.1f} | {ratio:.2f}x |")
+    return lines
