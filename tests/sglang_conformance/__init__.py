@@ -31,10 +31,10 @@ from tests.sglang_conformance.loading import LoaderCall, load_weights_calls, sgl
 from tests.sglang_conformance.reading import (NOT_LITERAL, ClassInfo, Module, Param, Source, Symbol, bind_problems,
                                               call_kind, literal, parameters)
 from tests.sglang_conformance.wheel import (WHEEL, WHEEL_SHA256, SourceUnavailable, cache_dir, fetch_wheel,
-                                            metadata_requirements, source, source_root)
+                                            metadata_requirements, source, source_root, wheel_text)
 
 __all__ = ["ATTRIBUTE_TYPES", "AdapterScan", "ClassInfo", "EMULATION", "LoaderCall", "Module", "NOT_LITERAL", "Param",
            "Source", "SourceUnavailable", "Symbol", "WHEEL", "WHEEL_SHA256", "bind_problems", "cache_dir", "call_kind",
            "check_adapter", "check_emulation", "check_keys", "compare_signature", "emulated_modules", "fetch_wheel",
            "literal", "load_weights_calls", "metadata_requirements", "parameters", "sglang_function", "source",
-           "source_root"]
+           "source_root", "wheel_text"]

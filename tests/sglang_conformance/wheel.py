@@ -92,6 +92,13 @@ def source() -> Source:
     return _SOURCE
 
 
+def wheel_text(name: str) -> str:
+    """One non-Python file of the wheel (`name` its path in the wheel: a kernel's C++ or CUDA source),
+    read from the wheel itself: `source_root` unpacks the Python files only."""
+    with zipfile.ZipFile(fetch_wheel()) as z:
+        return z.read(name).decode()
+
+
 def metadata_requirements() -> list[str]:
     """The wheel's Requires-Dist lines."""
     meta = next((source_root()).glob("sglang-*.dist-info/METADATA"))
