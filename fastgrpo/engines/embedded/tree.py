@@ -187,13 +187,14 @@ def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tok
     if learned is not None and learned.valid is not None:
         raise ValueError("hybrid_tree merges whole learned trees (restrict the merged tree instead)")
     roots = root_tokens.tolist()
+    drafted = None if learned is None else [t.tolist() for t in (learned.tokens, learned.parents, learned.score)]
     rows: list[tuple[list[tuple[int, ...]], dict[tuple[int, ...], list]]] = []
     for b in range(B):
         # path -> [score, source bits, raw conditional]: the score a log-probability (the larger estimate, or
         # the calibrated one), the raw conditional the larger of the sources' own
         nodes: dict[tuple[int, ...], list] = {}
-        if learned is not None:
-            tokens, parents, score = (t[b].tolist() for t in (learned.tokens, learned.parents, learned.score))
+        if drafted is not None:
+            tokens, parents, score = (t[b] for t in drafted)
             paths: list[tuple[int, ...]] = [()]
             for j in range(1, len(tokens)):  # parents come before children
                 paths.append(paths[parents[j]] + (tokens[j],))
@@ -212,23 +213,21 @@ def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tok
         kept = sorted(nodes, key=lambda p: (-nodes[p][0], len(p)))[: N - 1]
         rows.append((sorted(kept, key=len), nodes))  # parents before children (a stable sort by depth)
 
-    tokens = torch.zeros(B, N, dtype=torch.long)
-    parents = torch.zeros(B, N, dtype=torch.long)
-    depth = torch.ones(B, N, dtype=torch.long)
-    score = torch.full((B, N), -math.inf)
-    source = torch.zeros(B, N, dtype=torch.int8)
-    raw = torch.zeros(B, N)
-    valid = torch.zeros(B, N, dtype=torch.bool)
+    # each row's nodes, the root first, padded to N with nodes it does not verify (one tensor per field)
+    tokens, parents, depth, score, source, raw, valid = ([] for _ in range(7))
     for b, (kept, nodes) in enumerate(rows):
         position = {(): 0} | {p: i + 1 for i, p in enumerate(kept)}
-        n = len(kept) + 1
-        tokens[b, :n] = torch.tensor([roots[b]] + [p[-1] for p in kept])
-        parents[b, 1:n] = torch.tensor([position[p[:-1]] for p in kept], dtype=torch.long)
-        depth[b, :n] = torch.tensor([0] + [len(p) for p in kept])
-        score[b, :n] = torch.tensor([0.0] + [nodes[p][0] for p in kept])
-        source[b, 1:n] = torch.tensor([nodes[p][1] for p in kept], dtype=torch.int8)
-        raw[b, 1:n] = torch.tensor([nodes[p][2] for p in kept])
-        valid[b, :n] = True
+        pad = N - 1 - len(kept)
+        tokens.append([roots[b]] + [p[-1] for p in kept] + [0] * pad)
+        parents.append([0] + [position[p[:-1]] for p in kept] + [0] * pad)
+        depth.append([0] + [len(p) for p in kept] + [1] * pad)
+        score.append([0.0] + [nodes[p][0] for p in kept] + [-math.inf] * pad)
+        source.append([0] + [nodes[p][1] for p in kept] + [0] * pad)
+        raw.append([0.0] + [nodes[p][2] for p in kept] + [0.0] * pad)
+        valid.append([True] * (len(kept) + 1) + [False] * pad)
+    tokens, parents, depth = (torch.tensor(x, dtype=torch.long) for x in (tokens, parents, depth))
+    score, raw = torch.tensor(score), torch.tensor(raw)
+    source, valid = torch.tensor(source, dtype=torch.int8), torch.tensor(valid)
     match = torch.tensor([c.match_len for c in candidates])
     tree = Tree(tokens, parents, depth, ancestor_mask(parents, depth, int(depth.max())), score, source=source,
                 raw=raw, match=match)
