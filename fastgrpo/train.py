@@ -216,12 +216,26 @@ def rollout(run: Run, problems: list[EncodedProblem], seed: int, first: int = 0)
             [dataclasses.replace(c, hidden=None) for c in local[0]], *local[1:]))
         if local is not None:
             parts[world.engine] = local
+            remember_other_shares(run, problems, parts)
     versions = {part[2]["weights_version"] for part in parts}
     if len(versions) != 1:  # the push reaches every engine or the run stops
         raise RuntimeError(f"the engines hold different weight versions: {sorted(versions, key=str)}")
     return Rollout([c for part in parts for c in part[0]], torch.cat([part[1] for part in parts]),
                    [part[2] for part in parts], local[0] if local is not None else [], mine,
                    sum(part[3] for part in parts), next((part[4] for part in parts if part[4]), ""))
+
+
+def remember_other_shares(run: Run, problems: list[EncodedProblem], parts: list) -> None:
+    """This engine keeps the other engines' answers as their prompts' history (an engine drafting from
+    a suffix index, `speculation.drafts: index | hybrid`): a prompt's next visit may land on any engine."""
+    remember = getattr(run.engine, "remember", None)
+    if remember is None:
+        return
+    G = run.cfg.rollout.group_size
+    for e, part in enumerate(parts):
+        if e != run.world.engine:
+            lo, hi = run.world.engines.bounds(len(problems), e)
+            remember([p.prompt_ids for p in problems[lo:hi] for _ in range(G)], part[0])
 
 
 def learn_draft(run: Run, problems: list[EncodedProblem], completions: list[Completion], policy_version: int,

@@ -309,3 +309,37 @@ def test_fastgrpo_train_runs_a_moe_at_tp2_x_ep2_under_torchrun(tmp_path):
     mismatch = history(tmp_path / "run", "routing_mismatch")
     assert sorted(mismatch) == [1, 2, 3] and all(0.0 <= value < 0.01 for value in mismatch.values()), mismatch
     assert (tmp_path / "run" / "checkpoints" / "step_00000003" / "policy" / "config.json").is_file()
+
+
+def _indexed_histories(rank, world, args):
+    """One rollout of a step's prompts over the world's engines (drafts: hybrid): every prompt's
+    history in this engine's index, against every engine's answers."""
+    from fastgrpo.config import load_config
+    from fastgrpo.run_setup import setup_run
+    from fastgrpo.train import rollout
+
+    run = setup_run(load_config(None, args), resume=False)
+    problems = run.data.next_batch(run.cfg.rollout.prompts_per_step)
+    answers = rollout(run, problems, seed=0)
+    G = run.cfg.rollout.group_size
+    start, mine = run.world.share(problems)
+    return {"mine": [p.prompt_ids for p in mine],
+            "answers": {tuple(p.prompt_ids): [c.token_ids for c in answers.completions[i * G:(i + 1) * G]]
+                        for i, p in enumerate(problems)},
+            # as indexed: each response after its prompt's tail (stripped here)
+            "history": {key: [h[len(run.engine.index.prompts[key].tail):] for h in run.engine.index.history(key)]
+                        for key in (tuple(p.prompt_ids) for p in problems)}}
+
+
+def test_each_engine_keeps_every_engines_answers_as_its_prompts_history(tmp_path, tiny_policy, tiny_draft):
+    """Two engines (Megatron DP2), hybrid drafts: after a rollout each engine's index holds, for every
+    prompt of the step, its group's answers: its own share as written, the other engine's remembered
+    (a prompt's next visit may land on either engine)."""
+    args = overrides(tmp_path, tiny_policy, tiny_draft, **{"speculation.drafts": "hybrid", "rollout.prompts_per_step": 4,
+                                                           "tracking.enabled": "false"})
+    results = run_world(_indexed_histories, 2, tmp_path / "world", args, timeout_s=300.0)
+    assert results[0]["mine"] != results[1]["mine"] and results[0]["answers"] == results[1]["answers"]
+    for r in results:
+        assert set(r["history"]) == set(r["answers"]) and len(r["answers"]) == 4
+        for key, responses in r["answers"].items():
+            assert sorted(r["history"][key]) == sorted(responses), key

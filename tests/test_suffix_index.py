@@ -243,3 +243,32 @@ def test_a_checkpointed_index_rebuilds_to_the_same_candidates():
     smaller = SuffixIndex(IndexLimits(window=4, depth=3, responses=1))
     smaller.load_state_dict(index.state_dict())
     assert all(smaller.history(k) == index.history(k)[-1:] for k in prompts)
+
+
+def test_remembered_responses_draft_as_written_ones_once_their_prompt_is_used():
+    """Responses another engine wrote, remembered, propose exactly what the same responses written here
+    propose; they enter the trie only when the prompt is used (open or lookup), and only the latest
+    `responses` of them stay."""
+    rng = random.Random(5)
+    limits = IndexLimits(window=4, depth=3, responses=3)
+    prompt = [7, 8] + [rng.randrange(5) for _ in range(6)]
+    texts = [[rng.randrange(5) for _ in range(10)] for _ in range(5)]
+    written, remembered = SuffixIndex(limits), SuffixIndex(limits)
+    for text in texts:
+        r = written.open("p", prompt)
+        r.extend(text)
+        r.close()
+    remembered.remember("p", prompt, texts)
+    only_prompt = SuffixTrie(limits.window + limits.depth)
+    only_prompt.insert(prompt)
+    assert remembered.prompts["p"].trie.nodes == only_prompt.nodes  # nothing indexed before the prompt is used
+    assert remembered.history("p") == written.history("p") and len(written.history("p")) == 3  # the latest 3
+    assert remembered.tokens == written.tokens
+    saved = remembered.state_dict()
+    assert [h[-10:] for h in saved["prompts"][0]["history"]] == texts[-3:]
+    for _ in range(30):
+        context = prompt + [rng.randrange(5) for _ in range(rng.randrange(1, 6))]
+        a, b = written.lookup("p", context, budget=500), remembered.lookup("p", context, budget=500)
+        assert a.match_len == b.match_len and dict(zip(a.paths(), a.logp)) == pytest.approx(dict(zip(b.paths(), b.logp)))
+    assert remembered.prompts["p"].trie.nodes == written.prompts["p"].trie.nodes > only_prompt.nodes
+    assert not remembered.prompts["p"].pending

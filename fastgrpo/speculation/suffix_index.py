@@ -27,6 +27,10 @@ shorter the context it followed: after a match of 8 tokens a continuation seen o
 recur, after one token it is a guess. Since a path's probability never exceeds its prefix's, the
 chosen set is ancestor-closed.
 
+In a distributed rollout each engine answers its share of the prompts, and a prompt's next visit may
+land on another engine: every engine receives every engine's answers, and `remember` keeps the other
+shares' as their prompts' history, indexed lazily, when the prompt is next used here.
+
 Limits: each prompt keeps its last `responses` finished responses (older ones are removed from its
 trie); all prompts together hold at most `max_tokens` tokens of indexed text (a trie holds at most
 `window + depth` nodes per token), the least recently used prompts being dropped whole when the cap is
@@ -254,6 +258,7 @@ class _Prompt:
         self.trie.insert(prompt)
         self.tokens = len(prompt)  # indexed tokens
         self.history: deque[list[int]] = deque()
+        self.pending: deque[list[int]] = deque()  # remembered responses (`SuffixIndex.remember`), not yet in the trie
         self.open = 0
 
 
@@ -296,15 +301,54 @@ class SuffixIndex:
 
     def open(self, key: Hashable, prompt: Sequence[int]) -> Response:
         """Start indexing a response of prompt `key` (visible to its siblings from its first token)."""
+        entry = self._entry(key, prompt)
+        self._index_pending(entry)
+        entry.open += 1
+        response = Response(self, key, entry)
+        self.tokens += len(entry.tail)
+        return response
+
+    def _entry(self, key: Hashable, prompt: Sequence[int]) -> _Prompt:
+        """The prompt's entry (made, with its prompt indexed, if new), as the most recently used."""
         entry = self.prompts.get(key)
         if entry is None:
             entry = self.prompts[key] = _Prompt(prompt, self.limits)
             self.tokens += entry.tokens
         self.prompts.move_to_end(key)
-        entry.open += 1
-        response = Response(self, key, entry)
-        self.tokens += len(entry.tail)
-        return response
+        return entry
+
+    def remember(self, key: Hashable, prompt: Sequence[int], responses: Iterable[Sequence[int]]) -> None:
+        """Finished responses of prompt `key` written elsewhere (another engine's share of a distributed
+        rollout), kept as the prompt's latest history. They enter the trie only when this index next
+        opens a response of the prompt or looks it up: an engine pays the insertion for the prompts it
+        later gets, not for every prompt of the run (a prompt revisited here then drafts from all its
+        responses, whichever engine wrote them)."""
+        entry = self._entry(key, prompt)
+        for response in responses:
+            text = entry.tail + list(response)  # as an opened response is indexed: the prompt's tail first
+            entry.pending.append(text)
+            entry.tokens += len(text)
+            self.tokens += len(text)
+        while len(entry.pending) > self.limits.responses:  # only the latest can stay
+            dropped = len(entry.pending.popleft())
+            entry.tokens -= dropped
+            self.tokens -= dropped
+        self._evict()
+
+    def _index_pending(self, entry: _Prompt) -> None:
+        """Remembered responses into the trie, as history (the oldest beyond the limit removed)."""
+        while entry.pending:
+            text = entry.pending.popleft()
+            entry.trie.insert(text)
+            entry.history.append(text)
+        self._trim(entry)
+
+    def _trim(self, entry: _Prompt) -> None:
+        while len(entry.history) > self.limits.responses:
+            old = entry.history.popleft()
+            entry.trie.remove(old)
+            entry.tokens -= len(old)
+            self.tokens -= len(old)
 
     def close(self, response: Response) -> None:
         """The response is finished: it stays as the prompt's history; the prompt keeps its last
@@ -317,11 +361,7 @@ class SuffixIndex:
         if self.prompts.get(response.key) is not entry:  # its prompt was dropped meanwhile
             return
         entry.history.append(response.writer.tokens)
-        while len(entry.history) > self.limits.responses:
-            old = entry.history.popleft()
-            entry.trie.remove(old)
-            entry.tokens -= len(old)
-            self.tokens -= len(old)
+        self._trim(entry)
         self._evict()
 
     def _evict(self) -> None:
@@ -341,6 +381,8 @@ class SuffixIndex:
             out = Candidates()
         else:
             self.prompts.move_to_end(key)
+            if entry.pending:
+                self._index_pending(entry)
             node, length = entry.trie.match(context, self.limits.window)
             depth = self.limits.depth if depth is None else min(depth, self.limits.depth)
             out = Candidates() if length == 0 else entry.trie.continuations(
@@ -352,28 +394,31 @@ class SuffixIndex:
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the index: each prompt's key, prompt and finished responses (as
-        indexed), least recently used first, and the limits they were kept under. Responses still being
+        indexed; remembered ones after the rest), least recently used first, and the limits they were kept under. Responses still being
         written are not kept (a checkpoint falls between rollouts, when none is). Keys are saved as lists:
         `load_state_dict` makes them tuples, the engine's keys (a prompt's token ids)."""
         return {"limits": asdict(self.limits),
-                "prompts": [{"key": list(key), "prompt": e.prompt, "history": [list(r) for r in e.history]}
+                "prompts": [{"key": list(key), "prompt": e.prompt,
+                             "history": [list(r) for r in (*e.history, *e.pending)]}
                             for key, e in self.prompts.items()]}
 
     def load_state_dict(self, state: dict) -> None:
-        """Rebuild the tries of a checkpoint's `state_dict` (replacing what this index holds), in its
-        order of use, under this index's limits (a smaller cap keeps the most recent)."""
+        """Restore a checkpoint's `state_dict` (replacing what this index holds), in its order of use,
+        under this index's limits (a smaller cap keeps the most recent). Each prompt's responses enter
+        its trie when the prompt is next used, as remembered ones do (a resume does not index the
+        prompts it will not meet soon)."""
         self.prompts.clear()
         self.tokens = 0
         for saved in state["prompts"]:
             entry = self.prompts[tuple(saved["key"])] = _Prompt(saved["prompt"], self.limits)
             for response in saved["history"][-self.limits.responses:]:
-                entry.trie.insert(response)
-                entry.history.append(list(response))
+                entry.pending.append(list(response))
                 entry.tokens += len(response)
             self.tokens += entry.tokens
         self._evict()
 
     def history(self, key: Hashable) -> list[list[int]]:
-        """The prompt's finished responses kept, oldest first, each as indexed (the prompt's tail first)."""
+        """The prompt's finished responses kept, oldest first, each as indexed (the prompt's tail first),
+        remembered ones included."""
         entry = self.prompts.get(key)
-        return [] if entry is None else list(entry.history)
+        return [] if entry is None else [*entry.history, *entry.pending][-self.limits.responses:]

@@ -242,6 +242,21 @@ class EmbeddedEngine:
         self.draft_cache.lengths.zero_()
         self.draft_cache.visible_from.zero_()
 
+    def remember(self, prompts: Sequence[Sequence[int]], completions: Sequence[Completion]) -> None:
+        """Answers another engine wrote (completion i answers prompt i: a distributed rollout's other
+        shares), kept in the suffix index as their prompts' history, so that a prompt's next visit drafts
+        from all its responses whichever engine gets it (`SuffixIndex.remember`: indexed when the prompt
+        is next used here). Nothing without an index (drafts: learned)."""
+        if self.index is None:
+            return
+        if len(prompts) != len(completions):
+            raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions")
+        by_prompt: dict[tuple[int, ...], list[list[int]]] = {}
+        for prompt, completion in zip(prompts, completions):
+            by_prompt.setdefault(tuple(prompt), []).append(completion.token_ids)
+        for key, responses in by_prompt.items():
+            self.index.remember(key, key, responses)
+
     def set_speculation(self, policy: SpeculationPolicy) -> None:
         self.policy = policy
 
