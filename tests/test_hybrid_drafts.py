@@ -438,3 +438,23 @@ def test_a_resumed_run_drafts_from_the_index_its_checkpoint_kept(tmp_path, tiny_
     run = setup_run(cfg, resume=True)
     assert run.step == 2 and list(run.engine.index.prompts) == list(histories)
     assert all(run.engine.index.history(k) == h for k, h in histories.items())
+
+
+def test_the_simulated_hybrid_step_pays_its_host_work_per_running_row():
+    """bench drafts' SIMULATED part: a hybrid step costs the roofline's step plus its measured host
+    seconds per row; plain steps cost the same as without; the replicates' sweeps pool."""
+    from fastgrpo.bench.drafts_simulated import HostWork, merge_sweeps
+    from fastgrpo.speculation.roofline import ACCELERATORS, MODELS, Roofline
+
+    costs = Roofline(ACCELERATORS["h100"], MODELS["llama3-8b"])
+    priced = HostWork(costs, 1e-4)
+    c = SpecConfig(4, 4, 12)
+    assert priced.spec_step(c, 32, 5, 1000, 32000) == pytest.approx(costs.spec_step(c, 32, 5, 1000, 32000) + 32e-4)
+    assert priced.decode_step(32, 1000, 32000) == costs.decode_step(32, 1000, 32000) and priced.padded == costs.padded
+    sweeps = [{"learned": {"accepted": {c: [1, 2]}, "host_row_s": [0.0]},
+               "hybrid": {"accepted": {c: [3]}, "host_row_s": [1e-4, 3e-4]}},
+              {"learned": {"accepted": {c: [4]}, "host_row_s": [0.0]},
+               "hybrid": {"accepted": {c: [5, 6]}, "host_row_s": [2e-4]}}]
+    pooled = merge_sweeps(sweeps)
+    assert pooled["learned"]["accepted"][c] == [1, 2, 4] and pooled["hybrid"]["accepted"][c] == [3, 5, 6]
+    assert pooled["hybrid"]["host_row_s"] == pytest.approx(2e-4)

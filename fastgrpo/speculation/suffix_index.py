@@ -98,12 +98,14 @@ class SuffixTrie:
         that no longer occur leave the trie (their suffixes occur at least as often, so no suffix link
         of a remaining node points at a removed one; their extensions occurred only where they did, so
         this walk removes those too)."""
-        children, count, depth = self.children, self.count, self.depth
+        children, count, depth, max_depth = self.children, self.count, self.depth, self.max_depth
         frontier: list[int] = []
         freed: list[int] = []
         for x in tokens:
             new = []
-            for parent in [self.root, *(n for n in frontier if depth[n] < self.max_depth)]:
+            for parent in [self.root, *frontier]:
+                if depth[parent] >= max_depth:
+                    continue
                 child = children[parent][x]
                 count[child] -= 1
                 if count[child] == 0:
