@@ -156,6 +156,10 @@ def test_a_conversion_at_etp1_stores_whole_experts_and_round_trips_bit_exact(tmp
     assert len(split["decoder.layers.mlp.experts.experts.linear_fc1.weight"].chunks) == 2 * 8 * 2 * 2
     assert run("megatron-to-hf", "--megatron", tmp_path / "split", "--out", tmp_path / "back2") == 0
     assert_bit_exact(hf_tensors(tmp_path / "back2"), expected)
+    # the dry run: a rank holds E / EP experts whole at ETP1, split over TP2 at ETP = TP
+    experts = 2 * 8 * 3 * 48 * 128 * 4  # layers x experts x (gate, up, down) x their size, fp32
+    whole, split = (cc.dry_run(config, 2, 1, expert=2, expert_tensor=e)["per_rank"]["tp1_pp0"] for e in (1, 0))
+    assert whole - split == experts // 2 - experts // 2 // 2
     assert run("hf-to-megatron", "--hf", tmp_path / "hf", "--out", tmp_path / "bad", "--tp", 2, "--etp", 3) == 2
     assert not (tmp_path / "bad").exists()
 
