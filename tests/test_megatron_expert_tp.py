@@ -84,7 +84,7 @@ def test_megatrons_options_at_etp1_keep_sequence_parallelism_and_whole_experts()
     assert Layout.of(moe_config(), 2, 1, 2) == Layout.of(moe_config(), 2, 1, 2, expert_tensor=2)
 
 
-def test_bad_expert_tensor_sizes_are_refused_naming_the_key():
+def test_bad_expert_tensor_sizes_are_refused_naming_the_key(monkeypatch):
     """The layout (3 at TP2; set on a dense model), the config alone (a trainer without megatron's expert
     layout; a size other than 0, 1 or TP) and a launched world (megatron-core's expert grid does not
     split the stage's ranks) each name parallel.expert_tensor or the rule's key."""
@@ -114,17 +114,12 @@ def test_bad_expert_tensor_sizes_are_refused_naming_the_key():
                                                      "parallel.expert_tensor=1"])
     ok = load_config("configs/qwen3_30b_a3b.yaml", ["parallel.tensor=4", "parallel.expert=8",
                                                     "parallel.expert_tensor=1"])
-    import os
-    old = {k: os.environ.get(k) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE")}
-    os.environ.update(WORLD_SIZE="8", LOCAL_WORLD_SIZE="8")
-    try:
-        with pytest.raises(ConfigError, match=r"parallel\.expert breaks a layout rule: parallel\.expert=16 x "
-                                              r"parallel\.expert_tensor=1 divides the 8 ranks of a stage"):
-            check_layout(cfg)
-        check_layout(ok)  # 8 = expert tensor 1 x expert 8 x expert-data 1 (at ETP = TP, expert 8 would need data 8)
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(ConfigError, match=r"parallel\.expert breaks a layout rule: parallel\.expert=16 x "
+                                          r"parallel\.expert_tensor=1 divides the 8 ranks of a stage"):
+        check_layout(cfg)
+    check_layout(ok)  # 8 = expert tensor 1 x expert 8 x expert-data 1 (at ETP = TP, expert 8 would need data 8)
 
 
 # -- fast: conversion ---------------------------------------------------------------------------------
@@ -166,12 +161,6 @@ def test_a_conversion_at_etp1_stores_whole_experts_and_round_trips_bit_exact(tmp
 
 # -- fast: the plan ---------------------------------------------------------------------------------
 
-# Qwen3-30B-A3B by hand (tests/test_plan.py's figures): attention, router and norms a layer; the experts a layer
-A3B_ATTENTION = 2048 * (4096 + 2 * 512) + 4096 * 2048 + 128 * 2048 + 2 * 2048 + 2 * 128
-A3B_EXPERTS = 128 * 3 * 2048 * 768
-A3B_EMBEDDINGS = 2 * 151936 * 2048 + 2048
-
-
 def test_the_plan_prices_whole_experts_at_etp1(capsys):
     """Qwen3-30B-A3B on 8 GPUs at TP4 x EP2 (data 2): at ETP = TP a GPU holds 64 experts a layer split 4
     ways, 48 x A3B_EXPERTS / 8; at ETP1 64 whole experts, 48 x A3B_EXPERTS / 2 (4 x as many expert bytes).
@@ -179,7 +168,9 @@ def test_the_plan_prices_whole_experts_at_etp1(capsys):
     2 / (expert tensor x expert) = 8 / 8 = 1 at ETP = TP, 8 / 2 = 4 at ETP1. The rest (attention, router,
     embeddings, final norm) / TP 4, its optimizer state / data 2. bf16: 2 B weights, 4 B gradients, 12 B
     main weights and moments."""
-    from tests.test_plan import _rows, plan
+    # Qwen3-30B-A3B by hand (tests/test_plan.py's figures): attention, router and norms a layer; the experts
+    # a layer; the untied embeddings and the final norm
+    from tests.test_plan import A3B_ATTENTION, A3B_EMBEDDINGS, A3B_EXPERTS, _rows, plan
 
     rest = (48 * A3B_ATTENTION + A3B_EMBEDDINGS) / 4
     base = ("--config", "configs/qwen3_30b_a3b.yaml", "parallel.tensor=4", "parallel.expert=2")
