@@ -469,6 +469,12 @@ class ParallelConfig:
     # expert parallelism (a mixture-of-experts policy, trainer.backend=megatron): each expert lives on one
     # of `expert` ranks, which split the data-parallel ranks of a pipeline stage (megatron-core's EP)
     expert: int = 1
+    # the experts' own tensor-parallel size (megatron-core's expert_tensor_parallel_size): 0, the same as
+    # `tensor` (each expert split over the TP ranks as the dense MLP is), or 1 (each expert whole on one
+    # rank, as slime runs Qwen3-30B-A3B: no TP collective inside an expert's matmuls, and the expert-parallel
+    # ranks then span the TP ranks too; megatron-core lays the experts out on a grid of their own, expert
+    # tensor x expert x expert-data x pipeline = the policy's ranks). Any other value: refused
+    expert_tensor: int = 0
     # the world's last ranks, reserved to train the draft (draft.online=async); 0: no slice
     draft_ranks: int = 0
 
@@ -476,6 +482,9 @@ class ParallelConfig:
         _check(self.tensor >= 1, "parallel.tensor", "must be >= 1", self.tensor)
         _check(self.pipeline >= 1, "parallel.pipeline", "must be >= 1", self.pipeline)
         _check(self.expert >= 1, "parallel.expert", "must be >= 1", self.expert)
+        _check(self.expert_tensor in (0, 1, self.tensor), "parallel.expert_tensor",
+               f"must be 0 (the same as parallel.tensor), 1 (each expert whole on one rank) or parallel.tensor="
+               f"{self.tensor}", self.expert_tensor)
         _check(self.draft_ranks >= 0, "parallel.draft_ranks", "must be >= 0", self.draft_ranks)
 
 
@@ -576,6 +585,11 @@ def _built(base, path: str | Path | None, overrides: list[str] | None) -> Config
 
 
 MODEL_PARALLEL_TRAINERS = ("megatron",)  # trainers that split the policy over ranks (parallel.tensor/pipeline/expert)
+
+
+def expert_tensor_size(par: ParallelConfig) -> int:
+    """The experts' tensor-parallel size a run uses: `parallel.expert_tensor`, 0 meaning `parallel.tensor`."""
+    return par.expert_tensor or par.tensor
 DISTRIBUTED_TRAINERS = ("megatron", "deepspeed")  # trainers of a torchrun world (data parallel, draft slice)
 
 
@@ -604,6 +618,7 @@ def layout_rules(c: Config, world: WorldSize | None = None, shape: Shape | None 
 
     trainer, draft, par, engine = c.trainer.backend, c.draft.online, c.parallel, c.engine
     t, p, ep, d_ranks, et = par.tensor, par.pipeline, par.expert, par.draft_ranks, engine.tensor
+    etp = expert_tensor_size(par)
 
     # the config alone
     for key in ("tensor", "pipeline", "expert"):
@@ -611,6 +626,10 @@ def layout_rules(c: Config, world: WorldSize | None = None, shape: Shape | None 
             rule(trainer in MODEL_PARALLEL_TRAINERS, f"parallel.{key}",
                  f"parallel.{key}={getattr(par, key)} needs trainer.backend=megatron, which splits the policy over "
                  f"ranks (trainer.backend={trainer})")
+    if par.expert_tensor:  # set at all: an option of megatron-core's expert layout, meaningless elsewhere
+        rule(trainer in MODEL_PARALLEL_TRAINERS, "parallel.expert_tensor",
+             f"parallel.expert_tensor={par.expert_tensor} sets megatron-core's expert tensor parallelism: "
+             f"trainer.backend=megatron (trainer.backend={trainer}); leave it 0")
     if trainer in DISTRIBUTED_TRAINERS and draft == "async":
         rule(d_ranks >= 1, "draft.online", f"draft.online=async with trainer.backend={trainer} trains the draft on "
                                            f"a reserved draft slice: parallel.draft_ranks >= 1 (one more rank launched)")
@@ -638,10 +657,15 @@ def layout_rules(c: Config, world: WorldSize | None = None, shape: Shape | None 
         rule(divides, "parallel.tensor",
              f"{world.ranks} ranks = tensor {t} x pipeline {p} x data {dp or '?'} + {d_ranks} draft rank(s)")
         if divides:
-            if ep > 1:
+            if ep > 1 and etp == t:
                 rule(dp % ep == 0, "parallel.expert",
                      f"parallel.expert={ep} divides the {dp} data-parallel ranks (an expert-parallel group spans "
                      f"data ranks of one tensor rank and stage)")
+            elif etp != t:  # megatron-core's expert grid: expert tensor x expert x expert-data x pipeline
+                rule((t * dp) % (etp * ep) == 0, "parallel.expert",
+                     f"parallel.expert={ep} x parallel.expert_tensor={etp} divides the {t * dp} ranks of a stage "
+                     f"(tensor {t} x data {dp}: megatron-core's expert grid, expert tensor x expert x expert-data, "
+                     f"spans the tensor and data ranks of a stage)")
             rule(c.rollout.prompts_per_step >= dp, "rollout.prompts_per_step",
                  f"rollout.prompts_per_step={c.rollout.prompts_per_step} gives each of the {dp} data-parallel "
                  f"replicas at least one group")
@@ -656,7 +680,7 @@ def layout_rules(c: Config, world: WorldSize | None = None, shape: Shape | None 
 
     if shape is not None:
         s = shape
-        rules += shape_rules(s, t, p, ep)
+        rules += shape_rules(s, t, p, ep, par.expert_tensor)
         rule(c.model.max_context <= s.positions, "model.max_context",
              f"model.max_context {c.model.max_context} is within the model's {s.positions} positions "
              f"(max_position_embeddings)")
@@ -666,18 +690,29 @@ def layout_rules(c: Config, world: WorldSize | None = None, shape: Shape | None 
     return rules
 
 
-def shape_rules(s: Shape, tensor: int, pipeline: int, expert: int) -> list[Rule]:
+def shape_rules(s: Shape, tensor: int, pipeline: int, expert: int, expert_tensor: int = 0) -> list[Rule]:
     """What a model's shape must give a tensor x pipeline x expert split: whole heads and key/value heads
-    and MLP (or expert) width per tensor rank, whole layers per stage, whole experts per expert rank of a
-    mixture of experts. `layout_rules` lists them; the Megatron layout (`Layout.of`) and the conversion
-    tools refuse by them."""
+    and MLP width per tensor rank (a mixture of experts: expert width per expert-tensor rank, which at
+    `expert_tensor` 1 keeps each expert whole), whole layers per stage, whole experts per expert rank of a
+    mixture of experts. `expert_tensor` (`parallel.expert_tensor`; 0: the same as `tensor`) set on a
+    dense model is refused: it has no experts to lay out. `layout_rules` lists them; the Megatron layout
+    (`Layout.of`) and the conversion tools refuse by them."""
     t, p, ep = tensor, pipeline, expert
+    etp = expert_tensor or tensor
     width, what = (s.expert_ffn, "expert MLP width") if s.moe else (s.ffn, "MLP width")
     rules = [Rule(s.heads % t == 0, "parallel.tensor", f"tensor {t} divides the {s.heads} attention heads"),
              Rule(s.kv_heads % t == 0, "parallel.tensor",
-                  f"tensor {t} divides the {s.kv_heads} key/value heads (query groups)"),
-             Rule(width % t == 0, "parallel.tensor", f"tensor {t} divides the {what} {width}"),
-             Rule(s.layers % p == 0, "parallel.pipeline", f"pipeline {p} divides the {s.layers} layers")]
+                  f"tensor {t} divides the {s.kv_heads} key/value heads (query groups)")]
+    if s.moe and etp != t:
+        rules.append(Rule(width % etp == 0, "parallel.expert_tensor",
+                          f"expert tensor {etp} divides the {what} {width} (each expert whole on one rank)"))
+    else:
+        rules.append(Rule(width % t == 0, "parallel.tensor", f"tensor {t} divides the {what} {width}"))
+    rules.append(Rule(s.layers % p == 0, "parallel.pipeline", f"pipeline {p} divides the {s.layers} layers"))
+    if expert_tensor and not s.moe:
+        rules.append(Rule(False, "parallel.expert_tensor",
+                          f"parallel.expert_tensor={expert_tensor} sets the experts' tensor parallelism of a "
+                          f"mixture-of-experts model ({s.family}: {s.experts} experts); leave it 0"))
     if ep > 1:
         rules.append(Rule(s.moe, "parallel.expert", f"parallel.expert={ep} splits the experts of a mixture-of-experts "
                                                     f"model ({s.family}: {s.experts} experts)"))

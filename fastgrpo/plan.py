@@ -37,7 +37,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
 
-from fastgrpo.config import Config, ConfigError, layout_rules
+from fastgrpo.config import Config, ConfigError, expert_tensor_size, layout_rules
 from fastgrpo.models.families import UnsupportedModel, check_family
 from fastgrpo.paths import HF_CONFIG
 from fastgrpo.trainers.megatron.layout import VOCAB_DIVISIBLE_BY, Layout, LayoutError, padded_vocab
@@ -168,8 +168,10 @@ def _check_layout(plan: Plan, cfg: Config, config: PretrainedConfig, s: Shape, w
     plan.checks.append((True, f"vocabulary {s.vocab} padded to {padded} (a multiple of {VOCAB_DIVISIBLE_BY} x tensor {t})"))
     if cfg.trainer.backend == "megatron":
         try:  # the trainer's own rule, in case it asks more than the rules above
-            Layout.of(config, t, p, cfg.parallel.expert)
+            Layout.of(config, t, p, cfg.parallel.expert, expert_tensor=cfg.parallel.expert_tensor)
             ep = f" x expert {cfg.parallel.expert}" if cfg.parallel.expert > 1 else ""
+            if s.moe and expert_tensor_size(cfg.parallel) != t:
+                ep += f" x expert tensor {expert_tensor_size(cfg.parallel)}"
             plan.checks.append((True, f"the Megatron layout accepts tensor {t} x pipeline {p}{ep}"))
         except LayoutError as e:
             plan.checks.append((False, f"the Megatron layout refuses it: {e}"))
@@ -244,11 +246,14 @@ def planned_precision(cfg: Config) -> str:
 def optimizer_share(cfg: Config, P: float, dp: int, expert_P: float = 0.0) -> tuple[float, str]:
     """The parameters whose optimizer state one Megatron rank keeps, of `P` parameters of its shard
     (`expert_P` of them its experts), and how they are divided: all of them (replicated over the data
-    ranks), or with the distributed optimizer the rest / data and the experts / expert-data (data /
-    parallel.expert: the ranks holding the same experts)."""
+    ranks), or with the distributed optimizer the rest / data and the experts / expert-data (the ranks
+    holding the same experts: megatron-core's expert grid splits a stage's tensor x data ranks into
+    expert tensor x expert x expert-data, so tensor x data / (expert tensor x expert); at
+    `parallel.expert_tensor` = TP that is data / parallel.expert)."""
     if not cfg.trainer.distributed_optimizer:
         return P, "replicated over data ranks"
-    expert_dp = max(dp // cfg.parallel.expert, 1)
+    t, etp = cfg.parallel.tensor, expert_tensor_size(cfg.parallel)
+    expert_dp = max(t * dp // (etp * cfg.parallel.expert), 1)
     where = f"/ data {dp}" + (f", experts / expert-data {expert_dp}" if expert_P else "") + \
         " (trainer.distributed_optimizer)"
     return (P - expert_P) / dp + expert_P / expert_dp, where
@@ -349,8 +354,10 @@ def _policy_phases(plan: Plan, cfg: Config, s: Shape, dp: int, capacity: float, 
     # the largest stage: the first holds the embedding, the last the LM head (and the final norm)
     stages = [stage_layers * layer_params(s) + (embed if i == 0 else 0) +
               ((0 if s.tied and p == 1 else embed) + s.hidden if i == p - 1 else 0) for i in range(p)]
-    # a stage's experts are split over parallel.expert ranks (each expert whole on one, then over TP)
-    experts = stage_layers * expert_params(s) / (t * cfg.parallel.expert)
+    # a stage's experts are split over parallel.expert ranks (each expert whole on one), then each over the
+    # experts' tensor-parallel ranks: TP, or at parallel.expert_tensor=1 none (each rank holds its experts whole)
+    etp = expert_tensor_size(cfg.parallel) if s.moe else t
+    experts = stage_layers * expert_params(s) / (etp * cfg.parallel.expert)
     P = (max(stages) - stage_layers * expert_params(s)) / t + experts
     ref = cfg.grpo.kl_coef > 0
     if cfg.trainer.backend == "deepspeed":
@@ -489,9 +496,19 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gb: float)
     return plan
 
 
+def _expert_label(cfg: Config) -> str:
+    """The plan's header: the expert-parallel sizes where they are set (expert, and the experts' tensor
+    size when it is not TP's)."""
+    par = cfg.parallel
+    label = f", expert {par.expert}" if par.expert > 1 else ""
+    if expert_tensor_size(par) != par.tensor:
+        label += f", expert tensor {expert_tensor_size(par)} (experts whole)"
+    return label
+
+
 def render(plan: Plan, cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gb: float) -> str:
     lines = [f"plan: {nodes} node(s) x {gpus_per_node} GPU(s) of {gpu_memory_gb:g} GiB; tensor {cfg.parallel.tensor}, "
-             f"pipeline {cfg.parallel.pipeline}, {cfg.parallel.draft_ranks} draft rank(s); trainer "
+             f"pipeline {cfg.parallel.pipeline}{_expert_label(cfg)}, {cfg.parallel.draft_ranks} draft rank(s); trainer "
              f"{cfg.trainer.backend}, engine {cfg.engine.backend}", ""]
     lines += [f"  [{'ok' if ok else 'NO'}] {text}" for ok, text in plan.checks]
     if plan.rank_map:

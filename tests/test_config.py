@@ -34,6 +34,8 @@ def test_defaults_and_overrides(tmp_path):
     ("parallel.tensor=2", "parallel.tensor"),  # across sections: the torch trainer runs the policy whole
     ("parallel.expert=2", "parallel.expert"),  # expert parallelism is megatron's
     ("parallel.expert=0", "parallel.expert"),
+    ("parallel.expert_tensor=1", "parallel.expert_tensor"),  # megatron's expert layout: not the torch trainer's
+    ("parallel.expert_tensor=-1", "parallel.expert_tensor"),  # 0 (= parallel.tensor), 1 or parallel.tensor
     ("trainer.router_aux_loss=-0.01", "trainer.router_aux_loss"),
 ])
 def test_bad_values_name_the_key(override, key):

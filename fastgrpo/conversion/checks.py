@@ -93,6 +93,8 @@ def inspect(path: Path, check: bool = False, tensors: bool = False, out=None) ->
             "parameters": params, "dtype": sorted(dtypes), "size_on_disk": disk, "files": len(src.files)}
     if src.kind == "megatron":
         info["layout"] = {"tensor": src.layout.tensor, "pipeline": src.layout.pipeline}
+        if src.layout.experts:
+            info["layout"].update(expert=src.layout.expert, expert_tensor=src.layout.expert_tp)
         info["training_checkpoint"] = src.info.get("optimizer", True)
         info["updates"] = src.info.get("updates")
     manifest = src.check.manifest

@@ -28,11 +28,14 @@ def _dtype_arg(text: str | None) -> torch.dtype | None:
 
 
 def _parallel_sizes(p: argparse.ArgumentParser, expert_help: str = "expert-parallel size") -> None:
-    """The target layout's sizes, named as the config names them (parallel.tensor, .pipeline, .expert);
-    --tp, --pp and --ep are the same options."""
+    """The target layout's sizes, named as the config names them (parallel.tensor, .pipeline, .expert,
+    .expert_tensor); --tp, --pp, --ep and --etp are the same options."""
     p.add_argument("--tensor", "--tp", dest="tensor", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pipeline", "--pp", dest="pipeline", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--expert", "--ep", dest="expert", type=int, default=1, help=expert_help)
+    p.add_argument("--expert-tensor", "--etp", dest="expert_tensor", type=int, default=0,
+                   help="the experts' tensor-parallel size: 0 the same as --tensor, or 1 (each expert whole on "
+                        "one rank, as parallel.expert_tensor=1 trains)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +100,8 @@ def _run(args) -> int:
             config = load_config(args.config or args.hf) if (args.config or args.hf) else None
             if config is None:
                 raise ConversionError("--dry-run needs --config FILE or --hf DIR")
-            dry_run(config, args.tensor, args.pipeline, _dtype_arg(args.dtype), expert=args.expert)
+            dry_run(config, args.tensor, args.pipeline, _dtype_arg(args.dtype), expert=args.expert,
+                    expert_tensor=args.expert_tensor)
             return 0
         if not args.hf or not args.out:
             raise ConversionError("hf-to-megatron needs --hf DIR and --out DIR (or --dry-run)")
@@ -105,8 +109,8 @@ def _run(args) -> int:
         if source.kind != "hf":
             raise ConversionError(f"{args.hf} is a Megatron checkpoint, not a Hugging Face directory (use reshard, "
                                   f"or megatron-to-hf)")
-        stats = write_megatron(source, args.out, layout_of(source.config, args.tensor, args.pipeline, args.expert),
-                               _dtype_arg(args.dtype))
+        stats = write_megatron(source, args.out, layout_of(source.config, args.tensor, args.pipeline, args.expert,
+                                                           args.expert_tensor), _dtype_arg(args.dtype))
     elif c == "megatron-to-hf":
         source = open_checkpoint(args.megatron)
         if source.kind != "megatron":
@@ -118,7 +122,8 @@ def _run(args) -> int:
         source = open_checkpoint(args.megatron)
         if source.kind != "megatron":
             raise ConversionError(f"{args.megatron} is a Hugging Face directory, not a Megatron checkpoint")
-        stats = write_megatron(source, args.out, layout_of(source.config, args.tensor, args.pipeline, args.expert))
+        stats = write_megatron(source, args.out, layout_of(source.config, args.tensor, args.pipeline, args.expert,
+                                                           args.expert_tensor))
     elif c == "verify":
         return 0 if verify(args.a, args.b, args.atol, args.logits_atol, not args.no_logits) else 1
     elif c == "inspect":

@@ -33,9 +33,11 @@ def load_config(path: Path):
     return AutoConfig.for_model(**raw)
 
 
-def layout_of(config, tensor: int = 1, pipeline: int = 1, expert: int = 1) -> Layout:
+def layout_of(config, tensor: int = 1, pipeline: int = 1, expert: int = 1, expert_tensor: int = 0) -> Layout:
+    """The Megatron layout a conversion writes or reads at (`expert_tensor`: the experts' tensor-parallel
+    size, 0 meaning `tensor`), its refusal a ConversionError."""
     try:
-        return Layout.of(config, tensor, pipeline, expert)
+        return Layout.of(config, tensor, pipeline, expert, expert_tensor=expert_tensor)
     except LayoutError as e:
         raise ConversionError(str(e)) from e
 
@@ -159,7 +161,8 @@ class MegatronSource:
         self.hf_dir = hf
         self.config = load_config(hf)
         saved = self.info["saved_at"]
-        self.layout = layout_of(self.config, saved["tensor"], saved["pipeline"], saved.get("expert", 1))
+        self.layout = layout_of(self.config, saved["tensor"], saved["pipeline"], saved.get("expert", 1),
+                                saved.get("expert_tensor", 0))  # (0, the experts split over TP: older checkpoints)
         from fastgrpo.trainers.megatron.checkpoint import checkpoint_identity
 
         identity = checkpoint_identity(self.config, self.layout)

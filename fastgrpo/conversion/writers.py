@@ -72,7 +72,7 @@ def write_megatron(source, out: Path, layout: Layout, dtype: torch.dtype | None 
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-    from fastgrpo.trainers.megatron.checkpoint import checkpoint_identity
+    from fastgrpo.trainers.megatron.checkpoint import checkpoint_identity, saved_at
 
     plan = megatron_plan(source, layout, dtype)
     items, owner = [], {}
@@ -145,7 +145,7 @@ def write_megatron(source, out: Path, layout: Layout, dtype: torch.dtype | None 
         write_manifest(mdir, "megatron", manifest)
         (mdir / "fastgrpo.json").write_text(json.dumps(
             {"model": checkpoint_identity(source.config, layout),
-             "saved_at": {"tensor": layout.tensor, "pipeline": layout.pipeline, "expert": layout.expert, "data": 1},
+             "saved_at": saved_at(layout, data=1),
              "updates": 0, "optimizer": False,
              "written_by": "tools/convert_checkpoint.py"}, indent=1))
         hf = tmp / "hf"
@@ -182,14 +182,15 @@ class MetaSource:
 
 
 def dry_run(config, tensor: int = 1, pipeline: int = 1, dtype: torch.dtype | None = None, out=None,
-            expert: int = 1) -> dict:
+            expert: int = 1, expert_tensor: int = 0) -> dict:
     """Every tensor a conversion to `tensor` x `pipeline` writes (shape, each rank's piece) and the bytes
     each rank holds (`per_rank`, keyed tp{rank}_pp{stage}), computed by the conversion's own code on the
     meta device. A mixture of experts at expert-parallel size `expert`: each rank holds E / expert of
-    each layer's experts (counted for EP rank 0; every EP rank holds as many)."""
+    each layer's experts (counted for EP rank 0; every EP rank holds as many), each split over TP or, at
+    `expert_tensor` 1, whole (the per-TP-rank column shows the expert-tensor rank's piece)."""
     out = out or sys.stdout
     source = MetaSource(config)
-    layout = layout_of(config, tensor, pipeline, expert)
+    layout = layout_of(config, tensor, pipeline, expert, expert_tensor)
     per_rank = {(t, p): 0 for p in range(pipeline) for t in range(tensor)}
     print(f"{'tensor':<52} {'dtype':<9} {'full shape':<14} {'per-TP-rank':<14} stage", file=out)
     for name in layout.megatron_names():
@@ -209,7 +210,7 @@ def dry_run(config, tensor: int = 1, pipeline: int = 1, dtype: torch.dtype | Non
               f"{'x'.join(map(str, piece.shape)):<14} {','.join(map(str, stages))}", file=out)
     total = sum(math.prod(t.shape) * t.element_size() for t in source.state.values()
                 if not (layout.tied and t is source.state.get("lm_head.weight")))
-    ep_label = f" x EP{expert}" if expert > 1 else ""
+    ep_label = (f" x EP{expert}" if expert > 1 else "") + (" (experts whole: ETP1)" if layout.expert_tp != tensor else "")
     print(f"\nbytes per rank at TP{tensor} x PP{pipeline}{ep_label} (vocabulary padded to {layout.padded_vocab}; every "
           f"TP{' and EP' if expert > 1 else ''} rank of a stage holds the same):", file=out)
     for s in range(pipeline):

@@ -37,7 +37,8 @@ def build_trainer(cfg: Config) -> PolicyTrainer:
                                               router_z_loss=cfg.trainer.router_z_loss,
                                               logits_chunk_tokens=cfg.trainer.logits_chunk_tokens,
                                               routing_replay=cfg.trainer.routing_replay == "rollout",
-                                              optimizer_offload=cfg.trainer.optimizer_offload)
+                                              optimizer_offload=cfg.trainer.optimizer_offload,
+                                              expert_tensor=cfg.parallel.expert_tensor)
     if name == "deepspeed":
         import_backend("deepspeed", "trainer.backend", name, extra="deepspeed")  # not installed: say how to install it
         from fastgrpo.trainers.deepspeed_trainer import DeepSpeedPolicyTrainer

@@ -61,3 +61,15 @@ def checkpoint_identity(hf_config, layout: Layout) -> dict:
     if l.experts:  # (a dense model's identity is unchanged: its checkpoints keep loading)
         identity.update(experts=l.experts, topk=l.top_k, moe_ffn=l.expert_ffn)  # the keys checkpoints hold
     return identity
+
+
+def saved_at(layout: Layout, data: int) -> dict:
+    """The layout a Megatron checkpoint was written at, as `fastgrpo.json` records it: tensor, pipeline,
+    expert and data-parallel sizes, and for a mixture of experts the experts' tensor-parallel size
+    (`expert_tensor`: a converter reads the stored pieces by it, and a distributed optimizer's state
+    reloads only at the same one). A dense model's record is unchanged (no `expert_tensor`); a record
+    without it is of experts split over TP."""
+    at = {"tensor": layout.tensor, "pipeline": layout.pipeline, "expert": layout.expert, "data": data}
+    if layout.experts:
+        at["expert_tensor"] = layout.expert_tp
+    return at

@@ -7,11 +7,15 @@ rank holds.
 Qwen3-MoE (every layer sparse): the router `mlp.gate.weight` [E, h] is megatron's
 `mlp.router.weight` (replicated over TP: megatron sums its gradient over the TP ranks, each of which
 routes its own shard of the sequence under sequence parallelism). Expert e's SwiGLU is megatron's
-`mlp.experts.local_experts.{j}.linear_fc1.weight` ([gate; up], sharded over TP as the dense fc1
-is: the experts' tensor-parallel size is TP) and `linear_fc2.weight`, on the expert-parallel rank
+`mlp.experts.local_experts.{j}.linear_fc1.weight` ([gate; up], sharded over the experts' own
+tensor-parallel ranks as the dense fc1 is over TP) and `linear_fc2.weight`, on the expert-parallel rank
 e // (E / EP) as its local expert j = e % (E / EP) (`MoELayer.local_expert_indices`). Here a "full"
 Megatron tensor of an expert is named by its global index e (the names of the model at EP 1);
-`rank_tensors` and `global_name` translate to and from an EP rank's local indices. On the Hugging
+`rank_tensors` and `global_name` translate to and from an EP rank's local indices. The experts'
+tensor-parallel size (`expert_tensor`, megatron-core's expert_tensor_parallel_size) is TP by default
+or 1 (`parallel.expert_tensor=1`): each expert whole on its EP rank, every "full" expert tensor one
+piece (fc1 a plain [gate; up]), and the EP ranks then span the TP ranks too (megatron-core's expert
+grid: expert tensor x expert x expert-data x pipeline). On the Hugging
 Face side the experts are read from either form transformers uses: each expert's own matrices (what
 checkpoints on disk hold: `mlp.experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`) or the
 stacked tensors transformers 5 holds in memory (`mlp.experts.gate_up_proj` [E, 2f, h], gate rows
@@ -86,10 +90,14 @@ class Layout(Shape):
     expert: int = 1
     norm_topk: bool = False
     vocab_divisible_by: int = VOCAB_DIVISIBLE_BY
+    expert_tensor: int = 0  # the experts' tensor-parallel size (`parallel.expert_tensor`); 0: `tensor`
 
     @classmethod
     def of(cls, hf_config, tensor: int = 1, pipeline: int = 1, expert: int = 1,
-           vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> Layout:
+           vocab_divisible_by: int = VOCAB_DIVISIBLE_BY, expert_tensor: int = 0) -> Layout:
+        """`expert_tensor`: the experts' tensor-parallel size, 0 (the same as `tensor`), 1 or `tensor`:
+        megatron-core splits an expert over its own expert-tensor ranks, and these are the two layouts
+        slime and megatron's recipes run (any other value is refused naming parallel.expert_tensor)."""
         c = hf_config
         try:
             check_family(c.to_dict(), f"the {c.model_type} config")
@@ -99,13 +107,29 @@ class Layout(Shape):
         if tensor < 1 or pipeline < 1 or expert < 1:
             raise LayoutError(f"parallel sizes must be >= 1, got tensor {tensor}, pipeline {pipeline}, "
                               f"expert {expert}")
+        if expert_tensor not in (0, 1, tensor):
+            raise LayoutError(f"parallel.expert_tensor={expert_tensor}: must be 0 (the same as parallel.tensor), 1 "
+                              f"(each expert whole on one rank) or parallel.tensor={tensor}")
         shape = Shape.of(c)
-        refused = broken(shape_rules(shape, tensor, pipeline, expert))
+        refused = broken(shape_rules(shape, tensor, pipeline, expert, expert_tensor))
         if refused is not None:
             raise LayoutError(f"{refused.key} breaks a layout rule: {refused.text}")
         return cls(**{f.name: getattr(shape, f.name) for f in fields(Shape)}, tensor=tensor, pipeline=pipeline,
                    expert=expert, norm_topk=bool(shape.experts and c.norm_topk_prob),
-                   vocab_divisible_by=vocab_divisible_by)
+                   vocab_divisible_by=vocab_divisible_by, expert_tensor=expert_tensor or tensor)
+
+    @property
+    def expert_tp(self) -> int:
+        """The experts' tensor-parallel size: `expert_tensor`, or TP where it was left 0."""
+        return self.expert_tensor or self.tensor
+
+    def pieces(self, name: str) -> int:
+        """How many tensor-parallel pieces a parameter (global or local name) is cut into: an expert's
+        matrices over the expert-tensor ranks (`expert_tp`), every other split parameter over TP; 1 for a
+        replicated one."""
+        if self.tp_dim(name) is None:
+            return 1
+        return self.expert_tp if _is_expert(name) else self.tensor
 
     @property
     def padded_vocab(self) -> int:
@@ -206,7 +230,8 @@ class Layout(Shape):
             e, matrix = int(expert.group(1)), expert.group(2)
             if matrix == "linear_fc2.weight":
                 return _hf_expert(hf, p, e, "down")
-            gates, ups = _hf_expert(hf, p, e, "gate").chunk(self.tensor), _hf_expert(hf, p, e, "up").chunk(self.tensor)
+            n = self.expert_tp
+            gates, ups = _hf_expert(hf, p, e, "gate").chunk(n), _hf_expert(hf, p, e, "up").chunk(n)
             return torch.cat([t for g, u in zip(gates, ups) for t in (g, u)])
         raise LayoutError(f"unknown Megatron parameter {name!r}")
 
@@ -259,7 +284,7 @@ class Layout(Shape):
             if matrix == "linear_fc2.weight":
                 yield f"{p}mlp.experts.{e}.down_proj.weight", full
             else:
-                blocks = [b.chunk(2) for b in full.chunk(self.tensor)]
+                blocks = [b.chunk(2) for b in full.chunk(self.expert_tp)]
                 yield f"{p}mlp.experts.{e}.gate_proj.weight", torch.cat([g for g, _ in blocks])
                 yield f"{p}mlp.experts.{e}.up_proj.weight", torch.cat([u for _, u in blocks])
         else:
@@ -274,7 +299,8 @@ class Layout(Shape):
     @staticmethod
     def tp_dim(name: str) -> int | None:
         """The dimension a parameter is split along over TP ranks (None: replicated). An expert's fc1
-        and fc2 split as the dense MLP's (the experts' tensor-parallel size is TP)."""
+        and fc2 split as the dense MLP's, over the experts' own tensor-parallel ranks (`pieces`: how many;
+        at `expert_tensor` 1 one, the expert whole)."""
         if name.endswith(COLUMN_PARALLEL):
             return 0
         if name.endswith(ROW_PARALLEL):
@@ -317,27 +343,34 @@ class Layout(Shape):
         return f"decoder.layers.{int(match.group(1)) + self.stage_layers(pp_rank).start}.{rest}"
 
     def rank_tensors(self, full: Mapping[str, Tensor], tp_rank: int, pp_rank: int,
-                     ep_rank: int = 0) -> dict[str, Tensor]:
-        """What TP rank `tp_rank` of stage `pp_rank` (and EP rank `ep_rank`: its experts only) holds,
-        under local names. A tied model with PP > 1 also gets `output_layer.weight` on its last
-        stage: Megatron keeps a copy of the embedding there and keeps the two equal."""
+                     ep_rank: int = 0, etp_rank: int | None = None) -> dict[str, Tensor]:
+        """What TP rank `tp_rank` of stage `pp_rank` (and EP rank `ep_rank`: its experts only, their
+        pieces of expert-tensor rank `etp_rank`) holds, under local names. `etp_rank` defaults to what
+        megatron-core's default rank order gives: the TP rank when the experts' tensor-parallel size is
+        TP, 0 at `expert_tensor` 1 (every expert whole). A tied model with PP > 1 also gets
+        `output_layer.weight` on its last stage: Megatron keeps a copy of the embedding there and keeps
+        the two equal."""
+        etp_rank = tp_rank % self.expert_tp if etp_rank is None else etp_rank
         out = {}
         for name, t in full.items():
             local = self.stage_name(name, pp_rank, ep_rank)
             if local is not None:
-                out[local] = self.shard(name, t, tp_rank)
+                out[local] = self.shard(name, t, etp_rank if _is_expert(name) else tp_rank)
         if self.tied and self.pipeline > 1 and pp_rank == self.pipeline - 1:
             out["output_layer.weight"] = self.shard("output_layer.weight", full["embedding.word_embeddings.weight"],
                                                     tp_rank)
         return out
 
     def shard(self, name: str, full: Tensor, tp_rank: int) -> Tensor:
-        dim = self.tp_dim(name)
-        return full if dim is None else full.chunk(self.tensor, dim)[tp_rank].contiguous()
+        """Piece `tp_rank` of a full tensor (of an expert: `tp_rank` is its expert-tensor rank)."""
+        n = self.pieces(name)
+        return full if n == 1 else full.chunk(n, self.tp_dim(name))[tp_rank].contiguous()
 
     def unshard(self, name: str, shards: list[Tensor]) -> Tensor:
-        dim = self.tp_dim(name)
-        return shards[0] if dim is None else torch.cat(shards, dim)
+        """The full tensor from its pieces in rank order (`pieces(name)` of them; a whole expert, or a
+        replicated parameter, is its first)."""
+        n = self.pieces(name)
+        return shards[0] if n == 1 else torch.cat(shards[:n], self.tp_dim(name))
 
     # -- megatron's distributed checkpoints (dist_checkpointing, torch_dist) ----------------------
     # There a layer's tensor is one slice of a tensor stacked over all layers (key without the layer
@@ -389,7 +422,7 @@ class Layout(Shape):
         """A full Megatron tensor as the distributed checkpoint stores it (fc1: [gate; up])."""
         if not self._swiglu_fc1(name):
             return full
-        blocks = [b.chunk(2) for b in full.chunk(self.tensor)]
+        blocks = [b.chunk(2) for b in full.chunk(self.pieces(name))]
         return torch.cat([g for g, _ in blocks] + [u for _, u in blocks])
 
     def from_dist(self, name: str, stored: Tensor) -> Tensor:
@@ -397,15 +430,17 @@ class Layout(Shape):
         if not self._swiglu_fc1(name):
             return stored
         gate, up = stored.chunk(2)
-        return torch.cat([t for g, u in zip(gate.chunk(self.tensor), up.chunk(self.tensor)) for t in (g, u)])
+        n = self.pieces(name)
+        return torch.cat([t for g, u in zip(gate.chunk(n), up.chunk(n)) for t in (g, u)])
 
     def dist_chunks(self, name: str, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """(offsets, sizes) of the pieces the TP ranks of this layout save of a tensor in its stored
-        (`to_dist`) form: fc1's gate and up halves each split over TP, others along `tp_dim`."""
-        dim = self.tp_dim(name)
-        if dim is None or self.tensor == 1:
+        (`to_dist`) form: fc1's gate and up halves each split over TP (an expert's over its expert-tensor
+        ranks: at `expert_tensor` 1 one piece, the whole expert), others along `tp_dim`."""
+        dim, n = self.tp_dim(name), self.pieces(name)
+        if dim is None or n == 1:
             return [((0,) * len(shape), tuple(shape))]
-        pieces = 2 * self.tensor if self._swiglu_fc1(name) else self.tensor
+        pieces = 2 * n if self._swiglu_fc1(name) else n
         step = shape[dim] // pieces
         out = []
         for k in range(pieces):
@@ -461,6 +496,12 @@ def _check_moe(c) -> None:
     if not 0 < c.num_experts_per_tok <= c.num_experts:
         raise LayoutError(f"qwen3_moe: num_experts_per_tok={c.num_experts_per_tok} must be in 1..num_experts "
                           f"({c.num_experts})")
+
+
+def _is_expert(name: str) -> bool:
+    """A routed expert's matrix (a layer's parameter, global or local name)."""
+    match = LAYER.match(name)
+    return bool(match and EXPERT.match(match.group(2)))
 
 
 def _hf_expert(hf: Mapping[str, Tensor], p: str, e: int, matrix: str) -> Tensor:

@@ -6,7 +6,9 @@ Qwen3-MoE runs megatron-core's MoELayer (`moe_config`): softmax routing over the
 logits, the alltoall token dispatcher (what GPUs run; on CPU with `megatron_patches`), each expert a
 SwiGLU of `moe_intermediate_size` (SequentialMLP: one matmul per expert; no grouped GEMM, which needs
 a CUDA kernel), the experts split over `parallel.expert` ranks and each expert over the TP ranks
-(expert tensor parallelism = TP). With TP > 1 the whole model runs sequence-parallel, as megatron
+(expert tensor parallelism = TP), or with `parallel.expert_tensor=1` each expert whole on its EP rank
+(megatron-core's expert grid, expert tensor x expert x expert-data x pipeline, then puts EP across the
+TP ranks: the token all-to-all replaces the gathers over TP inside the experts). With TP > 1 the whole model runs sequence-parallel, as megatron
 requires of MoE: without it each TP rank would put the same tokens through the experts and their
 gradients would come out TP times too large.
 
@@ -52,11 +54,14 @@ def _megatron():
     megatron_patches.apply()  # on CPU every patch; with CUDA only the local spec's (megatron_patches)
 
 
-def initialize(tensor: int, pipeline: int, seed: int = 0, expert: int = 1) -> None:
+def initialize(tensor: int, pipeline: int, seed: int = 0, expert: int = 1, expert_tensor: int = 0) -> None:
     """Megatron's model-parallel groups over the torch.distributed world (torchrun's, or a world of
     one made here); every rank of the world must call this, in the same order (group creation is
-    collective). `expert`: the expert-parallel size, which splits the data-parallel ranks of each stage
-    (the experts' tensor-parallel size is TP), so the world must be a multiple of TP x PP x EP."""
+    collective). `expert`: the expert-parallel size; `expert_tensor`: the experts' tensor-parallel size
+    (0: TP). megatron-core lays the experts out on a grid of their own over the same ranks, expert
+    tensor x expert x expert-data x pipeline (parallel_state.py, the expert RankGenerator), so the world
+    must be a multiple of expert_tensor x EP x PP as well as of TP x PP: at expert_tensor = TP, EP splits
+    the data-parallel ranks of each stage; at 1, EP spans the TP ranks too."""
     _megatron()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -68,19 +73,25 @@ def initialize(tensor: int, pipeline: int, seed: int = 0, expert: int = 1) -> No
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=COLLECTIVE_TIMEOUT)
     world = dist.get_world_size()
+    etp = expert_tensor or tensor
     if world % (tensor * pipeline):
         raise LayoutError(f"a world of {world} ranks does not split into tensor {tensor} x pipeline {pipeline} groups")
-    if world % (tensor * pipeline * expert):
-        raise LayoutError(f"parallel.expert={expert}: a world of {world} ranks at tensor {tensor} x pipeline "
-                          f"{pipeline} has {world // (tensor * pipeline)} data-parallel ranks per stage, which "
-                          f"{expert} expert-parallel ranks do not split")
+    if world % (etp * expert * pipeline):
+        if etp == tensor:
+            raise LayoutError(f"parallel.expert={expert}: a world of {world} ranks at tensor {tensor} x pipeline "
+                              f"{pipeline} has {world // (tensor * pipeline)} data-parallel ranks per stage, which "
+                              f"{expert} expert-parallel ranks do not split")
+        raise LayoutError(f"parallel.expert={expert} x parallel.expert_tensor={etp}: a world of {world} ranks at "
+                          f"pipeline {pipeline} has {world // pipeline} ranks per stage, which megatron-core's expert "
+                          f"grid (expert tensor {etp} x expert {expert} x expert-data) does not split")
     if parallel_state.model_parallel_is_initialized():
         if (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
-                parallel_state.get_expert_model_parallel_world_size()) != (tensor, pipeline, expert):
+                parallel_state.get_expert_model_parallel_world_size(),
+                parallel_state.get_expert_tensor_parallel_world_size()) != (tensor, pipeline, expert, etp):
             raise RuntimeError("megatron's parallel groups already exist with another layout")
         return
     parallel_state.initialize_model_parallel(tensor, pipeline, expert_model_parallel_size=expert,
-                                             expert_tensor_parallel_size=tensor,
+                                             expert_tensor_parallel_size=etp,
                                              distributed_timeout_minutes=int(COLLECTIVE_TIMEOUT.seconds // 60))
     model_parallel_cuda_manual_seed(seed)
 
@@ -99,6 +110,14 @@ def expert_rank() -> int:
     return parallel_state.get_expert_model_parallel_rank()
 
 
+def expert_tensor_rank() -> int:
+    """This process's rank in its expert-tensor-parallel group (which piece of each of its experts it
+    holds; 0 at `parallel.expert_tensor=1`, the expert whole)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_tensor_parallel_rank()
+
+
 def moe_config(layout: Layout, router_aux_loss: float = 0.0, router_z_loss: float = 0.0) -> dict:
     """megatron's TransformerConfig options for the layout's mixture of experts ({} for a dense model).
 
@@ -107,7 +126,9 @@ def moe_config(layout: Layout, router_aux_loss: float = 0.0, router_z_loss: floa
     takes the top k logits and softmaxes over them, the same numbers (the softmax's denominator
     cancels); with `pre_softmax` it softmaxes over all experts and keeps the top k as they are (no
     renormalisation). No scaling factor on the weights, no capacity (no token dropped), no shared
-    expert. The load-balancing loss and the z-loss are the trainer's `router_aux_loss` and
+    expert. The experts' tensor-parallel size is the layout's (`Layout.expert_tp`: TP, or 1 with
+    each expert whole); the dense part stays sequence-parallel over TP either way (megatron asks it of
+    a MoE at TP > 1). The load-balancing loss and the z-loss are the trainer's `router_aux_loss` and
     `router_z_loss` (0: none, the default for RL fine-tuning, where the policy's routing is already
     trained; "none" balancing then, and no z-loss)."""
     if not layout.experts:
@@ -121,7 +142,7 @@ def moe_config(layout: Layout, router_aux_loss: float = 0.0, router_z_loss: floa
         moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=None,
         # CUDA kernels (Transformer Engine's fused permute / router, the grouped GEMM): off, the same mathematics
         moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
-        expert_model_parallel_size=layout.expert, expert_tensor_parallel_size=layout.tensor,
+        expert_model_parallel_size=layout.expert, expert_tensor_parallel_size=layout.expert_tp,
         sequence_parallel=layout.tensor > 1)
 
 
@@ -265,9 +286,9 @@ def load_hf_state(model, hf_state: Mapping[str, Tensor], layout: Layout) -> None
     """Load this rank's slice of a Hugging Face state dict (names checked both ways): a model's state
     dict or a checkpoint's tensors (experts stacked or each its own, `Layout`)."""
     tp_rank, pp_rank = ranks()
-    ep_rank = expert_rank() if layout.experts else 0
+    ep_rank, etp_rank = (expert_rank(), expert_tensor_rank()) if layout.experts else (0, 0)
     mine = {_module_name(model, k): v
-            for k, v in layout.rank_tensors(layout.to_megatron(hf_state), tp_rank, pp_rank, ep_rank).items()}
+            for k, v in layout.rank_tensors(layout.to_megatron(hf_state), tp_rank, pp_rank, ep_rank, etp_rank).items()}
     own = {k for k in model.state_dict() if not k.endswith("_extra_state")}
     if set(mine) != own:
         raise LayoutError(f"the checkpoint does not match the model: missing {sorted(own - set(mine))[:5]}, "
@@ -278,7 +299,8 @@ def load_hf_state(model, hf_state: Mapping[str, Tensor], layout: Layout) -> None
 def export_hf(model, layout: Layout, grads: bool = False) -> Iterator[tuple[str, Tensor]]:
     """Full Hugging Face tensors, one Megatron parameter at a time, on every rank of the model-parallel
     group: TP shards are all-gathered, each expert is broadcast from the expert-parallel rank that
-    holds it to the others of its EP group (its TP shards gathered there first), and each pipeline
+    holds it to the others of its EP group (its shards gathered over megatron's expert-tensor group
+    there first; at `parallel.expert_tensor=1` it is whole already), and each pipeline
     stage broadcasts its own layers to the other stages. No rank ever holds more than one full tensor
     beyond its own shards. Experts come out as each expert's own matrices, expert by expert
     (`Layout.to_hf`). `grads`: the parameters' gradients instead (zeros where there is none), under
@@ -306,8 +328,8 @@ def export_hf(model, layout: Layout, grads: bool = False) -> Iterator[tuple[str,
             if stage == pp_rank and (owner is None or owner == ep_rank):
                 param = params[_module_name(model, layout.stage_name(name, stage, owner or 0))]
                 shard = (param.grad if param.grad is not None else torch.zeros_like(param)) if grads else param.detach()
-                if layout.tensor > 1 and layout.tp_dim(name) is not None:
-                    shards = [torch.empty_like(shard) for _ in range(layout.tensor)]
+                if layout.pieces(name) > 1:
+                    shards = [torch.empty_like(shard) for _ in range(layout.pieces(name))]
                     dist.all_gather(shards, shard.contiguous(), group=etp_group if expert else tp_group)
                     full = layout.unshard(name, shards)
                 else:

@@ -36,7 +36,8 @@ together, so the loss would no longer be the torch trainer's to rounding. We kee
 trainer's micro-batches (contiguous rows) and pay the shape message.
 
 A mixture of experts (Qwen3-MoE, `model.moe_config`) with `parallel.expert` = EP > 1: the experts
-of each layer are split over EP ranks that are data-parallel ranks of each other, and every MoE
+of each layer are split over EP ranks that are data-parallel ranks of each other (with
+`parallel.expert_tensor=1`, each expert whole on one rank, they span the TP ranks too), and every MoE
 layer's forward and backward exchange tokens between them (all-to-all). So every rank of the data-
 parallel group runs the same number of micro-batches (a rank with fewer rows pads with micro-
 batches that train nothing). With TP > 1 the model is sequence-parallel, so each micro-batch is
@@ -81,7 +82,7 @@ from fastgrpo.grpo.step import LossFn, grpo_step
 from fastgrpo.models.policy import save_policy_tensors
 from fastgrpo.paths import checkpoint_policy, is_policy
 from fastgrpo.trainers.chunked_logprobs import chunked_scores
-from fastgrpo.trainers.megatron.checkpoint import checkpoint_identity, start_write_results_queue
+from fastgrpo.trainers.megatron.checkpoint import checkpoint_identity, saved_at, start_write_results_queue
 from fastgrpo.trainers.megatron.layout import Layout, LayoutError
 from fastgrpo.trainers.megatron.logprobs import vocab_parallel_logprobs
 from fastgrpo.trainers.megatron.model import build_model, export_hf, initialize, load_hf_state
@@ -100,14 +101,17 @@ class MegatronPolicyTrainer:
                  recompute: bool = False, compute: Compute | None = None, distributed_optimizer: bool = False,
                  expert: int = 1, router_aux_loss: float = 0.0, router_z_loss: float = 0.0,
                  logits_chunk_tokens: int = TrainerConfig.logits_chunk_tokens, routing_replay: bool = False,
-                 optimizer_offload: bool = False):
+                 optimizer_offload: bool = False, expert_tensor: int = 0):
         """`compute`: the device and dtype (`fastgrpo.device.resolve`; fp32 on this machine's device by
         default). bf16 is megatron-core's: bf16 weights and activations (`Float16Module`), gradients
         accumulated and reduced in fp32 (`grad_reduce_in_fp32`), an optimizer stepping fp32 main
         copies of the weights and copying them back to bf16. `distributed_optimizer`: megatron-core's
         DistributedOptimizer, the fp32 main weights and Adam's moments sharded over the data-parallel
         ranks (gradients reduce-scattered, updated weights all-gathered). `expert`: the expert-parallel
-        size of a mixture of experts (`parallel.expert`); `router_aux_loss`, `router_z_loss`: the
+        size of a mixture of experts (`parallel.expert`), `expert_tensor` its experts' tensor-parallel
+        size (`parallel.expert_tensor`: 0, the same as `tensor`, or 1: each expert whole on one rank,
+        megatron-core's DDP then summing each expert's gradient over its expert-data-parallel ranks, which
+        span the TP ranks); `router_aux_loss`, `router_z_loss`: the
         coefficients of its router's load-balancing loss and z-loss (`trainer.router_aux_loss`,
         `trainer.router_z_loss`; 0: none). `logits_chunk_tokens`: the most tokens whose logits are
         held at once (`trainer.logits_chunk_tokens`; 0: a micro-batch's whole logits). `routing_replay`:
@@ -133,11 +137,11 @@ class MegatronPolicyTrainer:
             raise FileNotFoundError(f"no Hugging Face policy at {policy_dir} (config.json missing)")
         # the layout is checked on the config alone, before any group or weight exists
         hf_config = AutoConfig.from_pretrained(policy_dir)
-        self.layout = Layout.of(hf_config, tensor, pipeline, expert)
+        self.layout = Layout.of(hf_config, tensor, pipeline, expert, expert_tensor=expert_tensor)
         if routing_replay and not self.layout.experts:
             raise ConfigError(f"trainer.routing_replay=rollout: the policy ({hf_config.model_type}) has no "
                               f"mixture-of-experts layer to replay")
-        initialize(tensor, pipeline, seed, expert)  # on CUDA: this rank's GPU (LOCAL_RANK) made current
+        initialize(tensor, pipeline, seed, expert, self.layout.expert_tp)  # on CUDA: this rank's GPU (LOCAL_RANK) made current
         self.device = torch.device("cuda", torch.cuda.current_device()) if here.type == "cuda" else here
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -645,7 +649,7 @@ class MegatronPolicyTrainer:
             l = self.layout
             (megatron_dir / "fastgrpo.json").write_text(json.dumps(
                 {"model": self._identity(),
-                 "saved_at": {"tensor": l.tensor, "pipeline": l.pipeline, "expert": l.expert, "data": self.dp_size},
+                 "saved_at": saved_at(l, self.dp_size),
                  "updates": self.updates, "precision": self._precision(),
                  "distributed_optimizer": self.distributed_optimizer, "optimizer": with_optimizer}, indent=1))
         dist.barrier()
@@ -701,12 +705,14 @@ class MegatronPolicyTrainer:
                               f"(saved, now: {differs}){hint}")
         at = saved["saved_at"]
         l = self.layout
-        now = (l.tensor, l.pipeline, l.expert)
-        if self.distributed_optimizer and (at["tensor"], at["pipeline"], at.get("expert", 1)) != now:
+        # (checkpoints from before parallel.expert_tensor were saved with the experts split over TP)
+        now = (l.tensor, l.pipeline, l.expert, l.expert_tp)
+        was = (at["tensor"], at["pipeline"], at.get("expert", 1), at.get("expert_tensor", at["tensor"]))
+        if self.distributed_optimizer and was != now:
             raise LayoutError(f"the checkpoint {directory} holds a distributed optimizer's state saved at tensor "
-                              f"{at['tensor']} x pipeline {at['pipeline']} x expert {at.get('expert', 1)}: it reloads "
+                              f"{was[0]} x pipeline {was[1]} x expert {was[2]} x expert tensor {was[3]}: it reloads "
                               f"at another data-parallel size, not at tensor {l.tensor} x pipeline {l.pipeline} x "
-                              f"expert {l.expert}{hint}")
+                              f"expert {l.expert} x expert tensor {l.expert_tp}{hint}")
 
 
 def _send_contiguous(gpt) -> None:
