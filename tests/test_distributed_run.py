@@ -286,20 +286,23 @@ def test_a_killed_draft_rank_ends_every_rank_within_a_bound(tmp_path, tiny_polic
     _kill_and_wait(launch, victim=2)
 
 
-def test_fastgrpo_train_runs_a_moe_at_tp2_x_ep2_under_torchrun(tmp_path):
+@pytest.mark.parametrize("expert_tensor", [2, 1], ids=["experts-split-over-tp", "experts-whole"])
+def test_fastgrpo_train_runs_a_moe_at_tp2_x_ep2_under_torchrun(tmp_path, expert_tensor):
     """`fastgrpo train` on a tiny Qwen3-MoE (every layer sparse) in a torchrun world of 4: Megatron at TP2 x
     data 2 with the experts split over 2 expert-parallel ranks, an embedded engine on every rank fed by the
     push (experts gathered from their ranks), routing replay on (each engine records its tokens' experts,
     each TP rank replays its shard of the sequence); 3 steps whose trainer log-probabilities are the
     engines' (the same weights, both sides' MoE forward, fp32: a misplaced record would move them), with
-    the expert load and routing_mismatch (both fp32: next to none) logged every step and a checkpoint."""
+    the expert load and routing_mismatch (both fp32: next to none) logged every step and a checkpoint; with
+    each expert's weights split over the TP ranks (expert TP 2) and whole on one rank (expert TP 1)."""
     from tests.family_checkpoints import MOE_EXPERTS, MOE_FAMILY, MOE_TOP_K, write_family_checkpoint
     from tests.test_real_checkpoints import family_run
 
     path = write_family_checkpoint(MOE_FAMILY, tmp_path / "moe", mlp_only_layers=[])
     args = family_run(tmp_path, path, "trainer.backend=megatron", "parallel.tensor=2", "parallel.expert=2",
                       "speculation.policy=off", "draft.online=off", "rollout.prompts_per_step=4", "grpo.steps=3",
-                      "checkpoint.every=3", "tracking.enabled=true", "trainer.routing_replay=rollout")
+                      "checkpoint.every=3", "tracking.enabled=true", "trainer.routing_replay=rollout",
+                      f"parallel.expert_tensor={expert_tensor}")
     out = run(4, args, tmp_path / "moe.log")
     assert "step 3/3" in out
     kl = history(tmp_path / "run", "kl_engine_trainer")
