@@ -585,12 +585,12 @@ def _built(base, path: str | Path | None, overrides: list[str] | None) -> Config
 
 
 MODEL_PARALLEL_TRAINERS = ("megatron",)  # trainers that split the policy over ranks (parallel.tensor/pipeline/expert)
+DISTRIBUTED_TRAINERS = ("megatron", "deepspeed")  # trainers of a torchrun world (data parallel, draft slice)
 
 
 def expert_tensor_size(par: ParallelConfig) -> int:
     """The experts' tensor-parallel size a run uses: `parallel.expert_tensor`, 0 meaning `parallel.tensor`."""
     return par.expert_tensor or par.tensor
-DISTRIBUTED_TRAINERS = ("megatron", "deepspeed")  # trainers of a torchrun world (data parallel, draft slice)
 
 
 @dataclass(frozen=True)
