@@ -299,11 +299,12 @@ def _host_terms(cfg: Config, s: Shape, P: float, P_opt: float, ranks: int) -> li
     - at a checkpoint (`MegatronPolicyTrainer.save`): every rank gathers the whole policy to the host
       in the training dtype (`export_weights`, copied to the CPU; rank 0 writes it): 2 B (bf16) or 4 B
       (fp32) x all parameters x ranks, on top of the training term;
-    - at the start (`MegatronPolicyTrainer.__init__`): every rank loads the whole Hugging Face policy in
-      fp32 (`models.policy.load_policy`) and frees it once its shard is built, before the optimizer
-      exists: 4 B x all parameters x ranks. (With the offload, megatron-core's first offloading optimizer
-      then copies the rank's weights to the host in fp32 before the distributed optimizer replaces it:
-      4 B x `P`, never more than that load, and freed by the trainer right after.)
+    - at the start (`MegatronPolicyTrainer.__init__`): every rank reads the Hugging Face checkpoint one
+      Megatron tensor at a time (`load_hf_checkpoint`), holding the tensors it is read from and the full
+      tensor made of them, then its piece on the device: 2 x 4 B (fp32 at most) x the largest such tensor
+      (the embedding or LM head, a layer's fused QKV or fc1, an expert's fc1) x ranks. (With the offload,
+      megatron-core's first offloading optimizer then copies the rank's weights to the host in fp32 before
+      the distributed optimizer replaces it: 4 B x `P`, freed by the trainer right after.)
 
     The peak is the larger of the start and the training state with a checkpoint. Not counted: each
     process's runtime (interpreter, libraries, CUDA's host side), pinned staging memory the CUDA host
@@ -319,9 +320,11 @@ def _host_terms(cfg: Config, s: Shape, P: float, P_opt: float, ranks: int) -> li
                       _gib(width * total * n), f"{width} B x {total / 1e9:.2f}B parameters x {n} rank(s) (each gathers "
                                                f"the whole policy to the host to save it)"))
     training = sum(t.gib for t in terms)  # the offload and a checkpoint's export, held together
-    start = Term("start: Hugging Face policy (fp32)", _gib(FP32 * total * n),
-                 f"4 B x {total / 1e9:.2f}B parameters x {n} rank(s) (each loads it whole, frees it once its shard "
-                 f"is built)")
+    largest = max(padded_vocab(s.vocab, cfg.parallel.tensor) * s.hidden, (s.heads + 2 * s.kv_heads) * s.head_dim * s.hidden,
+                  2 * s.ffn * s.hidden, 2 * s.expert_ffn * s.hidden)
+    start = Term("start: loading the policy", _gib(2 * FP32 * largest * n),
+                 f"2 x 4 B x {largest / 1e6:.1f}M parameters (the largest Megatron tensor, and what it is read from) "
+                 f"x {n} rank(s), one tensor at a time")
     terms += [start, Term("peak", max(start.gib, training), "the larger of the start and training with a checkpoint")]
     return terms
 

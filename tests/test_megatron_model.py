@@ -387,3 +387,45 @@ def test_bench_trainer_moe_pushes_the_same_tensors_with_and_without_expert_paral
     assert [r["engines"] for r in rows] == [1, 2] and all(r["sync_s"] > 0 for r in rows)
     # Adam's moments: EP2 halves the experts' (each rank steps its own), the rest stays replicated
     assert rows[1]["optimizer_bytes"] < 0.6 * rows[0]["optimizer_bytes"]
+
+
+def _load_from_disk(rank, world, policy_dir, tp, pp):
+    """This rank's model loaded from the checkpoint on disk and from the state dict, and which Hugging
+    Face tensors the disk loader read."""
+    from fastgrpo.conversion.sources import HFSource
+    from fastgrpo.trainers.megatron.layout import Layout
+    from fastgrpo.trainers.megatron.model import build_model, initialize, load_hf_checkpoint
+
+    initialize(tp, pp)
+    read = []
+    group = HFSource.hf_group
+
+    def recorded(self, name):
+        out = group(self, name)
+        read.extend(out)
+        return out
+
+    HFSource.hf_group = recorded
+    model, layout = _load("llama-tied", tp, pp)
+    from_disk = build_model(hf_model("llama-tied").config, layout).eval()
+    load_hf_checkpoint(from_disk, policy_dir, layout)
+    expected, loaded = model.state_dict(), from_disk.state_dict()
+    same = sorted(expected) == sorted(loaded) and all(
+        torch.equal(expected[k], loaded[k]) for k in expected if not k.endswith("_extra_state"))
+    return {"same": same, "read": sorted(set(read))}
+
+
+@pytest.mark.slow  # a multi-process world
+def test_a_rank_reads_from_disk_only_the_tensors_it_holds(tmp_path):
+    """`load_hf_checkpoint` (what the trainer loads the policy with) gives each rank the same weights as
+    loading the whole state dict, reading from the safetensors only the tensors whose pieces it holds:
+    at PP2 stage 0 its two layers and the embedding, stage 1 its two layers, the final norm and (tied)
+    the embedding for its output layer; no rank reads the whole model."""
+    policy = tmp_path / "policy"
+    hf_model("llama-tied").save_pretrained(policy)
+    first, last = run_world(_load_from_disk, 2, tmp_path / "world", policy, 1, 2)
+    assert first["same"] and last["same"]
+    layers = lambda r: {int(n.split(".")[2]) for n in r["read"] if n.startswith("model.layers.")}  # noqa: E731
+    assert layers(first) == {0, 1} and layers(last) == {2, 3}
+    assert "model.embed_tokens.weight" in first["read"] and "model.embed_tokens.weight" in last["read"]
+    assert "model.norm.weight" in last["read"] and "model.norm.weight" not in first["read"]

@@ -345,21 +345,33 @@ class Layout(Shape):
     def rank_tensors(self, full: Mapping[str, Tensor], tp_rank: int, pp_rank: int,
                      ep_rank: int = 0, etp_rank: int | None = None) -> dict[str, Tensor]:
         """What TP rank `tp_rank` of stage `pp_rank` (and EP rank `ep_rank`: its experts only, their
-        pieces of expert-tensor rank `etp_rank`) holds, under local names. `etp_rank` defaults to what
-        megatron-core's default rank order gives: the TP rank when the experts' tensor-parallel size is
-        TP, 0 at `expert_tensor` 1 (every expert whole). A tied model with PP > 1 also gets
-        `output_layer.weight` on its last stage: Megatron keeps a copy of the embedding there and keeps
-        the two equal."""
-        etp_rank = tp_rank % self.expert_tp if etp_rank is None else etp_rank
+        pieces of expert-tensor rank `etp_rank`) holds of the full tensors `full`, under local names
+        (`rank_pieces`, tensor by tensor)."""
         out = {}
         for name, t in full.items():
-            local = self.stage_name(name, pp_rank, ep_rank)
-            if local is not None:
-                out[local] = self.shard(name, t, etp_rank if _is_expert(name) else tp_rank)
-        if self.tied and self.pipeline > 1 and pp_rank == self.pipeline - 1:
-            out["output_layer.weight"] = self.shard("output_layer.weight", full["embedding.word_embeddings.weight"],
-                                                    tp_rank)
+            out |= self.rank_pieces(name, t, tp_rank, pp_rank, ep_rank, etp_rank)
         return out
+
+    def local_names(self, name: str, pp_rank: int, ep_rank: int = 0) -> list[str]:
+        """The local names under which stage `pp_rank`'s EP rank `ep_rank` holds a piece of global tensor
+        `name`: none, one, or (the embedding of a tied model at PP > 1, on the last stage) the output
+        layer too, as Megatron keeps a copy of the embedding there and keeps the two equal."""
+        local = self.stage_name(name, pp_rank, ep_rank)
+        out = [] if local is None else [local]
+        if (self.tied and self.pipeline > 1 and pp_rank == self.pipeline - 1
+                and name == "embedding.word_embeddings.weight"):
+            out.append("output_layer.weight")
+        return out
+
+    def rank_pieces(self, name: str, full: Tensor, tp_rank: int, pp_rank: int, ep_rank: int = 0,
+                    etp_rank: int | None = None) -> dict[str, Tensor]:
+        """This rank's pieces of one full tensor, under its local names (`local_names`). `etp_rank`
+        defaults to what megatron-core's default rank order gives: the TP rank when the experts'
+        tensor-parallel size is TP, 0 at `expert_tensor` 1 (every expert whole)."""
+        etp_rank = tp_rank % self.expert_tp if etp_rank is None else etp_rank
+        rank = etp_rank if _is_expert(name) else tp_rank
+        return {local: self.shard(local if local == "output_layer.weight" else name, full, rank)
+                for local in self.local_names(name, pp_rank, ep_rank)}
 
     def shard(self, name: str, full: Tensor, tp_rank: int) -> Tensor:
         """Piece `tp_rank` of a full tensor (of an expert: `tp_rank` is its expert-tensor rank)."""

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Iterator, Mapping
+from pathlib import Path
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -285,15 +286,42 @@ def freeze_padding_row(model, pad_id: int | None, vocab: int) -> None:
 def load_hf_state(model, hf_state: Mapping[str, Tensor], layout: Layout) -> None:
     """Load this rank's slice of a Hugging Face state dict (names checked both ways): a model's state
     dict or a checkpoint's tensors (experts stacked or each its own, `Layout`)."""
+    _load_pieces(model, layout, lambda name: layout.megatron_tensor(name, hf_state))
+
+
+def load_hf_checkpoint(model, policy_dir: Path, layout: Layout) -> None:
+    """Load this rank's slice of a Hugging Face checkpoint on disk (its safetensors, read by the
+    conversion's `HFSource`, manifest checksums checked where there is one), one Megatron tensor at a
+    time: only the tensors this rank holds a piece of are read, and no rank holds more than one full
+    tensor beyond its own shards. (Loading the whole model on every rank first costs each rank the
+    full fp32 model in host memory: 122 GB for Qwen3-30B-A3B, eight times over on a node of eight.)"""
+    from fastgrpo.conversion.sources import HFSource
+
+    source = HFSource(policy_dir)
+    _load_pieces(model, layout, lambda name: layout.megatron_tensor(name, source.hf_group(name)))
+
+
+def _load_pieces(model, layout: Layout, full_tensor: Callable[[str], Tensor]) -> None:
+    """Each Megatron tensor this rank holds a piece of, made by `full_tensor(name)` and cut into the
+    rank's pieces, copied into the model's parameters; every parameter loaded exactly once (the names
+    are checked both ways before any tensor is made)."""
     tp_rank, pp_rank = ranks()
     ep_rank, etp_rank = (expert_rank(), expert_tensor_rank()) if layout.experts else (0, 0)
-    mine = {_module_name(model, k): v
-            for k, v in layout.rank_tensors(layout.to_megatron(hf_state), tp_rank, pp_rank, ep_rank, etp_rank).items()}
-    own = {k for k in model.state_dict() if not k.endswith("_extra_state")}
-    if set(mine) != own:
-        raise LayoutError(f"the checkpoint does not match the model: missing {sorted(own - set(mine))[:5]}, "
-                          f"unexpected {sorted(set(mine) - own)[:5]}")
-    model.load_state_dict(mine, strict=False)
+    names = [n for n in layout.megatron_names() if layout.local_names(n, pp_rank, ep_rank)]
+    planned = {_module_name(model, local) for n in names for local in layout.local_names(n, pp_rank, ep_rank)}
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    if planned != set(state):
+        raise LayoutError(f"the checkpoint does not match the model: missing {sorted(set(state) - planned)[:5]}, "
+                          f"unexpected {sorted(planned - set(state))[:5]}")
+    with torch.no_grad():
+        for name in names:
+            pieces = layout.rank_pieces(name, full_tensor(name), tp_rank, pp_rank, ep_rank, etp_rank)
+            for local, piece in pieces.items():
+                target = state[_module_name(model, local)]
+                if target.shape != piece.shape:
+                    raise LayoutError(f"{name}: the checkpoint's piece is {tuple(piece.shape)}, the model's "
+                                      f"{local} {tuple(target.shape)}")
+                target.copy_(piece)
 
 
 def export_hf(model, layout: Layout, grads: bool = False) -> Iterator[tuple[str, Tensor]]:

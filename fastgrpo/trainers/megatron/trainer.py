@@ -85,7 +85,7 @@ from fastgrpo.trainers.chunked_logprobs import chunked_scores
 from fastgrpo.trainers.megatron.checkpoint import checkpoint_identity, saved_at, start_write_results_queue
 from fastgrpo.trainers.megatron.layout import Layout, LayoutError
 from fastgrpo.trainers.megatron.logprobs import vocab_parallel_logprobs
-from fastgrpo.trainers.megatron.model import build_model, export_hf, initialize, load_hf_state
+from fastgrpo.trainers.megatron.model import build_model, export_hf, initialize, load_hf_checkpoint
 from fastgrpo.trainers.megatron.routing import QueuedRecord, RecordedRouting, routed_order
 from fastgrpo.types import Placement, RolloutBatch, SamplingParams
 
@@ -148,19 +148,17 @@ class MegatronPolicyTrainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         import megatron_patches
-        from fastgrpo.models.policy import load_policy
 
-        hf = load_policy(policy_dir)
-        self.hf_config = hf.config
+        self.hf_config = hf_config
         dtype = compute.dtype
         # `gpt`: this rank's GPTModel (its parameters' names are the layout's); `module`: what the
         # schedules run (bf16: wrapped in megatron's Float16Module, which casts the first stage's
         # inputs to bf16 and the last stage's logits back to fp32)
-        self.gpt = build_model(hf.config, self.layout, layer_spec, recompute, dtype, router_aux_loss, router_z_loss)
+        self.gpt = build_model(hf_config, self.layout, layer_spec, recompute, dtype, router_aux_loss, router_z_loss)
         self.router_losses = (router_aux_loss, router_z_loss) if self.layout.experts else (0.0, 0.0)
         self._routed: Tensor | None = None  # during a train step: routed real tokens [layers, E] of this rank
         self._real_tokens: Tensor | None = None  # during a training forward: its real tokens, [tokens] as routed
-        load_hf_state(self.gpt, hf.state_dict(), self.layout)
+        load_hf_checkpoint(self.gpt, Path(policy_dir), self.layout)  # this rank's pieces, a tensor at a time
         self.logits_chunk_tokens = logits_chunk_tokens
         self._defer_logits = False  # during a forward whose logits are scored in chunks (module docstring)
         self._defer_output_layer(self.gpt)
@@ -170,14 +168,13 @@ class MegatronPolicyTrainer:
         # holds its own shard of it, as of the policy), scored through the same schedule
         self.reference = self._reference_gpt = None
         if grpo.kl_coef > 0:
-            reference = build_model(hf.config, self.layout, layer_spec, dtype=dtype)
-            load_hf_state(reference, hf.state_dict(), self.layout)
+            reference = build_model(hf_config, self.layout, layer_spec, dtype=dtype)
+            load_hf_checkpoint(reference, Path(policy_dir), self.layout)
             reference.requires_grad_(False).eval()
             reference.config.variable_seq_lengths = True
             self._defer_output_layer(reference)
             _send_contiguous(reference)
             self.reference, self._reference_gpt = _precision_wrapper(reference), reference
-        del hf
         config = self.gpt.config
         config.calculate_per_token_loss = True  # DDP sums the ranks' gradients: the loss is normalised globally
         config.variable_seq_lengths = True  # each micro-batch its own shape (module docstring)
