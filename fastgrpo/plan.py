@@ -296,9 +296,10 @@ def _host_terms(cfg: Config, s: Shape, P: float, P_opt: float, ranks: int) -> li
 
     - training, with `trainer.optimizer_offload`: 16 B per parameter of the optimizer share
       (`OFFLOAD_HOST_BYTES`) x ranks;
-    - at a checkpoint (`MegatronPolicyTrainer.save`): every rank gathers the whole policy to the host
-      in the training dtype (`export_weights`, copied to the CPU; rank 0 writes it): 2 B (bf16) or 4 B
-      (fp32) x all parameters x ranks, on top of the training term;
+    - at a checkpoint (`MegatronPolicyTrainer.save`): rank 0 gathers the whole policy to the host in
+      the training dtype (`export_weights`, copied to the CPU) and writes it; the other ranks take part
+      in the gathers and drop each tensor: 2 B (bf16) or 4 B (fp32) x all parameters, on rank 0's node,
+      on top of the training term;
     - at the start (`MegatronPolicyTrainer.__init__`): every rank reads the Hugging Face checkpoint one
       Megatron tensor at a time (`load_hf_checkpoint`), holding the tensors it is read from and the full
       tensor made of them, then its piece on the device: 2 x 4 B (fp32 at most) x the largest such tensor
@@ -317,8 +318,8 @@ def _host_terms(cfg: Config, s: Shape, P: float, P_opt: float, ranks: int) -> li
                           f"16 B x {P_opt / 1e9:.2f}B parameters (a rank's optimizer share) x {n} rank(s): fp32 main "
                           f"weights 4 + Adam moments 8 + pinned gradient copy 4 (trainer.optimizer_offload)"))
     terms.append(Term(f"checkpoint: exported policy ({'bf16' if width == BF16 else 'fp32'})",
-                      _gib(width * total * n), f"{width} B x {total / 1e9:.2f}B parameters x {n} rank(s) (each gathers "
-                                               f"the whole policy to the host to save it)"))
+                      _gib(width * total), f"{width} B x {total / 1e9:.2f}B parameters (rank 0 gathers the whole "
+                                           f"policy to the host to save it; rank 0's node)"))
     training = sum(t.gib for t in terms)  # the offload and a checkpoint's export, held together
     largest = max(padded_vocab(s.vocab, cfg.parallel.tensor) * s.hidden, (s.heads + 2 * s.kv_heads) * s.head_dim * s.hidden,
                   2 * s.ffn * s.hidden, 2 * s.expert_ffn * s.hidden)

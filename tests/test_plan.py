@@ -384,7 +384,7 @@ def test_the_h100_config_keeps_the_30b_a3b_optimizer_in_host_memory(capsys):
     whole) leaves the GPU: its 12 B of fp32 main weights and Adam moments are 0 there, and each phase is that
     much lighter than at the same settings without the offload; a node's host memory holds 16 B of it per
     parameter (main weight, two moments, a pinned gradient copy) on each of the 8 ranks, a checkpoint's
-    export (every rank the whole policy in bf16) beside it, and at the start, on every rank, one tensor at a
+    export (rank 0 the whole policy in bf16) beside it, and at the start, on every rank, one tensor at a
     time of the Hugging Face checkpoint: the largest, the embedding (151,936 x 2,048), held twice in fp32
     (as read and as made into the Megatron tensor). All by hand from the model's shapes."""
     total = 48 * (A3B_ATTENTION + A3B_EXPERTS) + A3B_EMBEDDINGS
@@ -406,7 +406,7 @@ def test_the_h100_config_keeps_the_30b_a3b_optimizer_in_host_memory(capsys):
         assert offloaded["total"][0] == pytest.approx(on_gpu["total"][0] - 12 * share / 2**30, abs=0.02)
     assert _rows(kept, "policy GPU, rollout")["total"][0] > 80  # without it, the rollout does not fit on 80 GB
     host = _rows(out, "host memory per node")
-    offload, export, start = 16 * share * 8 / 2**30, 2 * total * 8 / 2**30, 2 * 4 * 151936 * 2048 * 8 / 2**30
+    offload, export, start = 16 * share * 8 / 2**30, 2 * total / 2**30, 2 * 4 * 151936 * 2048 * 8 / 2**30
     assert host["training: optimizer offload"][0] == pytest.approx(offload, abs=0.01)
     assert host["checkpoint: exported policy (bf16)"][0] == pytest.approx(export, abs=0.01)
     assert host["start: loading the policy"][0] == pytest.approx(start, abs=0.01)

@@ -629,9 +629,12 @@ class MegatronPolicyTrainer:
         from megatron.core import dist_checkpointing
 
         directory = Path(directory)
-        tensors = {name: t.to("cpu", copy=True).contiguous() for name, t in self.export_weights()}  # every rank takes part
+        writer = dist.get_rank() == 0
+        # every rank takes part in the export's collectives; only the writer keeps the full tensors (each
+        # rank keeping them all held the whole policy once per rank in host memory)
+        tensors = {name: t.to("cpu", copy=True).contiguous() for name, t in self.export_weights() if writer}
         megatron_dir = directory / "megatron"
-        if dist.get_rank() == 0:
+        if writer:
             save_policy_tensors(checkpoint_policy(directory), tensors, self.hf_config, self.layout.tied)
             megatron_dir.mkdir(parents=True, exist_ok=True)
         del tensors
