@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from pathlib import Path
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -293,8 +293,8 @@ def load_hf_checkpoint(model, policy_dir: Path, layout: Layout) -> None:
     """Load this rank's slice of a Hugging Face checkpoint on disk (its safetensors, read by the
     conversion's `HFSource`, manifest checksums checked where there is one), one Megatron tensor at a
     time: only the tensors this rank holds a piece of are read, and no rank holds more than one full
-    tensor beyond its own shards. (Loading the whole model on every rank first costs each rank the
-    full fp32 model in host memory: 122 GB for Qwen3-30B-A3B, eight times over on a node of eight.)"""
+    tensor beyond its own shards: loading the whole model on every rank would cost each rank the full
+    fp32 model in host memory (122 GB for Qwen3-30B-A3B, eight times over on a node of eight)."""
     from fastgrpo.conversion.sources import HFSource
 
     source = HFSource(policy_dir)

@@ -630,8 +630,8 @@ class MegatronPolicyTrainer:
 
         directory = Path(directory)
         writer = dist.get_rank() == 0
-        # every rank takes part in the export's collectives; only the writer keeps the full tensors (each
-        # rank keeping them all held the whole policy once per rank in host memory)
+        # every rank takes part in the export's collectives; only the writer keeps the full tensors (a copy
+        # on every rank would hold the whole policy once per rank in host memory)
         tensors = {name: t.to("cpu", copy=True).contiguous() for name, t in self.export_weights() if writer}
         megatron_dir = directory / "megatron"
         if writer:
