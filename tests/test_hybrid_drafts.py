@@ -458,3 +458,16 @@ def test_the_simulated_hybrid_step_pays_its_host_work_per_running_row():
     pooled = merge_sweeps(sweeps)
     assert pooled["learned"]["accepted"][c] == [1, 2, 4] and pooled["hybrid"]["accepted"][c] == [3, 5, 6]
     assert pooled["hybrid"]["host_row_s"] == pytest.approx(2e-4)
+
+
+def test_the_host_budget_is_where_the_simulated_time_crosses_the_target():
+    """bench drafts' host budget: the bisection finds where a time growing with the host work crosses the
+    target (10 s + 1000 s per second of host work against 10.1 s: 100 us), says `high` when the target is
+    met there, and None when even no host work misses it."""
+    from fastgrpo.bench.drafts_simulated import host_budget
+
+    seconds_at = lambda host: 10.0 + 1000.0 * host  # noqa: E731
+    found = host_budget(seconds_at, 10.1, high=3.2e-4, steps=10)
+    assert 1e-4 - 3.2e-4 / 2**10 <= found <= 1e-4 * (1 + 1e-9)
+    assert host_budget(seconds_at, 11.0, high=3.2e-4) == 3.2e-4
+    assert host_budget(seconds_at, 9.0, high=3.2e-4) is None

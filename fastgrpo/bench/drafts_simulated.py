@@ -118,6 +118,24 @@ def merge_sweeps(sweeps: list[dict]) -> dict:
     return out
 
 
+BREAK_EVEN = (1.0, 1.15)  # hybrid aware's speed over learned aware: the host budgets reported for them
+
+
+def host_budget(seconds_at: Callable[[float], float], target: float, high: float, steps: int = 5) -> float | None:
+    """The most host work per row-step (seconds, within high / 2^steps) at which `seconds_at(host)`, a
+    simulated rollout's time growing with the host work, stays within `target`: `high` if met there
+    already, None if not even without host work (bisection on [0, high])."""
+    if seconds_at(0.0) > target:
+        return None
+    if seconds_at(high) <= target:
+        return high
+    low = 0.0
+    for _ in range(steps):
+        mid = (low + high) / 2
+        low, high = (mid, high) if seconds_at(mid) <= target else (low, mid)
+    return low
+
+
 def simulated_h100(pooled: dict, quick: bool, seed: int, log: Callable[[str], None]) -> dict:
     """Each source's fitted profile on the SIMULATED H100 SXM / Llama-3-8B long tail (`bench simulate`'s
     target case and workload): `off`, `aware` and `aware_per_sequence` per source, the best static tree
@@ -147,8 +165,21 @@ def simulated_h100(pooled: dict, quick: bool, seed: int, log: Callable[[str], No
             f"{m} {seconds[case][m]:.1f}s" for m in (*SIMULATED_POLICIES, "static_best")))
     ratios = {case: {m: seconds["learned"][m] / seconds[case][m] for m in ("aware", "aware_per_sequence", "static_best")}
               for case in ("hybrid", "hybrid_no_host")}
+    measured = pooled["hybrid"]["host_row_s"]
+    known = {0.0: seconds["hybrid_no_host"]["aware"], measured: seconds["hybrid"]["aware"]}
+
+    def aware_seconds(host_row_s: float) -> float:
+        if host_row_s not in known:
+            known[host_row_s] = run_policies(workload, HostWork(costs, host_row_s), profiles["hybrid"], (), GPU_MAX_BATCH,
+                                             reps, seed, modes=("aware",))["aware"]["seconds"]
+        return known[host_row_s]
+
+    break_even = {f"{speedup:.2f}": host_budget(aware_seconds, seconds["learned"]["aware"] / speedup, measured)
+                  for speedup in BREAK_EVEN}
+    log("SIMULATED: hybrid's aware host budget per row-step (us) for " + ", ".join(
+        f"{k}x learned's aware: {'none' if v is None else f'{1e6 * v:.0f}'}" for k, v in break_even.items()))
     return {"case": costs.name, "workload": workload.name, "longtail": lt, "max_running": GPU_MAX_BATCH,
-            "repetitions": reps, "seconds": seconds, "learned_over_hybrid": ratios,
+            "repetitions": reps, "seconds": seconds, "learned_over_hybrid": ratios, "host_budget_row_s": break_even,
             "profiles": {s: p.to_json() for s, p in profiles.items()},
             "host_row_s": {s: pooled[s]["host_row_s"] for s in SIMULATED_SOURCES}}
 
@@ -170,4 +201,8 @@ def markdown(sim: dict) -> list[str]:
                 if m == "static_best" else f"`{m}`")
         lines.append(f"| {name} | {s['learned'][m]:.1f} | {s['hybrid'][m]:.1f} | {s['learned'][m] / s['hybrid'][m]:.2f}x "
                      f"| {s['hybrid_no_host'][m]:.1f} | {s['learned'][m] / s['hybrid_no_host'][m]:.2f}x |")
+    if "host_budget_row_s" in sim:
+        budgets = ", ".join(f"{k}x at <= {'-' if v is None else f'{1e6 * v:.0f}'} us" for k, v in sim["host_budget_row_s"].items())
+        lines += ["", f"The host work per running row and speculative step at which hybrid's `aware` reaches learned's "
+                      f"(SIMULATED, bisection): {budgets} (measured here: {1e6 * sim['host_row_s']['hybrid']:.0f} us)."]
     return lines
