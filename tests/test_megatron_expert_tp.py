@@ -275,3 +275,34 @@ def test_routing_replay_at_etp1_steps_as_the_torch_trainer(tmp_path, policy):
         assert metrics["routing_mismatch"] == pytest.approx(want["routing_mismatch"], rel=1e-12)
         assert_same_update(weights, want_weights, start)
     assert 0.3 < want["routing_mismatch"] < 1.0
+
+
+def _etp1_distributed_optimizer_and_resume(rank, world, policy_dir, checkpoint):
+    """TP2 x EP2 at ETP1: a step with the replicated optimizer and one with the distributed one (the
+    experts' state sharded over their expert-data group, which at ETP1 spans the TP ranks); the latter
+    saved, loaded by a new trainer, and one more step of each (resumed and continued)."""
+    out = {}
+    for distributed in (False, True):
+        trainer = _trainer(policy_dir, 2, 1, 2, GRPO_TWO, distributed_optimizer=distributed, expert_tensor=1)
+        batch = grpo_batch()
+        batch.engine_logprobs = trainer.logprobs(batch) * batch.response_mask
+        out[distributed] = trainer.train_step(batch)
+    trainer.save(checkpoint)
+    resumed = _trainer(policy_dir, 2, 1, 2, GRPO_TWO, distributed_optimizer=True, expert_tensor=1)
+    resumed.load(checkpoint)
+    out["resumed"], out["continued"] = resumed.train_step(batch), trainer.train_step(batch)
+    out["weights"] = dict(resumed.export_weights()), dict(trainer.export_weights())
+    return out
+
+
+@pytest.mark.slow  # a world of 4
+def test_etp1_with_the_distributed_optimizer_steps_alike_and_resumes_bit_for_bit(tmp_path, policy):
+    """megatron's distributed optimizer at TP2 x EP2 with each expert whole (ETP1): the replicated
+    optimizer's step to rounding; saved and resumed, the next step is the continued run's bit for bit."""
+    out = run_world(_etp1_distributed_optimizer_and_resume, 4, tmp_path / "world", policy, tmp_path / "checkpoint",
+                    timeout_s=500)[0]
+    for key in ("loss", "grad_norm"):
+        assert out[True][key] == pytest.approx(out[False][key], rel=1e-6), key
+    assert out["resumed"] == out["continued"]
+    resumed, continued = out["weights"]
+    assert all(torch.equal(resumed[k], t) for k, t in continued.items())
