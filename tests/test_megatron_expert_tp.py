@@ -26,7 +26,7 @@ from fastgrpo.local_world import run_world
 from tests.conftest import assert_same_update
 from tests.test_megatron_families import hf_scores, max_diff
 from tests.test_megatron_moe import (EXPERTS, GRPO_ONE, GRPO_TWO, SHAPE, TOL, _trainer, assert_same_metrics,  # noqa: F401
-                                     grpo_batch, hf_model, moe_config, on_disk, policy, torch_step)  # (policy: its fixture)
+                                     grpo_batch, hf_model, moe_config, on_disk, policy, rank_round_trip, torch_step)  # (policy: its fixture)
 
 pytest.importorskip("megatron.core")
 
@@ -47,13 +47,7 @@ def test_at_etp1_every_expert_is_whole_on_each_tp_rank_of_its_ep_rank_and_round_
     layout = Layout.of(model.config, tp, pp, ep, expert_tensor=1)
     assert (layout.expert_tp, layout.tensor) == (1, tp)
     full = layout.to_megatron(disk)
-    ranks = {(t, p, e): layout.rank_tensors(full, t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
-    back = {}
-    for p in range(pp):
-        for e in range(ep):
-            for local in ranks[(0, p, e)]:
-                name = layout.global_name(local, p, e)
-                back.update(layout.to_hf(name, layout.unshard(name, [ranks[(t, p, e)][local] for t in range(tp)])))
+    ranks, back = rank_round_trip(layout, full, tp, pp, ep)
     assert back.keys() == disk.keys()
     assert all(torch.equal(back[k], t) for k, t in disk.items())
     per, gate_up = EXPERTS // ep, model.state_dict()["model.layers.1.mlp.experts.gate_up_proj"]

@@ -126,6 +126,19 @@ def test_the_fixture_routes_away_from_ties():
     assert model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"].shape == (EXPERTS, 64, 64)
 
 
+def rank_round_trip(layout, full: dict, tp: int, pp: int, ep: int) -> tuple[dict, dict]:
+    """What each (TP, PP, EP) rank holds of the full Megatron tensors, and those pieces gathered back into
+    Hugging Face tensors."""
+    ranks = {(t, p, e): layout.rank_tensors(full, t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
+    back = {}
+    for p in range(pp):
+        for e in range(ep):
+            for local in ranks[(0, p, e)]:
+                name = layout.global_name(local, p, e)
+                back.update(layout.to_hf(name, layout.unshard(name, [ranks[(t, p, e)][local] for t in range(tp)])))
+    return ranks, back
+
+
 @pytest.mark.parametrize("tp, pp, ep", [(1, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 4), (1, 1, 4)])
 @pytest.mark.parametrize("names", ["stacked", "per-expert"])
 def test_the_layout_round_trip_is_bit_exact_and_places_each_expert_on_its_rank(tmp_path, tp, pp, ep, names):
@@ -144,13 +157,7 @@ def test_the_layout_round_trip_is_bit_exact_and_places_each_expert_on_its_rank(t
     assert (layout.experts, layout.top_k, layout.expert_ffn, layout.norm_topk, layout.qk_norm) == (4, 2, 32, True, True)
     full = layout.to_megatron(model.state_dict() if names == "stacked" else disk)
     assert set(full) == set(layout.megatron_names())
-    ranks = {(t, p, e): layout.rank_tensors(full, t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
-    back = {}
-    for p in range(pp):
-        for e in range(ep):
-            for local in ranks[(0, p, e)]:
-                name = layout.global_name(local, p, e)
-                back.update(layout.to_hf(name, layout.unshard(name, [ranks[(t, p, e)][local] for t in range(tp)])))
+    ranks, back = rank_round_trip(layout, full, tp, pp, ep)
     assert back.keys() == disk.keys()
     for name, t in disk.items():
         assert torch.equal(back[name], t), name

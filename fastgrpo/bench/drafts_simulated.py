@@ -32,7 +32,7 @@ import numpy as np
 from fastgrpo.bench.simulate.acceptance import fit_acceptance
 from fastgrpo.bench.simulate.costs import Costs
 from fastgrpo.bench.simulate.gpu import GPU_MAX_BATCH, GPU_STATICS, run_policies
-from fastgrpo.bench.simulate.workload import longtail_workload
+from fastgrpo.bench.simulate.workload import longtail_case, longtail_of
 from fastgrpo.engines.embedded.engine import EmbeddedEngine
 from fastgrpo.speculation.node_calibration import NodeCalibration
 from fastgrpo.speculation.policy import Static
@@ -141,10 +141,8 @@ def simulated_h100(pooled: dict, quick: bool, seed: int, log: Callable[[str], No
     target case and workload): `off`, `aware` and `aware_per_sequence` per source, the best static tree
     beside them, the median of `reps` runs each (after a warm-up for the learning policies)."""
     costs = Roofline(ACCELERATORS["h100"], MODELS["llama3-8b"])
-    lt = dict(prompts=16 if quick else 64, group=8, mean=3000.0, sigma=1.0, max_new=8192 if quick else 16384,
-              prompt_len=256)
-    workload = longtail_workload(lt["prompts"], lt["group"], lt["mean"], lt["sigma"], lt["max_new"],
-                                 lt["prompt_len"], seed)
+    lt = longtail_case(quick)
+    workload = longtail_of(lt, seed)
     reps = 1 if quick else 3
     profiles = {source: fit_acceptance(pooled[source]["accepted"], f"bench policy, {source} trees, after the epochs")
                 for source in SIMULATED_SOURCES}

@@ -18,7 +18,7 @@ from fastgrpo.speculation.roofline import ACCELERATORS, MODELS, Roofline
 from fastgrpo.speculation.tlt import TLT
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.bench.simulate.acceptance import DraftConfidence, eagle_profile
-from fastgrpo.bench.simulate.workload import longtail_workload, resampled_workload
+from fastgrpo.bench.simulate.workload import longtail_case, longtail_of, resampled_workload
 from fastgrpo.bench.simulate.profile import CpuProfiler
 from fastgrpo.bench.simulate.validate import REPETITIONS, VALIDATION_REPLAYS, validate
 from fastgrpo.bench.simulate.gpu import GPU_MAX_BATCH, RHO_SWEEP, gpu_fixed_concurrency, gpu_results, run_policies
@@ -68,13 +68,13 @@ def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = Non
 
     # GPU scale: an EAGLE-3 acceptance profile (cited) with our draft's measured width gain
     accept = eagle_profile(profiles["grpo"].beta)
-    n_prompts, group = (16, 8) if quick else (64, 8)
-    lt = dict(mean=3000.0, sigma=1.0, max_new=8192 if quick else 16384, prompt_len=256)
+    lt = longtail_case(quick)
+    n_prompts, group = lt["prompts"], lt["group"]
     groups = [val["grpo_lengths"][1][p * val["group"]:(p + 1) * val["group"]] for p in range(v["n_prompts"])]
     workloads = [
         resampled_workload(f"bench task (measured lengths, {n_prompts}x{group})", val["grpo_prompt_lens"], groups,
                            n_prompts, v["max_new"], cfg.model.max_context, cfg.seed),
-        longtail_workload(n_prompts, group, lt["mean"], lt["sigma"], lt["max_new"], lt["prompt_len"], cfg.seed),
+        longtail_of(lt, cfg.seed),
     ]
     sim_reps = 1 if quick else 3
     results, detail = gpu_results(accept, workloads, sim_reps, cfg.seed, log)
@@ -95,7 +95,7 @@ def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = Non
                  "policy": cfg.model.path, "sft_steps": cfg.sft.examples // cfg.sft.batch_size,
                  "draft_steps": cfg.draft.pretrain_steps,
                  "validation_workloads": v, "gpu_max_batch": GPU_MAX_BATCH, "gpu_repetitions": sim_reps,
-                 "longtail": lt | {"prompts": n_prompts, "group": group}},
+                 "longtail": lt},
         "cpu_costs": costs.to_json() | {"measurement": cost_info},
         "validation": val,
         "gpu_acceptance": accept.to_json(),

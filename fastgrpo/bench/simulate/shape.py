@@ -23,7 +23,7 @@ from fastgrpo.speculation.roofline import ACCELERATORS, Roofline, load_model_sha
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.bench.simulate.acceptance import eagle_profile
 from fastgrpo.bench.simulate.gpu import BUCKETS, GPU_MAX_BATCH, GPU_STATICS, bucket_name, run_policies, time_by_bucket
-from fastgrpo.bench.simulate.workload import longtail_workload
+from fastgrpo.bench.simulate.workload import longtail_case, longtail_of
 
 # the width gain of a tree over a chain (AcceptanceProfile.beta) as our draft's fit in bench simulate's
 # full run (bench/simulate.json gpu_acceptance.beta; bench sglang-tiers takes the same)
@@ -74,10 +74,8 @@ def bench_simulate_model(cfg, model: str, hardware: str, tensor: int, quick: boo
     shape = load_model_shape(model, tp=tensor)
     costs = Roofline(ACCELERATORS[hardware], shape)
     accept = eagle_profile(GPU_BETA)
-    lt = dict(prompts=16 if quick else 64, group=8, mean=3000.0, sigma=1.0, max_new=8192 if quick else 16384,
-              prompt_len=256)
-    workload = longtail_workload(lt["prompts"], lt["group"], lt["mean"], lt["sigma"], lt["max_new"],
-                                 lt["prompt_len"], cfg.seed)
+    lt = longtail_case(quick)
+    workload = longtail_of(lt, cfg.seed)
     reps = 1 if quick else 3
     modes = (*MODES, *(f"static_{c.name}" for c in GPU_STATICS))
     res = run_policies(workload, costs, accept, GPU_STATICS, GPU_MAX_BATCH, reps, cfg.seed, modes=modes)

@@ -53,6 +53,20 @@ def longtail_workload(n_prompts: int, group: int, mean: float, sigma: float, max
                          [prompt_len] * n_prompts, lengths, max_new, prompt_len + max_new + 1)
 
 
+def longtail_case(quick: bool) -> dict:
+    """The long-tail reasoning case every SIMULATED GPU table uses (`bench simulate`, `--model`, `bench
+    drafts`): 64 prompts x 8 (16 quick), lognormal mean 3000 tokens, sigma 1, capped at 16384 (8192
+    quick), 256-token prompts (`longtail_workload`'s assumptions)."""
+    return dict(prompts=16 if quick else 64, group=8, mean=3000.0, sigma=1.0, max_new=8192 if quick else 16384,
+                prompt_len=256)
+
+
+def longtail_of(case: dict, seed: int) -> Workload:
+    """The workload of a `longtail_case`."""
+    return longtail_workload(case["prompts"], case["group"], case["mean"], case["sigma"], case["max_new"],
+                             case["prompt_len"], seed)
+
+
 def resampled_workload(name: str, prompt_lens: Sequence[int], groups: Sequence[Sequence[int]], n_prompts: int,
                        max_new: int, max_context: int, seed: int) -> Workload:
     """n_prompts groups drawn with replacement from measured (prompt length, group lengths)."""

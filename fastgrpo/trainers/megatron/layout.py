@@ -370,8 +370,7 @@ class Layout(Shape):
         tensor-parallel size is TP, 0 at `expert_tensor` 1 (every expert whole)."""
         etp_rank = tp_rank % self.expert_tp if etp_rank is None else etp_rank
         rank = etp_rank if _is_expert(name) else tp_rank
-        return {local: self.shard(local if local == "output_layer.weight" else name, full, rank)
-                for local in self.local_names(name, pp_rank, ep_rank)}
+        return {local: self.shard(name, full, rank) for local in self.local_names(name, pp_rank, ep_rank)}
 
     def shard(self, name: str, full: Tensor, tp_rank: int) -> Tensor:
         """Piece `tp_rank` of a full tensor (of an expert: `tp_rank` is its expert-tensor rank)."""

@@ -307,8 +307,9 @@ def _load_pieces(model, layout: Layout, full_tensor: Callable[[str], Tensor]) ->
     are checked both ways before any tensor is made)."""
     tp_rank, pp_rank = ranks()
     ep_rank, etp_rank = (expert_rank(), expert_tensor_rank()) if layout.experts else (0, 0)
-    names = [n for n in layout.megatron_names() if layout.local_names(n, pp_rank, ep_rank)]
-    planned = {_module_name(model, local) for n in names for local in layout.local_names(n, pp_rank, ep_rank)}
+    held = {n: layout.local_names(n, pp_rank, ep_rank) for n in layout.megatron_names()}
+    names = [n for n, local in held.items() if local]
+    planned = {_module_name(model, local) for n in names for local in held[n]}
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     if planned != set(state):
         raise LayoutError(f"the checkpoint does not match the model: missing {sorted(set(state) - planned)[:5]}, "
