@@ -360,6 +360,22 @@ def test_bench_drafts_pools_accepted_length_over_sequences_and_averages_replicat
 
 # -- calibration: what each source's nodes are worth, learned from verification ----------------------
 
+def observe(calibration, outcomes: list[tuple[str, float, bool]]) -> None:
+    """Count (class name, raw estimate, accepted) outcomes."""
+    from fastgrpo.speculation.node_calibration import CLASSES
+
+    classes, raw, accepted = zip(*outcomes)
+    calibration.observe(torch.tensor([CLASSES.index(c) for c in classes]), torch.tensor(raw, dtype=torch.float64),
+                      torch.tensor(accepted))
+
+
+def outcomes(classes, raw, accepted) -> list[tuple[str, float, bool]]:
+    """`calibration_outcomes`' tensors as (class name, raw estimate, accepted) per node."""
+    from fastgrpo.speculation.node_calibration import CLASSES
+
+    return [(CLASSES[c], r, a) for c, r, a in zip(classes.tolist(), raw.tolist(), accepted.tolist())]
+
+
 def test_node_calibration_starts_at_the_raw_estimate_and_learns_each_class_apart():
     from fastgrpo.speculation.node_calibration import INDEX_LONG, LEARNED_CLASS, NodeCalibration
 
@@ -367,8 +383,8 @@ def test_node_calibration_starts_at_the_raw_estimate_and_learns_each_class_apart
     assert cal.conditional(LEARNED_CLASS, 0.85) == pytest.approx(0.85)  # nothing seen: the raw estimate
     # the learned draft's 0.8-0.9 nodes accepted 1 time in 4 (overconfident); the index's long matches at a raw
     # 0.3-0.4, 9 times in 10 (cautious)
-    cal.observe([(LEARNED_CLASS, 0.85, i % 4 == 0) for i in range(400)])
-    cal.observe([(INDEX_LONG, 0.35, i % 10 != 0) for i in range(400)])
+    observe(cal, [(LEARNED_CLASS, 0.85, i % 4 == 0) for i in range(400)])
+    observe(cal, [(INDEX_LONG, 0.35, i % 10 != 0) for i in range(400)])
     assert cal.conditional(LEARNED_CLASS, 0.85) == pytest.approx((100 + 4 * 0.85) / 404)
     assert cal.conditional(INDEX_LONG, 0.35) == pytest.approx((360 + 4 * 0.35) / 404)
     assert cal.conditional(LEARNED_CLASS, 0.35) == pytest.approx(0.35)  # another bucket: still the raw estimate
@@ -390,8 +406,8 @@ def test_a_calibrated_merge_spends_the_budget_on_the_source_verification_found_b
     raw = hybrid_tree(learned, [index], torch.tensor([7]), num_verify=4)
     assert node_paths(raw)[1:] == [(3,), (5,), (3, 4)]
     cal = NodeCalibration(prior=1e-6)
-    cal.observe([(LEARNED_CLASS, 0.9, i % 4 == 0) for i in range(100)] +
-                [(INDEX_LONG, 0.35, i % 10 != 0) for i in range(100)])
+    observe(cal, [(LEARNED_CLASS, 0.9, i % 4 == 0) for i in range(100)] +
+            [(INDEX_LONG, 0.35, i % 10 != 0) for i in range(100)])
     tree = hybrid_tree(learned, [index], torch.tensor([7]), num_verify=4, calibration=cal)
     assert node_paths(tree)[1:] == [(5,), (5, 6), (5, 6, 8)]
     assert [round(math.exp(float(s)), 4) for s in tree.score[0, 1:]] == [0.9, 0.81, 0.729]
@@ -408,12 +424,13 @@ def test_calibration_counts_the_nodes_whose_parent_was_reached():
     tree = replace(tree, source=torch.tensor([[0, LEARNED, LEARNED | INDEX, INDEX]], dtype=torch.int8),
                    raw=torch.tensor([[0.0, 0.9, 0.8, 0.3]]), match=torch.tensor([1]))
     result = Verified(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3), torch.tensor([[1, 0]]), torch.tensor([1]))
-    got = calibration_outcomes(tree, result)
+    got = outcomes(*calibration_outcomes(tree, result))
     assert [(c, round(r, 3), a) for c, r, a in got] == [(LEARNED_CLASS, 0.9, True), (BOTH, 0.8, False),
                                                         (INDEX_SHORT, 0.3, False)]
     # nothing accepted: only the root's children were reached
     none = Verified(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3), torch.tensor([[0, 0]]), torch.tensor([0]))
-    assert [(c, a) for c, _, a in calibration_outcomes(tree, none)] == [(LEARNED_CLASS, False), (INDEX_SHORT, False)]
+    assert [(c, a) for c, _, a in outcomes(*calibration_outcomes(tree, none))] == [(LEARNED_CLASS, False),
+                                                                                   (INDEX_SHORT, False)]
 
 
 def test_a_resumed_run_drafts_from_the_index_its_checkpoint_kept(tmp_path, tiny_policy, tiny_draft):

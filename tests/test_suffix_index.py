@@ -95,6 +95,26 @@ def test_a_text_being_written_matches_its_own_earlier_text_not_its_end():
     assert math.exp(cands.logp[0]) == pytest.approx(1 / 2)  # seen once: 1 / (1 + prior)
 
 
+def test_a_response_matches_from_its_frontier_as_a_walk_of_its_text_does():
+    """`Response.lookup` reads its match off its writer's frontier; `SuffixIndex.lookup` of the same text
+    walks the trie along suffix links: the same candidates at every step, while siblings write beside it,
+    earlier responses are trimmed (`responses=2`) and matches pass the window and the cut."""
+    rng = random.Random(7)
+    for trial in range(30):
+        limits = IndexLimits(window=rng.randint(1, 5), depth=rng.randint(1, 4), responses=2)
+        index = SuffixIndex(limits)
+        prompt = [rng.randrange(3) for _ in range(rng.randint(1, 6))]
+        for _ in range(3):  # three calls of a group of three, written a few tokens at a time, interleaved
+            group = [index.open("p", prompt) for _ in range(3)]
+            for _ in range(12):
+                for r in group:
+                    r.extend([rng.randrange(3) for _ in range(rng.randint(1, 3))])
+                    budget = rng.randint(1, 8)
+                    assert r.lookup(budget) == index.lookup("p", r.writer.tokens, budget)
+            for r in group:
+                r.close()
+
+
 def test_removal_takes_back_exactly_what_an_insertion_added():
     rng = random.Random(1)
     for _ in range(20):

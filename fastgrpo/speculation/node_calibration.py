@@ -18,25 +18,29 @@ of its nodes' calibrated conditionals; keeping the `num_verify - 1` paths of hig
 an ancestor-closed set (no node is likelier than its parent) that holds the most expected accepted
 tokens (each node adds its path's probability to the expected accepted length).
 
+Counts are one tensor and every node of a step is looked up and counted in one batched operation: the
+engine calibrates every row of every hybrid step, so per-node host work would grow with the batch.
+
 Nothing here changes what is emitted: verification samples the target whatever the tree holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import torch
+from torch import Tensor
 
 LEARNED_CLASS, INDEX_SHORT, INDEX_LONG, BOTH = "learned", "index-short", "index-long", "both"
+CLASSES = (LEARNED_CLASS, INDEX_SHORT, INDEX_LONG, BOTH)  # a class's id is its position here
 LONG_MATCH = 4  # matched tokens from which an index continuation counts as a long match's
 
 
-def node_class(learned: bool, index: bool, match_len: int) -> str:
-    """The class a node's acceptance is learned in: who proposed it, and for the index how long a
-    stretch of the sequence's end it matched (a longer match predicts better)."""
-    if learned and index:
-        return BOTH
-    if learned:
-        return LEARNED_CLASS
-    return INDEX_LONG if match_len >= LONG_MATCH else INDEX_SHORT
+def node_classes(learned: Tensor, index: Tensor, match_len: Tensor) -> Tensor:
+    """Each node's class id (`CLASSES`), from who proposed it (bool tensors of one shape) and, for
+    the index, how long a stretch of the sequence's end it matched (broadcast to them): a longer match
+    predicts better."""
+    only_index = torch.where(match_len >= LONG_MATCH, CLASSES.index(INDEX_LONG), CLASSES.index(INDEX_SHORT))
+    return torch.where(learned, torch.where(index, CLASSES.index(BOTH), CLASSES.index(LEARNED_CLASS)),
+                       only_index.expand_as(learned))
 
 
 class NodeCalibration:
@@ -47,31 +51,37 @@ class NodeCalibration:
         if buckets < 1 or prior <= 0:
             raise ValueError(f"buckets must be >= 1 and prior > 0, got {buckets} and {prior}")
         self.buckets, self.prior = buckets, prior
-        self.counts: dict[str, list[list[float]]] = {}  # class -> per bucket [accepted, reached]
+        self.counts = torch.zeros(len(CLASSES), buckets, 2, dtype=torch.float64)  # [class, bucket, (accepted, reached)]
 
-    def _bucket(self, raw: float) -> int:
-        return min(max(int(raw * self.buckets), 0), self.buckets - 1)
+    def _bucket(self, raw: Tensor) -> Tensor:
+        return (raw * self.buckets).long().clamp(0, self.buckets - 1)
+
+    def _on(self, device: torch.device) -> Tensor:
+        if self.counts.device != device:  # follows the trees (an engine's device) after the first use
+            self.counts = self.counts.to(device)
+        return self.counts
+
+    def conditionals(self, classes: Tensor, raw: Tensor) -> Tensor:
+        """The calibrated probability that each node (its class id and raw conditional estimate, tensors
+        of one shape) is accepted once its parent is reached, in float64."""
+        raw = raw.double().clamp(0.0, 1.0)
+        counts = self._on(raw.device)[classes, self._bucket(raw)]
+        return (counts[..., 0] + self.prior * raw) / (counts[..., 1] + self.prior)
 
     def conditional(self, cls: str, raw: float) -> float:
-        """The calibrated probability that a node of `cls` with raw conditional estimate `raw` is
-        accepted once its parent is reached."""
-        raw = min(max(raw, 0.0), 1.0)
-        accepted, reached = self.counts.get(cls, [[0.0, 0.0]] * self.buckets)[self._bucket(raw)]
-        return (accepted + self.prior * raw) / (reached + self.prior)
+        """`conditionals` of one node of class `cls`."""
+        return float(self.conditionals(torch.tensor(CLASSES.index(cls)), torch.tensor(raw)))
 
-    def observe(self, outcomes: Iterable[tuple[str, float, bool]]) -> None:
-        """Count each (class, raw estimate, accepted) of nodes whose parent was reached."""
-        for cls, raw, accepted in outcomes:
-            row = self.counts.setdefault(cls, [[0.0, 0.0] for _ in range(self.buckets)])[
-                self._bucket(min(max(raw, 0.0), 1.0))]
-            row[0] += float(accepted)
-            row[1] += 1.0
+    def observe(self, classes: Tensor, raw: Tensor, accepted: Tensor) -> None:
+        """Count nodes whose parent was reached (class ids, raw estimates, whether each was accepted:
+        1-D tensors of one length)."""
+        counts = self._on(raw.device)
+        bucket = self._bucket(raw.double().clamp(0.0, 1.0))
+        counts.index_put_((classes, bucket, torch.zeros_like(bucket)), accepted.double(), accumulate=True)
+        counts.index_put_((classes, bucket, torch.ones_like(bucket)), torch.ones_like(raw, dtype=torch.float64),
+                          accumulate=True)
 
     def summary(self) -> dict[str, float]:
         """Each class's observed acceptance over all its buckets (nodes reached), for the engine's stats."""
-        out = {}
-        for cls, rows in self.counts.items():
-            reached = sum(r[1] for r in rows)
-            if reached:
-                out[cls] = sum(r[0] for r in rows) / reached
-        return out
+        accepted, reached = self.counts.sum(1).unbind(-1)
+        return {cls: float(accepted[i] / reached[i]) for i, cls in enumerate(CLASSES) if reached[i] > 0}

@@ -182,18 +182,34 @@ class TrieWriter:
 
     def append(self, x: int) -> None:
         trie = self.trie
-        children, count, depth, max_depth = trie.children, trie.count, trie.depth, trie.max_depth
-        new: list[int] = []
-        for parent in [trie.root, *self._frontier]:
-            if depth[parent] >= max_depth:
-                continue
-            child = children[parent].get(x)
+        children, count = trie.children, trie.count
+        frontier = self._frontier  # frontier[i] is i + 2 tokens deep once extended: the deepest may be at the cut
+        below = children[trie.root].get(x)
+        if below is None:
+            below = children[trie.root][x] = trie._new(1, trie.root)
+        count[below] += 1
+        new = [below]
+        for depth, parent in enumerate(frontier[: trie.max_depth - 1], 2):
+            at = children[parent]
+            child = at.get(x)
             if child is None:  # its suffix link: the same string without its first token, made just before
-                child = children[parent][x] = trie._new(depth[parent] + 1, new[-1] if new else trie.root)
+                child = at[x] = trie._new(depth, below)
             count[child] += 1
             new.append(child)
+            below = child
         self._frontier = new
         self.tokens.append(x)
+
+    def match(self, window: int) -> tuple[int, int]:
+        """`SuffixTrie.match` of this text's end: the longest of its suffixes (at most `window` tokens)
+        that has occurred with a continuation, read off the frontier (whose nodes are exactly its
+        suffixes, shortest first, each linked to the one before) without walking the trie."""
+        children = self.trie.children
+        for length in range(min(window, len(self._frontier)), 0, -1):
+            node = self._frontier[length - 1]
+            if children[node]:
+                return node, length
+        return self.trie.root, 0
 
     def extend(self, tokens: Iterable[int]) -> None:
         for x in tokens:
@@ -282,8 +298,9 @@ class Response:
         self.index.tokens += len(tokens)
 
     def lookup(self, budget: int, depth: int | None = None, min_prob: float = 0.0) -> Candidates:
-        """Candidates after this response's last token: at most `budget` nodes, `depth` levels deep."""
-        return self.index.lookup(self.key, self.writer.tokens, budget, depth, min_prob)
+        """Candidates after this response's last token: at most `budget` nodes, `depth` levels deep (as
+        `SuffixIndex.lookup` of its text finds them, matched from the writer's frontier)."""
+        return self.index.lookup(self.key, self.writer.tokens, budget, depth, min_prob, writer=self.writer)
 
     def close(self) -> None:
         self.index.close(self)
@@ -374,9 +391,10 @@ class SuffixIndex:
             self.evicted += 1
 
     def lookup(self, key: Hashable, context: Sequence[int], budget: int, depth: int | None = None,
-               min_prob: float = 0.0) -> Candidates:
+               min_prob: float = 0.0, writer: TrieWriter | None = None) -> Candidates:
         """Continuations of `context` (a sequence of prompt `key`; its last `window` tokens are
-        matched) from that prompt's index: empty if the prompt is unknown or nothing matches."""
+        matched) from that prompt's index: empty if the prompt is unknown or nothing matches.
+        `writer`: the context's own writer in that prompt's trie, from which the match is read."""
         t = time.perf_counter()
         entry = self.prompts.get(key)
         if entry is None:
@@ -385,7 +403,10 @@ class SuffixIndex:
             self.prompts.move_to_end(key)
             if entry.pending:
                 self._index_pending(entry)
-            node, length = entry.trie.match(context, self.limits.window)
+            if writer is not None and writer.trie is entry.trie:
+                node, length = writer.match(self.limits.window)
+            else:
+                node, length = entry.trie.match(context, self.limits.window)
             depth = self.limits.depth if depth is None else min(depth, self.limits.depth)
             out = Candidates() if length == 0 else entry.trie.continuations(
                 node, budget, depth, self.limits.prior / length, min_prob)

@@ -592,7 +592,7 @@ class EmbeddedEngine:
         self._keep_pending(start, hidden, result)
         if tree.source is not None and self.calibration is not None:  # what each source's nodes are worth
             t = time.perf_counter()
-            self.calibration.observe(calibration_outcomes(tree, result))
+            self.calibration.observe(*calibration_outcomes(tree, result))
             self._counts["merge_s"] += time.perf_counter() - t
         if tree.source is not None:  # accepted tokens the index proposed (the learned draft may have too)
             on_path = torch.arange(result.path.shape[1])[None] < result.accepted[:, None]

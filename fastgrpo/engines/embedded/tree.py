@@ -37,7 +37,7 @@ from fastgrpo.models.sampling import sample
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.types import SamplingParams
 from fastgrpo.models.draft import DraftHead
-from fastgrpo.speculation.node_calibration import NodeCalibration, node_class
+from fastgrpo.speculation.node_calibration import NodeCalibration, node_classes
 from fastgrpo.speculation.suffix_index import Candidates
 
 
@@ -147,23 +147,21 @@ def draft_tree(draft: DraftHead, cache: KVCache, rows: slice, root_features: Ten
 LEARNED, INDEX = 1, 2  # Tree.source bits: the learned draft proposed the node, the suffix index did
 
 
-def calibration_outcomes(tree: Tree, result: Verified) -> list[tuple[str, float, bool]]:
+def calibration_outcomes(tree: Tree, result: Verified) -> tuple[Tensor, Tensor, Tensor]:
     """A merged tree's verified nodes whose parent was reached (the root, or a node on the accepted
-    path): each one's class, raw conditional estimate and whether it was accepted
+    path), row by row: each one's class id, raw conditional estimate and whether it was accepted
     (`NodeCalibration.observe`)."""
     assert tree.source is not None and tree.raw is not None and tree.match is not None
-    out = []
-    valid = tree.valid.tolist() if tree.valid is not None else None
-    parents, source, raw, path, accepted, match = (t.tolist() for t in (
-        tree.parents, tree.source, tree.raw, result.path, result.accepted, tree.match))
-    for b in range(len(parents)):
-        on_path = set(path[b][: accepted[b]])
-        reached = on_path | {0}
-        for j in range(1, len(parents[b])):
-            if (valid is None or valid[b][j]) and parents[b][j] in reached:
-                bits = source[b][j]
-                out.append((node_class(bool(bits & LEARNED), bool(bits & INDEX), match[b]), raw[b][j], j in on_path))
-    return out
+    B, N = tree.parents.shape
+    kept = torch.arange(result.path.shape[1])[None] < result.accepted[:, None]
+    on_path = torch.zeros(B, N, dtype=torch.long).scatter_add_(1, result.path, kept.long()) > 0
+    reached = on_path.clone()
+    reached[:, 0] = True
+    counted = reached.gather(1, tree.parents) & (torch.arange(N) > 0)
+    if tree.valid is not None:
+        counted &= tree.valid
+    classes = node_classes((tree.source & LEARNED) > 0, (tree.source & INDEX) > 0, tree.match[:, None])
+    return classes[counted], tree.raw[counted], on_path[counted]
 
 
 def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tokens: Tensor, num_verify: int,
@@ -177,61 +175,106 @@ def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tok
     one); with it, the product along the path of each node's calibrated conditional
     (`node_calibration`: learned per source from what verification accepted, the raw conditional the
     larger of the two sources'). Of all nodes the `num_verify - 1` best are kept, exact ties going to
-    the shallower: no path scores above its prefix, so the kept set is ancestor-closed. A row with
-    fewer nodes pads with nodes it does not verify (`valid`).
+    the shallower, then to the learned draft's, then to the earlier proposed: no path scores above its
+    prefix, so the kept set is ancestor-closed. A row with fewer nodes pads with nodes it does not
+    verify (`valid`).
 
-    Verification (`verify_tree`) does not read the scores or the sources: it samples the target at each
-    node and moves on only if a child holds that token, so any child set keeps the output exactly the
-    target's (docs/drafts.md). The scores only decide which nodes hold the most of its mass."""
+    The merge is batched over rows (one set of tensor operations per step, a few per tree level), as
+    the learned draft's tree is: host work that grew with the batch would cap the speedup where the
+    batch is large. Verification (`verify_tree`) does not read the scores or the sources: it samples
+    the target at each node and moves on only if a child holds that token, so any child set keeps the
+    output exactly the target's (docs/drafts.md). The scores only decide which nodes hold the most of
+    its mass."""
     B, N = len(root_tokens), num_verify
     if learned is not None and learned.valid is not None:
         raise ValueError("hybrid_tree merges whole learned trees (restrict the merged tree instead)")
-    roots = root_tokens.tolist()
-    drafted = None if learned is None else [t.tolist() for t in (learned.tokens, learned.parents, learned.score)]
-    rows: list[tuple[list[tuple[int, ...]], dict[tuple[int, ...], list]]] = []
-    for b in range(B):
-        # path -> [score, source bits, raw conditional]: the score a log-probability (the larger estimate, or
-        # the calibrated one), the raw conditional the larger of the sources' own
-        nodes: dict[tuple[int, ...], list] = {}
-        if drafted is not None:
-            tokens, parents, score = (t[b] for t in drafted)
-            paths: list[tuple[int, ...]] = [()]
-            for j in range(1, len(tokens)):  # parents come before children
-                paths.append(paths[parents[j]] + (tokens[j],))
-                nodes[paths[j]] = [score[j], LEARNED, math.exp(score[j] - score[parents[j]])]
-        c = candidates[b]
-        for i, (path, logp) in enumerate(zip(c.paths(), c.logp)):
-            conditional = math.exp(logp - (c.logp[c.parents[i]] if c.parents[i] >= 0 else 0.0))
-            entry = nodes.setdefault(path, [logp, 0, 0.0])
-            entry[0], entry[1], entry[2] = max(entry[0], logp), entry[1] | INDEX, max(entry[2], conditional)
-        if calibration is not None:  # parents first: each path's score is its parent's plus its own node's
-            for path in sorted(nodes, key=len):
-                entry = nodes[path]
-                cls = node_class(bool(entry[1] & LEARNED), bool(entry[1] & INDEX), c.match_len)
-                entry[0] = (nodes[path[:-1]][0] if len(path) > 1 else 0.0) + math.log(
-                    max(calibration.conditional(cls, entry[2]), 1e-12))
-        kept = sorted(nodes, key=lambda p: (-nodes[p][0], len(p)))[: N - 1]
-        rows.append((sorted(kept, key=len), nodes))  # parents before children (a stable sort by depth)
+    if learned is None:  # the root alone
+        zeros = torch.zeros(B, 1, dtype=torch.long)
+        learned = Tree(root_tokens[:, None], zeros, zeros, torch.ones(B, 1, 1, dtype=torch.bool), torch.zeros(B, 1))
+        levels = 0
+    else:
+        levels = int(learned.depth.max())
+    L = learned.tokens.shape[1]
 
-    # each row's nodes, the root first, padded to N with nodes it does not verify (one tensor per field)
-    tokens, parents, depth, score, source, raw, valid = ([] for _ in range(7))
-    for b, (kept, nodes) in enumerate(rows):
-        position = {(): 0} | {p: i + 1 for i, p in enumerate(kept)}
-        pad = N - 1 - len(kept)
-        tokens.append([roots[b]] + [p[-1] for p in kept] + [0] * pad)
-        parents.append([0] + [position[p[:-1]] for p in kept] + [0] * pad)
-        depth.append([0] + [len(p) for p in kept] + [1] * pad)
-        score.append([0.0] + [nodes[p][0] for p in kept] + [-math.inf] * pad)
-        source.append([0] + [nodes[p][1] for p in kept] + [0] * pad)
-        raw.append([0.0] + [nodes[p][2] for p in kept] + [0.0] * pad)
-        valid.append([True] * (len(kept) + 1) + [False] * pad)
-    tokens, parents, depth = (torch.tensor(x, dtype=torch.long) for x in (tokens, parents, depth))
-    score, raw = torch.tensor(score), torch.tensor(raw)
-    source, valid = torch.tensor(source, dtype=torch.int8), torch.tensor(valid)
-    match = torch.tensor([c.match_len for c in candidates])
-    tree = Tree(tokens, parents, depth, ancestor_mask(parents, depth, int(depth.max())), score, source=source,
-                raw=raw, match=match)
-    return tree if bool(valid.all()) else tree.restricted(valid[:, 1:])
+    # the index's candidates as [B, M] tensors (padding invalid), parents numbered among all U = L + M nodes
+    M = max((len(c) for c in candidates), default=0)
+    tok, par, dep, logp, valid = [], [], [], [], []
+    index_levels = 0
+    for c in candidates:
+        pad = M - len(c)
+        tok += c.tokens + [0] * pad
+        par += [p + L if p >= 0 else 0 for p in c.parents] + [0] * pad
+        dep += c.depth + [0] * pad
+        logp += c.logp + [0.0] * pad
+        valid += [True] * len(c) + [False] * pad
+        index_levels = max(index_levels, max(c.depth, default=0))
+    levels = max(levels, index_levels)
+    shape = (B, M)
+    i_tok, i_par, i_dep = (torch.tensor(x, dtype=torch.long).view(shape) for x in (tok, par, dep))
+    i_valid = torch.tensor(valid, dtype=torch.bool).view(shape)
+    tokens = torch.cat([learned.tokens, i_tok], 1)
+    parents = torch.cat([learned.parents, i_par], 1)
+    depth = torch.cat([learned.depth, i_dep], 1)
+    estimate = torch.cat([learned.score.double(), torch.tensor(logp, dtype=torch.float64).view(shape)], 1)
+    raw = torch.exp(estimate - estimate.gather(1, parents))  # each source's own conditional (roots: 1)
+    ids = torch.arange(L + M)
+    source = torch.cat([torch.where(ids[:L] > 0, LEARNED, 0).expand(B, L), torch.where(i_valid, INDEX, 0)], 1)
+
+    # a candidate whose path the learned draft proposed is that node (found level by level: its parent's
+    # node first); the learned draft's own paths are distinct, and so are the index's
+    node = ids.expand(B, -1).clone()
+    proposed = ids[1:L]
+    for d in range(1, index_levels + 1 if L > 1 else 0):
+        parent_node = node.gather(1, i_par)
+        same = ((learned.parents[:, None, 1:] == parent_node[:, :, None])
+                & (learned.tokens[:, None, 1:] == i_tok[:, :, None]))  # [B, M, L - 1]
+        found = same.any(-1) & i_valid & (i_dep == d)
+        node[:, L:] = torch.where(found, proposed[same.to(torch.int8).argmax(-1)], node[:, L:])
+    merged = node[:, L:] != ids[L:]
+    estimate = estimate.scatter_reduce(1, node, estimate, "amax")
+    raw = raw.scatter_reduce(1, node, raw, "amax")
+    source = source.scatter_add(1, node, torch.cat([torch.zeros(B, L, dtype=torch.long), INDEX * merged.long()], 1))
+    parents = node.gather(1, parents)  # a kept candidate's parent may be a learned node
+    alive = torch.cat([ids[:L].expand(B, -1) > 0, i_valid & ~merged], 1)
+    match = torch.tensor([c.match_len for c in candidates], dtype=torch.long)
+
+    if calibration is None:
+        score = estimate
+    else:  # parents first: each path's score is its parent's plus its own node's
+        classes = node_classes((source & LEARNED) > 0, (source & INDEX) > 0, match[:, None])
+        own = torch.log(calibration.conditionals(classes, raw).clamp(min=1e-12))
+        score = torch.zeros(B, L + M, dtype=torch.float64)
+        for d in range(1, levels + 1):
+            score = torch.where(depth == d, score.gather(1, parents) + own, score)
+
+    # rank: alive first, then by score, exact ties by depth, then by number (stable sorts, last key first)
+    rank = torch.sort(depth, dim=1, stable=True).indices
+    rank = rank.gather(1, torch.sort(-score.gather(1, rank), dim=1, stable=True).indices)
+    rank = rank.gather(1, torch.sort((~alive).gather(1, rank).to(torch.int8), dim=1, stable=True).indices)
+    chosen = rank[:, : N - 1]
+    if chosen.shape[1] < N - 1:  # fewer nodes than the budget in every row: pad with the root's number
+        chosen = torch.cat([chosen, torch.zeros(B, N - 1 - chosen.shape[1], dtype=torch.long)], 1)
+    kept = alive.gather(1, chosen)
+    chosen = chosen.gather(1, torch.sort(torch.where(kept, depth.gather(1, chosen), levels + 1), dim=1,
+                                         stable=True).indices)  # parents before children, padding last
+    kept = alive.gather(1, chosen)
+
+    # the kept nodes renumbered 1..N-1 after the root; padding nodes are token 0 at depth 1, never verified
+    position = torch.zeros(B, L + M + 1, dtype=torch.long)
+    position.scatter_(1, torch.where(kept, chosen, L + M), torch.arange(1, N).expand(B, -1))
+    root = torch.zeros(B, 1, dtype=torch.long)
+
+    def column(values: Tensor, pad: float | int) -> Tensor:
+        return torch.where(kept, values.gather(1, chosen), pad)
+
+    tree_parents = torch.cat([root, column(position.gather(1, parents), 0)], 1)
+    tree_depth = torch.cat([root, column(depth, 1)], 1)
+    tree = Tree(torch.cat([root_tokens[:, None], column(tokens, 0)], 1), tree_parents, tree_depth,
+                ancestor_mask(tree_parents, tree_depth, max(levels, 1)),
+                torch.cat([root.float(), column(score, -math.inf).float()], 1),
+                source=torch.cat([root, column(source, 0)], 1).to(torch.int8),
+                raw=torch.cat([root.float(), column(raw, 0.0).float()], 1), match=match)
+    return tree if bool(kept.all()) else tree.restricted(kept)
 
 
 def ancestor_mask(parents: Tensor, depth: Tensor, max_depth: int) -> Tensor:

@@ -1,0 +1,137 @@
+"""The batched merge of learned and index draft trees (tree.hybrid_tree) against a reference written
+node by node: a dict of token paths per row, the rule of hybrid_tree's docstring spelled out directly.
+Random learned trees and candidates, with paths the two sources share, rows short of the budget, and
+calibrated and raw scores: the merged trees must be the same tree, node for node."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from fastgrpo.engines.embedded.tree import INDEX, LEARNED, Tree, ancestor_mask, hybrid_tree
+from fastgrpo.speculation.node_calibration import CLASSES, NodeCalibration, node_classes
+from fastgrpo.speculation.suffix_index import Candidates
+
+
+def reference_merge(learned: Tree | None, candidates: list[Candidates], roots: list[int], num_verify: int,
+                    calibration: NodeCalibration | None) -> list[list[tuple[tuple[int, ...], float, int, float]]]:
+    """Each row's kept nodes, parents before children: (path, score, source bits, raw conditional)."""
+    out = []
+    for b in range(len(roots)):
+        nodes: dict[tuple[int, ...], list] = {}  # path -> [score, source bits, raw conditional], in proposal order
+        if learned is not None:
+            tokens, parents, score = (t[b].tolist() for t in (learned.tokens, learned.parents, learned.score))
+            paths: list[tuple[int, ...]] = [()]
+            for j in range(1, len(tokens)):
+                paths.append(paths[parents[j]] + (tokens[j],))
+                nodes[paths[j]] = [score[j], LEARNED, math.exp(score[j] - score[parents[j]])]
+        c = candidates[b]
+        for i, (path, logp) in enumerate(zip(c.paths(), c.logp)):
+            conditional = math.exp(logp - (c.logp[c.parents[i]] if c.parents[i] >= 0 else 0.0))
+            entry = nodes.setdefault(path, [logp, 0, 0.0])
+            entry[0], entry[1], entry[2] = max(entry[0], logp), entry[1] | INDEX, max(entry[2], conditional)
+        if calibration is not None:
+            for path in sorted(nodes, key=len):
+                entry = nodes[path]
+                cls = int(node_classes(torch.tensor(bool(entry[1] & LEARNED)), torch.tensor(bool(entry[1] & INDEX)),
+                                       torch.tensor(c.match_len)))
+                entry[0] = (nodes[path[:-1]][0] if len(path) > 1 else 0.0) + math.log(
+                    max(calibration.conditional(CLASSES[cls], entry[2]), 1e-12))
+        kept = sorted(nodes, key=lambda p: (-nodes[p][0], len(p)))[: num_verify - 1]
+        out.append([(p, *nodes[p]) for p in sorted(kept, key=len)])
+    return out
+
+
+def random_learned(rng: random.Random, rows: int, k: int, depth: int, vocab: int) -> Tree:
+    """EAGLE-shaped trees: each level's nodes under the previous level's, distinct tokens among siblings,
+    cumulative log-probabilities falling with depth (some not at all: exact ties with shallower nodes)."""
+    tokens, parents, depths, scores = [], [], [], []
+    for _ in range(rows):
+        tok, par, dep, sc = [rng.randrange(vocab)], [0], [0], [0.0]
+        frontier = [0]
+        for d in range(1, depth + 1):
+            new = []
+            for p in frontier:
+                for t in rng.sample(range(vocab), k):
+                    tok.append(t), par.append(p), dep.append(d), sc.append(sc[p] + math.log(rng.choice([1.0, rng.uniform(0.05, 1.0)])))
+                    new.append(len(tok) - 1)
+            frontier = rng.sample(new, min(k, len(new)))
+        tokens.append(tok), parents.append(par), depths.append(dep), scores.append(sc)
+    parents_t, depth_t = torch.tensor(parents), torch.tensor(depths)
+    return Tree(torch.tensor(tokens), parents_t, depth_t, ancestor_mask(parents_t, depth_t, depth), torch.tensor(scores))
+
+
+def random_candidates(rng: random.Random, learned: Tree | None, b: int, vocab: int) -> Candidates:
+    """Continuations of up to 12 nodes, some along the learned tree's paths (shared nodes), the rest new."""
+    shared: list[tuple[int, ...]] = []
+    if learned is not None:
+        paths: list[tuple[int, ...]] = [()]
+        for j in range(1, learned.tokens.shape[1]):
+            paths.append(paths[int(learned.parents[b, j])] + (int(learned.tokens[b, j]),))
+        shared = rng.sample(paths[1:], rng.randint(0, min(4, len(paths) - 1)))
+    chosen: set[tuple[int, ...]] = set()
+    for p in shared:  # with their prefixes: the candidates are ancestor-closed
+        chosen |= {p[:d] for d in range(1, len(p) + 1)}
+    for _ in range(rng.randint(0, 8)):
+        base = rng.choice([()] + sorted(chosen))
+        if len(base) < 5:
+            chosen.add(base + (rng.randrange(vocab),))
+    ordered = sorted(chosen, key=lambda p: (len(p), p))
+    logp: dict[tuple[int, ...], float] = {}
+    for p in ordered:
+        # repeated conditionals make exact ties (1.0: a child ties its parent); none inside a calibration bucket's
+        # edge (k / 10, 0 < k < 10), where the last
+        # bit of exp() decides the bucket
+        logp[p] = logp.get(p[:-1], 0.0) + math.log(rng.choice([1.0, 0.97, 0.55, rng.uniform(0.05, 1.0)]))
+    ordered.sort(key=lambda p: -logp[p])  # best first, as the index proposes them (parents first: ties by depth)
+    ordered.sort(key=len)
+    position = {p: i for i, p in enumerate(ordered)}
+    return Candidates(tokens=[p[-1] for p in ordered], parents=[position.get(p[:-1], -1) for p in ordered],
+                      depth=[len(p) for p in ordered], logp=[logp[p] for p in ordered], counts=[1] * len(ordered),
+                      match_len=rng.randint(1, 8) if ordered else 0)
+
+
+def merged_rows(tree: Tree) -> list[list[tuple[tuple[int, ...], float, int, float]]]:
+    out = []
+    for b in range(tree.tokens.shape[0]):
+        paths: list[tuple[int, ...]] = [()]
+        row = []
+        for j in range(1, tree.tokens.shape[1]):
+            paths.append(paths[int(tree.parents[b, j])] + (int(tree.tokens[b, j]),))
+            if tree.valid is None or bool(tree.valid[b, j]):
+                row.append((paths[j], float(tree.score[b, j]), int(tree.source[b, j]), float(tree.raw[b, j])))
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("calibrated", [False, True], ids=["raw", "calibrated"])
+def test_the_batched_merge_keeps_the_reference_nodes(calibrated):
+    rng = random.Random(1)
+    calibration = None
+    if calibrated:  # counts that move every class away from its raw estimates
+        calibration = NodeCalibration(prior=2.0)
+        classes = torch.tensor([rng.randrange(len(CLASSES)) for _ in range(2000)])
+        raw = torch.rand(2000, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        calibration.observe(classes, raw, torch.rand(2000, generator=torch.Generator().manual_seed(3)) < 0.3 + 0.15 * classes)
+    shared = 0
+    for trial in range(60):
+        rows, vocab = rng.randint(1, 4), rng.choice([3, 6, 50])
+        learned = None if trial % 5 == 0 else random_learned(rng, rows, rng.randint(1, 3), rng.randint(1, 4), vocab)
+        cands = [random_candidates(rng, learned, b, vocab) for b in range(rows)]
+        roots = [rng.randrange(vocab) for _ in range(rows)]
+        num_verify = rng.randint(2, 14)
+        tree = hybrid_tree(learned, cands, torch.tensor(roots), num_verify, calibration)
+        want = reference_merge(learned, cands, roots, num_verify, calibration)
+        got = merged_rows(tree)
+        assert tree.tokens.shape == (rows, num_verify) and tree.tokens[:, 0].tolist() == roots
+        for g, w in zip(got, want):
+            assert [n[0] for n in g] == [n[0] for n in w]  # the same paths, in the same order
+            assert [n[2] for n in g] == [n[2] for n in w]
+            assert [n[1] for n in g] == pytest.approx([n[1] for n in w], rel=1e-6, abs=1e-6)
+            assert [n[3] for n in g] == pytest.approx([n[3] for n in w], rel=1e-6, abs=1e-6)
+            shared += sum(n[2] == LEARNED | INDEX for n in g)
+        assert tree.match.tolist() == [c.match_len for c in cands]
+        depth = tree.depth.masked_fill(~tree.valid, 99) if tree.valid is not None else tree.depth
+        assert bool((depth[:, 1:].diff(dim=1) >= 0).all())  # parents before children, padding last
+    assert shared >= 20  # the merge of shared paths was exercised
