@@ -114,11 +114,14 @@ class EngineStats(TypedDict, total=False):
     spec_emitted: int  # tokens emitted by speculative sequence-steps (accepted draft tokens + 1 each)
     accept_len: float  # spec_emitted / spec_seq_steps (1.0 when nothing speculated)
     # embedded only, drafts from the suffix index (speculation.drafts index | hybrid): seconds in its
-    # lookups and inserts, lookups, lookups that matched, accepted tokens it proposed
+    # lookups and inserts, seconds building and calibrating merged trees, lookups, lookups that matched,
+    # accepted tokens it proposed, and per speculative step its running rows and those host seconds
     index_s: float
+    merge_s: float
     index_lookups: int
     index_matched: int
     index_accepted: int
+    host_steps: list[tuple[int, float]]
     config_by_concurrency: dict[str, dict[str, int]]  # steps per chosen tree shape, by concurrency bucket (SGLang: {})
     trace: list[tuple[int, str, int, float]]  # per decode step: running, shape name, emitted, seconds (SGLang: [])
 

@@ -180,7 +180,12 @@ def test_tokens_equal_plain_decoding_with_index_candidates_right_wrong_and_dupli
     first = [c.token_ids for c in engine.generate(reqs, sampling, seed=9)]
     accepted_first = engine.stats()["index_accepted"]
     again = [c.token_ids for c in engine.generate(reqs, sampling, seed=9)]
-    accept_again = engine.stats()["accept_len"]
+    stats = engine.stats()
+    accept_again = stats["accept_len"]
+    # every step speculated: each one's rows and host seconds, which together are all the index's and merge's
+    rows = [r for r, _ in stats["host_steps"]]
+    assert len(rows) == stats["spec_steps"] and sum(rows) == stats["spec_seq_steps"]
+    assert sum(h for _, h in stats["host_steps"]) == pytest.approx(stats["index_s"] + stats["merge_s"], rel=1e-9)
     for out in (first, again):
         same = sum(a == b for a, b in zip(out, plain))
         assert same >= 22 if not sampling.greedy else same == 24
@@ -457,34 +462,50 @@ def test_a_resumed_run_drafts_from_the_index_its_checkpoint_kept(tmp_path, tiny_
     assert all(run.engine.index.history(k) == h for k, h in histories.items())
 
 
-def test_the_simulated_hybrid_step_pays_its_host_work_per_running_row():
-    """bench drafts' SIMULATED part: a hybrid step costs the roofline's step plus its measured host
-    seconds per row; plain steps cost the same as without; the replicates' sweeps pool."""
-    from fastgrpo.bench.drafts_simulated import HostWork, merge_sweeps
+def test_the_simulated_hybrid_step_pays_its_host_work_per_step_and_running_row():
+    """bench drafts' SIMULATED part: a hybrid step costs the roofline's step plus its host work, fitted to
+    the measured steps as a cost per step and per running row; plain steps cost the same as without; the
+    replicates' sweeps pool into one fit."""
+    from fastgrpo.bench.drafts_simulated import HostModel, HostWork, merge_sweeps
     from fastgrpo.speculation.roofline import ACCELERATORS, MODELS, Roofline
 
     costs = Roofline(ACCELERATORS["h100"], MODELS["llama3-8b"])
-    priced = HostWork(costs, 1e-4)
+    priced = HostWork(costs, HostModel(1e-3, 1e-4))
     c = SpecConfig(4, 4, 12)
-    assert priced.spec_step(c, 32, 5, 1000, 32000) == pytest.approx(costs.spec_step(c, 32, 5, 1000, 32000) + 32e-4)
+    assert priced.spec_step(c, 32, 5, 1000, 32000) == pytest.approx(costs.spec_step(c, 32, 5, 1000, 32000) + 1e-3 + 32e-4)
     assert priced.decode_step(32, 1000, 32000) == costs.decode_step(32, 1000, 32000) and priced.padded == costs.padded
-    sweeps = [{"learned": {"accepted": {c: [1, 2]}, "host_row_s": [0.0]},
-               "hybrid": {"accepted": {c: [3]}, "host_row_s": [1e-4, 3e-4]}},
-              {"learned": {"accepted": {c: [4]}, "host_row_s": [0.0]},
-               "hybrid": {"accepted": {c: [5, 6]}, "host_row_s": [2e-4]}}]
+    # steps on the line 1 ms + 100 us a row, in two replicates
+    sweeps = [{"learned": {"accepted": {c: [1, 2]}, "host_steps": []},
+               "hybrid": {"accepted": {c: [3]}, "host_steps": [(10, 2e-3), (20, 3e-3)]}},
+              {"learned": {"accepted": {c: [4]}, "host_steps": []},
+               "hybrid": {"accepted": {c: [5, 6]}, "host_steps": [(30, 4e-3), (40, 5e-3)]}}]
     pooled = merge_sweeps(sweeps)
     assert pooled["learned"]["accepted"][c] == [1, 2, 4] and pooled["hybrid"]["accepted"][c] == [3, 5, 6]
-    assert pooled["hybrid"]["host_row_s"] == pytest.approx(2e-4)
+    assert pooled["hybrid"]["host"].per_step == pytest.approx(1e-3)
+    assert pooled["hybrid"]["host"].per_row == pytest.approx(1e-4)
+    assert pooled["learned"]["host"] == HostModel(0.0, 0.0) and pooled["hybrid"]["host_steps"] == 4
+
+
+def test_the_host_fit_never_prices_a_term_below_zero():
+    from fastgrpo.bench.drafts_simulated import HostModel
+
+    # falling with rows (noise): the mean as a fixed cost
+    assert HostModel.fit([(10, 3e-3), (20, 1e-3)]) == HostModel(pytest.approx(2e-3), 0.0)
+    # a line through a negative intercept (-1 ms + 200 us a row): refitted through the origin,
+    # sum(r * h) / sum(r^2) = (10 * 1e-3 + 20 * 3e-3) / 500 = 140 us a row
+    fit = HostModel.fit([(10, 1e-3), (20, 3e-3)])
+    assert fit.per_step == 0.0 and fit.per_row == pytest.approx(1.4e-4)
+    assert HostModel.fit([(8, 4e-3)]) == HostModel(0.0, pytest.approx(5e-4))  # one step: per row
 
 
 def test_the_host_budget_is_where_the_simulated_time_crosses_the_target():
-    """bench drafts' host budget: the bisection finds where a time growing with the host work crosses the
-    target (10 s + 1000 s per second of host work against 10.1 s: 100 us), says `high` when the target is
-    met there, and None when even no host work misses it."""
+    """bench drafts' host budget: the bisection finds the share of the measured host work at which a time
+    growing with it crosses the target (10 s + 4 s at the whole of it, against 11 s: a quarter), says
+    `high` when the target is met there, and None when even no host work misses it."""
     from fastgrpo.bench.drafts_simulated import host_budget
 
-    seconds_at = lambda host: 10.0 + 1000.0 * host  # noqa: E731
-    found = host_budget(seconds_at, 10.1, high=3.2e-4, steps=10)
-    assert 1e-4 - 3.2e-4 / 2**10 <= found <= 1e-4 * (1 + 1e-9)
-    assert host_budget(seconds_at, 11.0, high=3.2e-4) == 3.2e-4
-    assert host_budget(seconds_at, 9.0, high=3.2e-4) is None
+    seconds_at = lambda share: 10.0 + 4.0 * share  # noqa: E731
+    found = host_budget(seconds_at, 11.0, high=1.0, steps=10)
+    assert 0.25 - 1 / 2**10 <= found <= 0.25 * (1 + 1e-9)
+    assert host_budget(seconds_at, 15.0, high=1.0) == 1.0
+    assert host_budget(seconds_at, 9.0, high=1.0) is None

@@ -11,9 +11,10 @@ and what width adds; the measured histograms are used as they are for the shapes
 
 The simulator (`bench simulate`, its accuracy on this CPU in BENCHMARKS section 8) then runs `aware`
 and `aware_per_sequence` on the long-tail reasoning workload of H100 SXM and Llama-3-8B, once with each
-source's profile. A hybrid step also pays its host work: the index's lookups and the merging and
-calibrating of its trees, measured here per running row and speculative step, are added to every
-simulated speculative step (`HostWork`): a GPU host runs the same Python.
+source's profile. A hybrid step also pays its host work: the index's lookups and upkeep and the
+merging and calibrating of its trees, measured here per speculative step and fitted as a cost per step
+plus a cost per running row (`HostModel`: the merge is batched, so much of it is paid once a step), are
+added to every simulated speculative step (`HostWork`): a GPU host runs the same Python.
 
 What the simulator does not know: a hybrid step here runs eagerly (the captured steps take only
 learned trees), while the simulated step costs what a captured one would; and the profiles come from
@@ -23,7 +24,6 @@ the bench policy on its task, not from an 8B model on reasoning text. Both are s
 from __future__ import annotations
 
 import copy
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,8 +67,8 @@ def sweep_shapes(engine: EmbeddedEngine, requests: list[Request], sampling: Samp
                  log: Callable[[str], None]) -> dict:
     """One rollout of `requests` per source and shape, the hybrid ones each from a copy of `index` and
     `calibration` (so that every shape starts from the same history): per source, the accepted lengths
-    per shape and the hybrid's host seconds per running row and speculative step."""
-    out: dict = {source: {"accepted": {}, "host_row_s": []} for source in SIMULATED_SOURCES}
+    per shape and the hybrid's (running rows, host seconds) of every speculative step."""
+    out: dict = {source: {"accepted": {}, "host_steps": []} for source in SIMULATED_SOURCES}
     for source in SIMULATED_SOURCES:
         for c in shapes:
             policy = RecordingStatic(c)
@@ -82,39 +82,76 @@ def sweep_shapes(engine: EmbeddedEngine, requests: list[Request], sampling: Samp
             engine.generate(requests, sampling, seed=seed)
             stats = engine.stats()
             out[source]["accepted"][c] = policy.accepted
-            host = stats.get("index_s", 0.0) + stats.get("merge_s", 0.0)
-            out[source]["host_row_s"].append(host / max(stats["spec_seq_steps"], 1))
+            steps = stats.get("host_steps", [])
+            out[source]["host_steps"] += steps
+            host = HostModel.fit(steps)
             log(f"  sweep {source:>7} {c.name:>8}: {1 + float(np.mean(policy.accepted)):.2f} tokens per verify, "
-                f"host {1e6 * out[source]['host_row_s'][-1]:.0f} us per row-step")
+                f"host {host.describe()}")
     return out
+
+
+@dataclass(frozen=True)
+class HostModel:
+    """Host seconds of a speculative step of B running rows: `per_step + B * per_row`."""
+
+    per_step: float = 0.0
+    per_row: float = 0.0
+
+    @classmethod
+    def fit(cls, steps: list[tuple[int, float]]) -> HostModel:
+        """Least squares over (running rows, host seconds) of measured steps, neither term negative (a
+        negative fixed cost refits through the origin; a negative cost per row leaves the mean as the
+        fixed cost). No steps: no host work."""
+        if not steps:
+            return cls()
+        rows = np.array([r for r, _ in steps], dtype=float)
+        host = np.array([h for _, h in steps], dtype=float)
+        if len(steps) > 1 and rows.var() > 0:
+            per_row = float(np.cov(rows, host, bias=True)[0, 1] / rows.var())
+            per_step = float(host.mean() - per_row * rows.mean())
+            if per_row < 0:
+                return cls(float(host.mean()), 0.0)
+            if per_step >= 0:
+                return cls(per_step, per_row)
+        return cls(0.0, float((rows * host).sum() / (rows * rows).sum()))
+
+    def seconds(self, B: int) -> float:
+        return self.per_step + B * self.per_row
+
+    def scaled(self, factor: float) -> HostModel:
+        return HostModel(self.per_step * factor, self.per_row * factor)
+
+    def describe(self) -> str:
+        return f"{1e3 * self.per_step:.2f} ms a step + {1e6 * self.per_row:.0f} us a row"
 
 
 @dataclass
 class HostWork:
-    """`costs` with `seconds_per_row` of host work added to every speculative step of B rows (a hybrid
-    tree's lookups and merging, which the GPU waits for)."""
+    """`costs` with `host` seconds of host work added to every speculative step (a hybrid tree's
+    lookups and merging, which the GPU waits for)."""
 
     costs: Costs
-    seconds_per_row: float
+    host: HostModel
 
     def __getattr__(self, name: str):
         return getattr(self.costs, name)
 
     def spec_step(self, c: SpecConfig, B: int, width: int, ctx_max: int, ctx_sum: int,
                   verified: float | None = None) -> float:
-        return self.costs.spec_step(c, B, width, ctx_max, ctx_sum, verified) + B * self.seconds_per_row
+        return self.costs.spec_step(c, B, width, ctx_max, ctx_sum, verified) + self.host.seconds(B)
 
 
 def merge_sweeps(sweeps: list[dict]) -> dict:
-    """The replicates' sweeps pooled: accepted lengths concatenated, host seconds averaged."""
+    """The replicates' sweeps pooled: accepted lengths concatenated, one host model fitted to all
+    their steps."""
     out: dict = {}
     for source in SIMULATED_SOURCES:
         accepted: dict[SpecConfig, list[int]] = {}
         for s in sweeps:
             for c, values in s[source]["accepted"].items():
                 accepted.setdefault(c, []).extend(values)
-        host = [h for s in sweeps for h in s[source]["host_row_s"]]
-        out[source] = {"accepted": accepted, "host_row_s": statistics.mean(host) if host else 0.0}
+        steps = [step for s in sweeps for step in s[source]["host_steps"]]
+        out[source] = {"accepted": accepted, "host": HostModel.fit(steps), "host_steps": len(steps)}
     return out
 
 
@@ -122,8 +159,8 @@ BREAK_EVEN = (1.0, 1.15)  # hybrid aware's speed over learned aware: the host bu
 
 
 def host_budget(seconds_at: Callable[[float], float], target: float, high: float, steps: int = 5) -> float | None:
-    """The most host work per row-step (seconds, within high / 2^steps) at which `seconds_at(host)`, a
-    simulated rollout's time growing with the host work, stays within `target`: `high` if met there
+    """The largest share of the measured host work (within high / 2^steps) at which `seconds_at(share)`,
+    a simulated rollout's time growing with the host work, stays within `target`: `high` if met there
     already, None if not even without host work (bisection on [0, high])."""
     if seconds_at(0.0) > target:
         return None
@@ -148,8 +185,9 @@ def simulated_h100(pooled: dict, quick: bool, seed: int, log: Callable[[str], No
                 for source in SIMULATED_SOURCES}
     # hybrid twice: paying its measured host work, and with that work off the critical path (a bound:
     # what overlapping it with the GPU's forwards, or a compiled index, could at most recover)
+    measured: HostModel = pooled["hybrid"]["host"]
     cases = {"learned": (profiles["learned"], costs),
-             "hybrid": (profiles["hybrid"], HostWork(costs, pooled["hybrid"]["host_row_s"])),
+             "hybrid": (profiles["hybrid"], HostWork(costs, measured)),
              "hybrid_no_host": (profiles["hybrid"], costs)}
     seconds: dict[str, dict] = {}
     for case, (profile, priced) in cases.items():
@@ -163,34 +201,35 @@ def simulated_h100(pooled: dict, quick: bool, seed: int, log: Callable[[str], No
             f"{m} {seconds[case][m]:.1f}s" for m in (*SIMULATED_POLICIES, "static_best")))
     ratios = {case: {m: seconds["learned"][m] / seconds[case][m] for m in ("aware", "aware_per_sequence", "static_best")}
               for case in ("hybrid", "hybrid_no_host")}
-    measured = pooled["hybrid"]["host_row_s"]
-    known = {0.0: seconds["hybrid_no_host"]["aware"], measured: seconds["hybrid"]["aware"]}
+    known = {0.0: seconds["hybrid_no_host"]["aware"], 1.0: seconds["hybrid"]["aware"]}
 
-    def aware_seconds(host_row_s: float) -> float:
-        if host_row_s not in known:
-            known[host_row_s] = run_policies(workload, HostWork(costs, host_row_s), profiles["hybrid"], (), GPU_MAX_BATCH,
-                                             reps, seed, modes=("aware",))["aware"]["seconds"]
-        return known[host_row_s]
+    def aware_seconds(share: float) -> float:  # aware's simulated time paying `share` of the measured host work
+        if share not in known:
+            known[share] = run_policies(workload, HostWork(costs, measured.scaled(share)), profiles["hybrid"], (),
+                                        GPU_MAX_BATCH, reps, seed, modes=("aware",))["aware"]["seconds"]
+        return known[share]
 
-    break_even = {f"{speedup:.2f}": host_budget(aware_seconds, seconds["learned"]["aware"] / speedup, measured)
+    break_even = {f"{speedup:.2f}": host_budget(aware_seconds, seconds["learned"]["aware"] / speedup, 1.0)
                   for speedup in BREAK_EVEN}
-    log("SIMULATED: hybrid's aware host budget per row-step (us) for " + ", ".join(
-        f"{k}x learned's aware: {'none' if v is None else f'{1e6 * v:.0f}'}" for k, v in break_even.items()))
+    log("SIMULATED: hybrid's aware host budget (share of the measured host work) for " + ", ".join(
+        f"{k}x learned's aware: {'none' if v is None else f'{v:.2f}'}" for k, v in break_even.items()))
     return {"case": costs.name, "workload": workload.name, "longtail": lt, "max_running": GPU_MAX_BATCH,
-            "repetitions": reps, "seconds": seconds, "learned_over_hybrid": ratios, "host_budget_row_s": break_even,
+            "repetitions": reps, "seconds": seconds, "learned_over_hybrid": ratios, "host_budget_share": break_even,
             "profiles": {s: p.to_json() for s, p in profiles.items()},
-            "host_row_s": {s: pooled[s]["host_row_s"] for s in SIMULATED_SOURCES}}
+            "host": {"per_step_s": measured.per_step, "per_row_s": measured.per_row,
+                     "steps": pooled["hybrid"]["host_steps"]}}
 
 
 def markdown(sim: dict) -> list[str]:
     """The SIMULATED table of `bench drafts`' report."""
     s, lt = sim["seconds"], sim["longtail"]
+    host = HostModel(sim["host"]["per_step_s"], sim["host"]["per_row_s"])
     lines = ["", f"SIMULATED: {sim['case']}, the long-tail workload (lognormal mean {lt['mean']:.0f}, sigma "
              f"{lt['sigma']}, cap {lt['max_new']}, {lt['prompts']} prompts x {lt['group']}, at most "
              f"{sim['max_running']} running), each source's acceptance profile fitted to its trees' accepted "
              f"lengths at {len(sim['profiles']['learned']['measured_samples'])} shapes after the epochs; hybrid steps "
-             f"pay {1e6 * sim['host_row_s']['hybrid']:.0f} us of measured host work per row; median of "
-             f"{sim['repetitions']} simulated rollouts:", "",
+             f"pay their measured host work, {host.describe()} (least squares over the sweep's {sim['host']['steps']} "
+             f"hybrid steps); median of {sim['repetitions']} simulated rollouts:", "",
              "| policy | learned trees (SIMULATED s) | hybrid trees (SIMULATED s) | learned / hybrid | hybrid, "
              "host work off the critical path (a bound; SIMULATED s) | learned / that |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -199,8 +238,8 @@ def markdown(sim: dict) -> list[str]:
                 if m == "static_best" else f"`{m}`")
         lines.append(f"| {name} | {s['learned'][m]:.1f} | {s['hybrid'][m]:.1f} | {s['learned'][m] / s['hybrid'][m]:.2f}x "
                      f"| {s['hybrid_no_host'][m]:.1f} | {s['learned'][m] / s['hybrid_no_host'][m]:.2f}x |")
-    if "host_budget_row_s" in sim:
-        budgets = ", ".join(f"{k}x at <= {'-' if v is None else f'{1e6 * v:.0f}'} us" for k, v in sim["host_budget_row_s"].items())
-        lines += ["", f"The host work per running row and speculative step at which hybrid's `aware` reaches learned's "
-                      f"(SIMULATED, bisection): {budgets} (measured here: {1e6 * sim['host_row_s']['hybrid']:.0f} us)."]
+    budgets = ", ".join(f"{k}x at <= {'-' if v is None else f'{v:.2f} of it ({host.scaled(v).describe()})'}"
+                        for k, v in sim["host_budget_share"].items())
+    lines += ["", f"The share of the measured host work at which hybrid's `aware` reaches learned's (SIMULATED, "
+                  f"bisection): {budgets}."]
     return lines

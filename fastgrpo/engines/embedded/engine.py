@@ -322,7 +322,9 @@ class EmbeddedEngine:
         self._counts: Counter = Counter()
         self._by_config: dict[str, Counter] = {}
         self._trace: list[tuple[int, str, int, float]] = []  # per decode step: running, config, tokens emitted, seconds
+        self._host_steps: list[tuple[int, float]] = []  # per speculative step with the index: running, host seconds
         while waiting or running:
+            drafting = None  # a step drafting from the index: its running rows, and the host seconds before it
             if waiting and len(running) < self.max_batch:
                 joined = [waiting.popleft() for _ in range(min(len(waiting), self.max_batch - len(running)))]
                 t = time.perf_counter()
@@ -342,6 +344,8 @@ class EmbeddedEngine:
                 context = max(_cached(s) for s in running)
                 config = (self.policy.choose(len(running), context)
                           if self._pending is not None and self.speculating else None)
+                if config is not None and self.index is not None:
+                    drafting = (len(running), self._host_seconds())
                 self._in_step = True
                 try:
                     static = self._static_takes(config)
@@ -360,6 +364,8 @@ class EmbeddedEngine:
                 self.policy.observe(config, len(running), emitted, seconds, accepted)
                 self._count_step(config, len(running), emitted, seconds)
             self._retire(running, done)
+            if drafting is not None:  # the step's host work for index drafts, its retire's included
+                self._host_steps.append((drafting[0], self._host_seconds() - drafting[1]))
         out = [done[i] for i in range(len(requests))]
         self._finish_stats(out, time.perf_counter() - t0)
         return [Completion(s.tokens, s.logprobs, s.finish or "length",
@@ -736,6 +742,10 @@ class EmbeddedEngine:
                         cache.visible_from[last] = 0
             running.pop()
 
+    def _host_seconds(self) -> float:
+        """Host seconds of index drafting so far in this call: the index's and the merged trees'."""
+        return self._counts["index_s"] + self._counts["merge_s"]
+
     def _count_step(self, config: SpecConfig | None, running: int, emitted: int, seconds: float) -> None:
         c = self._counts
         c["decode_steps"] += 1
@@ -765,7 +775,7 @@ class EmbeddedEngine:
             # matched, and the accepted tokens the index proposed
             index_s=c["index_s"], merge_s=c["merge_s"], index_lookups=c["index_lookups"],
             index_matched=c["index_matched"],
-            index_accepted=c["index_accepted"],
+            index_accepted=c["index_accepted"], host_steps=list(self._host_steps),
             config_by_concurrency={b: dict(v) for b, v in sorted(self._by_config.items())},
             trace=list(self._trace),
         )
