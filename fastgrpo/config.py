@@ -316,6 +316,9 @@ class OptimConfig:
 
 @dataclass
 class SFTConfig:
+    # a Hugging Face checkpoint directory to start from: its weights, tokenizer, chat template and stop ids
+    # (a real family's, e.g. Qwen2.5); empty: a new `model.size` Llama policy with a tokenizer trained on the task
+    init: str = ""
     examples: int = 60000
     batch_size: int = 32
     lr: float = 1e-3

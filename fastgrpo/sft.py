@@ -1,4 +1,5 @@
-"""The tiny-policy recipe: a tokenizer and a Llama policy warm-started on the task's worked solutions.
+"""The tiny-policy recipe: a policy warm-started on the task's worked solutions (a new Llama policy with a
+tokenizer trained on the task, or, with `sft.init`, a checkpoint of any served family with its own tokens).
 
 RL needs a policy that already answers in the right format and is sometimes right; supervised
 training on worked solutions gets it there in minutes on a CPU.
@@ -24,8 +25,9 @@ from fastgrpo.device import resolve
 from fastgrpo.engines import build_engine
 from fastgrpo.types import SamplingParams
 from fastgrpo.grpo.evaluate import evaluate
-from fastgrpo.models.policy import new_policy, num_parameters, policy_config
-from fastgrpo.models.tokenizer import TextFormat, train_tokenizer
+from fastgrpo.models.policy import load_policy, new_policy, num_parameters, policy_config
+from fastgrpo.models.tokenizer import TextFormat, load_text_format, train_tokenizer
+from fastgrpo.paths import is_policy
 from fastgrpo.tasks.rewards import load_reward
 from fastgrpo.tasks.source import encode_problems, load_task
 
@@ -67,30 +69,42 @@ def _ema(average: float, losses: list[torch.Tensor]) -> float:
 
 
 def build_policy(cfg: Config, out_dir: str | Path | None = None) -> dict[str, float]:
-    """Train tokenizer + policy on the task's worked solutions and save both in HF format.
+    """Train the policy on the task's worked solutions and save it with its tokenizer in HF format:
+    a new `model.size` Llama policy with a tokenizer trained on the task, or, with `sft.init`, that
+    checkpoint (any family the engine serves) with its own tokenizer, chat template and stop ids.
 
     On the configured device (`fastgrpo.device.resolve`): fp32 weights and optimizer, and with bf16
     (`trainer.precision`) the forward and backward under bf16 autocast; the saved policy is fp32."""
     out = Path(out_dir or cfg.model.path)
+    if cfg.sft.init and not is_policy(Path(cfg.sft.init)):
+        raise FileNotFoundError(f"sft.init: no Hugging Face checkpoint at {cfg.sft.init} (config.json missing)")
     compute = resolve(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     train, evals = load_task(cfg.task, cfg.eval.split)
     if any(p.solution is None for p in train):
         raise ValueError(f"task.source {cfg.task.source!r} has no worked solutions; SFT needs the synthetic task")
-    tokenizer = train_tokenizer(p.prompt + "\n" + p.solution for p in train)  # type: ignore[operator]
+    if cfg.sft.init:  # a checkpoint's own tokens: its chat template renders the prompts, its stop ids end answers
+        text = load_text_format(cfg.sft.init, cfg.task)
+        tokenizer = text.tokenizer
+        model = load_policy(cfg.sft.init).to(compute.device)
+        config = model.config
+        source = f"{config.model_type} policy from {cfg.sft.init}"
+    else:
+        tokenizer = train_tokenizer(p.prompt + "\n" + p.solution for p in train)  # type: ignore[operator]
+        text = TextFormat.of(tokenizer, None, cfg.task.prompt_format, cfg.task.system_prompt)  # plain: no template
+        config = policy_config(cfg.model.size, len(tokenizer), cfg.model.max_context,
+                               tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        model = new_policy(config, cfg.seed).to(compute.device)  # on a CPU: the model itself, unchanged
+        source = f"{cfg.model.size} policy"
     short = [p for p in train if p.solution.count("\n") <= cfg.sft.max_problem_steps]  # type: ignore[union-attr]
-    text = TextFormat.of(tokenizer, None, cfg.task.prompt_format, cfg.task.system_prompt)  # plain: it has no template
     examples = [(text.prompt_ids(p.prompt), text.response_ids(p.solution)) for p in short]  # type: ignore[arg-type]
     examples = [e for e in examples if len(e[0]) + len(e[1]) <= cfg.model.max_context]
     if not examples:
         raise ValueError(f"no training example fits in model.max_context={cfg.model.max_context}")
-    config = policy_config(cfg.model.size, len(tokenizer), cfg.model.max_context,
-                           tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    model = new_policy(config, cfg.seed).to(compute.device)  # on a CPU: the model itself, unchanged
     s = cfg.sft
     steps = max(1, s.examples // s.batch_size)
-    print(f"SFT: {cfg.model.size} policy, {num_parameters(model) / 1e6:.1f}M parameters, vocab {len(tokenizer)}, "
+    print(f"SFT: {source}, {num_parameters(model) / 1e6:.1f}M parameters, vocab {len(tokenizer)}, "
           f"{steps} steps of {s.batch_size}", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.01, betas=(0.9, 0.95),
                             **({"fused": True} if compute.device.type == "cuda" else {}))

@@ -186,3 +186,44 @@ def test_a_deepspeed_zero3_world_trains_each_family(checkpoint, tmp_path):
     for rank_steps in steps:
         assert len(rank_steps) == 2
         assert all(abs(m["kl_engine_trainer"]) < 1e-5 for m in rank_steps), (name, rank_steps)
+
+
+def test_sft_from_a_family_checkpoint_keeps_its_tokens_and_learns_the_task(tmp_path):
+    """`sft.init`: SFT starts from a Qwen2.5 directory and saves a Qwen2.5 with the same tokenizer, chat
+    template and stop ids, its loss on chat-formatted worked solutions (computed here, apart) well below
+    the starting checkpoint's; a missing directory is refused by the key's name before any work."""
+    from fastgrpo.config import load_config
+    from fastgrpo.sft import build_policy
+    from fastgrpo.tasks.source import load_task
+
+    init = write_family_checkpoint("qwen2.5", tmp_path / "qwen2.5")
+    out = tmp_path / "policy"
+    args = [f"model.path={out}", f"sft.init={init}", "model.max_context=256", "task.train_size=400",
+            "task.eval_size=8", "sft.examples=960", "sft.batch_size=16", "sft.warmup_steps=5", "sft.lr=3e-3",
+            "sft.max_problem_steps=4", "rollout.max_new_tokens=64", "eval.samples=1", "threads=1",
+            "tracking.enabled=false"]
+    assert main(["sft", *args]) == 0
+    assert AutoConfig.from_pretrained(out).model_type == "qwen2"
+    before, after = load_text_format(init), load_text_format(out)
+    assert after.chat and after.stop_ids == before.stop_ids and after.response_end_id == before.response_end_id
+    assert after.tokenizer.get_vocab() == before.tokenizer.get_vocab()
+    assert after.tokenizer.chat_template == before.tokenizer.chat_template
+
+    train_problems, _ = load_task(load_config(None, args).task)
+
+    def loss(path) -> float:
+        model = load_policy(path)
+        total = 0.0
+        for p in train_problems[:16]:
+            prompt, response = before.prompt_ids(p.prompt), before.response_ids(p.solution)
+            ids = torch.tensor([prompt + response])
+            labels = torch.tensor([[-100] * len(prompt) + response])
+            with torch.no_grad():
+                total += float(model(input_ids=ids, labels=labels).loss)
+        return total / 16
+
+    start, end = loss(init), loss(out)
+    assert end < 0.5 * start, (start, end)
+
+    with pytest.raises(FileNotFoundError, match="sft.init"):
+        build_policy(load_config(None, [*args, f"sft.init={tmp_path / 'nowhere'}"]))
