@@ -183,7 +183,7 @@ class TrieWriter:
     def append(self, x: int) -> None:
         trie = self.trie
         children, count = trie.children, trie.count
-        frontier = self._frontier  # frontier[i] is i + 2 tokens deep once extended: the deepest may be at the cut
+        frontier = self._frontier  # frontier[i], i + 1 tokens deep, gets a child i + 2 deep (none at the cut)
         below = children[trie.root].get(x)
         if below is None:
             below = children[trie.root][x] = trie._new(1, trie.root)
