@@ -509,3 +509,17 @@ def test_the_host_budget_is_where_the_simulated_time_crosses_the_target():
     assert 0.25 - 1 / 2**10 <= found <= 0.25 * (1 + 1e-9)
     assert host_budget(seconds_at, 15.0, high=1.0) == 1.0
     assert host_budget(seconds_at, 9.0, high=1.0) is None
+
+
+def test_the_simulated_table_says_where_no_share_of_the_host_work_is_affordable():
+    from fastgrpo.bench.drafts_simulated import markdown
+
+    seconds = {m: 10.0 for m in ("off", "aware", "aware_per_sequence", "static_best")} | {"static_best_shape": "d3k4n8"}
+    sim = {"seconds": {c: seconds for c in ("learned", "hybrid", "hybrid_no_host")}, "case": "H100", "repetitions": 1,
+           "longtail": {"mean": 3000, "sigma": 1.0, "max_new": 16384, "prompts": 64, "group": 8}, "max_running": 128,
+           "profiles": {"learned": {"measured_samples": {"a": 1}}}, "host": {"per_step_s": 1e-3, "per_row_s": 1e-4, "steps": 9},
+           "host_budget_share": {"1.00": 0.0, "1.15": None}}
+    assert markdown(sim)[-1].endswith("1.00x at < 0.03 of it, 1.15x at - (not even without host work).")
+    sim["host_budget_share"] = {"1.00": 0.5, "1.15": 0.25}
+    assert markdown(sim)[-1].endswith("1.00x at <= 0.50 of it (0.50 ms a step + 50 us a row), "
+                                      "1.15x at <= 0.25 of it (0.25 ms a step + 25 us a row).")

@@ -156,6 +156,8 @@ def merge_sweeps(sweeps: list[dict]) -> dict:
 
 
 BREAK_EVEN = (1.0, 1.15)  # hybrid aware's speed over learned aware: the host budgets reported for them
+BUDGET_STEPS = 5  # bisection steps: a budget is found to within 1 / 2^5 of the measured host work
+BUDGET_RESOLUTION = 1 / 2**BUDGET_STEPS
 
 
 def host_budget(seconds_at: Callable[[float], float], target: float, high: float, steps: int = 5) -> float | None:
@@ -209,7 +211,7 @@ def simulated_h100(pooled: dict, quick: bool, seed: int, log: Callable[[str], No
                                         GPU_MAX_BATCH, reps, seed, modes=("aware",))["aware"]["seconds"]
         return known[share]
 
-    break_even = {f"{speedup:.2f}": host_budget(aware_seconds, seconds["learned"]["aware"] / speedup, 1.0)
+    break_even = {f"{speedup:.2f}": host_budget(aware_seconds, seconds["learned"]["aware"] / speedup, 1.0, BUDGET_STEPS)
                   for speedup in BREAK_EVEN}
     log("SIMULATED: hybrid's aware host budget (share of the measured host work) for " + ", ".join(
         f"{k}x learned's aware: {'none' if v is None else f'{v:.2f}'}" for k, v in break_even.items()))
@@ -238,8 +240,14 @@ def markdown(sim: dict) -> list[str]:
                 if m == "static_best" else f"`{m}`")
         lines.append(f"| {name} | {s['learned'][m]:.1f} | {s['hybrid'][m]:.1f} | {s['learned'][m] / s['hybrid'][m]:.2f}x "
                      f"| {s['hybrid_no_host'][m]:.1f} | {s['learned'][m] / s['hybrid_no_host'][m]:.2f}x |")
-    budgets = ", ".join(f"{k}x at <= {'-' if v is None else f'{v:.2f} of it ({host.scaled(v).describe()})'}"
-                        for k, v in sim["host_budget_share"].items())
+    def budget(v: float | None) -> str:
+        if v is None:
+            return "- (not even without host work)"
+        if v == 0.0:  # met without host work, at no share the bisection tried
+            return f"< {BUDGET_RESOLUTION:.2f} of it"
+        return f"<= {v:.2f} of it ({host.scaled(v).describe()})"
+
+    budgets = ", ".join(f"{k}x at {budget(v)}" for k, v in sim["host_budget_share"].items())
     lines += ["", f"The share of the measured host work at which hybrid's `aware` reaches learned's (SIMULATED, "
                   f"bisection): {budgets}."]
     return lines
