@@ -168,3 +168,29 @@ def test_a_checkpoint_before_the_first_update_resumes(tmp_path, backend, stage):
     straight, resumed, same_weights = run_world(_resume_before_any_update, 1, tmp_path / "world", backend, stage,
                                                 tmp_path / "policy", tmp_path, timeout_s=240.0)[0]
     assert straight[0]["updates"] == 2 and resumed == straight and same_weights
+
+
+def _build_then_leave(rank, world, args, out):
+    """The DeepSpeed trainer built in a world nothing else initialised (the trainer makes the group), one
+    step, then left; at exit the process records whether the group was still there."""
+    import atexit
+
+    import torch.distributed as dist
+
+    from fastgrpo.trainers import build_trainer
+
+    # registered before the trainer registers its handler, so it runs after it (last in, first out)
+    atexit.register(lambda: (out / f"exit{rank}").write_text(f"initialized={dist.is_initialized()}"))
+    cfg = load_config(None, args + ["trainer.backend=deepspeed"])
+    return build_trainer(cfg).train_step(a_batch(cfg.model.path))["loss"]
+
+
+@pytest.mark.slow  # a multi-process world
+def test_the_group_the_deepspeed_trainer_makes_is_gone_before_the_interpreter_exits(tmp_path, tiny_policy):
+    """A gloo group left to the interpreter's finalization can abort the rank after its work ("terminate
+    called without an active exception", seen once in this module's DP2 test): the trainer's own group is
+    destroyed at exit, as `init_world`'s are."""
+    args = tiny_overrides(tmp_path, tiny_policy, **{"grpo.micro_batch_size": 2, "deepspeed.zero_stage": 2})
+    losses = run_world(_build_then_leave, 2, tmp_path / "world", args, tmp_path, timeout_s=240.0)
+    assert losses[0] == losses[1]
+    assert [(tmp_path / f"exit{r}").read_text() for r in range(2)] == ["initialized=False"] * 2

@@ -26,6 +26,7 @@ torch's extension directory afterwards).
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -57,13 +58,14 @@ def _start_deepspeed():
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     if not dist.is_initialized():  # torchrun's world is made by the loop; a process started alone is one
-        from fastgrpo.distributed import COLLECTIVE_TIMEOUT, free_port
+        from fastgrpo.distributed import COLLECTIVE_TIMEOUT, close_world, free_port
 
         for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
                            ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
             os.environ.setdefault(key, value)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]), timeout=COLLECTIVE_TIMEOUT)
+        atexit.register(close_world)  # destroyed before the interpreter's finalization, as `init_world`'s are
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
     return deepspeed
 
