@@ -26,7 +26,8 @@ from fastgrpo.local_world import run_world
 from tests.conftest import assert_same_update
 from tests.test_megatron_families import hf_scores, max_diff
 from tests.test_megatron_moe import (EXPERTS, GRPO_ONE, GRPO_TWO, SHAPE, TOL, _trainer, assert_same_metrics,  # noqa: F401
-                                     grpo_batch, hf_model, moe_config, on_disk, policy, rank_round_trip, torch_step)  # (policy: its fixture)
+                                     distributed_optimizer_and_resume, grpo_batch, hf_model, moe_config, on_disk,
+                                     policy, rank_round_trip, torch_step)  # (policy: its fixture)
 
 pytest.importorskip("megatron.core")
 
@@ -271,30 +272,12 @@ def test_routing_replay_at_etp1_steps_as_the_torch_trainer(tmp_path, policy):
     assert 0.3 < want["routing_mismatch"] < 1.0
 
 
-def _etp1_distributed_optimizer_and_resume(rank, world, policy_dir, checkpoint):
-    """TP2 x EP2 at ETP1: a step with the replicated optimizer and one with the distributed one (the
-    experts' state sharded over their expert-data group, which at ETP1 spans the TP ranks); the latter
-    saved, loaded by a new trainer, and one more step of each (resumed and continued)."""
-    out = {}
-    for distributed in (False, True):
-        trainer = _trainer(policy_dir, 2, 1, 2, GRPO_TWO, distributed_optimizer=distributed, expert_tensor=1)
-        batch = grpo_batch()
-        batch.engine_logprobs = trainer.logprobs(batch) * batch.response_mask
-        out[distributed] = trainer.train_step(batch)
-    trainer.save(checkpoint)
-    resumed = _trainer(policy_dir, 2, 1, 2, GRPO_TWO, distributed_optimizer=True, expert_tensor=1)
-    resumed.load(checkpoint)
-    out["resumed"], out["continued"] = resumed.train_step(batch), trainer.train_step(batch)
-    out["weights"] = dict(resumed.export_weights()), dict(trainer.export_weights())
-    return out
-
-
 @pytest.mark.slow  # a world of 4
 def test_etp1_with_the_distributed_optimizer_steps_alike_and_resumes_bit_for_bit(tmp_path, policy):
     """megatron's distributed optimizer at TP2 x EP2 with each expert whole (ETP1): the replicated
     optimizer's step to rounding; saved and resumed, the next step is the continued run's bit for bit."""
-    out = run_world(_etp1_distributed_optimizer_and_resume, 4, tmp_path / "world", policy, tmp_path / "checkpoint",
-                    timeout_s=500)[0]
+    out = run_world(distributed_optimizer_and_resume, 4, tmp_path / "world", policy, tmp_path / "checkpoint", 2,
+                    {"expert_tensor": 1}, timeout_s=500)[0]
     for key in ("loss", "grad_norm"):
         assert out[True][key] == pytest.approx(out[False][key], rel=1e-6), key
     assert out["resumed"] == out["continued"]

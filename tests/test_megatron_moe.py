@@ -520,17 +520,19 @@ def test_ep2_trains_as_the_torch_trainer_and_checkpoints_its_policy(tmp_path, po
     assert abs(lossy["grad_norm"] - plain["grad_norm"]) > 1e-4 * plain["grad_norm"]
 
 
-def _distributed_optimizer_and_resume(rank, world, policy_dir, checkpoint):
-    """EP2: one step with the replicated optimizer and one with the distributed one; the latter saved,
-    loaded by a new trainer, and one more step of each (resumed and continued)."""
+def distributed_optimizer_and_resume(rank, world, policy_dir, checkpoint, tp=1, layout=None):
+    """At TP `tp` x EP2 (`layout`: more of the trainer's layout, e.g. {"expert_tensor": 1}): one step with the
+    replicated optimizer and one with the distributed one; the latter saved, loaded by a new trainer,
+    and one more step of each (resumed and continued)."""
+    layout = layout or {}
     out = {}
     for distributed in (False, True):
-        trainer = _trainer(policy_dir, 1, 1, 2, GRPO_TWO, distributed_optimizer=distributed)
+        trainer = _trainer(policy_dir, tp, 1, 2, GRPO_TWO, distributed_optimizer=distributed, **layout)
         batch = grpo_batch()
         batch.engine_logprobs = trainer.logprobs(batch) * batch.response_mask
         out[distributed] = trainer.train_step(batch)
     trainer.save(checkpoint)
-    resumed = _trainer(policy_dir, 1, 1, 2, GRPO_TWO, distributed_optimizer=True)
+    resumed = _trainer(policy_dir, tp, 1, 2, GRPO_TWO, distributed_optimizer=True, **layout)
     resumed.load(checkpoint)
     out["resumed"], out["continued"] = resumed.train_step(batch), trainer.train_step(batch)
     out["weights"] = dict(resumed.export_weights()), dict(trainer.export_weights())
@@ -542,7 +544,7 @@ def test_ep2_with_the_distributed_optimizer_steps_alike_and_resumes_bit_for_bit(
     """megatron's distributed optimizer (expert parameters sharded over their own data-parallel group)
     at EP2: the replicated optimizer's step to rounding; saved and resumed, the next step is the
     continued run's bit for bit."""
-    out = run_world(_distributed_optimizer_and_resume, 2, tmp_path / "world", policy, tmp_path / "checkpoint",
+    out = run_world(distributed_optimizer_and_resume, 2, tmp_path / "world", policy, tmp_path / "checkpoint",
                     timeout_s=400)[0]
     for key in ("loss", "grad_norm"):
         assert out[True][key] == pytest.approx(out[False][key], rel=1e-6), key
