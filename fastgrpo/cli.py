@@ -232,5 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     return status or 0
 
 
+def run() -> None:
+    """The `fastgrpo` command (and `python -m fastgrpo`, what torchrun starts): `main`, then the end
+    of the process through `end_process`, so that a rank whose work is done cannot fail at exit."""
+    from fastgrpo.process_exit import end_process
+
+    end_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -103,7 +103,8 @@ def close_world() -> None:
     and the channel's); `init_world` has it run at exit. A gloo group left to the interpreter's
     finalization can abort the process (its worker threads still hold finished work, whose release
     then needs a GIL that is gone: pytorch issue 190489), and under torchrun one rank's abort ends the
-    job: the others' final evaluation, checkpoint and summary with it."""
+    job: the others' final evaluation, checkpoint and summary with it. A group that something else
+    still holds outlives this: `fastgrpo.process_exit.end_process` covers that case."""
     global _channel
     _channel = None
     if dist.is_initialized():

@@ -19,6 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 from fastgrpo.distributed import free_port
+from fastgrpo.process_exit import end_process
 
 
 def kill_tree(pid: int) -> None:
@@ -50,6 +51,7 @@ def _rank_main(fn, rank: int, world: int, port: int, out: Path, args: tuple, thr
     except BaseException:
         torch.save({"error": traceback.format_exc()}, out / f"rank{rank}.pt")
         raise
+    end_process(0)  # as the `fastgrpo` command ends a rank
 
 
 def run_world(fn, world: int, tmp: Path, *args, timeout_s: float = 180.0, threads: int = 1) -> list:

@@ -7,10 +7,9 @@ The command users call; the library is `fastgrpo/conversion/` (its package docst
 built as it is), which this module re-exports.
 """
 
-import sys
-
 from fastgrpo.conversion import *  # noqa: F401,F403  (the library's names, for `from tools import convert_checkpoint`)
 from fastgrpo.conversion.cli import main
+from fastgrpo.process_exit import end_process
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_process(main())  # no abort at exit from a group something still holds

@@ -1,7 +1,6 @@
 """`python -m fastgrpo.conversion SUBCOMMAND ...`: the same command as tools/convert_checkpoint.py."""
 
-import sys
-
 from fastgrpo.conversion.cli import main
+from fastgrpo.process_exit import end_process
 
-sys.exit(main())
+end_process(main())  # no abort at exit from a group something still holds

@@ -1,7 +1,6 @@
 """`python -m fastgrpo.bench.gpu_check ...` (tools/gpu_check.sh runs it so)."""
 
-import sys
-
 from fastgrpo.bench.gpu_check.driver import main
+from fastgrpo.process_exit import end_process
 
-sys.exit(main())
+end_process(main())  # no abort at exit from a group something still holds
