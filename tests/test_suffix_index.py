@@ -6,7 +6,11 @@ import random
 
 import pytest
 
-from fastgrpo.speculation.suffix_index import IndexLimits, SuffixIndex, SuffixTrie
+from fastgrpo.speculation.suffix_index import Candidates, CompiledTrie, IndexLimits, SuffixIndex, SuffixTrie
+
+# the Python trie and the compiled one (tests/test_suffix_trie_compiled.py: the two agree on everything)
+TRIES = [pytest.param(SuffixTrie, id="python"),
+         pytest.param(CompiledTrie, id="compiled", marks=pytest.mark.skipif(CompiledTrie is None, reason="not built"))]
 
 
 def occurrences(texts: list[list[int]], s: tuple[int, ...]) -> int:
@@ -61,12 +65,13 @@ def check_candidates(cands, texts, context, window, depth, budget, alphabet, pri
         assert parent < i and cands.depth[i] == (1 if parent < 0 else cands.depth[parent] + 1) <= depth
 
 
-def test_matches_and_candidates_equal_a_brute_force_count():
+@pytest.mark.parametrize("trie_type", TRIES)
+def test_matches_and_candidates_equal_a_brute_force_count(trie_type):
     rng = random.Random(0)
     alphabet = range(4)
     for trial in range(40):
         window, depth = rng.randint(1, 5), rng.randint(1, 4)
-        trie = SuffixTrie(window + depth)
+        trie = trie_type(window + depth)
         texts = [[rng.randrange(4) for _ in range(rng.randint(1, 30))] for _ in range(rng.randint(1, 4))]
         for t in texts:
             trie.insert(t)
@@ -74,7 +79,7 @@ def test_matches_and_candidates_equal_a_brute_force_count():
             context = [rng.randrange(4) for _ in range(rng.randint(1, 8))]
             node, m = trie.match(context, window)
             budget, prior = rng.randint(1, 12), rng.choice([0.0, 0.5, 1.0])
-            cands = trie.continuations(node, budget, depth, prior) if m else None
+            cands = Candidates(*trie.continuations(node, budget, depth, prior)) if m else None
             if cands is not None:
                 cands.match_len = m
                 check_candidates(cands, texts, context, window, depth, budget, alphabet, prior)
@@ -82,27 +87,29 @@ def test_matches_and_candidates_equal_a_brute_force_count():
                 assert brute_match(texts, context, window) == 0
 
 
-def test_a_text_being_written_matches_its_own_earlier_text_not_its_end():
+@pytest.mark.parametrize("trie_type", TRIES)
+def test_a_text_being_written_matches_its_own_earlier_text_not_its_end(trie_type):
     """The sequence's own end is in the index (it is being written there): the match skips that
     occurrence, which has nothing after it, and finds the earlier one that does."""
-    trie = SuffixTrie(8)
+    trie = trie_type(8)
     w = trie.writer()
     w.extend([5, 1, 2, 3, 9, 7, 1, 2, 3])  # "1 2 3" occurred before, followed by 9
     node, m = trie.match(w.tokens, window=4)
     assert m == 3  # "7 1 2 3" occurs only at the end; "1 2 3" earlier, followed by 9
-    cands = trie.continuations(node, budget=4, depth=3)
+    cands = Candidates(*trie.continuations(node, budget=4, depth=3))
     assert cands.paths()[:3] == [(9,), (9, 7), (9, 7, 1)]
     assert math.exp(cands.logp[0]) == pytest.approx(1 / 2)  # seen once: 1 / (1 + prior)
 
 
-def test_a_response_matches_from_its_frontier_as_a_walk_of_its_text_does():
+@pytest.mark.parametrize("trie_type", TRIES)
+def test_a_response_matches_from_its_frontier_as_a_walk_of_its_text_does(trie_type):
     """`Response.lookup` reads its match off its writer's frontier; `SuffixIndex.lookup` of the same text
     walks the trie along suffix links: the same candidates at every step, while siblings write beside it,
     earlier responses are trimmed (`responses=2`) and matches pass the window and the cut."""
     rng = random.Random(7)
     for trial in range(30):
         limits = IndexLimits(window=rng.randint(1, 5), depth=rng.randint(1, 4), responses=2)
-        index = SuffixIndex(limits)
+        index = SuffixIndex(limits, compiled=trie_type is not SuffixTrie)
         prompt = [rng.randrange(3) for _ in range(rng.randint(1, 6))]
         for _ in range(3):  # three calls of a group of three, written a few tokens at a time, interleaved
             group = [index.open("p", prompt) for _ in range(3)]

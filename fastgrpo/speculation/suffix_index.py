@@ -31,6 +31,10 @@ In a distributed rollout each engine answers its share of the prompts, and a pro
 land on another engine: every engine receives every engine's answers, and `remember` keeps the other
 shares' as their prompts' history, indexed lazily, when the prompt is next used here.
 
+The trie is compiled C (`_suffix_trie.c`, built at install where a C compiler is found: the host
+work of a step, which a GPU waits on, is several times smaller) with `SuffixTrie` below as its
+reference and fallback; both give identical nodes, matches and candidates.
+
 Limits: each prompt keeps its last `responses` finished responses (older ones are removed from its
 trie); all prompts together hold at most `max_tokens` tokens of indexed text (a trie holds at most
 `window + depth` nodes per token), the least recently used prompts being dropped whole when the cap is
@@ -45,6 +49,11 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+
+try:  # the same trie in C, where the install built it
+    from fastgrpo.speculation._suffix_trie import SuffixTrie as CompiledTrie
+except ImportError:
+    CompiledTrie = None
 
 
 class SuffixTrie:
@@ -138,9 +147,10 @@ class SuffixTrie:
         return node, depth[node]
 
     def continuations(self, node: int, budget: int, depth: int, prior: float = 1.0,
-                      min_prob: float = 0.0) -> Candidates:
+                      min_prob: float = 0.0) -> tuple[list[int], list[int], list[int], list[float], list[int]]:
         """The `budget` most probable continuation paths below `node`, at most `depth` tokens deep, best
-        first (so every node's parent comes before it)."""
+        first (so every node's parent comes before it), as `Candidates`' tokens, parents, depth, logp and
+        counts (`Candidates(*found)`)."""
         out = Candidates()
         heap: list[tuple[float, int, int, int, int]] = []
         tie = 0
@@ -168,7 +178,7 @@ class SuffixTrie:
             out.depth.append(d)
             if d < depth:
                 push(child, -neg, len(out.tokens) - 1)
-        return out
+        return out.tokens, out.parents, out.depth, out.logp, out.counts
 
 
 class TrieWriter:
@@ -269,9 +279,9 @@ class IndexLimits:
 class _Prompt:
     """One prompt key's trie: its prompt, finished responses (oldest first) and open responses."""
 
-    def __init__(self, prompt: Sequence[int], limits: IndexLimits):
+    def __init__(self, prompt: Sequence[int], limits: IndexLimits, trie: type):
         self.prompt = list(prompt)
-        self.trie = SuffixTrie(limits.window + limits.depth)
+        self.trie = trie(limits.window + limits.depth)
         self.tail = list(prompt[-(limits.window + limits.depth):])
         self.trie.insert(prompt)
         self.tokens = len(prompt)  # indexed tokens
@@ -310,7 +320,14 @@ class SuffixIndex:
     """Suffix tries of what each prompt's responses wrote (module docstring). Keys are any hashable
     value that identifies a prompt across calls (the engine uses its token ids)."""
 
-    def __init__(self, limits: IndexLimits | None = None):
+    def __init__(self, limits: IndexLimits | None = None, compiled: bool | None = None):
+        """`compiled`: the C trie (True), the Python one (False), or the C one where it was built (None)."""
+        if compiled is None:
+            compiled = CompiledTrie is not None
+        if compiled and CompiledTrie is None:
+            raise RuntimeError("the compiled suffix trie (fastgrpo/speculation/_suffix_trie.c) is not built: "
+                               "reinstall fastgrpo (`pip install -e .`) where a C compiler is found")
+        self.trie_type = CompiledTrie if compiled else SuffixTrie
         self.limits = limits or IndexLimits()
         self.prompts: OrderedDict[Hashable, _Prompt] = OrderedDict()  # least recently used first
         self.tokens = 0
@@ -331,7 +348,7 @@ class SuffixIndex:
         """The prompt's entry (made, with its prompt indexed, if new), as the most recently used."""
         entry = self.prompts.get(key)
         if entry is None:
-            entry = self.prompts[key] = _Prompt(prompt, self.limits)
+            entry = self.prompts[key] = _Prompt(prompt, self.limits, self.trie_type)
             self.tokens += entry.tokens
         self.prompts.move_to_end(key)
         return entry
@@ -408,8 +425,8 @@ class SuffixIndex:
             else:
                 node, length = entry.trie.match(context, self.limits.window)
             depth = self.limits.depth if depth is None else min(depth, self.limits.depth)
-            out = Candidates() if length == 0 else entry.trie.continuations(
-                node, budget, depth, self.limits.prior / length, min_prob)
+            out = Candidates() if length == 0 else Candidates(*entry.trie.continuations(
+                node, budget, depth, self.limits.prior / length, min_prob))
             out.match_len = length if out.tokens else 0
         self.lookups += 1
         self.lookup_s += time.perf_counter() - t
@@ -433,7 +450,7 @@ class SuffixIndex:
         self.prompts.clear()
         self.tokens = 0
         for saved in state["prompts"]:
-            entry = self.prompts[tuple(saved["key"])] = _Prompt(saved["prompt"], self.limits)
+            entry = self.prompts[tuple(saved["key"])] = _Prompt(saved["prompt"], self.limits, self.trie_type)
             for response in saved["history"][-self.limits.responses:]:
                 entry.pending.append(list(response))
                 entry.tokens += len(response)

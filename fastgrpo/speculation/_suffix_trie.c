@@ -1,0 +1,503 @@
+/* The suffix trie of fastgrpo/speculation/suffix_index.py in C: the same structure, the same answers.
+ *
+ * `SuffixTrie` and `TrieWriter` here behave as the Python classes of that module (which stay as the
+ * reference and the fallback where this extension is not built): the suffixes of every inserted text
+ * cut at `max_depth` tokens, with occurrence counts and suffix links; a writer appends one token to
+ * every suffix ending at its text's last token; `match` finds the longest suffix of a context that
+ * occurred with a continuation; `continuations` is the best-first search of the most probable paths
+ * below a node. A node's children are kept in the order they were added (a removed child and a later
+ * re-added one go last), as a Python dict keeps them, so ties between equally probable paths are
+ * broken as the Python search breaks them and both return identical candidates.
+ *
+ * Why C: a writer touches up to `max_depth` nodes per token and a lookup walks a heap of paths; in
+ * Python this is about a hundred microseconds of host time per running sequence and step, on the
+ * critical path of every speculative step. Nodes are integer ids into flat arrays; ids of removed
+ * nodes are reused.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    int32_t *ids; /* children, in the order they were added */
+    int32_t n, cap;
+} Kids;
+
+typedef struct {
+    PyObject_HEAD
+    int32_t max_depth;
+    int32_t size, cap; /* node ids in use or free: 0 .. size-1; node 0 is the root */
+    int32_t *count, *depth, *link, *token;
+    Kids *kids;
+    int32_t *free_ids;
+    int32_t n_free, free_cap;
+} Trie;
+
+typedef struct {
+    PyObject_HEAD
+    Trie *trie;
+    PyObject *tokens;  /* list of ints: the text written */
+    int32_t *frontier; /* frontier[i]: the node of the text's last i + 1 tokens */
+    int32_t *next;     /* the frontier being made by an append */
+    int32_t n_frontier;
+} Writer;
+
+static PyTypeObject TrieType;
+static PyTypeObject WriterType;
+
+/* -- growable arrays ------------------------------------------------------------------------------ */
+static int grow_i32(int32_t **a, int32_t *cap, int32_t need) {
+    if (need <= *cap) return 0;
+    int32_t c = *cap ? *cap : 8;
+    while (c < need) c *= 2;
+    int32_t *p = realloc(*a, (size_t)c * sizeof(int32_t));
+    if (!p) { PyErr_NoMemory(); return -1; }
+    *a = p;
+    *cap = c;
+    return 0;
+}
+
+static int kids_add(Kids *k, int32_t child) {
+    if (grow_i32(&k->ids, &k->cap, k->n + 1) < 0) return -1;
+    k->ids[k->n++] = child;
+    return 0;
+}
+
+static int32_t kid(const Trie *t, int32_t node, int32_t x) {
+    const Kids *k = &t->kids[node];
+    for (int32_t i = 0; i < k->n; i++)
+        if (t->token[k->ids[i]] == x) return k->ids[i];
+    return -1;
+}
+
+static void kids_remove(Kids *k, int32_t child) {
+    for (int32_t i = 0; i < k->n; i++)
+        if (k->ids[i] == child) {
+            memmove(k->ids + i, k->ids + i + 1, (size_t)(k->n - i - 1) * sizeof(int32_t));
+            k->n--;
+            return;
+        }
+}
+
+/* A node of no occurrence yet under `parent` by token `x` (a removed node's id if one is free). */
+static int32_t trie_new(Trie *t, int32_t parent, int32_t x, int32_t depth, int32_t link) {
+    int32_t node;
+    if (t->n_free) {
+        node = t->free_ids[--t->n_free];
+    } else {
+        if (t->size == t->cap) {
+            int32_t c = t->cap ? t->cap * 2 : 64;
+            int32_t *arrays[4] = {t->count, t->depth, t->link, t->token};
+            for (int i = 0; i < 4; i++) {
+                int32_t *p = realloc(arrays[i], (size_t)c * sizeof(int32_t));
+                if (!p) { PyErr_NoMemory(); return -1; }
+                arrays[i] = p;
+            }
+            t->count = arrays[0], t->depth = arrays[1], t->link = arrays[2], t->token = arrays[3];
+            Kids *k = realloc(t->kids, (size_t)c * sizeof(Kids));
+            if (!k) { PyErr_NoMemory(); return -1; }
+            memset(k + t->cap, 0, (size_t)(c - t->cap) * sizeof(Kids));
+            t->kids = k;
+            t->cap = c;
+        }
+        node = t->size++;
+    }
+    t->count[node] = 0, t->depth[node] = depth, t->link[node] = link, t->token[node] = x;
+    t->kids[node].n = 0;
+    if (parent >= 0 && kids_add(&t->kids[parent], node) < 0) return -1;
+    return node;
+}
+
+static long as_token(PyObject *o) {
+    long x = PyLong_AsLong(o);
+    if (x == -1 && PyErr_Occurred()) return -1;
+    if (x < 0 || x > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "a token id must be in [0, 2^31), got %ld", x);
+        return -1;
+    }
+    return x;
+}
+
+/* -- SuffixTrie --------------------------------------------------------------------------------- */
+static int Trie_init(Trie *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"max_depth", NULL};
+    int max_depth;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "i", names, &max_depth)) return -1;
+    if (max_depth < 2) {
+        PyErr_Format(PyExc_ValueError, "max_depth must be >= 2, got %d", max_depth);
+        return -1;
+    }
+    if (self->size) { PyErr_SetString(PyExc_RuntimeError, "SuffixTrie initialised twice"); return -1; }
+    self->max_depth = max_depth;
+    return trie_new(self, -1, -1, 0, 0) < 0 ? -1 : 0;
+}
+
+static void Trie_dealloc(Trie *self) {
+    for (int32_t i = 0; i < self->cap; i++) free(self->kids[i].ids);
+    free(self->kids);
+    free(self->count), free(self->depth), free(self->link), free(self->token), free(self->free_ids);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Trie_nodes(Trie *self, void *closure) {
+    return PyLong_FromLong(self->size - self->n_free);
+}
+
+static PyObject *Trie_max_depth(Trie *self, void *closure) { return PyLong_FromLong(self->max_depth); }
+
+static PyObject *Trie_writer(Trie *self, PyObject *unused);
+static int writer_extend(Writer *w, PyObject *tokens);
+
+static PyObject *Trie_insert(Trie *self, PyObject *tokens) {
+    Writer *w = (Writer *)Trie_writer(self, NULL);
+    if (!w) return NULL;
+    if (writer_extend(w, tokens) < 0) { Py_DECREF(w); return NULL; }
+    return (PyObject *)w;
+}
+
+/* Remove one earlier insertion of `tokens`: every count it added is taken back, and strings that no
+ * longer occur leave the trie (the same walk as the Python reference's). */
+static PyObject *Trie_remove(Trie *self, PyObject *tokens) {
+    PyObject *seq = PySequence_Fast(tokens, "tokens must be a sequence of ints");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int32_t md = self->max_depth;
+    int32_t *frontier = malloc((size_t)(md + 1) * sizeof(int32_t));
+    int32_t *next = malloc((size_t)(md + 1) * sizeof(int32_t));
+    int32_t *freed = NULL, n_freed = 0, freed_cap = 0, nf = 0;
+    if (!frontier || !next) goto nomem;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long x = as_token(PySequence_Fast_GET_ITEM(seq, i));
+        if (x < 0) goto fail;
+        int32_t nn = 0;
+        for (int32_t j = -1; j < nf; j++) {
+            int32_t parent = j < 0 ? 0 : frontier[j];
+            if (self->depth[parent] >= md) continue;
+            int32_t child = kid(self, parent, (int32_t)x);
+            if (child < 0) {
+                PyErr_SetString(PyExc_KeyError, "remove: the text was not inserted");
+                goto fail;
+            }
+            if (--self->count[child] == 0) {
+                kids_remove(&self->kids[parent], child); /* still walked for the tokens after it */
+                if (grow_i32(&freed, &freed_cap, n_freed + 1) < 0) goto fail;
+                freed[n_freed++] = child;
+            }
+            next[nn++] = child;
+        }
+        int32_t *s = frontier;
+        frontier = next, next = s, nf = nn;
+    }
+    if (grow_i32(&self->free_ids, &self->free_cap, self->n_free + n_freed) < 0) goto fail;
+    for (int32_t i = 0; i < n_freed; i++) { /* reusable only now that the walk is done */
+        self->kids[freed[i]].n = 0;
+        self->free_ids[self->n_free++] = freed[i];
+    }
+    free(frontier), free(next), free(freed);
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+nomem:
+    PyErr_NoMemory();
+fail:
+    free(frontier), free(next), free(freed);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+static PyObject *match_result(const Trie *t, int32_t node) {
+    while (node != 0 && t->kids[node].n == 0) node = t->link[node];
+    return Py_BuildValue("(ii)", node, t->depth[node]);
+}
+
+/* The node of the longest suffix of `tail` (at most `window` tokens) that occurs with a continuation,
+ * and its length. */
+static PyObject *Trie_match(Trie *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"tail", "window", NULL};
+    PyObject *tail;
+    int window;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Oi", names, &tail, &window)) return NULL;
+    if (window < 1) return PyErr_Format(PyExc_ValueError, "window must be >= 1, got %d", window);
+    PyObject *seq = PySequence_Fast(tail, "tail must be a sequence of ints");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int32_t node = 0;
+    for (Py_ssize_t i = n > window ? n - window : 0; i < n; i++) {
+        long x = as_token(PySequence_Fast_GET_ITEM(seq, i));
+        if (x < 0) { Py_DECREF(seq); return NULL; }
+        for (;;) {
+            if (self->depth[node] >= window) node = self->link[node];
+            int32_t child = kid(self, node, (int32_t)x);
+            if (child >= 0) { node = child; break; }
+            if (node == 0) break;
+            node = self->link[node];
+        }
+    }
+    Py_DECREF(seq);
+    return match_result(self, node);
+}
+
+typedef struct {
+    double neg; /* minus the path's log-probability */
+    int64_t tie;
+    int32_t child, index, token;
+} Entry;
+
+static int before(const Entry *a, const Entry *b) {
+    return a->neg < b->neg || (a->neg == b->neg && a->tie < b->tie);
+}
+
+typedef struct {
+    Entry *a;
+    Py_ssize_t n, cap;
+} Heap;
+
+static int heap_push(Heap *h, Entry e) {
+    if (h->n == h->cap) {
+        Py_ssize_t c = h->cap ? h->cap * 2 : 64;
+        Entry *p = realloc(h->a, (size_t)c * sizeof(Entry));
+        if (!p) { PyErr_NoMemory(); return -1; }
+        h->a = p, h->cap = c;
+    }
+    Py_ssize_t i = h->n++;
+    while (i > 0) {
+        Py_ssize_t up = (i - 1) / 2;
+        if (!before(&e, &h->a[up])) break;
+        h->a[i] = h->a[up];
+        i = up;
+    }
+    h->a[i] = e;
+    return 0;
+}
+
+static Entry heap_pop(Heap *h) {
+    Entry top = h->a[0], last = h->a[--h->n];
+    Py_ssize_t i = 0;
+    for (;;) {
+        Py_ssize_t c = 2 * i + 1;
+        if (c >= h->n) break;
+        if (c + 1 < h->n && before(&h->a[c + 1], &h->a[c])) c++;
+        if (!before(&h->a[c], &last)) break;
+        h->a[i] = h->a[c];
+        i = c;
+    }
+    if (h->n) h->a[i] = last;
+    return top;
+}
+
+static int push_children(const Trie *t, Heap *h, int64_t *tie, int32_t parent, double logp, int32_t index,
+                         double prior, double floor) {
+    const Kids *k = &t->kids[parent];
+    int64_t total = 0;
+    for (int32_t i = 0; i < k->n; i++) total += t->count[k->ids[i]];
+    double denominator = (double)total + prior;
+    for (int32_t i = 0; i < k->n; i++) {
+        int32_t child = k->ids[i];
+        double lp = logp + log((double)t->count[child] / denominator);
+        if (lp >= floor) {
+            Entry e = {-lp, (*tie)++, child, index, t->token[child]};
+            if (heap_push(h, e) < 0) return -1;
+        }
+    }
+    return 0;
+}
+
+/* The `budget` most probable continuation paths below `node`, at most `depth` tokens deep, best first:
+ * (tokens, parents, depths, log-probabilities, counts), lists as `Candidates` holds them. */
+static PyObject *Trie_continuations(Trie *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"node", "budget", "depth", "prior", "min_prob", NULL};
+    int node, budget, depth;
+    double prior = 1.0, min_prob = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iii|dd", names, &node, &budget, &depth, &prior, &min_prob))
+        return NULL;
+    if (node < 0 || node >= self->size) return PyErr_Format(PyExc_IndexError, "no node %d", node);
+    double floor = min_prob > 0 ? log(min_prob) : -INFINITY;
+    PyObject *lists[5] = {PyList_New(0), PyList_New(0), PyList_New(0), PyList_New(0), PyList_New(0)};
+    int32_t *depths = NULL, n_out = 0, depths_cap = 0;
+    Heap h = {0};
+    int64_t tie = 0;
+    for (int i = 0; i < 5; i++)
+        if (!lists[i]) goto fail;
+    if (push_children(self, &h, &tie, node, 0.0, -1, prior, floor) < 0) goto fail;
+    while (h.n && n_out < budget) {
+        Entry e = heap_pop(&h);
+        int32_t d = e.index < 0 ? 1 : depths[e.index] + 1;
+        if (grow_i32(&depths, &depths_cap, n_out + 1) < 0) goto fail;
+        depths[n_out] = d;
+        PyObject *items[5] = {PyLong_FromLong(e.token), PyLong_FromLong(e.index), PyLong_FromLong(d),
+                              PyFloat_FromDouble(-e.neg), PyLong_FromLong(self->count[e.child])};
+        for (int i = 0; i < 5; i++) {
+            int bad = !items[i] || PyList_Append(lists[i], items[i]) < 0;
+            Py_XDECREF(items[i]);
+            if (bad) {
+                for (int j = i + 1; j < 5; j++) Py_XDECREF(items[j]);
+                goto fail;
+            }
+        }
+        if (d < depth && push_children(self, &h, &tie, e.child, -e.neg, n_out, prior, floor) < 0) goto fail;
+        n_out++;
+    }
+    free(h.a), free(depths);
+    return Py_BuildValue("(NNNNN)", lists[0], lists[1], lists[2], lists[3], lists[4]);
+fail:
+    free(h.a), free(depths);
+    for (int i = 0; i < 5; i++) Py_XDECREF(lists[i]);
+    return NULL;
+}
+
+/* -- TrieWriter --------------------------------------------------------------------------------- */
+static PyObject *Trie_writer(Trie *self, PyObject *unused) {
+    Writer *w = PyObject_New(Writer, &WriterType);
+    if (!w) return NULL;
+    Py_INCREF(self);
+    w->trie = self;
+    w->n_frontier = 0;
+    w->tokens = PyList_New(0);
+    w->frontier = malloc((size_t)self->max_depth * sizeof(int32_t));
+    w->next = malloc((size_t)self->max_depth * sizeof(int32_t));
+    if (!w->tokens || !w->frontier || !w->next) {
+        if (w->tokens) PyErr_NoMemory();
+        Py_DECREF(w);
+        return NULL;
+    }
+    return (PyObject *)w;
+}
+
+static void Writer_dealloc(Writer *self) {
+    Py_XDECREF(self->tokens);
+    Py_XDECREF(self->trie);
+    free(self->frontier);
+    free(self->next);
+    PyObject_Free(self);
+}
+
+/* One token appended: each suffix that ended at the text's last token, extended by it, occurs once more
+ * (frontier[i], i + 1 tokens deep, gets a child i + 2 deep, whose suffix link is the child made just
+ * before it; none past the cut). */
+static int writer_append(Writer *w, int32_t x) {
+    Trie *t = w->trie;
+    int32_t below = kid(t, 0, x);
+    if (below < 0 && (below = trie_new(t, 0, x, 1, 0)) < 0) return -1;
+    t->count[below]++;
+    int32_t n = w->n_frontier < t->max_depth - 1 ? w->n_frontier : t->max_depth - 1;
+    w->next[0] = below;
+    for (int32_t i = 0; i < n; i++) {
+        int32_t parent = w->frontier[i];
+        int32_t child = kid(t, parent, x);
+        if (child < 0 && (child = trie_new(t, parent, x, i + 2, below)) < 0) return -1;
+        t->count[child]++;
+        w->next[i + 1] = below = child;
+    }
+    int32_t *old = w->frontier;
+    w->frontier = w->next, w->next = old, w->n_frontier = n + 1;
+    return 0;
+}
+
+static int writer_extend(Writer *w, PyObject *tokens) {
+    PyObject *seq = PySequence_Fast(tokens, "tokens must be a sequence of ints");
+    if (!seq) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(seq, i);
+        long x = as_token(o);
+        if (x < 0 || writer_append(w, (int32_t)x) < 0 || PyList_Append(w->tokens, o) < 0) {
+            Py_DECREF(seq);
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    return 0;
+}
+
+static PyObject *Writer_append(Writer *self, PyObject *token) {
+    long x = as_token(token);
+    if (x < 0 || writer_append(self, (int32_t)x) < 0 || PyList_Append(self->tokens, token) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Writer_extend(Writer *self, PyObject *tokens) {
+    if (writer_extend(self, tokens) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* The longest suffix of this text (at most `window` tokens) that has occurred with a continuation, read
+ * off the frontier. */
+static PyObject *Writer_match(Writer *self, PyObject *arg) {
+    long window = PyLong_AsLong(arg);
+    if (window == -1 && PyErr_Occurred()) return NULL;
+    const Trie *t = self->trie;
+    for (long length = window < self->n_frontier ? window : self->n_frontier; length > 0; length--) {
+        int32_t node = self->frontier[length - 1];
+        if (t->kids[node].n) return Py_BuildValue("(il)", node, length);
+    }
+    return Py_BuildValue("(ii)", 0, 0);
+}
+
+static PyObject *Writer_tokens(Writer *self, void *closure) { return Py_NewRef(self->tokens); }
+static PyObject *Writer_trie(Writer *self, void *closure) { return Py_NewRef((PyObject *)self->trie); }
+
+/* -- the types ---------------------------------------------------------------------------------- */
+static PyMethodDef Trie_methods[] = {
+    {"writer", (PyCFunction)Trie_writer, METH_NOARGS, "A text inserted token by token."},
+    {"insert", (PyCFunction)Trie_insert, METH_O, "Insert a text; returns its writer."},
+    {"remove", (PyCFunction)Trie_remove, METH_O, "Remove one earlier insertion of a text."},
+    {"match", (PyCFunction)(void (*)(void))Trie_match, METH_VARARGS | METH_KEYWORDS,
+     "match(tail, window) -> (node, length)"},
+    {"continuations", (PyCFunction)(void (*)(void))Trie_continuations, METH_VARARGS | METH_KEYWORDS,
+     "continuations(node, budget, depth, prior=1.0, min_prob=0.0) -> (tokens, parents, depth, logp, counts)"},
+    {NULL}};
+
+static PyGetSetDef Trie_getset[] = {
+    {"nodes", (getter)Trie_nodes, NULL, "Nodes in the trie, the root included.", NULL},
+    {"max_depth", (getter)Trie_max_depth, NULL, "Deepest node.", NULL},
+    {NULL}};
+
+static PyTypeObject TrieType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "fastgrpo.speculation._suffix_trie.SuffixTrie",
+    .tp_basicsize = sizeof(Trie),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The suffixes of every inserted text, cut at max_depth tokens, with occurrence counts.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Trie_init,
+    .tp_dealloc = (destructor)Trie_dealloc,
+    .tp_methods = Trie_methods,
+    .tp_getset = Trie_getset,
+};
+
+static PyMethodDef Writer_methods[] = {
+    {"append", (PyCFunction)Writer_append, METH_O, "Append one token."},
+    {"extend", (PyCFunction)Writer_extend, METH_O, "Append tokens."},
+    {"match", (PyCFunction)Writer_match, METH_O, "match(window) -> (node, length)"},
+    {NULL}};
+
+static PyGetSetDef Writer_getset[] = {
+    {"tokens", (getter)Writer_tokens, NULL, "The text written (a list, appended to in place).", NULL},
+    {"trie", (getter)Writer_trie, NULL, "The trie written into.", NULL},
+    {NULL}};
+
+static PyTypeObject WriterType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "fastgrpo.speculation._suffix_trie.TrieWriter",
+    .tp_basicsize = sizeof(Writer),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One text being inserted (SuffixTrie.writer()).",
+    .tp_dealloc = (destructor)Writer_dealloc,
+    .tp_methods = Writer_methods,
+    .tp_getset = Writer_getset,
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_suffix_trie",
+                                    "fastgrpo's suffix trie in C (suffix_index.py holds the reference).", -1};
+
+PyMODINIT_FUNC PyInit__suffix_trie(void) {
+    if (PyType_Ready(&TrieType) < 0 || PyType_Ready(&WriterType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    if (PyModule_AddObjectRef(m, "SuffixTrie", (PyObject *)&TrieType) < 0 ||
+        PyModule_AddObjectRef(m, "TrieWriter", (PyObject *)&WriterType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
