@@ -50,7 +50,7 @@ from fastgrpo.models.tokenizer import load_text_format
 from fastgrpo.speculation.node_calibration import NodeCalibration
 from fastgrpo.speculation.policy import Off, Static
 from fastgrpo.speculation.spec import SpecConfig
-from fastgrpo.speculation.suffix_index import IndexLimits, SuffixIndex
+from fastgrpo.speculation.suffix_index import CompiledTrie, IndexLimits, SuffixIndex
 from fastgrpo.tasks.source import encode_problems, load_task
 from fastgrpo.types import Request, SamplingParams
 
@@ -191,7 +191,9 @@ def bench_drafts(cfg: Config, quick: bool, output: Path, extra: list[str] | None
                  "torch": torch.__version__, "policy_parameters": num_parameters(policy), "tree": tree.config.name,
                  "prompts": n_prompts, "group": group, "epochs": epochs, "replicates": replicates,
                  "max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
-                 "index_limits": dataclasses.asdict(limits), "measured_seconds": measured_s,
+                 "index_limits": dataclasses.asdict(limits),
+                 "index_trie": "compiled" if SuffixIndex().trie_type is CompiledTrie else "Python",
+                 "measured_seconds": measured_s,
                  "seconds": time.perf_counter() - t0},
         "epochs": summarise(records, epochs),
         "simulated": simulated,
@@ -216,7 +218,8 @@ def markdown(result: dict, command: str) -> str:
              f"{m['policy_parameters'] / 1e6:.1f}M parameters; {m['prompts']} training prompts x {m['group']} "
              f"samples, {m['epochs']} epochs of the same prompts (no training between them), up to "
              f"{m['max_new_tokens']} new tokens at temperature {m['temperature']}; tree {m['tree']} for every source "
-             f"(equal node budget); means over {m['replicates']} replicates ± their standard error.", "",
+             f"(equal node budget); means over {m['replicates']} replicates ± their standard error; the index's "
+             f"suffix trie {m.get('index_trie', 'Python')}.", "",
              "Tokens per sequence per verify (accepted draft tokens + 1):", "",
              "| epoch | learned | index | hybrid | index / learned (accepted) | hybrid / learned (accepted) "
              "| hybrid: accepted from the index | sequences identical to off (learned, index, hybrid) |",

@@ -12,7 +12,9 @@
  * Why C: a writer touches up to `max_depth` nodes per token and a lookup walks a heap of paths; in
  * Python this is about a hundred microseconds of host time per running sequence and step, on the
  * critical path of every speculative step. Nodes are integer ids into flat arrays; ids of removed
- * nodes are reused.
+ * nodes are reused. A node's children form a list through sibling links (in the order they were
+ * added; unlinked in constant time), and an open-addressing table maps (parent, token) to the child,
+ * so that a step costs the same whatever a node's fan-out (the root's is every distinct token).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -22,18 +24,16 @@
 #include <string.h>
 
 typedef struct {
-    int32_t *ids; /* children, in the order they were added */
-    int32_t n, cap;
-} Kids;
-
-typedef struct {
     PyObject_HEAD
     int32_t max_depth;
     int32_t size, cap; /* node ids in use or free: 0 .. size-1; node 0 is the root */
     int32_t *count, *depth, *link, *token;
-    Kids *kids;
+    int32_t *first, *last, *next, *prev; /* children lists (-1: none) */
     int32_t *free_ids;
     int32_t n_free, free_cap;
+    uint64_t *keys; /* the edge table: (parent << 32 | token) -> child, linear probing */
+    int32_t *vals;
+    size_t slots, used; /* slots: a power of two */
 } Trie;
 
 typedef struct {
@@ -60,29 +60,84 @@ static int grow_i32(int32_t **a, int32_t *cap, int32_t need) {
     return 0;
 }
 
-static int kids_add(Kids *k, int32_t child) {
-    if (grow_i32(&k->ids, &k->cap, k->n + 1) < 0) return -1;
-    k->ids[k->n++] = child;
+/* -- the edge table ------------------------------------------------------------------------------ */
+#define EMPTY UINT64_MAX
+
+static uint64_t edge_key(int32_t parent, int32_t x) { return (uint64_t)(uint32_t)parent << 32 | (uint32_t)x; }
+
+static size_t edge_home(const Trie *t, uint64_t key) {
+    key ^= key >> 33; /* the finaliser of MurmurHash3 */
+    key *= 0xff51afd7ed558ccdULL;
+    key ^= key >> 33;
+    key *= 0xc4ceb9fe1a85ec53ULL;
+    key ^= key >> 33;
+    return (size_t)key & (t->slots - 1);
+}
+
+static int32_t kid(const Trie *t, int32_t parent, int32_t x) {
+    uint64_t key = edge_key(parent, x);
+    for (size_t i = edge_home(t, key);; i = (i + 1) & (t->slots - 1)) {
+        if (t->keys[i] == key) return t->vals[i];
+        if (t->keys[i] == EMPTY) return -1;
+    }
+}
+
+static void edge_place(Trie *t, uint64_t key, int32_t child) {
+    size_t i = edge_home(t, key);
+    while (t->keys[i] != EMPTY) i = (i + 1) & (t->slots - 1);
+    t->keys[i] = key;
+    t->vals[i] = child;
+}
+
+/* The table at `slots` slots (a power of two), every edge placed again. */
+static int edge_resize(Trie *t, size_t slots) {
+    size_t old_slots = t->slots;
+    uint64_t *old_keys = t->keys;
+    int32_t *old_vals = t->vals;
+    uint64_t *keys = malloc(slots * sizeof(uint64_t));
+    int32_t *vals = malloc(slots * sizeof(int32_t));
+    if (!keys || !vals) { free(keys), free(vals); PyErr_NoMemory(); return -1; }
+    memset(keys, 0xff, slots * sizeof(uint64_t)); /* EMPTY */
+    t->keys = keys, t->vals = vals, t->slots = slots;
+    for (size_t i = 0; i < old_slots; i++)
+        if (old_keys[i] != EMPTY) edge_place(t, old_keys[i], old_vals[i]);
+    free(old_keys), free(old_vals);
     return 0;
 }
 
-static int32_t kid(const Trie *t, int32_t node, int32_t x) {
-    const Kids *k = &t->kids[node];
-    for (int32_t i = 0; i < k->n; i++)
-        if (t->token[k->ids[i]] == x) return k->ids[i];
-    return -1;
+static int edge_add(Trie *t, int32_t parent, int32_t x, int32_t child) {
+    if (2 * (t->used + 1) > t->slots && edge_resize(t, 2 * t->slots) < 0) return -1; /* at most half full */
+    edge_place(t, edge_key(parent, x), child);
+    t->used++;
+    return 0;
 }
 
-static void kids_remove(Kids *k, int32_t child) {
-    for (int32_t i = 0; i < k->n; i++)
-        if (k->ids[i] == child) {
-            memmove(k->ids + i, k->ids + i + 1, (size_t)(k->n - i - 1) * sizeof(int32_t));
-            k->n--;
-            return;
+/* Removed by shifting back the entries after it that probed past its slot (no tombstones). */
+static void edge_remove(Trie *t, int32_t parent, int32_t x) {
+    uint64_t key = edge_key(parent, x);
+    size_t mask = t->slots - 1, i = edge_home(t, key);
+    while (t->keys[i] != key) i = (i + 1) & mask;
+    for (size_t j = (i + 1) & mask; t->keys[j] != EMPTY; j = (j + 1) & mask) {
+        size_t home = edge_home(t, t->keys[j]);
+        /* j's entry may move to the hole at i unless its home lies cyclically in (i, j] */
+        if (i <= j ? (home <= i || home > j) : (home <= i && home > j)) {
+            t->keys[i] = t->keys[j], t->vals[i] = t->vals[j];
+            i = j;
         }
+    }
+    t->keys[i] = EMPTY;
+    t->used--;
 }
 
-/* A node of no occurrence yet under `parent` by token `x` (a removed node's id if one is free). */
+/* -- nodes ------------------------------------------------------------------------------------------ */
+static int32_t *grow_nodes(int32_t *a, int32_t cap) {
+    int32_t *p = realloc(a, (size_t)cap * sizeof(int32_t));
+    if (!p) PyErr_NoMemory();
+    return p;
+}
+
+/* A node of no occurrence yet, the last child of `parent` by token `x` (a removed node's id if one is
+ * free). */
 static int32_t trie_new(Trie *t, int32_t parent, int32_t x, int32_t depth, int32_t link) {
     int32_t node;
     if (t->n_free) {
@@ -90,25 +145,36 @@ static int32_t trie_new(Trie *t, int32_t parent, int32_t x, int32_t depth, int32
     } else {
         if (t->size == t->cap) {
             int32_t c = t->cap ? t->cap * 2 : 64;
-            int32_t *arrays[4] = {t->count, t->depth, t->link, t->token};
-            for (int i = 0; i < 4; i++) {
-                int32_t *p = realloc(arrays[i], (size_t)c * sizeof(int32_t));
-                if (!p) { PyErr_NoMemory(); return -1; }
-                arrays[i] = p;
+            int32_t **arrays[8] = {&t->count, &t->depth, &t->link, &t->token,
+                                   &t->first, &t->last, &t->next, &t->prev};
+            for (int i = 0; i < 8; i++) {
+                int32_t *p = grow_nodes(*arrays[i], c);
+                if (!p) return -1;
+                *arrays[i] = p;
             }
-            t->count = arrays[0], t->depth = arrays[1], t->link = arrays[2], t->token = arrays[3];
-            Kids *k = realloc(t->kids, (size_t)c * sizeof(Kids));
-            if (!k) { PyErr_NoMemory(); return -1; }
-            memset(k + t->cap, 0, (size_t)(c - t->cap) * sizeof(Kids));
-            t->kids = k;
             t->cap = c;
         }
         node = t->size++;
     }
     t->count[node] = 0, t->depth[node] = depth, t->link[node] = link, t->token[node] = x;
-    t->kids[node].n = 0;
-    if (parent >= 0 && kids_add(&t->kids[parent], node) < 0) return -1;
+    t->first[node] = t->last[node] = t->next[node] = t->prev[node] = -1;
+    if (parent >= 0) {
+        if (edge_add(t, parent, x, node) < 0) return -1;
+        t->prev[node] = t->last[parent];
+        if (t->last[parent] >= 0)
+            t->next[t->last[parent]] = node;
+        else
+            t->first[parent] = node;
+        t->last[parent] = node;
+    }
     return node;
+}
+
+/* `child` leaves its parent's children (its own stay linked to it). */
+static void unlink_child(Trie *t, int32_t parent, int32_t child) {
+    edge_remove(t, parent, t->token[child]);
+    if (t->prev[child] >= 0) t->next[t->prev[child]] = t->next[child]; else t->first[parent] = t->next[child];
+    if (t->next[child] >= 0) t->prev[t->next[child]] = t->prev[child]; else t->last[parent] = t->prev[child];
 }
 
 static long as_token(PyObject *o) {
@@ -132,13 +198,13 @@ static int Trie_init(Trie *self, PyObject *args, PyObject *kw) {
     }
     if (self->size) { PyErr_SetString(PyExc_RuntimeError, "SuffixTrie initialised twice"); return -1; }
     self->max_depth = max_depth;
+    if (edge_resize(self, 256) < 0) return -1;
     return trie_new(self, -1, -1, 0, 0) < 0 ? -1 : 0;
 }
 
 static void Trie_dealloc(Trie *self) {
-    for (int32_t i = 0; i < self->cap; i++) free(self->kids[i].ids);
-    free(self->kids);
     free(self->count), free(self->depth), free(self->link), free(self->token), free(self->free_ids);
+    free(self->first), free(self->last), free(self->next), free(self->prev), free(self->keys), free(self->vals);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -182,7 +248,7 @@ static PyObject *Trie_remove(Trie *self, PyObject *tokens) {
                 goto fail;
             }
             if (--self->count[child] == 0) {
-                kids_remove(&self->kids[parent], child); /* still walked for the tokens after it */
+                unlink_child(self, parent, child); /* still walked for the tokens after it */
                 if (grow_i32(&freed, &freed_cap, n_freed + 1) < 0) goto fail;
                 freed[n_freed++] = child;
             }
@@ -192,10 +258,9 @@ static PyObject *Trie_remove(Trie *self, PyObject *tokens) {
         frontier = next, next = s, nf = nn;
     }
     if (grow_i32(&self->free_ids, &self->free_cap, self->n_free + n_freed) < 0) goto fail;
-    for (int32_t i = 0; i < n_freed; i++) { /* reusable only now that the walk is done */
-        self->kids[freed[i]].n = 0;
+    for (int32_t i = 0; i < n_freed; i++) /* reusable only now that the walk is done (their children, no
+                                             longer occurring either, were unlinked by it) */
         self->free_ids[self->n_free++] = freed[i];
-    }
     free(frontier), free(next), free(freed);
     Py_DECREF(seq);
     Py_RETURN_NONE;
@@ -208,7 +273,7 @@ fail:
 }
 
 static PyObject *match_result(const Trie *t, int32_t node) {
-    while (node != 0 && t->kids[node].n == 0) node = t->link[node];
+    while (node != 0 && t->first[node] < 0) node = t->link[node];
     return Py_BuildValue("(ii)", node, t->depth[node]);
 }
 
@@ -289,12 +354,10 @@ static Entry heap_pop(Heap *h) {
 
 static int push_children(const Trie *t, Heap *h, int64_t *tie, int32_t parent, double logp, int32_t index,
                          double prior, double floor) {
-    const Kids *k = &t->kids[parent];
     int64_t total = 0;
-    for (int32_t i = 0; i < k->n; i++) total += t->count[k->ids[i]];
+    for (int32_t child = t->first[parent]; child >= 0; child = t->next[child]) total += t->count[child];
     double denominator = (double)total + prior;
-    for (int32_t i = 0; i < k->n; i++) {
-        int32_t child = k->ids[i];
+    for (int32_t child = t->first[parent]; child >= 0; child = t->next[child]) {
         double lp = logp + log((double)t->count[child] / denominator);
         if (lp >= floor) {
             Entry e = {-lp, (*tie)++, child, index, t->token[child]};
@@ -430,7 +493,7 @@ static PyObject *Writer_match(Writer *self, PyObject *arg) {
     const Trie *t = self->trie;
     for (long length = window < self->n_frontier ? window : self->n_frontier; length > 0; length--) {
         int32_t node = self->frontier[length - 1];
-        if (t->kids[node].n) return Py_BuildValue("(il)", node, length);
+        if (t->first[node] >= 0) return Py_BuildValue("(il)", node, length);
     }
     return Py_BuildValue("(ii)", 0, 0);
 }
