@@ -15,7 +15,7 @@ CONFIG ?= configs/tiny_cpu.yaml
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py fastgrpo/speculation/_suffix_trie.c
+$(STAMP): pyproject.toml setup.py fastgrpo/speculation/_suffix_trie.c fastgrpo/engines/embedded/_tree_merge.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml setup.py fastgrpo/speculation/_suffix_trie.c
 # Its stamp is $(GPU_STAMP) (see INSTALLED above).
 install-gpu: $(GPU_STAMP)
 
-$(GPU_STAMP): pyproject.toml setup.py fastgrpo/speculation/_suffix_trie.c tools/gpu_requirements.py fastgrpo/bench/gpu_check/pins.py
+$(GPU_STAMP): pyproject.toml setup.py fastgrpo/speculation/_suffix_trie.c fastgrpo/engines/embedded/_tree_merge.c tools/gpu_requirements.py fastgrpo/bench/gpu_check/pins.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/python tools/gpu_requirements.py > $(VENV)/gpu-requirements.txt

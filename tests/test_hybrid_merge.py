@@ -1,7 +1,8 @@
-"""The batched merge of learned and index draft trees (tree.hybrid_tree) against a reference written
-node by node: a dict of token paths per row, the rule of hybrid_tree's docstring spelled out directly.
-Random learned trees and candidates, with paths the two sources share, rows short of the budget, and
-calibrated and raw scores: the merged trees must be the same tree, node for node."""
+"""The merges of learned and index draft trees (tree.hybrid_tree: the batched tensor one and the C one)
+against a reference written node by node: a dict of token paths per row, the rule of hybrid_tree's
+docstring spelled out directly. Random learned trees and candidates, with paths the two sources share,
+rows short of the budget, and calibrated and raw scores: the merged trees must be the same tree, node for
+node; and the C merge's tree is the batched one's, tensor for tensor."""
 
 import math
 import random
@@ -9,7 +10,7 @@ import random
 import pytest
 import torch
 
-from fastgrpo.engines.embedded.tree import INDEX, LEARNED, Tree, ancestor_mask, hybrid_tree
+from fastgrpo.engines.embedded.tree import INDEX, LEARNED, Tree, ancestor_mask, compiled_merge, hybrid_tree
 from fastgrpo.speculation.node_calibration import CLASSES, NodeCalibration, node_classes
 from fastgrpo.speculation.suffix_index import Candidates
 
@@ -105,23 +106,38 @@ def merged_rows(tree: Tree) -> list[list[tuple[tuple[int, ...], float, int, floa
     return out
 
 
+def calibration_of(rng: random.Random, calibrated: bool) -> NodeCalibration | None:
+    """None, or counts that move every class away from its raw estimates."""
+    if not calibrated:
+        return None
+    calibration = NodeCalibration(prior=2.0)
+    classes = torch.tensor([rng.randrange(len(CLASSES)) for _ in range(2000)])
+    raw = torch.rand(2000, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    calibration.observe(classes, raw, torch.rand(2000, generator=torch.Generator().manual_seed(3)) < 0.3 + 0.15 * classes)
+    return calibration
+
+
+def random_case(rng: random.Random, trial: int) -> tuple[Tree | None, list[Candidates], list[int], int]:
+    rows, vocab = rng.randint(1, 4), rng.choice([3, 6, 50])
+    learned = None if trial % 5 == 0 else random_learned(rng, rows, rng.randint(1, 3), rng.randint(1, 4), vocab)
+    cands = [random_candidates(rng, learned, b, vocab) for b in range(rows)]
+    return learned, cands, [rng.randrange(vocab) for _ in range(rows)], rng.randint(2, 14)
+
+
+MERGES = [pytest.param(False, id="batched"),
+          pytest.param(True, id="compiled", marks=pytest.mark.skipif(compiled_merge is None, reason="not built"))]
+
+
+@pytest.mark.parametrize("compiled", MERGES)
 @pytest.mark.parametrize("calibrated", [False, True], ids=["raw", "calibrated"])
-def test_the_batched_merge_keeps_the_reference_nodes(calibrated):
+def test_the_merge_keeps_the_reference_nodes(calibrated, compiled):
     rng = random.Random(1)
-    calibration = None
-    if calibrated:  # counts that move every class away from its raw estimates
-        calibration = NodeCalibration(prior=2.0)
-        classes = torch.tensor([rng.randrange(len(CLASSES)) for _ in range(2000)])
-        raw = torch.rand(2000, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-        calibration.observe(classes, raw, torch.rand(2000, generator=torch.Generator().manual_seed(3)) < 0.3 + 0.15 * classes)
+    calibration = calibration_of(rng, calibrated)
     shared = 0
     for trial in range(60):
-        rows, vocab = rng.randint(1, 4), rng.choice([3, 6, 50])
-        learned = None if trial % 5 == 0 else random_learned(rng, rows, rng.randint(1, 3), rng.randint(1, 4), vocab)
-        cands = [random_candidates(rng, learned, b, vocab) for b in range(rows)]
-        roots = [rng.randrange(vocab) for _ in range(rows)]
-        num_verify = rng.randint(2, 14)
-        tree = hybrid_tree(learned, cands, torch.tensor(roots), num_verify, calibration)
+        learned, cands, roots, num_verify = random_case(rng, trial)
+        rows = len(roots)
+        tree = hybrid_tree(learned, cands, torch.tensor(roots), num_verify, calibration, compiled=compiled)
         want = reference_merge(learned, cands, roots, num_verify, calibration)
         got = merged_rows(tree)
         assert tree.tokens.shape == (rows, num_verify) and tree.tokens[:, 0].tolist() == roots
@@ -135,3 +151,29 @@ def test_the_batched_merge_keeps_the_reference_nodes(calibrated):
         depth = tree.depth.masked_fill(~tree.valid, 99) if tree.valid is not None else tree.depth
         assert bool((depth[:, 1:].diff(dim=1) >= 0).all())  # parents before children, padding last
     assert shared >= 20  # the merge of shared paths was exercised
+
+
+@pytest.mark.skipif(compiled_merge is None, reason="the compiled merge is not built here")
+@pytest.mark.parametrize("calibrated", [False, True], ids=["raw", "calibrated"])
+def test_the_compiled_merge_makes_the_batched_tree(calibrated):
+    """Every field, padding and masks included, and the same `valid` (None when every row fills the budget)."""
+    rng = random.Random(2)
+    calibration = calibration_of(rng, calibrated)
+    for trial in range(60):
+        learned, cands, roots, num_verify = random_case(rng, trial)
+        args = (learned, cands, torch.tensor(roots), num_verify, calibration)
+        batched, compiled = hybrid_tree(*args, compiled=False), hybrid_tree(*args, compiled=True)
+        for name in ("tokens", "parents", "depth", "mask", "score", "valid", "source", "raw", "match"):
+            a, b = getattr(batched, name), getattr(compiled, name)
+            assert (a is None) == (b is None), (trial, name)
+            if a is not None:
+                assert a.dtype == b.dtype and torch.equal(a, b), (trial, name)
+
+
+@pytest.mark.skipif(compiled_merge is None, reason="the compiled merge is not built here")
+def test_the_compiled_merge_refuses_candidates_out_of_order():
+    late_parent = Candidates(tokens=[1, 2], parents=[1, -1], depth=[2, 1], logp=[-0.1, -0.2], counts=[1, 1], match_len=2)
+    with pytest.raises(ValueError, match="must come before it"):
+        hybrid_tree(None, [late_parent], torch.tensor([0]), 4, compiled=True)
+    with pytest.raises(ValueError, match="candidate lists"):
+        hybrid_tree(None, [], torch.tensor([0]), 4, compiled=True)

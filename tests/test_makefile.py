@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CPU_TORCH = "torch==2.13.0"
 GPU_RECIPE = "tools/gpu_requirements.py >"
 # what each install stamp is made from (the GPU install's list comes from the script and the pins)
-CPU_SOURCES = ("pyproject.toml", "setup.py", "fastgrpo/speculation/_suffix_trie.c")  # the C trie built at install
+CPU_SOURCES = ("pyproject.toml", "setup.py", "fastgrpo/speculation/_suffix_trie.c",  # the C built at install
+               "fastgrpo/engines/embedded/_tree_merge.c")
 GPU_SOURCES = (*CPU_SOURCES, "tools/gpu_requirements.py", "fastgrpo/bench/gpu_check/pins.py")
 
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")

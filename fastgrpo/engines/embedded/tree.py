@@ -37,8 +37,13 @@ from fastgrpo.models.sampling import sample
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.types import SamplingParams
 from fastgrpo.models.draft import DraftHead
-from fastgrpo.speculation.node_calibration import NodeCalibration, node_classes
+from fastgrpo.speculation.node_calibration import LONG_MATCH, NodeCalibration, node_classes
 from fastgrpo.speculation.suffix_index import Candidates
+
+try:  # hybrid_tree's merge in C, where the install built it
+    from fastgrpo.engines.embedded._tree_merge import merge as compiled_merge
+except ImportError:
+    compiled_merge = None
 
 
 class NonFiniteDraft(RuntimeError):
@@ -165,7 +170,7 @@ def calibration_outcomes(tree: Tree, result: Verified) -> tuple[Tensor, Tensor, 
 
 
 def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tokens: Tensor, num_verify: int,
-                calibration: NodeCalibration | None = None) -> Tree:
+                calibration: NodeCalibration | None = None, compiled: bool | None = None) -> Tree:
     """One tree per row from the learned draft's tree (None: the index alone) and the index's
     continuations of that row (`SuffixIndex` candidates after the root), `num_verify` nodes with the root.
 
@@ -184,10 +189,22 @@ def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tok
     batch is large. Verification (`verify_tree`) does not read the scores or the sources: it samples
     the target at each node and moves on only if a child holds that token, so any child set keeps the
     output exactly the target's (docs/drafts.md). The scores only decide which nodes hold the most of
-    its mass."""
+    its mass.
+
+    The merge runs in C (`_tree_merge.c`, row by row, a few microseconds a row) where the install built
+    it, else as one batch of tensor operations per step, a few per tree level (about a hundred small
+    operations: over a millisecond of host time a step on this CPU); both give the same tree.
+    `compiled`: force one (True: the C merge, False: the batched one; None: C where built)."""
     B, N = len(root_tokens), num_verify
     if learned is not None and learned.valid is not None:
         raise ValueError("hybrid_tree merges whole learned trees (restrict the merged tree instead)")
+    if compiled is None:
+        compiled = compiled_merge is not None
+    elif compiled and compiled_merge is None:
+        raise RuntimeError("the compiled merge (fastgrpo/engines/embedded/_tree_merge.c) is not built: reinstall "
+                           "fastgrpo (`pip install -e .`) where a C compiler is found")
+    if compiled and B > 0 and N > 1:
+        return _merge_compiled(learned, candidates, root_tokens, N, calibration)
     if learned is None:  # the root alone
         zeros = torch.zeros(B, 1, dtype=torch.long)
         learned = Tree(root_tokens[:, None], zeros, zeros, torch.ones(B, 1, 1, dtype=torch.bool), torch.zeros(B, 1))
@@ -275,6 +292,38 @@ def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tok
                 source=torch.cat([root, column(source, 0)], 1).to(torch.int8),
                 raw=torch.cat([root.float(), column(raw, 0.0).float()], 1), match=match)
     return tree if bool(kept.all()) else tree.restricted(kept)
+
+
+def _merge_compiled(learned: Tree | None, candidates: Sequence[Candidates], root_tokens: Tensor, N: int,
+                    calibration: NodeCalibration | None) -> Tree:
+    """`hybrid_tree` by the C merge: contiguous CPU tensors of its dtypes in and out (a device's trees
+    cross to the host and back)."""
+    device, B = root_tokens.device, len(root_tokens)
+    if len(candidates) != B:
+        raise ValueError(f"{len(candidates)} candidate lists for {B} rows")
+    cpu = torch.device("cpu")
+    if learned is None:  # the root alone
+        zeros = torch.zeros(B, 1, dtype=torch.long)
+        tokens, parents, depth = root_tokens.to(cpu, torch.long)[:, None].contiguous(), zeros, zeros
+        score = torch.zeros(B, 1)
+    else:
+        tokens, parents, depth = (t.to(cpu, torch.long).contiguous() for t in (learned.tokens, learned.parents, learned.depth))
+        score = learned.score.to(cpu, torch.float32).contiguous()
+    roots = root_tokens.to(cpu, torch.long).contiguous()
+    out = [torch.empty(B, N, dtype=dtype) for dtype in (torch.long, torch.long, torch.long, torch.float32, torch.int8,
+                                                         torch.float32)]
+    out += [torch.empty(B, N - 1, dtype=torch.bool), torch.empty(B, N, N, dtype=torch.bool)]
+    counts = None if calibration is None else calibration.counts.to(cpu, torch.float64).contiguous()
+    all_kept = compiled_merge(tokens.data_ptr(), parents.data_ptr(), depth.data_ptr(), score.data_ptr(), B,
+                              tokens.shape[1], roots.data_ptr(), candidates, N,
+                              None if counts is None else counts.data_ptr(),
+                              0.0 if calibration is None else calibration.prior,
+                              1 if calibration is None else calibration.buckets, LONG_MATCH,
+                              *(t.data_ptr() for t in out))
+    tokens, parents, depth, score, source, raw, kept, mask = (t.to(device) for t in out)
+    valid = None if all_kept else torch.cat([torch.ones(B, 1, dtype=torch.bool, device=device), kept], 1)
+    match = torch.tensor([c.match_len for c in candidates], dtype=torch.long, device=device)
+    return Tree(tokens, parents, depth, mask, score, valid, source, raw, match)
 
 
 def ancestor_mask(parents: Tensor, depth: Tensor, max_depth: int) -> Tensor:

@@ -1,0 +1,263 @@
+/* `tree.hybrid_tree`'s merge in C, row by row: the same tree as its batched tensor version, which stays
+ * as the reference and the fallback where this extension is not built (tests/test_hybrid_merge.py holds
+ * both to a node-by-node reference and to each other).
+ *
+ * Why C: the batched version is about a hundred small tensor operations a step, over a millisecond of
+ * host time a speculative step on the critical path whatever the batch; here a row costs a few
+ * microseconds. The rule is hybrid_tree's docstring's:
+ *   - a node is a token path from the root: a candidate whose path the learned draft proposed is that
+ *     node (its estimate and raw conditional the larger of the two, both sources' bits);
+ *   - a node's score is its estimate (raw), or its parent's score plus the log of its calibrated
+ *     conditional (calibrated: `NodeCalibration.conditionals` from the counts table);
+ *   - the `num_verify - 1` best alive nodes are kept (score, then shallower, then lower number: learned
+ *     nodes before the candidates, each in proposal order), parents before children, padding last.
+ *
+ * Tensors cross as addresses of contiguous CPU tensors of fixed dtypes; tree.py checks them. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { LEARNED = 1, INDEX = 2 };
+enum { CLASS_LEARNED = 0, CLASS_INDEX_SHORT = 1, CLASS_INDEX_LONG = 2, CLASS_BOTH = 3 }; /* node_calibration.CLASSES */
+
+typedef struct {
+    int64_t tok, par, dep, node, id;
+    double est, raw, score; /* estimate of the path's probability (log), raw conditional, score */
+    int src, alive;
+} Node;
+
+typedef struct {
+    const double *counts; /* [class, bucket, (accepted, reached)], NULL: raw scores */
+    double prior;
+    long buckets, long_match;
+} Calibration;
+
+/* The kept order: alive first, then higher score, then shallower, then lower number. */
+static int ranked_before(const Node *a, const Node *b) {
+    if (a->alive != b->alive) return a->alive;
+    if (a->score != b->score) return a->score > b->score;
+    if (a->dep != b->dep) return a->dep < b->dep;
+    return a->id < b->id;
+}
+
+static int cmp_rank(const void *x, const void *y) {
+    const Node *a = *(Node *const *)x, *b = *(Node *const *)y;
+    return ranked_before(a, b) ? -1 : ranked_before(b, a) ? 1 : 0;
+}
+
+typedef struct {
+    Node *node;
+    int64_t rank; /* position in the ranking: the order within a depth */
+} Kept;
+
+static int cmp_depth(const void *x, const void *y) {
+    const Kept *a = x, *b = y;
+    if (a->node->dep != b->node->dep) return a->node->dep < b->node->dep ? -1 : 1;
+    return a->rank < b->rank ? -1 : a->rank > b->rank;
+}
+
+static double calibrated(const Calibration *c, int cls, double raw) {
+    double r = raw < 0.0 ? 0.0 : raw > 1.0 ? 1.0 : raw;
+    long bucket = (long)(r * (double)c->buckets);
+    bucket = bucket < 0 ? 0 : bucket > c->buckets - 1 ? c->buckets - 1 : bucket;
+    const double *n = c->counts + ((size_t)cls * (size_t)c->buckets + (size_t)bucket) * 2;
+    double p = (n[0] + c->prior * r) / (n[1] + c->prior);
+    return p < 1e-12 ? 1e-12 : p;
+}
+
+/* A candidate list attribute as a fast sequence of length `n` (-1: its own length, returned). */
+static PyObject *field(PyObject *cand, const char *name, Py_ssize_t *n) {
+    PyObject *attr = PyObject_GetAttrString(cand, name);
+    if (!attr) return NULL;
+    PyObject *seq = PySequence_Fast(attr, "a Candidates field must be a list");
+    Py_DECREF(attr);
+    if (!seq) return NULL;
+    if (*n < 0) {
+        *n = PySequence_Fast_GET_SIZE(seq);
+    } else if (PySequence_Fast_GET_SIZE(seq) != *n) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "Candidates.%s has a length unlike its tokens'", name);
+        return NULL;
+    }
+    return seq;
+}
+
+static void *address(PyObject *o) {
+    void *p = PyLong_AsVoidPtr(o);
+    if (!p && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a null tensor address");
+    return p;
+}
+
+/* merge(learned (tokens, parents, depth, score) addresses, B, L, root_tokens address, candidates,
+ *       num_verify, counts address or 0, prior, buckets, long_match,
+ *       out (tokens, parents, depth, score, source, raw, kept, mask) addresses) -> all kept (bool)
+ * learned: int64 [B, L] x 3 and float32 [B, L]; root_tokens int64 [B]; out: int64 [B, N] x 3, float32
+ * [B, N], int8 [B, N], float32 [B, N], bool [B, N - 1], bool [B, N, N]. */
+static PyObject *merge(PyObject *self, PyObject *args) {
+    PyObject *a_ltok, *a_lpar, *a_ldep, *a_lscore, *a_root, *candidates, *a_counts;
+    PyObject *a_out[8];
+    Py_ssize_t B, L, N;
+    Calibration cal;
+    if (!PyArg_ParseTuple(args, "OOOOnnOOnOdllOOOOOOOO", &a_ltok, &a_lpar, &a_ldep, &a_lscore, &B, &L, &a_root,
+                          &candidates, &N, &a_counts, &cal.prior, &cal.buckets, &cal.long_match, &a_out[0],
+                          &a_out[1], &a_out[2], &a_out[3], &a_out[4], &a_out[5], &a_out[6], &a_out[7]))
+        return NULL;
+    if (B < 0 || L < 1 || N < 1 || cal.buckets < 1) return PyErr_Format(PyExc_ValueError, "bad shapes");
+    const int64_t *ltok = address(a_ltok), *lpar = address(a_lpar), *ldep = address(a_ldep);
+    const float *lscore = address(a_lscore);
+    const int64_t *root = address(a_root);
+    if (PyErr_Occurred()) return NULL;
+    cal.counts = a_counts == Py_None ? NULL : address(a_counts);
+    int64_t *otok = address(a_out[0]), *opar = address(a_out[1]), *odep = address(a_out[2]);
+    float *oscore = address(a_out[3]);
+    int8_t *osrc = address(a_out[4]);
+    float *oraw = address(a_out[5]);
+    uint8_t *okept = address(a_out[6]), *omask = address(a_out[7]);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *cands = PySequence_Fast(candidates, "candidates must be a sequence");
+    if (!cands) return NULL;
+    if (PySequence_Fast_GET_SIZE(cands) != B) {
+        Py_DECREF(cands);
+        return PyErr_Format(PyExc_ValueError, "%zd candidate lists for %zd rows", PySequence_Fast_GET_SIZE(cands), B);
+    }
+    Node *nodes = NULL;
+    Node **order = NULL;
+    Kept *kept = NULL;
+    int64_t *position = NULL;
+    Py_ssize_t cap = 0;
+    int all_kept = 1;
+    for (Py_ssize_t b = 0; b < B; b++) {
+        PyObject *cand = PySequence_Fast_GET_ITEM(cands, b);
+        Py_ssize_t M = -1;
+        PyObject *f_tok = field(cand, "tokens", &M), *f_par = f_tok ? field(cand, "parents", &M) : NULL;
+        PyObject *f_dep = f_par ? field(cand, "depth", &M) : NULL, *f_logp = f_dep ? field(cand, "logp", &M) : NULL;
+        PyObject *f_match = f_logp ? PyObject_GetAttrString(cand, "match_len") : NULL;
+        long match = f_match ? PyLong_AsLong(f_match) : -1;
+        Py_ssize_t U = L + (M < 0 ? 0 : M);
+        int bad = !f_match || (match == -1 && PyErr_Occurred());
+        if (!bad && U > cap) {
+            cap = U;
+            Node *n = realloc(nodes, (size_t)cap * sizeof(Node));
+            Node **o = n ? realloc(order, (size_t)cap * sizeof(Node *)) : NULL;
+            Kept *k = o ? realloc(kept, (size_t)cap * sizeof(Kept)) : NULL;
+            int64_t *p = k ? realloc(position, (size_t)cap * sizeof(int64_t)) : NULL;
+            if (n) nodes = n;
+            if (o) order = o;
+            if (k) kept = k;
+            if (p) position = p;
+            if (!p) bad = 1, PyErr_NoMemory();
+        }
+        if (!bad) {
+            const int64_t *rt = ltok + b * L, *rp = lpar + b * L, *rd = ldep + b * L;
+            const float *rs = lscore + b * L;
+            for (Py_ssize_t u = 0; u < L; u++) {
+                Node *n = &nodes[u];
+                n->tok = rt[u], n->par = rp[u], n->dep = rd[u], n->node = u, n->id = u;
+                n->est = (double)rs[u];
+                n->src = u > 0 ? LEARNED : 0, n->alive = u > 0;
+            }
+            for (Py_ssize_t u = 0; u < L; u++) nodes[u].raw = exp(nodes[u].est - nodes[nodes[u].par].est);
+            for (Py_ssize_t i = 0; i < M && !bad; i++) {
+                Node *n = &nodes[L + i];
+                long p = PyLong_AsLong(PySequence_Fast_GET_ITEM(f_par, i));
+                n->tok = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(f_tok, i));
+                n->dep = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(f_dep, i));
+                n->est = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(f_logp, i));
+                if (PyErr_Occurred()) { bad = 1; break; }
+                if (p >= i || p < -1) {
+                    PyErr_Format(PyExc_ValueError, "a candidate's parent (%ld) must come before it (%zd)", p, i);
+                    bad = 1;
+                    break;
+                }
+                n->par = p >= 0 ? L + p : 0;
+                n->raw = exp(n->est - nodes[n->par].est);
+                n->node = n->id = L + i, n->src = INDEX, n->alive = 1;
+                /* a path the learned draft proposed is its node: its parent's node has a learned child
+                 * of this token (parents come first, so the parent's node is known) */
+                int64_t parent_node = nodes[n->par].node;
+                if (L > 1 && parent_node < L)
+                    for (Py_ssize_t v = 1; v < L; v++)
+                        if (rp[v] == parent_node && rt[v] == n->tok) {
+                            Node *m = &nodes[v];
+                            n->node = v, n->alive = 0;
+                            if (n->est > m->est) m->est = n->est;
+                            if (n->raw > m->raw) m->raw = n->raw;
+                            m->src |= INDEX;
+                            break;
+                        }
+            }
+        }
+        Py_XDECREF(f_tok), Py_XDECREF(f_par), Py_XDECREF(f_dep), Py_XDECREF(f_logp), Py_XDECREF(f_match);
+        if (bad) goto fail;
+
+        for (Py_ssize_t u = 0; u < U; u++) nodes[u].par = nodes[nodes[u].par].node; /* onto merged nodes */
+        if (!cal.counts) {
+            for (Py_ssize_t u = 0; u < U; u++) nodes[u].score = nodes[u].est;
+        } else { /* parents first: a path's score is its parent's plus its own node's */
+            int64_t levels = 0;
+            for (Py_ssize_t u = 0; u < U; u++) {
+                Node *n = &nodes[u];
+                int learned = n->src & LEARNED, index = n->src & INDEX;
+                int cls = learned ? (index ? CLASS_BOTH : CLASS_LEARNED)
+                                  : (match >= cal.long_match ? CLASS_INDEX_LONG : CLASS_INDEX_SHORT);
+                n->score = log(calibrated(&cal, cls, n->raw)); /* its own node's, until the paths are summed */
+                if (n->dep > levels) levels = n->dep;
+            }
+            nodes[0].score = 0.0; /* the root */
+            for (int64_t d = 1; d <= levels; d++)
+                for (Py_ssize_t u = 0; u < U; u++)
+                    if (nodes[u].dep == d) nodes[u].score += nodes[nodes[u].par].score;
+        }
+
+        for (Py_ssize_t u = 0; u < U; u++) order[u] = &nodes[u];
+        qsort(order, (size_t)U, sizeof(Node *), cmp_rank);
+        Py_ssize_t K = 0;
+        for (Py_ssize_t r = 0; r < U && K < N - 1 && order[r]->alive; r++) kept[K].node = order[r], kept[K].rank = r, K++;
+        qsort(kept, (size_t)K, sizeof(Kept), cmp_depth);
+        for (Py_ssize_t u = 0; u < U; u++) position[u] = 0; /* the root, and nodes not kept */
+        for (Py_ssize_t j = 0; j < K; j++) position[kept[j].node->id] = j + 1;
+
+        int64_t *t = otok + b * N, *p = opar + b * N, *d = odep + b * N;
+        float *s = oscore + b * N, *w = oraw + b * N;
+        int8_t *src = osrc + b * N;
+        uint8_t *k = okept + b * (N - 1), *mask = omask + b * N * N;
+        t[0] = root[b], p[0] = 0, d[0] = 0, s[0] = 0.0f, src[0] = 0, w[0] = 0.0f;
+        for (Py_ssize_t j = 1; j < N; j++) {
+            if (j <= K) {
+                const Node *n = kept[j - 1].node;
+                t[j] = n->tok, p[j] = position[n->par], d[j] = n->dep, s[j] = (float)n->score;
+                src[j] = (int8_t)n->src, w[j] = (float)n->raw, k[j - 1] = 1;
+            } else { /* padding: token 0 at depth 1 under the root, never verified */
+                t[j] = 0, p[j] = 0, d[j] = 1, s[j] = -INFINITY, src[j] = 0, w[j] = 0.0f, k[j - 1] = 0;
+                all_kept = 0;
+            }
+        }
+        memset(mask, 0, (size_t)(N * N));
+        for (Py_ssize_t j = 0; j < N; j++) { /* a node, then its ancestors up to the root */
+            mask[j * N + j] = 1;
+            for (int64_t a = j; a != 0;) {
+                a = p[a];
+                mask[j * N + a] = 1;
+            }
+        }
+    }
+    free(nodes), free(order), free(kept), free(position);
+    Py_DECREF(cands);
+    return PyBool_FromLong(all_kept);
+fail:
+    free(nodes), free(order), free(kept), free(position);
+    Py_DECREF(cands);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"merge", merge, METH_VARARGS, "hybrid_tree's merge, row by row (tree.py calls it)."},
+    {NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_tree_merge",
+                                    "hybrid_tree's merge in C (tree.py holds the batched reference).", -1, methods};
+
+PyMODINIT_FUNC PyInit__tree_merge(void) { return PyModule_Create(&module); }
