@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-from fastgrpo.engines.embedded.tree import INDEX, LEARNED, Tree, ancestor_mask, compiled_merge, hybrid_tree
+from fastgrpo.engines.embedded.tree import (INDEX, LEARNED, Tree, Verified, ancestor_mask, compiled_merge, hybrid_tree,
+                                            observe_verified)
 from fastgrpo.speculation.node_calibration import CLASSES, NodeCalibration, node_classes
 from fastgrpo.speculation.suffix_index import Candidates
 
@@ -177,3 +178,40 @@ def test_the_compiled_merge_refuses_candidates_out_of_order():
         hybrid_tree(None, [late_parent], torch.tensor([0]), 4, compiled=True)
     with pytest.raises(ValueError, match="candidate lists"):
         hybrid_tree(None, [], torch.tensor([0]), 4, compiled=True)
+
+
+def random_verified(rng: random.Random, tree: Tree) -> Verified:
+    """An accepted path per row: from the root, a random verified child at each level, stopping at random."""
+    B, N = tree.tokens.shape
+    D = int(tree.depth.max())
+    path, accepted = torch.zeros(B, D, dtype=torch.long), torch.zeros(B, dtype=torch.long)
+    for b in range(B):
+        node, k = 0, 0
+        while k < D:
+            children = [j for j in range(1, N) if int(tree.parents[b, j]) == node
+                        and (tree.valid is None or bool(tree.valid[b, j]))]
+            if not children or rng.random() < 0.3:
+                break
+            node = rng.choice(children)
+            path[b, k], k = node, k + 1
+        accepted[b] = k
+    return Verified(torch.zeros(B, D + 1, dtype=torch.long), torch.zeros(B, D + 1), path, accepted)
+
+
+@pytest.mark.skipif(compiled_merge is None, reason="the compiled merge is not built here")
+def test_the_compiled_count_of_verified_nodes_is_the_tensor_one():
+    """The same calibration counts (every class and bucket, accepted and reached) from the merged trees of the
+    cases above, each verified along a random path, counted by both."""
+    counted = {False: calibration_of(random.Random(4), True), True: calibration_of(random.Random(4), True)}
+    start = counted[False].counts.clone()
+    rng = random.Random(5)
+    for trial in range(60):
+        learned, cands, roots, num_verify = random_case(rng, trial)
+        tree = hybrid_tree(learned, cands, torch.tensor(roots), num_verify, counted[False])
+        result = random_verified(rng, tree)
+        for compiled, calibration in counted.items():
+            observe_verified(calibration, tree, result, compiled=compiled)
+    assert torch.equal(counted[False].counts, counted[True].counts)
+    added = counted[False].counts - start
+    assert added[..., 1].sum() > 200 and added[..., 0].sum() > 50  # nodes reached, and accepted
+    assert bool((added[..., 1] > 0).any(-1).all())  # every class counted

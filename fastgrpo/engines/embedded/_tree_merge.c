@@ -1,4 +1,4 @@
-/* `tree.hybrid_tree`'s merge in C, row by row: the same tree as its batched tensor version, which stays
+/* `tree.hybrid_tree`'s merge in C, row by row (and `observe_verified`'s counting of its verified nodes): the same tree as its batched tensor version, which stays
  * as the reference and the fallback where this extension is not built (tests/test_hybrid_merge.py holds
  * both to a node-by-node reference and to each other).
  *
@@ -253,8 +253,61 @@ fail:
     return NULL;
 }
 
+/* observe(parents, source, raw, valid or 0, match, path, accepted addresses, B, N, D, counts address,
+ *         buckets, long_match): `calibration_outcomes` and `NodeCalibration.observe` of a verified merged
+ * tree in one pass: every verified non-root node whose parent was reached (the root, or a node on the
+ * accepted path) counts once in its class and raw bucket as reached, and as accepted if it is on the
+ * path. parents int64 [B, N], source int8 [B, N], raw float32 [B, N], valid bool [B, N], match int64 [B],
+ * path int64 [B, D], accepted int64 [B]; counts float64 [class, bucket, (accepted, reached)]. */
+static PyObject *observe(PyObject *self, PyObject *args) {
+    PyObject *a[8];
+    Py_ssize_t B, N, D;
+    long buckets, long_match;
+    if (!PyArg_ParseTuple(args, "OOOOOOOnnnOll", &a[0], &a[1], &a[2], &a[3], &a[4], &a[5], &a[6], &B, &N, &D, &a[7],
+                          &buckets, &long_match))
+        return NULL;
+    if (B < 0 || N < 1 || D < 0 || buckets < 1) return PyErr_Format(PyExc_ValueError, "bad shapes");
+    const int64_t *parents = address(a[0]);
+    const int8_t *source = address(a[1]);
+    const float *raw = address(a[2]);
+    const uint8_t *valid = a[3] == Py_None ? NULL : address(a[3]);
+    const int64_t *match = address(a[4]), *path = D ? address(a[5]) : NULL, *accepted = address(a[6]);
+    double *counts = address(a[7]);
+    if (PyErr_Occurred()) return NULL;
+    uint8_t *on_path = malloc((size_t)N);
+    if (!on_path) return PyErr_NoMemory();
+    for (Py_ssize_t b = 0; b < B; b++) {
+        memset(on_path, 0, (size_t)N);
+        for (int64_t k = 0; k < accepted[b] && k < D; k++) {
+            int64_t node = path[b * D + k];
+            if (node < 0 || node >= N) {
+                free(on_path);
+                return PyErr_Format(PyExc_ValueError, "an accepted node (%lld) outside the tree", (long long)node);
+            }
+            on_path[node] = 1;
+        }
+        for (Py_ssize_t n = 1; n < N; n++) {
+            int64_t parent = parents[b * N + n];
+            if ((valid && !valid[b * N + n]) || parent < 0 || parent >= N || !(parent == 0 || on_path[parent])) continue;
+            int src = source[b * N + n], learned = src & LEARNED, index = src & INDEX;
+            int cls = learned ? (index ? CLASS_BOTH : CLASS_LEARNED)
+                              : (match[b] >= long_match ? CLASS_INDEX_LONG : CLASS_INDEX_SHORT);
+            double r = (double)raw[b * N + n];
+            r = r < 0.0 ? 0.0 : r > 1.0 ? 1.0 : r;
+            long bucket = (long)(r * (double)buckets);
+            bucket = bucket < 0 ? 0 : bucket > buckets - 1 ? buckets - 1 : bucket;
+            double *c = counts + ((size_t)cls * (size_t)buckets + (size_t)bucket) * 2;
+            c[0] += on_path[n];
+            c[1] += 1.0;
+        }
+    }
+    free(on_path);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"merge", merge, METH_VARARGS, "hybrid_tree's merge, row by row (tree.py calls it)."},
+    {"observe", observe, METH_VARARGS, "A verified merged tree's calibration counts (tree.py calls it)."},
     {NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_tree_merge",

@@ -37,8 +37,8 @@ from fastgrpo.speculation.policy import Off, PerSequencePolicy, SpeculationPolic
 from fastgrpo.engines.embedded.graphs import StepGraphs
 from fastgrpo.engines.embedded.steps import (StaticSteps, StepResult, StepState, batch_bucket, catch_up,
                                              context_bucket, keep_path)
-from fastgrpo.engines.embedded.tree import (INDEX, NonFiniteDraft, Tree, Verified, calibration_outcomes, draft_tree,
-                                            hybrid_tree, verify_tree)
+from fastgrpo.engines.embedded.tree import (INDEX, NonFiniteDraft, Tree, Verified, draft_tree, hybrid_tree,
+                                            observe_verified, verify_tree)
 from fastgrpo.speculation.node_calibration import NodeCalibration
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.speculation.suffix_index import Candidates, IndexLimits, Response, SuffixIndex
@@ -598,7 +598,7 @@ class EmbeddedEngine:
         self._keep_pending(start, hidden, result)
         if tree.source is not None and self.calibration is not None:  # what each source's nodes are worth
             t = time.perf_counter()
-            self.calibration.observe(*calibration_outcomes(tree, result))
+            observe_verified(self.calibration, tree, result)
             self._counts["merge_s"] += time.perf_counter() - t
         if tree.source is not None:  # accepted tokens the index proposed (the learned draft may have too)
             on_path = torch.arange(result.path.shape[1])[None] < result.accepted[:, None]

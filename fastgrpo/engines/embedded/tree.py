@@ -40,10 +40,11 @@ from fastgrpo.models.draft import DraftHead
 from fastgrpo.speculation.node_calibration import LONG_MATCH, NodeCalibration, node_classes
 from fastgrpo.speculation.suffix_index import Candidates
 
-try:  # hybrid_tree's merge in C, where the install built it
+try:  # hybrid_tree's merge and observe_verified's counting in C, where the install built them
     from fastgrpo.engines.embedded._tree_merge import merge as compiled_merge
+    from fastgrpo.engines.embedded._tree_merge import observe as compiled_observe
 except ImportError:
-    compiled_merge = None
+    compiled_merge = compiled_observe = None
 
 
 class NonFiniteDraft(RuntimeError):
@@ -167,6 +168,32 @@ def calibration_outcomes(tree: Tree, result: Verified) -> tuple[Tensor, Tensor, 
         counted &= tree.valid
     classes = node_classes((tree.source & LEARNED) > 0, (tree.source & INDEX) > 0, tree.match[:, None])
     return classes[counted], tree.raw[counted], on_path[counted]
+
+
+def observe_verified(calibration: NodeCalibration, tree: Tree, result: Verified, compiled: bool | None = None) -> None:
+    """Count a verified merged tree's outcomes into `calibration` (`calibration_outcomes`, then
+    `NodeCalibration.observe`): in C where built and every tensor is on the CPU (one pass over the rows,
+    a few microseconds), else as tensor operations; the same counts either way."""
+    assert tree.source is not None and tree.raw is not None and tree.match is not None
+    counts = calibration.counts
+    if compiled is None:
+        compiled = compiled_observe is not None and counts.device.type == tree.tokens.device.type == "cpu"
+    if not compiled or len(tree.tokens) == 0:
+        calibration.observe(*calibration_outcomes(tree, result))
+        return
+    if compiled_observe is None:
+        raise RuntimeError("the compiled merge (fastgrpo/engines/embedded/_tree_merge.c) is not built")
+    B, N = tree.parents.shape
+    cpu = torch.device("cpu")
+    parents, match, path, accepted = (t.to(cpu, torch.long).contiguous()
+                                      for t in (tree.parents, tree.match, result.path, result.accepted))
+    source, raw = tree.source.to(cpu, torch.int8).contiguous(), tree.raw.to(cpu, torch.float32).contiguous()
+    valid = None if tree.valid is None else tree.valid.to(cpu, torch.bool).contiguous()
+    if counts.device != cpu or counts.dtype != torch.float64 or not counts.is_contiguous():
+        raise ValueError("the compiled count needs the calibration's counts as a contiguous float64 CPU tensor")
+    compiled_observe(parents.data_ptr(), source.data_ptr(), raw.data_ptr(), None if valid is None else valid.data_ptr(),
+                     match.data_ptr(), path.data_ptr(), accepted.data_ptr(), B, N, path.shape[1], counts.data_ptr(),
+                     calibration.buckets, LONG_MATCH)
 
 
 def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tokens: Tensor, num_verify: int,
