@@ -238,24 +238,24 @@ static PyObject *Trie_remove(Trie *self, PyObject *tokens) {
     for (Py_ssize_t i = 0; i < n; i++) {
         long x = as_token(PySequence_Fast_GET_ITEM(seq, i));
         if (x < 0) goto fail;
-        int32_t nn = 0;
-        for (int32_t j = -1; j < nf; j++) {
-            int32_t parent = j < 0 ? 0 : frontier[j];
-            if (self->depth[parent] >= md) continue;
-            int32_t child = kid(self, parent, (int32_t)x);
-            if (child < 0) {
-                PyErr_SetString(PyExc_KeyError, "remove: the text was not inserted");
-                goto fail;
-            }
+        /* as a writer's append: next[k] is frontier[k - 1] extended by x, the deepest found by its edge
+         * and the others by suffix links (a detached node keeps its link and edges until the walk ends) */
+        int32_t top = nf < md - 1 ? nf : md - 1;
+        if ((next[top] = kid(self, top ? frontier[top - 1] : 0, (int32_t)x)) < 0) {
+            PyErr_SetString(PyExc_KeyError, "remove: the text was not inserted");
+            goto fail;
+        }
+        for (int32_t k = top; k > 0; k--) next[k - 1] = self->link[next[k]];
+        for (int32_t k = 0; k <= top; k++) { /* shallowest first, as the Python trie frees them */
+            int32_t child = next[k];
             if (--self->count[child] == 0) {
-                unlink_child(self, parent, child); /* still walked for the tokens after it */
+                unlink_child(self, k ? frontier[k - 1] : 0, child); /* still walked for the tokens after it */
                 if (grow_i32(&freed, &freed_cap, n_freed + 1) < 0) goto fail;
                 freed[n_freed++] = child;
             }
-            next[nn++] = child;
         }
         int32_t *s = frontier;
-        frontier = next, next = s, nf = nn;
+        frontier = next, next = s, nf = top + 1;
     }
     if (grow_i32(&self->free_ids, &self->free_cap, self->n_free + n_freed) < 0) goto fail;
     for (int32_t i = 0; i < n_freed; i++) /* reusable only now that the walk is done (their children, no
@@ -441,20 +441,18 @@ static void Writer_dealloc(Writer *self) {
  * before it; none past the cut). */
 static int writer_append(Writer *w, int32_t x) {
     Trie *t = w->trie;
-    int32_t below = kid(t, 0, x);
-    if (below < 0 && (below = trie_new(t, 0, x, 1, 0)) < 0) return -1;
-    t->count[below]++;
-    int32_t n = w->n_frontier < t->max_depth - 1 ? w->n_frontier : t->max_depth - 1;
-    w->next[0] = below;
-    for (int32_t i = 0; i < n; i++) {
-        int32_t parent = w->frontier[i];
-        int32_t child = kid(t, parent, x);
-        if (child < 0 && (child = trie_new(t, parent, x, i + 2, below)) < 0) return -1;
-        t->count[child]++;
-        w->next[i + 1] = below = child;
-    }
-    int32_t *old = w->frontier;
-    w->frontier = w->next, w->next = old, w->n_frontier = n + 1;
+    int32_t *f = w->frontier, *g = w->next;
+    int32_t top = w->n_frontier < t->max_depth - 1 ? w->n_frontier : t->max_depth - 1; /* g[top]: the deepest */
+    /* g[k] = f[k - 1] extended by x (g[0]: the root's child). The strings that occur are closed under
+     * suffixes, so the deepest that already occurs and its suffix links give every shallower one: one
+     * lookup a token where the text repeats earlier text, instead of one a level. */
+    int32_t found = top;
+    while (found >= 0 && (g[found] = kid(t, found ? f[found - 1] : 0, x)) < 0) found--;
+    for (int32_t k = found; k > 0; k--) g[k - 1] = t->link[g[k]];
+    for (int32_t k = found + 1; k <= top; k++) /* the new strings, shallowest first */
+        if ((g[k] = trie_new(t, k ? f[k - 1] : 0, x, k + 1, k ? g[k - 1] : 0)) < 0) return -1;
+    for (int32_t k = 0; k <= top; k++) t->count[g[k]]++;
+    w->frontier = g, w->next = f, w->n_frontier = top + 1;
     return 0;
 }
 

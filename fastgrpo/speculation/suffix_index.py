@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import time
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -331,8 +330,6 @@ class SuffixIndex:
         self.limits = limits or IndexLimits()
         self.prompts: OrderedDict[Hashable, _Prompt] = OrderedDict()  # least recently used first
         self.tokens = 0
-        self.lookups = 0
-        self.lookup_s = 0.0  # host seconds spent in lookups
         self.evicted = 0  # prompts dropped for the memory cap
 
     def open(self, key: Hashable, prompt: Sequence[int]) -> Response:
@@ -412,7 +409,6 @@ class SuffixIndex:
         """Continuations of `context` (a sequence of prompt `key`; its last `window` tokens are
         matched) from that prompt's index: empty if the prompt is unknown or nothing matches.
         `writer`: the context's own writer in that prompt's trie, from which the match is read."""
-        t = time.perf_counter()
         entry = self.prompts.get(key)
         if entry is None:
             out = Candidates()
@@ -428,8 +424,6 @@ class SuffixIndex:
             out = Candidates() if length == 0 else Candidates(*entry.trie.continuations(
                 node, budget, depth, self.limits.prior / length, min_prob))
             out.match_len = length if out.tokens else 0
-        self.lookups += 1
-        self.lookup_s += time.perf_counter() - t
         return out
 
     def state_dict(self) -> dict:
