@@ -167,8 +167,8 @@ class SpeculationConfig:
     index_window: int = 8  # the index matches at most this many of a sequence's last tokens
     index_depth: int = 8  # its deepest proposed continuation
     index_responses: int = 16  # finished responses it keeps per prompt (the latest)
-    # tokens it holds over all prompts, least recently used prompts dropped past it: up to 4.1 KB of host
-    # memory a token at window + depth = 16 (text that never repeats), 0.8 GB at 200k
+    # tokens it holds over all prompts, least recently used prompts dropped past it: up to 1.0 KiB of host
+    # memory a token at window + depth = 16 (text that never repeats; 4.1 KiB without the C trie), 0.2 GB at 200k
     index_max_tokens: int = 200_000
     index_prior: float = 1.0  # a continuation seen c of n times after m matched tokens: probability c/(n + prior/m)
 

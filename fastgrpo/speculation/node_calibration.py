@@ -18,8 +18,9 @@ of its nodes' calibrated conditionals; keeping the `num_verify - 1` paths of hig
 an ancestor-closed set (no node is likelier than its parent) that holds the most expected accepted
 tokens (each node adds its path's probability to the expected accepted length).
 
-Counts are one tensor and every node of a step is looked up and counted in one batched operation: the
-engine calibrates every row of every hybrid step, so per-node host work would grow with the batch.
+Counts are one tensor and every node of a step is looked up and counted in one batched operation (or
+in one pass in C, `tree.observe_verified`, from the same tensor): the engine calibrates every row of
+every hybrid step, so per-node Python work would grow with the batch.
 
 Nothing here changes what is emitted: verification samples the target whatever the tree holds.
 """

@@ -255,8 +255,9 @@ class IndexLimits:
     window: int = 8  # most tokens of a sequence's end matched (a lookup's time is proportional to them)
     depth: int = 8  # deepest continuation proposed
     responses: int = 16  # finished responses kept per prompt (the most recent)
-    # indexed tokens over all prompts; least recently used prompts dropped past it. A token of text that does
-    # not repeat costs up to window + depth nodes: 4.1 KB at 16 (measured on random text), 0.8 GB at the cap
+    # indexed tokens over all prompts; least recently used prompts dropped past it. A token of text that does not
+    # repeat costs up to window + depth nodes: 1.0 KiB at 16 with the C trie, 4.1 with the Python one
+    # (tools/index_cost.py), so about 0.2 GB at the cap
     max_tokens: int = 200_000
     prior: float = 1.0  # a continuation seen c times of n after a match of m tokens: probability c / (n + prior / m)
 

@@ -211,16 +211,14 @@ def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tok
     prefix, so the kept set is ancestor-closed. A row with fewer nodes pads with nodes it does not
     verify (`valid`).
 
-    The merge is batched over rows (one set of tensor operations per step, a few per tree level), as
-    the learned draft's tree is: host work that grew with the batch would cap the speedup where the
-    batch is large. Verification (`verify_tree`) does not read the scores or the sources: it samples
-    the target at each node and moves on only if a child holds that token, so any child set keeps the
-    output exactly the target's (docs/drafts.md). The scores only decide which nodes hold the most of
-    its mass.
+    Verification (`verify_tree`) does not read the scores or the sources: it samples the target at each
+    node and moves on only if a child holds that token, so any child set keeps the output exactly the
+    target's (docs/drafts.md). The scores only decide which nodes hold the most of its mass.
 
-    The merge runs in C (`_tree_merge.c`, row by row, a few microseconds a row) where the install built
-    it, else as one batch of tensor operations per step, a few per tree level (about a hundred small
-    operations: over a millisecond of host time a step on this CPU); both give the same tree.
+    The merge is host work on every hybrid step, on the critical path. It runs in C (`_tree_merge.c`,
+    row by row, a few microseconds a row) where the install built it, else as one batch of tensor
+    operations per step, a few per tree level (about a hundred small operations: over a millisecond of
+    host time a step on this CPU, but never a Python loop over nodes); both give the same tree.
     `compiled`: force one (True: the C merge, False: the batched one; None: C where built)."""
     B, N = len(root_tokens), num_verify
     if learned is not None and learned.valid is not None:
