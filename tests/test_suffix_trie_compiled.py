@@ -91,3 +91,22 @@ def test_bad_tokens_are_refused():
         trie.writer().extend(["a"])
     with pytest.raises(ValueError, match="max_depth"):
         CompiledTrie(1)
+
+
+@needs_build
+def test_the_cost_tool_measures_both_tries_on_the_same_text():
+    """tools/index_cost.py (the memory and insert figures of docs/drafts.md), at a small size."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "tools/index_cost.py", "--texts", "20", "--length", "50", "--vocab", "500"],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = re.findall(r"^\s*(compiled|python): ([\d.]+) us a token inserted, ([-\d.]+) KiB resident a token, (\d+) nodes$",
+                      out.stdout, re.MULTILINE)
+    assert [r[0] for r in rows] == ["compiled", "python"]
+    assert rows[0][3] == rows[1][3] and int(rows[0][3]) > 1000  # the same trie: up to 16 nodes a token of 1000
+    assert all(float(r[1]) > 0 for r in rows)
