@@ -11,9 +11,10 @@ from typing import NoReturn
 
 
 def end_process(code: int) -> NoReturn:
-    """End this process with exit status `code` the way the interpreter would (its other non-daemon
-    threads joined, every exit handler run: the process groups' destruction, MLflow's, logging's,
-    multiprocessing's), but without the interpreter's finalization after them.
+    """End this process with exit status `code` the way the interpreter would (the threading module's
+    shutdown: idle thread pools told to stop, then the other non-daemon threads joined; then every exit
+    handler: the process groups' destruction, MLflow's, logging's, multiprocessing's), but without the
+    interpreter's finalization after them. Called from the main thread.
 
     Why: `close_world` cannot free a gloo group that something else still holds (DeepSpeed's engine,
     its ZeRO-3 parameters and its module globals hold the world group), so the group's worker threads
@@ -21,10 +22,9 @@ def end_process(code: int) -> NoReturn:
     begun cannot take the GIL and the process aborts with SIGABRT ("terminate called without an
     active exception"); under torchrun that fails the job after its work is done. Nothing is lost by
     skipping finalization: every file is closed and every exit handler has run by then."""
-    main = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main and thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("end_process must be called from the main thread (it joins the others)")
+    threading._shutdown()  # what the interpreter runs first at exit: thread pools told to stop, then threads joined
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -154,6 +154,30 @@ def _exit_status_and_handlers(code, marker):
     end_process(code)
 
 
+def _exit_with_an_idle_thread_pool(marker):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastgrpo.process_exit import end_process
+
+    pool = ThreadPoolExecutor(2)  # left open, as a library may leave one: its workers are not daemons
+    marker.write_text(str(pool.submit(sum, [1, 2]).result()))
+    end_process(5)
+
+
+def test_end_process_stops_an_idle_thread_pool_as_the_interpreter_does(tmp_path):
+    """Joining the pool's workers without first telling the pool to stop would wait forever."""
+    import multiprocessing
+
+    p = multiprocessing.get_context("spawn").Process(target=_exit_with_an_idle_thread_pool, args=(tmp_path / "ran",))
+    p.start()
+    p.join(120)
+    hung = p.exitcode is None
+    if hung:
+        p.kill()
+        p.join()
+    assert not hung and p.exitcode == 5 and (tmp_path / "ran").read_text() == "3"
+
+
 def test_end_process_runs_the_exit_handlers_and_keeps_the_status(tmp_path):
     import multiprocessing
 
