@@ -59,11 +59,25 @@ static int cmp_depth(const void *x, const void *y) {
     return a->rank < b->rank ? -1 : a->rank > b->rank;
 }
 
+/* A node's class id (node_calibration.node_classes): who proposed it and, for the index alone, whether
+ * its row's match was long. */
+static int node_class(int src, int64_t match, long long_match) {
+    if (src & LEARNED) return src & INDEX ? CLASS_BOTH : CLASS_LEARNED;
+    return match >= long_match ? CLASS_INDEX_LONG : CLASS_INDEX_SHORT;
+}
+
+static double clamp01(double raw) { return raw < 0.0 ? 0.0 : raw > 1.0 ? 1.0 : raw; }
+
+/* The counts of class `cls` and raw estimate `r` (in [0, 1]): NodeCalibration._bucket's bucket. */
+static double *counts_of(const double *counts, long buckets, int cls, double r) {
+    long bucket = (long)(r * (double)buckets);
+    bucket = bucket < 0 ? 0 : bucket > buckets - 1 ? buckets - 1 : bucket;
+    return (double *)counts + ((size_t)cls * (size_t)buckets + (size_t)bucket) * 2;
+}
+
 static double calibrated(const Calibration *c, int cls, double raw) {
-    double r = raw < 0.0 ? 0.0 : raw > 1.0 ? 1.0 : raw;
-    long bucket = (long)(r * (double)c->buckets);
-    bucket = bucket < 0 ? 0 : bucket > c->buckets - 1 ? c->buckets - 1 : bucket;
-    const double *n = c->counts + ((size_t)cls * (size_t)c->buckets + (size_t)bucket) * 2;
+    double r = clamp01(raw);
+    const double *n = counts_of(c->counts, c->buckets, cls, r);
     double p = (n[0] + c->prior * r) / (n[1] + c->prior);
     return p < 1e-12 ? 1e-12 : p;
 }
@@ -200,9 +214,7 @@ static PyObject *merge(PyObject *self, PyObject *args) {
             int64_t levels = 0;
             for (Py_ssize_t u = 0; u < U; u++) {
                 Node *n = &nodes[u];
-                int learned = n->src & LEARNED, index = n->src & INDEX;
-                int cls = learned ? (index ? CLASS_BOTH : CLASS_LEARNED)
-                                  : (match >= cal.long_match ? CLASS_INDEX_LONG : CLASS_INDEX_SHORT);
+                int cls = node_class(n->src, match, cal.long_match);
                 n->score = log(calibrated(&cal, cls, n->raw)); /* its own node's, until the paths are summed */
                 if (n->dep > levels) levels = n->dep;
             }
@@ -289,14 +301,8 @@ static PyObject *observe(PyObject *self, PyObject *args) {
         for (Py_ssize_t n = 1; n < N; n++) {
             int64_t parent = parents[b * N + n];
             if ((valid && !valid[b * N + n]) || parent < 0 || parent >= N || !(parent == 0 || on_path[parent])) continue;
-            int src = source[b * N + n], learned = src & LEARNED, index = src & INDEX;
-            int cls = learned ? (index ? CLASS_BOTH : CLASS_LEARNED)
-                              : (match[b] >= long_match ? CLASS_INDEX_LONG : CLASS_INDEX_SHORT);
-            double r = (double)raw[b * N + n];
-            r = r < 0.0 ? 0.0 : r > 1.0 ? 1.0 : r;
-            long bucket = (long)(r * (double)buckets);
-            bucket = bucket < 0 ? 0 : bucket > buckets - 1 ? buckets - 1 : bucket;
-            double *c = counts + ((size_t)cls * (size_t)buckets + (size_t)bucket) * 2;
+            int cls = node_class(source[b * N + n], match[b], long_match);
+            double *c = counts_of(counts, buckets, cls, clamp01((double)raw[b * N + n]));
             c[0] += on_path[n];
             c[1] += 1.0;
         }
