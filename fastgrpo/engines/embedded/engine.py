@@ -526,11 +526,14 @@ class EmbeddedEngine:
         ctx = context_bucket(context + new, self.max_context + TREE_SLACK - STATIC_TREE_ROOM)
         if self._pending is not None:
             self._pending.flush(self.cache.lengths)  # the states of eager plain steps before this one
+        # a graph is keyed by everything its step's Python decides on: the shape, the sampling rule (not
+        # the length limit, which only the host reads), whether the draft's states are kept, the routing
+        rule = (sampling.temperature, sampling.top_p, sampling.top_k)
         if config is None:
-            out = self.graphs.run(("plain", rows, ctx, sampling, self._routing),
+            out = self.graphs.run(("plain", rows, ctx, rule, self._pending is not None, self._routing),
                                   lambda: self.steps.plain(rows, ctx, sampling, self._pending, self._routing))
         else:
-            out = self.graphs.run((config, rows, ctx, sampling, self._routing),
+            out = self.graphs.run((config, rows, ctx, rule, self._routing),
                                   lambda: self.steps.speculate(config, rows, ctx, sampling, self._pending,
                                                                self._routing))
         levels = 1 if config is None else config.depth + 1

@@ -8,12 +8,14 @@ sync, and a step with none needs no compiler to be captured.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 aten = torch.ops.aten
 
@@ -31,6 +33,9 @@ class StepGraphs:
         self.enabled = enabled and device.type == "cuda"
         # when set, every step runs eagerly inside this audit (a check that it could be captured)
         self.audit: StepAudit | None = None
+        # when set (where nothing is captured), every step runs eagerly and is held to what a replay of
+        # its key's first call would do
+        self.replay_check: ReplayCheck | None = None
         self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
         self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.captures = 0
@@ -40,6 +45,8 @@ class StepGraphs:
         if self.audit is not None:
             with self.audit:
                 return step()
+        if self.replay_check is not None:
+            return self.replay_check.run(key, step)
         if not self.enabled:
             return step()
         if key in self._graphs:
@@ -140,3 +147,96 @@ class StepAudit(TorchDispatchMode):
             setattr(torch.Tensor, name, original)
         self._patched.clear()
         return super().__exit__(*exc)
+
+
+class StaleReplay(RuntimeError):
+    """A step called again under a key would not compute what a replay of the key's graph computes."""
+
+
+class ReplayCheck(TorchDispatchMode):
+    """A CUDA graph's contract, checked where no graph is captured (a CPU: the tests, the GPU check's CPU run).
+
+    A graph replays the ops its capture recorded, with the shapes, strides and scalars of that call, on the
+    storages that call read. A step whose later calls under the same key would do anything else (read a
+    buffer that was rebound since, take a branch on Python state the key does not name, use a shape or a
+    scalar the key does not fix) computes, when replayed, something other than its eager self, silently.
+    So each key's first call is recorded (every op, with each tensor argument as the storage it reads, or
+    the earlier op of the call that made it) and every later call must record the same, else StaleReplay
+    names the first difference. A later call's outputs are copied into the first call's tensors, which it
+    returns, as a replay overwrites its graph's outputs: a caller that kept an earlier step's outputs sees
+    them change, as it would on a GPU. A CPU's packed weight copies (oneDNN, which a GPU engine never
+    makes) are opaque and recorded by shape alone."""
+
+    def __init__(self):
+        super().__init__()
+        self._first: dict[Hashable, tuple[list[tuple], Any]] = {}
+        self._trace: list[tuple] = []
+        self._maker: dict[int, int] = {}  # storage address -> the op of this call that last made it
+        self._read: set[int] = set()  # the storages this call read that it did not make
+        self.checked = 0  # calls held to their key's first
+
+    def run(self, key: Hashable, step: Callable[[], Any]) -> Any:
+        self._trace, self._maker, self._read = [], {}, set()
+        with self:
+            out = step()
+        trace = self._trace
+        if key not in self._first:
+            self._first[key] = (trace, out)
+            return out
+        first, kept = self._first[key]
+        if trace != first:
+            raise StaleReplay(f"step {key}: {_first_difference(first, trace)}")
+        with torch.inference_mode():
+            _overwrite(kept, out)
+        self.checked += 1
+        return kept
+
+    def _arg(self, x: Any) -> Any:
+        """An op's argument as a replay would see it."""
+        if not isinstance(x, torch.Tensor):
+            return x
+        address = _address(x)
+        if address is None:
+            return ("opaque", tuple(x.shape), x.dtype)
+        layout = (tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.device)
+        if address in self._maker:
+            return ("made by op", self._maker[address], *layout)
+        self._read.add(address)
+        return ("reads storage", address, *layout)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self._trace.append((str(func), tuple(self._arg(x) for x in tree_flatten((args, kwargs))[0])))
+        out = func(*args, **kwargs)
+        for t in tree_flatten(out)[0]:
+            # a new storage (or a view or in-place write of one this call made), not a persistent one
+            if isinstance(t, torch.Tensor) and (address := _address(t)) is not None and address not in self._read:
+                self._maker[address] = len(self._trace) - 1
+        return out
+
+
+def _address(t: torch.Tensor) -> int | None:
+    """Where a tensor's storage lives; None for an opaque tensor (a CPU's packed weights)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _first_difference(first: list[tuple], now: list[tuple]) -> str:
+    for i, (a, b) in enumerate(zip(first, now)):
+        if a != b:
+            return f"op {i} differs from the first call's (the captured one): {b} instead of {a}"
+    return f"{len(now)} ops where the first call (the captured one) ran {len(first)}"
+
+
+def _overwrite(kept: Any, new: Any) -> None:
+    """Copy a step's outputs into the tensors of its key's first call (the same structure and shapes)."""
+    if isinstance(kept, torch.Tensor):
+        kept.copy_(new)
+    elif dataclasses.is_dataclass(kept):
+        for f in dataclasses.fields(kept):
+            _overwrite(getattr(kept, f.name), getattr(new, f.name))
+    elif isinstance(kept, (tuple, list)):
+        for a, b in zip(kept, new, strict=True):
+            _overwrite(a, b)
