@@ -121,7 +121,9 @@ def check(tmp_path_factory):
     out, report = tmp / "out", tmp / "imports.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run([sys.executable, "-c", BOOT, json.dumps(sorted(allowed_modules())), str(report),
-                           "--size", "test", "--device", "cpu", "--out", str(out), "--work", str(tmp / "work")],
+                           "--size", "test", "--device", "cpu", "--out", str(out), "--work", str(tmp / "work"),
+                           # static steps as on a GPU, each held to what its graph's replay would compute
+                           "--check-replays", "engine.steps=static"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         print(proc.stdout[-6000:], proc.stderr[-6000:], sep="\n")
@@ -198,12 +200,15 @@ def test_every_stage_runs_on_the_cpu_with_plausible_numbers(check):
     assert [(s["workload"], s["mode"], s["rep"]) for s in r["aware_states"]] == [
         (c["workload"], c["mode"], c["rep"]) for c in aware_calls]
     assert all(s["state"] and "error" not in s["state"] for s in r["aware_states"])
+    # one static engine ran every mode, each step as its graph would replay (StaleReplay fails the stage)
+    assert r["engine"]["static_steps"] and r["engine"]["replays_checked"] > 100
     assert _positive(*r["cost_model"]["target_s"].values())
 
     sb = d["step_bench"]  # every shape at every level, in both engines, each from every call
     shapes = ["plain", *(f"d{a}k{b}n{c}" for a, b, c in STEP_SHAPES)]
     assert sb["levels"] == list(size.step_levels) and sb["shapes"] == shapes
     assert sb["engines"]["eager"]["static_steps"] is False and sb["engines"]["static"]["static_steps"] is True
+    assert sb["engines"]["static"]["replays_checked"] > 0
     assert len(sb["cells"]) == len(size.step_levels) * len(shapes) * 2
     for cell in sb["cells"]:
         # a call of a tree that emits several tokens a step may end inside its warm-up: plain calls never do

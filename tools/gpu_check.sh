@@ -14,6 +14,8 @@
 #    and runs `python -m fastgrpo.bench.gpu_check` from the repository root, offline (HF_HUB_OFFLINE=1),
 #    without MLflow (tracking.enabled=false) or plots.
 #    Other arguments go to the driver: --size test (toy sizes, seconds), --device cpu|cuda|auto,
+#    --check-replays (on a CPU with engine.steps=static: every static step held to what its graph's replay
+#    would compute),
 #    --stages sft,draft,..., --work DIR (keep the policy, draft and cost model there), key=value overrides
 #    (e.g. sft.max_minutes=1). PYTHON=... picks the interpreter (default: python3 or python, whichever has torch).
 #

@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {', '.join(STAGES)}")
     p.add_argument("--budget-s", type=float, help="the whole run's seconds, which rollout (the last stage) fits "
                    "itself into (default: 540 at gpu size, none at test size; 0: none)")
+    p.add_argument("--check-replays", action="store_true", help="where no CUDA graph is captured (a CPU), hold every "
+                   "static step to what a replay of its graph would compute (slower; with engine.steps=static on a CPU)")
     p.add_argument("--wheel-specs", action="store_true", help="print the wheels the GPU machine needs and exit")
     p.add_argument("--wheels-to-install", metavar="DIR", help="print the wheels in DIR this Python lacks or has "
                    "in an older version, and exit (tools/gpu_check.sh installs those)")
@@ -92,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.check_replays:
+        from fastgrpo.engines.embedded import graphs
+
+        graphs.CHECK_REPLAYS = True
     return run(Path(args.out), args.size, args.device, Path(args.work) if args.work else None, stages, args.overrides,
                args.budget_s)
 

@@ -509,8 +509,10 @@ def engine_info(engine: Any) -> dict:
     """How the engine runs its steps: static (fixed shapes) or eager, replayed from CUDA graphs or not."""
     graphs = getattr(engine, "graphs", None)
     captures, replays = _graph_counts(engine)
+    check = getattr(graphs, "replay_check", None)
     return {"static_steps": bool(getattr(engine, "static", False)), "graphs": bool(getattr(graphs, "enabled", False)),
-            "captures": captures, "replays": replays, "device": str(getattr(engine, "device", "")),
+            "captures": captures, "replays": replays, "replays_checked": check.checked if check is not None else None,
+            "device": str(getattr(engine, "device", "")),
             "dtype": str(getattr(engine, "dtype", "")).removeprefix("torch.")}
 
 

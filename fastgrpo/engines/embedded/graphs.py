@@ -19,6 +19,11 @@ from torch.utils._pytree import tree_flatten
 
 aten = torch.ops.aten
 
+# where nothing is captured (a CPU), hold every static step to a replay of its key's first call
+# (ReplayCheck); the GPU check's CPU run sets it (--check-replays), so that what a CPU can find is not
+# left for a GPU's scarce minutes
+CHECK_REPLAYS = False
+
 
 class StepGraphs:
     """Each step key (its function, batch and context buckets, tree and sampling) captured once as a CUDA
@@ -35,7 +40,7 @@ class StepGraphs:
         self.audit: StepAudit | None = None
         # when set (where nothing is captured), every step runs eagerly and is held to what a replay of
         # its key's first call would do
-        self.replay_check: ReplayCheck | None = None
+        self.replay_check: ReplayCheck | None = ReplayCheck() if CHECK_REPLAYS and not self.enabled else None
         self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
         self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.captures = 0
