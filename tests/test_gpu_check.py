@@ -518,3 +518,15 @@ def test_the_8b_shape_is_the_configs_llama_3_1_8b():
     assert scaled.intermediate_size / scaled.hidden_size == config.intermediate_size / config.hidden_size
     assert not scaled.tie_word_embeddings and scaled.rope_scaling == config.rope_scaling
     assert scaled.head_dim * scaled.num_attention_heads == scaled.hidden_size
+
+
+def test_the_rehearsal_runs_the_versions_the_last_gpu_check_found():
+    """tools/gpu_rehearsal.sh installs pins.GPU_MACHINE: the torch and transformers the GPU machine's image
+    held at the committed run. A new GPU run that finds other versions fails this until the pins follow."""
+    from fastgrpo.bench.gpu_check.pins import GPU_MACHINE
+
+    env = json.loads((ROOT / "bench" / "gpu" / "gpu_check.json").read_text())["stages"]["environment"]["data"]
+    found = {"torch": env["torch"].split("+")[0], "transformers": env["transformers"]}
+    assert dict(pin.split("==") for pin in GPU_MACHINE) == found
+    script = (ROOT / "tools" / "gpu_rehearsal.sh").read_text()
+    assert "GPU_MACHINE" in script and "--check-replays engine.steps=static" in script

@@ -32,6 +32,9 @@ WHEELS = (
     "megatron-core==0.16.1", "psutil==7.2.2",  # the Megatron trainer
 )
 BASE = ("torch", "transformers", "safetensors", "numpy")  # what the offline GPU machine's Python has
+# the versions of BASE's torch and transformers that machine's image holds, as its last check recorded them
+# (bench/gpu/gpu_check.json's environment): tools/gpu_rehearsal.sh runs the check on a CPU under them
+GPU_MACHINE = ("torch==2.11.0", "transformers==5.17.0")
 GPU_TORCH = "torch==2.14.1"  # sglang 0.5.23's Requires-Dist (fastgrpo's own pin, 2.13.0, is the CPU build's)
 GPU_EXTRAS = ("test", "megatron", "sglang")  # deepspeed stays on CPU installs (built from source against torch)
 
