@@ -92,7 +92,7 @@ class DraftHead(nn.Module):
         """hidden [B, n, H] at positions t, next_tokens [B, n] (token t+1) -> predicted h_{t+1} [B, n, H]."""
         weights = {"fc": self.fc, **self.layer} | (self.packed or {})
         x = linear(torch.cat([F.embedding(next_tokens, self.embed), hidden], dim=-1), weights["fc"])
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # [B, n, 1, D]
         return decoder_layer(x, weights, self.layout, cos, sin, mask, kv)
 
     def logits(self, features: Tensor) -> Tensor:

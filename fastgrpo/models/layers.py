@@ -62,6 +62,7 @@ def decoder_layer(x: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerL
                   routing: list[Tensor] | None = None) -> Tensor:
     """One decoder layer of `layout`'s family. `kv(k, v)` turns this block's keys/values [B, KV, n, D] into
     the keys/values to attend over: the cache after appending them (inference), or themselves (training).
+    cos, sin [B, n, 1, D]: the rotation at each token's position.
 
     The layer's optional tensors are used where the family has them: q/k/v and o biases (`bqkv`, `bo`),
     an RMSNorm over each head of q and k before the rotation (`q_norm`, `k_norm`).
@@ -78,14 +79,15 @@ def decoder_layer(x: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerL
     if valid is not None:
         qkv = unpack(qkv, valid)
     B, n, _ = qkv.shape
-    q = qkv[..., : H * D].view(B, n, H, D)
-    k = qkv[..., H * D : (H + KV) * D].view(B, n, KV, D)
+    # q's and k's heads side by side [B, n, H + KV, D], rotated in one pass (the same arithmetic per
+    # element, half the kernels of rotating each)
+    qk = qkv[..., : (H + KV) * D].view(B, n, H + KV, D)
     v = qkv[..., (H + KV) * D :].view(B, n, KV, D).transpose(1, 2)
     if "q_norm" in L:
-        q, k = rms_norm(q, L["q_norm"], eps), rms_norm(k, L["k_norm"], eps)
-    q, k = q.transpose(1, 2), k.transpose(1, 2)
-    keys, values = kv(_rotate(k, cos, sin), v)
-    q = _rotate(q, cos, sin)
+        qk = torch.cat([rms_norm(qk[:, :, :H], L["q_norm"], eps), rms_norm(qk[:, :, H:], L["k_norm"], eps)], 2)
+    qk = _rotate(qk, cos, sin)
+    q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
+    keys, values = kv(k, v)
     attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
                                           enable_gqa=KV != H)
     attn = attn.transpose(1, 2).reshape(B, n, H * D)

@@ -205,7 +205,7 @@ class InferenceModel:
             raise ValueError(f"sequence would exceed the cache length {cache.max_len}")
         mask = block_mask(start, n, ctx, new_mask)
         pos = slots if positions is None else positions
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, n, D]
+        cos, sin = self.cos[pos][:, :, None], self.sin[pos][:, :, None]  # [B, n, 1, D]
         x = F.embedding(tokens if valid is None else tokens[valid], self.embed)
         routed: list[Tensor] | None = [] if routing is not None else None
         for li, L in enumerate(self.matmul_layers):
