@@ -436,3 +436,27 @@ def test_one_rank_offloads_the_whole_models_optimizer_and_deepspeed_has_no_host_
                   "parallel.draft_ranks=0", "draft.online=off", "trainer.recompute=false",
                   "trainer.distributed_optimizer=false")
     assert "host memory per node" not in out and "verdict" in out
+
+
+def test_the_plans_in_the_docs_are_what_plan_prints(capsys):
+    """docs/planning.md's table of the shipped GPU configs and its pasted Qwen3-8B and 70B plans are the
+    current output of `fastgrpo plan` (each total, the sequences an engine holds)."""
+    import re
+
+    docs = Path("docs/planning.md").read_text()
+    rows = [r for r in docs.splitlines() if r.startswith("| `fastgrpo plan --config configs/")]
+    assert len(rows) >= 6
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        config = re.search(r"configs/\S+\.yaml", cells[0]).group(0)
+        status, out = plan(capsys, "--config", config)
+        totals = re.findall(r"^  total +([\d.]+) ", out, re.M)
+        held = re.search(r"holds (\d+) full-length sequences \((\d+) tokens\)", out)
+        want = [cells[2], cells[3]] + ([] if cells[4].startswith("(no draft") else [cells[4]])
+        assert status == 0 and totals == want, (config, totals, want)
+        assert cells[5].startswith(f"{held.group(1)} sequences of {held.group(2)}"), (config, cells[5])
+    for config, opening in (("configs/qwen3_8b.yaml", "--config configs/qwen3_8b.yaml`):\n\n```\n"),
+                            ("configs/llama3_70b.yaml", "configs/llama3_70b.yaml`, current code):\n\n```\n")):
+        pasted = docs.split(opening, 1)[1].split("\n```", 1)[0]
+        status, out = plan(capsys, "--config", config)
+        assert pasted == out.rstrip("\n"), config
