@@ -3,6 +3,7 @@ highest predicted goodput, its margin, online acceptance and per-bucket correcti
 budget; the per-sequence verify budget; the cost model's fitting and pricing."""
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -309,3 +310,18 @@ def test_a_forward_of_fewer_rows_is_priced_below_the_sweeps_point_of_as_many_tok
     many = costs.target_many(torch.tensor([1, 4, 16, 100]), rows=1)
     assert many.tolist() == pytest.approx([costs.target(t, rows=1) for t in (1, 4, 16, 100)])
     assert CostModel.from_json(costs.to_json()).target(16, rows=1) == pytest.approx(costs.target(16, rows=1))
+
+
+def test_the_aware_overhead_tool_reports_each_level():
+    """tools/aware_overhead.py (aware's host time against the SIMULATED step it decides on) at a small size:
+    every level reported, with positive times and a share that is their ratio."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "tools/aware_overhead.py", "--running", "1,64", "--steps", "200"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert [r["running"] for r in result["levels"]] == [1, 64] and result["gpu"] == "H100 SXM"
+    for r in result["levels"]:
+        assert r["choose_us"] > 0 and r["observe_us"] > 0 and r["step_ms"] > 0
+        assert r["share_of_step"] == pytest.approx((r["choose_us"] + r["observe_us"]) / (1e3 * r["step_ms"]))

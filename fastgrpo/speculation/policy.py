@@ -7,6 +7,8 @@ decoding (one token per sequence per target forward).
 from __future__ import annotations
 
 import math
+from collections import Counter
+from itertools import repeat
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -147,12 +149,14 @@ class AcceptanceModel:
         cut trees at one sequence pulled every shape's prior down, and so speculation at four). The
         deepest over the row's whole tree: a level verified on another branch than the accepted path
         still counts as tried there, a slight undercount of alpha the budget's cuts cause."""
-        for i, a in enumerate(accepted):
-            tried = c.depth if verified_depth is None else min(c.depth, verified_depth[i])
-            for d in range(1, min(a + 1, tried) + 1):
-                self.reached[d] += 1
-                self.passed[d] += d <= a
-        self.sum_emitted[c] = self.sum_emitted.get(c, 0.0) + sum(a + 1 for a in accepted)
+        tried = repeat(c.depth) if verified_depth is None else (min(c.depth, v) for v in verified_depth)
+        # counted per distinct (accepted, tried) pair, not per sequence: a step of 256 rows has a few
+        pairs = Counter(zip(accepted, tried))
+        for (a, t), rows in pairs.items():
+            for d in range(1, min(a + 1, t) + 1):
+                self.reached[d] += rows
+                self.passed[d] += rows * (d <= a)
+        self.sum_emitted[c] = self.sum_emitted.get(c, 0.0) + sum(rows * (a + 1) for (a, _), rows in pairs.items())
         self.count[c] = self.count.get(c, 0.0) + len(accepted)
 
 
@@ -332,11 +336,34 @@ class Aware(Off):
         emitted = 1.0 if c is None else self.acceptance.expected(c)
         return running * emitted / self.predicted_seconds(c, running)
 
+    def _rates(self, running: int) -> list[float]:
+        """`goodput` of every candidate, each by the same operations in the same order, with what the
+        candidates share priced once: plain's step, the verify forward by its tokens, the draft's level
+        by its width. A search prices ~100 shapes, and one shape at a time it cost tens of microseconds a
+        step: on a GPU, a few percent of a graph-replayed step, which `aware` must not lose to its
+        fixed rivals."""
+        costs, ctx, fit = self.costs, self.context, self._fit(running)
+        plain, scale = self._calibrated_seconds(None, running), self._correction("off", running)
+        verify: dict[float, float] = {}
+        level: dict[float, float] = {}
+        rates = []
+        for c in self.candidates:
+            emitted = self.acceptance.expected(c)
+            tokens = self._verified_tokens(c, running)
+            if tokens not in verify:
+                verify[tokens] = costs.at_context("target", tokens, running, ctx)
+            width = running * c.topk
+            if width not in level:
+                level[width] = costs.at_context("draft", width, running, ctx)
+            draft = costs.at_context("draft", running * emitted, running, ctx) + (c.depth - 1) * level[width]
+            rates.append(running * emitted / fit.seconds(draft + verify[tokens], c, plain, scale))
+        return rates
+
     def _tree(self, running: int) -> tuple[SpecConfig | None, float, float]:
         if (key := (running, self.context)) not in self._trees:
             self._fit(running).fit(self._correction("off", running))
             # best first; a tie goes to the earlier candidate
-            ranked = sorted((-self.goodput(c, running), i) for i, c in enumerate(self.candidates))
+            ranked = sorted((-rate, i) for i, rate in enumerate(self._rates(running)))
             self._ranked[key] = [self.candidates[i] for _, i in ranked[: self.explore]]
             best, best_rate = (self.candidates[ranked[0][1]], -ranked[0][0]) if ranked else (None, 0.0)
             seconds = 0.0 if best is None else self.predicted_seconds(best, running)
@@ -392,7 +419,8 @@ class Aware(Off):
         b = self._bucket(running)
         # unbounded but for absurd values: a sweep taken while another process held a core can be wrong
         # by 80x (every forward a scheduler stall), and only this correction can undo it
-        ratio = min(max(seconds / max(self._calibrated_seconds(config, running), 1e-9), 1e-3), 1e3)
+        calibrated = self._calibrated_seconds(config, running)
+        ratio = min(max(seconds / max(calibrated, 1e-9), 1e-3), 1e3)
         # the first measurement of a kind in a bucket replaces the calibration; later ones are averaged,
         # a probe (rare, and the only fresh evidence on its kind) with weight one half. Until the other
         # kind is measured there, it takes the same factor: a calibration is most likely off by a common
@@ -405,8 +433,7 @@ class Aware(Off):
         if config is None:
             self.correction[(kind, b)] = ratio if current is None else keep * current + (1 - keep) * ratio
         else:  # (clipped as the ratio is: beyond it the measurement is absurd, not the model wrong)
-            forwards = self._calibrated_seconds(config, running)
-            self._fit(running).add(forwards, config, ratio * forwards, self._calibrated_seconds(None, running),
+            self._fit(running).add(calibrated, config, ratio * calibrated, self._calibrated_seconds(None, running),
                                    probe)
             self.correction[(kind, b)] = ratio if current is None else keep * current + (1 - keep) * ratio
         if (other, b) not in self._measured:

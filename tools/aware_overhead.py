@@ -1,0 +1,93 @@
+"""`aware`'s own host time per decode step (its choice and its update), against the step it decides on.
+
+    python tools/aware_overhead.py [--model configs/models/llama-3.1-8b-instruct.json] [--gpu h100]
+                                   [--running 1,4,16,64,256] [--steps 2000] [--alpha 0.7]
+
+On a GPU a graph-replayed step of a small batch takes a millisecond or two, and whatever `aware` spends
+choosing and learning is paid on top of it, where a fixed tree pays nothing: that share must stay well
+under the 3% by which `aware` may trail the best fixed choice. This drives `Aware` as an engine would, on
+the SIMULATED machine of `bench simulate` (the roofline's calibration and step times, `speculation/
+roofline.py`), at each level of running sequences: contexts grow by what each step emits, each row
+accepts each level with chance `alpha`. It reports per level the median over 5 repetitions of the mean
+microseconds of `choose` and `observe` per step, the choice it settled on, and their share of that
+choice's SIMULATED step. Timings are this machine's host; the step times are the simulator's (its
+error against a real GPU is in BENCHMARKS.md section 10)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def drive(policy, roofline, running: int, steps: int, alpha: float, seed: int) -> dict:
+    """`steps` decode steps of `running` sequences under `policy`; host seconds of its calls."""
+    rng = random.Random(seed)
+    context, choose_s, observe_s, step_s, chosen = 64.0, 0.0, 0.0, 0.0, None
+    for _ in range(steps):
+        t = time.perf_counter()
+        config = policy.choose(running, context)
+        choose_s += time.perf_counter() - t
+        if config is None:
+            accepted, emitted = None, running
+            seconds = roofline.decode_step(running, int(context), int(context) * running)
+        else:
+            accepted = []
+            for _ in range(running):
+                depth = 0
+                while depth < config.depth and rng.random() < alpha:
+                    depth += 1
+                accepted.append(depth)
+            emitted = sum(a + 1 for a in accepted)
+            seconds = roofline.spec_step(config, running, 1, int(context), int(context) * running)
+        t = time.perf_counter()
+        policy.observe(config, running, emitted, seconds, accepted)
+        observe_s += time.perf_counter() - t
+        step_s += seconds
+        context += emitted / running
+        chosen = config
+    return {"choose_us": 1e6 * choose_s / steps, "observe_us": 1e6 * observe_s / steps,
+            "step_ms": 1e3 * step_s / steps, "choice": chosen.name if chosen is not None else "plain"}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from fastgrpo.speculation.policy import Aware
+    from fastgrpo.speculation.roofline import ACCELERATORS, Roofline, load_model_shape, simulated_cost_model
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(ROOT / "configs" / "models" / "llama-3.1-8b-instruct.json"))
+    p.add_argument("--gpu", choices=sorted(ACCELERATORS), default="h100")
+    p.add_argument("--running", default="1,4,16,64,256")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--alpha", type=float, default=0.7, help="a row's chance to accept each drafted level")
+    args = p.parse_args(argv)
+    roofline = Roofline(ACCELERATORS[args.gpu], load_model_shape(args.model))
+    costs = simulated_cost_model(roofline)
+    rows = []
+    for running in (int(x) for x in args.running.split(",")):
+        runs = [drive(Aware(costs, acceptance_prior=args.alpha), roofline, running, args.steps, args.alpha, seed)
+                for seed in range(5)]
+        row = {"running": running, **{k: statistics.median(r[k] for r in runs)
+                                       for k in ("choose_us", "observe_us", "step_ms")},
+               "choice": statistics.mode(r["choice"] for r in runs)}
+        row["share_of_step"] = (row["choose_us"] + row["observe_us"]) / (1e3 * row["step_ms"])
+        rows.append(row)
+        print(f"running {running:4d}: choose {row['choose_us']:6.1f} us + observe {row['observe_us']:6.1f} us a step; "
+              f"settled on {row['choice']:>9}; SIMULATED step {row['step_ms']:.3f} ms: {100 * row['share_of_step']:.2f}%",
+              flush=True)
+    result = {"model": Path(args.model).stem, "gpu": roofline.hw.name, "steps": args.steps, "alpha": args.alpha,
+              "levels": rows}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
