@@ -51,7 +51,7 @@ DRAFT_WINDOW = 16  # the most target states a draft catch-up feeds per row (afte
 STATIC_TREE_ROOM = 64
 
 
-@dataclass
+@dataclass(slots=True)
 class _Sequence:
     index: int  # position in the caller's request list
     key: int  # sampling key: the request's own, else its index
@@ -487,17 +487,18 @@ class EmbeddedEngine:
                 sets: list[list[int]] | None = None) -> None:
         """Add emitted tokens (with the sets they were sampled from, when cut), stopping at EOS, the
         token limit or the context."""
+        kept, stops = s.tokens, self.stop_ids
         for i, (tok, lp) in enumerate(zip(tokens, logprobs)):
-            s.tokens.append(tok)
+            kept.append(tok)
             s.logprobs.append(lp)
             if sets is not None:
                 s.sample_sets.append(sets[i])
             s.pending = tok
-            if tok in self.stop_ids and not ignore_eos:
+            if tok in stops and not ignore_eos:
                 s.finish = "stop"
-            elif len(s.tokens) >= s.max_new:
+            elif len(kept) >= s.max_new:
                 s.finish = "length"
-            elif s.prompt_len + len(s.tokens) >= self.max_context:
+            elif s.prompt_len + len(kept) >= self.max_context:
                 s.finish = "context"
             if s.finish:
                 return
@@ -542,21 +543,22 @@ class EmbeddedEngine:
             log.warning("non-finite draft (draft version %d): plain tokens for %d rows this step",
                         self.draft_version, result.finite.count(False))
         emitted = 0
-        for b, s in enumerate(running):
+        cut, ignore_eos, capture, experts = cuts(sampling), sampling.ignore_eos, self._capture, out.experts
+        for b, s in enumerate(running):  # (the invariants hoisted: this loop is a step's host work per row)
             a = result.accepted[b]
-            nodes = [0] + result.path[b][:a]
-            sets = kept_sets(out.logprobs[b, nodes]) if cuts(sampling) else None
+            nodes = [0] + result.path[b][:a] if cut or capture or experts is not None else None
             before = len(s.tokens)
-            self._append(s, result.tokens[b][: a + 1], result.logprobs[b][: a + 1], sampling.ignore_eos, sets)
+            self._append(s, result.tokens[b][: a + 1], result.logprobs[b][: a + 1], ignore_eos,
+                         kept_sets(out.logprobs[b, nodes]) if cut else None)
             emitted += len(s.tokens) - before
             if config is not None:
                 s.spec_steps += 1
                 s.spec_emitted += a + 1
             # indexing by a list copies: a graph's outputs are overwritten by its next replay
-            if self._capture:
+            if capture:
                 s.captured.append(out.hidden[b, nodes])
-            if out.experts is not None:  # the accepted nodes' routing
-                s.routed.append(out.experts[b, nodes])
+            if experts is not None:  # the accepted nodes' routing
+                s.routed.append(experts[b, nodes])
         return emitted, None if config is None else result.accepted
 
     def _read_back(self, packed: Tensor) -> Tensor:
