@@ -325,3 +325,23 @@ def test_the_aware_overhead_tool_reports_each_level():
     for r in result["levels"]:
         assert r["choose_us"] > 0 and r["observe_us"] > 0 and r["step_ms"] > 0
         assert r["share_of_step"] == pytest.approx((r["choose_us"] + r["observe_us"]) / (1e3 * r["step_ms"]))
+
+
+@pytest.mark.parametrize("policy", [Aware, AwarePerSequence])
+def test_a_search_prices_every_shape_as_goodput_does(policy):
+    """The search's shared pricing (`Aware._rates`) gives each candidate exactly `goodput`'s figure, after
+    observations that moved the acceptance, the fits and the corrections, at several contexts."""
+    import random
+
+    rng = random.Random(3)
+    aware = policy(synthetic_costs(), acceptance_prior=0.7)
+    for step in range(400):
+        running = rng.choice([1, 3, 8, 40])
+        config = aware.choose(running, 50 + step)
+        accepted = None if config is None else [rng.randint(0, config.depth) for _ in range(running)]
+        emitted = running if config is None else sum(a + 1 for a in accepted)
+        aware.observe(config, running, emitted, 0.01 * rng.uniform(0.8, 1.5), accepted)
+    for running in (1, 3, 8, 40):
+        for context in (None, 80.0, 900.0):
+            aware.context = context
+            assert aware._rates(running) == [aware.goodput(c, running) for c in aware.candidates]

@@ -1,7 +1,10 @@
 """`aware`'s own host time per decode step (its choice and its update), against the step it decides on.
 
-    python tools/aware_overhead.py [--model configs/models/llama-3.1-8b-instruct.json] [--gpu h100]
-                                   [--running 1,4,16,64,256] [--steps 2000] [--alpha 0.7]
+    python tools/aware_overhead.py [--model configs/models/llama-3.1-8b-instruct.json | --policy-size gpu]
+                                   [--gpu h100] [--running 1,4,16,64,256] [--steps 2000] [--alpha 0.7]
+
+`--policy-size gpu` prices the GPU check's policy (fastgrpo's own `gpu` size, 308.6M parameters with its
+task's 296-token vocabulary, `--vocab`), whose steps are the shortest `aware` decides on.
 
 On a GPU a graph-replayed step of a small batch takes a millisecond or two, and whatever `aware` spends
 choosing and learning is paid on top of it, where a fixed tree pays nothing: that share must stay well
@@ -60,16 +63,27 @@ def drive(policy, roofline, running: int, steps: int, alpha: float, seed: int) -
 
 def main(argv: list[str] | None = None) -> dict:
     from fastgrpo.speculation.policy import Aware
-    from fastgrpo.speculation.roofline import ACCELERATORS, Roofline, load_model_shape, simulated_cost_model
+    from fastgrpo.speculation.roofline import (ACCELERATORS, Roofline, load_model_shape, model_shape,
+                                               simulated_cost_model)
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(ROOT / "configs" / "models" / "llama-3.1-8b-instruct.json"))
+    p.add_argument("--policy-size", choices=("test", "bench", "gpu"), help="instead of --model: a policy of "
+                   "fastgrpo's own size (models/policy.py)")
+    p.add_argument("--vocab", type=int, default=296, help="with --policy-size: its vocabulary")
     p.add_argument("--gpu", choices=sorted(ACCELERATORS), default="h100")
     p.add_argument("--running", default="1,4,16,64,256")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--alpha", type=float, default=0.7, help="a row's chance to accept each drafted level")
     args = p.parse_args(argv)
-    roofline = Roofline(ACCELERATORS[args.gpu], load_model_shape(args.model))
+    if args.policy_size:
+        from fastgrpo.models.policy import policy_config
+
+        config = policy_config(args.policy_size, args.vocab, 512, bos_id=1, eos_id=2, pad_id=0).to_dict()
+        shape = model_shape(config, name=f"policy-{args.policy_size}")
+    else:
+        shape = load_model_shape(args.model)
+    roofline = Roofline(ACCELERATORS[args.gpu], shape)
     costs = simulated_cost_model(roofline)
     rows = []
     for running in (int(x) for x in args.running.split(",")):
@@ -83,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"running {running:4d}: choose {row['choose_us']:6.1f} us + observe {row['observe_us']:6.1f} us a step; "
               f"settled on {row['choice']:>9}; SIMULATED step {row['step_ms']:.3f} ms: {100 * row['share_of_step']:.2f}%",
               flush=True)
-    result = {"model": Path(args.model).stem, "gpu": roofline.hw.name, "steps": args.steps, "alpha": args.alpha,
+    result = {"model": shape.name, "gpu": roofline.hw.name, "steps": args.steps, "alpha": args.alpha,
               "levels": rows}
     print(json.dumps(result))
     return result
