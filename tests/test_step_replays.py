@@ -124,3 +124,25 @@ def test_a_mixture_of_experts_replays_with_and_without_its_routing_record():
             for a, b in zip(got, want):
                 assert torch.equal(a.routing, b.routing)
     assert check.checked > 10
+
+
+@pytest.mark.parametrize("drafts", ["hybrid", "index"])
+def test_index_drafts_beside_static_plain_steps_replay_as_captured(dense, drafts):
+    """Drafts from the suffix index run their speculative steps eagerly, between static plain steps of the
+    same engine: the plain steps still replay as captured, and three visits of the same prompts (the index
+    filling from their answers) give what an eager engine with the same history gives."""
+    from fastgrpo.speculation.suffix_index import IndexLimits
+
+    cfg, target, draft = dense
+    ps = prompts(6, seed=4)
+    requests = [Request(p) for _ in range(2) for p in ps]  # each prompt twice: siblings draft for each other
+    static, eager = engine(cfg, target, True, draft, Tail(TREE)), engine(cfg, target, False, draft, Tail(TREE))
+    for e in (static, eager):
+        e.set_drafts(drafts, IndexLimits(window=8, depth=6))
+    check = checked(static)
+    for visit in range(3):
+        got = static.generate(requests, SAMPLINGS["t1"], seed=visit)
+        want = eager.generate(requests, SAMPLINGS["t1"], seed=visit)
+        assert_same(target, ps + ps, got, want, SAMPLINGS["t1"], visit)
+        assert static.stats()["spec_steps"] == eager.stats()["spec_steps"] > 0
+    assert check.checked > 0
