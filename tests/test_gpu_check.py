@@ -202,6 +202,7 @@ def test_every_stage_runs_on_the_cpu_with_plausible_numbers(check):
     assert all(s["state"] and "error" not in s["state"] for s in r["aware_states"])
     # one static engine ran every mode, each step as its graph would replay (StaleReplay fails the stage)
     assert r["engine"]["static_steps"] and r["engine"]["replays_checked"] > 100
+    assert 0 < r["engine"]["graphs_a_gpu_would_capture"] < r["engine"]["replays_checked"]
     assert _positive(*r["cost_model"]["target_s"].values())
 
     sb = d["step_bench"]  # every shape at every level, in both engines, each from every call

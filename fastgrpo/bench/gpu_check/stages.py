@@ -512,6 +512,7 @@ def engine_info(engine: Any) -> dict:
     check = getattr(graphs, "replay_check", None)
     return {"static_steps": bool(getattr(engine, "static", False)), "graphs": bool(getattr(graphs, "enabled", False)),
             "captures": captures, "replays": replays, "replays_checked": check.checked if check is not None else None,
+            "graphs_a_gpu_would_capture": check.keys if check is not None else None,
             "device": str(getattr(engine, "device", "")),
             "dtype": str(getattr(engine, "dtype", "")).removeprefix("torch.")}
 

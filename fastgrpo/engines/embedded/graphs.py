@@ -180,6 +180,11 @@ class ReplayCheck(TorchDispatchMode):
         self._read: set[int] = set()  # the storages this call read that it did not make
         self.checked = 0  # calls held to their key's first
 
+    @property
+    def keys(self) -> int:
+        """Distinct steps seen: the graphs a GPU would have captured."""
+        return len(self._first)
+
     def run(self, key: Hashable, step: Callable[[], Any]) -> Any:
         self._trace, self._maker, self._read = [], {}, set()
         with self:
