@@ -208,8 +208,16 @@ def _rollout_tables(r: dict | None) -> list[str]:
         if "aware_vs_best" in g:
             lines += ["", f"aware / best fixed ({g['best_fixed']}): {_f(g['aware_vs_best'])}x; aware / off: "
                       f"{_f(g['aware_vs_off'])}x; A/A ({' / '.join(r.get('aa_pair', []))}): {_f(g.get('aa_ratio'), 4)}."]
+    calls = r.get("calls") or []
+    timed = [c for c in calls if c["rep"] > 0]
+    if timed and "captures" in timed[0]:  # a capture inside a timed call adds its eager warm-up to that call
+        late = [c for c in timed if c["captures"]]
+        lines += ["", f"CUDA graphs captured: {sum(c['captures'] for c in calls)} in all, "
+                  f"{sum(c['captures'] for c in timed)} of them inside {len(late)} of the {len(timed)} timed calls"
+                  + (" (" + ", ".join(sorted({f"{c['workload']} {c['mode']}" for c in late})) + ")" if late else "")
+                  + "."]
     last: dict[str, dict] = {}
-    for call in r.get("calls") or []:
+    for call in calls:
         if call["mode"] == "aware" and call["rep"] > 0:
             last[call["workload"]] = call
     if last:
