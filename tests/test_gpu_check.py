@@ -239,7 +239,7 @@ def test_the_markdown_has_every_table(check):
     for table in ("Rollout at fixed concurrency", "GRPO batch", "memory-bandwidth bound", "One GRPO step",
                   "| running | off | static | static_aa |", "A/A", "aware's step shapes", "Decode steps alone",
                   "| running | shape | eager ms | static ms |", "fitted to the static steps", "| max abs |",
-                  "A scaled-down Llama-3.1-8B structure"):
+                  "A scaled-down Llama-3.1-8B structure", "CUDA graphs captured:"):
         assert table in md_text, table
     assert "| 4 | d6k8n48 |" in md_text and " ± " in md_text  # a step row, standard errors
 
