@@ -37,7 +37,7 @@ from torch import Tensor
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache, block_mask, cache_kv
 from fastgrpo.engines.embedded.tree import Verified, draft_tree, verify_tree
 from fastgrpo.models.draft import DraftHead
-from fastgrpo.models.sampling import sample, sampling_logprobs, sampling_uniforms, seed_key
+from fastgrpo.models.sampling import cuts, sample, sampling_logprobs, sampling_uniforms, seed_key
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.types import SamplingParams
 
@@ -104,7 +104,10 @@ class StepState:
 class StepOutput:
     packed: Tensor  # [B, 3 L + 1] float64 (`pack`): what the host reads back
     hidden: Tensor  # [B, n, H] the target's final states of the step's tokens (the draft learns from them)
-    logprobs: Tensor  # [B, n, V] sampling log-probabilities at each of them (the sets top-k / top-p keep)
+    # [B, n, V] sampling log-probabilities at each of them, when top-k / top-p cut the distribution (the
+    # host reads the sets they keep); else None: a graph's outputs stay allocated as long as the graph, and
+    # [B, n, V] in fp32 is hundreds of MB a speculative graph at a real vocabulary
+    logprobs: Tensor | None
     experts: Tensor | None = None  # [B, n, sparse layers, k] int16: a mixture of experts' routing, when recorded
 
 
@@ -176,8 +179,8 @@ class StaticSteps:
             states.put(torch.arange(B, device=token.device), self.cache.lengths[rows], hidden[:, 0], token)
         none = torch.zeros(B, dtype=torch.long, device=token.device)
         self._advance(B, token[:, None], none)
-        return StepOutput(pack(token[:, None], token_lp, none[:, None][:, :0], none, none == 0), hidden, logprobs,
-                          _stacked(routed))
+        return StepOutput(pack(token[:, None], token_lp, none[:, None][:, :0], none, none == 0), hidden,
+                          logprobs if cuts(sampling) else None, _stacked(routed))
 
     def speculate(self, config: SpecConfig, B: int, ctx: int, sampling: SamplingParams,
                   states: _PendingStates, routing: bool = False) -> StepOutput:
@@ -200,7 +203,7 @@ class StaticSteps:
         self._advance(B, result.tokens, result.accepted)
         assert tree.valid is not None  # static trees always say which nodes are verified
         return StepOutput(pack(result.tokens, result.logprobs, result.path, result.accepted, tree.valid[:, 1:].any(-1)),
-                          hidden, node_logprobs, _stacked(routed))
+                          hidden, node_logprobs if cuts(sampling) else None, _stacked(routed))
 
 
 def _stacked(routed: list[Tensor] | None) -> Tensor | None:
