@@ -14,7 +14,7 @@ from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.types import Request
 from tests.test_families import trained_draft
 from tests.test_moe_engine import hf_model, qwen3_moe
-from tests.test_static_steps import EOS, SAMPLINGS, STOPS, assert_same, dense, engine, prompts  # noqa: F401 (fixture)
+from tests.test_static_steps import SAMPLINGS, STOPS, assert_same, dense, engine, prompts  # noqa: F401 (fixture)
 
 TREE = SpecConfig(4, 4, 12)
 

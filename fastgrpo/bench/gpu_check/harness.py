@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import datetime
 import gc
-import json
 import math
 import statistics
 import sys
