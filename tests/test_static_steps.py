@@ -246,3 +246,20 @@ def test_the_host_time_tool_reports_each_level():
     assert [r["running"] for r in rows] == [2, 8]
     for r in rows:
         assert r["host_ms_per_step"] > 0 and r["host_us_per_row"] == pytest.approx(1e3 * r["host_ms_per_step"] / r["running"])
+
+
+@pytest.mark.parametrize("rows", [1, 5, 31, 32, 100])
+def test_a_packed_step_reads_back_the_same_by_rows_or_by_columns(rows):
+    """StepResult.unpack reads few rows entry by entry and many by columns (through numpy): each reading of a
+    packed [B, 3 L + 1] result is its columns as written (tokens and path as ints, accepted as int, finite)."""
+    from fastgrpo.engines.embedded.steps import StepResult, pack
+
+    g = torch.Generator().manual_seed(rows)
+    L = 4
+    tokens, path = torch.randint(0, 150_000, (rows, L), generator=g), torch.randint(0, 40, (rows, L - 1), generator=g)
+    logprobs = -torch.rand(rows, L, generator=g, dtype=torch.float64) * 20
+    accepted, finite = torch.randint(0, L, (rows,), generator=g), torch.rand(rows, generator=g) > 0.3
+    r = StepResult.unpack(pack(tokens, logprobs, path, accepted, finite), L)
+    assert r.tokens == tokens.tolist() and r.path == path.tolist() and r.accepted == accepted.tolist()
+    assert r.logprobs == logprobs.tolist() and r.finite == finite.tolist()
+    assert all(type(x) is int for row in r.tokens for x in row) and all(type(x) is bool for x in r.finite)

@@ -128,13 +128,22 @@ class StepResult:
     accepted: list[int]
     finite: list[bool]  # the row's draft was finite (else it verified its root alone)
 
+    # rows from which converting whole columns through numpy (a few calls of fixed cost) beats converting
+    # each row's entries in Python (a cost per row): measured beside the engine's steps, tools/step_host_time.py
+    COLUMNS_FROM = 32
+
     @classmethod
     def unpack(cls, packed: Tensor, levels: int) -> StepResult:
         L = levels
-        a = packed.numpy()  # (on the host: a view) columns converted at once, not a Python int() per entry
-        return cls(a[:, :L].astype(np.int64).tolist(), a[:, L:2 * L].tolist(),
-                   a[:, 2 * L:3 * L - 1].astype(np.int64).tolist(), a[:, 3 * L - 1].astype(np.int64).tolist(),
-                   (a[:, 3 * L] > 0).tolist())
+        if packed.shape[0] >= cls.COLUMNS_FROM:
+            a = packed.numpy()  # (on the host: a view)
+            return cls(a[:, :L].astype(np.int64).tolist(), a[:, L:2 * L].tolist(),
+                       a[:, 2 * L:3 * L - 1].astype(np.int64).tolist(), a[:, 3 * L - 1].astype(np.int64).tolist(),
+                       (a[:, 3 * L] > 0).tolist())
+        rows = packed.tolist()
+        return cls([[int(x) for x in r[:L]] for r in rows], [r[L:2 * L] for r in rows],
+                   [[int(x) for x in r[2 * L:3 * L - 1]] for r in rows], [int(r[3 * L - 1]) for r in rows],
+                   [r[3 * L] > 0 for r in rows])
 
 
 class StaticSteps:
