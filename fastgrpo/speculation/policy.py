@@ -316,47 +316,51 @@ class Aware(Off):
             self.fits[b].fit(self._correction("off", running))
         return self.fits[b]
 
-    def _calibrated_seconds(self, c: SpecConfig | None, running: int) -> float:
-        """The step's time by the calibration alone (before the online correction)."""
+    def _calibrated_seconds(self, c: SpecConfig | None, running: int, prices: dict | None = None,
+                            emitted: float | None = None) -> float:
+        """The step's time by the calibration alone (before the online correction). `prices`: a search's
+        memo of the forwards its shapes share; `emitted`: acceptance.expected(c), where the caller has it."""
         if c is None:
             return self.costs.at_context("target", running, running, self.context)
         tokens = self._verified_tokens(c, running)
-        return self._draft_seconds(c, running) + self.costs.at_context("target", tokens, running, self.context)
+        return self._draft_seconds(c, running, prices, emitted) + self._price("target", tokens, running, prices)
 
     def _verified_tokens(self, c: SpecConfig, running: int) -> float:
         """Tokens in the verify forward of a step of tree c: every node of every row."""
         return running * c.num_verify
 
-    def _draft_seconds(self, c: SpecConfig, running: int) -> float:
-        catch_up = running * self.acceptance.expected(c)  # last step's accepted states, fed to the draft
+    def _draft_seconds(self, c: SpecConfig, running: int, prices: dict | None = None,
+                       emitted: float | None = None) -> float:
+        # last step's accepted states, fed to the draft
+        catch_up = running * (self.acceptance.expected(c) if emitted is None else emitted)
         return (self.costs.at_context("draft", catch_up, running, self.context)
-                + (c.depth - 1) * self.costs.at_context("draft", running * c.topk, running, self.context))
+                + (c.depth - 1) * self._price("draft", running * c.topk, running, prices))
+
+    def _price(self, kind: str, tokens: float, running: int, prices: dict | None) -> float:
+        """A `kind` forward of `tokens` at the step's context, remembered in `prices` when given: a search
+        prices ~100 shapes, which share a few verify sizes and draft-level widths."""
+        if prices is None:
+            return self.costs.at_context(kind, tokens, running, self.context)
+        if (kind, tokens) not in prices:
+            prices[(kind, tokens)] = self.costs.at_context(kind, tokens, running, self.context)
+        return prices[(kind, tokens)]
 
     def goodput(self, c: SpecConfig | None, running: int) -> float:
         emitted = 1.0 if c is None else self.acceptance.expected(c)
         return running * emitted / self.predicted_seconds(c, running)
 
     def _rates(self, running: int) -> list[float]:
-        """`goodput` of every candidate, each by the same operations in the same order, with what the
-        candidates share priced once: plain's step, the verify forward by its tokens, the draft's level
-        by its width. A search prices ~100 shapes, and one shape at a time it cost tens of microseconds a
-        step: on a GPU, a few percent of a graph-replayed step, which `aware` must not lose to its
-        fixed rivals."""
-        costs, ctx, fit = self.costs, self.context, self._fit(running)
+        """`goodput` of every candidate by the same arithmetic, with what candidates share computed once:
+        plain's step, the fit, and the shared forwards (`_price`). One shape at a time, a search cost tens of
+        microseconds a step: on a GPU a few percent of a graph-replayed step, which `aware` must not lose
+        to its fixed rivals."""
+        fit, prices = self._fit(running), {}
         plain, scale = self._calibrated_seconds(None, running), self._correction("off", running)
-        verify: dict[float, float] = {}
-        level: dict[float, float] = {}
         rates = []
         for c in self.candidates:
             emitted = self.acceptance.expected(c)
-            tokens = self._verified_tokens(c, running)
-            if tokens not in verify:
-                verify[tokens] = costs.at_context("target", tokens, running, ctx)
-            width = running * c.topk
-            if width not in level:
-                level[width] = costs.at_context("draft", width, running, ctx)
-            draft = costs.at_context("draft", running * emitted, running, ctx) + (c.depth - 1) * level[width]
-            rates.append(running * emitted / fit.seconds(draft + verify[tokens], c, plain, scale))
+            forwards = self._calibrated_seconds(c, running, prices, emitted)
+            rates.append(running * emitted / fit.seconds(forwards, c, plain, scale))
         return rates
 
     def _tree(self, running: int) -> tuple[SpecConfig | None, float, float]:
