@@ -457,9 +457,16 @@ class EngineConfig:
     # CUDA graphs on a GPU), eager (shapes from the data), or auto (static on CUDA, eager on a CPU, where
     # an eager step is not launch-bound and pads nothing)
     steps: StepMode = "auto"
+    # the embedded engine's static steps run the policy's pointwise regions (RMSNorm, the residual add,
+    # the q/k rotation, SwiGLU's gate) as kernels torch.compile fuses: fewer kernels a graph-captured step
+    # on a GPU (~14 a layer instead of ~35), a compile on first use. Off until a GPU check measures it
+    # (tools/gpu_check.sh's decode_8b stage runs both)
+    fused: bool = False
 
     def check(self) -> None:
         _check(self.tensor >= 1, "engine.tensor", "must be >= 1", self.tensor)
+        _check(not (self.fused and self.steps == "eager"), "engine.fused", "needs static steps (engine.steps "
+               "static, or auto on a GPU)", self.fused)
         _check(0 < self.mem_fraction < 1, "engine.mem_fraction", "must be in (0, 1)", self.mem_fraction)
 
 

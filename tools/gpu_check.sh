@@ -36,9 +36,10 @@
 #     static ones replayed from CUDA graphs, medians of 3 calls of 24 tokens a row in rotated order);
 #   simulator_fit (2 s: bench simulate's roofline and overhead constants fitted to those steps, its error
 #     before and after the fit and with each level held out);
-#   decode_8b (30 s: a random-weight Llama-3.1-8B shape, bf16, decoding at batch 1, 16 and 64 in the graphed
-#     engine against its bandwidth bound; skipped with the reason where memory is short);
-#   rollout (180 s, what is left: off, static and its A/A twin static_aa, fastgrpo, tlt, aware,
+#   decode_8b (60 s: a random-weight Llama-3.1-8B shape, bf16, decoding at batch 1, 16 and 64 in the graphed
+#     engine against its bandwidth bound, its layers' pointwise regions op by op and fused (compiled);
+#     skipped with the reason where memory is short);
+#   rollout (150 s, what is left: off, static and its A/A twin static_aa, fastgrpo, tlt, aware,
 #     aware_per_sequence at 1, 4, 16, 64 and 256 running sequences and a GRPO batch, 3 repetitions in
 #     rotated order after a warm-up, medians and standard errors, aware's state after every call, its
 #     calibrated cost model and every call's per-step trace).

@@ -10,18 +10,13 @@ outputs to Hugging Face's forward.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from fastgrpo.models.layouts import LayerLayout
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 def onednn_available() -> bool:
@@ -54,12 +49,50 @@ def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def add_rms_norm(x: Tensor, r: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The residual stream after adding r, and its norm."""
+    x = x + r
+    return x, rms_norm(x, w, eps)
+
+
+def rotate_qk(qk: Tensor, cos: Tensor, sin: Tensor, heads: int, q_norm: Tensor | None, k_norm: Tensor | None,
+              eps: float) -> Tensor:
+    """q's and k's heads side by side [B, n, H + KV, D] (q's first `heads`), each head normed first where the
+    family norms them (Qwen3), then rotated by cos, sin [B, n, 1, D]."""
+    if q_norm is not None and k_norm is not None:
+        qk = torch.cat([rms_norm(qk[:, :, :heads], q_norm, eps), rms_norm(qk[:, :, heads:], k_norm, eps)], 2)
+    half = qk.shape[-1] // 2
+    rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
+    return qk * cos + rotated * sin
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """SwiGLU's gate: silu(gate) * up, of the gate and up projections side by side."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class Pointwise:
+    """The decoder layer's pointwise regions: between its matmuls and attention, the ops that read and
+    write a few rows each. `EAGER` runs them op by op; `fused.fused_pointwise()` runs each as one compiled
+    kernel, for graph-captured steps, where each kernel's fixed cost counts."""
+
+    norm: Callable[[Tensor, Tensor, float], Tensor]
+    add_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
+    rotate_qk: Callable[..., Tensor]
+    silu_mul: Callable[[Tensor], Tensor]
+
+
+EAGER = Pointwise(rms_norm, add_rms_norm, rotate_qk, silu_mul)
+
+
 KVFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
 def decoder_layer(x: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerLayout, cos: Tensor, sin: Tensor,
                   mask: Tensor | None, kv: KVFn, valid: Tensor | None = None, static: bool = False,
-                  routing: list[Tensor] | None = None) -> Tensor:
+                  routing: list[Tensor] | None = None, ops: Pointwise = EAGER) -> Tensor:
     """One decoder layer of `layout`'s family. `kv(k, v)` turns this block's keys/values [B, KV, n, D] into
     the keys/values to attend over: the cache after appending them (inference), or themselves (training).
     cos, sin [B, n, 1, D]: the rotation at each token's position.
@@ -72,9 +105,10 @@ def decoder_layer(x: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerL
     zeros in the gaps (their keys must be masked out; what their queries compute is dropped).
 
     `static`: no shape may depend on the values (a graph-captured step): routed experts run as
-    `dense_experts`. `routing`: a sparse layer appends its tokens' experts to it (`moe_mlp`)."""
+    `dense_experts`. `routing`: a sparse layer appends its tokens' experts to it (`moe_mlp`). `ops`: how
+    the pointwise regions run (`Pointwise`)."""
     H, KV, D, eps = layout.heads, layout.kv_heads, layout.head_dim, layout.eps
-    h = rms_norm(x, L["attn_norm"], eps)
+    h = ops.norm(x, L["attn_norm"], eps)
     qkv = linear(h, L["wqkv"], L.get("bqkv"))
     if valid is not None:
         qkv = unpack(qkv, valid)
@@ -83,24 +117,21 @@ def decoder_layer(x: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerL
     # element, half the kernels of rotating each)
     qk = qkv[..., : (H + KV) * D].view(B, n, H + KV, D)
     v = qkv[..., (H + KV) * D :].view(B, n, KV, D).transpose(1, 2)
-    if "q_norm" in L:
-        qk = torch.cat([rms_norm(qk[:, :, :H], L["q_norm"], eps), rms_norm(qk[:, :, H:], L["k_norm"], eps)], 2)
-    qk = _rotate(qk, cos, sin)
+    qk = ops.rotate_qk(qk, cos, sin, H, L.get("q_norm"), L.get("k_norm"), eps)
     q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
     keys, values = kv(k, v)
     attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
                                           enable_gqa=KV != H)
     attn = attn.transpose(1, 2).reshape(B, n, H * D)
-    x = x + linear(attn if valid is None else attn[valid], L["wo"], L.get("bo"))
-    h = rms_norm(x, L["mlp_norm"], eps)
+    x, h = ops.add_norm(x, linear(attn if valid is None else attn[valid], L["wo"], L.get("bo")), L["mlp_norm"], eps)
     if layout.mlp == "moe":
         return x + moe_mlp(h, L, layout, experts=dense_experts if static else None, routing=routing)
-    return x + MLPS[layout.mlp](h, L, layout)
+    return x + swiglu_mlp(h, L, layout, ops)
 
 
-def swiglu_mlp(h: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerLayout | None = None) -> Tensor:
-    gate, up = linear(h, L["w_gate_up"]).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, L["w_down"])
+def swiglu_mlp(h: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerLayout | None = None,
+               ops: Pointwise = EAGER) -> Tensor:
+    return linear(ops.silu_mul(linear(h, L["w_gate_up"])), L["w_down"])
 
 
 def moe_mlp(h: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerLayout,
@@ -166,11 +197,6 @@ def grouped_mm(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
             out[start:end] = x[start:end] @ w[e]
         start = end
     return out
-
-
-# the MLP a family's layer runs (LayerLayout.mlp): (normed hidden states, the layer's tensors, its layout)
-MLPS: dict[str, Callable[[Tensor, dict[str, Tensor | PackedWeight], LayerLayout], Tensor]] = {
-    "swiglu": swiglu_mlp, "moe": moe_mlp}
 
 
 def unpack(packed: Tensor, valid: Tensor) -> Tensor:

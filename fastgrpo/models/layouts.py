@@ -11,8 +11,8 @@ it: a bias, a q/k norm.
 
 Adding a family is an entry in FAMILIES: a function from the config and a layer's index to that
 layer's layout (a mixture of experts may keep dense layers among its sparse ones). A mixture of
-experts lists its router and expert tensors and names its MLP (`LayerLayout.mlp`, a key of
-layers.MLPS), which the forward calls in place of the dense SwiGLU one.
+experts lists its router and expert tensors and names its MLP (`LayerLayout.mlp`: "moe"), which the
+forward runs (layers.moe_mlp) in place of the dense SwiGLU one.
 
 Experts are held stacked, one [E, rows, cols] tensor per kind (`LayerTensor.experts` = E): the
 gate and up projections of every expert in one, the down projections in another, which is how
@@ -75,7 +75,7 @@ class LayerLayout:
     head_dim: int
     eps: float
     tensors: tuple[LayerTensor, ...]
-    mlp: str = "swiglu"  # which MLP the forward runs (model.MLPS)
+    mlp: str = "swiglu"  # which MLP the forward runs: swiglu (layers.swiglu_mlp) or moe (layers.moe_mlp)
     moe: MoeRouting | None = None  # the routing of a mixture-of-experts MLP
 
     def shapes(self) -> dict[str, tuple[int, ...]]:

@@ -28,7 +28,7 @@ STAGES = ("environment", "sft", "draft", "train_step", "weight_push", "decode_bo
 # overrun its plan by a quarter; rollout, the last, fits itself into what is left of the run's budget. The
 # report sets each stage's time beside its plan.
 PLANNED_S = {"environment": 10, "sft": 100, "draft": 50, "train_step": 30, "weight_push": 5, "decode_bound": 25,
-             "step_bench": 90, "simulator_fit": 2, "decode_8b": 30, "rollout": 180}
+             "step_bench": 90, "simulator_fit": 2, "decode_8b": 60, "rollout": 150}
 
 
 @dataclasses.dataclass(frozen=True)

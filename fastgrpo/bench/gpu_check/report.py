@@ -83,9 +83,12 @@ def _summary(name: str, d: dict) -> str:
     if name == "decode_8b":
         if d.get("skipped"):
             return f"skipped: {d['skipped']}"
+        fused = (d.get("fused") or {}).get("batches", {})
         return (("" if d.get("full_shape") else "scaled-down shape (test size); ")
                 + "; ".join(f"batch {B}: step {_f(r['step_ms'])} ms, {_f(r['step_vs_bound'])}x the bound"
-                            for B, r in d["batches"].items()))
+                            + (f" (fused {_f(fused[B]['step_vs_bound'])}x)" if B in fused else "")
+                            for B, r in d["batches"].items())
+                + (f"; fused kernels failed: {d['fused']['error']}" if (d.get("fused") or {}).get("error") else ""))
     if name == "rollout":
         g = d["grpo_batch"]
         skipped = d.get("levels_skipped_for_time")
@@ -294,10 +297,19 @@ def _big_tables(d: dict | None) -> list[str]:
              f"steps of the static engine (graphs {_f(d['engine']['graphs'])}) against the memory-bandwidth bound "
              f"({d['bandwidth_gb_s']:.0f} GB/s, {d['bandwidth_source']}; weights {_f(d['weight_bytes'] / 1e9)} GB):", "",
              "| batch | step ms | bound ms | step / bound | bound at the padded context ms | tokens/s "
-             "| graphs captured / replayed |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| graphs captured / replayed | fused: step ms | fused: step / bound | first call s (fused) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    fused = d.get("fused") or {}
     for B, row in d["batches"].items():
+        f = fused.get("batches", {}).get(B, {})
         lines.append(f"| {B} | {_f(row['step_ms'])} | {_f(row['bound_ms'])} | {_f(row['step_vs_bound'])}x | "
-                     f"{_f(row['bound_padded_ms'])} | {_f(row['tok_s'])} | {row['captures']} / {row['replays']} |")
+                     f"{_f(row['bound_padded_ms'])} | {_f(row['tok_s'])} | {row['captures']} / {row['replays']} | "
+                     f"{_f(f.get('step_ms'))} | {_f(f.get('step_vs_bound'))}{'x' if f else ''} | "
+                     f"{_f(row.get('first_call_s'))} ({_f(f.get('first_call_s'))}) |")
+    lines += ["", "Fused: the layers' pointwise regions compiled into one kernel each (engine.fused, models/fused.py); "
+              "a first call captures its graphs, and fused, compiles the regions."]
+    if fused.get("error"):
+        lines += ["", f"The fused kernels failed: {fused['error']}"]
     return lines
 
 

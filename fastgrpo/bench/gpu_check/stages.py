@@ -906,7 +906,8 @@ def decoder_parameters(config: PretrainedConfig) -> int:
 
 def decode_8b(c: Check) -> dict:
     """A random-weight Llama-3.1-8B shape (configs/models/, bf16) decoding plainly at batch 1, 16 and 64
-    in the static engine (CUDA graphs), each step against its memory-bandwidth bound: the bytes it must
+    in the static engine (CUDA graphs), its layers' pointwise regions op by op and fused (`fused`), each
+    step against its memory-bandwidth bound: the bytes it must
     read (every weight once, the embedding's B rows aside, and each row's KV cache) over the device's
     peak bandwidth. Steps are the engine's per-step trace after its first WARMUP_STEPS, two timed calls
     after a warm-up. At test size a scaled-down model of the same structure (SCALED_8B) runs instead (the
@@ -917,7 +918,7 @@ def decode_8b(c: Check) -> dict:
     import torch
     from transformers import LlamaConfig
 
-    from fastgrpo.bench.rollout import WARMUP_STEPS
+    from fastgrpo.bench.rollout import WARMUP_STEPS, rotated
     from fastgrpo.engines.embedded.engine import STATIC_TREE_ROOM, TREE_SLACK, EmbeddedEngine
     from fastgrpo.engines.embedded.steps import batch_bucket, context_bucket
     from fastgrpo.speculation.policy import Off
@@ -966,30 +967,53 @@ def decode_8b(c: Check) -> dict:
     rng = random.Random(0)
     prompt = [rng.randrange(1, V) for _ in range(prompt_len)]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=T, ignore_eos=True)
-    for B in size.big_batches:
+    out["fused"] = {"batches": {}}
+
+    def measure(B: int) -> dict:
         steps: list[float] = []
         counts = [0, 0]
-        for rep in range(3):  # a warm-up call, then two timed
+        t = time.perf_counter()
+        for rep in range(3):  # a warm-up call (captures; with fused kernels, their compile too), then two timed
             r = generate_call(engine, Off(), [Request(prompt, max_new_tokens=T)] * B, sampling, seed=rep)
             if rep:
                 steps += r["trace"]["ms"][WARMUP_STEPS:]
                 counts = [counts[0] + r["captures"], counts[1] + r["replays"]]
+            else:
+                first_call_s = time.perf_counter() - t
         step_ms = statistics.median(steps)
         context = prompt_len + (WARMUP_STEPS + T) / 2  # the middle of the steps timed
         kv_bytes = B * context * kv_per_token
         bound_ms = 1000 * (weight_bytes + kv_bytes) / bandwidth
         bucket = context_bucket(int(context) + 1, max_context + TREE_SLACK - STATIC_TREE_ROOM)
         padded_ms = 1000 * (weight_bytes + B * bucket * kv_per_token) / bandwidth
-        row = {"step_ms": step_ms, "steps": len(steps), "bound_ms": bound_ms, "step_vs_bound": step_ms / bound_ms,
-               "context": context, "kv_bytes": kv_bytes, "context_bucket": bucket, "bound_padded_ms": padded_ms,
-               "tok_s": B / (step_ms / 1000), "captures": counts[0], "replays": counts[1]}
-        out["batches"][str(B)] = row
-        log(f"8B shape{'' if size.big_full else ' (scaled)'} batch {B}: step {step_ms:.2f} ms against a bound of "
-             f"{bound_ms:.3f} ms ({row['step_vs_bound']:.2f}x); graphs captured {counts[0]}, replayed {counts[1]}")
+        return {"step_ms": step_ms, "steps": len(steps), "bound_ms": bound_ms, "step_vs_bound": step_ms / bound_ms,
+                "context": context, "kv_bytes": kv_bytes, "context_bucket": bucket, "bound_padded_ms": padded_ms,
+                "tok_s": B / (step_ms / 1000), "captures": counts[0], "replays": counts[1], "first_call_s": first_call_s}
+
+    # each batch with the layers' pointwise regions op by op and fused (models.fused), in turn (switching
+    # drops the captured graphs); a failure of the fused kernels is recorded and ends only their rows
+    for i, B in enumerate(size.big_batches):
+        for fused in rotated([False, True], i):
+            if fused and "error" in out["fused"]:
+                continue
+            try:
+                engine.fused = fused
+                row = measure(B)
+            except Exception as e:
+                if not fused:
+                    raise
+                out["fused"]["error"] = f"{type(e).__name__}: {e}"
+                log(f"8B shape: the fused kernels failed ({out['fused']['error']}); their rows are left out")
+                continue
+            (out["fused"] if fused else out)["batches"][str(B)] = row
+            log(f"8B shape{'' if size.big_full else ' (scaled)'} batch {B}{', fused' if fused else ''}: step "
+                 f"{row['step_ms']:.2f} ms against a bound of {row['bound_ms']:.3f} ms ({row['step_vs_bound']:.2f}x); "
+                 f"graphs captured {row['captures']}, replayed {row['replays']}")
+    engine.fused = False
     out["engine"] = engine_info(engine)
-    one = out["batches"].get("1")
-    if one:
-        out["batch1_within_1_5x"] = one["step_vs_bound"] <= 1.5
+    for where in (out, out["fused"]):
+        if one := where["batches"].get("1"):
+            where["batch1_within_1_5x"] = one["step_vs_bound"] <= 1.5
     return out
 
 

@@ -36,6 +36,11 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, text: TextFormat,
     engine = EmbeddedEngine(model_config, cfg.rollout.max_batch, cfg.model.max_context,
                             eos_id=text.stop_ids, device=compute.device,
                             dtype=compute.dtype, static_steps=None if steps == "auto" else steps == "static")
+    if cfg.engine.fused:
+        if not engine.static:
+            raise ValueError(f"engine.fused=true needs static steps, and engine.steps={steps} on "
+                             f"{compute.device.type} steps eagerly: set engine.steps=static")
+        engine.fused = True
     if weights is not None:
         engine.update_weights(weights, version=0)
     mode = speculation or cfg.speculation.policy

@@ -33,6 +33,8 @@ from fastgrpo.types import Completion, EngineStats, Request, SamplingParams
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache
 from fastgrpo.models.sampling import cuts, kept_sets, sample, sampling_logprobs, sampling_uniforms
 from fastgrpo.models.draft import DraftHead
+from fastgrpo.models.fused import fused_pointwise
+from fastgrpo.models.layers import EAGER
 from fastgrpo.speculation.policy import Off, PerSequencePolicy, SpeculationPolicy
 from fastgrpo.engines.embedded.graphs import StepGraphs
 from fastgrpo.engines.embedded.steps import (StaticSteps, StepResult, StepState, batch_bucket, catch_up,
@@ -132,13 +134,14 @@ class EmbeddedEngine:
 
     `static_steps`: run decode steps statically (None: where the device is CUDA, where they are captured
     as CUDA graphs unless `graphs` is false). Prefill, and the steps a static one cannot take (a
-    per-sequence verify budget, a tree deeper than the draft window), stay eager."""
+    per-sequence verify budget, a tree deeper than the draft window), stay eager. `fused`: static steps run
+    the policy's pointwise regions as compiled kernels (`models.fused`; the `fused` attribute switches)."""
 
     def __init__(self, cfg: LlamaConfig, max_batch: int, max_context: int, eos_id: int | Sequence[int],
                  pad_id: int = 0,
                  policy: SpeculationPolicy | None = None, draft_window: int = DRAFT_WINDOW,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 static_steps: bool | None = None, graphs: bool = True):
+                 static_steps: bool | None = None, graphs: bool = True, fused: bool = False):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.device, self.dtype = torch.device(device), dtype
@@ -146,6 +149,20 @@ class EmbeddedEngine:
         with self._on_device():
             self._build(cfg, max_batch, max_context, eos_id, pad_id, policy, draft_window)
         self.graphs = StepGraphs(self.device, enabled=graphs and self.static)
+        self.fused = fused
+
+    @property
+    def fused(self) -> bool:
+        """Static steps run the policy's pointwise regions as fused kernels (`models.fused`)."""
+        return self.model.static_ops is not EAGER
+
+    @fused.setter
+    def fused(self, on: bool) -> None:
+        if on and not self.static:
+            raise ValueError("fused kernels run in static steps; this engine's steps are eager")
+        if on != self.fused:
+            self.model.static_ops = fused_pointwise() if on else EAGER
+            self.graphs.clear()  # captured with the other kernels
 
     def _on_device(self) -> contextlib.AbstractContextManager:
         return on_device(self.device)

@@ -74,8 +74,10 @@ class StepGraphs:
         return first
 
     def clear(self) -> None:
-        """Forget every graph (their buffers changed: a new draft head, new caches)."""
+        """Forget every graph (their buffers or kernels changed: a new draft head, fused kernels)."""
         self._graphs.clear()
+        if self.replay_check is not None:
+            self.replay_check.forget()
 
 
 class HostSync(RuntimeError):
@@ -179,11 +181,11 @@ class ReplayCheck(TorchDispatchMode):
         self._maker: dict[int, int] = {}  # storage address -> the op of this call that last made it
         self._read: set[int] = set()  # the storages this call read that it did not make
         self.checked = 0  # calls held to their key's first
+        self.keys = 0  # calls that were their key's first: the graphs a GPU would have captured
 
-    @property
-    def keys(self) -> int:
-        """Distinct steps seen: the graphs a GPU would have captured."""
-        return len(self._first)
+    def forget(self) -> None:
+        """The graphs were dropped: each key's next call is its first again."""
+        self._first.clear()
 
     def run(self, key: Hashable, step: Callable[[], Any]) -> Any:
         self._trace, self._maker, self._read = [], {}, set()
@@ -192,6 +194,7 @@ class ReplayCheck(TorchDispatchMode):
         trace = self._trace
         if key not in self._first:
             self._first[key] = (trace, out)
+            self.keys += 1
             return out
         first, kept = self._first[key]
         if trace != first:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import PretrainedConfig
 
-from fastgrpo.models.layers import KVFn, PackedWeight, decoder_layer, linear, onednn_available, rms_norm, unpack
+from fastgrpo.models.layers import EAGER, KVFn, PackedWeight, Pointwise, decoder_layer, linear, onednn_available, unpack
 from fastgrpo.models.layouts import layer_layouts
 from fastgrpo.models.rope import head_dim as head_dim_of, rope_tables
 
@@ -75,9 +75,11 @@ def block_mask(start: Tensor, n: int, ctx: int, new_mask: Tensor | None, visible
     return mask[:, None]
 
 
-def cache_kv(cache: KVCache, layer: int, rows: slice, slots: Tensor, ctx: int) -> KVFn:
-    """Append a block's keys/values at `slots` [B, n] of `rows`, attend over the first `ctx` positions."""
-    row_idx = torch.arange(rows.start, rows.stop, device=cache.k.device)[:, None]
+def cache_kv(cache: KVCache, layer: int, rows: slice, slots: Tensor, ctx: int, row_idx: Tensor | None = None) -> KVFn:
+    """Append a block's keys/values at `slots` [B, n] of `rows`, attend over the first `ctx` positions.
+    `row_idx`: the rows' indices [B, 1], when the caller made them once for all its layers."""
+    if row_idx is None:
+        row_idx = torch.arange(rows.start, rows.stop, device=cache.k.device)[:, None]
     ck, cv = cache.k[layer], cache.v[layer]
 
     def kv(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -126,6 +128,9 @@ class InferenceModel:
         self.matmul_layers: list[dict[str, Tensor | PackedWeight]] = list(self.layers)
         self.head: Tensor | PackedWeight = self.lm_head
         self._repack(range(len(self.layers)), head=True)
+        # how a static forward (one given `ctx`) runs the layers' pointwise regions: op by op, or fused
+        # (`fused.fused_pointwise`, for graph-captured steps)
+        self.static_ops: Pointwise = EAGER
 
     def _repack(self, layers: Iterable[int], head: bool) -> None:
         if self.kernel != "onednn":
@@ -190,7 +195,8 @@ class InferenceModel:
         ctx: how many cache positions attention reads, at least every row's length + n (default: the
         longest row's, read from the device: a host sync). A static step passes its context bucket, so
         that its shapes never depend on the cache's contents (positions past a row's block are masked, and a
-        mixture of experts runs every expert: `layers.dense_experts`).
+        mixture of experts runs every expert: `layers.dense_experts`), and its pointwise regions run as
+        `static_ops` says.
         routing: a mixture of experts' sparse layers each append their tokens' experts [B, n, k] (int16;
         -1 at tokens `valid` leaves out), in layer order.
         Returns logits [B, n, V] and final hidden states [B, n, H] (post-norm: the draft's input).
@@ -208,11 +214,13 @@ class InferenceModel:
         cos, sin = self.cos[pos][:, :, None], self.sin[pos][:, :, None]  # [B, n, 1, D]
         x = F.embedding(tokens if valid is None else tokens[valid], self.embed)
         routed: list[Tensor] | None = [] if routing is not None else None
+        ops = self.static_ops if static else EAGER
+        row_idx = torch.arange(rows.start, rows.stop, device=start.device)[:, None]
         for li, L in enumerate(self.matmul_layers):
-            x = decoder_layer(x, L, self.layouts[li], cos, sin, mask, cache_kv(cache, li, rows, slots, ctx), valid,
-                              static=static, routing=routed)
+            kv = cache_kv(cache, li, rows, slots, ctx, row_idx)
+            x = decoder_layer(x, L, self.layouts[li], cos, sin, mask, kv, valid, static=static, routing=routed, ops=ops)
         if routing is not None:
             routing.extend(e.view(B, n, -1) if valid is None else unpack(e + 1, valid) - 1 for e in routed)
-        hidden = rms_norm(x, self.norm, self.eps)
+        hidden = ops.norm(x, self.norm, self.eps)
         logits = linear(hidden, self.head)
         return (logits, hidden) if valid is None else (unpack(logits, valid), unpack(hidden, valid))

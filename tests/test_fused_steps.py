@@ -1,0 +1,180 @@
+"""Fused pointwise regions (models/fused.py, engine.fused): each compiled region computes its eager function
+(bf16 bit for bit); static steps with them give the op-by-op steps' tokens and log-probabilities in every
+family, plain and speculative; they dispatch fewer ops a layer; asking for them without static steps is
+refused by name."""
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from fastgrpo.config import ConfigError, load_config
+from fastgrpo.engines.embedded.engine import EmbeddedEngine
+from fastgrpo.engines.embedded.graphs import StepAudit
+from fastgrpo.models.draft import DraftHead
+from fastgrpo.models.fused import fused_pointwise
+from fastgrpo.models.layers import EAGER
+from fastgrpo.models.policy import new_policy, policy_config
+from fastgrpo.speculation.policy import Static
+from fastgrpo.speculation.spec import SpecConfig
+from fastgrpo.types import Request, SamplingParams
+from tests.test_families import family, hf_model, prompts  # noqa: F401 (family: a fixture)
+from tests.test_moe_engine import qwen3_moe
+from tests.test_static_steps import STOPS, assert_same
+
+EOS = 2
+T1 = SamplingParams(temperature=1.0, max_new_tokens=20)
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=20)
+
+
+def regions(dtype, B, n, seed=0):
+    """Each region's inputs, shaped as a layer passes them (4 q heads and 2 k heads of 32, hidden 64)."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    x, res, w = r(B, n, 64), r(B, n, 64), r(64)
+    qk, cos, sin, q_norm, k_norm = r(B, n, 6, 32), r(B, n, 1, 32), r(B, n, 1, 32), r(32), r(32)
+    return {"norm": (x, w, 1e-6), "add_norm": (x, res, w, 1e-6), "rotate_qk": (qk, cos, sin, 4, None, None, 1e-6),
+            "rotate_qk with norms": (qk, cos, sin, 4, q_norm, k_norm, 1e-6), "silu_mul": (r(B, n, 192),)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_each_region_computes_its_eager_function(dtype):
+    """bf16: bit for bit (Inductor rounds at the eager code's casts; without `emulate_precision_casts` 20-50%
+    of the elements differ, measured). fp32: the pointwise regions bit for bit, the norms within 2e-6 of
+    the values' scale (a fused mean of squares adds in another order)."""
+    fused = fused_pointwise()
+    for B, n in ((1, 1), (6, 1), (4, 12)):
+        for name, args in regions(dtype, B, n).items():
+            op = name.split(" ")[0]
+            with torch.inference_mode():
+                want, got = getattr(EAGER, op)(*args), getattr(fused, op)(*args)
+            want, got = torch.cat(want, -1) if op == "add_norm" else want, torch.cat(got, -1) if op == "add_norm" else got
+            assert got.dtype == want.dtype and got.shape == want.shape
+            if dtype == torch.bfloat16 or op in ("silu_mul",) or (op == "rotate_qk" and args[4] is None):
+                assert torch.equal(got, want), (name, B, n)
+            else:
+                assert (got - want).abs().max() <= 2e-6 * want.abs().max(), (name, B, n)
+
+
+def static_engine(cfg, weights, fused, policy=None, draft=None, dtype=torch.float32):
+    e = EmbeddedEngine(cfg, 4, 128, eos_id=STOPS, pad_id=0, policy=policy, static_steps=True, dtype=dtype)
+    e.update_weights(weights, version=0)
+    if draft is not None:
+        e.update_draft(draft.state_dict().items(), version=0)
+    e.fused = fused
+    return e
+
+
+def random_draft(cfg):
+    torch.manual_seed(1)
+    return DraftHead(cfg)
+
+
+def same_tokens_fused_or_not(name, cfg, hf):
+    """Plain sampled steps and speculative greedy ones (a verify forward of a 12-node tree through the fused
+    regions) give the same tokens, finish reasons and log-probabilities (within 1e-5) fused as op by op."""
+    ps = prompts(6, seed=4)
+    weights = list(hf.state_dict().items())
+    for sampling, policy in ((T1, None), (GREEDY, Static(SpecConfig(4, 4, 12)))):
+        draft = random_draft(cfg) if policy else None
+        runs = [static_engine(cfg, weights, fused, policy, draft).generate([Request(p) for p in ps], sampling, seed=3)
+                for fused in (False, True)]
+        assert_same(hf, ps, runs[1], runs[0], sampling, 3)
+        assert sum(a.token_ids == b.token_ids for a, b in zip(*runs)) >= 5, name
+
+
+def test_fused_steps_give_the_op_by_op_steps_tokens(family):  # noqa: F811
+    """Llama 3.1, Qwen2.5 (q/k/v biases), Qwen3 (q/k norms, fused with the rotation)."""
+    same_tokens_fused_or_not(*family)
+
+
+def test_fused_moe_steps_give_the_op_by_op_steps_tokens():
+    cfg = qwen3_moe()
+    same_tokens_fused_or_not("qwen3-moe", cfg, hf_model(cfg))
+
+
+def test_fused_bf16_steps_equal_op_by_op_ones_bit_for_bit():
+    """In bf16 every region rounds as the eager code does, so a whole generate call is identical: tokens and
+    log-probabilities to the bit, plain and speculative."""
+    cfg = policy_config("test", 61, 128, bos_id=1, eos_id=EOS, pad_id=0)
+    weights = list(new_policy(cfg, seed=3).state_dict().items())
+    ps = prompts(5, seed=6)
+    for policy in (None, Static(SpecConfig(3, 2, 6))):
+        draft = random_draft(cfg) if policy else None
+        runs = [static_engine(cfg, weights, fused, policy, draft, torch.bfloat16).generate(
+            [Request(p) for p in ps], T1, seed=5) for fused in (False, True)]
+        for a, b in zip(*runs):
+            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+# ops that launch no kernel: views and aliases, allocations, and `to` (a no-op cast in these fp32 steps)
+NO_KERNEL = {"aten::" + name for name in (
+    "slice", "select", "unsqueeze", "squeeze", "transpose", "t", "permute", "view", "_unsafe_view", "reshape",
+    "_reshape_alias", "expand", "as_strided", "chunk", "split", "unbind", "narrow", "alias", "detach", "detach_",
+    "resolve_conj", "resolve_neg", "lift_fresh", "broadcast_tensors", "empty", "empty_strided", "to")}
+
+
+def _launches(name: str) -> bool:
+    """A profiled top-level event that launches kernels: an op not in NO_KERNEL, or a compiled region (one
+    compiled call; how many kernels it is on a GPU, the GPU check's profiler counts)."""
+    if name.startswith("Torch-Compiled Region"):
+        return True
+    return name.startswith(("aten::", "mkldnn::")) and name not in NO_KERNEL
+
+
+def test_fused_steps_dispatch_fewer_ops_a_layer():
+    """The ops a plain static step dispatches that launch kernels (not views), per layer (two depths of
+    one model, the difference halved): op by op 28, fused 12 (measured). The control is the op-by-op
+    count: the same profiler sees each of its norms' and rotation's ops."""
+    base = policy_config("test", 61, 128, bos_id=1, eos_id=EOS, pad_id=0)
+    counts = {}
+    for layers in (2, 4):
+        cfg = base.__class__(**{**base.to_dict(), "num_hidden_layers": layers})
+        weights = list(new_policy(cfg, seed=1).state_dict().items())
+        for fused in (False, True):
+            e = static_engine(cfg, weights, fused)
+            e.generate([Request(p) for p in prompts(3, seed=1)], T1, seed=1)  # compiled before counting
+            steps, run = [], e.graphs.run
+
+            def profiled(key, step, steps=steps, run=run):
+                with profile(activities=[ProfilerActivity.CPU]) as p:
+                    out = run(key, step)
+                steps.append(sum(_launches(ev.name) for ev in p.events() if ev.cpu_parent is None))
+                return out
+
+            e.graphs.run = profiled
+            e.generate([Request(p) for p in prompts(3, seed=1)], T1, seed=1)
+            counts[(layers, fused)] = max(steps)
+    per_layer = {fused: (counts[(4, fused)] - counts[(2, fused)]) / 2 for fused in (False, True)}
+    print(f"\nkernel-launching ops a layer: op by op {per_layer[False]:.0f}, fused {per_layer[True]:.0f}")
+    assert per_layer[False] >= 26 and per_layer[True] <= 13
+
+
+def test_fused_steps_pass_the_audit_by_their_eager_functions():
+    """Under a dispatch mode (the audit, the replay check) dynamo does not trace: the regions run their eager
+    functions there, so the audit still sees every op of a fused step, and no host sync."""
+    cfg = policy_config("test", 61, 128, bos_id=1, eos_id=EOS, pad_id=0)
+    e = static_engine(cfg, list(new_policy(cfg, seed=2).state_dict().items()), fused=True)
+    audits, run = [], e.graphs.run
+
+    def audited(key, step):
+        e.graphs.audit = audit = StepAudit()
+        audits.append(audit)
+        try:
+            return run(key, step)
+        finally:
+            e.graphs.audit = None
+
+    e.graphs.run = audited
+    e.generate([Request(p) for p in prompts(3, seed=2)], T1, seed=2)
+    assert audits and all(not a.violations for a in audits)
+    assert all(a.ops["rsqrt"] > 0 and a.ops["silu"] > 0 for a in audits)  # the norms' and the gate's own ops
+
+
+def test_fused_kernels_need_static_steps():
+    with pytest.raises(ConfigError, match=r"engine\.fused needs static steps"):
+        load_config(None, ["engine.fused=true", "engine.steps=eager"])
+    assert load_config(None, ["engine.fused=true", "engine.steps=static"]).engine.fused
+    cfg = policy_config("test", 61, 128, bos_id=1, eos_id=EOS, pad_id=0)
+    e = EmbeddedEngine(cfg, 2, 64, eos_id=EOS, static_steps=False)
+    with pytest.raises(ValueError, match="fused kernels run in static steps"):
+        e.fused = True
