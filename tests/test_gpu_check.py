@@ -227,6 +227,11 @@ def test_every_stage_runs_on_the_cpu_with_plausible_numbers(check):
     assert set(big["batches"]) == {str(B) for B in size.big_batches}
     for row in big["batches"].values():
         assert _positive(row["step_ms"], row["bound_ms"]) and row["step_vs_bound"] > 1
+    # the same batches with the layers' pointwise regions fused (compiled by Inductor's C++ backend here)
+    assert "error" not in big["fused"] and set(big["fused"]["batches"]) == set(big["batches"])
+    for row in big["fused"]["batches"].values():
+        assert _positive(row["step_ms"], row["first_call_s"]) and row["step_vs_bound"] > 1
+    assert big["engine"]["replays_checked"] > 0  # both variants held to their graphs' contract
 
 
 @pytest.mark.slow  # the whole check at test size on the CPU: ~60 s (one run shared by three tests)
@@ -239,7 +244,7 @@ def test_the_markdown_has_every_table(check):
     for table in ("Rollout at fixed concurrency", "GRPO batch", "memory-bandwidth bound", "One GRPO step",
                   "| running | off | static | static_aa |", "A/A", "aware's step shapes", "Decode steps alone",
                   "| running | shape | eager ms | static ms |", "fitted to the static steps", "| max abs |",
-                  "A scaled-down Llama-3.1-8B structure", "CUDA graphs captured:"):
+                  "A scaled-down Llama-3.1-8B structure", "| fused: step ms |", "CUDA graphs captured:"):
         assert table in md_text, table
     assert "| 4 | d6k8n48 |" in md_text and " ± " in md_text  # a step row, standard errors
 
