@@ -297,15 +297,18 @@ def _big_tables(d: dict | None) -> list[str]:
              f"steps of the static engine (graphs {_f(d['engine']['graphs'])}) against the memory-bandwidth bound "
              f"({d['bandwidth_gb_s']:.0f} GB/s, {d['bandwidth_source']}; weights {_f(d['weight_bytes'] / 1e9)} GB):", "",
              "| batch | step ms | bound ms | step / bound | bound at the padded context ms | tokens/s "
-             "| graphs captured / replayed | fused: step ms | fused: step / bound | first call s (fused) |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| graphs captured / replayed | fused: step ms | fused: step / bound | first call s (fused) "
+             "| device ops a forward (fused) | device busy ms (fused) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     fused = d.get("fused") or {}
     for B, row in d["batches"].items():
         f = fused.get("batches", {}).get(B, {})
         lines.append(f"| {B} | {_f(row['step_ms'])} | {_f(row['bound_ms'])} | {_f(row['step_vs_bound'])}x | "
                      f"{_f(row['bound_padded_ms'])} | {_f(row['tok_s'])} | {row['captures']} / {row['replays']} | "
                      f"{_f(f.get('step_ms'))} | {_f(f.get('step_vs_bound'))}{'x' if f else ''} | "
-                     f"{_f(row.get('first_call_s'))} ({_f(f.get('first_call_s'))}) |")
+                     f"{_f(row.get('first_call_s'))} ({_f(f.get('first_call_s'))}) | "
+                     f"{_f(row.get('forward_device_ops'))} ({_f(f.get('forward_device_ops'))}) | "
+                     f"{_f(row.get('forward_device_busy_ms'))} ({_f(f.get('forward_device_busy_ms'))}) |")
     lines += ["", "Fused: the layers' pointwise regions compiled into one kernel each (engine.fused, models/fused.py); "
               "a first call captures its graphs, and fused, compiles the regions."]
     if fused.get("error"):

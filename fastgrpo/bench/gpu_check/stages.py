@@ -986,9 +986,24 @@ def decode_8b(c: Check) -> dict:
         bound_ms = 1000 * (weight_bytes + kv_bytes) / bandwidth
         bucket = context_bucket(int(context) + 1, max_context + TREE_SLACK - STATIC_TREE_ROOM)
         padded_ms = 1000 * (weight_bytes + B * bucket * kv_per_token) / bandwidth
-        return {"step_ms": step_ms, "steps": len(steps), "bound_ms": bound_ms, "step_vs_bound": step_ms / bound_ms,
-                "context": context, "kv_bytes": kv_bytes, "context_bucket": bucket, "bound_padded_ms": padded_ms,
-                "tok_s": B / (step_ms / 1000), "captures": counts[0], "replays": counts[1], "first_call_s": first_call_s}
+        row = {"step_ms": step_ms, "steps": len(steps), "bound_ms": bound_ms, "step_vs_bound": step_ms / bound_ms,
+               "context": context, "kv_bytes": kv_bytes, "context_bucket": bucket, "bound_padded_ms": padded_ms,
+               "tok_s": B / (step_ms / 1000), "captures": counts[0], "replays": counts[1], "first_call_s": first_call_s}
+        # the static forward's kernels (what its graph replays) and their device time, by the profiler on a GPU
+        with engine._on_device():
+            tokens = torch.full((B, 1), prompt[-1], dtype=torch.long)
+
+            def forward():
+                engine.cache.lengths[:B] = int(context)
+                engine.model.forward(tokens, engine.cache, slice(0, B), ctx=bucket)
+
+            forward()  # (on a CPU too: the call the profile makes)
+            if device.type == "cuda":
+                try:
+                    row["forward_device_ops"], row["forward_device_busy_ms"] = _kernels_per_call(forward, 5)
+                except Exception as e:  # CUPTI missing: the rest stands
+                    row["profiler_error"] = f"{type(e).__name__}: {e}"[:300]
+        return row
 
     # each batch with the layers' pointwise regions op by op and fused (models.fused), in turn (switching
     # drops the captured graphs); a failure of the fused kernels is recorded and ends only their rows
@@ -1008,7 +1023,9 @@ def decode_8b(c: Check) -> dict:
             (out["fused"] if fused else out)["batches"][str(B)] = row
             log(f"8B shape{'' if size.big_full else ' (scaled)'} batch {B}{', fused' if fused else ''}: step "
                  f"{row['step_ms']:.2f} ms against a bound of {row['bound_ms']:.3f} ms ({row['step_vs_bound']:.2f}x); "
-                 f"graphs captured {row['captures']}, replayed {row['replays']}")
+                 f"graphs captured {row['captures']}, replayed {row['replays']}"
+                 + (f"; a forward {row['forward_device_ops']:.0f} device ops, busy {row['forward_device_busy_ms']:.2f} ms"
+                    if "forward_device_ops" in row else ""))
     engine.fused = False
     out["engine"] = engine_info(engine)
     for where in (out, out["fused"]):
