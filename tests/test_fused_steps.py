@@ -14,6 +14,7 @@ from fastgrpo.models.draft import DraftHead
 from fastgrpo.models.fused import fused_pointwise
 from fastgrpo.models.layers import EAGER
 from fastgrpo.models.policy import new_policy, policy_config
+from fastgrpo.models.sampling import seed_key
 from fastgrpo.speculation.policy import Static
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.types import Request, SamplingParams
@@ -32,15 +33,19 @@ def regions(dtype, B, n, seed=0):
     r = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
     x, res, w = r(B, n, 64), r(B, n, 64), r(64)
     qk, cos, sin, q_norm, k_norm = r(B, n, 6, 32), r(B, n, 1, 32), r(B, n, 1, 32), r(32), r(32)
+    seed, key = torch.tensor(seed_key(77 + seed)), torch.randint(0, 2**62, (B, 1), generator=g)
+    position = torch.randint(0, 4000, (B, 1), generator=g) + torch.arange(n)
     return {"norm": (x, w, 1e-6), "add_norm": (x, res, w, 1e-6), "rotate_qk": (qk, cos, sin, 4, None, None, 1e-6),
-            "rotate_qk with norms": (qk, cos, sin, 4, q_norm, k_norm, 1e-6), "silu_mul": (r(B, n, 192),)}
+            "rotate_qk with norms": (qk, cos, sin, 4, q_norm, k_norm, 1e-6), "silu_mul": (r(B, n, 192),),
+            "uniforms": (seed, key, position)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_each_region_computes_its_eager_function(dtype):
     """bf16: bit for bit (Inductor rounds at the eager code's casts; without `emulate_precision_casts` 20-50%
     of the elements differ, measured). fp32: the pointwise regions bit for bit, the norms within 2e-6 of
-    the values' scale (a fused mean of squares adds in another order)."""
+    the values' scale (a fused mean of squares adds in another order). The sampling noise (an integer hash,
+    float64 out): bit for bit."""
     fused = fused_pointwise()
     for B, n in ((1, 1), (6, 1), (4, 12)):
         for name, args in regions(dtype, B, n).items():
@@ -49,10 +54,30 @@ def test_each_region_computes_its_eager_function(dtype):
                 want, got = getattr(EAGER, op)(*args), getattr(fused, op)(*args)
             want, got = torch.cat(want, -1) if op == "add_norm" else want, torch.cat(got, -1) if op == "add_norm" else got
             assert got.dtype == want.dtype and got.shape == want.shape
-            if dtype == torch.bfloat16 or op in ("silu_mul",) or (op == "rotate_qk" and args[4] is None):
+            if dtype == torch.bfloat16 or op in ("silu_mul", "uniforms") or (op == "rotate_qk" and args[4] is None):
                 assert torch.equal(got, want), (name, B, n)
             else:
                 assert (got - want).abs().max() <= 2e-6 * want.abs().max(), (name, B, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_draft_heads_layer_fused_computes_its_eager_function(dtype):
+    """The draft's features and logits with its layer's regions fused (as static speculative steps run it),
+    against the same head op by op: bf16 bit for bit, fp32 within 1e-5 of the values' scale."""
+    cfg = policy_config("test", 61, 128, bos_id=1, eos_id=EOS, pad_id=0)
+    torch.manual_seed(0)
+    draft = DraftHead(cfg).to(dtype)
+    draft.bind_target(torch.randn(61, cfg.hidden_size), torch.randn(61, cfg.hidden_size))
+    B, n = 3, 5
+    hidden, tokens = torch.randn(B, n, cfg.hidden_size, dtype=dtype), torch.randint(0, 61, (B, n))
+    positions = torch.arange(n).expand(B, n)
+    with torch.inference_mode():
+        out = [draft.logits(draft.features(hidden, tokens, positions, None, lambda k, v: (k, v), ops), ops)
+               for ops in (EAGER, fused_pointwise())]
+    if dtype == torch.bfloat16:
+        assert torch.equal(out[0], out[1])
+    else:
+        assert (out[1] - out[0]).abs().max() <= 1e-5 * out[0].abs().max()
 
 
 def static_engine(cfg, weights, fused, policy=None, draft=None, dtype=torch.float32):
@@ -121,32 +146,55 @@ def _launches(name: str) -> bool:
     return name.startswith(("aten::", "mkldnn::")) and name not in NO_KERNEL
 
 
+def most_kernel_ops(e: EmbeddedEngine, speculative: bool) -> int:
+    """The most kernel-launching ops one of `e`'s static steps (speculative ones, or plain ones) dispatches
+    in a generate call, after a first call that compiled what it needs."""
+    e.generate([Request(p) for p in prompts(3, seed=1)], T1, seed=1)
+    steps, run = [], e.graphs.run
+
+    def profiled(key, step):
+        with profile(activities=[ProfilerActivity.CPU]) as p:
+            out = run(key, step)
+        if (key[0] != "plain") == speculative:
+            steps.append(sum(_launches(ev.name) for ev in p.events() if ev.cpu_parent is None))
+        return out
+
+    e.graphs.run = profiled
+    e.generate([Request(p) for p in prompts(3, seed=1)], T1, seed=1)
+    return max(steps)
+
+
 def test_fused_steps_dispatch_fewer_ops_a_layer():
     """The ops a plain static step dispatches that launch kernels (not views), per layer (two depths of
-    one model, the difference halved): op by op 28, fused 12 (measured). The control is the op-by-op
-    count: the same profiler sees each of its norms' and rotation's ops."""
+    one model, the difference halved) and in the rest of the step: op by op 28 a layer and 107, fused 12
+    and 38 (measured). The control is the op-by-op count: the same profiler sees each of its norms' and
+    rotation's ops."""
     base = policy_config("test", 61, 128, bos_id=1, eos_id=EOS, pad_id=0)
     counts = {}
     for layers in (2, 4):
         cfg = base.__class__(**{**base.to_dict(), "num_hidden_layers": layers})
         weights = list(new_policy(cfg, seed=1).state_dict().items())
         for fused in (False, True):
-            e = static_engine(cfg, weights, fused)
-            e.generate([Request(p) for p in prompts(3, seed=1)], T1, seed=1)  # compiled before counting
-            steps, run = [], e.graphs.run
-
-            def profiled(key, step, steps=steps, run=run):
-                with profile(activities=[ProfilerActivity.CPU]) as p:
-                    out = run(key, step)
-                steps.append(sum(_launches(ev.name) for ev in p.events() if ev.cpu_parent is None))
-                return out
-
-            e.graphs.run = profiled
-            e.generate([Request(p) for p in prompts(3, seed=1)], T1, seed=1)
-            counts[(layers, fused)] = max(steps)
+            counts[(layers, fused)] = most_kernel_ops(static_engine(cfg, weights, fused), speculative=False)
     per_layer = {fused: (counts[(4, fused)] - counts[(2, fused)]) / 2 for fused in (False, True)}
-    print(f"\nkernel-launching ops a layer: op by op {per_layer[False]:.0f}, fused {per_layer[True]:.0f}")
+    rest = {fused: counts[(2, fused)] - 2 * per_layer[fused] for fused in (False, True)}
+    print(f"\nkernel-launching ops a layer: op by op {per_layer[False]:.0f}, fused {per_layer[True]:.0f}; "
+          f"the rest of the step: op by op {rest[False]:.0f}, fused {rest[True]:.0f}")
     assert per_layer[False] >= 26 and per_layer[True] <= 13
+    assert rest[False] >= 100 and rest[True] <= 50  # the sampling noise's hash, ~60 ops, is one region
+
+
+def test_fused_speculative_steps_dispatch_fewer_ops():
+    """A d4k4n12 speculative static step of a 2-layer target: its draft's layer and head norm run fused
+    too (the catch-up and each of the four draft levels), and the sampling noise. Kernel-launching ops:
+    op by op 711, fused 526 (measured); the rest is the tree's own work (top-k, gathers, masks, the
+    verify walk)."""
+    cfg = policy_config("test", 61, 128, bos_id=1, eos_id=EOS, pad_id=0)
+    weights = list(new_policy(cfg, seed=1).state_dict().items())
+    counts = {fused: most_kernel_ops(static_engine(cfg, weights, fused, Static(SpecConfig(4, 4, 12)),
+                                                   random_draft(cfg)), speculative=True) for fused in (False, True)}
+    print(f"\nkernel-launching ops of a d4k4n12 step: op by op {counts[False]}, fused {counts[True]}")
+    assert counts[False] >= 680 and counts[True] <= 560
 
 
 def test_fused_steps_pass_the_audit_by_their_eager_functions():

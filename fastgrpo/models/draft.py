@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
-from fastgrpo.models.layers import KVFn, PackedWeight, decoder_layer, linear, onednn_available, rms_norm
+from fastgrpo.models.layers import EAGER, KVFn, PackedWeight, Pointwise, decoder_layer, linear, onednn_available
 from fastgrpo.models.layouts import dense_layer
 from fastgrpo.models.rope import rope_tables
 from fastgrpo.paths import DRAFT_CONFIG, DRAFT_WEIGHTS
@@ -88,15 +88,16 @@ class DraftHead(nn.Module):
         self.embed, self.lm_head = (t.detach().to(self.fc.device, self.fc.dtype) for t in (embed, lm_head))
 
     def features(self, hidden: Tensor, next_tokens: Tensor, positions: Tensor, mask: Tensor | None,
-                 kv: KVFn) -> Tensor:
-        """hidden [B, n, H] at positions t, next_tokens [B, n] (token t+1) -> predicted h_{t+1} [B, n, H]."""
+                 kv: KVFn, ops: Pointwise = EAGER) -> Tensor:
+        """hidden [B, n, H] at positions t, next_tokens [B, n] (token t+1) -> predicted h_{t+1} [B, n, H].
+        `ops`: how the layer's pointwise regions run (fused in an engine's static steps)."""
         weights = {"fc": self.fc, **self.layer} | (self.packed or {})
         x = linear(torch.cat([F.embedding(next_tokens, self.embed), hidden], dim=-1), weights["fc"])
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # [B, n, 1, D]
-        return decoder_layer(x, weights, self.layout, cos, sin, mask, kv)
+        return decoder_layer(x, weights, self.layout, cos, sin, mask, kv, ops=ops)
 
-    def logits(self, features: Tensor) -> Tensor:
-        return rms_norm(features, self.norm, self.eps) @ self.lm_head.T
+    def logits(self, features: Tensor, ops: Pointwise = EAGER) -> Tensor:
+        return ops.norm(features, self.norm, self.eps) @ self.lm_head.T
 
     def forward(self, hidden: Tensor, next_tokens: Tensor) -> Tensor:
         """Teacher-forced training forward over whole sequences (causal, positions 0..n-1)."""

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastgrpo.models.layouts import LayerLayout
+from fastgrpo.models.sampling import sampling_uniforms
 
 
 def onednn_available() -> bool:
@@ -74,17 +75,19 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class Pointwise:
-    """The decoder layer's pointwise regions: between its matmuls and attention, the ops that read and
-    write a few rows each. `EAGER` runs them op by op; `fused.fused_pointwise()` runs each as one compiled
-    kernel, for graph-captured steps, where each kernel's fixed cost counts."""
+    """A static step's pointwise regions: the decoder layer's, between its matmuls and attention, the ops
+    that read and write a few rows each; and the sampling noise's integer hash. `EAGER` runs them op by
+    op; `fused.fused_pointwise()` runs each as one compiled kernel, for graph-captured steps, where each
+    kernel's fixed cost counts."""
 
     norm: Callable[[Tensor, Tensor, float], Tensor]
     add_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
     rotate_qk: Callable[..., Tensor]
     silu_mul: Callable[[Tensor], Tensor]
+    uniforms: Callable[[Tensor, Tensor, Tensor], Tensor]  # sampling.sampling_uniforms, the seed a tensor
 
 
-EAGER = Pointwise(rms_norm, add_rms_norm, rotate_qk, silu_mul)
+EAGER = Pointwise(rms_norm, add_rms_norm, rotate_qk, silu_mul, sampling_uniforms)
 
 
 KVFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]

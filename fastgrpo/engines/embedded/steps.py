@@ -37,7 +37,8 @@ from torch import Tensor
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache, block_mask, cache_kv
 from fastgrpo.engines.embedded.tree import Verified, draft_tree, verify_tree
 from fastgrpo.models.draft import DraftHead
-from fastgrpo.models.sampling import cuts, sample, sampling_logprobs, sampling_uniforms, seed_key
+from fastgrpo.models.layers import EAGER, Pointwise
+from fastgrpo.models.sampling import cuts, sample, sampling_logprobs, seed_key
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.types import SamplingParams
 
@@ -161,7 +162,7 @@ class StaticSteps:
             return None
         st = self.state
         position = st.generated[:B, None] + torch.arange(levels, device=st.generated.device)
-        return sampling_uniforms(st.seed, st.key[:B, None], position)
+        return self.model.static_ops.uniforms(st.seed, st.key[:B, None], position)
 
     def _advance(self, B: int, tokens: Tensor, accepted: Tensor) -> None:
         """Active rows keep accepted + 1 new tokens: cached, counted, the last one pending."""
@@ -198,8 +199,9 @@ class StaticSteps:
         experts each tree node ran (the engine keeps the accepted nodes')."""
         assert self.draft is not None and self.draft_cache is not None
         st, rows = self.state, slice(0, B)
-        root_features = catch_up(self.draft, self.draft_cache, self.cache, states, B, states.window, ctx)
-        tree = draft_tree(self.draft, self.draft_cache, rows, root_features, st.pending[rows], config, ctx=ctx)
+        ops = self.model.static_ops
+        root_features = catch_up(self.draft, self.draft_cache, self.cache, states, B, states.window, ctx, ops)
+        tree = draft_tree(self.draft, self.draft_cache, rows, root_features, st.pending[rows], config, ctx=ctx, ops=ops)
         start = self.cache.lengths[rows].clone()
         routed = [] if routing else None
         logits, hidden = self.model.forward(tree.tokens, self.cache, rows, positions=start[:, None] + tree.depth,
@@ -221,7 +223,7 @@ def _stacked(routed: list[Tensor] | None) -> Tensor | None:
 
 
 def catch_up(draft: DraftHead, draft_cache: KVCache, cache: KVCache, states: _PendingStates, B: int, width: int,
-             ctx: int) -> Tensor:
+             ctx: int, ops: Pointwise = EAGER) -> Tensor:
     """Feed the draft the target states of rows 0..B-1 it has not seen (accepted paths, decoded and
     prefilled tokens; at most a window of them: a row further behind feeds its last `states.window` and
     attends to those onwards) in one forward of `width` tokens a row over `ctx` draft-cache positions.
@@ -239,7 +241,7 @@ def catch_up(draft: DraftHead, draft_cache: KVCache, cache: KVCache, states: _Pe
     visible.copy_(torch.where(counts < behind, start, visible))
     slots = torch.minimum(start[:, None] + torch.arange(width, device=end.device), end[:, None])
     feats = draft.features(hidden, tokens, slots, block_mask(start, width, ctx, None, visible),
-                           cache_kv(draft_cache, 0, rows, slots, ctx))
+                           cache_kv(draft_cache, 0, rows, slots, ctx), ops)
     draft_cache.lengths[rows] = end
     return feats[torch.arange(B, device=end.device), (counts - 1).clamp(min=0)]
 

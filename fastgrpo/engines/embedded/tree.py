@@ -37,6 +37,7 @@ from fastgrpo.models.sampling import sample
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.types import SamplingParams
 from fastgrpo.models.draft import DraftHead
+from fastgrpo.models.layers import EAGER, Pointwise
 from fastgrpo.speculation.node_calibration import LONG_MATCH, NodeCalibration, node_classes
 from fastgrpo.speculation.suffix_index import Candidates
 
@@ -51,9 +52,9 @@ class NonFiniteDraft(RuntimeError):
     """The draft produced NaN/inf: the engine decodes plainly for the step instead."""
 
 
-def _draft_logprobs(draft: DraftHead, features: Tensor, static: bool) -> tuple[Tensor, Tensor]:
+def _draft_logprobs(draft: DraftHead, features: Tensor, static: bool, ops: Pointwise = EAGER) -> tuple[Tensor, Tensor]:
     """Log-probabilities [..., V] and whether each row's are all finite [...] (eagerly: raised at once)."""
-    logp = torch.log_softmax(draft.logits(features).float(), dim=-1)
+    logp = torch.log_softmax(draft.logits(features, ops).float(), dim=-1)
     finite = torch.isfinite(logp).all(-1)
     if not static and not bool(finite.all()):
         raise NonFiniteDraft("non-finite draft logits")
@@ -84,20 +85,21 @@ class Tree:
 
 @torch.inference_mode()
 def draft_tree(draft: DraftHead, cache: KVCache, rows: slice, root_features: Tensor, root_tokens: Tensor,
-               cfg: SpecConfig, ctx: int | None = None) -> Tree:
+               cfg: SpecConfig, ctx: int | None = None, ops: Pointwise = EAGER) -> Tree:
     """Propose a tree per sequence. root_features [B, H]: the draft's predicted state at the root
     (the pending token), from which the first level is read. Expansion keys/values go to the draft
     cache after each row's length and are discarded (the length does not move).
 
     A draft that produces NaN/inf raises NonFiniteDraft; statically (`ctx` given: the draft cache
     positions attention reads, at least every row's length + 1) nothing can be raised without reading
-    the flag back, so a row whose draft is not finite verifies its root alone (a plain step's token)."""
+    the flag back, so a row whose draft is not finite verifies its root alone (a plain step's token).
+    `ops`: how the draft's pointwise regions run (`layers.Pointwise`)."""
     B, k = root_tokens.shape[0], cfg.topk
     start, visible_from = cache.lengths[rows], cache.visible_from[rows]
     E = (cfg.depth - 1) * k  # expansion entries per sequence
     bidx = torch.arange(B)[:, None]
 
-    logp, finite = _draft_logprobs(draft, root_features, ctx is not None)
+    logp, finite = _draft_logprobs(draft, root_features, ctx is not None, ops)
     score, tok = logp.topk(k, dim=-1)  # level 1
     feat = root_features[:, None].expand(B, k, -1)  # state each level-1 node is expanded from
     anc = torch.zeros(B, k, max(E, 1), dtype=torch.bool)  # expansion entries each node descends from
@@ -113,8 +115,8 @@ def draft_tree(draft: DraftHead, cache: KVCache, rows: slice, root_features: Ten
         level_ctx = (int(start.max()) if ctx is None else ctx) + d * k
         mask = block_mask(start, k, level_ctx, anc[:, :, : d * k], visible_from)
         feat = draft.features(feat, tok, (start[:, None] + d - 1).expand(B, k), mask,
-                              cache_kv(cache, 0, rows, slots, level_ctx))
-        logp, level_finite = _draft_logprobs(draft, feat, ctx is not None)
+                              cache_kv(cache, 0, rows, slots, level_ctx), ops)
+        logp, level_finite = _draft_logprobs(draft, feat, ctx is not None, ops)
         finite = finite & level_finite.all(-1)
         cs, ct = logp.topk(k, dim=-1)  # [B, k, k]
         tok = ct.flatten(1)
