@@ -457,9 +457,9 @@ class EngineConfig:
     # CUDA graphs on a GPU), eager (shapes from the data), or auto (static on CUDA, eager on a CPU, where
     # an eager step is not launch-bound and pads nothing)
     steps: StepMode = "auto"
-    # the embedded engine's static steps run the policy's pointwise regions (RMSNorm, the residual add,
-    # the q/k rotation, SwiGLU's gate) as kernels torch.compile fuses: fewer kernels a graph-captured step
-    # on a GPU (~14 a layer instead of ~35), a compile on first use. Off until a GPU check measures it
+    # the embedded engine's static steps run the policy's and the draft's pointwise regions (RMSNorm, the
+    # residual add, the q/k rotation, SwiGLU's gate) and the sampling noise as kernels torch.compile fuses:
+    # fewer kernels a graph-captured step on a GPU (12 a layer instead of 28), a compile on first use. Off until a GPU check measures it
     # (tools/gpu_check.sh's decode_8b stage runs both)
     fused: bool = False
 

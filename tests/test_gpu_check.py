@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from fastgrpo.bench.gpu_check import (AA_PAIR, AWARE_MODES, BASE, DECODE_BATCHES, GPU_TORCH, PLANNED_S, SIZES, STAGES,
+from fastgrpo.bench.gpu_check import (AWARE_MODES, BASE, DECODE_BATCHES, GPU_TORCH, PLANNED_S, SIZES, STAGES,
                                      STEP_SHAPES, SWEEP_MODES, WHEELS, dumps, gpu_requirements, grpo_summary, level_row,
                                      policy_state, spread, step_cells, wheels_to_install)
 
@@ -340,7 +340,7 @@ def test_the_report_of_the_committed_h100_run_sets_it_against_the_simulator(tmp_
     megabytes = 2 * (24 * 12_845_056 + 296 * 1024) / 1e6 + 46 * 98_304 / 1e6
     assert one["simulated_step_ms"] == pytest.approx(megabytes / (0.8 * 3350) + 0.7, rel=1e-6)
     assert one["step_ratio"] == pytest.approx(one["step_ms"] / one["simulated_step_ms"])
-    assert f"| 1 | 25.1 | 0.932 | 26.9x |" in text
+    assert "| 1 | 25.1 | 0.932 | 26.9x |" in text
 
 
 

@@ -6,8 +6,9 @@ weights' bandwidth is each kernel's fixed cost. At a small batch most of an eage
 pointwise ops on a few rows each (RMSNorm alone is eight: a cast, a square, a mean, an add, a root, two
 products, a cast back); fused, the layer runs ~14, one per region (`layers.Pointwise`: the norm, the
 residual add with the next norm, q/k's norms with the rotation, SwiGLU's gate), besides its matmuls,
-attention and cache writes. The step's sampling noise, an integer hash of (seed, request, position) of
-~60 ops, is one region too (integer arithmetic and exact float64 steps: the same bits compiled or not). gpt-fast compiles its whole decode step; SGLang compiles its model and
+attention and cache writes. The draft's layer runs the same regions in a speculative step. The step's
+sampling noise, an integer hash of (seed, request, position) of ~60 ops, is one region too (integer
+arithmetic and exact float64 steps: the same bits compiled or not). gpt-fast compiles its whole decode step; SGLang compiles its model and
 captures the graphs itself (CudaGraphRunner), as the engine's `graphs.StepGraphs` does. Only the regions
 are compiled here: a whole step would compile once per captured shape (batch bucket x context bucket x
 tree), a region once for all of them (dynamo's automatic dynamic shapes mark a size dynamic the first time

@@ -135,7 +135,8 @@ class EmbeddedEngine:
     `static_steps`: run decode steps statically (None: where the device is CUDA, where they are captured
     as CUDA graphs unless `graphs` is false). Prefill, and the steps a static one cannot take (a
     per-sequence verify budget, a tree deeper than the draft window), stay eager. `fused`: static steps run
-    the policy's pointwise regions as compiled kernels (`models.fused`; the `fused` attribute switches)."""
+    the policy's and the draft's pointwise regions as compiled kernels (`models.fused`; the `fused`
+    attribute switches)."""
 
     def __init__(self, cfg: LlamaConfig, max_batch: int, max_context: int, eos_id: int | Sequence[int],
                  pad_id: int = 0,
@@ -153,7 +154,7 @@ class EmbeddedEngine:
 
     @property
     def fused(self) -> bool:
-        """Static steps run the policy's pointwise regions as fused kernels (`models.fused`)."""
+        """Static steps run the pointwise regions (`layers.Pointwise`) as fused kernels (`models.fused`)."""
         return self.model.static_ops is not EAGER
 
     @fused.setter
