@@ -7,7 +7,8 @@
 # Makes (once) a virtual environment at DIR (default: $TMPDIR/fastgrpo-gpu-rehearsal) with the versions
 # fastgrpo/bench/gpu_check/pins.py's GPU_MACHINE names (what the device tool's image held at the last GPU
 # check, bench/gpu/gpu_check.json) and the wheels' pins (WHEELS), then runs tools/gpu_check.sh at test size
-# on the CPU with static steps held to what their CUDA graphs' replays would compute (--check-replays).
+# on the CPU with static steps held to what their CUDA graphs' replays would compute (--check-replays), and
+# its 8B stage once more with the fused regions compiled.
 # PyPI has that torch only as its CUDA build: about 3 GB to download, which runs on a CPU as well.
 # Not rehearsed: the GPU machine's Python (3.12; this one's is whatever python3 is) and anything CUDA does.
 set -euo pipefail
@@ -36,3 +37,7 @@ fi
 "$VENV/bin/python" -c 'import torch, transformers; print(f"gpu_rehearsal: torch {torch.__version__}, transformers {transformers.__version__}")'
 GPU_WHEELS=/nonexistent PYTHON="$VENV/bin/python" bash tools/gpu_check.sh --size test --device cpu --out "$OUT" \
     --work "$OUT/work" --check-replays engine.steps=static
+# under --check-replays the fused regions run their eager functions (dynamo does not trace under a dispatch
+# mode); the 8B stage again without it compiles them, through this torch's Inductor
+GPU_WHEELS=/nonexistent PYTHON="$VENV/bin/python" bash tools/gpu_check.sh --size test --device cpu \
+    --out "$OUT/compiled" --stages environment,decode_8b engine.steps=static
