@@ -465,6 +465,8 @@ class EngineConfig:
 
     def check(self) -> None:
         _check(self.tensor >= 1, "engine.tensor", "must be >= 1", self.tensor)
+        _check(not (self.fused and self.backend != "embedded"), "engine.fused", "is the embedded engine's "
+               "(SGLang fuses its own kernels)", self.fused)
         _check(not (self.fused and self.steps == "eager"), "engine.fused", "needs static steps (engine.steps "
                "static, or auto on a GPU)", self.fused)
         _check(0 < self.mem_fraction < 1, "engine.mem_fraction", "must be in (0, 1)", self.mem_fraction)

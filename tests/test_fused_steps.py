@@ -232,8 +232,38 @@ def test_fused_steps_pass_the_audit_by_their_eager_functions():
 def test_fused_kernels_need_static_steps():
     with pytest.raises(ConfigError, match=r"engine\.fused needs static steps"):
         load_config(None, ["engine.fused=true", "engine.steps=eager"])
+    with pytest.raises(ConfigError, match=r"engine\.fused is the embedded engine's"):
+        load_config(None, ["engine.fused=true", "engine.backend=sglang"])
     assert load_config(None, ["engine.fused=true", "engine.steps=static"]).engine.fused
     cfg = policy_config("test", 61, 128, bos_id=1, eos_id=EOS, pad_id=0)
     e = EmbeddedEngine(cfg, 2, 64, eos_id=EOS, static_steps=False)
     with pytest.raises(ValueError, match="fused kernels run in static steps"):
         e.fused = True
+
+
+def test_the_factory_builds_a_fused_engine_the_trainer_agrees_with(tmp_path, tiny_policy):
+    """engine.fused through build_engine: the fused engine's sampled tokens, scored by the trainer, have the
+    log-probabilities the engine reported (within 1e-4); with engine.steps=auto on a CPU (eager steps) the
+    build names the key to change."""
+    from transformers import AutoConfig
+
+    from fastgrpo.engines import build_engine
+    from fastgrpo.grpo.batch import build_batch
+    from fastgrpo.models.tokenizer import load_text_format
+    from fastgrpo.trainers import build_trainer
+    from tests.conftest import tiny_config
+
+    text, model_config = load_text_format(tiny_policy), AutoConfig.from_pretrained(tiny_policy)
+    off = {"speculation.policy": "off", "draft.online": "off", "engine.fused": True}
+    with pytest.raises(ValueError, match=r"engine\.fused=true needs static steps.*engine\.steps=static"):
+        build_engine(tiny_config(tmp_path, tiny_policy, **off), model_config, text)
+    cfg = tiny_config(tmp_path, tiny_policy, **off, **{"engine.steps": "static"})
+    trainer = build_trainer(cfg)
+    engine = build_engine(cfg, model_config, text)
+    assert engine.fused and engine.static
+    engine.update_weights(trainer.export_weights(), version=0)
+    prompt = [1, 5, 6, 7]
+    out = engine.generate([Request(prompt)], SamplingParams(temperature=1.0, max_new_tokens=8), seed=3)[0]
+    batch = build_batch([prompt], [out.token_ids], [out.logprobs], torch.zeros(1), pad_id=0)
+    scored = trainer.logprobs(batch)[0, len(prompt):len(prompt) + len(out.token_ids)]
+    torch.testing.assert_close(scored, torch.tensor(out.logprobs), atol=1e-4, rtol=0)
