@@ -459,8 +459,8 @@ class EngineConfig:
     steps: StepMode = "auto"
     # the embedded engine's static steps run the policy's and the draft's pointwise regions (RMSNorm, the
     # residual add, the q/k rotation, SwiGLU's gate) and the sampling noise as kernels torch.compile fuses:
-    # fewer kernels a graph-captured step on a GPU (12 a layer instead of 28), a compile on first use. Off until a GPU check measures it
-    # (tools/gpu_check.sh's decode_8b stage runs both)
+    # fewer kernels a graph-captured step on a GPU (12 a layer instead of 28), a compile on first use. Off
+    # until a GPU check measures it (tools/gpu_check.sh's decode_8b stage runs both)
     fused: bool = False
 
     def check(self) -> None:

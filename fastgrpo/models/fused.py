@@ -1,23 +1,26 @@
-"""The decoder layer's pointwise regions as fused kernels, compiled by torch.compile (Inductor: Triton on a
-GPU, C++ on a CPU), for the static steps a GPU captures as CUDA graphs.
+"""A static step's pointwise regions as fused kernels, compiled by torch.compile (Inductor: Triton on a GPU,
+C++ on a CPU), for the steps a GPU captures as CUDA graphs.
 
 Why: a captured step runs its kernels back to back with no host in between, so what remains beside the
-weights' bandwidth is each kernel's fixed cost. At a small batch most of an eager layer's ~35 kernels are
-pointwise ops on a few rows each (RMSNorm alone is eight: a cast, a square, a mean, an add, a root, two
-products, a cast back); fused, the layer runs ~14, one per region (`layers.Pointwise`: the norm, the
-residual add with the next norm, q/k's norms with the rotation, SwiGLU's gate), besides its matmuls,
-attention and cache writes. The draft's layer runs the same regions in a speculative step. The step's
-sampling noise, an integer hash of (seed, request, position) of ~60 ops, is one region too (integer
-arithmetic and exact float64 steps: the same bits compiled or not). gpt-fast compiles its whole decode step; SGLang compiles its model and
-captures the graphs itself (CudaGraphRunner), as the engine's `graphs.StepGraphs` does. Only the regions
-are compiled here: a whole step would compile once per captured shape (batch bucket x context bucket x
-tree), a region once for all of them (dynamo's automatic dynamic shapes mark a size dynamic the first time
-it changes).
+weights' bandwidth is each kernel's fixed cost. At a small batch most of a layer's kernels are pointwise
+ops on a few rows each (RMSNorm alone is six to eight: a square, a mean, an add, a root, two products,
+and in bf16 a cast each way). A plain step launches 28 a layer op by op (fp32, counted by the profiler in
+tests/test_fused_steps.py), 12 fused: one per region (`layers.Pointwise`: the norm, the residual add with
+the next norm, q/k's norms with the rotation, SwiGLU's gate) besides the matmuls, attention and cache
+writes. The draft's layer runs the same regions in a speculative step, and the sampling noise, an integer
+hash of (seed, request, position) of ~60 ops, is one region too (integer arithmetic and exact float64
+steps: the same bits compiled or not).
+
+gpt-fast compiles its whole decode step; SGLang compiles its model and captures the graphs itself
+(CudaGraphRunner), as `graphs.StepGraphs` does. Only the regions are compiled here: a whole step would
+compile once per captured shape (batch bucket x context bucket x tree), a region once for all of them
+(dynamo's automatic dynamic shapes mark a size dynamic the first time it changes).
 
 The same function as `layers.EAGER`: Inductor is told to round where the eager code casts
-(`emulate_precision_casts`), so bf16 regions round as the eager ones do. A fused reduction may add in
-another order (RMSNorm's mean of squares): results within rounding of the eager ones, so tokens match
-but where two are within rounding of a tie.
+(`emulate_precision_casts`), so bf16 regions round as the eager ones do where its backend keeps those
+casts (torch 2.13's C++ backend does, tested; torch 2.11's elides some, one rounding apart; Triton's is
+for a GPU to show). A fused reduction may add in another order (RMSNorm's mean of squares): results
+within rounding of the eager ones, so tokens match but where two are within rounding of a tie.
 
 Under a TorchDispatchMode (`graphs.StepAudit`, `graphs.ReplayCheck`) dynamo does not trace, so a region
 runs its eager function there: the same ops the compiled kernel fuses, which is what those checks read.

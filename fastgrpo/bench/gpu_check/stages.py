@@ -907,9 +907,8 @@ def decoder_parameters(config: PretrainedConfig) -> int:
 def decode_8b(c: Check) -> dict:
     """A random-weight Llama-3.1-8B shape (configs/models/, bf16) decoding plainly at batch 1, 16 and 64
     in the static engine (CUDA graphs), its layers' pointwise regions op by op and fused (`fused`), each
-    step against its memory-bandwidth bound: the bytes it must
-    read (every weight once, the embedding's B rows aside, and each row's KV cache) over the device's
-    peak bandwidth. Steps are the engine's per-step trace after its first WARMUP_STEPS, two timed calls
+    step against its memory-bandwidth bound: the bytes it must read (every weight once, the embedding's B
+    rows aside, and each row's KV cache) over the device's peak bandwidth. Steps are the engine's per-step trace after its first WARMUP_STEPS, two timed calls
     after a warm-up. At test size a scaled-down model of the same structure (SCALED_8B) runs instead (the
     full shape is recorded as skipped); at gpu size it is skipped, with the reason, on a CPU or where the
     device lacks the memory."""
