@@ -55,11 +55,23 @@ class Gate:
 sys.meta_path[:] = [Gate(f) for f in sys.meta_path]
 
 
+def _compiled_kernels(names):
+    # Inductor's compiled kernels: top-level names of no package, of modules it made at run time from its
+    # cache directory (its Python wrappers live under torch's own name)
+    if "torch._inductor.runtime.cache_dir_utils" not in sys.modules:
+        return set()
+    cache = sys.modules["torch._inductor.runtime.cache_dir_utils"].cache_dir()
+    return {n.partition(".")[0] for n in names if n.partition(".")[0] not in allowed
+            and (getattr(sys.modules.get(n), "__file__", None) or "").startswith(cache)}
+
+
 @atexit.register
 def _report():
-    imported = {n.partition(".")[0] for n in set(sys.modules) - before}
+    new = set(sys.modules) - before
+    kernels = _compiled_kernels(new)
+    imported = {n.partition(".")[0] for n in new} - kernels
     with open(report, "w") as f:
-        json.dump({"imported": sorted(imported), "hidden": sorted(hidden)}, f)
+        json.dump({"imported": sorted(imported), "hidden": sorted(hidden), "compiled_kernels": len(kernels)}, f)
 
 
 sys.argv = ["gpu_check", *sys.argv[3:]]
@@ -258,7 +270,9 @@ def test_the_run_imports_only_what_a_gpu_machine_has(check):
     print("looked for and not there:", ", ".join(imports["hidden"]))
     allowed = allowed_modules()
     # made at run time, not found on any path: Cython's runtime, torch.distributed.nn's generated remote module
+    # (and Inductor's compiled kernels, loaded from its cache: counted apart, the fused regions of decode_8b)
     made = ("_cython", "cython_runtime", "_sysconfigdata_", "_remote_module_non_scriptable")
+    assert imports["compiled_kernels"] > 0
     extra = [m for m in imports["imported"] if m not in allowed and not m.startswith(made)]
     assert not extra, f"imported beyond the GPU machine's packages and the wheels: {extra}"
     assert check["returncode"] == 0
