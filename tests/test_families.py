@@ -16,7 +16,7 @@ from fastgrpo.models.draft import DraftHead
 from fastgrpo.engines.embedded.engine import EmbeddedEngine
 from fastgrpo.models.layouts import layer_layout
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache
-from fastgrpo.models.layers import onednn_available
+from fastgrpo.models.layers import attention, onednn_available
 from fastgrpo.models.rope import rope_tables
 from fastgrpo.speculation.policy import Static
 from fastgrpo.speculation.spec import SpecConfig
@@ -158,6 +158,25 @@ def test_each_familys_own_part_changes_the_logits(family):
         plain = LlamaConfig(**{**cfg.to_dict(), "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}})
         model.cos, model.sin = rope_tables(plain, 128)
     assert (chunked_logits(model, cfg, ids) - ref).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("heads,kv_heads,n", [(8, 2, 1), (8, 2, 5), (6, 1, 3), (4, 4, 2)])
+def test_masked_grouped_query_attention_equals_repeated_keys(heads, kv_heads, n):
+    """The decoder's attention under a mask, its query heads grouped per key head, against the reference:
+    each key head repeated for its query heads (Hugging Face's repeat_kv), one SDPA call per head count."""
+    g = torch.Generator().manual_seed(heads * 10 + n)
+    B, ctx, D = 3, 20, 16
+    q = torch.randn(B, n, heads, D, generator=g)
+    keys, values = torch.randn(B, kv_heads, ctx, D, generator=g), torch.randn(B, kv_heads, ctx, D, generator=g)
+    mask = torch.rand(B, 1, n, ctx, generator=g) > 0.4
+    mask[..., 0] = True  # every query sees a key
+    reps = heads // kv_heads
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), keys.repeat_interleave(reps, 1), values.repeat_interleave(reps, 1), attn_mask=mask)
+    got = attention(q, keys, values, mask)
+    assert got.shape == (B, n, heads * D)
+    torch.testing.assert_close(got, want.transpose(1, 2).reshape(B, n, heads * D), atol=1e-6, rtol=1e-5)
+
 
 
 @pytest.mark.parametrize("rope", [dict(rope_type="default"), dict(rope_type="linear", factor=4.0), LLAMA3_ROPE,

@@ -121,15 +121,36 @@ def decoder_layer(x: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerL
     qk = qkv[..., : (H + KV) * D].view(B, n, H + KV, D)
     v = qkv[..., (H + KV) * D :].view(B, n, KV, D).transpose(1, 2)
     qk = ops.rotate_qk(qk, cos, sin, H, L.get("q_norm"), L.get("k_norm"), eps)
-    q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
-    keys, values = kv(k, v)
-    attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
-                                          enable_gqa=KV != H)
-    attn = attn.transpose(1, 2).reshape(B, n, H * D)
+    keys, values = kv(qk[:, :, H:].transpose(1, 2), v)
+    attn = attention(qk[:, :, :H], keys, values, mask)
     x, h = ops.add_norm(x, linear(attn if valid is None else attn[valid], L["wo"], L.get("bo")), L["mlp_norm"], eps)
     if layout.mlp == "moe":
         return x + moe_mlp(h, L, layout, experts=dense_experts if static else None, routing=routing)
     return x + swiglu_mlp(h, L, layout, ops)
+
+
+def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
+    """q [B, n, H, D] over keys and values [B, KV, ctx, D] -> [B, n, H * D]; query head h reads key head
+    h // (H / KV), as Hugging Face's repeat_kv pairs them. mask [B, 1, n, ctx] bool, or None: causal over
+    the block itself (training).
+
+    With a mask and fewer key heads than query heads, the G = H / KV query heads that share a key head
+    attend as one sequence of G n queries to that head, under the mask repeated for each: attention with
+    equal head counts, which every SDPA backend takes. SDPA's own grouped-query attention (enable_gqa) is
+    taken by its flash kernel, which takes no mask; masked, it falls to the math backend, which first
+    copies the keys and values once per query head (repeat_interleave; torch 2.11's memory-efficient
+    kernel takes no GQA). A plain step (n = 1) packs by views alone."""
+    B, n, H, D = q.shape
+    KV, ctx = keys.shape[1], keys.shape[2]
+    G = H // KV
+    if mask is None or G == 1:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=G > 1)
+        return out.transpose(1, 2).reshape(B, n, H * D)
+    grouped = q.view(B, n, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B, KV, G * n, D)
+    grouped_mask = mask.expand(B, 1, n, ctx)[:, :, None].expand(B, 1, G, n, ctx).reshape(B, 1, G * n, ctx)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=grouped_mask)  # [B, KV, G n, D]
+    return out.view(B, KV, G, n, D).permute(0, 3, 1, 2, 4).reshape(B, n, H * D)
 
 
 def swiglu_mlp(h: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerLayout | None = None,
