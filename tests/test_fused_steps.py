@@ -1,5 +1,5 @@
 """Fused pointwise regions (models/fused.py, engine.fused): each compiled region computes its eager function
-(bf16 bit for bit); static steps with them give the op-by-op steps' tokens and log-probabilities in every
+(bf16 bit for bit where Inductor keeps the eager casts); static steps with them give the op-by-op steps' tokens and log-probabilities in every
 family, plain and speculative; they dispatch fewer ops a layer; asking for them without static steps is
 refused by name."""
 
@@ -37,11 +37,11 @@ def regions(dtype, B, n, seed=0):
     r = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
     x, res, w = r(B, n, 64), r(B, n, 64), r(64)
     qk, cos, sin, q_norm, k_norm = r(B, n, 6, 32), r(B, n, 1, 32), r(B, n, 1, 32), r(32), r(32)
-    seed, key = torch.tensor(seed_key(77 + seed)), torch.randint(0, 2**62, (B, 1), generator=g)
+    noise_seed, key = torch.tensor(seed_key(77 + seed)), torch.randint(0, 2**62, (B, 1), generator=g)
     position = torch.randint(0, 4000, (B, 1), generator=g) + torch.arange(n)
     return {"norm": (x, w, 1e-6), "add_norm": (x, res, w, 1e-6), "rotate_qk": (qk, cos, sin, 4, None, None, 1e-6),
             "rotate_qk with norms": (qk, cos, sin, 4, q_norm, k_norm, 1e-6), "silu_mul": (r(B, n, 192),),
-            "uniforms": (seed, key, position)}
+            "uniforms": (noise_seed, key, position)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
