@@ -198,7 +198,7 @@ def test_the_audit_catches_what_the_eager_step_does(dense):
 def test_op_budgets_per_step(dense):
     """Ops a static step dispatches (every aten call, views included), at two depths of the same model: a
     plain step within 160 + 67 per layer, a d4k4n12 speculative step within 1065 + 67 per layer (measured:
-    155 + 65 and 1059 + 65, of which ~10 a layer are the views that group the query heads for attention;
+    158 + 61 and 1058 + 61, of which ~6 a layer are the views that group the query heads for attention;
     on a GPU each op that is not a view is a kernel of the step's graph). Three ops per layer more, or an
     op per row or per node, break these."""
     cfg, target, draft = dense

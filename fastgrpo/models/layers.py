@@ -129,10 +129,20 @@ def decoder_layer(x: Tensor, L: dict[str, Tensor | PackedWeight], layout: LayerL
     return x + swiglu_mlp(h, L, layout, ops)
 
 
+def group_mask(mask: Tensor, groups: int) -> Tensor:
+    """A block's mask [B, 1, n, ctx] as `attention` applies it with `groups` query heads a key head:
+    [B, 1, groups n, ctx], the mask repeated for each (views alone at n = 1). A forward that attends with one
+    mask in every layer groups it once."""
+    B, _, n, ctx = mask.shape
+    if groups == 1:
+        return mask
+    return mask[:, :, None].expand(B, 1, groups, n, ctx).reshape(B, 1, groups * n, ctx)
+
+
 def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
     """q [B, n, H, D] over keys and values [B, KV, ctx, D] -> [B, n, H * D]; query head h reads key head
-    h // (H / KV), as Hugging Face's repeat_kv pairs them. mask [B, 1, n, ctx] bool, or None: causal over
-    the block itself (training).
+    h // (H / KV), as Hugging Face's repeat_kv pairs them. mask [B, 1, n, ctx] bool, or the same already
+    grouped (`group_mask`, [B, 1, H / KV n, ctx]), or None: causal over the block itself (training).
 
     With a mask and fewer key heads than query heads, the G = H / KV query heads that share a key head
     attend as one sequence of G n queries to that head, under the mask repeated for each: attention with
@@ -141,15 +151,16 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> T
     copies the keys and values once per query head (repeat_interleave; torch 2.11's memory-efficient
     kernel takes no GQA). A plain step (n = 1) packs by views alone."""
     B, n, H, D = q.shape
-    KV, ctx = keys.shape[1], keys.shape[2]
-    G = H // KV
+    G = H // keys.shape[1]
     if mask is None or G == 1:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None,
                                              enable_gqa=G > 1)
         return out.transpose(1, 2).reshape(B, n, H * D)
+    KV = H // G
     grouped = q.view(B, n, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B, KV, G * n, D)
-    grouped_mask = mask.expand(B, 1, n, ctx)[:, :, None].expand(B, 1, G, n, ctx).reshape(B, 1, G * n, ctx)
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=grouped_mask)  # [B, KV, G n, D]
+    if mask.shape[-2] == n:
+        mask = group_mask(mask, G)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)  # [B, KV, G n, D]
     return out.view(B, KV, G, n, D).permute(0, 3, 1, 2, 4).reshape(B, n, H * D)
 
 

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import PretrainedConfig
 
-from fastgrpo.models.layers import EAGER, KVFn, PackedWeight, Pointwise, decoder_layer, linear, onednn_available, unpack
+from fastgrpo.models.layers import (EAGER, KVFn, PackedWeight, Pointwise, decoder_layer, group_mask, linear,
+                                    onednn_available, unpack)
 from fastgrpo.models.layouts import layer_layouts
 from fastgrpo.models.rope import head_dim as head_dim_of, rope_tables
 
@@ -209,7 +210,7 @@ class InferenceModel:
             ctx = int(slots.max()) + 1
         if ctx > cache.max_len:
             raise ValueError(f"sequence would exceed the cache length {cache.max_len}")
-        mask = block_mask(start, n, ctx, new_mask)
+        mask = group_mask(block_mask(start, n, ctx, new_mask), self.n_heads // self.n_kv)  # once for every layer
         pos = slots if positions is None else positions
         cos, sin = self.cos[pos][:, :, None], self.sin[pos][:, :, None]  # [B, n, 1, D]
         x = F.embedding(tokens if valid is None else tokens[valid], self.embed)
