@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from fastgrpo.engines.embedded.constants import arange, constant, eye, full
 from fastgrpo.engines.embedded.model import KVCache, block_mask, cache_kv
 from fastgrpo.models.sampling import sample
 from fastgrpo.speculation.spec import SpecConfig
@@ -93,63 +94,105 @@ def draft_tree(draft: DraftHead, cache: KVCache, rows: slice, root_features: Ten
     A draft that produces NaN/inf raises NonFiniteDraft; statically (`ctx` given: the draft cache
     positions attention reads, at least every row's length + 1) nothing can be raised without reading
     the flag back, so a row whose draft is not finite verifies its root alone (a plain step's token).
-    `ops`: how the draft's pointwise regions run (`layers.Pointwise`)."""
-    B, k = root_tokens.shape[0], cfg.topk
+    Statically every level attends over the same ctx + E positions (E: the expansion entries of all
+    levels; a later level's are masked until written), so that the mask's parts common to all levels are
+    made once. `ops`: how the draft's pointwise regions run (`layers.Pointwise`)."""
+    B, k, device = root_tokens.shape[0], cfg.topk, root_tokens.device
+    static = ctx is not None
     start, visible_from = cache.lengths[rows], cache.visible_from[rows]
     E = (cfg.depth - 1) * k  # expansion entries per sequence
-    bidx = torch.arange(B)[:, None]
+    row_idx = arange(B, device, rows.start)[:, None]
+    if static and E > 0:
+        kpos, tree_ctx = arange(ctx + E, device), ctx + E
+        rel = kpos - start[:, None, None]  # [B, 1, ctx + E]: key position relative to the first entry
+        visible = kpos >= visible_from[:, None, None]
+        cached, entry = (rel < 0) & visible, (rel >= 0) & (rel < E) & visible
+        entry_of = rel.clamp(0, E - 1)
 
-    logp, finite = _draft_logprobs(draft, root_features, ctx is not None, ops)
+    logp, finite = _draft_logprobs(draft, root_features, static, ops)
     score, tok = logp.topk(k, dim=-1)  # level 1
-    feat = root_features[:, None].expand(B, k, -1)  # state each level-1 node is expanded from
-    anc = torch.zeros(B, k, max(E, 1), dtype=torch.bool)  # expansion entries each node descends from
-    gid = torch.arange(k).expand(B, k)
-    all_tok, all_score, all_parent, all_depth = [tok], [score], [torch.full((B, k), -1)], [torch.ones(B, k, dtype=torch.long)]
-    n_nodes = k
+    levels_tok, levels_score, levels_parent = [tok], [score], [full((B, k), -1, torch.long, device)]
+    n_nodes = k  # nodes numbered level by level
+    # the current level's nodes expand from the state of their parent, the p-th of the level above (p =
+    # node // k): those parents' states, numbers and expansion entries they descend from
+    parent_feat = root_features[:, None].expand(B, k, -1)  # (level 1: p = node, all from the root)
+    parent_anc = None
     for d in range(1, cfg.depth):
         sel = score.topk(k, dim=-1).indices  # expand the k most probable nodes of this level
-        tok, feat, anc, gid, score = tok[bidx, sel], feat[bidx, sel], anc[bidx, sel].clone(), gid[bidx, sel], score[bidx, sel]
-        offs = (d - 1) * k + torch.arange(k)
-        anc[:, :, (d - 1) * k : d * k] |= torch.eye(k, dtype=torch.bool)  # each node descends from its own entry
-        slots = start[:, None] + offs
-        level_ctx = (int(start.max()) if ctx is None else ctx) + d * k
-        mask = block_mask(start, k, level_ctx, anc[:, :, : d * k], visible_from)
-        feat = draft.features(feat, tok, (start[:, None] + d - 1).expand(B, k), mask,
-                              cache_kv(cache, 0, rows, slots, level_ctx), ops)
-        logp, level_finite = _draft_logprobs(draft, feat, ctx is not None, ops)
+        tok, score = tok.gather(1, sel), score.gather(1, sel)
+        if d == 1:
+            feat, node_id = parent_feat, sel
+            anc = eye_block(k, E, device).expand(B, k, E)  # each node descends from its own entry alone
+        else:
+            p = sel // k
+            feat = parent_feat.gather(1, p[:, :, None].expand(B, k, parent_feat.shape[-1]))
+            anc = parent_anc.gather(1, p[:, :, None].expand(B, k, E))
+            anc[:, :, (d - 1) * k: d * k] = eye(k, device)  # and from its own entry (this level's: unset before)
+            node_id = sel + (n_nodes - k * k)
+        slots = start[:, None] + arange(k, device, (d - 1) * k)
+        if static:
+            seen = torch.gather(anc[:, None], 3, entry_of[:, :, None].expand(B, 1, k, tree_ctx))
+            mask = cached[:, None] | (entry[:, None] & seen)
+        else:
+            tree_ctx = int(start.max()) + d * k
+            mask = block_mask(start, k, tree_ctx, anc[:, :, : d * k], visible_from)
+        feat = draft.features(feat, tok, (start[:, None] + (d - 1)).expand(B, k), mask,
+                              cache_kv(cache, 0, rows, slots, tree_ctx, row_idx), ops)
+        logp, level_finite = _draft_logprobs(draft, feat, static, ops)
         finite = finite & level_finite.all(-1)
-        cs, ct = logp.topk(k, dim=-1)  # [B, k, k]
-        tok = ct.flatten(1)
-        score = (score[:, :, None] + cs).flatten(1)
-        feat = feat.repeat_interleave(k, dim=1)
-        anc = anc.repeat_interleave(k, dim=1)
-        parent = gid.repeat_interleave(k, dim=1)
-        gid = n_nodes + torch.arange(k * k).expand(B, -1)
+        cs, ct = logp.topk(k, dim=-1)  # [B, k, k]: each expanded node's k children
+        tok, score = ct.flatten(1), (score[:, :, None] + cs).flatten(1)
+        parent_feat, parent_anc = feat, anc
+        levels_tok.append(tok), levels_score.append(score)
+        levels_parent.append(node_id[:, :, None].expand(B, k, k).reshape(B, k * k))
         n_nodes += k * k
-        all_tok.append(tok), all_score.append(score), all_parent.append(parent)
-        all_depth.append(torch.full((B, k * k), d + 1))
 
-    tok, score = torch.cat(all_tok, 1), torch.cat(all_score, 1)
-    parent, depth = torch.cat(all_parent, 1), torch.cat(all_depth, 1)
+    tok, score, parent = torch.cat(levels_tok, 1), torch.cat(levels_score, 1), torch.cat(levels_parent, 1)
+    depth = node_depths(k, cfg.depth, device)  # [n_nodes]
     # keep the most probable nodes; break exact ties toward shallower nodes so that parents win
-    keep = (score.double() - 1e-9 * depth).topk(cfg.num_verify - 1, dim=-1).indices
-    order = torch.sort(depth[bidx, keep] * (n_nodes + 1) + keep, dim=-1).indices  # parents before children
-    keep = keep[bidx, order]
+    keep = (score.double() - tie_break(k, cfg.depth, device)).topk(cfg.num_verify - 1, dim=-1).indices
+    order = torch.sort(depth[keep] * (n_nodes + 1) + keep, dim=-1).indices  # parents before children
+    keep = keep.gather(1, order)
     N = cfg.num_verify
-    position = torch.full((B, n_nodes), -1)
-    position[bidx, keep] = torch.arange(1, N).expand(B, -1)
-    p = parent[bidx, keep]
-    parents = torch.cat([torch.zeros(B, 1, dtype=torch.long), torch.where(p < 0, 0, position[bidx, p.clamp(min=0)])], 1)
-    tree_depth = torch.cat([torch.zeros(B, 1, dtype=torch.long), depth[bidx, keep]], 1)
-    tokens = torch.cat([root_tokens[:, None], tok[bidx, keep]], 1)
-    tree_score = torch.cat([torch.zeros(B, 1), score[bidx, keep]], 1)
+    # each kept node's number in the tree (1..N-1 in keep's order), at column n_nodes the root's (0): the
+    # parent a level-1 node names (-1) reads it; -1 elsewhere (a kept node's parent is always kept)
+    position = root_position(n_nodes, device).repeat(B, 1)
+    position.scatter_(1, keep, arange(N - 1, device, 1).expand(B, -1))
+    parents = position.gather(1, parent.gather(1, keep).remainder(n_nodes + 1))
+    zero = full((B, 1), 0, torch.long, device)
+    parents, tree_depth = torch.cat([zero, parents], 1), torch.cat([zero, depth[keep]], 1)
+    tokens = torch.cat([root_tokens[:, None], tok.gather(1, keep)], 1)
+    tree_score = torch.cat([full((B, 1), 0.0, torch.float32, device), score.gather(1, keep)], 1)
     tree = Tree(tokens, parents, tree_depth, ancestor_mask(parents, tree_depth, cfg.depth), tree_score)
-    if ctx is None:
+    if not static:
         if (parents < 0).any():  # cannot happen with finite scores; never let it crash a rollout
             raise NonFiniteDraft("draft tree is not ancestor-closed")
         return tree
     # static: a row with a non-finite draft keeps its root only (its other nodes are never accepted)
     return tree.restricted(finite[:, None].expand(B, N - 1))
+
+
+def eye_block(k: int, E: int, device: torch.device) -> Tensor:
+    """[k, max(E, 1)] bool: the first level's expanded nodes' ancestry over the E expansion entries (node i
+    descends from entry i alone)."""
+    return constant(("eye_block", k, E, device), lambda: torch.eye(k, max(E, 1), dtype=torch.bool, device=device))
+
+
+def node_depths(k: int, depth: int, device: torch.device) -> Tensor:
+    """The depth of each node a draft tree proposes, numbered level by level (k, then k^2 a level)."""
+    return constant(("node_depths", k, depth, device), lambda: torch.tensor(
+        [1] * k + [d for d in range(2, depth + 1) for _ in range(k * k)], device=device))
+
+
+def tie_break(k: int, depth: int, device: torch.device) -> Tensor:
+    """1e-9 x each proposed node's depth (a float32 product, float64 out): subtracted from the scores, exact
+    ties go to the shallower."""
+    return constant(("tie_break", k, depth, device), lambda: (1e-9 * node_depths(k, depth, device)).double())
+
+
+def root_position(n: int, device: torch.device) -> Tensor:
+    """[1, n + 1]: -1 for each of n proposed nodes, 0 (the root's number) at column n."""
+    return constant(("root_position", n, device), lambda: torch.tensor([[-1] * n + [0]], device=device))
 
 
 LEARNED, INDEX = 1, 2  # Tree.source bits: the learned draft proposed the node, the suffix index did
@@ -366,9 +409,12 @@ def ancestor_mask(parents: Tensor, depth: Tensor, max_depth: int) -> Tensor:
 
 @dataclass
 class Verified:
+    """Per row: what a verify step emits. Entries past a row's `accepted + 1` tokens (`accepted` path
+    nodes) are unspecified (a static walk computes every level for every row): readers take only those."""
+
     tokens: Tensor  # [B, D + 1] emitted tokens (first `accepted + 1` of each row are valid)
     logprobs: Tensor  # [B, D + 1] their sampling log-probabilities
-    path: Tensor  # [B, D] tree indices of the accepted nodes (first `accepted` valid)
+    path: Tensor  # [B, D] tree indices of the accepted nodes (first `accepted` valid; every entry a node index)
     accepted: Tensor  # [B] draft tokens accepted; accepted + 1 tokens are emitted
 
 
@@ -377,33 +423,40 @@ def verify_tree(logprobs: Tensor, tree: Tree, sampling: SamplingParams, uniforms
     """logprobs [B, N, V]: the target's sampling distribution after each tree node; uniforms [B, D + 1]:
     the sampling noise of the positions the step can emit (the k-th emitted token uses column k, as
     plain decoding of that position would), or None for fresh randomness. `depth`: D, the tree's
-    configured depth (static: every level is walked, with no early exit), else the deepest node's."""
-    B, N = tree.tokens.shape
+    configured depth (static: every level is walked, with no early exit), else the deepest node's.
+
+    The walk samples the target at the current node of every row and moves to the child holding that
+    token. A row that found none is done: its later levels are still computed (no per-row branch, no
+    write masked by it) but never counted, since `moved` stays false once it is."""
+    (B, N), V = tree.tokens.shape, logprobs.shape[-1]
     D = int(tree.depth.max()) if depth is None else depth
-    rows = torch.arange(B)
-    cur = torch.zeros(B, dtype=torch.long)
-    done = torch.zeros(B, dtype=torch.bool)
-    accepted = torch.zeros(B, dtype=torch.long)
-    tokens = torch.zeros(B, D + 1, dtype=torch.long)
-    token_lp = torch.zeros(B, D + 1)
-    path = torch.zeros(B, D, dtype=torch.long)
-    not_root = torch.arange(N) > 0
+    # a node another can move to: not the root, and verified; the others' tokens can never match a sample
+    candidate = tree.tokens.masked_fill(arange(N, tree.tokens.device) == 0, -1)
     if tree.valid is not None:  # nodes left out of a ragged verify are never accepted
-        not_root = not_root & tree.valid
+        candidate = candidate.masked_fill(~tree.valid, -1)
+    cur = None  # the current node of each row (None: the root)
+    tokens, token_lp, path, moves = [], [], [], []
+    moved = None
     for step in range(D + 1):
-        lp = logprobs[rows, cur]
+        lp = logprobs[:, 0] if cur is None else logprobs.gather(1, cur[:, None, None].expand(B, 1, V))[:, 0]
         x = sample(lp, sampling, None if uniforms is None else uniforms[:, step])  # a target sample at the current node
-        live = ~done
-        tokens[:, step] = torch.where(live, x, tokens[:, step])
-        token_lp[:, step] = torch.where(live, lp[rows, x], token_lp[:, step])
-        match = (tree.parents == cur[:, None]) & (tree.tokens == x[:, None]) & not_root
-        moved = match.any(-1) & live
-        if step < D:
-            child = match.to(torch.int8).argmax(-1)
-            path[:, step] = torch.where(moved, child, path[:, step])
-            cur = torch.where(moved, child, cur)
-        accepted += moved.long()
-        done |= ~moved
-        if depth is None and done.all():
+        tokens.append(x)
+        token_lp.append(lp.gather(1, x[:, None])[:, 0])
+        if step == D:
             break
-    return Verified(tokens, token_lp, path, accepted)
+        parent_is_cur = tree.parents == 0 if cur is None else tree.parents == cur[:, None]
+        match = parent_is_cur & (candidate == x[:, None])
+        moved = match.any(-1) if moved is None else moved & match.any(-1)
+        moves.append(moved)
+        cur = match.to(torch.int8).argmax(-1)  # the child (0 where none: that row is done)
+        path.append(cur)
+        if depth is None and not bool(moved.any()):  # eager: every row is done
+            pad = [x] * (D - step)
+            tokens += pad
+            token_lp += [token_lp[-1]] * (D - step)
+            path += [cur] * (D - step - 1)
+            moves += [moved] * (D - step - 1)
+            break
+    accepted = torch.stack(moves, 1).sum(1) if moves else torch.zeros(B, dtype=torch.long, device=tree.tokens.device)
+    path_t = torch.stack(path, 1) if path else tree.tokens[:, :0]
+    return Verified(torch.stack(tokens, 1), torch.stack(token_lp, 1), path_t, accepted)
