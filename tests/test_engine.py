@@ -280,3 +280,18 @@ def test_counter_based_sampling_draws_the_distribution():
         assert (freq[expected == 0] == 0).all()
         se = (expected * (1 - expected) / n).sqrt()
         assert ((freq - expected).abs() <= 4 * se + 1e-12).all(), (freq, expected)
+
+
+def test_the_cap_below_a_cdfs_total_is_the_double_just_below_it():
+    """`sample` caps its target at total x BELOW instead of nextafter(total, 0) (one kernel, not two): the
+    same double for every total from 2^-1021 up (powers of two and their neighbours included) and for 0."""
+    from fastgrpo.models.sampling import BELOW
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.rand(10**6, generator=g, dtype=torch.float64) * 4, torch.rand(10**5, generator=g, dtype=torch.float64) * 1e6,
+                   2.0 ** torch.arange(-60, 60, dtype=torch.float64), torch.tensor([0.0, 1.0, 2.0**-1021])])
+    x = torch.cat([x, torch.nextafter(x, torch.full_like(x, math.inf)), torch.nextafter(x, torch.zeros_like(x))])
+    x = x[(x == 0) | (x >= 2.0**-1021)]
+    want = torch.nextafter(x, torch.zeros_like(x))
+    assert torch.equal(x * BELOW, want)
+    assert (x[x > 0] * BELOW < x[x > 0]).all()  # a control: the cap is below every positive total

@@ -31,7 +31,7 @@ def learned_tree(paths: list[tuple[int, ...]], scores: list[float], root: int) -
     parents = torch.tensor([[0] + [index[p[:-1]] for p in paths]])
     depth = torch.tensor([[0] + [len(p) for p in paths]])
     return Tree(torch.tensor([[root] + [p[-1] for p in paths]]), parents, depth,
-                ancestor_mask(parents, depth, int(depth.max())), torch.tensor([[0.0] + scores]))
+                ancestor_mask(parents, int(depth.max())), torch.tensor([[0.0] + scores]))
 
 
 def candidates(paths: list[tuple[int, ...]], logp: list[float]) -> Candidates:

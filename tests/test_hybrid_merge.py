@@ -61,7 +61,7 @@ def random_learned(rng: random.Random, rows: int, k: int, depth: int, vocab: int
             frontier = rng.sample(new, min(k, len(new)))
         tokens.append(tok), parents.append(par), depths.append(dep), scores.append(sc)
     parents_t, depth_t = torch.tensor(parents), torch.tensor(depths)
-    return Tree(torch.tensor(tokens), parents_t, depth_t, ancestor_mask(parents_t, depth_t, depth), torch.tensor(scores))
+    return Tree(torch.tensor(tokens), parents_t, depth_t, ancestor_mask(parents_t, depth), torch.tensor(scores))
 
 
 def random_candidates(rng: random.Random, learned: Tree | None, b: int, vocab: int) -> Candidates:

@@ -117,6 +117,13 @@ def sampling_uniforms(seed: int | Tensor, request: Tensor, position: Tensor) -> 
     return (bits.double() + 0.5) / 2.0**53
 
 
+# total x BELOW is nextafter(total, 0), the double just below total, for every total from 2^-1021 up (a
+# CDF's is about 1; or 0, for a row of -inf, which both leave 0): the exact product, total - total 2^-53, lies within half a unit in the
+# last place of that neighbour and further from total, so it rounds to the neighbour. One kernel where
+# nextafter needs two (the zeros it aims at)
+BELOW = 1.0 - 2.0**-53
+
+
 def sample(logprobs: Tensor, p: SamplingParams, uniforms: Tensor | None = None) -> Tensor:
     """One token per row of `logprobs` [..., V]: the inverse-CDF sample at `uniforms` [...]
     (from `sampling_uniforms`; fresh torch randomness if None). Tokens outside the top-k / top-p set
@@ -127,6 +134,6 @@ def sample(logprobs: Tensor, p: SamplingParams, uniforms: Tensor | None = None) 
         uniforms = torch.rand(logprobs.shape[:-1], dtype=torch.float64, device=logprobs.device)
     cdf = logprobs.double().exp().cumsum(-1)
     total = cdf[..., -1:]
-    target = torch.minimum(uniforms[..., None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    target = torch.minimum(uniforms[..., None] * total, total * BELOW)
     # (the clamp: a row of a padded batch that holds no sequence must still index the vocabulary)
     return torch.searchsorted(cdf, target, right=True)[..., 0].clamp(max=logprobs.shape[-1] - 1)

@@ -4,7 +4,8 @@ In a captured graph every tensor a step makes is a kernel at each replay, howeve
 `arange` costs a launch as a matmul does. The step functions take such tensors from here instead. Each is
 made on its first use outside any dispatch mode, so that a replay check or an audit sees it as the
 persistent buffer it is to a graph (a key's first call, which runs before its capture, makes what the
-capture reads). They are shared: a caller must never write into one, only read it or index with it.
+capture reads). They are shared: a caller must never write into one, only read it or index with it. They
+are kept for the process, so only shapes a static step takes (a few buckets and tree sizes) are made here.
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ def constant(key: tuple, make: Callable[[], Tensor]) -> Tensor:
     return t
 
 
-def arange(n: int, device: torch.device, start: int = 0) -> Tensor:
-    """start, start + 1, ..., start + n - 1 (int64)."""
+def arange(n: int, device: torch.device, start: int = 0, keep: bool = True) -> Tensor:
+    """start, start + 1, ..., start + n - 1 (int64). `keep` false: made afresh, for a size an eager step takes
+    from the data (any of thousands of context lengths: kept, they would add up to gigabytes)."""
+    if not keep:
+        return torch.arange(start, start + n, device=device)
     return constant(("arange", n, start, device), lambda: torch.arange(start, start + n, device=device))
 
 

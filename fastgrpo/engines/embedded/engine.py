@@ -30,6 +30,7 @@ from fastgrpo.bridge import checksum
 from fastgrpo.device import on_device
 from fastgrpo.models.families import checkpoint_tensors
 from fastgrpo.types import Completion, EngineStats, Request, SamplingParams
+from fastgrpo.engines.embedded.constants import arange
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache
 from fastgrpo.models.sampling import cuts, kept_sets, sample, sampling_logprobs, sampling_uniforms
 from fastgrpo.models.draft import DraftHead
@@ -110,9 +111,9 @@ class _PendingStates:
 
     def take(self, start: Tensor, width: int) -> tuple[Tensor, Tensor]:
         """States at positions start[b] .. start[b] + width - 1 of rows 0..B-1 (entries past a row's
-        last state are stale and must be treated as padding)."""
-        rows = torch.arange(len(start))[:, None]
-        slots = (start[:, None] + torch.arange(width)) % self.window
+        last state are stale and must be treated as padding; width is at most the window)."""
+        rows = arange(len(start), start.device)[:, None]
+        slots = (start[:, None] + arange(width, start.device)) % self.window
         return self.hidden[rows, slots], self.next_token[rows, slots]
 
     def move_row(self, src: int, dst: int) -> None:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import PretrainedConfig
 
+from fastgrpo.engines.embedded.constants import arange
 from fastgrpo.models.layers import (EAGER, KVFn, PackedWeight, Pointwise, decoder_layer, group_mask, linear,
                                     onednn_available, unpack)
 from fastgrpo.models.layouts import layer_layouts
@@ -55,16 +56,18 @@ class KVCache:
         self.visible_from[dst] = self.visible_from[src]
 
 
-def block_mask(start: Tensor, n: int, ctx: int, new_mask: Tensor | None, visible_from: Tensor | None = None) -> Tensor:
+def block_mask(start: Tensor, n: int, ctx: int, new_mask: Tensor | None, visible_from: Tensor | None = None,
+               static: bool = False) -> Tensor:
     """[B, 1, n, ctx] bool for n query tokens whose block of keys begins at `start` [B].
 
     Cached keys (< start; from `visible_from` [B] on, if given) are visible to all queries. Within
     the block, `new_mask` [B, n, E] decides (E block keys: the queries themselves, or a draft tree's
-    earlier levels plus the queries); None means causal over the n queries.
+    earlier levels plus the queries); None means causal over the n queries. `static`: n and ctx are a
+    static step's (its index ranges are kept constants).
     """
-    kpos = torch.arange(ctx, device=start.device)
+    kpos = arange(ctx, start.device, keep=static)
     if new_mask is None:
-        mask = kpos[None, None, :] <= (start[:, None] + torch.arange(n, device=start.device))[:, :, None]
+        mask = kpos[None, None, :] <= (start[:, None] + arange(n, start.device, keep=static))[:, :, None]
     else:
         B, E = start.shape[0], new_mask.shape[-1]
         rel = kpos[None, None, :] - start[:, None, None]  # key position relative to the block
@@ -80,7 +83,7 @@ def cache_kv(cache: KVCache, layer: int, rows: slice, slots: Tensor, ctx: int, r
     """Append a block's keys/values at `slots` [B, n] of `rows`, attend over the first `ctx` positions.
     `row_idx`: the rows' indices [B, 1], when the caller made them once for all its layers."""
     if row_idx is None:
-        row_idx = torch.arange(rows.start, rows.stop, device=cache.k.device)[:, None]
+        row_idx = arange(rows.stop - rows.start, cache.k.device, rows.start)[:, None]
     ck, cv = cache.k[layer], cache.v[layer]
 
     def kv(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -204,19 +207,19 @@ class InferenceModel:
         """
         B, n = tokens.shape
         start = cache.lengths[rows]
-        slots = start[:, None] + torch.arange(n, device=start.device)  # where the new keys/values are written
         static = ctx is not None
+        slots = start[:, None] + arange(n, start.device, keep=static)  # where the new keys/values are written
         if ctx is None:
             ctx = int(slots.max()) + 1
         if ctx > cache.max_len:
             raise ValueError(f"sequence would exceed the cache length {cache.max_len}")
-        mask = group_mask(block_mask(start, n, ctx, new_mask), self.n_heads // self.n_kv)  # once for every layer
+        mask = group_mask(block_mask(start, n, ctx, new_mask, static=static), self.n_heads // self.n_kv)  # once for every layer
         pos = slots if positions is None else positions
         cos, sin = self.cos[pos][:, :, None], self.sin[pos][:, :, None]  # [B, n, 1, D]
         x = F.embedding(tokens if valid is None else tokens[valid], self.embed)
         routed: list[Tensor] | None = [] if routing is not None else None
         ops = self.static_ops if static else EAGER
-        row_idx = torch.arange(rows.start, rows.stop, device=start.device)[:, None]
+        row_idx = arange(B, start.device, rows.start)[:, None]
         for li, L in enumerate(self.matmul_layers):
             kv = cache_kv(cache, li, rows, slots, ctx, row_idx)
             x = decoder_layer(x, L, self.layouts[li], cos, sin, mask, kv, valid, static=static, routing=routed, ops=ops)

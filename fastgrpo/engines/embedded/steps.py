@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fastgrpo.engines.embedded.constants import arange, full
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache, block_mask, cache_kv
 from fastgrpo.engines.embedded.tree import Verified, draft_tree, verify_tree
 from fastgrpo.models.draft import DraftHead
@@ -161,7 +162,7 @@ class StaticSteps:
         if sampling.greedy:
             return None
         st = self.state
-        position = st.generated[:B, None] + torch.arange(levels, device=st.generated.device)
+        position = st.generated[:B, None] + arange(levels, st.generated.device)
         return self.model.static_ops.uniforms(st.seed, st.key[:B, None], position)
 
     def _advance(self, B: int, tokens: Tensor, accepted: Tensor) -> None:
@@ -186,8 +187,8 @@ class StaticSteps:
         token = sample(logprobs[:, 0], sampling, None if u is None else u[:, 0])
         token_lp = logprobs[:, 0].gather(1, token[:, None])
         if states is not None:  # the state at each row's pending position, and the token sampled after it
-            states.put(torch.arange(B, device=token.device), self.cache.lengths[rows], hidden[:, 0], token)
-        none = torch.zeros(B, dtype=torch.long, device=token.device)
+            states.put(arange(B, token.device), self.cache.lengths[rows], hidden[:, 0], token)
+        none = full((B,), 0, torch.long, token.device)
         self._advance(B, token[:, None], none)
         return StepOutput(pack(token[:, None], token_lp, none[:, None][:, :0], none, none == 0), hidden,
                           logprobs if cuts(sampling) else None, _stacked(routed))
@@ -200,7 +201,8 @@ class StaticSteps:
         assert self.draft is not None and self.draft_cache is not None
         st, rows = self.state, slice(0, B)
         ops = self.model.static_ops
-        root_features = catch_up(self.draft, self.draft_cache, self.cache, states, B, states.window, ctx, ops)
+        root_features = catch_up(self.draft, self.draft_cache, self.cache, states, B, states.window, ctx, ops,
+                                 static=True)
         tree = draft_tree(self.draft, self.draft_cache, rows, root_features, st.pending[rows], config, ctx=ctx, ops=ops)
         start = self.cache.lengths[rows].clone()
         routed = [] if routing else None
@@ -223,14 +225,14 @@ def _stacked(routed: list[Tensor] | None) -> Tensor | None:
 
 
 def catch_up(draft: DraftHead, draft_cache: KVCache, cache: KVCache, states: _PendingStates, B: int, width: int,
-             ctx: int, ops: Pointwise = EAGER) -> Tensor:
+             ctx: int, ops: Pointwise = EAGER, static: bool = False) -> Tensor:
     """Feed the draft the target states of rows 0..B-1 it has not seen (accepted paths, decoded and
     prefilled tokens; at most a window of them: a row further behind feeds its last `states.window` and
     attends to those onwards) in one forward of `width` tokens a row over `ctx` draft-cache positions.
     Rows with fewer states pad; the padding writes to the row's first free slot and is never read.
     Returns the draft's state at each row's pending token [B, H] (its prediction of the next one).
-    The eager step passes the widest row's count and the longest row's length + 1, the static one the
-    window and its context bucket."""
+    The eager step passes the widest row's count and the longest row's length + 1, the static one
+    (`static`) the window and its context bucket."""
     rows = slice(0, B)
     end = cache.lengths[rows]
     behind = end - draft_cache.lengths[rows]
@@ -239,11 +241,11 @@ def catch_up(draft: DraftHead, draft_cache: KVCache, cache: KVCache, states: _Pe
     hidden, tokens = states.take(start, width)
     visible = draft_cache.visible_from[rows]
     visible.copy_(torch.where(counts < behind, start, visible))
-    slots = torch.minimum(start[:, None] + torch.arange(width, device=end.device), end[:, None])
-    feats = draft.features(hidden, tokens, slots, block_mask(start, width, ctx, None, visible),
+    slots = torch.minimum(start[:, None] + arange(width, end.device), end[:, None])
+    feats = draft.features(hidden, tokens, slots, block_mask(start, width, ctx, None, visible, static),
                            cache_kv(draft_cache, 0, rows, slots, ctx), ops)
     draft_cache.lengths[rows] = end
-    return feats[torch.arange(B, device=end.device), (counts - 1).clamp(min=0)]
+    return feats.gather(1, (counts - 1).clamp(min=0)[:, None, None].expand(B, 1, feats.shape[-1]))[:, 0]
 
 
 def keep_path(cache: KVCache, B: int, start: Tensor, path: Tensor, accepted: Tensor) -> None:
@@ -252,11 +254,11 @@ def keep_path(cache: KVCache, B: int, start: Tensor, path: Tensor, accepted: Ten
     D = path.shape[1]
     if D == 0:
         return
-    k = torch.arange(1, D + 1, device=path.device)
+    k = arange(D, path.device, 1)
     valid = k[None] <= accepted[:, None]
     src = start[:, None] + torch.where(valid, path, 0)
     dst = start[:, None] + torch.where(valid, k[None], 0)
-    r = torch.arange(B, device=path.device)[:, None]
+    r = arange(B, path.device)[:, None]
     for c in (cache.k, cache.v):
         c[:, r, dst] = c[:, r, src]
 
@@ -269,8 +271,8 @@ def keep_states(states: _PendingStates, start: Tensor, hidden: Tensor, result: V
     B, D = result.path.shape
     if D + 1 > states.window:
         raise ValueError(f"a static step of depth {D} needs a draft window over {D}, not {states.window}")
-    k = torch.arange(D + 1, device=start.device)
-    nodes = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=start.device), result.path], 1)
-    rows = torch.arange(B, device=start.device)[:, None].expand(B, D + 1)
+    k = arange(D + 1, start.device)
+    nodes = torch.cat([full((B, 1), 0, torch.long, start.device), result.path], 1)
+    rows = arange(B, start.device)[:, None].expand(B, D + 1)
     states.put(rows.reshape(-1), (start[:, None] + k).reshape(-1),
                hidden[rows, nodes].reshape(B * (D + 1), -1), result.tokens.reshape(-1))

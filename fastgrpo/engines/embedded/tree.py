@@ -77,10 +77,11 @@ class Tree:
     def restricted(self, nodes: Tensor) -> Tree:
         """This tree verifying only `nodes` [B, N - 1] of each row's non-root nodes (an ancestor-closed
         set): the others are neither attended to nor accepted, and cost no matmul work."""
-        valid = torch.cat([torch.ones(len(nodes), 1, dtype=torch.bool), nodes], 1)
+        B, device = len(nodes), nodes.device
+        valid = torch.cat([full((B, 1), True, torch.bool, device), nodes], 1)
         # a left-out node still sees itself: no query row is wholly masked (attention would give NaN)
-        eye = torch.eye(valid.shape[1], dtype=torch.bool)
-        return Tree(self.tokens, self.parents, self.depth, self.mask & (valid[:, None, :] | eye), self.score, valid,
+        seen = valid[:, None, :] | eye(valid.shape[1], device)
+        return Tree(self.tokens, self.parents, self.depth, self.mask & seen, self.score, valid,
                     self.source, self.raw, self.match)
 
 
@@ -163,7 +164,7 @@ def draft_tree(draft: DraftHead, cache: KVCache, rows: slice, root_features: Ten
     parents, tree_depth = torch.cat([zero, parents], 1), torch.cat([zero, depth[keep]], 1)
     tokens = torch.cat([root_tokens[:, None], tok.gather(1, keep)], 1)
     tree_score = torch.cat([full((B, 1), 0.0, torch.float32, device), score.gather(1, keep)], 1)
-    tree = Tree(tokens, parents, tree_depth, ancestor_mask(parents, tree_depth, cfg.depth), tree_score)
+    tree = Tree(tokens, parents, tree_depth, ancestor_mask(parents, cfg.depth), tree_score)
     if not static:
         if (parents < 0).any():  # cannot happen with finite scores; never let it crash a rollout
             raise NonFiniteDraft("draft tree is not ancestor-closed")
@@ -357,7 +358,7 @@ def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tok
     tree_parents = torch.cat([root, column(position.gather(1, parents), 0)], 1)
     tree_depth = torch.cat([root, column(depth, 1)], 1)
     tree = Tree(torch.cat([root_tokens[:, None], column(tokens, 0)], 1), tree_parents, tree_depth,
-                ancestor_mask(tree_parents, tree_depth, max(levels, 1)),
+                ancestor_mask(tree_parents, max(levels, 1)),
                 torch.cat([root.float(), column(score, -math.inf).float()], 1),
                 source=torch.cat([root, column(source, 0)], 1).to(torch.int8),
                 raw=torch.cat([root.float(), column(raw, 0.0).float()], 1), match=match)
@@ -396,15 +397,16 @@ def _merge_compiled(learned: Tree | None, candidates: Sequence[Candidates], root
     return Tree(tokens, parents, depth, mask, score, valid, source, raw, match)
 
 
-def ancestor_mask(parents: Tensor, depth: Tensor, max_depth: int) -> Tensor:
-    """[B, N, N] bool: node j is node i itself or one of its ancestors (levels up to `max_depth`)."""
+def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:
+    """[B, N, N] bool: node j is node i itself or one of its ancestors, for trees no deeper than
+    `max_depth`: j is on the chain of i's parents followed `max_depth` times (the root is its own parent,
+    so every chain ends there)."""
     B, N = parents.shape
-    eye = torch.eye(N, dtype=torch.bool).expand(B, N, N)
-    mask = eye.clone()
-    for d in range(1, max_depth + 1):
-        inherited = torch.gather(mask, 1, parents[:, :, None].expand(B, N, N)) | eye
-        mask = torch.where((depth == d)[:, :, None], inherited, mask)
-    return mask
+    ids = arange(N, parents.device)
+    chain = [ids.expand(B, N)]
+    for d in range(max_depth):
+        chain.append(parents if d == 0 else parents.gather(1, chain[-1]))
+    return (torch.stack(chain, 2)[..., None] == ids).any(2)
 
 
 @dataclass
