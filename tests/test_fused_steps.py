@@ -178,8 +178,8 @@ def most_kernel_ops(e: EmbeddedEngine, speculative: bool) -> int:
 
 def test_fused_steps_dispatch_fewer_ops_a_layer():
     """The ops a plain static step dispatches that launch kernels (not views), per layer (two depths of
-    one model, the difference halved) and in the rest of the step: op by op 28 a layer and 107, fused 12
-    and 38 (measured). The control is the op-by-op count: the same profiler sees each of its norms' and
+    one model, the difference halved) and in the rest of the step: op by op 28 a layer and 100, fused 12
+    and 31 (measured). The control is the op-by-op count: the same profiler sees each of its norms' and
     rotation's ops."""
     base = policy_config("test", 61, 128, bos_id=1, eos_id=EOS, pad_id=0)
     counts = {}
@@ -193,20 +193,20 @@ def test_fused_steps_dispatch_fewer_ops_a_layer():
     print(f"\nkernel-launching ops a layer: op by op {per_layer[False]:.0f}, fused {per_layer[True]:.0f}; "
           f"the rest of the step: op by op {rest[False]:.0f}, fused {rest[True]:.0f}")
     assert per_layer[False] >= 26 and per_layer[True] <= 13
-    assert rest[False] >= 100 and rest[True] <= 50  # the sampling noise's hash, ~60 ops, is one region
+    assert rest[False] >= 90 and rest[True] <= 45  # the sampling noise's hash, ~60 ops, is one region
 
 
 def test_fused_speculative_steps_dispatch_fewer_ops():
     """A d4k4n12 speculative static step of a 2-layer target: its draft's layer and head norm run fused
     too (the catch-up and each of the four draft levels), and the sampling noise. Kernel-launching ops:
-    op by op 701, fused 516 (measured); the rest is the tree's own work (top-k, gathers, masks, the
+    op by op 529, fused 344 (measured); the rest is the tree's own work (top-k, gathers, masks, the
     verify walk)."""
     cfg = policy_config("test", 61, 128, bos_id=1, eos_id=EOS, pad_id=0)
     weights = list(new_policy(cfg, seed=1).state_dict().items())
     counts = {fused: most_kernel_ops(static_engine(cfg, weights, fused, Static(SpecConfig(4, 4, 12)),
                                                    random_draft(cfg)), speculative=True) for fused in (False, True)}
     print(f"\nkernel-launching ops of a d4k4n12 step: op by op {counts[False]}, fused {counts[True]}")
-    assert counts[False] >= 680 and counts[True] <= 560
+    assert counts[False] >= 500 and counts[True] <= 370
 
 
 def test_fused_steps_pass_the_audit_by_their_eager_functions():

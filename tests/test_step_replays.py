@@ -6,6 +6,7 @@ records), and still give the eager engine's tokens."""
 import pytest
 import torch
 
+from fastgrpo.engines.embedded import constants
 from fastgrpo.engines.embedded.engine import EmbeddedEngine
 from fastgrpo.engines.embedded.graphs import ReplayCheck, StaleReplay, StepGraphs
 from fastgrpo.models.policy import new_policy
@@ -73,7 +74,8 @@ def test_modes_on_one_engine_replay_as_captured(dense):
     """One static engine, as the GPU check's rollout stage and a run's evaluation use it: plain decoding,
     then speculation, a weight push, a new draft, capture of the states, back to plain. Every step is held
     to its key's first call, and each call gives what a fresh eager engine gives, with the same acceptance.
-    (Plain steps captured while nothing kept the draft's states, replayed under speculation, failed this.)"""
+    (Plain steps captured while nothing kept the draft's states, replayed under speculation, failed this.)
+    The index constants the steps share are never written."""
     cfg, target, draft = dense
     other = new_policy(cfg, seed=11).eval()
     with torch.no_grad():
@@ -101,7 +103,12 @@ def test_modes_on_one_engine_replay_as_captured(dense):
         assert_same(w, ps, got, want, SAMPLINGS[name], 5)
         if policy.name != "off":
             assert abs(e.stats()["accept_len"] - fresh.stats()["accept_len"]) < 0.05, (i, e.stats(), fresh.stats())
+        if i == 3:  # the index constants the steps read (engines/embedded/constants.py), once trees ran
+            kept = {key: t.clone() for key, t in constants._made.items()}
     assert check.checked > 100  # most steps were replays of an earlier key
+    assert any(key[0] == "node_depths" for key in kept) and any(key[0] == "arange" for key in kept)
+    changed = [key for key, t in kept.items() if not torch.equal(constants._made[key], t)]
+    assert not changed, f"steps wrote into shared constants: {changed}"
 
 
 def test_a_mixture_of_experts_replays_with_and_without_its_routing_record():

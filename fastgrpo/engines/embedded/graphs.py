@@ -180,6 +180,9 @@ class ReplayCheck(TorchDispatchMode):
         self._trace: list[tuple] = []
         self._maker: dict[int, int] = {}  # storage address -> the op of this call that last made it
         self._read: set[int] = set()  # the storages this call read that it did not make
+        # what this call made, held until it ends: a storage freed mid-call would free its address for a
+        # tensor made outside the check's view (a kept constant), which would then pass as this op's
+        self._made: list[torch.Tensor] = []
         self.checked = 0  # calls held to their key's first
         self.keys = 0  # calls that were their key's first: the graphs a GPU would have captured
 
@@ -188,9 +191,12 @@ class ReplayCheck(TorchDispatchMode):
         self._first.clear()
 
     def run(self, key: Hashable, step: Callable[[], Any]) -> Any:
-        self._trace, self._maker, self._read = [], {}, set()
-        with self:
-            out = step()
+        self._trace, self._maker, self._read, self._made = [], {}, set(), []
+        try:
+            with self:
+                out = step()
+        finally:
+            self._made = []
         trace = self._trace
         if key not in self._first:
             self._first[key] = (trace, out)
@@ -225,6 +231,7 @@ class ReplayCheck(TorchDispatchMode):
             # a new storage (or a view or in-place write of one this call made), not a persistent one
             if isinstance(t, torch.Tensor) and (address := _address(t)) is not None and address not in self._read:
                 self._maker[address] = len(self._trace) - 1
+                self._made.append(t)
         return out
 
 
