@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from fastgrpo.bench.gpu_check import (AWARE_MODES, BASE, DECODE_BATCHES, GPU_TORCH, PLANNED_S, SIZES, STAGES,
+from fastgrpo.bench.gpu_check import (AWARE_MODES, BASE, DECODE_BATCHES, FUSED_SHAPES, GPU_TORCH, PLANNED_S, SIZES, STAGES,
                                      STEP_SHAPES, SWEEP_MODES, WHEELS, dumps, gpu_requirements, grpo_summary, level_row,
                                      policy_state, spread, step_cells, wheels_to_install)
 
@@ -217,12 +217,15 @@ def test_every_stage_runs_on_the_cpu_with_plausible_numbers(check):
     assert 0 < r["engine"]["graphs_a_gpu_would_capture"] < r["engine"]["replays_checked"]
     assert _positive(*r["cost_model"]["target_s"].values())
 
-    sb = d["step_bench"]  # every shape at every level, in both engines, each from every call
+    sb = d["step_bench"]  # every shape at every level, in both engines, each from every call; two fused too
     shapes = ["plain", *(f"d{a}k{b}n{c}" for a, b, c in STEP_SHAPES)]
     assert sb["levels"] == list(size.step_levels) and sb["shapes"] == shapes
     assert sb["engines"]["eager"]["static_steps"] is False and sb["engines"]["static"]["static_steps"] is True
-    assert sb["engines"]["static"]["replays_checked"] > 0
-    assert len(sb["cells"]) == len(size.step_levels) * len(shapes) * 2
+    assert sb["engines"]["static"]["replays_checked"] > 0 and sb["engines"]["fused"]["replays_checked"] > 0
+    assert sb["fused_error"] is None and len(sb["fused_first_calls_s"]) == 2 * len(FUSED_SHAPES)
+    assert set(FUSED_SHAPES) <= set(shapes)
+    assert len(sb["cells"]) == len(size.step_levels) * (len(shapes) * 2 + len(FUSED_SHAPES))
+    assert {c["shape"] for c in sb["cells"] if c["engine"] == "fused"} == set(FUSED_SHAPES)
     for cell in sb["cells"]:
         # a call of a tree that emits several tokens a step may end inside its warm-up: plain calls never do
         assert cell["calls"] == size.step_reps and 1 <= cell["step_ms"]["n"] <= size.step_reps
@@ -255,7 +258,7 @@ def test_the_markdown_has_every_table(check):
         assert f"| {name} | ok |" in md_text, name
     for table in ("Rollout at fixed concurrency", "GRPO batch", "memory-bandwidth bound", "One GRPO step",
                   "| running | off | static | static_aa |", "A/A", "aware's step shapes", "Decode steps alone",
-                  "| running | shape | eager ms | static ms |", "fitted to the static steps", "| max abs |",
+                  "| running | shape | eager ms | static ms |", "| fused ms | static / fused |", "fitted to the static steps", "| max abs |",
                   "A scaled-down Llama-3.1-8B structure", "| fused: step ms |", "CUDA graphs captured:"):
         assert table in md_text, table
     assert "| 4 | d6k8n48 |" in md_text and " ± " in md_text  # a step row, standard errors

@@ -19,7 +19,8 @@ after every stage, so a run cut short keeps what it finished.
 - decode_bound: the plain decode step at batch 1 and 64 against its memory-bandwidth bound (bytes of
   weights + KV cache read per step / peak bandwidth), and what the rest is (see `decode_bound`).
 - step_bench: the decode steps alone, plain and five tree shapes at 1, 4, 16, 64 and 256 rows, in the
-  eager engine and the static one (CUDA graphs), medians and standard errors of repeated calls.
+  eager engine and the static one (CUDA graphs), medians and standard errors of repeated calls; plain and
+  d4k4n12 in a static engine with fused pointwise regions too (`engine.fused`, compiled before the timing).
 - simulator_fit: `bench simulate`'s roofline and overhead constants fitted to those steps (`fit.py`),
   its error before and after, and with each level held out.
 - decode_8b: a random-weight Llama-3.1-8B shape (configs/models/, bf16) decoding at batch 1, 16 and 64
@@ -49,11 +50,11 @@ from fastgrpo.bench.gpu_check.driver import main, run
 from fastgrpo.bench.gpu_check.harness import PEAK_BANDWIDTH, PLANNED_S, SIZES, STAGES, Check, Size, spread
 from fastgrpo.bench.gpu_check.pins import BASE, GPU_EXTRAS, GPU_TORCH, WHEELS, gpu_requirements, wheels_to_install
 from fastgrpo.bench.gpu_check.report import against_simulator, dumps, markdown
-from fastgrpo.bench.gpu_check.stages import (AA_PAIR, AWARE_MODES, DECODE_BATCHES, FIXED_MODES, STAGE_FUNCTIONS,
-                                             STEP_SHAPES, SWEEP_MODES, grpo_summary, level_row, policy_state,
+from fastgrpo.bench.gpu_check.stages import (AA_PAIR, AWARE_MODES, DECODE_BATCHES, FIXED_MODES, FUSED_SHAPES,
+                                             STAGE_FUNCTIONS, STEP_SHAPES, SWEEP_MODES, grpo_summary, level_row, policy_state,
                                              step_cells)
 
-__all__ = ["AA_PAIR", "AWARE_MODES", "BASE", "DECODE_BATCHES", "FIXED_MODES", "GPU_EXTRAS", "GPU_TORCH",
+__all__ = ["AA_PAIR", "AWARE_MODES", "BASE", "DECODE_BATCHES", "FIXED_MODES", "FUSED_SHAPES", "GPU_EXTRAS", "GPU_TORCH",
            "PEAK_BANDWIDTH", "PLANNED_S", "SIZES", "STAGES", "STAGE_FUNCTIONS", "STEP_SHAPES", "SWEEP_MODES", "WHEELS",
            "Check", "Size", "against_simulator", "dumps", "gpu_requirements", "grpo_summary", "level_row", "main",
            "markdown", "policy_state", "run", "spread", "step_cells", "wheels_to_install"]

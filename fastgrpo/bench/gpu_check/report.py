@@ -242,20 +242,33 @@ def _step_tables(d: dict | None) -> list[str]:
              f"rotated order, the first {d['warmup_steps']} steps of each left out; median of the calls' median "
              f"steps ± standard error). Static: fixed shapes, {'replayed from CUDA graphs' if graphs else 'run eagerly (no graphs here)'}; "
              "tokens/s: what steps like these emit (rows x tokens a row-step / step).", "",
-             "| running | shape | eager ms | static ms | eager / static | tokens a row-step (static) | static tokens/s "
-             "| graphs captured / replayed |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| running | shape | eager ms | static ms | eager / static | fused ms | static / fused "
+             "| tokens a row-step (static) | static tokens/s | graphs captured / replayed |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     by = {(r["level"], r["shape"], r["engine"]): r for r in d["cells"]}
     for B in d["levels"]:
         for shape in d["shapes"]:
-            e, s = by.get((B, shape, "eager")), by.get((B, shape, "static"))
+            e, s, f = by.get((B, shape, "eager")), by.get((B, shape, "static")), by.get((B, shape, "fused"))
             if not e or not s:
                 continue
             em, sm = e["step_ms"], s["step_ms"]
-            ratio = em["median"] / sm["median"] if em["median"] and sm["median"] else None
+            fm = f["step_ms"] if f else {"median": None, "se": None}
             lines.append(f"| {B} | {shape} | {_pm(em['median'], em['se'])} | {_pm(sm['median'], sm['se'])} | "
-                         f"{_f(ratio)}x | {_f(s.get('tokens_per_row_step'))} | {_f(s.get('tok_s'))} | "
+                         f"{_f(_ratio(em['median'], sm['median']))}x | {_pm(fm['median'], fm['se']) if f else '-'} | "
+                         f"{_f(_ratio(sm['median'], fm['median'])) + 'x' if f else '-'} | "
+                         f"{_f(s.get('tokens_per_row_step'))} | {_f(s.get('tok_s'))} | "
                          f"{s.get('captures', 0)} / {s.get('replays', 0)} |")
+    if d.get("fused_error"):
+        lines += ["", f"Fused: the regions failed to compile ({d['fused_error']}); no fused cells."]
+    elif d.get("fused_first_calls_s"):
+        lines += ["", "Fused: the static engine with its pointwise regions compiled (engine.fused); its first calls "
+                  f"(compiles, at 1 and 2 rows: {', '.join(d.get('fused_shapes', []))}) took "
+                  + ", ".join(f"{x:.3g}" for x in d["fused_first_calls_s"]) + " s."]
     return lines
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
 
 
 def _fit_tables(d: dict | None) -> list[str]:

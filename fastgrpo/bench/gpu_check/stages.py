@@ -4,6 +4,7 @@ the harness records the error and goes on)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import platform
@@ -22,6 +23,7 @@ if TYPE_CHECKING:  # annotations only: importing gpu_check must not need the eng
     from fastgrpo.engines.embedded.engine import EmbeddedEngine
     from fastgrpo.models.tokenizer import TextFormat
     from fastgrpo.speculation.policy import SpeculationPolicy
+    from fastgrpo.speculation.spec import SpecConfig
     from fastgrpo.types import Request, SamplingParams
 
 # the rollout's modes: `static` twice under two names (the A/A pair: the same tree, policy and seeds, so
@@ -35,6 +37,9 @@ DECODE_BATCHES = (1, 64)
 # step_bench's trees (depth, top-k, verified tokens): bench rollout's STATIC_SWEEP, the GRPO batch's fixed
 # trees, and aware's widest candidate; with plain decoding, six step shapes at each level
 STEP_SHAPES = ((2, 2, 4), (3, 4, 8), (4, 4, 12), (5, 8, 24), (6, 8, 48))
+# the shapes step_bench also runs in a static engine with fused pointwise regions (engine.fused): plain
+# decoding and the middle tree, so that its effect on a speculative step is measured beside a plain one's
+FUSED_SHAPES = ("plain", "d4k4n12")
 STEP_WARMUP = 2  # steps of a step_bench call left out: a new shape's first (its graph capture) and one more
 ROOT = Path(__file__).resolve().parents[3]  # the repository: configs/models/
 BIG_MODEL = "llama-3.1-8b-instruct.json"
@@ -720,17 +725,41 @@ def rollout(c: Check) -> dict:
 # -- step_bench ------------------------------------------------------------------------------------------
 def _step_engines(c: Check, config: PretrainedConfig, text: TextFormat, weights: dict[str, Tensor],
                   draft: dict[str, Tensor], rows: int, max_context: int) -> dict[str, EmbeddedEngine]:
-    """The policy in two engines of `rows` rows: eager steps, and static ones (CUDA graphs on a GPU)."""
+    """The policy in three engines of `rows` rows: eager steps, static ones (CUDA graphs on a GPU), and
+    static ones with fused pointwise regions (engine.fused)."""
     from fastgrpo.engines.embedded.engine import EmbeddedEngine
 
     engines = {}
-    for name, static in (("eager", False), ("static", True)):
+    for name, static in (("eager", False), ("static", True), ("fused", True)):
         engine = EmbeddedEngine(config, rows, max_context, eos_id=text.stop_ids, device=c.compute.device,
                                 dtype=c.compute.dtype, static_steps=static)
         engine.update_weights(weights.items(), version=0)
         engine.update_draft(draft.items(), version=0)
+        engine.fused = name == "fused"
         engines[name] = engine
     return engines
+
+
+def _compile_fused(engine: EmbeddedEngine, shapes: dict[str, SpecConfig | None], prompts: list[list[int]],
+                   sampling: SamplingParams) -> tuple[list[float], str | None]:
+    """Short calls of the fused engine's shapes at 1 and 2 rows before step_bench's timing: the regions'
+    compile for one shape and the recompile for dynamic ones (dynamo's automatic dynamic shapes). Returns
+    each call's seconds, and the error that ended them (None: compiled)."""
+    from fastgrpo.speculation.policy import Off, Static
+    from fastgrpo.types import Request
+
+    seconds = []
+    try:
+        for rows in (1, 2):
+            for name in FUSED_SHAPES:
+                shape = shapes[name]
+                requests = [Request(prompts[i % len(prompts)], max_new_tokens=4) for i in range(rows)]
+                r = generate_call(engine, Off() if shape is None else Static(shape), requests,
+                                  dataclasses.replace(sampling, max_new_tokens=4), seed=rows)
+                seconds.append(round(r["seconds"], 3))
+    except Exception as e:  # the compiler's failures are many; the other engines' cells still count
+        return seconds, f"{type(e).__name__}: {e}"[:500]
+    return seconds, None
 
 
 def step_cells(B: int, shape: str, engine: str, calls: list[dict], warmup: int) -> dict:
@@ -763,7 +792,9 @@ def step_cells(B: int, shape: str, engine: str, calls: list[dict], warmup: int) 
 def step_bench(c: Check) -> dict:
     """The steps rollout runs, alone: plain decoding and five tree shapes (STEP_SHAPES) at each level of
     running rows, in the eager engine and in the static one (CUDA graphs on a GPU; on a CPU the same
-    static step functions, run eagerly). Each (level, shape, engine) is `step_reps` generate calls of
+    static step functions, run eagerly), and plain decoding and d4k4n12 (FUSED_SHAPES) in a static engine
+    with fused pointwise regions too (compiled before the timing; a failure to compile is recorded in
+    `fused_error` and drops only that engine's cells). Each (level, shape, engine) is `step_reps` generate calls of
     `step_tokens` tokens per row (EOS ignored), the combinations' order rotated per repetition; a step is
     timed by the engine's own per-step trace (a step ends with its results on the host: synchronised),
     the first STEP_WARMUP steps of a call left out (a new shape's graph capture), the median step of each
@@ -789,9 +820,13 @@ def step_bench(c: Check) -> dict:
     engines = _step_engines(c, m, text, weights, draft.state_dict(), max(levels), max_context)
     del policy, weights, draft
     shapes = {"plain": None} | {SpecConfig(*s).name: SpecConfig(*s) for s in STEP_SHAPES}
-    combos = [(name, engine) for name in shapes for engine in engines]
+    combos = [(name, engine) for name in shapes for engine in engines if engine != "fused" or name in FUSED_SHAPES]
     sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=T,
                               ignore_eos=True)
+    fused_first_s, fused_error = _compile_fused(engines["fused"], shapes, prompts, sampling)
+    if fused_error:
+        combos = [(name, engine) for name, engine in combos if engine != "fused"]
+        log(f"steps: the fused kernels failed ({fused_error}); their cells are left out")
     element = engines["static"].model.embed.element_size()
     out: dict[str, Any] = {"levels": [], "levels_skipped_for_time": [], "shapes": list(shapes),
                            "engines": {name: engine_info(e) for name, e in engines.items()},
@@ -801,7 +836,8 @@ def step_bench(c: Check) -> dict:
                                      "intermediate": m.intermediate_size, "heads": m.num_attention_heads,
                                      "kv_heads": m.num_key_value_heads, "vocab": m.vocab_size,
                                      "head_dim": getattr(m, "head_dim", None) or m.hidden_size // m.num_attention_heads},
-                           "bytes_per_param": element, "cells": []}
+                           "bytes_per_param": element, "fused_shapes": list(FUSED_SHAPES),
+                           "fused_first_calls_s": fused_first_s, "fused_error": fused_error, "cells": []}
     plan = 1.25 * PLANNED_S["step_bench"] if c.size_name == "gpu" else math.inf
     t0, last = time.perf_counter(), 0.0
     for B in levels:
@@ -821,15 +857,15 @@ def step_bench(c: Check) -> dict:
             row = step_cells(B, name, engine, rs, STEP_WARMUP)
             shape = shapes[name]
             # the draft's catch-up per row: a static step feeds its whole window, an eager one what it kept
-            width = (out["draft_window"] if engine == "static" else row["tokens_per_row_step"] or 1.0)
+            width = (out["draft_window"] if engine != "eager" else row["tokens_per_row_step"] or 1.0)
             row |= {"tree": None if shape is None else [shape.depth, shape.topk, shape.num_verify], "rows": B,
                     "context": context, "catch_up_width": width if shape is not None else 0}
             out["cells"].append(row)
         last = time.perf_counter() - t1
         out["levels"].append(B)
         by = {(r["shape"], r["engine"]): r for r in out["cells"] if r["level"] == B}
-        log(f"steps at {B:3d} rows (eager / static ms): " + ", ".join(
-            f"{n} {by[(n, 'eager')]['step_ms']['median']:.2f}/{by[(n, 'static')]['step_ms']['median']:.2f}"
+        log(f"steps at {B:3d} rows (eager / static / fused ms): " + ", ".join(
+            f"{n} " + "/".join(f"{by[(n, e)]['step_ms']['median']:.2f}" if (n, e) in by else "-" for e in engines)
             for n in shapes) + f" ({last:.1f}s)")
         c.partial("step_bench", out)
     out["engines"] = {name: engine_info(e) for name, e in engines.items()}
