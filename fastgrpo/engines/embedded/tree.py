@@ -420,8 +420,16 @@ class Verified:
     accepted: Tensor  # [B] draft tokens accepted; accepted + 1 tokens are emitted
 
 
+# a static verify samples every node's distribution at once (one pass of sampling's ~8 kernels over
+# [B, N, V]) rather than the current node's a level (D + 1 passes over [B, V]) up to this many elements:
+# inside a graph each kernel costs a fixed few microseconds, and below ~2^23 float64 elements (~67 MB a
+# pass) the extra bytes cost less than the kernels saved. An estimate from H100/H200 bandwidth (3.3-4.8
+# TB/s) and a kernel's cost in a graph (~2 us), not a measurement
+SAMPLE_AT_ONCE = 2**23
+
+
 def verify_tree(logprobs: Tensor, tree: Tree, sampling: SamplingParams, uniforms: Tensor | None,
-                depth: int | None = None) -> Verified:
+                depth: int | None = None, at_once: bool | None = None) -> Verified:
     """logprobs [B, N, V]: the target's sampling distribution after each tree node; uniforms [B, D + 1]:
     the sampling noise of the positions the step can emit (the k-th emitted token uses column k, as
     plain decoding of that position would), or None for fresh randomness. `depth`: D, the tree's
@@ -429,9 +437,28 @@ def verify_tree(logprobs: Tensor, tree: Tree, sampling: SamplingParams, uniforms
 
     The walk samples the target at the current node of every row and moves to the child holding that
     token. A row that found none is done: its later levels are still computed (no per-row branch, no
-    write masked by it) but never counted, since `moved` stays false once it is."""
+    write masked by it) but never counted, since `moved` stays false once it is. `at_once`: sample every
+    node first (a node at depth d with column d of the noise, as the walk would if it got there), then
+    walk by looking the samples up; the same tokens. Default: statically, up to SAMPLE_AT_ONCE elements."""
     (B, N), V = tree.tokens.shape, logprobs.shape[-1]
     D = int(tree.depth.max()) if depth is None else depth
+    if at_once is None:
+        at_once = depth is not None and B * N * V <= SAMPLE_AT_ONCE
+    if at_once:
+        noise = None if uniforms is None else uniforms.gather(1, tree.depth)
+        node_tokens = sample(logprobs, sampling, noise)  # [B, N]: the target's sample at each node
+        node_lp = logprobs.gather(2, node_tokens[..., None])[..., 0]
+
+    def sampled_at(cur: Tensor | None, step: int) -> tuple[Tensor, Tensor]:
+        """The target's sample at each row's current node (None: the root) and its log-probability."""
+        if at_once:
+            if cur is None:
+                return node_tokens[:, 0], node_lp[:, 0]
+            return node_tokens.gather(1, cur[:, None])[:, 0], node_lp.gather(1, cur[:, None])[:, 0]
+        lp = logprobs[:, 0] if cur is None else logprobs.gather(1, cur[:, None, None].expand(B, 1, V))[:, 0]
+        x = sample(lp, sampling, None if uniforms is None else uniforms[:, step])
+        return x, lp.gather(1, x[:, None])[:, 0]
+
     # a node another can move to: not the root, and verified; the others' tokens can never match a sample
     candidate = tree.tokens.masked_fill(arange(N, tree.tokens.device) == 0, -1)
     if tree.valid is not None:  # nodes left out of a ragged verify are never accepted
@@ -440,10 +467,9 @@ def verify_tree(logprobs: Tensor, tree: Tree, sampling: SamplingParams, uniforms
     tokens, token_lp, path, moves = [], [], [], []
     moved = None
     for step in range(D + 1):
-        lp = logprobs[:, 0] if cur is None else logprobs.gather(1, cur[:, None, None].expand(B, 1, V))[:, 0]
-        x = sample(lp, sampling, None if uniforms is None else uniforms[:, step])  # a target sample at the current node
+        x, x_lp = sampled_at(cur, step)
         tokens.append(x)
-        token_lp.append(lp.gather(1, x[:, None])[:, 0])
+        token_lp.append(x_lp)
         if step == D:
             break
         parent_is_cur = tree.parents == 0 if cur is None else tree.parents == cur[:, None]
