@@ -438,38 +438,26 @@ def verify_tree(logprobs: Tensor, tree: Tree, sampling: SamplingParams, uniforms
     The walk samples the target at the current node of every row and moves to the child holding that
     token. A row that found none is done: its later levels are still computed (no per-row branch, no
     write masked by it) but never counted, since `moved` stays false once it is. `at_once`: sample every
-    node first (a node at depth d with column d of the noise, as the walk would if it got there), then
-    walk by looking the samples up; the same tokens. Default: statically, up to SAMPLE_AT_ONCE elements."""
+    node first, then walk by lookups (`_verify_sampled_nodes`); the same tokens. Default: statically, up to
+    SAMPLE_AT_ONCE elements of logprobs."""
     (B, N), V = tree.tokens.shape, logprobs.shape[-1]
     D = int(tree.depth.max()) if depth is None else depth
-    if at_once is None:
-        at_once = depth is not None and B * N * V <= SAMPLE_AT_ONCE
-    if at_once:
-        noise = None if uniforms is None else uniforms.gather(1, tree.depth)
-        node_tokens = sample(logprobs, sampling, noise)  # [B, N]: the target's sample at each node
-        node_lp = logprobs.gather(2, node_tokens[..., None])[..., 0]
-
-    def sampled_at(cur: Tensor | None, step: int) -> tuple[Tensor, Tensor]:
-        """The target's sample at each row's current node (None: the root) and its log-probability."""
-        if at_once:
-            if cur is None:
-                return node_tokens[:, 0], node_lp[:, 0]
-            return node_tokens.gather(1, cur[:, None])[:, 0], node_lp.gather(1, cur[:, None])[:, 0]
-        lp = logprobs[:, 0] if cur is None else logprobs.gather(1, cur[:, None, None].expand(B, 1, V))[:, 0]
-        x = sample(lp, sampling, None if uniforms is None else uniforms[:, step])
-        return x, lp.gather(1, x[:, None])[:, 0]
-
     # a node another can move to: not the root, and verified; the others' tokens can never match a sample
     candidate = tree.tokens.masked_fill(arange(N, tree.tokens.device) == 0, -1)
     if tree.valid is not None:  # nodes left out of a ragged verify are never accepted
         candidate = candidate.masked_fill(~tree.valid, -1)
+    if at_once is None:
+        at_once = depth is not None and B * N * V <= SAMPLE_AT_ONCE
+    if at_once:
+        return _verify_sampled_nodes(logprobs, tree, candidate, sampling, uniforms, D)
     cur = None  # the current node of each row (None: the root)
     tokens, token_lp, path, moves = [], [], [], []
     moved = None
     for step in range(D + 1):
-        x, x_lp = sampled_at(cur, step)
+        lp = logprobs[:, 0] if cur is None else logprobs.gather(1, cur[:, None, None].expand(B, 1, V))[:, 0]
+        x = sample(lp, sampling, None if uniforms is None else uniforms[:, step])  # a target sample at the current node
         tokens.append(x)
-        token_lp.append(x_lp)
+        token_lp.append(lp.gather(1, x[:, None])[:, 0])
         if step == D:
             break
         parent_is_cur = tree.parents == 0 if cur is None else tree.parents == cur[:, None]
@@ -488,3 +476,26 @@ def verify_tree(logprobs: Tensor, tree: Tree, sampling: SamplingParams, uniforms
     accepted = torch.stack(moves, 1).sum(1) if moves else torch.zeros(B, dtype=torch.long, device=tree.tokens.device)
     path_t = torch.stack(path, 1) if path else tree.tokens[:, :0]
     return Verified(torch.stack(tokens, 1), torch.stack(token_lp, 1), path_t, accepted)
+
+
+def _verify_sampled_nodes(logprobs: Tensor, tree: Tree, candidate: Tensor, sampling: SamplingParams,
+                          uniforms: Tensor | None, D: int) -> Verified:
+    """verify_tree by sampling every node first (a node at depth d with column d of the noise, as the walk
+    would if it got there). Each node's next node is then known before the walk: the child holding its
+    sample, or a sink (number N) where none does, which leads to itself. The walk is one lookup a level,
+    and a row's accepted count is the levels before it reached the sink."""
+    B, N = tree.tokens.shape
+    device = tree.tokens.device
+    node_tokens = sample(logprobs, sampling, None if uniforms is None else uniforms.gather(1, tree.depth))
+    node_lp = logprobs.gather(2, node_tokens[..., None])[..., 0]
+    is_child = tree.parents[:, None, :] == arange(N, device)[:, None]  # [B, n, j]: j's parent is n
+    hit = is_child & (candidate[:, None, :] == node_tokens[:, :, None])
+    sink = full((B, 1), N, torch.long, device)
+    following = torch.cat([torch.where(hit.any(-1), hit.to(torch.int8).argmax(-1), N), sink], 1)  # [B, N + 1]
+    nodes = [full((B, 1), 0, torch.long, device)]  # the root, then each level's node (N: stopped)
+    for _ in range(D):
+        nodes.append(following.gather(1, nodes[-1]))
+    walk = torch.cat(nodes, 1)  # [B, D + 1]
+    at = walk.clamp(max=N - 1)  # (a stopped row's entries are unspecified, but indices)
+    reached = walk[:, 1:] < N
+    return Verified(node_tokens.gather(1, at), node_lp.gather(1, at), at[:, 1:], reached.sum(1))
