@@ -24,9 +24,13 @@ def constant(key: tuple, make: Callable[[], Tensor]) -> Tensor:
     its device included)."""
     t = _made.get(key)
     if t is None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"index constant {key} first asked for during a graph capture: the step's first "
+                               "call (before its capture) must have made it; a replay would refill it")
         # (not an inference tensor, so that code outside inference mode may read it too)
         with _disable_current_modes(), torch.inference_mode(False), torch.no_grad():
-            t = _made[key] = make()
+            made = make()
+        t = _made.setdefault(key, made)  # (two threads making one: both use the first kept)
     return t
 
 
