@@ -288,8 +288,9 @@ def test_the_cap_below_a_cdfs_total_is_the_double_just_below_it():
     from fastgrpo.models.sampling import BELOW
 
     g = torch.Generator().manual_seed(0)
-    x = torch.cat([torch.rand(10**6, generator=g, dtype=torch.float64) * 4, torch.rand(10**5, generator=g, dtype=torch.float64) * 1e6,
-                   2.0 ** torch.arange(-60, 60, dtype=torch.float64), torch.tensor([0.0, 1.0, 2.0**-1021])])
+    uniform = lambda n: torch.rand(n, generator=g, dtype=torch.float64)  # noqa: E731
+    x = torch.cat([uniform(10**6) * 4, uniform(10**5) * 1e6, 2.0 ** torch.arange(-60, 60, dtype=torch.float64),
+                   torch.tensor([0.0, 1.0, 2.0**-1021])])
     x = torch.cat([x, torch.nextafter(x, torch.full_like(x, math.inf)), torch.nextafter(x, torch.zeros_like(x))])
     x = x[(x == 0) | (x >= 2.0**-1021)]
     want = torch.nextafter(x, torch.zeros_like(x))

@@ -118,9 +118,9 @@ def sampling_uniforms(seed: int | Tensor, request: Tensor, position: Tensor) -> 
 
 
 # total x BELOW is nextafter(total, 0), the double just below total, for every total from 2^-1021 up (a
-# CDF's is about 1; or 0, for a row of -inf, which both leave 0): the exact product, total - total 2^-53, lies within half a unit in the
-# last place of that neighbour and further from total, so it rounds to the neighbour. One kernel where
-# nextafter needs two (the zeros it aims at)
+# CDF's is about 1; or 0, for a row of -inf, which both leave 0): the exact product, total - total 2^-53,
+# lies within half a unit in the last place of that neighbour and further from total, so it rounds to the
+# neighbour. One kernel where nextafter needs two (the zeros it aims at)
 BELOW = 1.0 - 2.0**-53
 
 

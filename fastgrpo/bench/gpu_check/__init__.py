@@ -51,8 +51,8 @@ from fastgrpo.bench.gpu_check.harness import PEAK_BANDWIDTH, PLANNED_S, SIZES, S
 from fastgrpo.bench.gpu_check.pins import BASE, GPU_EXTRAS, GPU_TORCH, WHEELS, gpu_requirements, wheels_to_install
 from fastgrpo.bench.gpu_check.report import against_simulator, dumps, markdown
 from fastgrpo.bench.gpu_check.stages import (AA_PAIR, AWARE_MODES, DECODE_BATCHES, FIXED_MODES, FUSED_SHAPES,
-                                             STAGE_FUNCTIONS, STEP_SHAPES, SWEEP_MODES, grpo_summary, level_row, policy_state,
-                                             step_cells)
+                                             STAGE_FUNCTIONS, STEP_SHAPES, SWEEP_MODES, grpo_summary, level_row,
+                                             policy_state, step_cells)
 
 __all__ = ["AA_PAIR", "AWARE_MODES", "BASE", "DECODE_BATCHES", "FIXED_MODES", "FUSED_SHAPES", "GPU_EXTRAS", "GPU_TORCH",
            "PEAK_BANDWIDTH", "PLANNED_S", "SIZES", "STAGES", "STAGE_FUNCTIONS", "STEP_SHAPES", "SWEEP_MODES", "WHEELS",

@@ -213,7 +213,8 @@ class InferenceModel:
             ctx = int(slots.max()) + 1
         if ctx > cache.max_len:
             raise ValueError(f"sequence would exceed the cache length {cache.max_len}")
-        mask = group_mask(block_mask(start, n, ctx, new_mask, static=static), self.n_heads // self.n_kv)  # once for every layer
+        # the mask, once for every layer
+        mask = group_mask(block_mask(start, n, ctx, new_mask, static=static), self.n_heads // self.n_kv)
         pos = slots if positions is None else positions
         cos, sin = self.cos[pos][:, :, None], self.sin[pos][:, :, None]  # [B, n, 1, D]
         x = F.embedding(tokens if valid is None else tokens[valid], self.embed)
