@@ -71,10 +71,12 @@ def _summary(name: str, d: dict) -> str:
     if name == "step_bench":
         best = d.get("best") or {}
         skipped = d.get("levels_skipped_for_time")
+        fused = (f"; fused failed: {d['fused_error'][:80]}" if d.get("fused_error")
+                 else f"; fused: {', '.join(d['fused_shapes'])}" if d.get("fused_shapes") else "")
         return (f"{len(d['levels'])} levels x {len(d['shapes'])} shapes, eager and static steps (graphs "
                 f"{_f(d['engines']['static']['graphs'])})" + (f", levels {skipped} skipped for time" if skipped else "")
                 + "; fastest static shape by level: "
-                + ", ".join(f"{B}: {b.get('static')}" for B, b in best.items()))
+                + ", ".join(f"{B}: {b.get('static')}" for B, b in best.items()) + fused)
     if name == "simulator_fit":
         held = d.get("error_held_out")
         return (f"{d['profile']} fitted to {len(d['points'])} static steps: max |error| "
