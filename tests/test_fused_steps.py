@@ -9,7 +9,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from fastgrpo.config import ConfigError, load_config
 from fastgrpo.engines.embedded.engine import EmbeddedEngine
-from fastgrpo.engines.embedded.graphs import StepAudit
+from fastgrpo.engines.embedded.graphs import StepAudit, launched_ops
 from fastgrpo.models.draft import DraftHead
 from fastgrpo.models.fused import fused_pointwise
 from fastgrpo.models.layers import EAGER
@@ -142,22 +142,6 @@ def test_fused_bf16_steps_equal_op_by_op_ones_bit_for_bit():
             assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
-# ops that launch no kernel: views and aliases, allocations, and `to` (a no-op cast in these fp32 steps)
-NO_KERNEL = {"aten::" + name for name in (
-    "slice", "select", "unsqueeze", "squeeze", "transpose", "t", "permute", "view", "_unsafe_view", "reshape",
-    "_reshape_alias", "expand", "as_strided", "chunk", "split", "unbind", "narrow", "alias", "detach", "detach_",
-    "numpy_T", "flatten",
-    "resolve_conj", "resolve_neg", "lift_fresh", "broadcast_tensors", "empty", "empty_strided", "to")}
-
-
-def _launches(name: str) -> bool:
-    """A profiled top-level event that launches kernels: an op not in NO_KERNEL, or a compiled region (one
-    compiled call; how many kernels it is on a GPU, the GPU check's profiler counts)."""
-    if name.startswith("Torch-Compiled Region"):
-        return True
-    return name.startswith(("aten::", "mkldnn::")) and name not in NO_KERNEL
-
-
 def most_kernel_ops(e: EmbeddedEngine, speculative: bool) -> int:
     """The most kernel-launching ops one of `e`'s static steps (speculative ones, or plain ones) dispatches
     in a generate call, after a first call that compiled what it needs."""
@@ -168,7 +152,7 @@ def most_kernel_ops(e: EmbeddedEngine, speculative: bool) -> int:
         with profile(activities=[ProfilerActivity.CPU]) as p:
             out = run(key, step)
         if (key[0] != "plain") == speculative:
-            steps.append(sum(_launches(ev.name) for ev in p.events() if ev.cpu_parent is None))
+            steps.append(launched_ops(p.events()))
         return out
 
     e.graphs.run = profiled

@@ -226,6 +226,12 @@ def test_every_stage_runs_on_the_cpu_with_plausible_numbers(check):
     assert set(FUSED_SHAPES) <= set(shapes)
     assert len(sb["cells"]) == len(size.step_levels) * (len(shapes) * 2 + len(FUSED_SHAPES))
     assert {c["shape"] for c in sb["cells"] if c["engine"] == "fused"} == set(FUSED_SHAPES)
+    # kernels a step (here the profiler's kernel-launching ops): a tree step launches more than a plain one,
+    # and the fused regions fewer than op by op
+    k = sb["step_kernels"]
+    assert set(k) == {"static", "fused"} and all(set(by) == set(FUSED_SHAPES) for by in k.values())
+    assert k["static"]["d4k4n12"] > k["static"]["plain"] > k["fused"]["plain"] > 0
+    assert k["static"]["d4k4n12"] > k["fused"]["d4k4n12"] > k["fused"]["plain"]
     for cell in sb["cells"]:
         # a call of a tree that emits several tokens a step may end inside its warm-up: plain calls never do
         assert cell["calls"] == size.step_reps and 1 <= cell["step_ms"]["n"] <= size.step_reps
@@ -258,7 +264,7 @@ def test_the_markdown_has_every_table(check):
         assert f"| {name} | ok |" in md_text, name
     for table in ("Rollout at fixed concurrency", "GRPO batch", "memory-bandwidth bound", "One GRPO step",
                   "| running | off | static | static_aa |", "A/A", "aware's step shapes", "Decode steps alone",
-                  "| running | shape | eager ms | static ms |", "| fused ms | static / fused |", "fitted to the static steps", "| max abs |",
+                  "| running | shape | eager ms | static ms |", "| fused ms | static / fused |", "Kernels one step launches", "fitted to the static steps", "| max abs |",
                   "A scaled-down Llama-3.1-8B structure", "| fused: step ms |", "CUDA graphs captured:"):
         assert table in md_text, table
     assert "| 4 | d6k8n48 |" in md_text and " ± " in md_text  # a step row, standard errors

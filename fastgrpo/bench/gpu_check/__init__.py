@@ -20,7 +20,8 @@ after every stage, so a run cut short keeps what it finished.
   weights + KV cache read per step / peak bandwidth), and what the rest is (see `decode_bound`).
 - step_bench: the decode steps alone, plain and five tree shapes at 1, 4, 16, 64 and 256 rows, in the
   eager engine and the static one (CUDA graphs), medians and standard errors of repeated calls; plain and
-  d4k4n12 in a static engine with fused pointwise regions too (`engine.fused`, compiled before the timing).
+  d4k4n12 in a static engine with fused pointwise regions too (`engine.fused`, compiled before the timing),
+  and the kernels one step of those launches (the profiler over a graph replay).
 - simulator_fit: `bench simulate`'s roofline and overhead constants fitted to those steps (`fit.py`),
   its error before and after, and with each level held out.
 - decode_8b: a random-weight Llama-3.1-8B shape (configs/models/, bf16) decoding at batch 1, 16 and 64

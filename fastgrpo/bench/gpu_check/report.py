@@ -260,6 +260,14 @@ def _step_tables(d: dict | None) -> list[str]:
                          f"{_f(_ratio(sm['median'], fm['median'])) + 'x' if f else '-'} | "
                          f"{_f(s.get('tokens_per_row_step'))} | {_f(s.get('tok_s'))} | "
                          f"{s.get('captures', 0)} / {s.get('replays', 0)} |")
+    kernels = d.get("step_kernels") or {}
+    if kernels.get("error"):
+        lines += ["", f"Kernels a step: not counted ({kernels['error']})."]
+    elif kernels:
+        lines += ["", "Kernels one step launches at 1 row (" + ("device operations a graph replay runs, by the profiler"
+                  if graphs else "kernel-launching ops, by the profiler on this CPU") + "): "
+                  + "; ".join(f"{e}: " + ", ".join(f"{s} {_f(n)}" for s, n in by.items()) for e, by in kernels.items())
+                  + "."]
     if d.get("fused_error"):
         lines += ["", f"Fused: the regions failed to compile ({d['fused_error']}); no fused cells."]
     elif d.get("fused_first_calls_s"):

@@ -10,6 +10,7 @@ import os
 import platform
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -762,6 +763,55 @@ def _compile_fused(engine: EmbeddedEngine, shapes: dict[str, SpecConfig | None],
     return seconds, None
 
 
+def _step_kernels(engines: dict[str, EmbeddedEngine], shapes: dict[str, SpecConfig | None], prompt: list[int],
+                  sampling: SamplingParams) -> dict[str, dict[str, float]]:
+    """The kernels one step launches, for each FUSED_SHAPES shape in the static and fused engines, one row:
+    the profiler over a step past its key's first call (on a GPU a graph replay: its device operations,
+    kernels, copies and fills; on a CPU the step's kernel-launching ops, `graphs.launched_ops`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fastgrpo.engines.embedded.graphs import launched_ops
+    from fastgrpo.speculation.policy import Off, Static
+    from fastgrpo.types import Request
+
+    out: dict[str, dict[str, float]] = {}
+    for name in [n for n in ("static", "fused") if n in engines]:
+        engine = engines[name]
+        cuda = engine.device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        for shape_name in FUSED_SHAPES:
+            shape, counted, calls, run = shapes[shape_name], [], Counter(), engine.graphs.run
+
+            def profiled(key, step, run=run, counted=counted, calls=calls):
+                calls[key] += 1
+                if counted or calls[key] != 3:  # (a key's first call captures its graph; its third replays it)
+                    return run(key, step)
+                # (a CPU's replay check runs the step under a dispatch mode, which hides compiled regions and
+                # changes the profile: the counted call runs the step itself)
+                checked = engine.graphs.replay_check is not None
+                with profile(activities=activities) as prof:
+                    result = step() if checked else run(key, step)
+                    sync()
+                events = prof.events()
+                if cuda:
+                    from torch.autograd import DeviceType
+
+                    counted.append(sum(e.device_type == DeviceType.CUDA for e in events))
+                else:
+                    counted.append(launched_ops(events))
+                return result
+
+            engine.graphs.run = profiled
+            try:
+                generate_call(engine, Off() if shape is None else Static(shape), [Request(prompt, max_new_tokens=12)],
+                              dataclasses.replace(sampling, max_new_tokens=12), seed=7)
+            finally:
+                del engine.graphs.run  # (the instance attribute: the class's method again)
+            if counted:
+                out.setdefault(name, {})[shape_name] = counted[0]
+    return out
+
+
 def step_cells(B: int, shape: str, engine: str, calls: list[dict], warmup: int) -> dict:
     """One (level, shape, engine) of the step benchmark from its calls: each call's median step (its steps
     after `warmup`, of this shape, while the running rows still fill B's batch bucket: the static step's
@@ -827,6 +877,14 @@ def step_bench(c: Check) -> dict:
     if fused_error:
         combos = [(name, engine) for name, engine in combos if engine != "fused"]
         log(f"steps: the fused kernels failed ({fused_error}); their cells are left out")
+    step_kernels: dict[str, Any] = {}
+    try:
+        step_kernels = _step_kernels({k: e for k, e in engines.items() if k != "fused" or not fused_error}, shapes,
+                                     prompts[0], sampling)
+        log("steps: kernels a step (" + ("device ops" if c.compute.device.type == "cuda" else "kernel-launching ops")
+            + "): " + ", ".join(f"{e} {s} {n:.0f}" for e, by in step_kernels.items() for s, n in by.items()))
+    except Exception as e:  # CUPTI missing: the timings stand
+        step_kernels = {"error": f"{type(e).__name__}: {e}"[:300]}
     element = engines["static"].model.embed.element_size()
     out: dict[str, Any] = {"levels": [], "levels_skipped_for_time": [], "shapes": list(shapes),
                            "engines": {name: engine_info(e) for name, e in engines.items()},
@@ -837,7 +895,8 @@ def step_bench(c: Check) -> dict:
                                      "kv_heads": m.num_key_value_heads, "vocab": m.vocab_size,
                                      "head_dim": getattr(m, "head_dim", None) or m.hidden_size // m.num_attention_heads},
                            "bytes_per_param": element, "fused_shapes": list(FUSED_SHAPES),
-                           "fused_first_calls_s": fused_first_s, "fused_error": fused_error, "cells": []}
+                           "fused_first_calls_s": fused_first_s, "fused_error": fused_error,
+                           "step_kernels": step_kernels, "cells": []}
     plan = 1.25 * PLANNED_S["step_bench"] if c.size_name == "gpu" else math.inf
     t0, last = time.perf_counter(), 0.0
     for B in levels:

@@ -156,6 +156,27 @@ class StepAudit(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
+# aten ops that launch no kernel: views and aliases, allocations, and `to` (a no-op cast in fp32 steps; in
+# bf16 its copy is a child event, not counted at the top)
+KERNEL_FREE = {"aten::" + name for name in (
+    "slice", "select", "unsqueeze", "squeeze", "transpose", "t", "permute", "view", "_unsafe_view", "reshape",
+    "_reshape_alias", "expand", "as_strided", "chunk", "split", "unbind", "narrow", "alias", "detach", "detach_",
+    "numpy_T", "flatten", "resolve_conj", "resolve_neg", "lift_fresh", "broadcast_tensors", "empty",
+    "empty_strided", "to")}
+
+
+def launched_ops(events: Any) -> int:
+    """How many of a CPU profile's top-level events launch kernels (`torch.profiler.profile(...).events()`):
+    aten and oneDNN ops that are not KERNEL_FREE, and compiled regions (one call each; how many kernels a
+    region is on a GPU, a GPU profile's device events count). On a CPU what a step's graph would replay."""
+    def launches(name: str) -> bool:
+        if name.startswith("Torch-Compiled Region"):
+            return True
+        return name.startswith(("aten::", "mkldnn::")) and name not in KERNEL_FREE
+
+    return sum(launches(e.name) for e in events if e.cpu_parent is None)
+
+
 class StaleReplay(RuntimeError):
     """A step called again under a key would not compute what a replay of the key's graph computes."""
 
