@@ -30,6 +30,19 @@ def cpu_has_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def cpu_description() -> str:
+    """The host CPU as a benchmark's header names it: its model (Linux's /proc/cpuinfo, else the platform's
+    word) and the vector ISA torch's CPU kernels use (`torch.backends.cpu.get_cpu_capability()`). Timings
+    move between CPU types (kernels differ), so figures from two sessions compare only on the same one."""
+    import platform
+
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    return f"{model}, {torch.backends.cpu.get_cpu_capability()}"
+
+
 # Tests set this to enter every device context on the CPU too, as a GPU run does, so that a tensor made
 # outside one shows (tests/device_guard.py).
 ENTER_CPU_CONTEXT = False

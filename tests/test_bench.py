@@ -35,6 +35,7 @@ def test_bench_rollout_compares_all_modes(tmp_path, tiny_policy, tiny_draft):
     for shares in g["time_shares"].values():
         assert sum(shares.values()) == pytest.approx(1.0) and shares["prefill"] > 0
     assert (tmp_path / "rollout.png").stat().st_size > 10_000
+    assert torch.backends.cpu.get_cpu_capability() in saved["meta"]["cpu"]
 
 
 def test_bench_forward_times_every_shape_with_every_kernel(tmp_path, tiny_policy):
@@ -183,6 +184,8 @@ def test_bench_guarantee_pairs_aware_with_off_at_each_thread_count(tmp_path, tin
             for p in (p for pairs in r["runs"] for p in pairs):  # a block without speculative steps lost nothing to them
                 assert p["probes"] >= 0 and (p["spec_fraction"] > 0 or p["spec_net_fraction"] == 0)
     table = markdown(saved, "cmd")
+    # the CPU named (timings compare only on one CPU type): its ISA as torch's kernels see it
+    assert torch.backends.cpu.get_cpu_capability() in saved["meta"]["cpu"] and saved["meta"]["cpu"] in table
     worst = min(min(r["ratios"]) for passed in saved["threads"].values() for r in passed["aware_vs_off"].values())
     assert f"| {worst:.3f}x |" in table
     assert table.count("| yes |") + table.count("| no |") == 2 * (len(LEVELS) + 1)

@@ -43,6 +43,7 @@ from fastgrpo.engines.embedded.build import build_engine, speculation_policy
 from fastgrpo.bench.report import command_line, publish
 from fastgrpo.bench.rollout import hf_generate_seconds, rotated, timed_generate
 from fastgrpo.config import Config
+from fastgrpo.device import cpu_description
 from fastgrpo.models.policy import load_policy, num_parameters
 from fastgrpo.models.tokenizer import load_text_format
 from fastgrpo.tasks.source import encode_problems, load_task
@@ -157,7 +158,8 @@ def bench_guarantee(cfg: Config, quick: bool, output: Path, runs: int | None, th
     before = torch.get_num_threads()
     t0 = time.perf_counter()
     result: dict = {"meta": {"date": datetime.date.today().isoformat(), "quick": quick, "torch": torch.__version__,
-                             "machine": platform.machine(), "policy_parameters": num_parameters(policy),
+                             "machine": platform.machine(), "cpu": cpu_description(),
+                             "policy_parameters": num_parameters(policy),
                              "runs": runs, "repetitions": reps, "floor": FLOOR}, "threads": {}}
     try:
         for t in threads:
@@ -190,7 +192,7 @@ def bench_guarantee(cfg: Config, quick: bool, output: Path, runs: int | None, th
 def markdown(result: dict, command: str) -> str:
     m = result["meta"]
     lines = [f"Command: `{command}`", "",
-             f"Date {m['date']}; torch {m['torch']} ({m['machine']}); policy {m['policy_parameters'] / 1e6:.1f}M "
+             f"Date {m['date']}; torch {m['torch']} ({m['machine']}; {m.get('cpu', 'CPU not recorded')}); policy {m['policy_parameters'] / 1e6:.1f}M "
              f"parameters, fp32. {m['runs']} runs per thread count, each with fresh policies; a run's figure is "
              f"the median over {m['repetitions']} ABBA blocks (aware, off, off, aware, or the reverse, "
              f"alternating) of aware's throughput / off's. Floor: {m['floor']:.2f}x.", "",

@@ -21,6 +21,7 @@ from fastgrpo.engines.embedded.build import build_engine, speculation_policy
 from fastgrpo.types import SamplingParams, Request
 from fastgrpo.bench.report import command_line, publish
 from fastgrpo.config import Config
+from fastgrpo.device import cpu_description
 from fastgrpo.engines.embedded.engine import EmbeddedEngine
 from fastgrpo.models.policy import load_policy, num_parameters
 from fastgrpo.models.tokenizer import load_text_format
@@ -220,7 +221,8 @@ def bench_rollout(cfg: Config, quick: bool, output: Path, extra: list[str] | Non
     t0 = time.perf_counter()
     result = {
         "meta": {"date": datetime.date.today().isoformat(), "quick": quick, "cores": torch.get_num_threads(),
-                 "torch": torch.__version__, "machine": platform.machine(), "policy_parameters": num_parameters(policy),
+                 "torch": torch.__version__, "machine": platform.machine(), "cpu": cpu_description(),
+                 "policy_parameters": num_parameters(policy),
                  "tokens_per_sequence": tokens, "repetitions": reps, "temperature": cfg.rollout.temperature},
         "sweep": concurrency_sweep(engine, policies, prompts, cfg, (1, 4, 16, 64), tokens, reps, log),
         "grpo_batch": grpo_batch(engine, policies, prompts, cfg, 4 if quick else 8, 8,
@@ -239,7 +241,8 @@ def markdown(result: dict, command: str) -> str:
     """The BENCHMARKS.md section for one run: command, machine, tables with ratios."""
     m, sw, g, hf, b = result["meta"], result["sweep"], result["grpo_batch"], result["hf_generate"], result["bound"]
     lines = [f"Command: `{command}`", "",
-             f"Date {m['date']}; {m['cores']} CPU threads ({m['machine']}), torch {m['torch']}; policy "
+             f"Date {m['date']}; {m['cores']} CPU threads ({m['machine']}; {m.get('cpu', 'CPU not recorded')}), "
+             f"torch {m['torch']}; policy "
              f"{m['policy_parameters'] / 1e6:.1f}M parameters, fp32; temperature {m['temperature']}; "
              f"medians of {m['repetitions']} interleaved repetitions after a warm-up.", "",
              f"Fixed concurrency ({m['tokens_per_sequence']} tokens per sequence, EOS ignored), tokens/s:", "",
