@@ -162,8 +162,8 @@ def most_kernel_ops(e: EmbeddedEngine, speculative: bool) -> int:
 
 def test_fused_steps_dispatch_fewer_ops_a_layer():
     """The ops a plain static step dispatches that launch kernels (not views), per layer (two depths of
-    one model, the difference halved) and in the rest of the step: op by op 28 a layer and 100, fused 12
-    and 31 (measured). The control is the op-by-op count: the same profiler sees each of its norms' and
+    one model, the difference halved) and in the rest of the step: op by op 28 a layer and 99, fused 12
+    and 30 (measured). The control is the op-by-op count: the same profiler sees each of its norms' and
     rotation's ops."""
     base = policy_config("test", 61, 128, bos_id=1, eos_id=EOS, pad_id=0)
     counts = {}

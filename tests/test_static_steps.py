@@ -200,7 +200,7 @@ def test_the_audit_catches_what_the_eager_step_does(dense):
 def test_op_budgets_per_step(dense):
     """Ops a static step dispatches (every aten call, views included), at two depths of the same model: a
     plain step within 155 + 67 per layer, a d4k4n12 speculative step within 785 + 67 per layer (measured:
-    151 + 61 and 768 + 61, of which ~6 a layer are the views that group the query heads for attention;
+    150 + 61 and 768 + 61, of which ~6 a layer are the views that group the query heads for attention;
     on a GPU each op that is not a view is a kernel of the step's graph). Three ops per layer more, or an
     op per row or per node, break these."""
     cfg, target, draft = dense

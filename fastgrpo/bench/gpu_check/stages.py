@@ -271,7 +271,6 @@ def weight_push(c: Check) -> dict:
 def _kernels_per_call(fn, calls: int) -> tuple[float, float]:
     """(device operations per call, their summed device time per call in ms), by torch's profiler
     (CUPTI): kernels, memcpys and memsets of `calls` calls."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -280,9 +279,16 @@ def _kernels_per_call(fn, calls: int) -> tuple[float, float]:
         for _ in range(calls):
             fn()
         sync()
-    device_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    device_events = _device_events(prof.events())
     us = sum(e.time_range.elapsed_us() for e in device_events)  # each device event's own duration
     return len(device_events) / calls, us / 1000 / calls
+
+
+def _device_events(events: Any) -> list:
+    """A CUDA profile's device events: kernels, memcpys and memsets."""
+    from torch.autograd import DeviceType
+
+    return [e for e in events if e.device_type == DeviceType.CUDA]
 
 
 def _launch_us(device) -> float:
@@ -782,23 +788,17 @@ def _step_kernels(engines: dict[str, EmbeddedEngine], shapes: dict[str, SpecConf
         for shape_name in FUSED_SHAPES:
             shape, counted, calls, run = shapes[shape_name], [], Counter(), engine.graphs.run
 
-            def profiled(key, step, run=run, counted=counted, calls=calls):
+            def profiled(key, step, run=run, counted=counted, calls=calls, checked=engine.graphs.replay_check):
                 calls[key] += 1
                 if counted or calls[key] != 3:  # (a key's first call captures its graph; its third replays it)
                     return run(key, step)
                 # (a CPU's replay check runs the step under a dispatch mode, which hides compiled regions and
                 # changes the profile: the counted call runs the step itself)
-                checked = engine.graphs.replay_check is not None
                 with profile(activities=activities) as prof:
-                    result = step() if checked else run(key, step)
+                    result = step() if checked is not None else run(key, step)
                     sync()
                 events = prof.events()
-                if cuda:
-                    from torch.autograd import DeviceType
-
-                    counted.append(sum(e.device_type == DeviceType.CUDA for e in events))
-                else:
-                    counted.append(launched_ops(events))
+                counted.append(len(_device_events(events)) if cuda else launched_ops(events))
                 return result
 
             engine.graphs.run = profiled

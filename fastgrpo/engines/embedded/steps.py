@@ -188,9 +188,9 @@ class StaticSteps:
         token_lp = logprobs[:, 0].gather(1, token[:, None])
         if states is not None:  # the state at each row's pending position, and the token sampled after it
             states.put(arange(B, token.device), self.cache.lengths[rows], hidden[:, 0], token)
-        none = full((B,), 0, torch.long, token.device)
+        none, finite = full((B,), 0, torch.long, token.device), full((B,), True, torch.bool, token.device)
         self._advance(B, token[:, None], none)
-        return StepOutput(pack(token[:, None], token_lp, none[:, None][:, :0], none, none == 0), hidden,
+        return StepOutput(pack(token[:, None], token_lp, none[:, None][:, :0], none, finite), hidden,
                           logprobs if cuts(sampling) else None, _stacked(routed))
 
     def speculate(self, config: SpecConfig, B: int, ctx: int, sampling: SamplingParams,
