@@ -189,6 +189,9 @@ class DraftConfig:
     batch_size: int = 16
     pretrain_steps: int = 2000
     pretrain_minutes: float = 0.0  # a guard, not a budget: stop (with a loud warning) after this long; 0 = none
+    # training-time test: the draft is trained fed its own predictions for this many steps, as a tree's
+    # deeper levels feed it (models/draft.py draft_loss); 1 = teacher-forced on the target's states (EAGLE-1)
+    unroll: int = 1
     buffer_tokens: int = 200_000  # states held for the offline warm start
     online: OnlineDraft = "off"  # sync or async: the draft keeps learning from rollout's own target states
     online_buffer_tokens: int = 50_000  # online buffer cap; the oldest states are dropped
@@ -203,6 +206,7 @@ class DraftConfig:
         for key in ("batch_size", "buffer_tokens", "online_buffer_tokens", "sync_max_steps"):
             _check(getattr(self, key) >= 1, f"draft.{key}", "must be >= 1", getattr(self, key))
         _check(self.pretrain_steps >= 0, "draft.pretrain_steps", "must be >= 0", self.pretrain_steps)
+        _check(1 <= self.unroll <= 8, "draft.unroll", "must be in 1..8", self.unroll)
         _check(self.pretrain_minutes >= 0, "draft.pretrain_minutes", "must be >= 0 (0: no guard)", self.pretrain_minutes)
 
 

@@ -183,14 +183,14 @@ def test_fused_steps_dispatch_fewer_ops_a_layer():
 def test_fused_speculative_steps_dispatch_fewer_ops():
     """A d4k4n12 speculative static step of a 2-layer target: its draft's layer and head norm run fused
     too (the catch-up and each of the four draft levels), and the sampling noise. Kernel-launching ops:
-    op by op 483, fused 298 (measured); the rest is the tree's own work (top-k, gathers, masks, the
+    op by op 468, fused 283 (measured); the rest is the tree's own work (top-k, gathers, masks, the
     verify walk)."""
     cfg = policy_config("test", 61, 128, bos_id=1, eos_id=EOS, pad_id=0)
     weights = list(new_policy(cfg, seed=1).state_dict().items())
     counts = {fused: most_kernel_ops(static_engine(cfg, weights, fused, Static(SpecConfig(4, 4, 12)),
                                                    random_draft(cfg)), speculative=True) for fused in (False, True)}
     print(f"\nkernel-launching ops of a d4k4n12 step: op by op {counts[False]}, fused {counts[True]}")
-    assert counts[False] >= 460 and counts[True] <= 320
+    assert counts[False] >= 450 and counts[True] <= 300
 
 
 def test_fused_steps_pass_the_audit_by_their_eager_functions():

@@ -106,6 +106,21 @@ def test_static_speculative_steps_equal_eager_ones_and_plain_decoding(dense, tre
         assert static_engine.stats()["accept_len"] > 1.5  # accepted paths longer than one node were kept
 
 
+@pytest.mark.parametrize("tree", [SpecConfig(1, 1, 2), SpecConfig(4, 4, 12)], ids=lambda c: c.name)
+def test_a_static_step_with_a_non_finite_draft_verifies_roots_alone(dense, tree):
+    """A draft whose states are NaN cannot raise inside a static step: each row verifies its root alone,
+    so the tokens are plain decoding's and nothing is accepted past the root."""
+    cfg, target, draft = dense
+    requests = [Request(p) for p in prompts(5, seed=11)]
+    off = engine(cfg, target, False).generate(requests, GREEDY, seed=3)
+    static_engine = engine(cfg, target, True, draft, Static(tree))
+    static_engine.update_draft([(k, torch.full_like(v, float("nan")) if k == "norm" else v)
+                                for k, v in draft.state_dict().items()], version=1)
+    static = static_engine.generate(requests, GREEDY, seed=3)
+    assert [o.token_ids for o in static] == [o.token_ids for o in off]
+    stats = static_engine.stats()
+    assert stats["spec_steps"] > 0 and stats["accept_len"] == 1.0
+
 def test_static_steps_capture_the_states_eager_steps_capture(dense):
     """Online draft learning reads the target's states of every position from a generate(capture=True)."""
     cfg, target, draft = dense
@@ -199,8 +214,8 @@ def test_the_audit_catches_what_the_eager_step_does(dense):
 
 def test_op_budgets_per_step(dense):
     """Ops a static step dispatches (every aten call, views included), at two depths of the same model: a
-    plain step within 155 + 67 per layer, a d4k4n12 speculative step within 785 + 67 per layer (measured:
-    150 + 61 and 768 + 61, of which ~6 a layer are the views that group the query heads for attention;
+    plain step within 155 + 67 per layer, a d4k4n12 speculative step within 770 + 67 per layer (measured:
+    150 + 61 and 754 + 61, of which ~6 a layer are the views that group the query heads for attention;
     on a GPU each op that is not a view is a kernel of the step's graph). Three ops per layer more, or an
     op per row or per node, break these."""
     cfg, target, draft = dense
@@ -218,7 +233,7 @@ def test_op_budgets_per_step(dense):
     print(f"\nops: plain {counts[(2, True)]} at 2 layers (+{per_layer_plain:.0f}/layer), "
           f"d4k4n12 {counts[(2, False)]} (+{per_layer_spec:.0f}/layer)")
     assert per_layer_plain <= 67 and counts[(2, True)] - 2 * per_layer_plain <= 155
-    assert per_layer_spec <= 67 and counts[(2, False)] - 2 * per_layer_spec <= 785
+    assert per_layer_spec <= 67 and counts[(2, False)] - 2 * per_layer_spec <= 770
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

@@ -36,6 +36,7 @@ from fastgrpo.tasks.source import encode_problems, load_task
 
 TREES = (SpecConfig(4, 4, 12), SpecConfig(2, 2, 4))
 RUNNING = 16  # sequences decoded together when measuring acceptance: the tail where speculation runs
+DEEP = 4  # held-out top-1 is also scored fed the draft's own predictions, as a depth-4 node is
 
 
 def checkpoint_draft(policy_dir: Path) -> Path | None:
@@ -71,7 +72,8 @@ def fit_drafts(cfg: Config, policy_dir: Path, drafts: dict[str, Path], quick: bo
 
     def score(draft: DraftHead) -> dict[str, float]:
         fit = evaluate_draft(draft, held_out)
-        row = {"heldout_loss": fit["draft_loss"], "heldout_top1": fit["draft_top1"]}
+        row = {"heldout_loss": fit["draft_loss"], "heldout_top1": fit["draft_top1"],
+               f"heldout_top1_{DEEP}": evaluate_draft(draft, held_out, unroll=DEEP)[f"draft_top1_{DEEP}"]}
         engine.update_draft(draft.state_dict().items(), version=1)
         for tree in TREES:
             engine.set_speculation(Static(tree))
@@ -98,13 +100,20 @@ def fit_drafts(cfg: Config, policy_dir: Path, drafts: dict[str, Path], quick: bo
 
 
 def bench_draft(cfg: Config, quick: bool, output: Path, policy_dir: str | None = None,
-                extra: list[str] | None = None) -> dict:
+                extra: list[str] | None = None, others: dict[str, Path] | None = None) -> dict:
     """Score the warm-start draft (and a checkpoint's own online draft, if `policy_dir` is a
-    checkpoint's policy) on the policy's samples, plus the warm start after online steps."""
+    checkpoint's policy, and `others`: named draft directories) on the policy's samples, plus the warm
+    start after online steps."""
     policy_path = Path(policy_dir or cfg.model.path)
     drafts = {"warm start": draft_dir(cfg)}
     if (own := checkpoint_draft(policy_path)) is not None:
         drafts["checkpoint's online draft"] = own
+    for name, path in (others or {}).items():
+        if name in drafts:
+            raise ValueError(f"--draft {name}=...: the name {name!r} is taken (a draft the benchmark scores anyway)")
+        if not paths.has_draft(Path(path)):
+            raise FileNotFoundError(f"--draft {name}={path}: no draft there (`fastgrpo draft-pretrain draft.path=...` makes one)")
+        drafts[name] = Path(path)
     t0 = time.perf_counter()
     result = fit_drafts(cfg, policy_path, drafts, quick, adapt_steps=10 if quick else 60)
     result["meta"] = {"date": datetime.date.today().isoformat(), "quick": quick, "threads": torch.get_num_threads(),
@@ -124,10 +133,13 @@ def markdown(result: dict, command: str) -> str:
     lines += [f"Policy `{result['policy']}`; held out: {result['heldout_sequences']} of its own samples "
               f"({result['heldout_tokens']} tokens); accepted length at {result['running']} running sequences, "
               f"fixed trees, mean over {result['seeds']} seed(s).", "",
-              "| draft | held-out loss | held-out top-1 | " + " | ".join(f"accept len {t}" for t in trees) + " |",
-              "| --- | ---: | ---: | " + " | ".join("---:" for _ in trees) + " |"]
+              f"| draft | held-out loss | held-out top-1 | held-out top-1 at depth {DEEP} | "
+              + " | ".join(f"accept len {t}" for t in trees) + " |",
+              "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in trees) + " |"]
     for name, s in result["scores"].items():
+        deep = s.get(f"heldout_top1_{DEEP}")
         lines.append(f"| {name} | {s['heldout_loss']:.4f} | {s['heldout_top1']:.3f} | "
+                     + (f"{deep:.3f}" if deep is not None else "-") + " | "
                      + " | ".join(f"{s[f'accept_{t}']:.2f}" for t in trees) + " |")
     return "\n".join(lines)
 
@@ -137,9 +149,18 @@ def add_arguments(parser) -> None:
     """`fastgrpo bench draft`'s own flags (--quick, --output, --config and overrides are every benchmark's)."""
     parser.add_argument("--policy", help="the policy to fit, e.g. a checkpoint's policy/ (default: model.path); a "
                         "checkpoint's own online draft is scored too")
+    parser.add_argument("--draft", action="append", default=[], metavar="NAME=PATH",
+                        help="another draft directory to score beside the warm start, under NAME (repeatable)")
     parser.set_defaults(run=from_cli)
 
 
 def from_cli(args, cfg) -> dict:
-    return bench_draft(cfg, args.quick, args.output, args.policy,
-                       extra=[*args.extra, *(["--policy", args.policy] if args.policy else [])])
+    others = {}
+    for item in args.draft:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"fastgrpo bench draft: --draft takes NAME=PATH, got {item!r}")
+        others[name] = Path(path)
+    return bench_draft(cfg, args.quick, args.output, args.policy, others=others,
+                       extra=[*args.extra, *(["--policy", args.policy] if args.policy else []),
+                              *(f"--draft {d}" for d in args.draft)])

@@ -52,7 +52,8 @@ class OnlineDraftLearner:
         self.engines = engines
         self.shard, self.shards = shard, shards
         self.trainer = DraftTrainer(draft, lr=cfg.online_lr, max_tokens=cfg.online_buffer_tokens,
-                                    batch_size=cfg.batch_size, seed=seed + shard, data_parallel=shards > 1)
+                                    batch_size=cfg.batch_size, seed=seed + shard, data_parallel=shards > 1,
+                                    unroll=cfg.unroll)
         self.version = 0  # published draft versions; 0 is the warm start
         self.policy_version = 0  # the policy version whose rollout states the draft last trained on
         self.rejected = 0

@@ -74,7 +74,8 @@ def pretrain_draft(cfg: Config) -> dict[str, float]:
     draft = DraftHead(policy.config, cfg.model.max_context).to(compute.device)  # initialised on the CPU, then moved
     draft.bind_target(policy.get_input_embeddings().weight, policy.get_output_embeddings().weight)
     d = cfg.draft
-    trainer = DraftTrainer(draft, lr=d.lr, max_tokens=d.buffer_tokens, batch_size=d.batch_size, seed=cfg.seed)
+    trainer = DraftTrainer(draft, lr=d.lr, max_tokens=d.buffer_tokens, batch_size=d.batch_size, seed=cfg.seed,
+                           unroll=d.unroll)
     # the trainer's batches and the draft's positions are made where the states are (a CPU needs no context)
     with on_device(compute.device):
         report = _train(cfg, policy, draft, trainer, corpus, held_out)
@@ -105,6 +106,9 @@ def _train(cfg: Config, policy, draft: DraftHead, trainer: DraftTrainer, corpus:
     bar.close()
     draft.eval()
     with torch.no_grad():
-        _, held = draft_loss(draft, *target_states(policy, held_out[:64]))
+        states = target_states(policy, held_out[:64])
+        _, held = draft_loss(draft, *states)
+        deep = draft_loss(draft, *states, unroll=4)[1]["draft_top1_4"]  # fed its own predictions, as at depth 4
     return {"steps": float(trainer.steps), "complete": float(trainer.steps == d.pretrain_steps),
-            "minutes": (time.perf_counter() - t0) / 60, "eval_top1": held["draft_top1"], "eval_loss": held["draft_loss"]}
+            "minutes": (time.perf_counter() - t0) / 60, "eval_top1": held["draft_top1"], "eval_loss": held["draft_loss"],
+            "eval_top1_depth4": deep}

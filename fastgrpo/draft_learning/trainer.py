@@ -23,11 +23,12 @@ class DraftTrainer:
     """`data_parallel`: this trainer is one of the ranks of the default process group (the draft slice),
     each with a buffer of its own: every step averages the gradients of all of them, weighted by the
     positions each learned from, so their drafts stay identical; a rank with nothing buffered takes
-    part with none."""
+    part with none. `unroll`: the draft's own predictions fed back this many steps (`draft_loss`)."""
 
     def __init__(self, draft: DraftHead, lr: float = 1e-3, max_tokens: int = 200_000, batch_size: int = 16,
-                 seed: int = 0, data_parallel: bool = False):
+                 seed: int = 0, data_parallel: bool = False, unroll: int = 1):
         self.draft = draft
+        self.unroll = unroll
         self.device = next(draft.parameters()).device  # where it trains: batches are moved there
         self.data_parallel = data_parallel
         self.optimizer = torch.optim.AdamW(draft.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -64,7 +65,7 @@ class DraftTrainer:
         metrics: dict[str, float] = {}
         finite, states = True, float(mask.sum()) if mask is not None else 0.0
         if hidden is not None:
-            loss, metrics = draft_loss(self.draft, hidden, tokens, mask)
+            loss, metrics = draft_loss(self.draft, hidden, tokens, mask, unroll=self.unroll)
             finite = math.isfinite(loss.item())
             if finite:
                 loss.backward()
@@ -131,10 +132,11 @@ class DraftTrainer:
 
 
 @torch.no_grad()
-def evaluate_draft(draft: DraftHead, items: list[tuple[Tensor, Tensor, Tensor]]) -> dict[str, float]:
-    """The draft's loss and top-1 on sequences (hidden, tokens, mask) it has not trained on."""
+def evaluate_draft(draft: DraftHead, items: list[tuple[Tensor, Tensor, Tensor]], unroll: int = 1) -> dict[str, float]:
+    """The draft's loss and top-1 on sequences (hidden, tokens, mask) it has not trained on; with `unroll`,
+    also its top-1 fed its own predictions (`draft_top1_<j>`)."""
     draft.eval()
-    return draft_loss(draft, *to_device(pad_states(items), next(draft.parameters()).device))[1]
+    return draft_loss(draft, *to_device(pad_states(items), next(draft.parameters()).device), unroll=unroll)[1]
 
 
 def to_device(batch: tuple[Tensor, Tensor, Tensor], device: torch.device) -> tuple[Tensor, Tensor, Tensor]:

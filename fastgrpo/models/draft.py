@@ -136,26 +136,74 @@ class DraftHead(nn.Module):
             self.pack()
 
 
-def draft_loss(draft: DraftHead, hidden: Tensor, tokens: Tensor, mask: Tensor,
-               hidden_weight: float = 1.0, token_weight: float = 0.1) -> tuple[Tensor, dict[str, float]]:
+def draft_loss(draft: DraftHead, hidden: Tensor, tokens: Tensor, mask: Tensor, hidden_weight: float = 1.0,
+               token_weight: float = 0.1, unroll: int = 1) -> tuple[Tensor, dict[str, float]]:
     """EAGLE's loss on target states: SmoothL1 to h_{t+1} plus cross-entropy to the target's distribution.
 
     hidden [B, T, H]: the target's final hidden states; tokens [B, T]; mask [B, T]: positions to learn
     from. Position t predicts h_{t+1} (and so token t+2); it is trained when t and t+1 are both masked in.
+
+    `unroll` > 1 trains what a depth-j tree node sees (training-time test: EAGLE-3, arXiv 2503.01840;
+    HASS, arXiv 2408.15766). A node at depth j >= 2 is fed the state its parent predicted, not the
+    target's, and attends over the target-fed positions before its chain plus its own ancestors, which
+    were fed predictions too. Step j does the same for every position at once: its input at position p is
+    step j-1's prediction there (made at p - 1), and it attends over step 1's keys up to p - j + 1 and step
+    i's key at p - (j - i) for each i in 2..j (`unroll_mask`). The tokens stay the sampled ones: a drafted
+    token counts only where it equals them. The loss is the mean of the steps' losses, gradients flowing
+    through the chain; the metrics without a suffix are step 1's (the teacher-forced figures), and
+    `draft_top1_<j>` is step j's top-1.
     """
-    pred = draft(hidden[:, :-1], tokens[:, 1:])
-    target = hidden[:, 1:]
-    m = (mask[:, :-1] & mask[:, 1:]).float()
-    n = m.sum().clamp(min=1)
-    reg = (F.smooth_l1_loss(pred, target, reduction="none").mean(-1) * m).sum() / n
+    if unroll < 1:
+        raise ValueError(f"unroll must be >= 1, got {unroll}")
+    target, m = hidden[:, 1:], (mask[:, :-1] & mask[:, 1:]).float()
     with torch.no_grad():
         target_logp = torch.log_softmax(target @ draft.lm_head.T, dim=-1)
-    draft_logp = torch.log_softmax(draft.logits(pred), dim=-1)
-    ce = (-(target_logp.exp() * draft_logp).sum(-1) * m).sum() / n
-    top1 = ((draft_logp.argmax(-1) == target_logp.argmax(-1)).float() * m).sum() / n
-    loss = hidden_weight * reg + token_weight * ce
-    return loss, {"draft_loss": loss.item(), "draft_hidden_l1": reg.item(), "draft_ce": ce.item(),
-                  "draft_top1": top1.item()}
+    total, metrics = hidden.new_zeros(()), {}
+    for j, pred in enumerate(unrolled_states(draft, hidden, tokens, unroll), start=1):
+        mj = m if j == 1 else m * (torch.arange(m.shape[1], device=m.device) >= j - 1)  # a whole chain inside
+        count = mj.sum().clamp(min=1)
+        reg = (F.smooth_l1_loss(pred, target, reduction="none").mean(-1) * mj).sum() / count
+        draft_logp = torch.log_softmax(draft.logits(pred), dim=-1)
+        ce = (-(target_logp.exp() * draft_logp).sum(-1) * mj).sum() / count
+        top1 = ((draft_logp.argmax(-1) == target_logp.argmax(-1)).float() * mj).sum() / count
+        total = total + (hidden_weight * reg + token_weight * ce) / unroll
+        if j == 1:
+            metrics = {"draft_hidden_l1": reg.item(), "draft_ce": ce.item(), "draft_top1": top1.item()}
+        else:
+            metrics[f"draft_top1_{j}"] = top1.item()
+    return total, metrics | {"draft_loss": total.item()}
+
+
+def unrolled_states(draft: DraftHead, hidden: Tensor, tokens: Tensor, unroll: int) -> list[Tensor]:
+    """The draft's predicted states [B, T - 1, H] at steps 1..unroll (`draft_loss`): step 1 teacher-forced
+    (position p fed h_p and token p + 1), step j fed step j - 1's prediction made at p - 1. A step's
+    positions before j - 1 have no whole chain (their inputs include a placeholder) and mean nothing."""
+    inputs, next_tokens = hidden[:, :-1], tokens[:, 1:]
+    n = inputs.shape[1]
+    positions = torch.arange(n, device=hidden.device).expand(hidden.shape[0], -1)
+    keys: list[Tensor] = []
+    values: list[Tensor] = []
+
+    def kv(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:  # every step's keys side by side
+        keys.append(k)
+        values.append(v)
+        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+
+    states = []
+    for j in range(1, unroll + 1):
+        pred = draft.features(inputs, next_tokens, positions, None if j == 1 else unroll_mask(n, j, hidden.device), kv)
+        states.append(pred)
+        inputs = torch.cat([inputs[:, :1], pred[:, :-1]], dim=1)  # position 0's placeholder: its own input
+    return states
+
+
+def unroll_mask(n: int, step: int, device: torch.device | str) -> Tensor:
+    """Unrolled step `step`'s attention [1, 1, n, step n] (True: attended) over the keys of steps 1..step
+    side by side: query p reads step 1's keys up to p - step + 1 and step i's key at p - (step - i)."""
+    p = torch.arange(n, device=device)[:, None]
+    c = torch.arange(n, device=device)[None, :]
+    blocks = [c <= p - step + 1] + [c == p - (step - i) for i in range(2, step + 1)]
+    return torch.cat(blocks, dim=1)[None, None]
 
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"

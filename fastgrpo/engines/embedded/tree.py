@@ -53,13 +53,14 @@ class NonFiniteDraft(RuntimeError):
     """The draft produced NaN/inf: the engine decodes plainly for the step instead."""
 
 
-def _draft_logprobs(draft: DraftHead, features: Tensor, static: bool, ops: Pointwise = EAGER) -> tuple[Tensor, Tensor]:
-    """Log-probabilities [..., V] and whether each row's are all finite [...] (eagerly: raised at once)."""
+def _draft_logprobs(draft: DraftHead, features: Tensor, static: bool, ops: Pointwise = EAGER) -> Tensor:
+    """Log-probabilities [..., V]; eagerly, non-finite ones raise at once. Statically they are left to
+    `draft_tree`'s one check of its scores: a non-finite logit makes log_softmax's whole row NaN (its
+    log-sum-exp is NaN or inf), so every top-k score drawn from that row, and every descendant's, is NaN."""
     logp = torch.log_softmax(draft.logits(features, ops).float(), dim=-1)
-    finite = torch.isfinite(logp).all(-1)
-    if not static and not bool(finite.all()):
+    if not static and not bool(torch.isfinite(logp).all()):
         raise NonFiniteDraft("non-finite draft logits")
-    return logp, finite
+    return logp
 
 
 @dataclass
@@ -110,7 +111,7 @@ def draft_tree(draft: DraftHead, cache: KVCache, rows: slice, root_features: Ten
         cached, entry = (rel < 0) & visible, (rel >= 0) & (rel < E) & visible
         entry_of = rel.clamp(0, E - 1)
 
-    logp, finite = _draft_logprobs(draft, root_features, static, ops)
+    logp = _draft_logprobs(draft, root_features, static, ops)
     score, tok = logp.topk(k, dim=-1)  # level 1
     levels_tok, levels_score, levels_parent = [tok], [score], [full((B, k), -1, torch.long, device)]
     n_nodes = k  # nodes numbered level by level
@@ -118,6 +119,8 @@ def draft_tree(draft: DraftHead, cache: KVCache, rows: slice, root_features: Ten
     # node // k): those parents' states, numbers and expansion entries they descend from
     parent_feat = root_features[:, None].expand(B, k, -1)  # (level 1: p = node, all from the root)
     parent_anc = None
+    if cfg.depth > 1:  # every level's cache slots and position, made at once (a level takes views)
+        slots_all, positions = start[:, None] + arange(E, device), start[:, None] + arange(cfg.depth - 1, device)
     for d in range(1, cfg.depth):
         sel = score.topk(k, dim=-1).indices  # expand the k most probable nodes of this level
         tok, score = tok.gather(1, sel), score.gather(1, sel)
@@ -130,17 +133,16 @@ def draft_tree(draft: DraftHead, cache: KVCache, rows: slice, root_features: Ten
             anc = parent_anc.gather(1, p[:, :, None].expand(B, k, E))
             anc[:, :, (d - 1) * k: d * k] = eye(k, device)  # and from its own entry (this level's: unset before)
             node_id = sel + (n_nodes - k * k)
-        slots = start[:, None] + arange(k, device, (d - 1) * k)
+        slots = slots_all[:, (d - 1) * k: d * k]
         if static:
             seen = torch.gather(anc[:, None], 3, entry_of[:, :, None].expand(B, 1, k, tree_ctx))
             mask = cached[:, None] | (entry[:, None] & seen)
         else:
             tree_ctx = int(start.max()) + d * k
             mask = block_mask(start, k, tree_ctx, anc[:, :, : d * k], visible_from)
-        feat = draft.features(feat, tok, (start[:, None] + (d - 1)).expand(B, k), mask,
+        feat = draft.features(feat, tok, positions[:, d - 1: d].expand(B, k), mask,
                               cache_kv(cache, 0, rows, slots, tree_ctx, row_idx), ops)
-        logp, level_finite = _draft_logprobs(draft, feat, static, ops)
-        finite = finite & level_finite.all(-1)
+        logp = _draft_logprobs(draft, feat, static, ops)
         cs, ct = logp.topk(k, dim=-1)  # [B, k, k]: each expanded node's k children
         tok, score = ct.flatten(1), (score[:, :, None] + cs).flatten(1)
         parent_feat, parent_anc = feat, anc
@@ -164,13 +166,16 @@ def draft_tree(draft: DraftHead, cache: KVCache, rows: slice, root_features: Ten
     parents, tree_depth = torch.cat([zero, parents], 1), torch.cat([zero, depth[keep]], 1)
     tokens = torch.cat([root_tokens[:, None], tok.gather(1, keep)], 1)
     tree_score = torch.cat([full((B, 1), 0.0, torch.float32, device), score.gather(1, keep)], 1)
-    tree = Tree(tokens, parents, tree_depth, ancestor_mask(parents, cfg.depth), tree_score)
     if not static:
         if (parents < 0).any():  # cannot happen with finite scores; never let it crash a rollout
             raise NonFiniteDraft("draft tree is not ancestor-closed")
-        return tree
-    # static: a row with a non-finite draft keeps its root only (its other nodes are never accepted)
-    return tree.restricted(finite[:, None].expand(B, N - 1))
+        return Tree(tokens, parents, tree_depth, ancestor_mask(parents, cfg.depth), tree_score)
+    # static: a row with a non-finite draft (NaN among its scores, `_draft_logprobs`) keeps its root only.
+    # Its NaN scores may have kept a node without its parent (-1 here): such a node hangs from the root,
+    # so the tree's arrays stay indexable, and is never verified
+    parents = parents.clamp(min=0)
+    tree = Tree(tokens, parents, tree_depth, ancestor_mask(parents, cfg.depth), tree_score)
+    return tree.restricted(torch.isfinite(score).all(-1, keepdim=True).expand(B, N - 1))
 
 
 def eye_block(k: int, E: int, device: torch.device) -> Tensor:
