@@ -90,20 +90,27 @@ def test_bench_draft_scores_drafts_alike_on_the_policys_own_samples(tmp_path, ti
     overrides = tiny_overrides(tmp_path, tiny_policy, **{"draft.path": tiny_draft, "task.eval_size": 48})
     output = tmp_path / "draft.json"
     policy = str(step / "policy")
-    assert main(["bench", "draft", *overrides, "--quick", "--policy", policy, "--output", str(output)]) == 0
+    named = f"named={tiny_draft}"  # a draft named on the command line: the warm start again
+    assert main(["bench", "draft", *overrides, "--quick", "--policy", policy, "--draft", named,
+                 "--output", str(output)]) == 0
     # the printed section names the command that reproduces it, overrides included
-    command = f"fastgrpo bench draft {' '.join(overrides)} --policy {policy} --quick --output {output}"
+    command = f"fastgrpo bench draft {' '.join(overrides)} --policy {policy} --draft {named} --quick --output {output}"
     assert f"`{command}`" in capsys.readouterr().out
     saved = json.loads(output.read_text())
     scores = saved["scores"]
-    assert list(scores) == ["warm start", "checkpoint's online draft", "warm start + 10 online steps"]
-    # the checkpoint's draft is a copy of the warm start: same prompts, seeds and trees give the same scores
-    assert scores["warm start"] == scores["checkpoint's online draft"]
+    assert list(scores) == ["warm start", "checkpoint's online draft", "named", "warm start + 10 online steps"]
+    # the checkpoint's and the named draft are copies of the warm start: same prompts, seeds and trees give
+    # the same scores
+    assert scores["warm start"] == scores["checkpoint's online draft"] == scores["named"]
     for s in scores.values():
-        assert 0 <= s["heldout_top1"] <= 1 and s["heldout_loss"] > 0
+        assert 0 <= s["heldout_top1"] <= 1 and 0 <= s["heldout_top1_4"] <= 1 and s["heldout_loss"] > 0
         assert all(1 <= s[f"accept_{t.name}"] <= t.depth + 1 for t in TREES)
     assert scores["warm start + 10 online steps"] != scores["warm start"]  # the online steps changed the draft
     assert len(markdown(saved, "cmd").splitlines()) == 8 + len(scores)
+    for bad, said in ((str(tiny_draft), "takes NAME=PATH"), (f"gone={tmp_path / 'gone'}", "no draft there"),
+                      (f"warm start={tiny_draft}", "is taken")):
+        assert main(["bench", "draft", *overrides, "--quick", "--draft", bad, "--output", str(output)]) == 1
+        assert said in capsys.readouterr().err
 
 
 def test_noise_scale_recovers_a_known_signal_and_noise():

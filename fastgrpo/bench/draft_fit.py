@@ -159,7 +159,7 @@ def from_cli(args, cfg) -> dict:
     for item in args.draft:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
-            raise SystemExit(f"fastgrpo bench draft: --draft takes NAME=PATH, got {item!r}")
+            raise ValueError(f"bench draft: --draft takes NAME=PATH, got {item!r}")
         others[name] = Path(path)
     return bench_draft(cfg, args.quick, args.output, args.policy, others=others,
                        extra=[*args.extra, *(["--policy", args.policy] if args.policy else []),
