@@ -1,6 +1,6 @@
 """The draft's training-time test (`draft.unroll`): each unrolled step computes what a tree node at that
-depth computes, held to a token-by-token oracle; step 1 is the teacher-forced loss unchanged; the
-config refuses an unroll out of range by name."""
+depth computes, held to a token-by-token oracle and to the engine's own draft tree (eager and static
+steps); step 1 is the teacher-forced loss unchanged; the config refuses an unroll out of range by name."""
 
 import pytest
 import torch
@@ -112,3 +112,45 @@ def test_config_refuses_an_unroll_out_of_range():
             DraftConfig(unroll=bad).check()
     DraftConfig(unroll=4).check()
     assert Config().draft.unroll == 1
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_each_unrolled_step_is_the_engines_own_tree_level(draft, static):
+    """Against the engine itself: a chain tree (top-1, depth 4) drafted after a prompt's prefill. Its root
+    state is unrolled step 1 at the prompt's last position, and its level-j state is step j + 1 one
+    position further on each level, when the unrolled sequence's tokens past the prompt are the pending
+    token and the tokens the engine drafted."""
+    from fastgrpo.engines.embedded.engine import EmbeddedEngine
+    from fastgrpo.draft_learning.pretrain import target_states
+    from fastgrpo.speculation.policy import Static
+    from fastgrpo.speculation.spec import SpecConfig
+    from fastgrpo.types import Request, SamplingParams
+
+    target = new_policy(draft.cfg, seed=3).eval()
+    engine = EmbeddedEngine(draft.cfg, 2, 64, eos_id=VOCAB - 1, pad_id=0, policy=Static(SpecConfig(4, 1, 5)),
+                            static_steps=static)
+    engine.update_weights(target.state_dict().items(), version=0)
+    engine.update_draft(draft.state_dict().items(), version=0)
+    calls = []
+    features = engine.draft.features
+
+    def recorded(hidden, next_tokens, *args, **kwargs):
+        out = features(hidden, next_tokens, *args, **kwargs)
+        calls.append((next_tokens.clone(), out.clone()))
+        return out
+
+    engine.draft.features = recorded
+    prompt = [1, 5, 9, 4, 7, 3, 12]
+    out = engine.generate([Request(prompt)], SamplingParams(temperature=0.0, max_new_tokens=6))[0]
+    (_, caught_up), *levels = calls[:4]  # the first step: catch-up over the prompt, then three levels
+    L = len(prompt)
+    root = caught_up[0, L - 1]  # the draft's state at the pending token, the prompt's first answer
+    drafted = [int(tok[0, 0]) for tok, _ in levels]
+    tokens = torch.tensor([prompt + [out.token_ids[0]] + drafted])
+    hidden = torch.zeros(1, tokens.shape[1], 64)
+    hidden[:, : L] = target_states(target, [prompt])[0]
+    states = unrolled_states(draft, hidden, tokens, unroll=4)
+    torch.testing.assert_close(states[0][0, L - 1], root, atol=1e-4, rtol=1e-4)
+    for j, (_, state) in enumerate(levels, start=1):
+        torch.testing.assert_close(states[j][0, L - 1 + j], state[0, 0], atol=1e-4, rtol=1e-4)
