@@ -121,6 +121,7 @@ def test_a_static_step_with_a_non_finite_draft_verifies_roots_alone(dense, tree)
     stats = static_engine.stats()
     assert stats["spec_steps"] > 0 and stats["accept_len"] == 1.0
 
+
 def test_static_steps_capture_the_states_eager_steps_capture(dense):
     """Online draft learning reads the target's states of every position from a generate(capture=True)."""
     cfg, target, draft = dense
