@@ -99,11 +99,6 @@ class DraftHead(nn.Module):
     def logits(self, features: Tensor, ops: Pointwise = EAGER) -> Tensor:
         return ops.norm(features, self.norm, self.eps) @ self.lm_head.T
 
-    def forward(self, hidden: Tensor, next_tokens: Tensor) -> Tensor:
-        """Teacher-forced training forward over whole sequences (causal, positions 0..n-1)."""
-        positions = torch.arange(hidden.shape[1], device=hidden.device).expand(hidden.shape[0], -1)
-        return self.features(hidden, next_tokens, positions, None, lambda k, v: (k, v))
-
     # -- files: safetensors + a small config next to the policy --------------------------------
     def save(self, directory: str | Path, extra: dict | None = None) -> None:
         d = Path(directory)
