@@ -2,6 +2,7 @@
 
     python tools/aware_overhead.py [--model configs/models/llama-3.1-8b-instruct.json | --policy-size gpu]
                                    [--gpu h100] [--running 1,4,16,64,256] [--steps 2000] [--alpha 0.7]
+                                   [--batch 64 --max-tokens 1024]
 
 `--policy-size gpu` prices the GPU check's policy (fastgrpo's own `gpu` size, 308.6M parameters with its
 task's 296-token vocabulary, `--vocab`), whose steps are the shortest `aware` decides on.
@@ -14,7 +15,13 @@ roofline.py`), at each level of running sequences: contexts grow by what each st
 accepts each level with chance `alpha`. It reports per level the median over 5 repetitions of the mean
 microseconds of `choose` and `observe` per step, the choice it settled on, and their share of that
 choice's SIMULATED step. Timings are this machine's host; the step times are the simulator's (its
-error against a real GPU is in BENCHMARKS.md section 10)."""
+error against a real GPU is in BENCHMARKS.md section 10).
+
+`--batch B` drives one GRPO batch instead, the workload where the running count changes most: B rows
+start together, each ends at a length drawn uniformly from [max_tokens / 8, max_tokens], so the rows
+retire one by one through the batch's long tail and `aware` meets every running count from B down to 1
+(each a new price to search). It reports the batch's mean host time a step, the searches it ran, and
+their share of the batch's SIMULATED time."""
 
 from __future__ import annotations
 
@@ -61,6 +68,49 @@ def drive(policy, roofline, running: int, steps: int, alpha: float, seed: int) -
             "step_ms": 1e3 * step_s / steps, "choice": chosen.name if chosen is not None else "plain"}
 
 
+def drive_batch(policy, roofline, rows: int, max_tokens: int, alpha: float, seed: int,
+                prompt: int = 64) -> dict:
+    """One batch of `rows` rows of drawn lengths (module doc) under `policy`: its host seconds a step."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(max(max_tokens // 8, 1), max_tokens) for _ in range(rows)]
+    done = [0] * rows
+    choose_s = observe_s = step_s = 0.0
+    steps = searches = 0
+    rates = policy._rates
+    def counted(running):  # the searches: each prices every candidate tree
+        nonlocal searches
+        searches += 1
+        return rates(running)
+    policy._rates = counted
+    while live := [i for i in range(rows) if done[i] < lengths[i]]:
+        running, context = len(live), prompt + max(done[i] for i in live)
+        t = time.perf_counter()
+        config = policy.choose(running, context)
+        choose_s += time.perf_counter() - t
+        emit = [1] * running
+        if config is None:
+            accepted = None
+            seconds = roofline.decode_step(running, context, context * running)
+        else:
+            accepted = []
+            for _ in range(running):
+                depth = 0
+                while depth < config.depth and rng.random() < alpha:
+                    depth += 1
+                accepted.append(depth)
+            emit = [a + 1 for a in accepted]
+            seconds = roofline.spec_step(config, running, 1, context, context * running)
+        t = time.perf_counter()
+        policy.observe(config, running, sum(emit), seconds, accepted)
+        observe_s += time.perf_counter() - t
+        for i, e in zip(live, emit):
+            done[i] += e
+        step_s += seconds
+        steps += 1
+    return {"steps": steps, "searches": searches, "choose_us": 1e6 * choose_s / steps,
+            "observe_us": 1e6 * observe_s / steps, "step_ms": 1e3 * step_s / steps}
+
+
 def main(argv: list[str] | None = None) -> dict:
     from fastgrpo.speculation.policy import Aware
     from fastgrpo.speculation.roofline import (ACCELERATORS, Roofline, load_model_shape, model_shape,
@@ -75,6 +125,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--running", default="1,4,16,64,256")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--alpha", type=float, default=0.7, help="a row's chance to accept each drafted level")
+    p.add_argument("--batch", type=int, help="drive one GRPO batch of this many rows instead of fixed levels")
+    p.add_argument("--max-tokens", type=int, default=1024, help="with --batch: the longest a row may run")
     args = p.parse_args(argv)
     if args.policy_size:
         from fastgrpo.models.policy import policy_config
@@ -85,6 +137,18 @@ def main(argv: list[str] | None = None) -> dict:
         shape = load_model_shape(args.model)
     roofline = Roofline(ACCELERATORS[args.gpu], shape)
     costs = simulated_cost_model(roofline)
+    if args.batch:
+        runs = [drive_batch(Aware(costs, acceptance_prior=args.alpha), roofline, args.batch, args.max_tokens,
+                            args.alpha, seed) for seed in range(5)]
+        row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        row["share_of_step"] = (row["choose_us"] + row["observe_us"]) / (1e3 * row["step_ms"])
+        print(f"batch of {args.batch} rows, up to {args.max_tokens} tokens: {row['steps']:.0f} steps, "
+              f"{row['searches']:.0f} searches; choose {row['choose_us']:.1f} us + observe {row['observe_us']:.1f} us "
+              f"a step; SIMULATED step {row['step_ms']:.3f} ms: {100 * row['share_of_step']:.2f}%", flush=True)
+        result = {"model": shape.name, "gpu": roofline.hw.name, "alpha": args.alpha, "batch": args.batch,
+                  "max_tokens": args.max_tokens, **row}
+        print(json.dumps(result))
+        return result
     rows = []
     for running in (int(x) for x in args.running.split(",")):
         runs = [drive(Aware(costs, acceptance_prior=args.alpha), roofline, running, args.steps, args.alpha, seed)

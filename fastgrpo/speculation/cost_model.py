@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -58,6 +59,14 @@ def piecewise_linear_at(xs: list[float], ys: list[float], tokens: float) -> floa
     too slow for that many."""
     t = max(tokens, xs[0])
     i = min(max(bisect.bisect_left(xs, t), 1), len(xs) - 1)  # as piecewise_linear's searchsorted
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (t - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+
+def piecewise_linear_many(xs: np.ndarray, ys: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """piecewise_linear_at at many sizes in numpy: a search of `aware` prices every candidate tree at
+    once (a torch call costs several times a numpy one at this size)."""
+    t = np.maximum(tokens, xs[0])
+    i = np.clip(np.searchsorted(xs, t), 1, len(xs) - 1)
     return ys[i - 1] + (ys[i] - ys[i - 1]) * (t - xs[i - 1]) / (xs[i] - xs[i - 1])
 
 
@@ -113,6 +122,7 @@ class CostModel:
                         for name, c in (("target_s", self.target_s), ("draft_s", self.draft_s))}
         self._tensors = {name: tuple(torch.tensor(v, dtype=torch.float64, device="cpu") for v in xy)
                          for name, xy in self._points.items()}
+        self._arrays = {name: tuple(np.array(v, dtype=np.float64) for v in xy) for name, xy in self._points.items()}
 
     def _lookup(self, curve: str, tokens: float) -> float:
         return piecewise_linear_at(*self._points[curve], tokens)
@@ -141,9 +151,20 @@ class CostModel:
         seconds = self._lookup(f"{kind}_s", tokens)
         if context is None:
             return seconds
+        return max(seconds + self._past(kind, tokens, rows, context), self._points[f"{kind}_s"][1][0])
+
+    def at_context_many(self, kind: str, tokens: np.ndarray, rows: float, context: float | None) -> np.ndarray:
+        """at_context at many sizes at once (a search of `aware` prices every candidate tree)."""
+        xs, ys = self._arrays[f"{kind}_s"]
+        seconds = piecewise_linear_many(xs, ys, tokens)
+        if context is None:
+            return seconds
+        return np.maximum(seconds + self._past(kind, tokens, rows, context), ys[0])
+
+    def _past(self, kind, tokens, rows, context):
+        """What `rows` rows spend on `context` cached tokens each beyond the sweep's CONTEXT (negative below)."""
         rates = self.context_s
-        past = (rates[f"{kind}_row"] * rows + rates[f"{kind}_token"] * tokens) * (context - CONTEXT)
-        return max(seconds + past, self._points[f"{kind}_s"][1][0])  # never below the cheapest forward
+        return (rates[f"{kind}_row"] * rows + rates[f"{kind}_token"] * tokens) * (context - CONTEXT)
 
     def target_many(self, tokens: Tensor, rows: float | None = None) -> Tensor:
         """target() at many sizes at once (a per-sequence budget weighs every total it could verify)."""

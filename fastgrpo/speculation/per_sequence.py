@@ -25,6 +25,7 @@ are verified changes, never how (tree.py).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -52,6 +53,13 @@ class AwarePerSequence(Aware):
     def _verified_tokens(self, c: SpecConfig, running: int) -> float:
         total, weight = self._width.get(c, (float(c.num_verify), 1.0))  # an untried shape: every node
         return running * total / weight
+
+    def _verified_tokens_many(self, running: int) -> np.ndarray:
+        nodes = self.shapes.nodes.copy()
+        for c, (total, weight) in self._width.items():  # the shapes tried: a few
+            if (i := self.shapes.index.get(c)) is not None:
+                nodes[i] = total / weight
+        return running * nodes
 
     @property
     def calibration(self) -> float:

@@ -11,7 +11,7 @@ from collections import Counter
 from itertools import repeat
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-import torch
+import numpy as np
 
 from fastgrpo.speculation.cost_model import CostModel
 from fastgrpo.speculation.spec import SpecConfig
@@ -40,8 +40,11 @@ class SpeculationPolicy(Protocol):
         """`context`: cached tokens a step's attention reads per running row (the embedded engine: its
         longest row's, its cache is padded to it; a paged cache: the rows' mean); None: not known."""
 
-    def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
-                accepted: list[int] | None = None) -> None: ...
+    def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float | None,
+                accepted: list[int] | None = None) -> None:
+        """`seconds`: the step's wall time, or None where that time is not what such a step costs (it
+        captured a CUDA graph: an eager run and a recording, tens of steps' worth): learn from its tokens
+        alone."""
 
 
 @runtime_checkable
@@ -61,7 +64,7 @@ class Off:
     def choose(self, running: int, context: float | None = None) -> SpecConfig | None:
         return None
 
-    def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
+    def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float | None,
                 accepted: list[int] | None = None) -> None:
         pass
 
@@ -109,6 +112,23 @@ def candidate_configs(max_depth: int = 6) -> list[SpecConfig]:
     return out
 
 
+class Shapes:
+    """Tree shapes as arrays, so that one search prices every candidate in a few numpy operations: one
+    shape at a time in Python, a search of ~100 shapes cost ~0.4 ms, and a GRPO batch searches again at
+    each running count of its tail (a search every few steps, 5-8% of a SIMULATED graph-replayed step)."""
+
+    def __init__(self, configs: list[SpecConfig]):
+        self.configs = configs
+        self.index = {c: i for i, c in enumerate(configs)}
+        self.depth = np.array([c.depth for c in configs], dtype=np.float64)
+        self.topk = np.array([c.topk for c in configs], dtype=np.float64)
+        self.nodes = np.array([c.num_verify for c in configs], dtype=np.float64)  # root included
+        self.levels = np.arange(1, int(self.depth.max(initial=0)) + 1)  # 1..the deepest shape's depth
+        # each shape's draft width for the prior (AcceptanceModel.prior), and which levels it has
+        self.width = np.maximum(1.0, self.topk * np.minimum(1.0, (self.nodes - 1) / (self.depth * self.topk)))
+        self.has_level = self.levels[None, :] <= self.depth[:, None]
+
+
 class AcceptanceModel:
     """Expected tokens emitted per sequence per step for any tree shape, learned online.
 
@@ -141,6 +161,17 @@ class AcceptanceModel:
     def expected(self, c: SpecConfig) -> float:
         n = self.count.get(c, 0.0)
         return (self.prior(c) * self.prior_weight + self.sum_emitted.get(c, 0.0)) / (self.prior_weight + n)
+
+    def expected_many(self, shapes: Shapes) -> np.ndarray:
+        """`expected` of every shape at once (`prior`'s product over levels as one cumulative product)."""
+        alpha = np.array([self.alpha(d) for d in shapes.levels], dtype=np.float64)
+        reach = np.cumprod(np.where(shapes.has_level, 1 - (1 - alpha[None, :]) ** shapes.width[:, None], 1.0), axis=1)
+        prior = 1.0 + np.where(shapes.has_level, reach, 0.0).sum(axis=1)
+        emitted, count = np.zeros(len(shapes.configs)), np.zeros(len(shapes.configs))
+        for c, n in self.count.items():  # the shapes measured: a few
+            if (i := shapes.index.get(c)) is not None:
+                emitted[i], count[i] = self.sum_emitted[c], n
+        return (prior * self.prior_weight + emitted) / (self.prior_weight + count)
 
     def observe(self, c: SpecConfig, accepted: list[int], verified_depth: list[int] | None = None) -> None:
         """`verified_depth`: per sequence, the deepest level of its tree that was verified at all (a
@@ -206,27 +237,31 @@ class StepFit:
         if not self.shapes:
             return
         rows = [(c, F, sec, u, min(n, self.cap)) for c, (F, sec, u, n) in self.shapes.items()]
-        w = torch.tensor([weight for *_, weight in rows], dtype=torch.float64).sqrt()[:, None]
-        x = w * torch.tensor([[F * min(scale, 1) / (u * scale), 1.0, float(c.depth), c.num_verify - 1.0]
-                              for c, F, _, u, _ in rows], dtype=torch.float64)
-        y = w[:, 0] * torch.tensor([(sec - u * max(scale - 1, 0)) / (u * scale) for _, _, sec, u, _ in rows],
-                                   dtype=torch.float64)
-        prior = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+        w = np.sqrt(np.array([weight for *_, weight in rows], dtype=np.float64))[:, None]
+        x = w * np.array([[F * min(scale, 1) / (u * scale), 1.0, float(c.depth), c.num_verify - 1.0]
+                          for c, F, _, u, _ in rows], dtype=np.float64)
+        y = w[:, 0] * np.array([(sec - u * max(scale - 1, 0)) / (u * scale) for _, _, sec, u, _ in rows],
+                               dtype=np.float64)
+        prior = np.array([1.0, 0.0, 0.0, 0.0])
         keep = [0, 1, 2, 3] if self.per_node else [0, 1, 2]
         while True:  # least squares with the overheads >= 0: drop a negative one and solve again
-            xs, ridge = x[:, keep], self.prior_weight * torch.eye(len(keep), dtype=torch.float64)
-            solved = torch.linalg.solve(xs.T @ xs + ridge, xs.T @ y + ridge @ prior[keep])
+            xs, ridge = x[:, keep], self.prior_weight * np.eye(len(keep))
+            solved = np.linalg.solve(xs.T @ xs + ridge, xs.T @ y + ridge @ prior[keep])
             negative = [k for k, v in zip(keep, solved.tolist()) if k > 0 and v < 0]
             if not negative:
                 break
             keep.remove(negative[0])
-        theta = torch.zeros(4, dtype=torch.float64)
+        theta = np.zeros(4)
         theta[keep] = solved
         self.f, self.h, self.g, self.q = theta.tolist()  # (q: 0 unless per_node)
 
     def seconds(self, forwards: float, c: SpecConfig, plain: float, scale: float) -> float:
         """plain: u, a plain step's calibrated forward; scale: plain's correction (U = u * scale)."""
-        overhead = self.h + self.g * c.depth + self.q * (c.num_verify - 1)
+        return self.seconds_of(forwards, c.depth, c.num_verify, plain, scale)
+
+    def seconds_of(self, forwards, depth, nodes, plain: float, scale: float):
+        """`seconds` of a shape of `depth` levels and `nodes` verified a row (floats, or arrays of shapes)."""
+        overhead = self.h + self.g * depth + self.q * (nodes - 1)
         return plain * max(scale - 1, 0) + self.f * min(scale, 1) * forwards + plain * scale * overhead
 
     def to_json(self) -> dict:
@@ -250,12 +285,19 @@ class Aware(Off):
 
     def __init__(self, costs: CostModel, candidates: list[SpecConfig] | None = None, correction_decay: float = 0.9,
                  probe_every: int = 64, max_probe_every: int = 1024, margin: float = 0.05, probe_budget: float = 0.0025,
-                 acceptance_prior: float | None = None, explore: int = 3):
+                 acceptance_prior: float | None = None, explore: int = 3, switch_margin: float = 0.01):
         self.costs = costs
         # speculate only for a predicted gain above this fraction: near a tie the step-time noise and
         # the costs the model leaves out (catch-up after a gap, tree bookkeeping) decide, and they lose
         self.margin = margin
         self.candidates = candidates or candidate_configs()
+        self.shapes = Shapes(self.candidates)
+        # a bucket keeps the tree it speculates with (`_held`) until another is predicted faster by this
+        # much: near the best, trees differ by less than the prices' noise (the top ten of a search within
+        # a few percent), and on a GPU each tree new to a bucket costs a graph capture (an eager step and
+        # a recording); a search without it took a different tree almost every time
+        self.switch_margin = switch_margin
+        self._held: dict[int, SpecConfig] = {}
         # seeded with the draft's measured acceptance where known (its held-out top-1 agreement): a prior
         # of 0.6 is optimistic for a fresh draft and pushes a cold start toward wide trees
         self.acceptance = AcceptanceModel() if acceptance_prior is None else AcceptanceModel(acceptance_prior)
@@ -282,12 +324,15 @@ class Aware(Off):
         self._probe_interval: dict[int, int] = {}
         self._probe_turn: dict[int, int] = {}  # per bucket: which of the shapes not chosen the next probe tries
         self._probing: int | None = None  # bucket of the step being probed
-        # best tree per concurrency: (shape, its goodput, its step seconds). Its inputs (the acceptance
-        # model and the speculative correction) move only when speculative steps are observed, so it is
-        # refreshed then (every 16 of them, or after a probe), not searched anew at every step: a
-        # search over the candidates costs more than a small model's plain step
+        # best tree per running count and context level: (shape, its goodput, its step seconds). Its inputs
+        # (the acceptance model and the step fits) move only when speculative steps are observed, so a
+        # search is kept until a probe, a kind's first measurement, or `_search_every` speculative steps
+        # (`_search_again`), not run anew at every step: a search costs a tenth of a small model's
+        # graph-replayed step. The step fits are refit once per bucket in that time
         self._trees: dict[tuple[int, float | None], tuple[SpecConfig | None, float, float]] = {}
         self._ranked: dict[tuple[int, float | None], list[SpecConfig]] = {}  # the best `explore` shapes there
+        self._fitted: set[int] = set()  # buckets whose step fit was refit since the searches were forgotten
+        self._search_every, self._since_search = self.SEARCH_EVERY, 0
         # the context level (context_level) of the step being decided: every price is at it. Reading
         # the rows' caches costs a plain step and a tree step alike, so a step priced at the sweep's
         # context and scaled by a measured ratio makes a tree look dearer the longer the context is
@@ -295,10 +340,12 @@ class Aware(Off):
         # per sequence, the deepest tree level this step verifies: set by a budget that cuts the tree
         # (aware_per_sequence), None for every level; acceptance learns only the levels tried
         self.verified_depth: list[int] | None = None
-        self._spec_observed = 0
         self.probes = 0  # probe steps taken (the guarantee bench reports what they cost)
 
     _bucket = staticmethod(concurrency_bucket)
+    # speculative steps between searches: from 16, doubled by each search that finds the best tree it
+    # found before at that step's key, up to 256 (a wait of a quarter of a second at 1 ms a step)
+    SEARCH_EVERY, MAX_SEARCH_EVERY = 16, 256
 
     def _correction(self, kind: str, running: int) -> float:
         return self.correction.get((kind, self._bucket(running)), 1.0)
@@ -316,63 +363,72 @@ class Aware(Off):
             self.fits[b].fit(self._correction("off", running))
         return self.fits[b]
 
-    def _calibrated_seconds(self, c: SpecConfig | None, running: int, prices: dict | None = None,
-                            emitted: float | None = None) -> float:
-        """The step's time by the calibration alone (before the online correction). `prices`: a search's
-        memo of the forwards its shapes share; `emitted`: acceptance.expected(c), where the caller has it."""
+    def _calibrated_seconds(self, c: SpecConfig | None, running: int) -> float:
+        """The step's time by the calibration alone (before the online correction): the draft's catch-up
+        on last step's accepted states, its further levels, and the verify of every node of every row."""
         if c is None:
             return self.costs.at_context("target", running, running, self.context)
-        tokens = self._verified_tokens(c, running)
-        return self._draft_seconds(c, running, prices, emitted) + self._price("target", tokens, running, prices)
+        catch_up = running * self.acceptance.expected(c)
+        return (self.costs.at_context("draft", catch_up, running, self.context)
+                + (c.depth - 1) * self.costs.at_context("draft", running * c.topk, running, self.context)
+                + self.costs.at_context("target", self._verified_tokens(c, running), running, self.context))
+
+    def _calibrated_seconds_many(self, emitted: np.ndarray, running: int) -> np.ndarray:
+        """`_calibrated_seconds` of every candidate (`emitted`: their expected tokens a row)."""
+        s, price = self.shapes, self.costs.at_context_many
+        return (price("draft", running * emitted, running, self.context)
+                + (s.depth - 1) * price("draft", running * s.topk, running, self.context)
+                + price("target", self._verified_tokens_many(running), running, self.context))
 
     def _verified_tokens(self, c: SpecConfig, running: int) -> float:
         """Tokens in the verify forward of a step of tree c: every node of every row."""
         return running * c.num_verify
 
-    def _draft_seconds(self, c: SpecConfig, running: int, prices: dict | None = None,
-                       emitted: float | None = None) -> float:
-        # last step's accepted states, fed to the draft
-        catch_up = running * (self.acceptance.expected(c) if emitted is None else emitted)
-        return (self.costs.at_context("draft", catch_up, running, self.context)
-                + (c.depth - 1) * self._price("draft", running * c.topk, running, prices))
-
-    def _price(self, kind: str, tokens: float, running: int, prices: dict | None) -> float:
-        """A `kind` forward of `tokens` at the step's context, remembered in `prices` when given: a search
-        prices ~100 shapes, which share a few verify sizes and draft-level widths."""
-        if prices is None:
-            return self.costs.at_context(kind, tokens, running, self.context)
-        if (kind, tokens) not in prices:
-            prices[(kind, tokens)] = self.costs.at_context(kind, tokens, running, self.context)
-        return prices[(kind, tokens)]
+    def _verified_tokens_many(self, running: int) -> np.ndarray:
+        return running * self.shapes.nodes
 
     def goodput(self, c: SpecConfig | None, running: int) -> float:
         emitted = 1.0 if c is None else self.acceptance.expected(c)
         return running * emitted / self.predicted_seconds(c, running)
 
-    def _rates(self, running: int) -> list[float]:
-        """`goodput` of every candidate by the same arithmetic, with what candidates share computed once:
-        plain's step, the fit, and the shared forwards (`_price`). One shape at a time, a search cost tens of
-        microseconds a step: on a GPU a few percent of a graph-replayed step, which `aware` must not lose
-        to its fixed rivals."""
-        fit, prices = self._fit(running), {}
+    def _rates(self, running: int) -> np.ndarray:
+        """`goodput` of every candidate by the same arithmetic, as arrays (`Shapes`): on a GPU a search one
+        shape at a time cost a few percent of a graph-replayed step, which `aware` must not lose to its
+        fixed rivals."""
+        emitted = self.acceptance.expected_many(self.shapes)
+        forwards = self._calibrated_seconds_many(emitted, running)
         plain, scale = self._calibrated_seconds(None, running), self._correction("off", running)
-        rates = []
-        for c in self.candidates:
-            emitted = self.acceptance.expected(c)
-            forwards = self._calibrated_seconds(c, running, prices, emitted)
-            rates.append(running * emitted / fit.seconds(forwards, c, plain, scale))
-        return rates
+        return running * emitted / self._fit(running).seconds_of(forwards, self.shapes.depth, self.shapes.nodes,
+                                                                 plain, scale)
 
     def _tree(self, running: int) -> tuple[SpecConfig | None, float, float]:
         if (key := (running, self.context)) not in self._trees:
-            self._fit(running).fit(self._correction("off", running))
-            # best first; a tie goes to the earlier candidate
-            ranked = sorted((-rate, i) for i, rate in enumerate(self._rates(running)))
-            self._ranked[key] = [self.candidates[i] for _, i in ranked[: self.explore]]
-            best, best_rate = (self.candidates[ranked[0][1]], -ranked[0][0]) if ranked else (None, 0.0)
+            if (b := self._bucket(running)) not in self._fitted:
+                self._fit(running).fit(self._correction("off", running))
+                self._fitted.add(b)
+            rates = self._rates(running)
+            ranked = np.argsort(-rates, kind="stable")[: self.explore].tolist()  # best first; a tie: the earlier
+            self._ranked[key] = [self.candidates[i] for i in ranked]
+            best, best_rate = (self.candidates[ranked[0]], float(rates[ranked[0]])) if ranked else (None, 0.0)
+            held = self.shapes.index.get(self._held.get(b))
+            if held is not None and rates[held] * (1 + self.switch_margin) >= best_rate:
+                best, best_rate = self.candidates[held], float(rates[held])
             seconds = 0.0 if best is None else self.predicted_seconds(best, running)
             self._trees[key] = (best, best_rate, seconds)
         return self._trees[key]
+
+    def _forget_searches(self) -> None:
+        self._trees.clear()
+        self._fitted.clear()
+        self._since_search = 0
+
+    def _search_again(self, running: int) -> None:
+        """Forget every search and search this step's key again: the best tree found there before, found
+        again, doubles the wait for the next (up to MAX_SEARCH_EVERY speculative steps); another resets it."""
+        before = self._trees.get((running, self.context), (None,))[0]
+        self._forget_searches()
+        same = self._tree(running)[0] == before
+        self._search_every = min(2 * self._search_every, self.MAX_SEARCH_EVERY) if same else self.SEARCH_EVERY
 
     def _probe_choice(self, running: int, choice: SpecConfig | None) -> SpecConfig | None:
         """What a probe tries: the best tree while plain decoding is chosen; else, in turn, plain decoding
@@ -399,11 +455,18 @@ class Aware(Off):
             # same ~225 ms for 1 and 512 tokens, so the largest tree looked free and cost 10 plain steps)
             return None
         choice = self._decide(running)
+        if choice is not None:
+            self._held[b] = choice
         if self._since.get(("probe", b), 0) >= self._interval(running, choice):
             self._probing = b
             self.probes += 1
             return self._probe_choice(running, choice)
         return choice
+
+    def _learn_acceptance(self, config: SpecConfig | None, accepted: list[int] | None) -> None:
+        if config is not None and accepted is not None:
+            self.acceptance.observe(config, accepted, self.verified_depth)
+        self.verified_depth = None  # this step's
 
     def _interval(self, running: int, choice: SpecConfig | None) -> int:
         """Steps between probes in this bucket: `probe_every`, doubled by each probe that confirms the
@@ -417,8 +480,12 @@ class Aware(Off):
             interval = max(interval, math.ceil(extra / self.probe_budget))
         return min(interval, self.max_probe_every)
 
-    def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
+    def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float | None,
                 accepted: list[int] | None = None) -> None:
+        if seconds is None:  # no price in it (a graph's capture): its tokens only; a probe measured nothing,
+            self._probing = None  # and the next step probes again
+            self._learn_acceptance(config, accepted)
+            return
         kind, other = ("off", "spec") if config is None else ("spec", "off")
         b = self._bucket(running)
         # unbounded but for absurd values: a sweep taken while another process held a core can be wrong
@@ -442,16 +509,16 @@ class Aware(Off):
             self.correction[(kind, b)] = ratio if current is None else keep * current + (1 - keep) * ratio
         if (other, b) not in self._measured:
             self.correction[(other, b)] = self.correction[(kind, b)]
-            if current is None:  # (searched again on the first measurement only: a search costs ~0.5 ms)
-                self._trees.clear()
+            if current is None:  # (searched again on the first measurement only)
+                self._forget_searches()
         self._since[("probe", b)] = 0 if probe else self._since.get(("probe", b), 0) + 1
+        self._learn_acceptance(config, accepted)
         if config is not None:
-            if accepted is not None:
-                self.acceptance.observe(config, accepted, self.verified_depth)
-                self.verified_depth = None  # this step's
-            self._spec_observed += 1
-            if self._spec_observed % 16 == 0 or probe or current is None:
-                self._trees.clear()  # fresh evidence on speculation: search the trees again
+            self._since_search += 1
+            if probe or current is None:
+                self._forget_searches()  # fresh evidence on speculation: search the trees again
+            elif self._since_search >= self._search_every:
+                self._search_again(running)
         if probe:
             self._probing = None
             overturned = self._decide(running) != decided

@@ -70,9 +70,9 @@ class TLT:
             return self.rng.choice(self.arms)
         return self.arms[max(range(len(self.arms)), key=mean.__getitem__)]
 
-    def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
+    def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float | None,
                 accepted: list[int] | None = None) -> None:
-        if config is None or config not in self.arms:
+        if config is None or seconds is None or config not in self.arms:
             return
         pulls, mean = self._stats(self.bucket(running))
         i = self.arms.index(config)

@@ -178,6 +178,8 @@ class CpuProfiler:
                 steps = replay_steps([(cfg, running, acc) for _, cfg, running, _, _, acc in rec.log], plens, [tokens] * B)
                 residuals = []
                 for (running, width, ctx), (_, cfg, _, _, seconds, acc) in zip(steps, rec.log):
+                    if seconds is None:  # a step that captured a graph: no price in its time
+                        continue
                     if cfg is None or acc is None:
                         residuals.append(seconds - forwards.target(running, 1, ctx, 0))
                     else:

@@ -217,7 +217,7 @@ class Recorder:
         self.policy = policy
         self.name = policy.name
         self.tag: Any = None
-        self.log: list[tuple[Any, SpecConfig | None, int, int, float, list[int] | None]] = []
+        self.log: list[tuple[Any, SpecConfig | None, int, int, float | None, list[int] | None]] = []
 
     def choose(self, running: int, context: float | None = None) -> SpecConfig | None:
         return self.policy.choose(running, context)
@@ -225,7 +225,7 @@ class Recorder:
     def __getattr__(self, name: str) -> Any:  # select(), for a per-sequence budget
         return getattr(self.policy, name)
 
-    def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
+    def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float | None,
                 accepted: list[int] | None = None) -> None:
         self.policy.observe(config, running, emitted, seconds, accepted)
         self.log.append((self.tag, config, running, emitted, seconds, None if accepted is None else list(accepted)))

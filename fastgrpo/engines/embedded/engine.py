@@ -359,7 +359,7 @@ class EmbeddedEngine:
                 # states of the steps before it were not kept
                 # the context a step is priced at: attention reads every row to the longest row's cache
                 # a step's seconds include the policy's choice: aware is held to realised wall time
-                t = time.perf_counter()
+                t, captures = time.perf_counter(), self.graphs.captures
                 context = max(_cached(s) for s in running)
                 config = (self.policy.choose(len(running), context)
                           if self._pending is not None and self.speculating else None)
@@ -380,7 +380,9 @@ class EmbeddedEngine:
                 finally:
                     self._in_step = False
                 seconds = time.perf_counter() - t
-                self.policy.observe(config, len(running), emitted, seconds, accepted)
+                # a step that captured its graph ran eagerly and recorded: its time prices no later step
+                timed = self.graphs.captures == captures
+                self.policy.observe(config, len(running), emitted, seconds if timed else None, accepted)
                 self._count_step(config, len(running), emitted, seconds)
             self._retire(running, done)
             if drafting is not None:  # the step's host work for index drafts, its retire's included
