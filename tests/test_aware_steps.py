@@ -37,18 +37,27 @@ def graphed(c: SpecConfig | None, B: int) -> float:
     return 1.2 * (cal.target(B * c.num_verify) + c.depth * cal.draft(B * c.topk)) + 0.0003 * c.depth
 
 
-def expected_emitted(c: SpecConfig | None) -> float:
-    """Per sequence and step, by the truth's acceptance (as AcceptanceModel's prior, at ALPHA)."""
+BETA = 0.7  # what a tree's width adds, as aware's prior assumes (the median of bench simulate's fits)
+
+
+def level_acceptance(c: SpecConfig, beta: float = BETA) -> float:
+    """The truth's chance that a tree of c accepts a level it reached: of ~w candidates a level (its
+    nodes over its levels, at most top-k), the target's token is missed with chance (1 - ALPHA) w^-beta
+    (the law `bench simulate` fits to measured acceptance)."""
+    width = max(1.0, min(c.topk, (c.num_verify - 1) / c.depth))
+    return 1 - (1 - ALPHA) * width**-beta
+
+
+def expected_emitted(c: SpecConfig | None, beta: float = BETA) -> float:
+    """Per sequence and step, by the truth's acceptance."""
     if c is None:
         return 1.0
-    width = max(1.0, c.topk * min(1.0, (c.num_verify - 1) / (c.depth * c.topk)))
-    level = 1 - (1 - ALPHA) ** width
+    level = level_acceptance(c, beta)
     return 1 + sum(level**d for d in range(1, c.depth + 1))
 
 
-def accepted(c: SpecConfig, B: int, rng: random.Random) -> list[int]:
-    width = max(1.0, c.topk * min(1.0, (c.num_verify - 1) / (c.depth * c.topk)))
-    level = 1 - (1 - ALPHA) ** width
+def accepted(c: SpecConfig, B: int, rng: random.Random, beta: float = BETA) -> list[int]:
+    level = level_acceptance(c, beta)
     out = []
     for _ in range(B):
         a = 0
@@ -58,7 +67,7 @@ def accepted(c: SpecConfig, B: int, rng: random.Random) -> list[int]:
     return out
 
 
-def simulate(truth, B: int, steps: int, seed: int) -> float:
+def simulate(truth, B: int, steps: int, seed: int, beta: float = BETA) -> float:
     """aware's realised tokens per second over `steps` steps at B running (3% noise on every step)."""
     rng = random.Random(seed)
     aware = Aware(gpu_calibration())
@@ -66,29 +75,32 @@ def simulate(truth, B: int, steps: int, seed: int) -> float:
     for _ in range(steps):
         c = aware.choose(B, 512)
         t = truth(c, B) * math.exp(rng.gauss(0, 0.03))
-        acc = None if c is None else accepted(c, B, rng)
+        acc = None if c is None else accepted(c, B, rng, beta)
         emitted = B if acc is None else sum(a + 1 for a in acc)
         aware.observe(c, B, emitted, t, acc)
         tokens, seconds = tokens + emitted, seconds + t
     return tokens / seconds
 
 
-def best_fixed(truth, B: int) -> tuple[float, SpecConfig | None]:
-    rate, c = max(((B * expected_emitted(c) / truth(c, B), c) for c in [None, *candidate_configs()]),
+def best_fixed(truth, B: int, beta: float = BETA) -> tuple[float, SpecConfig | None]:
+    rate, c = max(((B * expected_emitted(c, beta) / truth(c, B), c) for c in [None, *candidate_configs()]),
                   key=lambda rc: rc[0])
     return rate, c
 
 
 # the never-slower bar: aware reaches 0.97x the best fixed choice at every concurrency (at seeds B,
-# B + 1000 and B + 2000 the least was 0.972, graphed costs at 64 running)
+# B + 1000 and B + 2000 the least was 0.965, eager costs at one running, seed 1001; the rest >= 0.972)
 FLOOR = 0.97
 
 
+@pytest.mark.parametrize("beta", [BETA, 0.4], ids=["prior's-law", "flatter-law"])
 @pytest.mark.parametrize("truth", [eager_h100, graphed], ids=["eager-h100", "graphed"])
-def test_aware_nears_the_best_fixed_choice_at_every_concurrency(truth):
+def test_aware_nears_the_best_fixed_choice_at_every_concurrency(truth, beta):
+    """Also where the truth's width law is not the prior's (beta 0.4: width adds less than aware assumes;
+    the measured shapes' own means take over)."""
     for B in (1, 4, 16, 64, 256):
-        rate, shape = best_fixed(truth, B)
-        got = simulate(truth, B, steps=3000, seed=B)
+        rate, shape = best_fixed(truth, B, beta)
+        got = simulate(truth, B, steps=3000, seed=B, beta=beta)
         print(f"\n{truth.__name__} B={B}: aware {got:.0f} tok/s, best fixed {rate:.0f} ({shape and shape.name}) "
               f"-> {got / rate:.3f}")
         assert got >= FLOOR * rate, (B, got / rate, shape)
@@ -97,23 +109,24 @@ def test_aware_nears_the_best_fixed_choice_at_every_concurrency(truth):
 
 def test_without_the_step_fit_the_eager_costs_defeat_aware():
     """The control: pricing forwards alone with one correction per bucket (StepFit held at its prior)
-    loses to the best fixed choice on the eager costs, as aware did on the H100 (0.62x at one sequence)."""
+    loses to the best fixed choice on the eager costs at 256 running (0.88x; as aware did on the H100,
+    0.62x at one sequence), where the draft levels' host work decides the tree."""
     original = StepFit.fit
 
     def one_ratio(self, scale):  # T = f F with f the mean measured / calibrated: one correction a bucket
         ratios = [sec / F for F, sec, _, _ in self.shapes.values()]
         self.f, self.h, self.g = (sum(ratios) / len(ratios) if ratios else scale), 0.0, 0.0
 
-    def seconds(self, forwards, c, plain, scale):
+    def seconds_of(self, forwards, depth, nodes, plain, scale):
         return self.f * forwards
 
-    original_seconds = StepFit.seconds
-    StepFit.fit, StepFit.seconds = one_ratio, seconds
+    original_seconds = StepFit.seconds_of
+    StepFit.fit, StepFit.seconds_of = one_ratio, seconds_of
     try:
-        rate, _ = best_fixed(eager_h100, 4)
-        got = simulate(eager_h100, 4, steps=3000, seed=4)
+        rate, _ = best_fixed(eager_h100, 256)
+        got = simulate(eager_h100, 256, steps=3000, seed=256)
     finally:
-        StepFit.fit, StepFit.seconds = original, original_seconds
+        StepFit.fit, StepFit.seconds_of = original, original_seconds
     assert got < 0.97 * rate
 
 
@@ -153,9 +166,9 @@ def rollout_seconds(truth, lengths: list[int], policy, seed: int) -> float:
 def test_aware_nears_the_best_fixed_choice_on_a_grpo_batch(truth):
     """A GRPO batch (32 prompts x 8 samples, lengths log-normal around 300 tokens, up to 2048): aware,
     choosing at every step for the sequences still running, takes at most 1/0.97 of the time of the best
-    single choice held through the batch (the static policies' best, chosen knowing the truth); measured:
-    0.985x on the eager costs, 1.30x on the graphed ones (the tail's few rows want deeper trees than the
-    batch's start), and 2.0x and 2.4x `off`."""
+    single choice held through the batch (the static policies' best, chosen knowing the truth); measured
+    at seeds 1-3: 1.00-1.02x on the eager costs, 1.24-1.26x on the graphed ones (the tail's few rows want
+    deeper trees than the batch's start), and 1.5x and 2.0x `off`."""
     from fastgrpo.speculation.policy import Off, Static
 
     lengths = [min(2048, max(8, int(random.Random(i).lognormvariate(math.log(300), 0.8)))) for i in range(256)]

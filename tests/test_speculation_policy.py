@@ -68,6 +68,75 @@ def test_aware_learns_acceptance_online():
     assert aware.acceptance.expected(shallow) < 1.3
 
 
+def test_evidence_from_a_wide_tree_carries_to_every_width():
+    """Steps of a width-8 tree (d3k8n25) whose levels a draft passes as the simulator's law says, with a
+    first candidate right half the time: each level passed with chance 1 - 0.5 * 8^-0.7 = 0.884. The
+    model learns the first candidate's 0.5, not the tree's 0.884, so it predicts a chain's steps (whose
+    levels pass half the time) and the tree's own alike, within 3%. Counting the tree's pass rate as
+    alpha, as before, the chain was promised 3.4 tokens a step where it emits 1.9."""
+    import random
+
+    model = Aware(synthetic_costs(), acceptance_prior=0.9).acceptance  # a prior far from the truth
+    wide, chain, rng = SpecConfig(3, 8, 25), SpecConfig(3, 1, 4), random.Random(0)
+    level = 1 - 0.5 * 8**-0.7
+    for _ in range(1500):  # 24,000 rows: alpha's estimate within 0.01 (a standard error)
+        accepted = []
+        for _ in range(16):
+            a = 0
+            while a < 3 and rng.random() < level:
+                a += 1
+            accepted.append(a)
+        model.observe(wide, accepted)
+    assert [model.alpha(d) for d in (1, 2, 3)] == pytest.approx([0.5] * 3, abs=0.04)
+    assert model.expected(chain) == pytest.approx(1 + 0.5 + 0.25 + 0.125, rel=0.03)
+    assert model.prior(wide) == pytest.approx(1 + level + level**2 + level**3, rel=0.03)
+
+
+def test_a_step_without_its_time_teaches_acceptance_and_nothing_of_cost():
+    """A step that captured a CUDA graph reaches `observe` with no seconds: acceptance learns its tokens,
+    while corrections, step fits and probes stay as they were (its time, an eager run and a recording,
+    would price every later step of its shape far too high)."""
+    aware = Aware(synthetic_costs())
+    plain_once(aware, 4)
+    tree = aware.choose(4)
+    assert tree is not None
+    aware.observe(tree, 4, 12, aware.predicted_seconds(tree, 4), accepted=[2] * 4)
+    state = (dict(aware.correction), {b: dict(f.shapes) for b, f in aware.fits.items()}, dict(aware._since))
+    count = aware.acceptance.count[tree]
+    for _ in range(3):
+        aware.observe(tree, 4, 16, None, accepted=[3] * 4)
+        aware.observe(None, 4, 4, None)
+    assert (dict(aware.correction), {b: dict(f.shapes) for b, f in aware.fits.items()}, dict(aware._since)) == state
+    assert aware.acceptance.count[tree] == count + 12
+
+
+def test_aware_keeps_its_tree_until_another_is_clearly_faster():
+    """A bucket keeps the tree it speculates with while another is predicted faster by less than
+    `switch_margin` (1%): near the best, trees differ by less than the prices' noise, and on a GPU each
+    tree new to a bucket costs a graph capture. A tree predicted 5% faster is taken."""
+    import numpy as np
+
+    first, second = SpecConfig(2, 2, 4), SpecConfig(3, 2, 6)
+    aware = Aware(synthetic_costs(), candidates=[first, second])
+    rates = {"now": np.array([1e9, 0.99e9])}
+    aware._rates = lambda running: rates["now"]  # the search's predicted goodputs, set here
+    plain_once(aware, 4)
+
+    def speculate(steps):
+        chosen = []
+        for _ in range(steps):
+            c = aware.choose(4)
+            chosen.append(c)
+            aware.observe(c, 4, 8, 0.01, accepted=[1] * 4)
+        return chosen[-1]
+
+    assert speculate(20) == first
+    rates["now"] = np.array([1e9, 1.005e9])  # the other 0.5% ahead: kept
+    assert speculate(40) == first
+    rates["now"] = np.array([1e9, 1.05e9])  # 5% ahead: taken
+    assert speculate(40) == second
+
+
 def test_aware_corrects_its_cost_model_per_concurrency():
     """Speculation measured slower than predicted at 16 sequences turns it off there, and only there."""
     aware = Aware(synthetic_costs())

@@ -2,6 +2,8 @@
 engine across padding, buckets, trees, stops and a mixture of experts; no host sync or host-to-device
 copy inside a step function; op budgets; CUDA graphs where there is a GPU."""
 
+import time
+
 import pytest
 import torch
 
@@ -310,3 +312,41 @@ def test_a_verify_that_samples_every_node_first_walks_the_same_path(name):
         assert walked.logprobs[b, : a + 1].tolist() == at_once.logprobs[b, : a + 1].tolist()
         assert walked.path[b, :a].tolist() == at_once.path[b, :a].tolist()
     assert walked.accepted.sum() >= B // 2 and (walked.accepted >= 2).sum() >= 5  # the walks went deep
+
+
+def test_a_step_that_captures_its_graph_is_not_priced(dense, monkeypatch):
+    """A CUDA graph's capture runs its step eagerly and records it (tens of replays' time): the engine
+    hands the policy no time for that step, only its tokens, and the time of every other step. Captures
+    are simulated on this CPU (a new key counts one and takes 50 ms more); each key's first step is the
+    one given no time."""
+    cfg, target, draft = dense
+
+    class Recording(Static):
+        def __init__(self):
+            super().__init__(SpecConfig(3, 2, 6))
+            self.seen = []
+
+        def choose(self, running, context=None):
+            return None if len(self.seen) % 3 == 0 else self.config  # plain and tree steps, both captured
+
+        def observe(self, config, running, emitted, seconds, accepted=None):
+            self.seen.append((config, seconds, accepted))
+
+    policy = Recording()
+    e = engine(cfg, target, True, draft, policy)
+    run, keys, first_calls = e.graphs.run, set(), []
+
+    def capturing(key, step):
+        new = key not in keys
+        keys.add(key)
+        first_calls.append(new)
+        if new:  # what a capture adds: a count, and time
+            e.graphs.captures += 1
+            time.sleep(0.05)
+        return run(key, step)
+
+    monkeypatch.setattr(e.graphs, "run", capturing)
+    e.generate([Request(p, max_new_tokens=20) for p in prompts(4, seed=2)], GREEDY)
+    assert len(first_calls) == len(policy.seen) and 2 <= sum(first_calls) < len(first_calls)
+    assert [seconds is None for _, seconds, _ in policy.seen] == first_calls
+    assert all(accepted is not None for config, _, accepted in policy.seen if config is not None)  # tokens learned

@@ -11,8 +11,9 @@ On a GPU a graph-replayed step of a small batch takes a millisecond or two, and 
 choosing and learning is paid on top of it, where a fixed tree pays nothing: that share must stay well
 under the 3% by which `aware` may trail the best fixed choice. This drives `Aware` as an engine would, on
 the SIMULATED machine of `bench simulate` (the roofline's calibration and step times, `speculation/
-roofline.py`), at each level of running sequences: contexts grow by what each step emits, each row
-accepts each level with chance `alpha`. It reports per level the median over 5 repetitions of the mean
+roofline.py`, and its acceptance law: a level's first candidate right with chance `alpha`, a tree of w
+candidates a level missing with chance (1 - alpha) w^-beta), at each level of running sequences:
+contexts grow by what each step emits. It reports per level the median over 5 repetitions of the mean
 microseconds of `choose` and `observe` per step, the choice it settled on, and their share of that
 choice's SIMULATED step. Timings are this machine's host; the step times are the simulator's (its
 error against a real GPU is in BENCHMARKS.md section 10).
@@ -27,37 +28,36 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def drive(policy, roofline, running: int, steps: int, alpha: float, seed: int) -> dict:
+def simulated_step(config, running: int, context: int, profile, roofline, rng) -> tuple[list[int] | None, int, float]:
+    """One step of `config` (None: plain) on the SIMULATED machine: each row's accepted drafts (drawn
+    from `profile`, `bench simulate`'s acceptance law), tokens emitted, and the step's seconds."""
+    if config is None:
+        return None, running, roofline.decode_step(running, context, context * running)
+    accepted = profile.draw(config, running, rng).tolist()
+    return accepted, sum(accepted) + running, roofline.spec_step(config, running, 1, context, context * running)
+
+
+def drive(policy, roofline, profile, running: int, steps: int, seed: int) -> dict:
     """`steps` decode steps of `running` sequences under `policy`; host seconds of its calls."""
-    rng = random.Random(seed)
+    rng = np.random.default_rng(seed)
     context, choose_s, observe_s, step_s, chosen = 64.0, 0.0, 0.0, 0.0, None
     for _ in range(steps):
         t = time.perf_counter()
         config = policy.choose(running, context)
         choose_s += time.perf_counter() - t
-        if config is None:
-            accepted, emitted = None, running
-            seconds = roofline.decode_step(running, int(context), int(context) * running)
-        else:
-            accepted = []
-            for _ in range(running):
-                depth = 0
-                while depth < config.depth and rng.random() < alpha:
-                    depth += 1
-                accepted.append(depth)
-            emitted = sum(a + 1 for a in accepted)
-            seconds = roofline.spec_step(config, running, 1, int(context), int(context) * running)
+        accepted, emitted, seconds = simulated_step(config, running, int(context), profile, roofline, rng)
         t = time.perf_counter()
         policy.observe(config, running, emitted, seconds, accepted)
         observe_s += time.perf_counter() - t
@@ -68,43 +68,32 @@ def drive(policy, roofline, running: int, steps: int, alpha: float, seed: int) -
             "step_ms": 1e3 * step_s / steps, "choice": chosen.name if chosen is not None else "plain"}
 
 
-def drive_batch(policy, roofline, rows: int, max_tokens: int, alpha: float, seed: int,
-                prompt: int = 64) -> dict:
+def drive_batch(policy, roofline, profile, rows: int, max_tokens: int, seed: int, prompt: int = 64) -> dict:
     """One batch of `rows` rows of drawn lengths (module doc) under `policy`: its host seconds a step."""
-    rng = random.Random(seed)
-    lengths = [rng.randint(max(max_tokens // 8, 1), max_tokens) for _ in range(rows)]
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(max(max_tokens // 8, 1), max_tokens, endpoint=True, size=rows).tolist()
     done = [0] * rows
     choose_s = observe_s = step_s = 0.0
     steps = searches = 0
     rates = policy._rates
+
     def counted(running):  # the searches: each prices every candidate tree
         nonlocal searches
         searches += 1
         return rates(running)
+
     policy._rates = counted
     while live := [i for i in range(rows) if done[i] < lengths[i]]:
         running, context = len(live), prompt + max(done[i] for i in live)
         t = time.perf_counter()
         config = policy.choose(running, context)
         choose_s += time.perf_counter() - t
-        emit = [1] * running
-        if config is None:
-            accepted = None
-            seconds = roofline.decode_step(running, context, context * running)
-        else:
-            accepted = []
-            for _ in range(running):
-                depth = 0
-                while depth < config.depth and rng.random() < alpha:
-                    depth += 1
-                accepted.append(depth)
-            emit = [a + 1 for a in accepted]
-            seconds = roofline.spec_step(config, running, 1, context, context * running)
+        accepted, emitted, seconds = simulated_step(config, running, context, profile, roofline, rng)
         t = time.perf_counter()
-        policy.observe(config, running, sum(emit), seconds, accepted)
+        policy.observe(config, running, emitted, seconds, accepted)
         observe_s += time.perf_counter() - t
-        for i, e in zip(live, emit):
-            done[i] += e
+        for i, a in zip(live, accepted or [0] * running):
+            done[i] += a + 1
         step_s += seconds
         steps += 1
     return {"steps": steps, "searches": searches, "choose_us": 1e6 * choose_s / steps,
@@ -112,6 +101,7 @@ def drive_batch(policy, roofline, rows: int, max_tokens: int, alpha: float, seed
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from fastgrpo.bench.simulate.acceptance import AcceptanceProfile
     from fastgrpo.speculation.policy import Aware
     from fastgrpo.speculation.roofline import (ACCELERATORS, Roofline, load_model_shape, model_shape,
                                                simulated_cost_model)
@@ -124,7 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--gpu", choices=sorted(ACCELERATORS), default="h100")
     p.add_argument("--running", default="1,4,16,64,256")
     p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--alpha", type=float, default=0.7, help="a row's chance to accept each drafted level")
+    p.add_argument("--alpha", type=float, default=0.7, help="the draft's first candidate's chance at each level")
+    p.add_argument("--beta", type=float, default=0.7, help="what a tree's width adds (bench simulate's law)")
     p.add_argument("--batch", type=int, help="drive one GRPO batch of this many rows instead of fixed levels")
     p.add_argument("--max-tokens", type=int, default=1024, help="with --batch: the longest a row may run")
     args = p.parse_args(argv)
@@ -137,21 +128,22 @@ def main(argv: list[str] | None = None) -> dict:
         shape = load_model_shape(args.model)
     roofline = Roofline(ACCELERATORS[args.gpu], shape)
     costs = simulated_cost_model(roofline)
+    profile = AcceptanceProfile([args.alpha], args.beta)
     if args.batch:
-        runs = [drive_batch(Aware(costs, acceptance_prior=args.alpha), roofline, args.batch, args.max_tokens,
-                            args.alpha, seed) for seed in range(5)]
+        runs = [drive_batch(Aware(costs, acceptance_prior=args.alpha), roofline, profile, args.batch, args.max_tokens,
+                            seed) for seed in range(5)]
         row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         row["share_of_step"] = (row["choose_us"] + row["observe_us"]) / (1e3 * row["step_ms"])
         print(f"batch of {args.batch} rows, up to {args.max_tokens} tokens: {row['steps']:.0f} steps, "
               f"{row['searches']:.0f} searches; choose {row['choose_us']:.1f} us + observe {row['observe_us']:.1f} us "
               f"a step; SIMULATED step {row['step_ms']:.3f} ms: {100 * row['share_of_step']:.2f}%", flush=True)
-        result = {"model": shape.name, "gpu": roofline.hw.name, "alpha": args.alpha, "batch": args.batch,
+        result = {"model": shape.name, "gpu": roofline.hw.name, "alpha": args.alpha, "beta": args.beta, "batch": args.batch,
                   "max_tokens": args.max_tokens, **row}
         print(json.dumps(result))
         return result
     rows = []
     for running in (int(x) for x in args.running.split(",")):
-        runs = [drive(Aware(costs, acceptance_prior=args.alpha), roofline, running, args.steps, args.alpha, seed)
+        runs = [drive(Aware(costs, acceptance_prior=args.alpha), roofline, profile, running, args.steps, seed)
                 for seed in range(5)]
         row = {"running": running, **{k: statistics.median(r[k] for r in runs)
                                        for k in ("choose_us", "observe_us", "step_ms")},
@@ -161,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"running {running:4d}: choose {row['choose_us']:6.1f} us + observe {row['observe_us']:6.1f} us a step; "
               f"settled on {row['choice']:>9}; SIMULATED step {row['step_ms']:.3f} ms: {100 * row['share_of_step']:.2f}%",
               flush=True)
-    result = {"model": shape.name, "gpu": roofline.hw.name, "steps": args.steps, "alpha": args.alpha,
+    result = {"model": shape.name, "gpu": roofline.hw.name, "steps": args.steps, "alpha": args.alpha, "beta": args.beta,
               "levels": rows}
     print(json.dumps(result))
     return result

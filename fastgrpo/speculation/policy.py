@@ -124,37 +124,49 @@ class Shapes:
         self.topk = np.array([c.topk for c in configs], dtype=np.float64)
         self.nodes = np.array([c.num_verify for c in configs], dtype=np.float64)  # root included
         self.levels = np.arange(1, int(self.depth.max(initial=0)) + 1)  # 1..the deepest shape's depth
-        # each shape's draft width for the prior (AcceptanceModel.prior), and which levels it has
-        self.width = np.maximum(1.0, self.topk * np.minimum(1.0, (self.nodes - 1) / (self.depth * self.topk)))
+        self.width = np.array([tree_width(c) for c in configs], dtype=np.float64)
         self.has_level = self.levels[None, :] <= self.depth[:, None]
+
+
+def tree_width(c: SpecConfig) -> float:
+    """Candidates a tree keeps per level, crudely: its nodes spread over its levels, at most top-k (a
+    shape with fewer nodes than depth x top-k keeps fewer alternatives at each level than a full one)."""
+    return max(1.0, min(float(c.topk), (c.num_verify - 1) / c.depth))
 
 
 class AcceptanceModel:
     """Expected tokens emitted per sequence per step for any tree shape, learned online.
 
     Two pieces of evidence, both per sequence (so what is learned at one concurrency transfers to
-    all others): the chance alpha_d that a step which reached depth d - 1 of its tree also accepts
-    depth d (pooled over shapes: a prior for shapes never tried), and the mean emitted tokens of each
-    shape actually used (which overrides the prior as it accumulates).
+    all others): the chance alpha_d that the draft's first candidate at level d is the target's token,
+    given the path to it (pooled over shapes: a prior for shapes never tried), and the mean emitted
+    tokens of each shape actually used (which overrides the prior as it accumulates).
+
+    A tree keeping w candidates a level (`tree_width`) misses level d with chance (1 - alpha_d) w^-beta,
+    the law `bench simulate` fits to measured acceptance (beta 0.4-0.9 over its profiles, median 0.7):
+    a draft's alternatives are not independent guesses, and (1 - alpha)^w promised a width-8 tree nearly
+    every level. Evidence from a tree of width w is taken in first-candidate units, so that it carries
+    to every width: a level passed counts 1, a level missed 1 - w^beta (the expectation of which is
+    alpha_d, as a level of that tree is passed with chance 1 - (1 - alpha_d) w^-beta). Counted as the
+    tree's own pass rate, a wide tree's evidence raised alpha, and the prior then widened it again.
     """
 
-    def __init__(self, prior_alpha: float = 0.6, prior_weight: float = 8.0, max_depth: int = 16):
+    def __init__(self, prior_alpha: float = 0.6, prior_weight: float = 8.0, max_depth: int = 16, beta: float = 0.7):
         self.reached = [prior_weight] * (max_depth + 2)
         self.passed = [prior_weight * prior_alpha] * (max_depth + 2)
         self.prior_weight = prior_weight
+        self.beta = beta
         self.sum_emitted: dict[SpecConfig, float] = {}
         self.count: dict[SpecConfig, float] = {}
 
     def alpha(self, d: int) -> float:
-        return self.passed[d] / self.reached[d]
+        return min(max(self.passed[d] / self.reached[d], 0.0), 1.0)  # (a few misses of a wide tree: below 0)
 
     def prior(self, c: SpecConfig) -> float:
-        # a tree of depth D and n - 1 nodes: nodes are spread over the levels, so a shape with fewer
-        # nodes than depth * width accepts less at depth than a full one (crudely, by the fill ratio)
-        width = max(1.0, c.topk * min(1.0, (c.num_verify - 1) / (c.depth * c.topk)))
+        miss = tree_width(c) ** -self.beta  # of a level, relative to one candidate's
         expected, reach = 1.0, 1.0
         for d in range(1, c.depth + 1):
-            reach *= 1 - (1 - self.alpha(d)) ** width  # any of ~width alternatives accepted
+            reach *= 1 - (1 - self.alpha(d)) * miss
             expected += reach
         return expected
 
@@ -165,7 +177,8 @@ class AcceptanceModel:
     def expected_many(self, shapes: Shapes) -> np.ndarray:
         """`expected` of every shape at once (`prior`'s product over levels as one cumulative product)."""
         alpha = np.array([self.alpha(d) for d in shapes.levels], dtype=np.float64)
-        reach = np.cumprod(np.where(shapes.has_level, 1 - (1 - alpha[None, :]) ** shapes.width[:, None], 1.0), axis=1)
+        miss = shapes.width[:, None] ** -self.beta
+        reach = np.cumprod(np.where(shapes.has_level, 1 - (1 - alpha[None, :]) * miss, 1.0), axis=1)
         prior = 1.0 + np.where(shapes.has_level, reach, 0.0).sum(axis=1)
         emitted, count = np.zeros(len(shapes.configs)), np.zeros(len(shapes.configs))
         for c, n in self.count.items():  # the shapes measured: a few
@@ -183,10 +196,11 @@ class AcceptanceModel:
         tried = repeat(c.depth) if verified_depth is None else (min(c.depth, v) for v in verified_depth)
         # counted per distinct (accepted, tried) pair, not per sequence: a step of 256 rows has a few
         pairs = Counter(zip(accepted, tried))
+        missed = 1.0 - tree_width(c) ** self.beta  # a level missed, in first-candidate units
         for (a, t), rows in pairs.items():
             for d in range(1, min(a + 1, t) + 1):
                 self.reached[d] += rows
-                self.passed[d] += rows * (d <= a)
+                self.passed[d] += rows * (1.0 if d <= a else missed)
         self.sum_emitted[c] = self.sum_emitted.get(c, 0.0) + sum(rows * (a + 1) for (a, _), rows in pairs.items())
         self.count[c] = self.count.get(c, 0.0) + len(accepted)
 
@@ -326,13 +340,13 @@ class Aware(Off):
         self._probing: int | None = None  # bucket of the step being probed
         # best tree per running count and context level: (shape, its goodput, its step seconds). Its inputs
         # (the acceptance model and the step fits) move only when speculative steps are observed, so a
-        # search is kept until a probe, a kind's first measurement, or `_search_every` speculative steps
-        # (`_search_again`), not run anew at every step: a search costs a tenth of a small model's
-        # graph-replayed step. The step fits are refit once per bucket in that time
+        # search is kept until a probe, a kind's first measurement, or SEARCH_EVERY speculative steps, not
+        # run anew at every step: a search costs a tenth of a small model's graph-replayed step. The step
+        # fits are refit once per bucket in that time
         self._trees: dict[tuple[int, float | None], tuple[SpecConfig | None, float, float]] = {}
         self._ranked: dict[tuple[int, float | None], list[SpecConfig]] = {}  # the best `explore` shapes there
         self._fitted: set[int] = set()  # buckets whose step fit was refit since the searches were forgotten
-        self._search_every, self._since_search = self.SEARCH_EVERY, 0
+        self._since_search = 0  # speculative steps since the searches were forgotten
         # the context level (context_level) of the step being decided: every price is at it. Reading
         # the rows' caches costs a plain step and a tree step alike, so a step priced at the sweep's
         # context and scaled by a measured ratio makes a tree look dearer the longer the context is
@@ -343,9 +357,9 @@ class Aware(Off):
         self.probes = 0  # probe steps taken (the guarantee bench reports what they cost)
 
     _bucket = staticmethod(concurrency_bucket)
-    # speculative steps between searches: from 16, doubled by each search that finds the best tree it
-    # found before at that step's key, up to 256 (a wait of a quarter of a second at 1 ms a step)
-    SEARCH_EVERY, MAX_SEARCH_EVERY = 16, 256
+    # speculative steps between searches: waits doubled while searches agreed (up to 256) left a GRPO
+    # batch's tail on trees chosen on stale acceptance (0.93-0.97x the best fixed tree, simulated)
+    SEARCH_EVERY = 16
 
     def _correction(self, kind: str, running: int) -> float:
         return self.correction.get((kind, self._bucket(running)), 1.0)
@@ -421,14 +435,6 @@ class Aware(Off):
         self._trees.clear()
         self._fitted.clear()
         self._since_search = 0
-
-    def _search_again(self, running: int) -> None:
-        """Forget every search and search this step's key again: the best tree found there before, found
-        again, doubles the wait for the next (up to MAX_SEARCH_EVERY speculative steps); another resets it."""
-        before = self._trees.get((running, self.context), (None,))[0]
-        self._forget_searches()
-        same = self._tree(running)[0] == before
-        self._search_every = min(2 * self._search_every, self.MAX_SEARCH_EVERY) if same else self.SEARCH_EVERY
 
     def _probe_choice(self, running: int, choice: SpecConfig | None) -> SpecConfig | None:
         """What a probe tries: the best tree while plain decoding is chosen; else, in turn, plain decoding
@@ -515,10 +521,8 @@ class Aware(Off):
         self._learn_acceptance(config, accepted)
         if config is not None:
             self._since_search += 1
-            if probe or current is None:
+            if probe or current is None or self._since_search >= self.SEARCH_EVERY:
                 self._forget_searches()  # fresh evidence on speculation: search the trees again
-            elif self._since_search >= self._search_every:
-                self._search_again(running)
         if probe:
             self._probing = None
             overturned = self._decide(running) != decided

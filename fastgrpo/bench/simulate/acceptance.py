@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fastgrpo.speculation.policy import tree_width
 from fastgrpo.speculation.spec import SpecConfig
 
 
@@ -14,8 +15,8 @@ class AcceptanceProfile:
     """P(a tree of shape c accepts >= d tokens) = prod over depths j <= d of cov_j(w), where
     cov_j(w) = 1 - (1 - alpha_j) w^-beta is the chance the target's token at depth j is among the
     w draft candidates kept under the path's node (alpha_j: the top-1 chance, beta: what width adds),
-    and w = clamp((n - 1) / depth, 1, top-k) is the tree's fill (the same crude width the engine's
-    AcceptanceModel uses as its prior). Shapes measured often enough are drawn from their measured
+    and w = clamp((n - 1) / depth, 1, top-k) is the tree's fill (`tree_width`, the same crude width
+    and law the engine's AcceptanceModel uses as its prior). Shapes measured often enough are drawn from their measured
     histogram instead (`empirical`)."""
 
     alpha: list[float]  # top-1 acceptance at depth 1, 2, ... (the last repeats beyond)
@@ -29,7 +30,7 @@ class AcceptanceProfile:
         if c in self.empirical and len(self.empirical[c]) >= self.min_samples:
             a = np.asarray(self.empirical[c])
             return [float((a >= d).mean()) for d in range(1, c.depth + 1)]
-        w = min(max((c.num_verify - 1) / c.depth, 1.0), c.topk)
+        w = tree_width(c)
         depth = min(c.depth, c.num_verify - 1)
         out, reach = [], 1.0
         for j in range(1, c.depth + 1):
