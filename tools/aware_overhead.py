@@ -14,8 +14,9 @@ the SIMULATED machine of `bench simulate` (the roofline's calibration and step t
 roofline.py`, and its acceptance law: a level's first candidate right with chance `alpha`, a tree of w
 candidates a level missing with chance (1 - alpha) w^-beta), at each level of running sequences:
 contexts grow by what each step emits. It reports per level the median over 5 repetitions of the mean
-microseconds of `choose` and `observe` per step, the choice it settled on, and their share of that
-choice's SIMULATED step. Timings are this machine's host; the step times are the simulator's (its
+microseconds of `choose` and `observe` per step, the choice it settled on, how often its shape changed,
+and their share of that choice's SIMULATED step; with `--against-fixed`, its SIMULATED tokens/s (its
+host time included) against the best of plain decoding and every candidate tree held fixed. Timings are this machine's host; the step times are the simulator's (its
 error against a real GPU is in BENCHMARKS.md section 10).
 
 `--batch B` drives one GRPO batch instead, the workload where the running count changes most: B rows
@@ -53,6 +54,7 @@ def drive(policy, roofline, profile, running: int, steps: int, seed: int) -> dic
     """`steps` decode steps of `running` sequences under `policy`; host seconds of its calls."""
     rng = np.random.default_rng(seed)
     context, choose_s, observe_s, step_s, chosen = 64.0, 0.0, 0.0, 0.0, None
+    tokens = changes = 0
     for _ in range(steps):
         t = time.perf_counter()
         config = policy.choose(running, context)
@@ -63,9 +65,10 @@ def drive(policy, roofline, profile, running: int, steps: int, seed: int) -> dic
         observe_s += time.perf_counter() - t
         step_s += seconds
         context += emitted / running
-        chosen = config
+        tokens, changes, chosen = tokens + emitted, changes + (config != chosen), config
     return {"choose_us": 1e6 * choose_s / steps, "observe_us": 1e6 * observe_s / steps,
-            "step_ms": 1e3 * step_s / steps, "choice": chosen.name if chosen is not None else "plain"}
+            "step_ms": 1e3 * step_s / steps, "choice": chosen.name if chosen is not None else "plain",
+            "changes": changes, "tok_s": tokens / step_s, "tok_s_with_host": tokens / (step_s + choose_s + observe_s)}
 
 
 def drive_batch(policy, roofline, profile, rows: int, max_tokens: int, seed: int, prompt: int = 64) -> dict:
@@ -102,7 +105,7 @@ def drive_batch(policy, roofline, profile, rows: int, max_tokens: int, seed: int
 
 def main(argv: list[str] | None = None) -> dict:
     from fastgrpo.bench.simulate.acceptance import AcceptanceProfile
-    from fastgrpo.speculation.policy import Aware
+    from fastgrpo.speculation.policy import Aware, Off, Static, candidate_configs
     from fastgrpo.speculation.roofline import (ACCELERATORS, Roofline, load_model_shape, model_shape,
                                                simulated_cost_model)
 
@@ -118,6 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--beta", type=float, default=0.7, help="what a tree's width adds (bench simulate's law)")
     p.add_argument("--batch", type=int, help="drive one GRPO batch of this many rows instead of fixed levels")
     p.add_argument("--max-tokens", type=int, default=1024, help="with --batch: the longest a row may run")
+    p.add_argument("--against-fixed", action="store_true", help="at each level also run plain decoding and every "
+                   "candidate tree, fixed, over the same steps (one seed): aware's SIMULATED tokens/s against the best")
     args = p.parse_args(argv)
     if args.policy_size:
         from fastgrpo.models.policy import policy_config
@@ -146,13 +151,23 @@ def main(argv: list[str] | None = None) -> dict:
         runs = [drive(Aware(costs, acceptance_prior=args.alpha), roofline, profile, running, args.steps, seed)
                 for seed in range(5)]
         row = {"running": running, **{k: statistics.median(r[k] for r in runs)
-                                       for k in ("choose_us", "observe_us", "step_ms")},
+                                       for k in ("choose_us", "observe_us", "step_ms", "changes", "tok_s",
+                                                 "tok_s_with_host")},
                "choice": statistics.mode(r["choice"] for r in runs)}
         row["share_of_step"] = (row["choose_us"] + row["observe_us"]) / (1e3 * row["step_ms"])
+        line = (f"running {running:4d}: choose {row['choose_us']:6.1f} us + observe {row['observe_us']:6.1f} us a step; "
+                f"settled on {row['choice']:>9} ({row['changes']:.0f} changes of shape); SIMULATED step "
+                f"{row['step_ms']:.3f} ms: {100 * row['share_of_step']:.2f}%")
+        if args.against_fixed:
+            fixed = {(c.name if c else "plain"): drive(Off() if c is None else Static(c), roofline, profile, running,
+                                                        args.steps, 0)["tok_s"] for c in [None, *candidate_configs()]}
+            row["best_fixed"] = max(fixed, key=fixed.get)
+            row["best_fixed_tok_s"] = fixed[row["best_fixed"]]
+            line += (f"; SIMULATED {row['tok_s_with_host']:.0f} tok/s with its host time against the best fixed "
+                     f"{row['best_fixed']}'s {row['best_fixed_tok_s']:.0f}: "
+                     f"{row['tok_s_with_host'] / row['best_fixed_tok_s']:.3f}x")
         rows.append(row)
-        print(f"running {running:4d}: choose {row['choose_us']:6.1f} us + observe {row['observe_us']:6.1f} us a step; "
-              f"settled on {row['choice']:>9}; SIMULATED step {row['step_ms']:.3f} ms: {100 * row['share_of_step']:.2f}%",
-              flush=True)
+        print(line, flush=True)
     result = {"model": shape.name, "gpu": roofline.hw.name, "steps": args.steps, "alpha": args.alpha, "beta": args.beta,
               "levels": rows}
     print(json.dumps(result))

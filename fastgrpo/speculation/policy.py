@@ -342,10 +342,11 @@ class Aware(Off):
         # (the acceptance model and the step fits) move only when speculative steps are observed, so a
         # search is kept until a probe, a kind's first measurement, or SEARCH_EVERY speculative steps, not
         # run anew at every step: a search costs a tenth of a small model's graph-replayed step. The step
-        # fits are refit once per bucket in that time
+        # fits are refit once per bucket in that time, and acceptance read once
         self._trees: dict[tuple[int, float | None], tuple[SpecConfig | None, float, float]] = {}
         self._ranked: dict[tuple[int, float | None], list[SpecConfig]] = {}  # the best `explore` shapes there
         self._fitted: set[int] = set()  # buckets whose step fit was refit since the searches were forgotten
+        self._emitted: np.ndarray | None = None  # every candidate's expected tokens a row, likewise
         self._since_search = 0  # speculative steps since the searches were forgotten
         # the context level (context_level) of the step being decided: every price is at it. Reading
         # the rows' caches costs a plain step and a tree step alike, so a step priced at the sweep's
@@ -409,7 +410,9 @@ class Aware(Off):
         """`goodput` of every candidate by the same arithmetic, as arrays (`Shapes`): on a GPU a search one
         shape at a time cost a few percent of a graph-replayed step, which `aware` must not lose to its
         fixed rivals."""
-        emitted = self.acceptance.expected_many(self.shapes)
+        if self._emitted is None:
+            self._emitted = self.acceptance.expected_many(self.shapes)
+        emitted = self._emitted
         forwards = self._calibrated_seconds_many(emitted, running)
         plain, scale = self._calibrated_seconds(None, running), self._correction("off", running)
         return running * emitted / self._fit(running).seconds_of(forwards, self.shapes.depth, self.shapes.nodes,
@@ -434,6 +437,7 @@ class Aware(Off):
     def _forget_searches(self) -> None:
         self._trees.clear()
         self._fitted.clear()
+        self._emitted = None
         self._since_search = 0
 
     def _probe_choice(self, running: int, choice: SpecConfig | None) -> SpecConfig | None:
