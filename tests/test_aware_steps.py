@@ -113,8 +113,8 @@ def test_without_the_step_fit_the_eager_costs_defeat_aware():
     0.62x at one sequence), where the draft levels' host work decides the tree."""
     original = StepFit.fit
 
-    def one_ratio(self, scale):  # T = f F with f the mean measured / calibrated: one correction a bucket
-        ratios = [sec / F for F, sec, _, _ in self.shapes.values()]
+    def one_ratio(self, scale, context=None):  # T = f F, f the mean measured / calibrated: one correction a bucket
+        ratios = [sec / F for F, sec, *_ in self.shapes.values()]
         self.f, self.h, self.g = (sum(ratios) / len(ratios) if ratios else scale), 0.0, 0.0
 
     def seconds_of(self, forwards, depth, nodes, plain, scale):
@@ -145,6 +145,22 @@ def test_the_step_fit_recovers_a_fixed_and_a_per_level_cost():
     assert fit.seconds(0.04, c, u, 3.0) == pytest.approx(0.02 + 1.5 * 0.04 + U * (0.7 + 1.2 + 0.25), rel=1e-4)
 
 
+def test_the_step_fit_weighs_shapes_by_how_near_their_context_was():
+    """A wide tree measured once over 64 cached tokens at 3x its forwards (a calibration that was off
+    there), and a narrow one measured over 4,096 at its forwards: fitted for steps over 4,096 tokens the
+    wide tree is priced near its forwards (its evidence six octaves away weighs 1/64), fitted for 64 near
+    the 3x it cost there."""
+    u, wide, narrow = 0.01, SpecConfig(6, 8, 48), SpecConfig(3, 1, 4)
+    fit = StepFit()
+    fit.add(0.02, wide, 0.06, u, context=64)
+    for _ in range(8):
+        fit.add(0.015, narrow, 0.015, u, context=4096)
+    fit.fit(scale=1.0, context=4096)
+    assert fit.seconds(0.02, wide, u, 1.0) < 1.3 * 0.02
+    fit.fit(scale=1.0, context=64)
+    assert fit.seconds(0.02, wide, u, 1.0) > 2.0 * 0.02
+
+
 def rollout_seconds(truth, lengths: list[int], policy, seed: int) -> float:
     """Seconds to finish a GRPO batch: every sequence runs until it has emitted its length; the running
     count falls as they finish (the long tail); 3% noise on every step."""
@@ -167,7 +183,7 @@ def test_aware_nears_the_best_fixed_choice_on_a_grpo_batch(truth):
     """A GRPO batch (32 prompts x 8 samples, lengths log-normal around 300 tokens, up to 2048): aware,
     choosing at every step for the sequences still running, takes at most 1/0.97 of the time of the best
     single choice held through the batch (the static policies' best, chosen knowing the truth); measured
-    at seeds 1-3: 1.00-1.02x on the eager costs, 1.24-1.26x on the graphed ones (the tail's few rows want
+    at seeds 1-3: 1.01-1.03x on the eager costs, 1.23-1.25x on the graphed ones (the tail's few rows want
     deeper trees than the batch's start), and 1.5x and 2.0x `off`."""
     from fastgrpo.speculation.policy import Off, Static
 

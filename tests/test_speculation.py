@@ -156,12 +156,13 @@ def spec_policy(name):
         return FastGRPOFormula()
     if name == "aware":
         # costs so far above any step's measured seconds that every measured/predicted ratio clips to
-        # Aware's floor of 1e-3, speculative and plain alike, so the choices follow this curve (flat to 256
-        # tokens, then linear), not the machine's load: a plain step priced at 1e5 s clips while it takes
+        # Aware's floor of 1e-3, speculative and plain alike, so the choices follow this curve (flat to 512
+        # tokens, then linear: at 48 rows, trees of depth 4-6, whose full-depth accepts the test needs; flat
+        # to 256, aware took d2k2n4 for most steps), not the machine's load: a plain step priced at 1e5 s clips while it takes
         # under 100 s. (Priced at 100 s, a tree step of 0.3 s on a loaded machine did not clip while plain
         # steps did, so trees looked 2-3x dearer and aware chose shallow ones: 15 deep nodes of 500.)
         grid = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-        return Aware(CostModel({t: 1e5 * max(1.0, t / 256) for t in grid}, {t: 1e4 * max(1.0, t / 256) for t in grid}))
+        return Aware(CostModel({t: 1e5 * max(1.0, t / 512) for t in grid}, {t: 1e4 * max(1.0, t / 512) for t in grid}))
     if name == "aware_per_sequence":
         # a verified node costs 1/256 of a plain step, so unlikely nodes are cut (on any predicted gain:
         # margin 0); costs far above any step's seconds, as for aware (larger still: a loaded machine's

@@ -235,22 +235,36 @@ class StepFit:
         self.prior_weight, self.decay, self.cap = prior_weight, decay, cap
         self.f, self.h, self.g, self.q = 1.0, 0.0, 0.0, 0.0
 
-    def add(self, forwards: float, c: SpecConfig, seconds: float, plain: float, probe: bool = False) -> None:
+    def add(self, forwards: float, c: SpecConfig, seconds: float, plain: float, probe: bool = False,
+            context: float | None = None) -> None:
+        octave = math.log2(context) if context else 0.0
         seen = self.shapes.get(c)
         if seen is None:
-            self.shapes[c] = [forwards, seconds, plain, 1.0]
+            self.shapes[c] = [forwards, seconds, plain, 1.0, octave]
             return
         keep = 0.5 if probe else self.decay
-        for i, value in enumerate((forwards, seconds, plain)):
+        for i, value in ((0, forwards), (1, seconds), (2, plain), (4, octave)):
             seen[i] = keep * seen[i] + (1 - keep) * value
         seen[3] += 1
 
-    def fit(self, scale: float) -> None:
-        """Refit with `scale`, plain's current correction (U = u * scale)."""
+    def fit(self, scale: float, context: float | None = None) -> None:
+        """Refit with `scale`, plain's current correction (U = u * scale), for steps at `context` cached
+        tokens a row: against the shapes measured nearest that context, a shape measured an octave further
+        weighs half as much, two octaves a quarter, further not at all. How far the calibration is off
+        depends on the context (at 64 rows on the SIMULATED H100, a wide tree's verify cost 3x its
+        calibrated forwards over 64 cached tokens and 1.04x over 5,800), and a wide shape tried once
+        early and never again, however lightly weighted, set the per-node cost q alone (its node count
+        gives it the leverage) and priced every tree its size out of reach. Relative to the nearest, so
+        that evidence is never all dropped: with none left, the calibration alone (once 8x wrong in a
+        test) would decide again."""
         self.f, self.h, self.g, self.q = 1.0, 0.0, 0.0, 0.0
         if not self.shapes:
             return
-        rows = [(c, F, sec, u, min(n, self.cap)) for c, (F, sec, u, n) in self.shapes.items()]
+        octave = math.log2(context) if context else None
+        far = {c: 0.0 if octave is None else abs(octave - v[4]) for c, v in self.shapes.items()}  # octaves away
+        nearest = min(far.values())
+        rows = [(c, F, sec, u, min(n, self.cap) * 0.5 ** (far[c] - nearest))
+                for c, (F, sec, u, n, _) in self.shapes.items() if far[c] - nearest <= 2]
         w = np.sqrt(np.array([weight for *_, weight in rows], dtype=np.float64))[:, None]
         x = w * np.array([[F * min(scale, 1) / (u * scale), 1.0, float(c.depth), c.num_verify - 1.0]
                           for c, F, _, u, _ in rows], dtype=np.float64)
@@ -280,7 +294,7 @@ class StepFit:
 
     def to_json(self) -> dict:
         return {"f": self.f, "h": self.h, "g": self.g, "q": self.q, "shapes": len(self.shapes),
-                "steps": int(sum(n for *_, n in self.shapes.values()))}
+                "steps": int(sum(v[3] for v in self.shapes.values()))}
 
 
 class Aware(Off):
@@ -421,7 +435,7 @@ class Aware(Off):
     def _tree(self, running: int) -> tuple[SpecConfig | None, float, float]:
         if (key := (running, self.context)) not in self._trees:
             if (b := self._bucket(running)) not in self._fitted:
-                self._fit(running).fit(self._correction("off", running))
+                self._fit(running).fit(self._correction("off", running), self.context)
                 self._fitted.add(b)
             rates = self._rates(running)
             ranked = np.argsort(-rates, kind="stable")[: self.explore].tolist()  # best first; a tie: the earlier
@@ -515,7 +529,7 @@ class Aware(Off):
             self.correction[(kind, b)] = ratio if current is None else keep * current + (1 - keep) * ratio
         else:  # (clipped as the ratio is: beyond it the measurement is absurd, not the model wrong)
             self._fit(running).add(calibrated, config, ratio * calibrated, self._calibrated_seconds(None, running),
-                                   probe)
+                                   probe, self.context)
             self.correction[(kind, b)] = ratio if current is None else keep * current + (1 - keep) * ratio
         if (other, b) not in self._measured:
             self.correction[(other, b)] = self.correction[(kind, b)]
