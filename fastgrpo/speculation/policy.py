@@ -113,9 +113,9 @@ def candidate_configs(max_depth: int = 6) -> list[SpecConfig]:
 
 
 class Shapes:
-    """Tree shapes as arrays, so that one search prices every candidate in a few numpy operations: one
-    shape at a time in Python, a search of ~100 shapes cost ~0.4 ms, and a GRPO batch searches again at
-    each running count of its tail (a search every few steps, 5-8% of a SIMULATED graph-replayed step)."""
+    """Tree shapes as arrays, so that one search prices every candidate in a few numpy operations: a GRPO
+    batch searches again at each running count of its tail, every few steps, and one shape at a time in
+    Python (~4 us each) that was several percent of a graph-replayed step of a small model."""
 
     def __init__(self, configs: list[SpecConfig]):
         self.configs = configs
@@ -230,7 +230,7 @@ class StepFit:
     shapes disagree, a speculative step costs a plain step's overhead plus its forwards); h, g, q stay >= 0."""
 
     def __init__(self, prior_weight: float = 1.0, decay: float = 0.9, cap: float = 4.0, per_node: bool = True):
-        self.shapes: dict[SpecConfig, list[float]] = {}  # per shape: mean [F, seconds, u], and its steps
+        self.shapes: dict[SpecConfig, list[float]] = {}  # per shape: mean [F, seconds, u], its steps, mean log2 context
         self.per_node = per_node  # fit q (else 0: forwards alone price a tree's size)
         self.prior_weight, self.decay, self.cap = prior_weight, decay, cap
         self.f, self.h, self.g, self.q = 1.0, 0.0, 0.0, 0.0
@@ -255,8 +255,8 @@ class StepFit:
         calibrated forwards over 64 cached tokens and 1.04x over 5,800), and a wide shape tried once
         early and never again, however lightly weighted, set the per-node cost q alone (its node count
         gives it the leverage) and priced every tree its size out of reach. Relative to the nearest, so
-        that evidence is never all dropped: with none left, the calibration alone (once 8x wrong in a
-        test) would decide again."""
+        that evidence is never all dropped: with none left, the calibration alone, however wrong, would
+        decide again."""
         self.f, self.h, self.g, self.q = 1.0, 0.0, 0.0, 0.0
         if not self.shapes:
             return

@@ -15,9 +15,9 @@ class AcceptanceProfile:
     """P(a tree of shape c accepts >= d tokens) = prod over depths j <= d of cov_j(w), where
     cov_j(w) = 1 - (1 - alpha_j) w^-beta is the chance the target's token at depth j is among the
     w draft candidates kept under the path's node (alpha_j: the top-1 chance, beta: what width adds),
-    and w = clamp((n - 1) / depth, 1, top-k) is the tree's fill (`tree_width`, the same crude width
-    and law the engine's AcceptanceModel uses as its prior). Shapes measured often enough are drawn from their measured
-    histogram instead (`empirical`)."""
+    and w = clamp((n - 1) / depth, 1, top-k) is the tree's fill (`tree_width`: the same crude width and
+    law the engine's AcceptanceModel uses as its prior). Shapes measured often enough are drawn from
+    their measured histogram instead (`empirical`)."""
 
     alpha: list[float]  # top-1 acceptance at depth 1, 2, ... (the last repeats beyond)
     beta: float
