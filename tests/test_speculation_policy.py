@@ -10,7 +10,7 @@ import torch
 
 from fastgrpo.speculation.cost_model import CostModel
 from fastgrpo.speculation.per_sequence import AwarePerSequence
-from fastgrpo.speculation.policy import Aware, context_level
+from fastgrpo.speculation.policy import Aware, candidate_configs, context_level
 from fastgrpo.speculation.spec import SpecConfig
 
 
@@ -394,6 +394,17 @@ def test_the_aware_overhead_tool_reports_each_level():
     for r in result["levels"]:
         assert r["choose_us"] > 0 and r["observe_us"] > 0 and r["step_ms"] > 0
         assert r["share_of_step"] == pytest.approx((r["choose_us"] + r["observe_us"]) / (1e3 * r["step_ms"]))
+    # against every fixed tree: the best of them is a real shape, and aware's own time costs it throughput
+    out = subprocess.run([sys.executable, "tools/aware_overhead.py", "--running", "4", "--steps", "100",
+                          "--against-fixed"], capture_output=True, text=True, timeout=300, check=True).stdout
+    (level,) = json.loads(out.strip().splitlines()[-1])["levels"]
+    assert level["best_fixed"] in {"plain"} | {c.name for c in candidate_configs()}
+    assert 0 < level["tok_s_with_host"] < level["tok_s"] and level["best_fixed_tok_s"] > 0
+    # a GRPO batch: searches counted (at least the first), host time a share of the SIMULATED steps
+    out = subprocess.run([sys.executable, "tools/aware_overhead.py", "--batch", "8", "--max-tokens", "64"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    batch = json.loads(out.strip().splitlines()[-1])
+    assert batch["batch"] == 8 and 1 <= batch["searches"] <= batch["steps"] and 0 < batch["share_of_step"] < 1
 
 
 @pytest.mark.parametrize("policy", [Aware, AwarePerSequence])

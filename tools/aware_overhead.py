@@ -2,7 +2,7 @@
 
     python tools/aware_overhead.py [--model configs/models/llama-3.1-8b-instruct.json | --policy-size gpu]
                                    [--gpu h100] [--running 1,4,16,64,256] [--steps 2000] [--alpha 0.7]
-                                   [--batch 64 --max-tokens 1024]
+                                   [--beta 0.7] [--against-fixed | --batch 64 --max-tokens 1024]
 
 `--policy-size gpu` prices the GPU check's policy (fastgrpo's own `gpu` size, 308.6M parameters with its
 task's 296-token vocabulary, `--vocab`), whose steps are the shortest `aware` decides on.
@@ -16,8 +16,9 @@ candidates a level missing with chance (1 - alpha) w^-beta), at each level of ru
 contexts grow by what each step emits. It reports per level the median over 5 repetitions of the mean
 microseconds of `choose` and `observe` per step, the choice it settled on, how often its shape changed,
 and their share of that choice's SIMULATED step; with `--against-fixed`, its SIMULATED tokens/s (its
-host time included) against the best of plain decoding and every candidate tree held fixed. Timings are this machine's host; the step times are the simulator's (its
-error against a real GPU is in BENCHMARKS.md section 10).
+host time included) against the best of plain decoding and every candidate tree held fixed. Timings are
+this machine's host; the step times are the simulator's (its error against a real GPU is in
+BENCHMARKS.md section 10).
 
 `--batch B` drives one GRPO batch instead, the workload where the running count changes most: B rows
 start together, each ends at a length drawn uniformly from [max_tokens / 8, max_tokens], so the rows
