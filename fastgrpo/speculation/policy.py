@@ -112,6 +112,12 @@ def candidate_configs(max_depth: int = 6) -> list[SpecConfig]:
     return out
 
 
+def tree_width(c: SpecConfig) -> float:
+    """Candidates a tree keeps per level, crudely: its nodes spread over its levels, at most top-k (a
+    shape with fewer nodes than depth x top-k keeps fewer alternatives at each level than a full one)."""
+    return max(1.0, min(float(c.topk), (c.num_verify - 1) / c.depth))
+
+
 class Shapes:
     """Tree shapes as arrays, so that one search prices every candidate in a few numpy operations: a GRPO
     batch searches again at each running count of its tail, every few steps, and one shape at a time in
@@ -126,12 +132,6 @@ class Shapes:
         self.levels = np.arange(1, int(self.depth.max(initial=0)) + 1)  # 1..the deepest shape's depth
         self.width = np.array([tree_width(c) for c in configs], dtype=np.float64)
         self.has_level = self.levels[None, :] <= self.depth[:, None]
-
-
-def tree_width(c: SpecConfig) -> float:
-    """Candidates a tree keeps per level, crudely: its nodes spread over its levels, at most top-k (a
-    shape with fewer nodes than depth x top-k keeps fewer alternatives at each level than a full one)."""
-    return max(1.0, min(float(c.topk), (c.num_verify - 1) / c.depth))
 
 
 class AcceptanceModel:
@@ -388,8 +388,7 @@ class Aware(Off):
     def _fit(self, running: int) -> StepFit:
         b = self._bucket(running)
         if b not in self.fits:
-            self.fits[b] = StepFit()
-            self.fits[b].fit(self._correction("off", running))
+            self.fits[b] = StepFit()  # at its prior until a search fits it (`_tree`)
         return self.fits[b]
 
     def _calibrated_seconds(self, c: SpecConfig | None, running: int) -> float:
@@ -525,12 +524,10 @@ class Aware(Off):
         current = self.correction.get((kind, b)) if (kind, b) in self._measured else None
         self._measured.add((kind, b))
         keep = 0.5 if probe else self.decay
-        if config is None:
-            self.correction[(kind, b)] = ratio if current is None else keep * current + (1 - keep) * ratio
-        else:  # (clipped as the ratio is: beyond it the measurement is absurd, not the model wrong)
+        if config is not None:  # (clipped as the ratio is: beyond it the measurement is absurd, not the model wrong)
             self._fit(running).add(calibrated, config, ratio * calibrated, self._calibrated_seconds(None, running),
                                    probe, self.context)
-            self.correction[(kind, b)] = ratio if current is None else keep * current + (1 - keep) * ratio
+        self.correction[(kind, b)] = ratio if current is None else keep * current + (1 - keep) * ratio
         if (other, b) not in self._measured:
             self.correction[(other, b)] = self.correction[(kind, b)]
             if current is None:  # (searched again on the first measurement only)
