@@ -17,7 +17,7 @@ from fastgrpo.grpo.batch import build_batch
 from fastgrpo.models.policy import new_policy, policy_config
 from fastgrpo.models.draft import DraftHead
 from fastgrpo.engines.embedded.calibrate import load_or_calibrate
-from fastgrpo.speculation.cost_model import CostModel
+from fastgrpo.speculation.cost_model import FURTHER, SWEEP, CostModel, still_flat
 from fastgrpo.speculation.per_sequence import AwarePerSequence
 from fastgrpo.speculation.policy import Aware, FastGRPOFormula, Static
 from fastgrpo.speculation.tlt import TLT
@@ -511,7 +511,15 @@ def test_cost_model_calibrates_and_caches(small_vocab, tmp_path):
     cfg, target, draft = small_vocab
     engine = engine_for(cfg, target, draft)
     costs = load_or_calibrate(engine.model, engine.draft, tmp_path)
-    assert all(v > 0 for v in costs.target_s.values()) and set(costs.target_s) == set(costs.draft_s)
+    for curve in (costs.target_s, costs.draft_s):
+        assert all(v > 0 for v in curve.values()) and set(SWEEP) <= set(curve)
+        # past SWEEP, each further point was swept because the curve before it was still flat, and the
+        # sweep stopped at the first point where it was not (or at the last of FURTHER)
+        points = sorted(curve)
+        assert points == sorted(SWEEP) + list(FURTHER[: len(points) - len(SWEEP)])
+        for i in range(len(SWEEP), len(points)):
+            assert still_flat({t: curve[t] for t in points[:i]})
+        assert len(points) == len(SWEEP) + len(FURTHER) or not still_flat(curve)
     assert costs.target(10_000) > costs.target(1)  # extrapolates the compute-bound slope
     cached = list(tmp_path.glob("cost_model-*.json"))
     assert len(cached) == 1

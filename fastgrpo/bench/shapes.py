@@ -51,7 +51,8 @@ def bench_shapes(cfg: Config, quick: bool, output: Path, extra: list[str] | None
         draft = DraftHead(shape)
         draft.bind_target(model.embed, model.lm_head)
         draft.pack()
-        costs = calibrate(model, draft, reps=3 if quick else 9, sweep=(1, 4, 8, 16), rounds=1 if quick else 2)
+        costs = calibrate(model, draft, reps=3 if quick else 9, sweep=(1, 4, 8, 16), rounds=1 if quick else 2,
+                          further=())
         one = costs.target(1)
         tree_step = costs.draft(4) + (d - 1) * costs.draft(k) + costs.target(n)  # catch-up, levels, verify
         row = {"layers": shape.num_hidden_layers, "hidden": shape.hidden_size, "parameters": num_parameters(policy),

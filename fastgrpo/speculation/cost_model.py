@@ -30,12 +30,15 @@ import torch
 from torch import Tensor
 
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-# A mixture-of-experts model stays memory-bound far past 512 tokens: a forward of a few hundred tokens
-# already reads every expert, while each token computes with k of them (Qwen3-30B-A3B on an H100:
-# compute takes over near 2,000 tokens, roofline.py). A sweep that stops at 512 sees a flat last
-# segment and prices any larger forward (128 rows verifying 64 nodes each: 8,192 tokens) as free, so
-# a MoE's sweep runs on to the largest verify `aware` considers at 128 rows
-MOE_SWEEP = SWEEP + (1024, 2048, 4096, 8192)
+# Past SWEEP the sweep goes on doubling (FURTHER, a kind at a time) while that kind's forward is still
+# memory- or launch-bound (`still_flat`): its curve's last segment prices every larger forward, and a
+# flat one prices any larger forward as free. A small model on a GPU (the GPU check's 308M policy on an
+# H100: 0.94 ms at 512 tokens, 6.9 ms at 6,144, SIMULATED) and a mixture-of-experts model (Qwen3-30B-A3B:
+# compute takes over near 2,000 tokens, roofline.py) are flat at 512, while a tree at 256 rows verifies
+# 6,000-16,000 tokens; priced as free, the widest trees won there and cost several plain steps each. On
+# a CPU the curve is linear well before 512, and the sweep stops there.
+FURTHER = (1024, 2048, 4096, 8192)
+LINEAR = 1.5  # a doubling of tokens that cost at least this factor more: the forward grows with its tokens
 CONTEXT = 128  # typical cached length during the sweep
 ROWS = 64  # the sweep's point of t tokens holds min(t, ROWS) sequences
 ROW_PROBES = ((1, 16), (4, 16))  # (rows, tokens each): the sweep's 16 and 64 tokens in fewer rows
@@ -68,6 +71,13 @@ def piecewise_linear_many(xs: np.ndarray, ys: np.ndarray, tokens: np.ndarray) ->
     t = np.maximum(tokens, xs[0])
     i = np.clip(np.searchsorted(xs, t), 1, len(xs) - 1)
     return ys[i - 1] + (ys[i] - ys[i - 1]) * (t - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+
+def still_flat(curve: dict[int, float]) -> bool:
+    """Whether a sweep of `curve` (tokens: seconds) goes on past its last point: its last doubling of
+    tokens cost less than LINEAR times more (memory- or launch-bound, not yet growing with its tokens)."""
+    (_, before), (_, last) = sorted(curve.items())[-2:]
+    return last < LINEAR * before
 
 
 def monotone(curve: dict[int, float]) -> dict[int, float]:

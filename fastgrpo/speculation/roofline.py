@@ -16,8 +16,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from fastgrpo.speculation.cost_model import (CONTEXT, CONTEXT_EXTRA, CONTEXT_PROBES, KINDS, MOE_SWEEP, ROW_PROBES, ROWS,
-                                             SWEEP, CostModel, context_rates, monotone, row_seconds, sweep_rows)
+from fastgrpo.speculation.cost_model import (CONTEXT, CONTEXT_EXTRA, CONTEXT_PROBES, FURTHER, KINDS, ROW_PROBES, ROWS,
+                                             SWEEP, CostModel, context_rates, monotone, row_seconds, still_flat,
+                                             sweep_rows)
 from fastgrpo.speculation.spec import SpecConfig
 
 
@@ -262,15 +263,21 @@ def simulated_cost_model(costs: Roofline, error: Callable[[str, int], float] | N
     """What `engines/embedded/calibrate.calibrate` would measure on the simulated machine: target and draft forwards
     at each sweep size (B = min(tokens, 64) rows of tokens / B new tokens, over CONTEXT cached tokens
     each), at its row probes and at its context probes. `error(kind, tokens)` multiplies a point (to
-    test that `aware` survives a bad calibration). A mixture-of-experts model is swept on to MOE_SWEEP's
-    8,192 tokens (it is still memory-bound at SWEEP's last point: cost_model.py)."""
+    test that `aware` survives a bad calibration). Each kind is swept on past SWEEP while its curve is
+    still flat (cost_model.FURTHER: a small model on a GPU, a mixture-of-experts model)."""
     def measured(kind: str, B: int, n: int, ctx: int = CONTEXT) -> float:
         forward = costs.target if kind == "target" else costs.draft
         return forward(B, n, ctx, B * ctx) * (error(kind, B * n) if error else 1.0)
 
-    model = getattr(costs, "model", None)
-    sweep = MOE_SWEEP if isinstance(model, ModelShape) and model.moe else SWEEP
-    target_s, draft_s = ({t: measured(kind, sweep_rows(t), max(t // ROWS, 1)) for t in sweep} for kind in KINDS)
+    def swept(kind: str) -> dict[int, float]:
+        curve = {t: measured(kind, sweep_rows(t), max(t // ROWS, 1)) for t in SWEEP}
+        for t in FURTHER:
+            if not still_flat(curve):
+                break
+            curve[t] = measured(kind, sweep_rows(t), t // ROWS)
+        return curve
+
+    target_s, draft_s = (swept(kind) for kind in KINDS)
     probes = {(B, n): measured("target", B, n) for B, n in ROW_PROBES}
     context_extra_s = {(kind, B, n): measured(kind, B, n, CONTEXT + CONTEXT_EXTRA) - measured(kind, B, n)
                        for kind in KINDS for B, n in CONTEXT_PROBES}

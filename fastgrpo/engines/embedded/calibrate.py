@@ -2,7 +2,8 @@
 kernels: this machine's forward latency against tokens per forward, measured, not assumed.
 
 A short sweep times the target and the draft at each size of SWEEP: the point of t tokens holds
-min(t, 64) sequences of one token each (a plain step's shape) over CONTEXT cached tokens each; then
+min(t, 64) sequences of t / 64 tokens each (a plain step's shape up to 64) over CONTEXT cached tokens
+each, and goes on doubling (FURTHER) for a kind whose forward is still flat there (`still_flat`); then
 the target at the ROW_PROBES shapes (what a sequence costs beyond its tokens) and both at the
 CONTEXT_PROBES shapes over CONTEXT and CONTEXT + CONTEXT_EXTRA cached tokens (what context costs).
 The curve is cached per (model shape, threads, torch version) so later runs skip the sweep.
@@ -21,8 +22,9 @@ import torch
 from fastgrpo.device import on_device
 from fastgrpo.models.draft import DraftHead
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache, block_mask, cache_kv
-from fastgrpo.speculation.cost_model import (CONTEXT, CONTEXT_EXTRA, CONTEXT_PROBES, KINDS, ROW_PROBES, ROWS, SWEEP,
-                                             CostModel, context_rates, monotone, row_seconds, sweep_rows)
+from fastgrpo.speculation.cost_model import (CONTEXT, CONTEXT_EXTRA, CONTEXT_PROBES, FURTHER, KINDS, ROW_PROBES, ROWS,
+                                             SWEEP, CostModel, context_rates, monotone, row_seconds, still_flat,
+                                             sweep_rows)
 
 log = logging.getLogger(__name__)
 
@@ -42,28 +44,46 @@ def _time(fn, reps: int, sync=lambda: None) -> float:
 
 @torch.inference_mode()
 def calibrate(model: InferenceModel, draft: DraftHead, reps: int = 5, sweep: tuple[int, ...] = SWEEP,
-              rounds: int = 2) -> CostModel:
+              rounds: int = 2, further: tuple[int, ...] = FURTHER) -> CostModel:
     """Median latency of target and draft forwards at each size: B = min(tokens, 64) sequences of
-    tokens / B new tokens each, over a cache of CONTEXT tokens; then the target at the ROW_PROBES
+    tokens / B new tokens each, over a cache of CONTEXT tokens, and for each kind at the sizes of
+    `further` in turn while its curve is still flat (`still_flat`); then the target at the ROW_PROBES
     shapes (what a sequence costs beyond its tokens) and both at the CONTEXT_PROBES shapes over more
     cached tokens (what context costs). Every shape is timed `rounds` times, keeping the lowest median:
     a shared machine's noise only ever slows a sample down."""
     # on the model's device and in its dtype (an engine's on a GPU, bf16): caches, inputs and timing alike
     device, dtype = model.embed.device, model.embed.dtype
     with on_device(device):
-        costs = _calibrate(model, draft, reps, sweep, rounds, dtype,
+        costs = _calibrate(model, draft, reps, sweep, further, rounds, dtype,
                            torch.cuda.synchronize if device.type == "cuda" else lambda: None)
     if device.type != "cpu":
         return CostModel.from_json(costs.to_json())  # its curves on the CPU, as a cached model's are
     return costs
 
 
-def _calibrate(model: InferenceModel, draft: DraftHead, reps: int, sweep: tuple[int, ...], rounds: int,
-               dtype: torch.dtype, sync) -> CostModel:
+def _calibrate(model: InferenceModel, draft: DraftHead, reps: int, sweep: tuple[int, ...], further: tuple[int, ...],
+               rounds: int, dtype: torch.dtype, sync) -> CostModel:
     cfg = model.cfg
-    extra = min(CONTEXT_EXTRA, model.cos.shape[0] - CONTEXT - 17)  # within the model's position tables
-    cache = KVCache(cfg, ROWS, CONTEXT + max(extra + 16, 512), dtype)
-    dcache = KVCache(cfg, ROWS, CONTEXT + max(extra + 16, 512), dtype, layers=1)
+    positions = model.cos.shape[0]
+    extra = min(CONTEXT_EXTRA, positions - CONTEXT - 17)  # within the model's position tables
+    further = tuple(t for t in further if CONTEXT + t // ROWS <= positions)
+    longest = max(extra + 16, *(t // ROWS for t in further), 512)
+    cache = KVCache(cfg, ROWS, CONTEXT + longest, dtype)
+    dcache = KVCache(cfg, ROWS, CONTEXT + longest, dtype, layers=1)
+
+    def timed(kind: str, B: int, n: int, ctx: int) -> float:
+        cache.lengths.fill_(ctx)
+        dcache.lengths.fill_(ctx)
+        ids = torch.randint(0, cfg.vocab_size, (B, n))
+        r = slice(0, B)
+        if kind == "target":
+            return _time(lambda: model.forward(ids, cache, r), reps, sync)
+        hidden = torch.randn(B, n, cfg.hidden_size, dtype=dtype)
+        pos = ctx + torch.arange(n).expand(B, n)
+        mask = block_mask(dcache.lengths[r], n, ctx + n, None)
+        return _time(lambda: draft.logits(draft.features(hidden, ids, pos, mask, cache_kv(dcache, 0, r, pos, ctx + n)))
+                     .topk(4, dim=-1), reps, sync)
+
     sweep_shapes = [(sweep_rows(t), max(t // ROWS, 1)) for t in sweep]
     probes = [p for p in ROW_PROBES if p[0] * p[1] in sweep]
     shapes = {(B, n, CONTEXT): KINDS for B, n in sweep_shapes}
@@ -71,27 +91,22 @@ def _calibrate(model: InferenceModel, draft: DraftHead, reps: int, sweep: tuple[
     if extra > 0:
         shapes |= {(B, n, ctx): KINDS for B, n in CONTEXT_PROBES for ctx in (CONTEXT, CONTEXT + extra)}
     seconds: dict[tuple[str, int, int, int], float] = {}
-    for (B, n, ctx), kinds in [shape for _ in range(rounds) for shape in shapes.items()]:
-        cache.lengths.fill_(ctx)
-        dcache.lengths.fill_(ctx)
-        ids = torch.randint(0, cfg.vocab_size, (B, n))
-        r = slice(0, B)
-        hidden = torch.randn(B, n, cfg.hidden_size, dtype=dtype)
-        pos = ctx + torch.arange(n).expand(B, n)
-        mask = block_mask(dcache.lengths[r], n, ctx + n, None)
-        forwards = {"target": lambda: model.forward(ids, cache, r),
-                    "draft": lambda: draft.logits(draft.features(hidden, ids, pos, mask, cache_kv(dcache, 0, r, pos, ctx + n)))
-                    .topk(4, dim=-1)}
+    for (B, n, ctx), kinds in [shape for _ in range(rounds) for shape in shapes.items()]:  # rounds interleaved
         for kind in kinds:
             key = (kind, B, n, ctx)
-            seconds[key] = min(seconds.get(key, float("inf")), _time(forwards[kind], reps, sync))
-    target = {t: seconds[("target", B, n, CONTEXT)] for t, (B, n) in zip(sweep, sweep_shapes)}
+            seconds[key] = min(seconds.get(key, float("inf")), timed(kind, B, n, ctx))
+    curves = {kind: {t: seconds[(kind, B, n, CONTEXT)] for t, (B, n) in zip(sweep, sweep_shapes)} for kind in KINDS}
+    for kind, curve in curves.items():
+        for t in further:
+            if not still_flat(curve):
+                break
+            curve[t] = min(timed(kind, ROWS, t // ROWS, CONTEXT) for _ in range(rounds))
     context_s = None  # no room for the context probes: the sweep's context is taken for every step's
     if extra > 0:
         context_s = context_rates({(kind, B, n): seconds[(kind, B, n, CONTEXT + extra)] - seconds[(kind, B, n, CONTEXT)]
                                    for kind in KINDS for B, n in CONTEXT_PROBES}, extra)
-    return CostModel(target, {t: seconds[("draft", B, n, CONTEXT)] for t, (B, n) in zip(sweep, sweep_shapes)},
-                     row_seconds(monotone(target), {(B, n): seconds[("target", B, n, CONTEXT)] for B, n in probes}),
+    return CostModel(curves["target"], curves["draft"],
+                     row_seconds(monotone(curves["target"]), {(B, n): seconds[("target", B, n, CONTEXT)] for B, n in probes}),
                      context_s)
 
 
@@ -109,7 +124,7 @@ def load_or_calibrate(model: InferenceModel, draft: DraftHead, cache_dir: Path) 
     device, dtype = model.embed.device, model.embed.dtype
     if (device.type, dtype) != ("cpu", torch.float32):  # a GPU's (or a bf16) curve is not the CPU's fp32 one
         key += f"-{device.type}-{str(dtype).removeprefix('torch.')}"
-    path = Path(cache_dir) / f"cost_model-v3-{key}.json"  # v3: with the context rates
+    path = Path(cache_dir) / f"cost_model-v4-{key}.json"  # v4: swept on while flat
     if path.is_file():
         try:
             return CostModel.from_json(json.loads(path.read_text()))
