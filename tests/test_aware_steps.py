@@ -145,6 +145,31 @@ def test_the_step_fit_recovers_a_fixed_and_a_per_level_cost():
     assert fit.seconds(0.04, c, u, 3.0) == pytest.approx(0.02 + 1.5 * 0.04 + U * (0.7 + 1.2 + 0.25), rel=1e-4)
 
 
+def test_a_cost_per_node_is_fitted_only_from_shapes_of_different_sizes():
+    """One shape measured 0.3 plain steps above its forwards cannot say whether that is a fixed cost or a
+    cost per node: priced from it alone, a tree twice its size costs the same extra (with a per-node cost
+    fitted from it, a larger tree paid it twice). Once a second size is measured at 0.01 a node more, the
+    fit finds that cost."""
+    u, small, large = 0.001, SpecConfig(6, 4, 24), SpecConfig(6, 8, 48)
+    forwards = {small: 0.002, large: 0.0025}
+
+    def measured(c):
+        return forwards[c] + u * (0.3 + 0.01 * (c.num_verify - small.num_verify))
+
+    fit = StepFit()
+    for _ in range(8):
+        fit.add(forwards[small], small, measured(small), u, context=1000)
+    fit.fit(scale=1.0, context=1000)
+    assert fit.q == 0.0 and fit.g == 0.0
+    extra = fit.seconds(forwards[large], large, u, 1.0) - forwards[large]
+    assert extra == pytest.approx(0.3 * u, rel=0.2)  # the small shape's extra, not twice it
+    for _ in range(8):
+        fit.add(forwards[large], large, measured(large), u, context=1000)
+    fit.fit(scale=1.0, context=1000)
+    assert fit.q == pytest.approx(0.01, rel=0.2)
+    assert fit.seconds(forwards[large], large, u, 1.0) == pytest.approx(measured(large), rel=0.05)
+
+
 def test_the_step_fit_weighs_shapes_by_how_near_their_context_was():
     """A wide tree measured once over 64 cached tokens at 3x its forwards (a calibration that was off
     there), and a narrow one measured over 4,096 at its forwards: fitted for steps over 4,096 tokens the

@@ -12,7 +12,7 @@ from fastgrpo.bench.simulate import (CONTEXT, SWEEP, AcceptanceProfile, CpuCosts
                                      SimRequest, Workload, eagle_profile, fit_acceptance, price_engine_run,
                                      replay_steps, sim_policies, simulate, whole_tree_acceptance)
 from fastgrpo.engines.embedded.engine import EmbeddedEngine
-from fastgrpo.speculation.roofline import H100, LLAMA3_8B, Roofline, model_shape, simulated_cost_model
+from fastgrpo.speculation.roofline import H100, LLAMA3_8B, Roofline, simulated_cost_model
 from fastgrpo.models.policy import new_policy, policy_config
 from fastgrpo.speculation.cost_model import CostModel
 from fastgrpo.models.draft import DraftHead
@@ -153,21 +153,6 @@ def test_aware_gets_a_simulated_calibration_not_the_cost_function():
     for tokens in SWEEP:  # the sweep's shapes at its fixed context, as calibrate() times them
         B = min(tokens, 64)
         assert aware.costs.target_s[tokens] <= costs.target(B, max(tokens // B, 1), CONTEXT, B * CONTEXT) + 1e-12
-
-
-def test_a_small_model_on_a_gpu_is_swept_on_until_its_forward_grows_with_its_tokens():
-    """The GPU check's 308M policy on an H100 is flat at SWEEP's 512 tokens (its weights are read in a
-    fraction of the launch overhead): a sweep stopping there priced 256 rows verifying 24 nodes each
-    (6,144 tokens) at under a fifth of what they cost, and the widest trees won at 256 rows."""
-    shape = model_shape(policy_config("gpu", 296, 512, bos_id=1, eos_id=2, pad_id=0).to_dict())
-    costs = Roofline(H100, shape)
-    curve = simulated_cost_model(costs)
-    assert max(curve.target_s) > 512
-    upto_sweep = CostModel({t: curve.target_s[t] for t in SWEEP}, {t: curve.draft_s[t] for t in SWEEP})
-    for tokens in (2048, 6144, 16384):  # 256 rows verifying 8, 24 and 64 nodes, in the sweep's shape
-        truth = costs.target(64, tokens // 64, CONTEXT, 64 * CONTEXT)
-        assert curve.target(tokens) == pytest.approx(truth, rel=0.1)
-        assert upto_sweep.target(tokens) < (0.6 if tokens == 2048 else 0.2) * truth
 
 
 def test_a_simulated_calibration_measures_what_a_row_costs_beyond_its_tokens():

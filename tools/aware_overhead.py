@@ -1,7 +1,7 @@
 """`aware`'s own host time per decode step (its choice and its update), against the step it decides on.
 
     python tools/aware_overhead.py [--model configs/models/llama-3.1-8b-instruct.json | --policy-size gpu]
-                                   [--gpu h100] [--running 1,4,16,64,256] [--steps 2000] [--alpha 0.7]
+                                   [--gpu h100] [--running 1,4,16,64,256] [--tokens 2048] [--alpha 0.7]
                                    [--beta 0.7] [--against-fixed | --batch 64 --max-tokens 1024]
 
 `--policy-size gpu` prices the GPU check's policy (fastgrpo's own `gpu` size, 308.6M parameters with its
@@ -12,15 +12,18 @@ choosing and learning is paid on top of it, where a fixed tree pays nothing: tha
 under the 3% by which `aware` may trail the best fixed choice. This drives `Aware` as an engine would, on
 the SIMULATED machine of `bench simulate` (the roofline's calibration and step times, `speculation/
 roofline.py`, and its acceptance law: a level's first candidate right with chance `alpha`, a tree of w
-candidates a level missing with chance (1 - alpha) w^-beta), at each level of running sequences:
-contexts grow by what each step emits. It reports per level the median over 5 repetitions of the mean
+candidates a level missing with chance (1 - alpha) w^-beta), at each level of running sequences, until
+each row has emitted `--tokens` tokens after a 64-token prompt: contexts grow by what each step emits.
+Every policy compared runs the same tokens, so their tokens/s are comparable: over a fixed count of
+steps a policy emitting more tokens a step runs on to longer, dearer contexts, and a shallow tree held
+fixed looked better than it is. It reports per level the median over 5 repetitions of the mean
 microseconds of `choose` and `observe` per step, the choice it settled on, how often its shape changed,
 and their share of that choice's SIMULATED step; with `--against-fixed`, its SIMULATED tokens/s (its
 host time included) against the best of plain decoding and every candidate tree held fixed. Timings are
 this machine's host; the step times are the simulator's (its error against a real GPU is in
 BENCHMARKS.md section 10).
 
-`--batch B` drives one GRPO batch instead, the workload where the running count changes most: B rows
+`--batch B` drives GRPO batches instead (5, one a seed), the workload where the running count changes most: B rows
 start together, each ends at a length drawn uniformly from [max_tokens / 8, max_tokens], so the rows
 retire one by one through the batch's long tail and `aware` meets every running count from B down to 1
 (each a new price to search). It reports the batch's mean host time a step, the searches it ran, and
@@ -51,12 +54,13 @@ def simulated_step(config, running: int, context: int, profile, roofline, rng) -
     return accepted, sum(accepted) + running, roofline.spec_step(config, running, 1, context, context * running)
 
 
-def drive(policy, roofline, profile, running: int, steps: int, seed: int) -> dict:
-    """`steps` decode steps of `running` sequences under `policy`; host seconds of its calls."""
+def drive(policy, roofline, profile, running: int, tokens_each: int, seed: int, prompt: int = 64) -> dict:
+    """Decode steps of `running` sequences under `policy` until each has emitted `tokens_each` tokens
+    after a `prompt`-token prompt; host seconds of its calls."""
     rng = np.random.default_rng(seed)
-    context, choose_s, observe_s, step_s, chosen = 64.0, 0.0, 0.0, 0.0, None
-    tokens = changes = 0
-    for _ in range(steps):
+    context, choose_s, observe_s, step_s, chosen = float(prompt), 0.0, 0.0, 0.0, None
+    tokens = changes = steps = 0
+    while context < prompt + tokens_each:
         t = time.perf_counter()
         config = policy.choose(running, context)
         choose_s += time.perf_counter() - t
@@ -67,6 +71,7 @@ def drive(policy, roofline, profile, running: int, steps: int, seed: int) -> dic
         step_s += seconds
         context += emitted / running
         tokens, changes, chosen = tokens + emitted, changes + (config != chosen), config
+        steps += 1
     return {"choose_us": 1e6 * choose_s / steps, "observe_us": 1e6 * observe_s / steps,
             "step_ms": 1e3 * step_s / steps, "choice": chosen.name if chosen is not None else "plain",
             "changes": changes, "tok_s": tokens / step_s, "tok_s_with_host": tokens / (step_s + choose_s + observe_s)}
@@ -78,15 +83,16 @@ def drive_batch(policy, roofline, profile, rows: int, max_tokens: int, seed: int
     lengths = rng.integers(max(max_tokens // 8, 1), max_tokens, endpoint=True, size=rows).tolist()
     done = [0] * rows
     choose_s = observe_s = step_s = 0.0
-    steps = searches = 0
-    rates = policy._rates
+    steps = searches = tokens = 0
+    rates = getattr(policy, "_rates", None)  # (aware's; a fixed policy searches nothing)
 
     def counted(running):  # the searches: each prices every candidate tree
         nonlocal searches
         searches += 1
         return rates(running)
 
-    policy._rates = counted
+    if rates is not None:
+        policy._rates = counted
     while live := [i for i in range(rows) if done[i] < lengths[i]]:
         running, context = len(live), prompt + max(done[i] for i in live)
         t = time.perf_counter()
@@ -99,9 +105,10 @@ def drive_batch(policy, roofline, profile, rows: int, max_tokens: int, seed: int
         for i, a in zip(live, accepted or [0] * running):
             done[i] += a + 1
         step_s += seconds
-        steps += 1
+        steps, tokens = steps + 1, tokens + emitted
     return {"steps": steps, "searches": searches, "choose_us": 1e6 * choose_s / steps,
-            "observe_us": 1e6 * observe_s / steps, "step_ms": 1e3 * step_s / steps}
+            "observe_us": 1e6 * observe_s / steps, "step_ms": 1e3 * step_s / steps, "tokens": tokens,
+            "seconds": step_s, "host_seconds": choose_s + observe_s}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -117,13 +124,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--vocab", type=int, default=296, help="with --policy-size: its vocabulary")
     p.add_argument("--gpu", choices=sorted(ACCELERATORS), default="h100")
     p.add_argument("--running", default="1,4,16,64,256")
-    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--tokens", type=int, default=2048, help="each row's tokens after its prompt")
     p.add_argument("--alpha", type=float, default=0.7, help="the draft's first candidate's chance at each level")
     p.add_argument("--beta", type=float, default=0.7, help="what a tree's width adds (bench simulate's law)")
     p.add_argument("--batch", type=int, help="drive one GRPO batch of this many rows instead of fixed levels")
     p.add_argument("--max-tokens", type=int, default=1024, help="with --batch: the longest a row may run")
     p.add_argument("--against-fixed", action="store_true", help="at each level also run plain decoding and every "
-                   "candidate tree, fixed, over the same steps (one seed): aware's SIMULATED tokens/s against the best")
+                   "candidate tree, fixed, over the same tokens (one seed; with --batch, the same 5 batches): aware's SIMULATED tokens/s against the best")
     args = p.parse_args(argv)
     if args.policy_size:
         from fastgrpo.models.policy import policy_config
@@ -145,11 +152,24 @@ def main(argv: list[str] | None = None) -> dict:
               f"a step; SIMULATED step {row['step_ms']:.3f} ms: {100 * row['share_of_step']:.2f}%", flush=True)
         result = {"model": shape.name, "gpu": roofline.hw.name, "alpha": args.alpha, "beta": args.beta, "batch": args.batch,
                   "max_tokens": args.max_tokens, **row}
+        if args.against_fixed:  # over the 5 batches: their tokens over their SIMULATED seconds (aware's host time too)
+            aware_tok_s = sum(r["tokens"] for r in runs) / sum(r["seconds"] + r["host_seconds"] for r in runs)
+            fixed = {}
+            for c in [None, *candidate_configs()]:
+                done = [drive_batch(Off() if c is None else Static(c), roofline, profile, args.batch, args.max_tokens,
+                                    seed) for seed in range(5)]
+                fixed[c.name if c else "plain"] = sum(r["tokens"] for r in done) / sum(r["seconds"] for r in done)
+            best = max(fixed, key=fixed.get)
+            result |= {"tok_s_with_host": aware_tok_s, "best_fixed": best, "best_fixed_tok_s": fixed[best],
+                       "plain_tok_s": fixed["plain"]}
+            print(f"SIMULATED {aware_tok_s:.0f} tok/s with its host time against the best fixed {best}'s "
+                  f"{fixed[best]:.0f}: {aware_tok_s / fixed[best]:.3f}x ({aware_tok_s / fixed['plain']:.2f}x plain)",
+                  flush=True)
         print(json.dumps(result))
         return result
     rows = []
     for running in (int(x) for x in args.running.split(",")):
-        runs = [drive(Aware(costs, acceptance_prior=args.alpha), roofline, profile, running, args.steps, seed)
+        runs = [drive(Aware(costs, acceptance_prior=args.alpha), roofline, profile, running, args.tokens, seed)
                 for seed in range(5)]
         row = {"running": running, **{k: statistics.median(r[k] for r in runs)
                                        for k in ("choose_us", "observe_us", "step_ms", "changes", "tok_s",
@@ -161,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{row['step_ms']:.3f} ms: {100 * row['share_of_step']:.2f}%")
         if args.against_fixed:
             fixed = {(c.name if c else "plain"): drive(Off() if c is None else Static(c), roofline, profile, running,
-                                                        args.steps, 0)["tok_s"] for c in [None, *candidate_configs()]}
+                                                        args.tokens, 0)["tok_s"] for c in [None, *candidate_configs()]}
             row["best_fixed"] = max(fixed, key=fixed.get)
             row["best_fixed_tok_s"] = fixed[row["best_fixed"]]
             line += (f"; SIMULATED {row['tok_s_with_host']:.0f} tok/s with its host time against the best fixed "
@@ -169,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
                      f"{row['tok_s_with_host'] / row['best_fixed_tok_s']:.3f}x")
         rows.append(row)
         print(line, flush=True)
-    result = {"model": shape.name, "gpu": roofline.hw.name, "steps": args.steps, "alpha": args.alpha, "beta": args.beta,
+    result = {"model": shape.name, "gpu": roofline.hw.name, "tokens": args.tokens, "alpha": args.alpha, "beta": args.beta,
               "levels": rows}
     print(json.dumps(result))
     return result

@@ -31,12 +31,11 @@ from torch import Tensor
 
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # Past SWEEP the sweep goes on doubling (FURTHER, a kind at a time) while that kind's forward is still
-# memory- or launch-bound (`still_flat`): its curve's last segment prices every larger forward, and a
-# flat one prices any larger forward as free. A small model on a GPU (the GPU check's 308M policy on an
-# H100: 0.94 ms at 512 tokens, 6.9 ms at 6,144, SIMULATED) and a mixture-of-experts model (Qwen3-30B-A3B:
-# compute takes over near 2,000 tokens, roofline.py) are flat at 512, while a tree at 256 rows verifies
-# 6,000-16,000 tokens; priced as free, the widest trees won there and cost several plain steps each. On
-# a CPU the curve is linear well before 512, and the sweep stops there.
+# flat (`still_flat`): its curve's last segment prices every larger forward, and a flat one prices them
+# all as free. A mixture-of-experts model is flat at 512 (Qwen3-30B-A3B on an H100: a forward reads more
+# experts up to a few hundred tokens, compute takes over near 2,000, roofline.py) while a tree at 128
+# rows verifies up to 8,192 tokens. Where a forward already grows with its tokens at 512 (a dense model
+# on a CPU), the sweep stops there.
 FURTHER = (1024, 2048, 4096, 8192)
 LINEAR = 1.5  # a doubling of tokens that cost at least this factor more: the forward grows with its tokens
 CONTEXT = 128  # typical cached length during the sweep

@@ -227,7 +227,8 @@ class StepFit:
     steps would hold the chosen shape alone, whose cost cannot separate f from h and g, and the fit would
     fall back to its prior exactly where shapes must be compared. Each shape weighs min(its steps,
     `cap`) in a weighted least squares, with a ridge of `prior_weight` toward f = 1, h = g = q = 0 (until
-    shapes disagree, a speculative step costs a plain step's overhead plus its forwards); h, g, q stay >= 0."""
+    shapes disagree, a speculative step costs a plain step's overhead plus its forwards); h, g, q stay >= 0,
+    and g (q) is fitted only once shapes of two depths (node counts) are measured."""
 
     def __init__(self, prior_weight: float = 1.0, decay: float = 0.9, cap: float = 4.0, per_node: bool = True):
         self.shapes: dict[SpecConfig, list[float]] = {}  # per shape: mean [F, seconds, u], its steps, mean log2 context
@@ -271,7 +272,11 @@ class StepFit:
         y = w[:, 0] * np.array([(sec - u * max(scale - 1, 0)) / (u * scale) for _, _, sec, u, _ in rows],
                                dtype=np.float64)
         prior = np.array([1.0, 0.0, 0.0, 0.0])
-        keep = [0, 1, 2, 3] if self.per_node else [0, 1, 2]
+        # a cost per level (per node) is fitted only from shapes of two depths (node counts) or more: from
+        # one, it cannot be told from the fixed cost, and the ridge gave most of a shape's unexplained
+        # time to its largest feature, the node count, which then priced every larger tree out of reach
+        keep = [0, 1] + [2] * (len({c.depth for c, *_ in rows}) > 1)
+        keep += [3] * (self.per_node and len({c.num_verify for c, *_ in rows}) > 1)
         while True:  # least squares with the overheads >= 0: drop a negative one and solve again
             xs, ridge = x[:, keep], self.prior_weight * np.eye(len(keep))
             solved = np.linalg.solve(xs.T @ xs + ridge, xs.T @ y + ridge @ prior[keep])
