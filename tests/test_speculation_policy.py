@@ -199,6 +199,24 @@ def test_aware_recovers_from_a_calibration_taken_while_the_machine_was_busy():
     assert sum(c is not None for c in chosen[-100:]) <= 100 // 32 + 1  # probes only
 
 
+def test_a_grpo_tail_searches_once_per_level_of_running_sequences_and_prices_each_count():
+    """As a batch's rows finish one by one, the running count meets every value below the batch: the
+    trees are searched once per quarter octave of it (40 to 35 running: one level; 34 and 33: the next),
+    and the tree found is priced at each count (its goodput and step time at 37 rows, not at 40)."""
+    aware = Aware(synthetic_costs())
+    plain_once(aware, 64)
+    searches = []
+    rates = aware._rates
+    aware._rates = lambda running: searches.append(running) or rates(running)
+    for running in range(40, 32, -1):
+        aware.choose(running, 500)
+    assert searches == [40, 34]
+    tree, rate, seconds = aware._tree(37)
+    assert tree is not None and tree == aware._tree(40)[0]
+    assert rate == pytest.approx(aware.goodput(tree, 37)) and seconds == pytest.approx(aware.predicted_seconds(tree, 37))
+    assert rate != pytest.approx(aware._tree(40)[1])
+
+
 def test_aware_does_not_search_its_trees_again_at_every_plain_step():
     """A search over the candidate trees costs ~0.5 ms, several percent of a plain step: while `aware`
     decodes plainly (speculation not yet measured in the bucket), the best tree found once is kept, per

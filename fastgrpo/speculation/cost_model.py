@@ -68,7 +68,7 @@ def piecewise_linear_many(xs: np.ndarray, ys: np.ndarray, tokens: np.ndarray) ->
     """piecewise_linear_at at many sizes in numpy: a search of `aware` prices every candidate tree at
     once (a torch call costs several times a numpy one at this size)."""
     t = np.maximum(tokens, xs[0])
-    i = np.clip(np.searchsorted(xs, t), 1, len(xs) - 1)
+    i = np.searchsorted(xs[1:-1], t) + 1  # piecewise_linear's segment: searchsorted on xs, clipped to [1, len - 1]
     return ys[i - 1] + (ys[i] - ys[i - 1]) * (t - xs[i - 1]) / (xs[i] - xs[i - 1])
 
 

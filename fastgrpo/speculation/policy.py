@@ -25,6 +25,13 @@ def concurrency_bucket(running: int) -> int:
     return 1 << max(running - 1, 0).bit_length()
 
 
+def running_level(running: int) -> float:
+    """Running sequences, rounded to a quarter octave (19% steps): the best tree is searched once per
+    level, and its price taken at each running count (a GRPO batch's tail meets every count from its
+    batch down to one, and a search at each cost a few percent of a small model's replayed steps)."""
+    return 2 ** (round(4 * math.log2(max(running, 1))) / 4)
+
+
 def context_level(context: float | None) -> float | None:
     """Cached tokens per running row, rounded to a quarter octave (19% steps): a step is priced, and its
     best tree searched, once per level, not at every step's context."""
@@ -357,13 +364,14 @@ class Aware(Off):
         self._probe_interval: dict[int, int] = {}
         self._probe_turn: dict[int, int] = {}  # per bucket: which of the shapes not chosen the next probe tries
         self._probing: int | None = None  # bucket of the step being probed
-        # best tree per running count and context level: (shape, its goodput, its step seconds). Its inputs
-        # (the acceptance model and the step fits) move only when speculative steps are observed, so a
-        # search is kept until a probe, a kind's first measurement, or SEARCH_EVERY speculative steps, not
-        # run anew at every step: a search costs a tenth of a small model's graph-replayed step. The step
-        # fits are refit once per bucket in that time, and acceptance read once
+        # the searches, per bucket, running level (running_level) and context level: the best tree and the best
+        # `explore` shapes. Their inputs (the acceptance model and the step fits) move only when speculative
+        # steps are observed, so a search is kept until a probe, a kind's first measurement, or SEARCH_EVERY
+        # speculative steps, not run anew at every step: a search costs a tenth of a small model's
+        # graph-replayed step. The step fits are refit once per bucket in that time, and acceptance read once
+        self._searched: dict[tuple[int, float, float | None], tuple[SpecConfig | None, list[SpecConfig]]] = {}
+        # per running count and context level: the searched tree, its goodput and its step seconds there
         self._trees: dict[tuple[int, float | None], tuple[SpecConfig | None, float, float]] = {}
-        self._ranked: dict[tuple[int, float | None], list[SpecConfig]] = {}  # the best `explore` shapes there
         self._fitted: set[int] = set()  # buckets whose step fit was refit since the searches were forgotten
         self._emitted: np.ndarray | None = None  # every candidate's expected tokens a row, likewise
         self._since_search = 0  # speculative steps since the searches were forgotten
@@ -437,22 +445,34 @@ class Aware(Off):
                                                                  plain, scale)
 
     def _tree(self, running: int) -> tuple[SpecConfig | None, float, float]:
+        """The best tree at `running` and the step's context, its goodput and its step seconds there."""
         if (key := (running, self.context)) not in self._trees:
-            if (b := self._bucket(running)) not in self._fitted:
+            best = self._search(running)[0]
+            if best is None:
+                self._trees[key] = (None, 0.0, 0.0)
+            else:
+                self._trees[key] = (best, self.goodput(best, running), self.predicted_seconds(best, running))
+        return self._trees[key]
+
+    def _search(self, running: int) -> tuple[SpecConfig | None, list[SpecConfig]]:
+        """The best tree among the candidates (the bucket's held tree while within `switch_margin` of it)
+        and the best `explore` shapes, searched at the first running count of `running`'s level."""
+        b = self._bucket(running)  # (a level may straddle two buckets, each with its own step fit)
+        if (level := (b, running_level(running), self.context)) not in self._searched:
+            if b not in self._fitted:
                 self._fit(running).fit(self._correction("off", running), self.context)
                 self._fitted.add(b)
             rates = self._rates(running)
             ranked = np.argsort(-rates, kind="stable")[: self.explore].tolist()  # best first; a tie: the earlier
-            self._ranked[key] = [self.candidates[i] for i in ranked]
-            best, best_rate = (self.candidates[ranked[0]], float(rates[ranked[0]])) if ranked else (None, 0.0)
+            best = self.candidates[ranked[0]] if ranked else None
             held = self.shapes.index.get(self._held.get(b))
-            if held is not None and rates[held] * (1 + self.switch_margin) >= best_rate:
-                best, best_rate = self.candidates[held], float(rates[held])
-            seconds = 0.0 if best is None else self.predicted_seconds(best, running)
-            self._trees[key] = (best, best_rate, seconds)
-        return self._trees[key]
+            if held is not None and best is not None and rates[held] * (1 + self.switch_margin) >= rates[ranked[0]]:
+                best = self.candidates[held]
+            self._searched[level] = (best, [self.candidates[i] for i in ranked])
+        return self._searched[level]
 
     def _forget_searches(self) -> None:
+        self._searched.clear()
         self._trees.clear()
         self._fitted.clear()
         self._emitted = None
@@ -464,7 +484,7 @@ class Aware(Off):
         tree = self._tree(running)[0]
         if choice is None:
             return tree
-        others = [None] + [c for c in self._ranked[(running, self.context)] if c != choice]
+        others = [None] + [c for c in self._search(running)[1] if c != choice]
         b = self._bucket(running)
         turn = self._probe_turn.get(b, 0)
         self._probe_turn[b] = turn + 1
