@@ -322,7 +322,10 @@ def _check_same_steps(results: list, policy: Path, chunk: int) -> None:
         assert m0["updates"] == m["updates"] == 2
         for key in ("loss", "grad_norm", "entropy", "clip_fraction", "kl_engine_trainer", "kl_ref"):
             if key in m0:
-                assert m[key] == pytest.approx(m0[key], rel=1e-6, abs=1e-7), key
+                # the gradient norm sums every parameter's squared gradient in fp32, in another order with
+                # chunks: 1.2e-6 apart under DeepSpeed ZeRO-3 on one machine (its other figures within 1e-6)
+                rel = 1e-5 if key == "grad_norm" else 1e-6
+                assert m[key] == pytest.approx(m0[key], rel=rel, abs=1e-7), key
         assert w.keys() == w0.keys()
         assert_same_update(w, w0, start, names=_compared(n for n in w0 if n in start))
 
