@@ -159,11 +159,11 @@ class Roofline:
     weights at achievable bandwidth and their FLOPs for every token at achievable peak, plus its
     attention's, the longer of reading every row's KV cache and attending over it, plus a fixed overhead
     and, at TP > 1, two ring all-reduces of the activations per layer. The two are separate kernels, one
-    after the other, so one's memory traffic does not hide the other's compute: a single roofline over
-    the whole forward (the longer of all its bytes and all its FLOPs) let a verify's extra tokens hide
-    under the KV reads of a long context, where a tree of 8 tokens a row cost 1.16x a plain step of
-    Llama-3-8B at 64 rows and 2,000 cached tokens instead of 1.60x. The draft (EAGLE: one decoder layer, the fusing
-    projection, the target's LM head) runs on the same GPUs at the same TP."""
+    after the other, so one's memory traffic does not hide the other's compute: at a long context a
+    verify's extra tokens pay their matmuls' FLOPs on top of the KV reads (a tree of 8 tokens a row is
+    1.60x a plain step of Llama-3-8B at 64 rows over 2,000 cached tokens; one roofline over the whole
+    forward would price it at 1.16x). The draft (EAGLE: one decoder layer, the fusing projection, the
+    target's LM head) runs on the same GPUs at the same TP."""
 
     padded = False  # SGLang's paged KV cache: each row reads its own context
 
@@ -270,7 +270,7 @@ def simulated_cost_model(costs: Roofline, error: Callable[[str, int], float] | N
     at each sweep size (B = min(tokens, 64) rows of tokens / B new tokens, over CONTEXT cached tokens
     each), at its row probes and at its context probes. `error(kind, tokens)` multiplies a point (to
     test that `aware` survives a bad calibration). Each kind is swept on past SWEEP while its curve is
-    still flat (cost_model.FURTHER: a small model on a GPU, a mixture-of-experts model)."""
+    still flat (cost_model.FURTHER: a mixture-of-experts model)."""
     def measured(kind: str, B: int, n: int, ctx: int = CONTEXT) -> float:
         forward = costs.target if kind == "target" else costs.draft
         return forward(B, n, ctx, B * ctx) * (error(kind, B * n) if error else 1.0)
