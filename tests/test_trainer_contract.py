@@ -178,7 +178,8 @@ def test_every_trainer_takes_the_same_step_under_each_objective_option(backend, 
     assert got["updates"] == want["updates"] == 4
     assert all(want[key] != 0 for key in active), {key: want[key] for key in active}
     # fp32 throughout; the backends sum in their own orders (Megatron's own layers and grad norm, DeepSpeed's
-    # norm): 1e-7 to 1.8e-6 relative measured over these runs, so 3e-6 (or 1e-6 absolute near zero)
+    # norm): 1e-7 to 1.8e-6 relative measured over these runs on one machine, 3.5e-6 (Megatron's loss, no
+    # correction) on another whose kernels sum otherwise, so 1e-5 (or 1e-6 absolute near zero)
     for key in ("loss", "grad_norm", "clip_fraction", "dual_clip_fraction", "ratio_clamped_fraction",
                 "correction_masked_fraction", "correction_truncated_fraction", "kl_ref", "kl_engine_trainer"):
-        assert got[key] == pytest.approx(want[key], rel=3e-6, abs=1e-6), key
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
