@@ -26,10 +26,10 @@ times over); the step times are the simulator's (its error against a real GPU is
 section 10).
 
 `--batch B` drives GRPO batches instead (5, one a seed), the workload where the running count changes
-most: B rows start together, each ends at a length drawn uniformly from [max_tokens / 8, max_tokens], so the rows
-retire one by one through the batch's long tail and `aware` meets every running count from B down to 1
-(each a new price to search). It reports the batch's mean host time a step, the searches it ran, and
-their share of the batch's SIMULATED time."""
+most: B rows start together, each ends at a length drawn uniformly from [max_tokens / 8, max_tokens], so
+the rows retire one by one through the batch's long tail and `aware` meets every running count from B
+down to 1 (each a new price to search). It reports the batch's mean host time a step, the searches it
+ran, and their share of the batch's SIMULATED time."""
 
 from __future__ import annotations
 
@@ -150,10 +150,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tokens", type=int, default=2048, help="each row's tokens after its prompt")
     p.add_argument("--alpha", type=float, default=0.7, help="the draft's first candidate's chance at each level")
     p.add_argument("--beta", type=float, default=0.7, help="what a tree's width adds (bench simulate's law)")
-    p.add_argument("--batch", type=int, help="drive one GRPO batch of this many rows instead of fixed levels")
+    p.add_argument("--batch", type=int, help="drive GRPO batches of this many rows (5 seeds) instead of fixed levels")
     p.add_argument("--max-tokens", type=int, default=1024, help="with --batch: the longest a row may run")
-    p.add_argument("--against-fixed", action="store_true", help="at each level also run plain decoding and every "
-                   "candidate tree, fixed, over the same tokens and seeds (best_fixed): aware's SIMULATED tokens/s against the best")
+    p.add_argument("--against-fixed", action="store_true", help="also run plain decoding and every candidate "
+                   "tree, fixed, over the same tokens and seeds (best_fixed): aware's SIMULATED tokens/s against "
+                   "the best")
     args = p.parse_args(argv)
     if args.policy_size:
         from fastgrpo.models.policy import policy_config
