@@ -79,6 +79,17 @@ def still_flat(curve: dict[int, float]) -> bool:
     return last < LINEAR * before
 
 
+def swept_on(curve: dict[int, float], measure, further: tuple[int, ...] = FURTHER) -> dict[int, float]:
+    """`curve` (tokens: seconds, SWEEP's points) with `measure(tokens)` added at each size of `further` in
+    turn while it is `still_flat`: the one rule by which both the engine's calibration and the simulated
+    one sweep on past 512 tokens."""
+    for t in further:
+        if not still_flat(curve):
+            break
+        curve[t] = measure(t)
+    return curve
+
+
 def monotone(curve: dict[int, float]) -> dict[int, float]:
     """More tokens per forward never cost less: a point above a later one is a noisy sample (a busy
     machine during calibration), lowered to the cheapest later point."""

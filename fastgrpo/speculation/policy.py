@@ -25,19 +25,24 @@ def concurrency_bucket(running: int) -> int:
     return 1 << max(running - 1, 0).bit_length()
 
 
+def quarter_octave(x: float) -> float:
+    """x > 0 rounded to a quarter octave (19% steps)."""
+    return 2 ** (round(4 * math.log2(x)) / 4)
+
+
 def running_level(running: int) -> float:
-    """Running sequences, rounded to a quarter octave (19% steps): the best tree is searched once per
-    level, and its price taken at each running count (a GRPO batch's tail meets every count from its
-    batch down to one, and a search at each cost a few percent of a small model's replayed steps)."""
-    return 2 ** (round(4 * math.log2(max(running, 1))) / 4)
+    """Running sequences, by quarter octave: the best tree is searched once per level, and its price taken
+    at each running count (a GRPO batch's tail meets every count from its batch down to one, and a search
+    at each cost a few percent of a small model's replayed steps)."""
+    return quarter_octave(max(running, 1))
 
 
 def context_level(context: float | None) -> float | None:
-    """Cached tokens per running row, rounded to a quarter octave (19% steps): a step is priced, and its
-    best tree searched, once per level, not at every step's context."""
+    """Cached tokens per running row, by quarter octave: a step is priced, and its best tree searched,
+    once per level, not at every step's context."""
     if context is None or context <= 0:
         return None
-    return 2 ** (round(4 * math.log2(context)) / 4)
+    return quarter_octave(context)
 
 
 class SpeculationPolicy(Protocol):
@@ -259,12 +264,10 @@ class StepFit:
         """Refit with `scale`, plain's current correction (U = u * scale), for steps at `context` cached
         tokens a row: against the shapes measured nearest that context, a shape measured an octave further
         weighs half as much, two octaves a quarter, further not at all. How far the calibration is off
-        depends on the context (at 64 rows on the SIMULATED H100, a wide tree's verify cost 3x its
-        calibrated forwards over 64 cached tokens and 1.04x over 5,800), and a wide shape tried once
-        early and never again, however lightly weighted, set the per-node cost q alone (its node count
-        gives it the leverage) and priced every tree its size out of reach. Relative to the nearest, so
-        that evidence is never all dropped: with none left, the calibration alone, however wrong, would
-        decide again."""
+        depends on the context, and a wide shape tried once early and never again, however lightly
+        weighted, would set the per-node cost q alone (its node count gives it the leverage) and price
+        every tree its size out of reach. Relative to the nearest, so that evidence is never all dropped:
+        with none left, the calibration alone, however wrong, would decide again."""
         self.f, self.h, self.g, self.q = 1.0, 0.0, 0.0, 0.0
         if not self.shapes:
             return
@@ -401,7 +404,7 @@ class Aware(Off):
     def _fit(self, running: int) -> StepFit:
         b = self._bucket(running)
         if b not in self.fits:
-            self.fits[b] = StepFit()  # at its prior until a search fits it (`_tree`)
+            self.fits[b] = StepFit()  # at its prior until a search fits it (`_search`)
         return self.fits[b]
 
     def _calibrated_seconds(self, c: SpecConfig | None, running: int) -> float:
@@ -466,7 +469,8 @@ class Aware(Off):
             ranked = np.argsort(-rates, kind="stable")[: self.explore].tolist()  # best first; a tie: the earlier
             best = self.candidates[ranked[0]] if ranked else None
             held = self.shapes.index.get(self._held.get(b))
-            if held is not None and best is not None and rates[held] * (1 + self.switch_margin) >= rates[ranked[0]]:
+            # (a held tree means candidates, so ranked is not empty)
+            if held is not None and rates[held] * (1 + self.switch_margin) >= rates[ranked[0]]:
                 best = self.candidates[held]
             self._searched[level] = (best, [self.candidates[i] for i in ranked])
         return self._searched[level]

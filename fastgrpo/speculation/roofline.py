@@ -16,9 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from fastgrpo.speculation.cost_model import (CONTEXT, CONTEXT_EXTRA, CONTEXT_PROBES, FURTHER, KINDS, ROW_PROBES, ROWS,
-                                             SWEEP, CostModel, context_rates, monotone, row_seconds, still_flat,
-                                             sweep_rows)
+from fastgrpo.speculation.cost_model import (CONTEXT, CONTEXT_EXTRA, CONTEXT_PROBES, KINDS, ROW_PROBES, ROWS, SWEEP,
+                                             CostModel, context_rates, monotone, row_seconds, swept_on, sweep_rows)
 from fastgrpo.speculation.spec import SpecConfig
 
 
@@ -270,20 +269,14 @@ def simulated_cost_model(costs: Roofline, error: Callable[[str, int], float] | N
     at each sweep size (B = min(tokens, 64) rows of tokens / B new tokens, over CONTEXT cached tokens
     each), at its row probes and at its context probes. `error(kind, tokens)` multiplies a point (to
     test that `aware` survives a bad calibration). Each kind is swept on past SWEEP while its curve is
-    still flat (cost_model.FURTHER: a mixture-of-experts model)."""
+    still flat (`cost_model.swept_on`: a mixture-of-experts model)."""
     def measured(kind: str, B: int, n: int, ctx: int = CONTEXT) -> float:
         forward = costs.target if kind == "target" else costs.draft
         return forward(B, n, ctx, B * ctx) * (error(kind, B * n) if error else 1.0)
 
-    def swept(kind: str) -> dict[int, float]:
-        curve = {t: measured(kind, sweep_rows(t), max(t // ROWS, 1)) for t in SWEEP}
-        for t in FURTHER:
-            if not still_flat(curve):
-                break
-            curve[t] = measured(kind, sweep_rows(t), t // ROWS)
-        return curve
-
-    target_s, draft_s = (swept(kind) for kind in KINDS)
+    target_s, draft_s = (swept_on({t: measured(kind, sweep_rows(t), max(t // ROWS, 1)) for t in SWEEP},
+                                  lambda t, kind=kind: measured(kind, sweep_rows(t), t // ROWS))
+                         for kind in KINDS)
     probes = {(B, n): measured("target", B, n) for B, n in ROW_PROBES}
     context_extra_s = {(kind, B, n): measured(kind, B, n, CONTEXT + CONTEXT_EXTRA) - measured(kind, B, n)
                        for kind in KINDS for B, n in CONTEXT_PROBES}

@@ -23,7 +23,7 @@ from fastgrpo.device import on_device
 from fastgrpo.models.draft import DraftHead
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache, block_mask, cache_kv
 from fastgrpo.speculation.cost_model import (CONTEXT, CONTEXT_EXTRA, CONTEXT_PROBES, FURTHER, KINDS, ROW_PROBES, ROWS,
-                                             SWEEP, CostModel, context_rates, monotone, row_seconds, still_flat,
+                                             SWEEP, CostModel, context_rates, monotone, row_seconds, swept_on,
                                              sweep_rows)
 
 log = logging.getLogger(__name__)
@@ -95,12 +95,10 @@ def _calibrate(model: InferenceModel, draft: DraftHead, reps: int, sweep: tuple[
         for kind in kinds:
             key = (kind, B, n, ctx)
             seconds[key] = min(seconds.get(key, float("inf")), timed(kind, B, n, ctx))
-    curves = {kind: {t: seconds[(kind, B, n, CONTEXT)] for t, (B, n) in zip(sweep, sweep_shapes)} for kind in KINDS}
-    for kind, curve in curves.items():
-        for t in further:
-            if not still_flat(curve):
-                break
-            curve[t] = min(timed(kind, ROWS, t // ROWS, CONTEXT) for _ in range(rounds))
+    curves = {kind: swept_on({t: seconds[(kind, B, n, CONTEXT)] for t, (B, n) in zip(sweep, sweep_shapes)},
+                             lambda t, kind=kind: min(timed(kind, ROWS, t // ROWS, CONTEXT) for _ in range(rounds)),
+                             further)
+              for kind in KINDS}
     context_s = None  # no room for the context probes: the sweep's context is taken for every step's
     if extra > 0:
         context_s = context_rates({(kind, B, n): seconds[(kind, B, n, CONTEXT + extra)] - seconds[(kind, B, n, CONTEXT)]
