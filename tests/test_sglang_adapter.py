@@ -434,6 +434,31 @@ def test_fastgrpos_plugin_failing_in_sglang_is_named_at_start(sglang, monkeypatc
         sglang(**{"speculation.policy": "aware", "rollout.max_batch": 8})
 
 
+def test_an_engine_leaves_no_files_behind_when_closed_or_when_its_start_fails(sglang, monkeypatch, tmp_path):
+    """The exported draft and the tiers file SGLang starts from live in a folder of their own until `close`
+    (SGLang reads them as it starts); a start that fails removes it at once. (Before, every engine left
+    its folder in the system's temporary directory: 156 of them after one `make test`.)"""
+    import tempfile
+
+    from fastgrpo.engines.sglang.adapter import SGLangEngine
+
+    scratch = tmp_path / "system-tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    engine = sglang(**{"speculation.policy": "aware", "rollout.max_batch": 8})
+    work, = scratch.iterdir()
+    assert {p.name for p in work.iterdir()} == {"eagle-draft", "adaptive.json"}
+    engine.close()
+    assert list(scratch.iterdir()) == []
+    def set_tiers(self, table):
+        raise RuntimeError("the first rpc failed")
+
+    monkeypatch.setattr(SGLangEngine, "set_tiers", set_tiers)  # SGLang started; the adapter fails after it
+    with pytest.raises(RuntimeError, match="the first rpc failed"):
+        sglang(**{"speculation.policy": "aware", "rollout.max_batch": 8})
+    assert list(scratch.iterdir()) == []
+
+
 @pytest.mark.parametrize("value", [",", " ", " , ,"])
 def test_an_sglang_plugins_of_only_separators_or_blanks_allows_no_plugin(sglang, monkeypatch, value):
     """SGLang reads SGLANG_PLUGINS as an allow-list whenever it is not empty (EnvStr: as it is), so

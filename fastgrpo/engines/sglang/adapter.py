@@ -54,6 +54,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Sequence
@@ -157,12 +158,14 @@ def server_args(cfg: Config, mode: str, draft_export: Path | None, tiers_file: P
 
 class SGLangEngine:
     """The Engine protocol over one `sglang.Engine`; see the module docstring for what it relies on.
-    `args`: the engine's keyword arguments (`server_args`); `tiers`: its adaptive tiers, if any."""
+    `args`: the engine's keyword arguments (`server_args`); `tiers`: its adaptive tiers, if any; `work`: the
+    folder of the files it was started with (the exported draft, the tiers), removed by `close`."""
 
     def __init__(self, engine: sglang.Engine, cfg: Config, model_config: PretrainedConfig, mode: str,
                  args: dict[str, Any], tiers: dict[str, dict] | None = None, aware: AwareTiers | None = None,
-                 stop_ids: Sequence[int] = ()):
+                 stop_ids: Sequence[int] = (), work: Path | None = None):
         self._engine = engine
+        self._work = work
         self.stop_ids = tuple(sorted(set(stop_ids)))  # sent with every request (`sampling_params`)
         self.aware = aware  # aware's chain per slot: set now and after every generate call
         self.cfg = model_config
@@ -404,7 +407,11 @@ class SGLangEngine:
                        self.cfg.num_experts)
 
     def close(self) -> None:
-        self._engine.shutdown()
+        try:
+            self._engine.shutdown()
+        finally:
+            if self._work is not None:
+                shutil.rmtree(self._work, ignore_errors=True)
 
 
 def check_plugin() -> None:
@@ -474,31 +481,40 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrai
     check_sampling(SamplingParams.of(cfg.rollout), mode != "off",
                    sampling_mask_cap(cfg.rollout.top_k) if cfg.rollout.top_k > 0 else SGLANG_MASK_CAP)
     dtype = engine_dtype(cfg)
-    work = Path(tempfile.mkdtemp(prefix="fastgrpo-sglang-"))
-    draft_export = tiers_file = tiers = aware = None
-    if mode != "off":
-        if not has_draft(draft_dir(cfg)):
-            raise FileNotFoundError(f"speculation.policy={mode} needs a draft at {draft_weights(draft_dir(cfg))}")
-        draft_export = work / "eagle-draft"
-        export_sglang_eagle(draft_weights(draft_dir(cfg)), model_config, draft_export, dtype)
-        if mode == "fastgrpo":
-            tiers = adaptive_tiers(FastGRPOFormula(), cfg.rollout.max_batch)
-        elif mode in ("aware", "aware_per_sequence"):
-            if mode == "aware_per_sequence":
-                log.warning("speculation.policy=aware_per_sequence on SGLang runs as aware: SGLang has no "
-                            "per-sequence verify budget")
-            check_plugin()
-            aware = aware_tiers(cfg, model_config)
-            tiers = aware.sglang_config()
-        if tiers is not None:
-            tiers_file = work / "adaptive.json"
-            tiers_file.write_text(json.dumps(tiers, indent=1))
-    base_gpu_id = int(os.environ.get("LOCAL_RANK", 0))
-    args = server_args(cfg, mode, draft_export, tiers_file, base_gpu_id, dtype, moe=is_moe(model_config))
-    engine = sglang.Engine(**args)
-    adapter = SGLangEngine(engine, cfg, model_config, mode, args, tiers, aware, stop_ids)
-    if weights is not None:
-        adapter.update_weights(weights, version=0)
+    work = Path(tempfile.mkdtemp(prefix="fastgrpo-sglang-"))  # the exported draft and tiers: until `close`
+    engine = None
+    try:
+        draft_export = tiers_file = tiers = aware = None
+        if mode != "off":
+            if not has_draft(draft_dir(cfg)):
+                raise FileNotFoundError(f"speculation.policy={mode} needs a draft at {draft_weights(draft_dir(cfg))}")
+            draft_export = work / "eagle-draft"
+            export_sglang_eagle(draft_weights(draft_dir(cfg)), model_config, draft_export, dtype)
+            if mode == "fastgrpo":
+                tiers = adaptive_tiers(FastGRPOFormula(), cfg.rollout.max_batch)
+            elif mode in ("aware", "aware_per_sequence"):
+                if mode == "aware_per_sequence":
+                    log.warning("speculation.policy=aware_per_sequence on SGLang runs as aware: SGLang has no "
+                                "per-sequence verify budget")
+                check_plugin()
+                aware = aware_tiers(cfg, model_config)
+                tiers = aware.sglang_config()
+            if tiers is not None:
+                tiers_file = work / "adaptive.json"
+                tiers_file.write_text(json.dumps(tiers, indent=1))
+        base_gpu_id = int(os.environ.get("LOCAL_RANK", 0))
+        args = server_args(cfg, mode, draft_export, tiers_file, base_gpu_id, dtype, moe=is_moe(model_config))
+        engine = sglang.Engine(**args)
+        adapter = SGLangEngine(engine, cfg, model_config, mode, args, tiers, aware, stop_ids, work)
+        if weights is not None:
+            adapter.update_weights(weights, version=0)
+    except BaseException:  # nothing left behind: the engine's processes, its files
+        try:
+            if engine is not None:
+                engine.shutdown()
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        raise
     log.info("SGLang engine on GPUs %d-%d (speculation %s, %s)", base_gpu_id, base_gpu_id + gpus - 1, mode,
              "tiers " + str(tiers_file) if tiers_file else "static" if mode == "static" else "no tiers file")
     return adapter
