@@ -42,7 +42,9 @@ class Torchrun:
         self.log = log
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "fastgrpo", "train", *args],
+             "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+             "--log-dir", str(log.with_name(log.name + ".torchelastic")),  # (default: a new folder in /tmp, kept)
+             "-m", "fastgrpo", "train", *args],
             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
             env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
 

@@ -376,6 +376,7 @@ class Aware(Off):
         # per running count and context level: the searched tree, its goodput and its step seconds there
         self._trees: dict[tuple[int, float | None], tuple[SpecConfig | None, float, float]] = {}
         self._fitted: set[int] = set()  # buckets whose step fit was refit since the searches were forgotten
+        self._prices: dict[tuple[SpecConfig | None, int, float | None], float] = {}  # _calibrated_seconds, likewise
         self._emitted: np.ndarray | None = None  # every candidate's expected tokens a row, likewise
         self._since_search = 0  # speculative steps since the searches were forgotten
         # the context level (context_level) of the step being decided: every price is at it. Reading
@@ -409,7 +410,15 @@ class Aware(Off):
 
     def _calibrated_seconds(self, c: SpecConfig | None, running: int) -> float:
         """The step's time by the calibration alone (before the online correction): the draft's catch-up
-        on last step's accepted states, its further levels, and the verify of every node of every row."""
+        on last step's accepted states, its further levels, and the verify of every node of every row.
+        Kept until the searches are forgotten, as the searches are: it moves with acceptance alone (the
+        catch-up), and every step asks it two to four times (each a few curve lookups)."""
+        key = (c, running, self.context)
+        if (seconds := self._prices.get(key)) is None:
+            seconds = self._prices[key] = self._price(c, running)
+        return seconds
+
+    def _price(self, c: SpecConfig | None, running: int) -> float:
         if c is None:
             return self.costs.at_context("target", running, running, self.context)
         catch_up = running * self.acceptance.expected(c)
@@ -477,6 +486,7 @@ class Aware(Off):
 
     def _forget_searches(self) -> None:
         self._searched.clear()
+        self._prices.clear()
         self._trees.clear()
         self._fitted.clear()
         self._emitted = None
