@@ -436,8 +436,8 @@ def test_fastgrpos_plugin_failing_in_sglang_is_named_at_start(sglang, monkeypatc
 
 def test_an_engine_leaves_no_files_behind_when_closed_or_when_its_start_fails(sglang, monkeypatch, tmp_path):
     """The exported draft and the tiers file SGLang starts from live in a folder of their own until `close`
-    (SGLang reads them as it starts); a start that fails removes it at once. (Before, every engine left
-    its folder in the system's temporary directory: 156 of them after one `make test`.)"""
+    (SGLang reads them as it starts); a start that fails removes it at once, nothing left in the system's
+    temporary directory either way."""
     import tempfile
 
     from fastgrpo.engines.sglang.adapter import SGLangEngine
@@ -450,6 +450,7 @@ def test_an_engine_leaves_no_files_behind_when_closed_or_when_its_start_fails(sg
     assert {p.name for p in work.iterdir()} == {"eagle-draft", "adaptive.json"}
     engine.close()
     assert list(scratch.iterdir()) == []
+
     def set_tiers(self, table):
         raise RuntimeError("the first rpc failed")
 

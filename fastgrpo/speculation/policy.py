@@ -411,8 +411,9 @@ class Aware(Off):
     def _calibrated_seconds(self, c: SpecConfig | None, running: int) -> float:
         """The step's time by the calibration alone (before the online correction): the draft's catch-up
         on last step's accepted states, its further levels, and the verify of every node of every row.
-        Kept until the searches are forgotten, as the searches are: it moves with acceptance alone (the
-        catch-up), and every step asks it two to four times (each a few curve lookups)."""
+        Kept until the searches are forgotten, as the searches are: it moves only with what they read as
+        of their first (acceptance, the draft's catch-up; a per-sequence budget's widths), and every step
+        asks it two to four times (each a few curve lookups)."""
         key = (c, running, self.context)
         if (seconds := self._prices.get(key)) is None:
             seconds = self._prices[key] = self._price(c, running)
