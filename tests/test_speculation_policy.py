@@ -217,6 +217,29 @@ def test_a_grpo_tail_searches_once_per_level_of_running_sequences_and_prices_eac
     assert rate != pytest.approx(aware._tree(40)[1])
 
 
+def test_between_searches_a_step_reads_no_curve_for_prices_it_already_took():
+    """A step's prices (its calibrated forwards: plain's and the chosen tree's, each a few curve lookups) are
+    asked two to four times a step; between two searches they are taken from the curves once per shape,
+    running count and context level, and taken again after the next search (acceptance has moved)."""
+    costs = synthetic_costs()
+    aware = Aware(costs, acceptance_prior=0.8, probe_every=10_000)
+    lookups = []
+    at_context = costs.at_context
+    costs.at_context = lambda *a: lookups.append(a) or at_context(*a)
+    plain_once(aware, 4)
+    c = aware.choose(4, 100)
+    assert c is not None  # (speculation pays at 4 rows on these costs)
+    aware.observe(c, 4, 8, aware._calibrated_seconds(c, 4), accepted=[1] * 4)  # a kind's first: searched again
+    for step in range(Aware.SEARCH_EVERY):
+        lookups.clear()
+        c = aware.choose(4, 100)
+        aware.observe(c, 4, 8, 1.1 * aware._calibrated_seconds(c, 4), accepted=[1] * 4)
+        assert lookups == [] or step == 0, step  # (the first step after a search prices the tree anew)
+    lookups.clear()
+    c = aware.choose(4, 100)  # the searches were forgotten after SEARCH_EVERY speculative steps
+    assert lookups
+
+
 def test_aware_does_not_search_its_trees_again_at_every_plain_step():
     """A search over the candidate trees costs ~0.5 ms, several percent of a plain step: while `aware`
     decodes plainly (speculation not yet measured in the bucket), the best tree found once is kept, per
