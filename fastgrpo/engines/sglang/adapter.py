@@ -407,11 +407,18 @@ class SGLangEngine:
                        self.cfg.num_experts)
 
     def close(self) -> None:
-        try:
-            self._engine.shutdown()
-        finally:
-            if self._work is not None:
-                shutil.rmtree(self._work, ignore_errors=True)
+        shut_down(self._engine, self._work)
+
+
+def shut_down(engine: sglang.Engine | None, work: Path | None) -> None:
+    """Shut `engine` down and remove `work`, the folder of the files it started from: at `close`, and when
+    a start fails (nothing left behind: the engine's processes, its files)."""
+    try:
+        if engine is not None:
+            engine.shutdown()
+    finally:
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def check_plugin() -> None:
@@ -460,12 +467,39 @@ def check_model(model_config: PretrainedConfig) -> None:
                          f"(mlp_only_layers={dense}, decoder_sparse_step={step}); use engine.backend=embedded")
 
 
+def start_files(cfg: Config, model_config: PretrainedConfig, mode: str, dtype: str, work: Path
+                ) -> tuple[Path | None, Path | None, dict[str, dict] | None, AwareTiers | None]:
+    """What SGLang starts from with speculation `mode`, written into `work`: our draft exported to SGLang's
+    EAGLE format, and the adaptive tiers file (fastgrpo's rule, or `aware`'s, whose tiers object is returned
+    too). Returns (draft export, tiers file, tiers, aware), None where the mode has none."""
+    if mode == "off":
+        return None, None, None, None
+    if not has_draft(draft_dir(cfg)):
+        raise FileNotFoundError(f"speculation.policy={mode} needs a draft at {draft_weights(draft_dir(cfg))}")
+    draft_export = work / "eagle-draft"
+    export_sglang_eagle(draft_weights(draft_dir(cfg)), model_config, draft_export, dtype)
+    tiers = aware = tiers_file = None
+    if mode == "fastgrpo":
+        tiers = adaptive_tiers(FastGRPOFormula(), cfg.rollout.max_batch)
+    elif mode in ("aware", "aware_per_sequence"):
+        if mode == "aware_per_sequence":
+            log.warning("speculation.policy=aware_per_sequence on SGLang runs as aware: SGLang has no "
+                        "per-sequence verify budget")
+        check_plugin()
+        aware = aware_tiers(cfg, model_config)
+        tiers = aware.sglang_config()
+    if tiers is not None:
+        tiers_file = work / "adaptive.json"
+        tiers_file.write_text(json.dumps(tiers, indent=1))
+    return draft_export, tiers_file, tiers, aware
+
+
 def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase,
                  weights: NamedTensors | None = None, speculation: str | None = None,
                  stop_ids: Sequence[int] = ()) -> SGLangEngine:
     """An SGLang engine on `engine.tensor` GPUs from this rank's (LOCAL_RANK: the engine's leading rank), started
-    with the policy at `model.path`, then given `weights` if any; with speculation, our draft exported
-    to SGLang's EAGLE format next to the run. It stops a sequence at any of `stop_ids` (sent with each
+    with the policy at `model.path`, then given `weights` if any; with speculation, from the files of
+    `start_files` in a folder of its own until `close`. It stops a sequence at any of `stop_ids` (sent with each
     request: SGLang's own stops miss the tokenizer's eos, `sampling_params`)."""
     check_model(model_config)
     if not gpus_available():
@@ -484,36 +518,15 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, tokenizer: PreTrai
     work = Path(tempfile.mkdtemp(prefix="fastgrpo-sglang-"))  # the exported draft and tiers: until `close`
     engine = None
     try:
-        draft_export = tiers_file = tiers = aware = None
-        if mode != "off":
-            if not has_draft(draft_dir(cfg)):
-                raise FileNotFoundError(f"speculation.policy={mode} needs a draft at {draft_weights(draft_dir(cfg))}")
-            draft_export = work / "eagle-draft"
-            export_sglang_eagle(draft_weights(draft_dir(cfg)), model_config, draft_export, dtype)
-            if mode == "fastgrpo":
-                tiers = adaptive_tiers(FastGRPOFormula(), cfg.rollout.max_batch)
-            elif mode in ("aware", "aware_per_sequence"):
-                if mode == "aware_per_sequence":
-                    log.warning("speculation.policy=aware_per_sequence on SGLang runs as aware: SGLang has no "
-                                "per-sequence verify budget")
-                check_plugin()
-                aware = aware_tiers(cfg, model_config)
-                tiers = aware.sglang_config()
-            if tiers is not None:
-                tiers_file = work / "adaptive.json"
-                tiers_file.write_text(json.dumps(tiers, indent=1))
+        draft_export, tiers_file, tiers, aware = start_files(cfg, model_config, mode, dtype, work)
         base_gpu_id = int(os.environ.get("LOCAL_RANK", 0))
         args = server_args(cfg, mode, draft_export, tiers_file, base_gpu_id, dtype, moe=is_moe(model_config))
         engine = sglang.Engine(**args)
         adapter = SGLangEngine(engine, cfg, model_config, mode, args, tiers, aware, stop_ids, work)
         if weights is not None:
             adapter.update_weights(weights, version=0)
-    except BaseException:  # nothing left behind: the engine's processes, its files
-        try:
-            if engine is not None:
-                engine.shutdown()
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+    except BaseException:
+        shut_down(engine, work)
         raise
     log.info("SGLang engine on GPUs %d-%d (speculation %s, %s)", base_gpu_id, base_gpu_id + gpus - 1, mode,
              "tiers " + str(tiers_file) if tiers_file else "static" if mode == "static" else "no tiers file")
