@@ -118,6 +118,11 @@ class Adapter:
         self._engine.release_memory_occupation(tag=["weights"])
         MultiprocessingSerializer.serialise([])
         obj = GenerateReqInput(input_ids=[[1]], return_hidden_state=True)
+
+
+def stop(engine: sglang.Engine | None, other: None | sglang.Engin):
+    # an optional SGLang parameter is still typed: its wrong call and the misspelt class are reported
+    engine.shut_down()
 '''
 
 
@@ -138,10 +143,13 @@ def test_the_checker_catches_wrong_uses_of_sglang(src):
         "Engine.release_memory_occupation has no parameter 'tag'",
         "MultiprocessingSerializer has no attribute 'serialise'",
         "GenerateReqInput has no field 'return_hidden_state'",
+        "Engine has no attribute 'shut_down'",
+        "annotation sglang.Engin: not a class",
+        "sglang.Engin: sglang 0.5.23 has no such name",
     ]
     for message in expected:
         assert any(message in p for p in problems), (message, problems)
-    assert len(problems) == len(expected), problems
+    assert len(problems) == len(expected), "\n".join(problems)
 
 
 def test_the_keys_the_adapter_reads_are_sglangs(src):

@@ -114,7 +114,7 @@ class AdapterScan:
         for arg in fn.args.args + fn.args.kwonlyargs + fn.args.posonlyargs:
             if arg.annotation is None:
                 continue
-            text = arg.annotation.value if isinstance(arg.annotation, ast.Constant) else ast.unparse(arg.annotation)
+            text = _optional_stripped(arg.annotation)
             if isinstance(text, str) and text.split(".")[0] == self.src.package:
                 sym = self.src.resolve_dotted(text)
                 cls = self.src.cls(sym) if sym is not None else None
@@ -272,3 +272,18 @@ def check_keys(src: Source, what: str, keys, owner: str = "") -> list[str]:
     else:
         raise ValueError(what)
     return [f"{owner}{k!r} is not a {what} key of sglang {SGLANG_VERSION}" for k in sorted(set(keys)) if k not in known]
+
+
+def _optional_stripped(annotation: ast.expr) -> str | None:
+    """An annotation's text with an optional `| None` (either side) dropped: `sglang.Engine | None` reads
+    as `sglang.Engine`, a string annotation as the expression it holds; None for what is not a name."""
+    node = annotation
+    if isinstance(node, ast.Constant):
+        if not isinstance(node.value, str):
+            return None
+        node = ast.parse(node.value, mode="eval").body
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        sides = [s for s in (node.left, node.right) if not (isinstance(s, ast.Constant) and s.value is None)]
+        if len(sides) == 1:
+            node = sides[0]
+    return ast.unparse(node)
