@@ -11,13 +11,15 @@ from fastgrpo.models.layers import onednn_available
 from tests.conftest import tiny_config, tiny_overrides
 
 
-def test_bench_rollout_compares_all_modes(tmp_path, tiny_policy, tiny_draft):
+def test_bench_rollout_compares_all_modes(tmp_path, tiny_policy, tiny_draft, capsys):
     from fastgrpo.bench.rollout import MODES, bench_rollout
 
     cfg = tiny_config(tmp_path, tiny_policy, **{"draft.path": tiny_draft, "rollout.max_batch": 64,
                                                 "speculation.cost_model_dir": tmp_path / "costs"})
-    bench_rollout(cfg, quick=True, output=tmp_path / "rollout.json")
+    bench_rollout(cfg, quick=True, output=tmp_path / "rollout.json", repetitions=1)
+    assert f"--repetitions 1 --quick --output {tmp_path / 'rollout.json'}" in capsys.readouterr().out
     saved = json.loads((tmp_path / "rollout.json").read_text())
+    assert saved["meta"]["repetitions"] == 1
     assert [r["concurrency"] for r in saved["sweep"]] == [1, 4, 16, 64]
     for row in saved["sweep"]:
         assert all(row[f"{m}_tok_s"] > 0 for m in MODES)
@@ -133,17 +135,18 @@ def test_noise_scale_recovers_a_known_signal_and_noise():
     assert pure_noise["b_noise_prompts_lower_bound"] > 100 * B
 
 
-def test_bench_noise_measures_the_loops_own_gradients(tmp_path, tiny_policy):
+def test_bench_noise_measures_the_loops_own_gradients(tmp_path, tiny_policy, capsys):
     from fastgrpo.cli import main
 
     out = tmp_path / "noise.json"
     overrides = tiny_overrides(tmp_path, tiny_policy, **{"speculation.policy": "off", "draft.online": "off",
-                                                        "task.max_steps": 2, "rollout.prompts_per_step": 8})
+                                                        "task.max_steps": 2, "rollout.prompts_per_step": 4})
     assert main(["bench", "noise", "--batches", "3", "--output", str(out), *overrides]) == 0
+    assert "draft-pretrain" not in capsys.readouterr().out  # rollouts without speculation: no draft built for them
     saved = json.loads(out.read_text())
-    assert len(saved["batches"]) == 3 and saved["prompts_per_batch"] == 8
+    assert len(saved["batches"]) == 3 and saved["prompts_per_batch"] == 4
     assert saved["grad_sq"] == pytest.approx(sum(b["grad_sq"] for b in saved["batches"]) / 3)
-    assert all(b["grad_sq"] > 0 and 1 <= b["groups_kept"] <= 8 for b in saved["batches"])
+    assert all(b["grad_sq"] > 0 and 1 <= b["groups_kept"] <= 4 for b in saved["batches"])
     assert main(["bench", "noise", "--batches", "3", "--seeds", "2", "--output", str(out), *overrides]) == 1
     assert main(["bench", "noise", "--batches", "2", "--output", str(out), *overrides]) == 1
 
@@ -168,9 +171,10 @@ def test_bench_guarantee_pairs_aware_with_off_at_each_thread_count(tmp_path, tin
     cfg = tiny_config(tmp_path, tiny_policy, **{"draft.path": tiny_draft, "rollout.max_batch": 64,
                                                 "speculation.cost_model_dir": tmp_path / "costs"})
     before = torch.get_num_threads()
-    bench_guarantee(cfg, quick=True, output=tmp_path / "guarantee.json", runs=1, threads=[1, 2])
+    bench_guarantee(cfg, quick=True, output=tmp_path / "guarantee.json", runs=1, threads=[1, 2], repetitions=1)
     assert torch.get_num_threads() == before
     saved = json.loads((tmp_path / "guarantee.json").read_text())
+    assert saved["meta"]["repetitions"] == 1
     assert list(saved["threads"]) == ["1", "2"]
     for t, passed in saved["threads"].items():
         assert passed["torch_threads"] == int(t)  # each pass ran at its own thread count

@@ -425,26 +425,19 @@ def test_a_forward_of_fewer_rows_is_priced_below_the_sweeps_point_of_as_many_tok
 def test_the_aware_overhead_tool_reports_each_level():
     """tools/aware_overhead.py (aware's host time against the SIMULATED step it decides on) at a small size:
     every level reported, with positive times and a share that is their ratio."""
-    import subprocess
-    import sys
+    from tools.aware_overhead import main
 
-    out = subprocess.run([sys.executable, "tools/aware_overhead.py", "--running", "1,64", "--tokens", "256"],
-                         capture_output=True, text=True, timeout=300, check=True).stdout
-    result = json.loads(out.strip().splitlines()[-1])
+    result = main(["--running", "1,64", "--tokens", "256"])
     assert [r["running"] for r in result["levels"]] == [1, 64] and result["gpu"] == "H100 SXM"
     for r in result["levels"]:
         assert r["choose_us"] > 0 and r["observe_us"] > 0 and r["step_ms"] > 0
         assert r["share_of_step"] == pytest.approx((r["choose_us"] + r["observe_us"]) / (1e3 * r["step_ms"]))
     # against every fixed tree: the best of them is a real shape, and aware's own time costs it throughput
-    out = subprocess.run([sys.executable, "tools/aware_overhead.py", "--running", "4", "--tokens", "128",
-                          "--against-fixed"], capture_output=True, text=True, timeout=300, check=True).stdout
-    (level,) = json.loads(out.strip().splitlines()[-1])["levels"]
+    (level,) = main(["--running", "4", "--tokens", "128", "--against-fixed"])["levels"]
     assert level["best_fixed"] in {"plain"} | {c.name for c in candidate_configs()}
     assert 0 < level["tok_s_with_host"] < level["tok_s"] and level["best_fixed_tok_s"] > 0
     # a GRPO batch: searches counted (at least the first), host time a share of the SIMULATED steps
-    out = subprocess.run([sys.executable, "tools/aware_overhead.py", "--batch", "8", "--max-tokens", "64",
-                          "--against-fixed"], capture_output=True, text=True, timeout=300, check=True).stdout
-    batch = json.loads(out.strip().splitlines()[-1])
+    batch = main(["--batch", "8", "--max-tokens", "64", "--against-fixed"])
     assert batch["batch"] == 8 and 1 <= batch["searches"] <= batch["steps"] and 0 < batch["share_of_step"] < 1
     assert batch["best_fixed"] in {"plain"} | {c.name for c in candidate_configs()}
     assert batch["best_fixed_tok_s"] >= batch["plain_tok_s"] > 0 and batch["tok_s_with_host"] > 0

@@ -147,10 +147,10 @@ def engine_vs_hf(policy, engine, cfg: Config, prompt: list[int], tokens: int, re
 
 
 def bench_guarantee(cfg: Config, quick: bool, output: Path, runs: int | None, threads: list[int] | None,
-                    extra: list[str] | None = None) -> dict:
+                    extra: list[str] | None = None, repetitions: int | None = None) -> dict:
     runs = runs or (2 if quick else 5)
     threads = threads or [1, 2]
-    reps = 3 if quick else 5  # ABBA blocks of four calls
+    reps = repetitions or (3 if quick else 5)  # ABBA blocks of four calls
     policy, text = load_policy(cfg.model.path), load_text_format(cfg.model.path, cfg.task)
     _, evals = load_task(cfg.task)
     prompts = [e.prompt_ids for e in encode_problems(evals, text, cfg.model.max_context, "eval")]
@@ -184,7 +184,8 @@ def bench_guarantee(cfg: Config, quick: bool, output: Path, runs: int | None, th
         torch.set_num_threads(before)
     result["meta"]["seconds"] = time.perf_counter() - t0
     command = command_line("guarantee", quick, output,
-                           (extra or []) + [f"--runs {runs}", f"--threads {','.join(map(str, threads))}"])
+                           (extra or []) + [f"--runs {runs}", f"--threads {','.join(map(str, threads))}"]
+                           + ([f"--repetitions {repetitions}"] if repetitions else []))
     publish(result, output, command, markdown)
     return result
 
@@ -236,8 +237,11 @@ def add_arguments(parser) -> None:
 
     parser.add_argument("--runs", type=at_least_one, help="runs per thread count (default 5; 2 with --quick)")
     parser.add_argument("--threads", type=thread_counts, help="torch thread counts, comma-separated (default 1,2)")
+    parser.add_argument("--repetitions", type=at_least_one,
+                        help="ABBA blocks per run, after a warm-up block (default 5; 3 with --quick)")
     parser.set_defaults(run=from_cli)
 
 
 def from_cli(args, cfg) -> dict:
-    return bench_guarantee(cfg, args.quick, args.output, args.runs, args.threads, extra=args.extra)
+    return bench_guarantee(cfg, args.quick, args.output, args.runs, args.threads, extra=args.extra,
+                           repetitions=args.repetitions)

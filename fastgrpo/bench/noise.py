@@ -112,7 +112,12 @@ def add_arguments(parser) -> None:
     from fastgrpo.bench.command import at_least_one
 
     parser.add_argument("--batches", type=at_least_one, help="independent rollout batches (default 8; 3 with --quick)")
-    parser.set_defaults(run=from_cli)
+    parser.set_defaults(run=from_cli, needs_of=needs)
+
+
+def needs(args, cfg: Config) -> str:
+    """Rollouts without speculation (the config's policy off) need no draft: none is built for them."""
+    return "policy" if cfg.speculation.policy == "off" else "draft"
 
 
 def from_cli(args, cfg) -> dict:

@@ -206,7 +206,10 @@ def plot_sweep(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def bench_rollout(cfg: Config, quick: bool, output: Path, extra: list[str] | None = None) -> dict:
+def bench_rollout(cfg: Config, quick: bool, output: Path, extra: list[str] | None = None,
+                  repetitions: int = 3) -> dict:
+    """Every mode at each concurrency and on a GRPO batch, HF `generate` and the bandwidth bound: each
+    figure the median of `repetitions` timed calls after a warm-up call."""
     def log(msg: str) -> None:
         print(msg, flush=True)
 
@@ -216,7 +219,9 @@ def bench_rollout(cfg: Config, quick: bool, output: Path, extra: list[str] | Non
     policies = _modes(engine, cfg)
     _, evals = load_task(cfg.task)
     prompts = [e.prompt_ids for e in encode_problems(evals, text, cfg.model.max_context, "eval")]
-    reps = 3
+    if repetitions < 1:
+        raise ValueError(f"--repetitions must be >= 1, got {repetitions}")
+    reps = repetitions
     tokens = 48 if quick else 128
     t0 = time.perf_counter()
     result = {
@@ -232,7 +237,8 @@ def bench_rollout(cfg: Config, quick: bool, output: Path, extra: list[str] | Non
     result["hf_generate"] = hf_generate(policy, engine, prompts[0], tokens, reps, log)
     result["bound"] = bandwidth_bound(policy, result["hf_generate"]["engine_batch1_step_ms"])
     result["meta"]["seconds"] = time.perf_counter() - t0
-    publish(result, output, command_line("rollout", quick, output, extra), markdown,
+    flags = [f"--repetitions {reps}"] if reps != 3 else []
+    publish(result, output, command_line("rollout", quick, output, (extra or []) + flags), markdown,
             plot=lambda path: plot_sweep(result["sweep"], path))
     return result
 
@@ -286,8 +292,12 @@ def markdown(result: dict, command: str) -> str:
 # -- `fastgrpo bench rollout`: its sub-parser (fastgrpo/bench/command.py) --
 def add_arguments(parser) -> None:
     """`fastgrpo bench rollout`'s own flags (--quick, --output, --config and overrides are every benchmark's)."""
+    from fastgrpo.bench.command import at_least_one
+
+    parser.add_argument("--repetitions", type=at_least_one, default=3,
+                        help="timed calls per figure, after a warm-up call (default 3; each figure is their median)")
     parser.set_defaults(run=from_cli)
 
 
 def from_cli(args, cfg) -> dict:
-    return bench_rollout(cfg, args.quick, args.output, extra=args.extra)
+    return bench_rollout(cfg, args.quick, args.output, extra=args.extra, repetitions=args.repetitions)
