@@ -206,6 +206,6 @@ def test_simulate_repetitions_are_checked_before_any_work(tmp_path):
     from fastgrpo.cli import main
 
     out = tmp_path / "x.json"
-    assert main(["bench", "rollout", "--repetitions", "6", "--output", str(out)]) == 1  # not rollout's flag
+    assert main(["bench", "rollout", "--runs", "6", "--output", str(out)]) == 1  # not rollout's flag (guarantee's)
     assert main(["bench", "simulate", "--repetitions", "0", "--output", str(out)]) == 1
     assert not out.exists()

@@ -29,7 +29,8 @@ def test_bench_help_lists_every_benchmark_without_importing_them():
 
 @pytest.mark.parametrize("argv, named", [
     (["bench", "noise", "--seeds", "2"], "`bench noise` has no argument --seeds"),  # learning's flag
-    (["bench", "rollout", "--repetitions", "6"], "`bench rollout` has no argument --repetitions"),  # simulate's
+    (["bench", "rollout", "--runs", "6"], "`bench rollout` has no argument --runs"),  # guarantee's
+    (["bench", "rollout", "--repetitions", "0"], "`bench rollout`: argument --repetitions: must be >= 1"),
     (["bench", "learning", "--policy", "x"], "`bench learning` has no argument --policy"),  # draft's
     (["bench", "gpu-check", "--no-such-flag"], "`bench gpu-check` has no argument --no-such-flag"),
     (["bench", "simulate", "--repetitions", "0"], "`bench simulate`: argument --repetitions: must be >= 1"),
