@@ -83,9 +83,12 @@ bench-forward: policy
 # -rs: say why a test skipped (here: the engine contract tests on SGLang, which needs CUDA).
 # `make test` is the fast tier; the multi-process worlds (torchrun, DP/TP/PP runs) are marked slow and
 # run by `make test-slow`, which CI runs too (`make test-all`: both); --durations prints the slowest
-# tests, what CI's time budget is spent on
+# tests, what CI's time budget is spent on. The fast tier runs in TEST_WORKERS pytest-xdist workers (a
+# file's tests in one worker, each worker on one torch thread: tests/conftest.py), two for a two-core
+# machine; the slow tier's worlds start their own processes and run one at a time
+TEST_WORKERS ?= 2
 test: $(INSTALLED)
-	$(BIN)/pytest -x -q -rs --durations=15 -m "not slow"
+	$(BIN)/pytest -x -q -rs --durations=15 -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: $(INSTALLED)
 	$(BIN)/pytest -x -q -rs --durations=25 -m slow

@@ -1,16 +1,23 @@
-"""Shared fixtures: a test-size policy built once per session by the real SFT recipe."""
+"""Shared fixtures: a test-size policy built once per session by the real SFT recipe.
+
+`make test` runs in two pytest-xdist workers (a file's tests stay in one worker): each worker computes on
+one thread, so the two keep two cores busy without oversubscribing them, and the session's policy and draft
+are built once, by whichever worker asks first, for both."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 from fastgrpo.config import Config, load_config
 
-torch.set_num_threads(2)
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ... under xdist; None in one process
+torch.set_num_threads(1 if WORKER else 2)
 
 # the sbatch tests start a Slurm cluster: `make test-slurm` runs them, after `make test`
 collect_ignore = [] if os.environ.get("FASTGRPO_TEST_SLURM") == "1" else ["slurm"]
@@ -36,14 +43,27 @@ def tiny_overrides(tmp: Path, policy: Path | None = None, **sections) -> list[st
     return overrides + [f"{k}={v}" for k, v in sections.items()]
 
 
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """`build(folder)` once per test session, shared by its xdist workers (the folder sits in their common
+    temporary root, a lock around the build): a worker that comes second finds it done."""
+    root = tmp_path_factory.getbasetemp()
+    if WORKER is not None:
+        root = root.parent  # the workers' own roots are beside one another in it
+    folder = root / name
+    with FileLock(f"{folder}.lock", timeout=1800):
+        if not (folder / ".built").is_file():
+            folder.mkdir(parents=True, exist_ok=True)
+            build(folder)
+            (folder / ".built").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_policy(tmp_path_factory) -> Path:
     from fastgrpo.sft import build_policy
 
-    tmp = tmp_path_factory.mktemp("policy")
-    cfg = tiny_config(tmp)
-    build_policy(cfg)
-    return Path(cfg.model.path)
+    tmp = built_once(tmp_path_factory, "policy", lambda folder: build_policy(tiny_config(folder)))
+    return Path(tiny_config(tmp).model.path)
 
 
 @pytest.fixture(scope="session")
@@ -51,10 +71,8 @@ def tiny_draft(tiny_policy, tmp_path_factory) -> Path:
     """A draft warm-started by the real `draft-pretrain` code on the tiny policy."""
     from fastgrpo.draft_learning.pretrain import pretrain_draft
 
-    out = tmp_path_factory.mktemp("draft")
-    pretrain_draft(tiny_config(out, tiny_policy, **{"draft.path": out, "draft.pretrain_steps": 150,
-                                                       "draft.lr": 3e-3}))
-    return out
+    return built_once(tmp_path_factory, "draft", lambda out: pretrain_draft(
+        tiny_config(out, tiny_policy, **{"draft.path": out, "draft.pretrain_steps": 150, "draft.lr": 3e-3})))
 
 
 def first_divergence_is_a_near_tie(model, prompt: list[int], a: list[int], b: list[int], sampling, seed: int,
