@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -131,9 +132,11 @@ def load_or_calibrate(model: InferenceModel, draft: DraftHead, cache_dir: Path) 
     t0 = time.perf_counter()
     model_costs = calibrate(model, draft)
     log.info("calibrated the cost model in %.1fs", time.perf_counter() - t0)
-    try:
+    try:  # written beside it and renamed: engines of one node calibrating the same shape never read half a file
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(model_costs.to_json(), indent=2))
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        partial.write_text(json.dumps(model_costs.to_json(), indent=2))
+        os.replace(partial, path)
     except OSError as e:
         log.warning("could not cache the cost model at %s: %s", path, e)
     return model_costs
