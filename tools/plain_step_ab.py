@@ -78,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def grpo_batch(engine, cfg, text, policies: dict, repetitions: int, threads: int) -> int:
     """--grpo: aware's plain steps against off's, by running count and by running count and context."""
-    from fastgrpo.bench.guarantee import step_accounting, workloads
-    from fastgrpo.bench.rollout import rotated
+    from fastgrpo.bench.guarantee import abba_block, step_accounting, workloads
     from fastgrpo.tasks.source import encode_problems, load_task
 
     _, evals = load_task(cfg.task)
@@ -96,11 +95,10 @@ def grpo_batch(engine, cfg, text, policies: dict, repetitions: int, threads: int
     type(engine)._count_step = counted
     try:
         for rep in range(repetitions + 1):  # block 0 warms up
-            first, second = rotated(list(policies), rep)
-            for call, mode in enumerate((first, second, second, first)):
+            for mode, seed in abba_block(list(policies), rep, len(requests)):
                 engine.set_speculation(policies[mode])
                 contexts.clear()
-                engine.generate(requests, sampling, seed=1000 * rep + 100 * (call in (2, 3)) + len(requests))
+                engine.generate(requests, sampling, seed=seed)
                 if rep:
                     steps[mode] += [(*step, x) for step, x in zip(engine.stats()["trace"], contexts, strict=True)]
     finally:

@@ -68,22 +68,28 @@ def workloads(cfg: Config, prompts: list[list[int]], quick: bool) -> dict[str, t
     return out
 
 
+def abba_block(modes: list[str], rep: int, rows: int) -> list[tuple[str, int]]:
+    """Block `rep`'s four calls as (mode, seed): A B B A, the order of the two modes rotated per block. A
+    block's two calls of a mode have different seeds; both modes get the same two (the same samples)."""
+    first, second = rotated(modes, rep)
+    return [(mode, 1000 * rep + 100 * (call in (2, 3)) + rows)
+            for call, mode in enumerate((first, second, second, first))]
+
+
 def one_run(engine, cfg: Config, loads: dict, reps: int) -> dict[str, dict]:
-    """ABBA blocks of off/aware calls of every workload with fresh policies; block 0 warms up. A block's
-    two calls of a mode have different seeds; both modes get the same two (the same samples)."""
+    """ABBA blocks (`abba_block`) of off/aware calls of every workload with fresh policies; block 0 warms up."""
     modes = {mode: speculation_policy(engine, cfg, mode) for mode in ("off", "aware")}
     out = {}
     for name, (requests, sampling) in loads.items():
         pairs = []
         for rep in range(reps + 1):
-            first, second = rotated(list(modes), rep)
             tokens, seconds, spec = {"off": 0, "aware": 0}, {"off": 0.0, "aware": 0.0}, []
             traces: dict[str, list] = {"off": [], "aware": []}
             outside = {"off": 0.0, "aware": 0.0}  # seconds of the calls outside their decode steps
             probes = modes["aware"].probes
-            for call, mode in enumerate((first, second, second, first)):
+            for mode, seed in abba_block(list(modes), rep, len(requests)):
                 engine.set_speculation(modes[mode])
-                r = timed_generate(engine, requests, sampling, seed=1000 * rep + 100 * (call in (2, 3)) + len(requests))
+                r = timed_generate(engine, requests, sampling, seed=seed)
                 tokens[mode] += r["tokens"]
                 seconds[mode] += r["seconds"]
                 traces[mode] += r["trace"]
