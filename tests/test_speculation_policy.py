@@ -430,17 +430,114 @@ def test_the_aware_overhead_tool_reports_each_level():
     result = main(["--running", "1,64", "--tokens", "256"])
     assert [r["running"] for r in result["levels"]] == [1, 64] and result["gpu"] == "H100 SXM"
     for r in result["levels"]:
-        assert r["choose_us"] > 0 and r["observe_us"] > 0 and r["step_ms"] > 0
-        assert r["share_of_step"] == pytest.approx((r["choose_us"] + r["observe_us"]) / (1e3 * r["step_ms"]))
+        assert r["choose_us"] > 0 and r["observe_us"] > 0 and r["ahead_us"] > 0 and r["step_ms"] > 0
+        assert 0 <= r["exposed_us"] <= r["ahead_us"]  # what of `ahead` the SIMULATED step does not hide
+        assert r["share_of_step"] == pytest.approx((r["choose_us"] + r["observe_us"] + r["exposed_us"])
+                                                   / (1e3 * r["step_ms"]))
+    (eager,) = main(["--running", "1", "--tokens", "128", "--no-ahead"])["levels"]
+    assert eager["ahead_us"] == eager["exposed_us"] == 0
     # against every fixed tree: the best of them is a real shape, and aware's own time costs it throughput
     (level,) = main(["--running", "4", "--tokens", "128", "--against-fixed"])["levels"]
     assert level["best_fixed"] in {"plain"} | {c.name for c in candidate_configs()}
     assert 0 < level["tok_s_with_host"] < level["tok_s"] and level["best_fixed_tok_s"] > 0
-    # a GRPO batch: searches counted (at least the first), host time a share of the SIMULATED steps
+    # a GRPO batch: searches counted (at least the first; `ahead` searches up to four levels a step, `choose`
+    # one), host time a share of the SIMULATED steps
     batch = main(["--batch", "8", "--max-tokens", "64", "--against-fixed"])
-    assert batch["batch"] == 8 and 1 <= batch["searches"] <= batch["steps"] and 0 < batch["share_of_step"] < 1
+    assert batch["batch"] == 8 and 1 <= batch["searches"] <= 5 * batch["steps"] and 0 < batch["share_of_step"] < 1
     assert batch["best_fixed"] in {"plain"} | {c.name for c in candidate_configs()}
     assert batch["best_fixed_tok_s"] >= batch["plain_tok_s"] > 0 and batch["tok_s_with_host"] > 0
+
+
+def searches_by_caller(aware: Aware) -> dict[str, int]:
+    """Counts `aware`'s searches (each prices every candidate, `_rates`) by the call they ran in."""
+    counts, rates, calls = {"choose": 0, "ahead": 0, "observe": 0}, aware._rates, []
+
+    def counted(running):
+        counts[calls[-1]] += 1
+        return rates(running)
+
+    def within(name):
+        method = getattr(aware, name)
+
+        def call(*args, **kwargs):
+            calls.append(name)
+            try:
+                return method(*args, **kwargs)
+            finally:
+                calls.pop()
+        setattr(aware, name, call)
+
+    for name in counts:
+        within(name)
+    aware._rates = counted
+    return counts
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["fixed-running", "grpo-batch"])
+def test_ahead_takes_the_searches_off_the_steps_and_chooses_as_well(batch):
+    """An engine that calls `ahead` while the device runs each step (a static engine) gets the periodic
+    search and those of the levels the next step reaches made there: `choose` and `observe`, which the
+    steps wait for, search a few times where without it they search dozens of times (on a GRPO batch the
+    first plain and the first tree step of each concurrency bucket still search at once, as a row count
+    two or more below the last does). Deciding on searches a step older chooses as well: SIMULATED
+    tokens/s within 3% of the searches made in `choose`, on the GPU check's policy at 16 running rows and
+    on a GRPO batch of 32 rows."""
+    from fastgrpo.bench.simulate.acceptance import AcceptanceProfile
+    from fastgrpo.models.policy import policy_config
+    from fastgrpo.speculation.roofline import ACCELERATORS, Roofline, model_shape, simulated_cost_model
+    from tools.aware_overhead import drive, drive_batch
+
+    cfg = policy_config("gpu", 296, 512, bos_id=1, eos_id=2, pad_id=0).to_dict()
+    roofline = Roofline(ACCELERATORS["h100"], model_shape(cfg, name="policy-gpu"))
+    costs, profile = simulated_cost_model(roofline), AcceptanceProfile([0.7], 0.7)
+    rates, counts = {}, {}
+    for ahead in (False, True):
+        aware = Aware(costs, acceptance_prior=0.7)
+        counts[ahead] = searches_by_caller(aware)
+        run = (drive_batch(aware, roofline, profile, 32, 512, seed=1, ahead=ahead) if batch
+               else drive(aware, roofline, profile, 16, 1024, seed=1, ahead=ahead))
+        rates[ahead] = run["tokens"] / run["seconds"]
+    assert counts[False]["ahead"] == 0 and counts[False]["choose"] >= 20
+    left = counts[True]["choose"] + counts[True]["observe"]
+    assert counts[True]["ahead"] >= 20 and left <= counts[False]["choose"] / (2 if batch else 4)
+    assert rates[True] == pytest.approx(rates[False], rel=0.03)
+
+
+def test_without_ahead_for_a_step_its_acceptance_and_search_wait_one_step_at_most():
+    """Once an engine calls `ahead`, a step's accepted lengths are learned there and a due search waits
+    for it; where the next step calls no `ahead` (an eager step of a static engine), the next choice but
+    one learns them and searches."""
+    aware = Aware(synthetic_costs(), acceptance_prior=0.7)
+    tree = SpecConfig(2, 2, 4)
+    aware.observe(None, 4, 4, 0.01)  # a bucket's first step is plain
+    counts = searches_by_caller(aware)
+    steps = 0
+    while aware.choose(4, 100) is None:  # until it speculates, with `ahead` at every step
+        aware.ahead(4, 100, None)
+        aware.observe(None, 4, 4, 0.01)
+        steps += 1
+        assert steps < 100
+    aware.ahead(4, 100, tree)
+    aware.observe(tree, 4, 8, 0.012, [1, 1, 1, 1])  # the bucket's first tree step: searched anew, all learned
+    learned = dict(aware.acceptance.count)
+    aware.choose(4, 100)
+    aware.ahead(4, 100, tree)
+    aware.observe(tree, 4, 8, 0.012, [1, 1, 1, 1])
+    assert aware.acceptance.count == learned  # deferred to the next `ahead`
+    aware.choose(4, 100)
+    aware.ahead(4, 100, tree)
+    assert aware.acceptance.count[tree] == learned[tree] + 4
+    for _ in range(Aware.SEARCH_EVERY - 1):  # a periodic search comes due, and no `ahead` follows
+        aware.choose(4, 100)
+        aware.ahead(4, 100, tree)
+        aware.observe(tree, 4, 8, 0.012, [1, 1, 1, 1])
+    before = dict(counts)
+    aware.choose(4, 100)  # decides on the searches before the due one
+    aware.observe(tree, 4, 8, 0.012, [1, 1, 1, 1])
+    assert counts == before and aware.acceptance.count[tree] == learned[tree] + 4 * (Aware.SEARCH_EVERY - 1)
+    aware.choose(4, 100)  # no `ahead` came: this one learns both steps and searches
+    assert counts["choose"] == before["choose"] + 1
+    assert aware.acceptance.count[tree] == learned[tree] + 4 * (Aware.SEARCH_EVERY + 1)
 
 
 @pytest.mark.parametrize("policy", [Aware, AwarePerSequence])

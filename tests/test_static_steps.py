@@ -350,3 +350,43 @@ def test_a_step_that_captures_its_graph_is_not_priced(dense, monkeypatch):
     assert len(first_calls) == len(policy.seen) and 2 <= sum(first_calls) < len(first_calls)
     assert [seconds is None for _, seconds, _ in policy.seen] == first_calls
     assert all(accepted is not None for config, _, accepted in policy.seen if config is not None)  # tokens learned
+
+
+def test_each_static_step_calls_the_policys_ahead_while_it_waits_for_the_step(dense):
+    """A static step calls the policy's `ahead` once, between the step's choice and its observation, with
+    the step's running rows, context and tree (on a GPU the device is computing the step then); an eager
+    step never does (it leaves the host no wait to fill). The tokens are those of a policy without it."""
+    cfg, target, draft = dense
+
+    class Recording(Static):
+        def __init__(self):
+            super().__init__(SpecConfig(3, 2, 6))
+            self.calls = []
+
+        def choose(self, running, context=None):
+            config = None if len(self.calls) % 9 == 0 else self.config  # plain and tree steps
+            self.calls.append(("choose", running, context, config))
+            return config
+
+        def ahead(self, running, context=None, config=None):
+            self.calls.append(("ahead", running, context, config))
+
+        def observe(self, config, running, emitted, seconds, accepted=None):
+            self.calls.append(("observe", running, None, config))
+
+    class Without(Recording):
+        ahead = None  # (how the engine tells a policy without it)
+
+    requests = [Request(p, max_new_tokens=20) for p in prompts(4, seed=2)]
+    policy, eager = Recording(), Recording()
+    tokens = [c.token_ids for c in engine(cfg, target, True, draft, policy).generate(requests, GREEDY)]
+    kinds = [call[0] for call in policy.calls]
+    assert kinds == ["choose", "ahead", "observe"] * (len(kinds) // 3) and len(kinds) >= 9
+    for choose, ahead, observe in zip(*[iter(policy.calls)] * 3):
+        assert ahead[1:] == choose[1:] and observe[1] == choose[1] and observe[3] == choose[3]
+    assert {call[3] for call in policy.calls} == {None, policy.config}
+    assert tokens == [c.token_ids for c in engine(cfg, target, True, draft, Without()).generate(requests, GREEDY)]
+
+    engine(cfg, target, False, draft, eager).generate(requests, GREEDY)
+    kinds = [call[0] for call in eager.calls]
+    assert "ahead" not in kinds and kinds == ["choose", "observe"] * (len(kinds) // 2) and len(kinds) >= 6

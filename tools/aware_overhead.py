@@ -2,7 +2,7 @@
 
     python tools/aware_overhead.py [--model configs/models/llama-3.1-8b-instruct.json | --policy-size gpu]
                                    [--gpu h100] [--running 1,4,16,64,256] [--tokens 2048] [--alpha 0.7]
-                                   [--beta 0.7] [--batch 64 --max-tokens 1024] [--against-fixed]
+                                   [--beta 0.7] [--batch 64 --max-tokens 1024] [--against-fixed] [--no-ahead]
 
 `--policy-size gpu` prices the GPU check's policy (fastgrpo's own `gpu` size, 308.6M parameters with its
 task's 296-token vocabulary, `--vocab`), whose steps are the shortest `aware` decides on.
@@ -16,9 +16,12 @@ candidates a level missing with chance (1 - alpha) w^-beta), at each level of ru
 each row has emitted `--tokens` tokens after a 64-token prompt: contexts grow by what each step emits.
 Every policy compared runs the same tokens, so their tokens/s are comparable: over a fixed count of
 steps a policy emitting more tokens a step runs on to longer, dearer contexts, and a shallow tree held
-fixed looked better than it is. It reports per level the median over 5 repetitions of the mean
-microseconds of `choose` and `observe` per step, the choice it settled on, how often its shape changed,
-and their share of that choice's SIMULATED step; with `--against-fixed`, its SIMULATED tokens/s over the 5
+fixed looked better than it is. Between a step's `choose` and its `observe` it calls `Aware.ahead`, as a
+static engine does while the device runs the step: its host time is hidden up to the step's SIMULATED
+seconds, and only what exceeds them is counted (`--no-ahead`: never called, as on an eager engine, whose
+steps leave no wait to fill). It reports per level the median over 5 repetitions of the mean
+microseconds of `choose`, `observe` and `ahead` per step (and of `ahead`'s not hidden), the choice it
+settled on, how often its shape changed, and the share of that choice's SIMULATED step they add; with `--against-fixed`, its SIMULATED tokens/s over the 5
 runs (its host time included, and without it) against the best of plain decoding and every candidate
 tree held fixed over the same 5 seeds (`best_fixed`): without it, how well `aware` chooses; with it,
 what this host's Python adds. Timings are this machine's host (a slow or busy one inflates them several
@@ -56,17 +59,31 @@ def simulated_step(config, running: int, context: int, profile, roofline, rng) -
     return accepted, sum(accepted) + running, roofline.spec_step(config, running, 1, context, context * running)
 
 
-def drive(policy, roofline, profile, running: int, tokens_each: int, seed: int, prompt: int = 64) -> dict:
+def overlapped(policy, ahead: bool, running: int, context: float, config, seconds: float) -> tuple[float, float]:
+    """`policy.ahead` of a step (where it has one and `ahead`), as a static engine calls it while the device
+    runs the step: its host seconds, and what of them the step's SIMULATED `seconds` do not hide."""
+    if not ahead or (call := getattr(policy, "ahead", None)) is None:
+        return 0.0, 0.0
+    t = time.perf_counter()
+    call(running, context, config)
+    spent = time.perf_counter() - t
+    return spent, max(spent - seconds, 0.0)
+
+
+def drive(policy, roofline, profile, running: int, tokens_each: int, seed: int, prompt: int = 64,
+          ahead: bool = True) -> dict:
     """Decode steps of `running` sequences under `policy` until each has emitted `tokens_each` tokens
-    after a `prompt`-token prompt; host seconds of its calls."""
+    after a `prompt`-token prompt; host seconds of its calls (of `ahead`'s, those the steps do not hide)."""
     rng = np.random.default_rng(seed)
-    context, choose_s, observe_s, step_s, chosen = float(prompt), 0.0, 0.0, 0.0, None
+    context, choose_s, observe_s, ahead_s, exposed_s, step_s, chosen = float(prompt), 0.0, 0.0, 0.0, 0.0, 0.0, None
     tokens = changes = steps = 0
     while context < prompt + tokens_each:
         t = time.perf_counter()
         config = policy.choose(running, context)
         choose_s += time.perf_counter() - t
         accepted, emitted, seconds = simulated_step(config, running, int(context), profile, roofline, rng)
+        spent, exposed = overlapped(policy, ahead, running, context, config, seconds)
+        ahead_s, exposed_s = ahead_s + spent, exposed_s + exposed
         t = time.perf_counter()
         policy.observe(config, running, emitted, seconds, accepted)
         observe_s += time.perf_counter() - t
@@ -74,9 +91,9 @@ def drive(policy, roofline, profile, running: int, tokens_each: int, seed: int, 
         context += emitted / running
         tokens, changes, chosen = tokens + emitted, changes + (config != chosen), config
         steps += 1
-    return {"choose_us": 1e6 * choose_s / steps, "observe_us": 1e6 * observe_s / steps,
-            "step_ms": 1e3 * step_s / steps, "choice": chosen.name if chosen is not None else "plain",
-            "changes": changes, "tokens": tokens, "seconds": step_s, "host_seconds": choose_s + observe_s}
+    return {"choose_us": 1e6 * choose_s / steps, "observe_us": 1e6 * observe_s / steps, "ahead_us": 1e6 * ahead_s / steps,
+            "exposed_us": 1e6 * exposed_s / steps, "step_ms": 1e3 * step_s / steps, "choice": chosen.name if chosen is not None else "plain",
+            "changes": changes, "tokens": tokens, "seconds": step_s, "host_seconds": choose_s + observe_s + exposed_s}
 
 
 def best_fixed(run, candidates, seeds: int = 5, finalists: int = 5) -> tuple[str, dict[str, float]]:
@@ -100,12 +117,13 @@ def summed(runs: list[dict]) -> tuple[float, float]:
     return tokens / seconds, tokens / (seconds + sum(r["host_seconds"] for r in runs))
 
 
-def drive_batch(policy, roofline, profile, rows: int, max_tokens: int, seed: int, prompt: int = 64) -> dict:
+def drive_batch(policy, roofline, profile, rows: int, max_tokens: int, seed: int, prompt: int = 64,
+                ahead: bool = True) -> dict:
     """One batch of `rows` rows of drawn lengths (module doc) under `policy`: its host seconds a step."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(max(max_tokens // 8, 1), max_tokens, endpoint=True, size=rows).tolist()
     done = [0] * rows
-    choose_s = observe_s = step_s = 0.0
+    choose_s = observe_s = ahead_s = exposed_s = step_s = 0.0
     steps = searches = tokens = 0
     rates = getattr(policy, "_rates", None)  # (aware's; a fixed policy searches nothing)
 
@@ -122,6 +140,8 @@ def drive_batch(policy, roofline, profile, rows: int, max_tokens: int, seed: int
         config = policy.choose(running, context)
         choose_s += time.perf_counter() - t
         accepted, emitted, seconds = simulated_step(config, running, context, profile, roofline, rng)
+        spent, exposed = overlapped(policy, ahead, running, context, config, seconds)
+        ahead_s, exposed_s = ahead_s + spent, exposed_s + exposed
         t = time.perf_counter()
         policy.observe(config, running, emitted, seconds, accepted)
         observe_s += time.perf_counter() - t
@@ -130,8 +150,8 @@ def drive_batch(policy, roofline, profile, rows: int, max_tokens: int, seed: int
         step_s += seconds
         steps, tokens = steps + 1, tokens + emitted
     return {"steps": steps, "searches": searches, "choose_us": 1e6 * choose_s / steps,
-            "observe_us": 1e6 * observe_s / steps, "step_ms": 1e3 * step_s / steps, "tokens": tokens,
-            "seconds": step_s, "host_seconds": choose_s + observe_s}
+            "observe_us": 1e6 * observe_s / steps, "ahead_us": 1e6 * ahead_s / steps, "exposed_us": 1e6 * exposed_s / steps,
+            "step_ms": 1e3 * step_s / steps, "tokens": tokens, "seconds": step_s, "host_seconds": choose_s + observe_s + exposed_s}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -155,6 +175,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--against-fixed", action="store_true", help="also run plain decoding and every candidate "
                    "tree, fixed, over the same tokens and seeds (best_fixed): aware's SIMULATED tokens/s against "
                    "the best")
+    p.add_argument("--no-ahead", action="store_true", help="never call aware's `ahead` (an eager engine's steps, "
+                   "which have no wait on the device to overlap): every search in `choose`")
     args = p.parse_args(argv)
     if args.policy_size:
         from fastgrpo.models.policy import policy_config
@@ -168,12 +190,12 @@ def main(argv: list[str] | None = None) -> dict:
     profile = AcceptanceProfile([args.alpha], args.beta)
     if args.batch:
         runs = [drive_batch(Aware(costs, acceptance_prior=args.alpha), roofline, profile, args.batch, args.max_tokens,
-                            seed) for seed in range(5)]
+                            seed, ahead=not args.no_ahead) for seed in range(5)]
         row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        row["share_of_step"] = (row["choose_us"] + row["observe_us"]) / (1e3 * row["step_ms"])
+        row["share_of_step"] = (row["choose_us"] + row["observe_us"] + row["exposed_us"]) / (1e3 * row["step_ms"])
         print(f"batch of {args.batch} rows, up to {args.max_tokens} tokens: {row['steps']:.0f} steps, "
               f"{row['searches']:.0f} searches; choose {row['choose_us']:.1f} us + observe {row['observe_us']:.1f} us "
-              f"a step; SIMULATED step {row['step_ms']:.3f} ms: {100 * row['share_of_step']:.2f}%", flush=True)
+              f"a step (ahead {row['ahead_us']:.1f} us, {row['exposed_us']:.1f} not hidden); SIMULATED step {row['step_ms']:.3f} ms: {100 * row['share_of_step']:.2f}%", flush=True)
         result = {"model": shape.name, "gpu": roofline.hw.name, "alpha": args.alpha, "beta": args.beta, "batch": args.batch,
                   "max_tokens": args.max_tokens, **row}
         if args.against_fixed:  # over the 5 batches: their tokens over their SIMULATED seconds (aware's host time too)
@@ -193,14 +215,15 @@ def main(argv: list[str] | None = None) -> dict:
         return result
     rows = []
     for running in (int(x) for x in args.running.split(",")):
-        runs = [drive(Aware(costs, acceptance_prior=args.alpha), roofline, profile, running, args.tokens, seed)
-                for seed in range(5)]
+        runs = [drive(Aware(costs, acceptance_prior=args.alpha), roofline, profile, running, args.tokens, seed,
+                      ahead=not args.no_ahead) for seed in range(5)]
         row = {"running": running, **{k: statistics.median(r[k] for r in runs)
-                                       for k in ("choose_us", "observe_us", "step_ms", "changes")},
+                                       for k in ("choose_us", "observe_us", "ahead_us", "exposed_us", "step_ms", "changes")},
                "choice": statistics.mode(r["choice"] for r in runs)}
         row["tok_s"], row["tok_s_with_host"] = summed(runs)
-        row["share_of_step"] = (row["choose_us"] + row["observe_us"]) / (1e3 * row["step_ms"])
-        line = (f"running {running:4d}: choose {row['choose_us']:6.1f} us + observe {row['observe_us']:6.1f} us a step; "
+        row["share_of_step"] = (row["choose_us"] + row["observe_us"] + row["exposed_us"]) / (1e3 * row["step_ms"])
+        line = (f"running {running:4d}: choose {row['choose_us']:6.1f} us + observe {row['observe_us']:6.1f} us a step "
+                f"(ahead {row['ahead_us']:6.1f} us, {row['exposed_us']:.1f} not hidden); "
                 f"settled on {row['choice']:>9} ({row['changes']:.0f} changes of shape); SIMULATED step "
                 f"{row['step_ms']:.3f} ms: {100 * row['share_of_step']:.2f}%")
         if args.against_fixed:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from itertools import repeat
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
@@ -46,6 +45,10 @@ def context_level(context: float | None) -> float | None:
 
 
 class SpeculationPolicy(Protocol):
+    """What an engine asks each decode step: `choose`, then, after the step, `observe`. A policy may also
+    define `ahead(running, context, config)`, which a static engine calls while the device computes the
+    step (between its launch and its results' read-back), for work no step need wait for (`Aware.ahead`)."""
+
     name: str
 
     def choose(self, running: int, context: float | None = None) -> SpecConfig | None:
@@ -205,15 +208,17 @@ class AcceptanceModel:
         cut trees at one sequence pulled every shape's prior down, and so speculation at four). The
         deepest over the row's whole tree: a level verified on another branch than the accepted path
         still counts as tried there, a slight undercount of alpha the budget's cuts cause."""
-        tried = repeat(c.depth) if verified_depth is None else (min(c.depth, v) for v in verified_depth)
         # counted per distinct (accepted, tried) pair, not per sequence: a step of 256 rows has a few
-        pairs = Counter(zip(accepted, tried))
+        if verified_depth is None:  # (every row tried every level: counting the lengths alone is 3x faster)
+            pairs = [((a, c.depth), rows) for a, rows in Counter(accepted).items()]
+        else:
+            pairs = Counter(zip(accepted, (min(c.depth, v) for v in verified_depth))).items()
         missed = 1.0 - tree_width(c) ** self.beta  # a level missed, in first-candidate units
-        for (a, t), rows in pairs.items():
+        for (a, t), rows in pairs:
             for d in range(1, min(a + 1, t) + 1):
                 self.reached[d] += rows
                 self.passed[d] += rows * (1.0 if d <= a else missed)
-        self.sum_emitted[c] = self.sum_emitted.get(c, 0.0) + sum(rows * (a + 1) for (a, _), rows in pairs.items())
+        self.sum_emitted[c] = self.sum_emitted.get(c, 0.0) + (sum(accepted) + len(accepted))
         self.count[c] = self.count.get(c, 0.0) + len(accepted)
 
 
@@ -379,6 +384,11 @@ class Aware(Off):
         self._prices: dict[tuple[SpecConfig | None, int, float | None], float] = {}  # _calibrated_seconds, likewise
         self._emitted: np.ndarray | None = None  # every candidate's expected tokens a row, likewise
         self._since_search = 0  # speculative steps since the searches were forgotten
+        # an engine that calls `ahead` while the device runs a step (its static steps) takes the periodic
+        # search off the steps' path: a refresh due after a step waits for the next `ahead` (`_stale`)
+        self._ahead = False
+        self._stale = 0  # 0: no search due; n: due, and n - 1 steps decided since without it
+        self._unlearned: list[tuple[SpecConfig, list[int], list[int] | None]] = []  # steps acceptance learns at `ahead`
         # the context level (context_level) of the step being decided: every price is at it. Reading
         # the rows' caches costs a plain step and a tree step alike, so a step priced at the sweep's
         # context and scaled by a measured ratio makes a tree look dearer the longer the context is
@@ -486,6 +496,8 @@ class Aware(Off):
         return self._searched[level]
 
     def _forget_searches(self) -> None:
+        self._learn_deferred()  # (a search reads acceptance: never without every step observed)
+        self._stale = 0
         self._searched.clear()
         self._prices.clear()
         self._trees.clear()
@@ -511,6 +523,13 @@ class Aware(Off):
 
     def choose(self, running: int, context: float | None = None) -> SpecConfig | None:
         self.context = context_level(context)
+        if len(self._unlearned) > 1:  # (an eager step of a static engine: no `ahead` learned the step before)
+            self._learn_deferred()
+        if self._stale:  # one step may decide on the searches before a due one; a second means no `ahead`
+            if self._stale > 1:  # came (an eager step of a static engine): search now
+                self._forget_searches()
+            else:
+                self._stale += 1
         b = self._bucket(running)
         if ("off", b) not in self._measured:
             # a bucket's first step is plain: plain decoding is never a loss, and its measured time anchors
@@ -526,10 +545,41 @@ class Aware(Off):
             return self._probe_choice(running, choice)
         return choice
 
+    def ahead(self, running: int, context: float | None = None, config: SpecConfig | None = None) -> None:
+        """Work for the next step, done while the device runs this one (`running` rows at `context`, of tree
+        `config`): the engine calls it between launching a step and reading its results back, when the
+        host would only wait. The periodic search, when due, runs here, and the next step decides on the
+        searches one step older; the searches of the levels the next step may reach (its context grows by
+        one token to `config`'s depth + 1, and a row may retire) are made before it asks. So on a GPU a
+        search costs no step its time (a search is a tenth of a small model's replayed step). Once an
+        engine calls it, the periodic search waits for it; a caller that never does searches in `choose`."""
+        self._ahead = True
+        self._learn_deferred()
+        if self._stale:
+            self._forget_searches()
+        grow = 1 + (config.depth if config is not None else 0)
+        decided = self.context  # (this step's: `choose` set it)
+        for rows in dict.fromkeys((running, max(running - 1, 1))):
+            if ("off", self._bucket(rows)) not in self._measured:
+                continue  # (its first step is plain, and its first measurement searches anew)
+            for ctx in dict.fromkeys(context_level(None if context is None else context + d) for d in (1, grow)):
+                self.context = ctx
+                self._tree(rows)
+        self.context = decided
+
     def _learn_acceptance(self, config: SpecConfig | None, accepted: list[int] | None) -> None:
+        """Learn from a step's accepted lengths: at once, or, where an engine calls `ahead`, there (a step of
+        many rows takes tens of microseconds to count, which the device's next step then hides)."""
         if config is not None and accepted is not None:
-            self.acceptance.observe(config, accepted, self.verified_depth)
+            self._unlearned.append((config, accepted, self.verified_depth))
+            if not self._ahead:
+                self._learn_deferred()
         self.verified_depth = None  # this step's
+
+    def _learn_deferred(self) -> None:
+        for config, accepted, verified_depth in self._unlearned:
+            self.acceptance.observe(config, accepted, verified_depth)
+        self._unlearned.clear()
 
     def _interval(self, running: int, choice: SpecConfig | None) -> int:
         """Steps between probes in this bucket: `probe_every`, doubled by each probe that confirms the
@@ -576,8 +626,13 @@ class Aware(Off):
         self._learn_acceptance(config, accepted)
         if config is not None:
             self._since_search += 1
-            if probe or current is None or self._since_search >= self.SEARCH_EVERY:
-                self._forget_searches()  # fresh evidence on speculation: search the trees again
+            if probe or current is None:  # fresh evidence on speculation: search the trees again
+                self._forget_searches()
+            elif self._since_search >= self.SEARCH_EVERY:  # (a probe's and a first measurement's searches
+                if self._ahead:  # decide the steps after them: those are not deferred)
+                    self._stale = self._stale or 1
+                else:
+                    self._forget_searches()
         if probe:
             self._probing = None
             overturned = self._decide(running) != decided

@@ -559,7 +559,9 @@ class EmbeddedEngine:
                                   lambda: self.steps.speculate(config, rows, ctx, sampling, self._pending,
                                                                self._routing))
         levels = 1 if config is None else config.depth + 1
-        result = StepResult.unpack(self._read_back(out.packed[:B]), levels)
+        ahead = getattr(self.policy, "ahead", None) if self._pending is not None and self.speculating else None
+        result = StepResult.unpack(self._read_back(out.packed[:B], ahead and (lambda: ahead(B, context, config))),
+                                   levels)
         if not all(result.finite):
             log.warning("non-finite draft (draft version %d): plain tokens for %d rows this step",
                         self.draft_version, result.finite.count(False))
@@ -582,15 +584,21 @@ class EmbeddedEngine:
                 s.routed.append(experts[b, nodes])
         return emitted, None if config is None else result.accepted
 
-    def _read_back(self, packed: Tensor) -> Tensor:
-        """The step's packed results on the host: on a GPU one copy into a pinned buffer, then the wait."""
+    def _read_back(self, packed: Tensor, meanwhile: Callable[[], None] | None = None) -> Tensor:
+        """The step's packed results on the host: on a GPU one copy into a pinned buffer, then the wait;
+        `meanwhile` (the policy's `ahead`) runs before the wait, while the device still computes the step
+        (on the CPU, where the step is done, at the same point of the step)."""
         if packed.device.type == "cpu":
+            if meanwhile is not None:
+                meanwhile()
             return packed
         n = packed.numel()
         if self._readback is None or self._readback.numel() < n:
             self._readback = torch.empty(max(n, 4096), dtype=packed.dtype, device="cpu", pin_memory=True)
         host = self._readback[:n].view(packed.shape)
         host.copy_(packed, non_blocking=True)
+        if meanwhile is not None:
+            meanwhile()
         torch.cuda.current_stream(packed.device).synchronize()
         return host
 
