@@ -122,6 +122,10 @@ class EngineStats(TypedDict, total=False):
     index_matched: int
     index_accepted: int
     host_steps: list[tuple[int, float]]
+    # static steps: the host seconds of the policy's `ahead` (run while the device computes the step) and of
+    # the wait on the device after it (a wait left: the steps outlasted `ahead`; the CPU: 0; SGLang: absent)
+    ahead_s: float
+    wait_s: float
     config_by_concurrency: dict[str, dict[str, int]]  # steps per chosen tree shape, by concurrency bucket (SGLang: {})
     trace: list[tuple[int, str, int, float]]  # per decode step: running, shape name, emitted, seconds (SGLang: [])
 

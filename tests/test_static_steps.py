@@ -379,7 +379,9 @@ def test_each_static_step_calls_the_policys_ahead_while_it_waits_for_the_step(de
 
     requests = [Request(p, max_new_tokens=20) for p in prompts(4, seed=2)]
     policy, eager = Recording(), Recording()
-    tokens = [c.token_ids for c in engine(cfg, target, True, draft, policy).generate(requests, GREEDY)]
+    e = engine(cfg, target, True, draft, policy)
+    tokens = [c.token_ids for c in e.generate(requests, GREEDY)]
+    assert e.stats()["ahead_s"] > 0 and e.stats()["wait_s"] == 0  # (a CPU's step is done by then)
     kinds = [call[0] for call in policy.calls]
     assert kinds == ["choose", "ahead", "observe"] * (len(kinds) // 3) and len(kinds) >= 9
     for choose, ahead, observe in zip(*[iter(policy.calls)] * 3):

@@ -556,6 +556,8 @@ def generate_call(engine: EmbeddedEngine, policy: SpeculationPolicy, requests: l
     return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / max(seconds, 1e-12),
             "accept_len": stats.get("accept_len", 1.0), "spec_fraction": stats.get("spec_steps", 0) / max(steps, 1),
             "prefill_s": stats.get("prefill_s", 0.0), "decode_steps": steps,
+            # the policy's `ahead` in static steps, and the wait on the device after it (> 0: the step hid it)
+            "ahead_s": stats.get("ahead_s", 0.0), "wait_s": stats.get("wait_s", 0.0),
             "configs": jsonable(stats.get("config_by_concurrency", {})), "trace": trace_columns(stats.get("trace", [])),
             "captures": after[0] - captures, "replays": after[1] - replays, "lengths": [len(o.token_ids) for o in out]}
 

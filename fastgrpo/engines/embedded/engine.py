@@ -587,19 +587,23 @@ class EmbeddedEngine:
     def _read_back(self, packed: Tensor, meanwhile: Callable[[], None] | None = None) -> Tensor:
         """The step's packed results on the host: on a GPU one copy into a pinned buffer, then the wait;
         `meanwhile` (the policy's `ahead`) runs before the wait, while the device still computes the step
-        (on the CPU, where the step is done, at the same point of the step)."""
-        if packed.device.type == "cpu":
-            if meanwhile is not None:
-                meanwhile()
-            return packed
-        n = packed.numel()
-        if self._readback is None or self._readback.numel() < n:
-            self._readback = torch.empty(max(n, 4096), dtype=packed.dtype, device="cpu", pin_memory=True)
-        host = self._readback[:n].view(packed.shape)
-        host.copy_(packed, non_blocking=True)
+        (on the CPU, where the step is done, at the same point of the step). Its seconds and the wait's
+        after it are summed (`ahead_s`, `wait_s`): a wait left after it says the device's steps outlasted it."""
+        host = packed
+        if packed.device.type != "cpu":
+            n = packed.numel()
+            if self._readback is None or self._readback.numel() < n:
+                self._readback = torch.empty(max(n, 4096), dtype=packed.dtype, device="cpu", pin_memory=True)
+            host = self._readback[:n].view(packed.shape)
+            host.copy_(packed, non_blocking=True)
+        t = time.perf_counter()
         if meanwhile is not None:
             meanwhile()
-        torch.cuda.current_stream(packed.device).synchronize()
+        waited = time.perf_counter()
+        self._counts["ahead_s"] += waited - t
+        if packed.device.type != "cpu":  # (on the CPU the step is done: nothing is waited for)
+            torch.cuda.current_stream(packed.device).synchronize()
+            self._counts["wait_s"] += time.perf_counter() - waited
         return host
 
     # -- speculation ----------------------------------------------------------------------
@@ -810,6 +814,8 @@ class EmbeddedEngine:
             index_s=c["index_s"], merge_s=c["merge_s"], index_lookups=c["index_lookups"],
             index_matched=c["index_matched"],
             index_accepted=c["index_accepted"], host_steps=list(self._host_steps),
+            # static steps: the host seconds of the policy's `ahead`, and of waiting on the device after it
+            ahead_s=c["ahead_s"], wait_s=c["wait_s"],
             config_by_concurrency={b: dict(v) for b, v in sorted(self._by_config.items())},
             trace=list(self._trace),
         )
