@@ -394,6 +394,7 @@ def test_a_sweep_level_reports_the_aa_ratio_and_aware_against_the_best_fixed_cho
     assert row["aware_vs_best"] == pytest.approx(1.0) and row["aware_vs_off"] == pytest.approx(2.0)
     assert row["best"] == "static_aa" and row["best_vs_off"] == pytest.approx(2.1)
     assert row["aware_accept_len"] == 2.5 and row["static_runs"] == 3
+    assert row["aware_ahead_s"] == row["aware_wait_s"] == 0.0  # calls of an engine that reports neither
 
 
 def test_the_grpo_batch_reports_seconds_the_aa_ratio_and_aware_against_the_best_fixed_choice():
@@ -403,7 +404,9 @@ def test_the_grpo_batch_reports_seconds_the_aa_ratio_and_aware_against_the_best_
     runs = {"off": secs([10, 12, 11]), "static": secs([5, 6, 4]), "static_aa": secs([5.5, 4.5, 5.0]),
             "fastgrpo": secs([7, 7, 7]), "tlt": secs([6, 6, 6]), "aware": secs([4, 4.2, 4.4]),
             "static_2_2_4": secs([4.8, 4.8, 4.8]), "off_unshared_prefill": secs([13, 13, 13])}
+    runs["aware"] = [dict(r, ahead_s=a, wait_s=w) for r, a, w in zip(runs["aware"], [0.02, 0.01, 0.03], [0.5, 0.7, 0.6])]
     g = grpo_summary(runs, ("off", "static", "fastgrpo", "tlt", "static_2_2_4"))
+    assert g["aware_ahead_s"] == 0.02 and g["aware_wait_s"] == 0.6  # medians of its calls
     assert g["all_s"]["static"] == 5 and g["all_s"]["static_aa"] == 5.0 and g["aa_ratio"] == pytest.approx(1.0)
     assert g["best_fixed"] == "static_2_2_4" and g["best_fixed_s"] == 4.8 and g["static_best"] == "static_2_2_4"
     assert g["aware_vs_best"] == pytest.approx(4.8 / 4.2) and g["aware_vs_off"] == pytest.approx(11 / 4.2)
