@@ -191,6 +191,7 @@ def test_every_stage_runs_on_the_cpu_with_plausible_numbers(check):
         assert _positive(*(row[f"{mode}_tok_s"] for mode in SWEEP_MODES)) and row["aware_accept_len"] >= 1
         assert all(row[f"{mode}_runs"] == size.reps and row[f"{mode}_tok_s_se"] >= 0 for mode in SWEEP_MODES)
         assert row["aa_ratio"] == pytest.approx(row["static_aa_tok_s"] / row["static_tok_s"])
+        assert row["aware_ahead_s"] > 0 and row["aware_wait_s"] == 0  # static steps on the CPU: nothing to wait for
         assert row["aware_vs_best"] == pytest.approx(row["aware_tok_s"] / max(row[f"{m}_tok_s"] for m in
                                                                                 ("off", "static", "fastgrpo", "tlt")))
     g = r["grpo_batch"]
