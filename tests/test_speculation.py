@@ -507,7 +507,7 @@ def test_bad_drafts_fall_back_or_fail_clearly(small_vocab):
     assert engine.generate([Request(PROMPT)], greedy)[0].token_ids == plain
 
 
-def test_cost_model_calibrates_and_caches(small_vocab, tmp_path):
+def test_cost_model_calibrates_and_caches(small_vocab, tmp_path, monkeypatch):
     cfg, target, draft = small_vocab
     engine = engine_for(cfg, target, draft)
     costs = load_or_calibrate(engine.model, engine.draft, tmp_path)
@@ -525,6 +525,11 @@ def test_cost_model_calibrates_and_caches(small_vocab, tmp_path):
     assert len(cached) == 1 and cached[0].name.startswith("cost_model-") and cached[0].suffix == ".json"
     again = load_or_calibrate(engine.model, engine.draft, tmp_path)
     assert again.target_s == costs.target_s  # read from the cache, not re-measured
+    # the same folder on a machine whose CPU kernels use another instruction set: measured there anew
+    isa = torch.backends.cpu.get_cpu_capability()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2" if isa != "AVX2" else "AVX512")
+    elsewhere = load_or_calibrate(engine.model, engine.draft, tmp_path)
+    assert len(list(tmp_path.iterdir())) == 2 and elsewhere.target_s != costs.target_s
 
 
 def test_every_configured_policy_name_builds_that_policy():

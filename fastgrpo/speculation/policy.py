@@ -525,11 +525,12 @@ class Aware(Off):
         self.context = context_level(context)
         if len(self._unlearned) > 1:  # (an eager step of a static engine: no `ahead` learned the step before)
             self._learn_deferred()
-        if self._stale:  # one step may decide on the searches before a due one; a second means no `ahead`
-            if self._stale > 1:  # came (an eager step of a static engine): search now
-                self._forget_searches()
-            else:
-                self._stale += 1
+        # one step may decide on the searches before a due one; a second one means that no `ahead` came
+        # (an eager step of a static engine): search now
+        if self._stale > 1:
+            self._forget_searches()
+        elif self._stale:
+            self._stale += 1
         b = self._bucket(running)
         if ("off", b) not in self._measured:
             # a bucket's first step is plain: plain decoding is never a loss, and its measured time anchors
@@ -626,10 +627,13 @@ class Aware(Off):
         self._learn_acceptance(config, accepted)
         if config is not None:
             self._since_search += 1
-            if probe or current is None:  # fresh evidence on speculation: search the trees again
+            # fresh evidence on speculation: search the trees again. A probe's search decides below whether
+            # the probe overturned the choice, and a first measurement replaces the calibration: neither
+            # waits; the periodic search waits for `ahead` where an engine calls it
+            if probe or current is None:
                 self._forget_searches()
-            elif self._since_search >= self.SEARCH_EVERY:  # (a probe's and a first measurement's searches
-                if self._ahead:  # decide the steps after them: those are not deferred)
+            elif self._since_search >= self.SEARCH_EVERY:
+                if self._ahead:
                     self._stale = self._stale or 1
                 else:
                     self._forget_searches()

@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import time
 from pathlib import Path
 
@@ -118,9 +119,26 @@ def shape_key(model: InferenceModel) -> str:
     return f"{model.cfg.model_type}-h{model.cfg.hidden_size}-l{model.cfg.num_hidden_layers}-{digest}"
 
 
+def machine_key(device: torch.device) -> str:
+    """The processor a curve was measured on, hashed: its name (a GPU's, or the CPU's model name from
+    /proc/cpuinfo where there is one) and the instruction set torch's CPU kernels use. A cache folder on a
+    shared file system (or one copied between machines) must not hand an H100's curve to an H200, or a
+    curve measured with AVX-512 to a machine with AVX2, whose forwards cost several times as much."""
+    if device.type == "cuda":
+        name = f"{torch.cuda.get_device_name(device)}-sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+    else:
+        cpuinfo = Path("/proc/cpuinfo")
+        models = [line.partition(":")[2].strip() for line in cpuinfo.read_text().splitlines()
+                  if line.startswith("model name")] if cpuinfo.is_file() else []
+        name = f"{platform.machine()}-{models[0] if models else platform.processor()}-{len(models) or os.cpu_count()}"
+    name += f"-{torch.backends.cpu.get_cpu_capability()}"
+    return hashlib.sha1(name.encode()).hexdigest()[:8]
+
+
 def load_or_calibrate(model: InferenceModel, draft: DraftHead, cache_dir: Path) -> CostModel:
-    key = f"{shape_key(model)}-t{torch.get_num_threads()}-torch{torch.__version__}-{model.kernel}"
     device, dtype = model.embed.device, model.embed.dtype
+    key = (f"{shape_key(model)}-t{torch.get_num_threads()}-torch{torch.__version__}-{model.kernel}"
+           f"-m{machine_key(device)}")
     if (device.type, dtype) != ("cpu", torch.float32):  # a GPU's (or a bf16) curve is not the CPU's fp32 one
         key += f"-{device.type}-{str(dtype).removeprefix('torch.')}"
     path = Path(cache_dir) / f"cost_model-v4-{key}.json"  # v4: swept on while flat
