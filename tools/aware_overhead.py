@@ -21,10 +21,10 @@ static engine does while the device runs the step: its host time is hidden up to
 seconds, and only what exceeds them is counted (`--no-ahead`: never called, as on an eager engine, whose
 steps leave no wait to fill). It reports per level the median over 5 repetitions of the mean
 microseconds of `choose`, `observe` and `ahead` per step (and of `ahead`'s not hidden), the choice it
-settled on, how often its shape changed, and the share of that choice's SIMULATED step they add; with `--against-fixed`, its SIMULATED tokens/s over the 5
-runs (its host time included, and without it) against the best of plain decoding and every candidate
-tree held fixed over the same 5 seeds (`best_fixed`): without it, how well `aware` chooses; with it,
-what this host's Python adds. Timings are this machine's host (a slow or busy one inflates them several
+settled on, how often its shape changed, and the share of that choice's SIMULATED step they add; with
+`--against-fixed`, its SIMULATED tokens/s over the 5 runs (its host time included, and without it)
+against the best of plain decoding and every candidate tree held fixed over the same 5 seeds
+(`best_fixed`): without it, how well `aware` chooses; with it, what this host's Python adds. Timings are this machine's host (a slow or busy one inflates them several
 times over); the step times are the simulator's (its error against a real GPU is in BENCHMARKS.md
 section 10).
 
@@ -91,9 +91,10 @@ def drive(policy, roofline, profile, running: int, tokens_each: int, seed: int, 
         context += emitted / running
         tokens, changes, chosen = tokens + emitted, changes + (config != chosen), config
         steps += 1
-    return {"choose_us": 1e6 * choose_s / steps, "observe_us": 1e6 * observe_s / steps, "ahead_us": 1e6 * ahead_s / steps,
-            "exposed_us": 1e6 * exposed_s / steps, "step_ms": 1e3 * step_s / steps, "choice": chosen.name if chosen is not None else "plain",
-            "changes": changes, "tokens": tokens, "seconds": step_s, "host_seconds": choose_s + observe_s + exposed_s}
+    return {"choose_us": 1e6 * choose_s / steps, "observe_us": 1e6 * observe_s / steps,
+            "ahead_us": 1e6 * ahead_s / steps, "exposed_us": 1e6 * exposed_s / steps, "step_ms": 1e3 * step_s / steps,
+            "choice": chosen.name if chosen is not None else "plain", "changes": changes, "tokens": tokens,
+            "seconds": step_s, "host_seconds": choose_s + observe_s + exposed_s}
 
 
 def best_fixed(run, candidates, seeds: int = 5, finalists: int = 5) -> tuple[str, dict[str, float]]:
