@@ -387,7 +387,8 @@ class Aware(Off):
         # an engine that calls `ahead` while the device runs a step (its static steps) takes the periodic
         # search off the steps' path: a refresh due after a step waits for the next `ahead` (`_stale`)
         self._ahead = False
-        self._stale = 0  # 0: no search due; n: due, and n - 1 steps decided since without it
+        self._stale = False
+        self._chosen_since_ahead = 0  # steps decided since the last `ahead`: two, and one step had none
         self._unlearned: list[tuple[SpecConfig, list[int], list[int] | None]] = []  # steps acceptance learns at `ahead`
         # the context level (context_level) of the step being decided: every price is at it. Reading
         # the rows' caches costs a plain step and a tree step alike, so a step priced at the sweep's
@@ -497,7 +498,7 @@ class Aware(Off):
 
     def _forget_searches(self) -> None:
         self._learn_deferred()  # (a search reads acceptance: never without every step observed)
-        self._stale = 0
+        self._stale = False
         self._searched.clear()
         self._prices.clear()
         self._trees.clear()
@@ -523,14 +524,11 @@ class Aware(Off):
 
     def choose(self, running: int, context: float | None = None) -> SpecConfig | None:
         self.context = context_level(context)
-        if len(self._unlearned) > 1:  # (an eager step of a static engine: no `ahead` learned the step before)
-            self._learn_deferred()
-        # one step may decide on the searches before a due one; a second one means that no `ahead` came
-        # (an eager step of a static engine): search now
-        if self._stale > 1:
-            self._forget_searches()
-        elif self._stale:
-            self._stale += 1
+        self._chosen_since_ahead += 1
+        if self._chosen_since_ahead > 1:  # the last step called no `ahead` (an eager step of a static engine):
+            self._learn_deferred()  # what it would have done is done now
+            if self._stale:
+                self._forget_searches()
         b = self._bucket(running)
         if ("off", b) not in self._measured:
             # a bucket's first step is plain: plain decoding is never a loss, and its measured time anchors
@@ -554,7 +552,7 @@ class Aware(Off):
         one token to `config`'s depth + 1, and a row may retire) are made before it asks. So on a GPU a
         search costs no step its time (a search is a tenth of a small model's replayed step). Once an
         engine calls it, the periodic search waits for it; a caller that never does searches in `choose`."""
-        self._ahead = True
+        self._ahead, self._chosen_since_ahead = True, 0
         self._learn_deferred()
         if self._stale:
             self._forget_searches()
@@ -634,7 +632,7 @@ class Aware(Off):
                 self._forget_searches()
             elif self._since_search >= self.SEARCH_EVERY:
                 if self._ahead:
-                    self._stale = self._stale or 1
+                    self._stale = True
                 else:
                     self._forget_searches()
         if probe:

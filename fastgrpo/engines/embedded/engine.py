@@ -596,14 +596,14 @@ class EmbeddedEngine:
                 self._readback = torch.empty(max(n, 4096), dtype=packed.dtype, device="cpu", pin_memory=True)
             host = self._readback[:n].view(packed.shape)
             host.copy_(packed, non_blocking=True)
-        t = time.perf_counter()
         if meanwhile is not None:
+            t = time.perf_counter()
             meanwhile()
-        waited = time.perf_counter()
-        self._counts["ahead_s"] += waited - t
+            self._counts["ahead_s"] += time.perf_counter() - t
         if packed.device.type != "cpu":  # (on the CPU the step is done: nothing is waited for)
+            t = time.perf_counter()
             torch.cuda.current_stream(packed.device).synchronize()
-            self._counts["wait_s"] += time.perf_counter() - waited
+            self._counts["wait_s"] += time.perf_counter() - t
         return host
 
     # -- speculation ----------------------------------------------------------------------
