@@ -113,6 +113,33 @@ def test_a_rank_that_exits_badly_after_its_result_fails_the_world(tmp_path):
         run_world(_return_then_exit_badly, 2, tmp_path, timeout_s=120.0)
 
 
+def _where(rank, world):
+    import os
+    import sys
+
+    return {"mark": os.environ.get("FASTGRPO_TEST_MARK"), "cwd": os.getcwd(), "rank": os.environ["RANK"],
+            "preloaded": "megatron.core" in sys.modules and "fastgrpo.train" in sys.modules}
+
+
+def test_a_rank_starts_in_the_callers_environment_and_directory_at_the_call(tmp_path, monkeypatch):
+    """Ranks forked from the preloading server (started by the first world, with the environment then)
+    still start as spawned ones would: with the environment and working directory of the call, a
+    variable set since there and one removed since gone; and with the heavy modules already imported."""
+    import torch
+
+    monkeypatch.setenv("FASTGRPO_TEST_MARK", "at the first world")
+    first = run_world(_where, 1, tmp_path / "first")
+    assert first[0]["mark"] == "at the first world"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FASTGRPO_TEST_MARK", "at the second")
+    assert [r["mark"] for r in run_world(_where, 2, tmp_path / "second")] == ["at the second"] * 2
+    monkeypatch.delenv("FASTGRPO_TEST_MARK")
+    third = run_world(_where, 2, tmp_path / "third")
+    assert [(r["mark"], r["cwd"], r["rank"]) for r in third] == [(None, str(tmp_path), "0"), (None, str(tmp_path), "1")]
+    if not torch.cuda.is_available():  # spawned there: nothing preloaded
+        assert all(r["preloaded"] for r in first + third)
+
+
 HELD = []  # a group held past `close_world`, as DeepSpeed's engine, ZeRO-3 parameters and module globals hold it
 
 
