@@ -7,7 +7,6 @@ SIGTERM. (A world of local processes for tests and benches is `fastgrpo/local_wo
 from __future__ import annotations
 
 import atexit
-import ctypes
 import datetime
 import os
 import signal
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fastgrpo.process_exit import die_with_parent
 from fastgrpo.topology import EngineMap
 from fastgrpo.types import Placement
 
@@ -58,15 +58,6 @@ def launch_store(rank: int, size: int) -> dist.Store:
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None if agent else size,
                          is_master=not agent and rank == 0, timeout=COLLECTIVE_TIMEOUT)
-
-
-def die_with_parent() -> None:
-    """End this process with SIGKILL when its parent dies (Linux's parent-death signal; a no-op
-    elsewhere): a rank's helpers must not outlive a rank that was killed without a chance to end them."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def init_world(draft_ranks: int = 0) -> Channel | None:

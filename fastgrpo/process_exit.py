@@ -1,10 +1,12 @@
 """How a fastgrpo process ends (standard library only: the GPU check's driver runs it before torch is
-installed)."""
+installed, and a rank's helper processes import it without paying for torch)."""
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
+import signal
 import sys
 import threading
 from typing import NoReturn
@@ -32,3 +34,23 @@ def end_process(code: int) -> NoReturn:
         except (OSError, ValueError):  # a closed stream or pipe
             pass
     os._exit(code)
+
+
+def die_with_parent() -> None:
+    """End this process with SIGKILL when its parent dies (Linux's parent-death signal; a no-op
+    elsewhere): a rank's helpers must not outlive a rank that was killed without a chance to end them."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def serve_for(rank_pid: int) -> None:
+    """In a helper server of rank `rank_pid` (the checkpoint writer's results server): deaf to SIGTERM,
+    killed when its rank dies (Linux's parent-death signal; elsewhere it ends when the job's processes
+    are ended). Here, not beside the trainer, because the server is a fresh interpreter that imports
+    this function's module: standard library only, it starts without importing torch (~2 s a rank)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    die_with_parent()
+    if os.getppid() != rank_pid:  # the rank died before the signal was armed
+        os._exit(1)

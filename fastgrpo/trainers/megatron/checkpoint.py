@@ -7,21 +7,11 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import signal
 
-from fastgrpo.distributed import die_with_parent
+from fastgrpo.process_exit import serve_for
 from fastgrpo.trainers.megatron.layout import Layout
 
 _write_results_manager = None  # see start_write_results_queue
-
-
-def _writer_server_init(rank_pid: int) -> None:
-    """In the checkpoint writer's server: deaf to SIGTERM, killed when its rank dies (Linux's parent-
-    death signal; elsewhere it ends when the job's processes are ended)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    die_with_parent()
-    if os.getppid() != rank_pid:  # the rank died before the signal was armed
-        os._exit(1)
 
 
 def start_write_results_queue() -> None:
@@ -43,7 +33,7 @@ def start_write_results_queue() -> None:
         for attempt in range(3):
             _write_results_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
             try:
-                _write_results_manager.start(initializer=_writer_server_init, initargs=(os.getpid(),))
+                _write_results_manager.start(initializer=serve_for, initargs=(os.getpid(),))
                 break
             except EOFError:
                 if attempt == 2:
