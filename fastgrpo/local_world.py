@@ -11,7 +11,8 @@ transformers and fastgrpo's loop once (multiprocessing's forkserver; the server 
 process): a fresh interpreter spends ~6 s of CPU importing them, so a world of 4 on two cores took ~14 s to
 start and now takes ~0.2 s after the first. A rank still starts with this process's sys.path, working
 directory and, set here, its environment at the call, as a spawned one would. With CUDA the ranks are
-spawned: a server whose imports touched the CUDA driver cannot hand it to forked children."""
+spawned: a child forked after the CUDA driver was initialized cannot use CUDA, and the server's imports
+(megatron-core's among them) may initialize it."""
 
 from __future__ import annotations
 
