@@ -122,7 +122,7 @@ def _where(rank, world):
 
 
 def test_a_rank_starts_in_the_callers_environment_and_directory_at_the_call(tmp_path, monkeypatch):
-    """Ranks forked from the preloading server (started by the first world, with the environment then)
+    """Ranks forked from the preloading server (started by this process's first world, with its environment then)
     still start as spawned ones would: with the environment and working directory of the call, a
     variable set since there and one removed since gone; and with the heavy modules already imported."""
     import torch
