@@ -24,9 +24,9 @@ microseconds of `choose`, `observe` and `ahead` per step (and of `ahead`'s not h
 settled on, how often its shape changed, and the share of that choice's SIMULATED step they add; with
 `--against-fixed`, its SIMULATED tokens/s over the 5 runs (its host time included, and without it)
 against the best of plain decoding and every candidate tree held fixed over the same 5 seeds
-(`best_fixed`): without it, how well `aware` chooses; with it, what this host's Python adds. Timings are this machine's host (a slow or busy one inflates them several
-times over); the step times are the simulator's (its error against a real GPU is in BENCHMARKS.md
-section 10).
+(`best_fixed`): without it, how well `aware` chooses; with it, what this host's Python adds. Timings
+are this machine's host (a slow or busy one inflates them several times over); the step times are the
+simulator's (its error against a real GPU is in BENCHMARKS.md section 10).
 
 `--batch B` drives GRPO batches instead (5, one a seed), the workload where the running count changes
 most: B rows start together, each ends at a length drawn uniformly from [max_tokens / 8, max_tokens], so
