@@ -254,6 +254,40 @@ def test_every_stage_runs_on_the_cpu_with_plausible_numbers(check):
     for row in big["fused"]["batches"].values():
         assert _positive(row["step_ms"], row["first_call_s"]) and row["step_vs_bound"] > 1
     assert big["engine"]["replays_checked"] > 0  # both variants held to their graphs' contract
+    # no budget at test size: nothing skipped for time
+    assert sb["levels_skipped_for_time"] == [] and big["skipped_for_time"] == [] and r["levels_skipped_for_time"] == []
+
+
+@pytest.mark.slow  # sft, the draft and three stages at test size on the CPU: ~60 s
+def test_a_stage_out_of_time_cuts_its_own_work_so_the_stages_after_it_keep_their_plans(tmp_path):
+    """A budget spent before step_bench starts: each stage that can cut its work measures its first part
+    (step_bench one compiling call and its first level, decode_8b its first batch op by op, rollout its
+    first level, each as `gpu_check.json` then says) and records what it skipped; every stage still
+    succeeds, and the report says what was skipped."""
+    from fastgrpo.bench.gpu_check.driver import run
+
+    out = tmp_path / "out"
+    stages = ("environment", "sft", "draft", "step_bench", "decode_8b", "rollout")
+    # 20 s: less than the 15 s margin plus sft's and the draft's time, and the plans after step_bench (210 s)
+    assert run(out, "test", "cpu", tmp_path / "work", stages, ["engine.steps=static"], budget_s=20.0) == 0
+    result = json.loads((out / "gpu_check.json").read_text())
+    d = {n: s["data"] for n, s in result["stages"].items()}
+    size = SIZES["test"]
+    sb = d["step_bench"]
+    assert sb["levels"] == [1] and sb["levels_skipped_for_time"] == list(size.step_levels[1:])
+    assert len(sb["fused_first_calls_s"]) == 1 and sb["fused_error"].startswith("stopped for time after 1 compiling call (")
+    assert not any(c["engine"] == "fused" for c in sb["cells"]) and {c["level"] for c in sb["cells"]} == {1}
+    big = d["decode_8b"]
+    assert list(big["batches"]) == ["1"] and big["fused"]["batches"] == {}
+    # batch 1 op by op then fused; the next batches in rotated order (fused first at the second)
+    assert big["skipped_for_time"] == [{"batch": 1, "fused": True}, {"batch": 16, "fused": True},
+                                       {"batch": 16, "fused": False}, {"batch": 64, "fused": False},
+                                       {"batch": 64, "fused": True}]
+    r = d["rollout"]
+    assert r["levels"] == [size.levels[0]] and r["levels_skipped_for_time"] == list(size.levels[1:])
+    markdown = (out / "gpu_check.md").read_text()
+    assert "no fused cells (stopped for time after 1 compiling call (" in markdown
+    assert "Skipped for time (the stages after this one kept their plans): batch 1 fused, batch 16 fused" in markdown
 
 
 @pytest.mark.slow  # the whole check at test size on the CPU: ~60 s (one run shared by three tests)

@@ -25,7 +25,7 @@ def run(out: Path, size: str = "gpu", device: str = "auto", work: Path | None = 
     own_work = work is None
     work = Path(tempfile.mkdtemp(prefix="fastgrpo-gpu-check-")) if own_work else Path(work)
     try:
-        check = Check(Path(out), work, size, device, list(overrides or []), budget_s)
+        check = Check(Path(out), work, size, device, list(overrides or []), budget_s, stages)
         log(f"size {size} on {check.compute.device} ({check.compute.dtype}); results in {out}/gpu_check.json and .md")
         for name in stages:
             check.stage(name, lambda name=name: STAGE_FUNCTIONS[name](check))

@@ -25,8 +25,11 @@ STAGES = ("environment", "sft", "draft", "train_step", "weight_push", "decode_bo
 # tools/gpu_check.sh: the run's own budget (Size.budget_s, 540 s) leaves ~60 s for installing the wheels,
 # starting Python and writing the report. sft and draft are held to theirs by sft.max_minutes and
 # draft.pretrain_minutes (their evaluation and saving come on top); step_bench skips a level that would
-# overrun its plan by a quarter; rollout, the last, fits itself into what is left of the run's budget. The
-# report sets each stage's time beside its plan.
+# overrun its plan by a quarter; rollout, the last, fits itself into what is left of the run's budget. A
+# stage whose work can be cut (step_bench's levels and fused compile, decode_8b's batches) also stops
+# where going on would take the stages after it below their plans (`Check.stage_left`), so one stage's
+# overrun (a slow compile, say) is paid by itself, not by the rollout sweep that comes last. The report
+# sets each stage's time beside its plan.
 PLANNED_S = {"environment": 10, "sft": 100, "draft": 50, "train_step": 30, "weight_push": 5, "decode_bound": 25,
              "step_bench": 90, "simulator_fit": 2, "decode_8b": 60, "rollout": 150}
 
@@ -119,7 +122,7 @@ class Check:
     """The run: its config, what stages hand on to later ones, the results on disk after each stage."""
 
     def __init__(self, out: Path, work: Path, size: str, device: str, overrides: list[str],
-                 budget_s: float | None = None):
+                 budget_s: float | None = None, stages: tuple[str, ...] = STAGES):
         from fastgrpo.config import load_config
         from fastgrpo.device import resolve
 
@@ -133,6 +136,8 @@ class Check:
         self.t0 = time.perf_counter()
         self.budget_s = self.size.budget_s if budget_s is None else budget_s
         self.held: dict[str, Any] = {}  # objects a later stage may reuse (trainers)
+        self.stages = tuple(stages)  # the ones this run runs, in order
+        self.current: str | None = None  # the stage running
         self.result: dict[str, Any] = {
             "meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"), "size": size,
                      "device": str(self.compute.device), "dtype": str(self.compute.dtype).removeprefix("torch."),
@@ -148,6 +153,13 @@ class Check:
         """Seconds left in the run's budget (less a margin for the report), infinite without one."""
         return self.budget_s - 15.0 - self.seconds() if self.budget_s else math.inf
 
+    def stage_left(self) -> float:
+        """Seconds the running stage may still take with every stage after it in this run left its plan
+        (PLANNED_S): `left()` less their plans; infinite without a budget. A stage that can cut its work
+        stops where this runs out, so an overrun is paid by the stage that overran."""
+        later = self.stages[self.stages.index(self.current) + 1:] if self.current in self.stages else ()
+        return self.left() - sum(PLANNED_S[s] for s in later)
+
     def partial(self, name: str, data: dict) -> None:
         """What a long stage has so far, on disk: a run cut short keeps it."""
         self.result["stages"][name] = {"status": "running", "data": data, "seconds": 0.0}
@@ -157,6 +169,7 @@ class Check:
         import torch
 
         log(f"{self.seconds():6.1f}s  {name}: starting")
+        self.current = name
         t = time.perf_counter()
         record: dict[str, Any]
         cuda = self.compute.device.type == "cuda"

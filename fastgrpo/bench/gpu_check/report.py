@@ -71,7 +71,7 @@ def _summary(name: str, d: dict) -> str:
     if name == "step_bench":
         best = d.get("best") or {}
         skipped = d.get("levels_skipped_for_time")
-        fused = (f"; fused failed: {d['fused_error'][:80]}" if d.get("fused_error")
+        fused = (f"; no fused cells: {d['fused_error'][:80]}" if d.get("fused_error")
                  else f"; fused: {', '.join(d['fused_shapes'])}" if d.get("fused_shapes") else "")
         return (f"{len(d['levels'])} levels x {len(d['shapes'])} shapes, eager and static steps (graphs "
                 f"{_f(d['engines']['static']['graphs'])})" + (f", levels {skipped} skipped for time" if skipped else "")
@@ -90,7 +90,8 @@ def _summary(name: str, d: dict) -> str:
                 + "; ".join(f"batch {B}: step {_f(r['step_ms'])} ms, {_f(r['step_vs_bound'])}x the bound"
                             + (f" (fused {_f(fused[B]['step_vs_bound'])}x)" if B in fused else "")
                             for B, r in d["batches"].items())
-                + (f"; fused kernels failed: {d['fused']['error']}" if (d.get("fused") or {}).get("error") else ""))
+                + (f"; fused kernels failed: {d['fused']['error']}" if (d.get("fused") or {}).get("error") else "")
+                + (f"; skipped for time: {_skipped_8b(d['skipped_for_time'])}" if d.get("skipped_for_time") else ""))
     if name == "rollout":
         g = d["grpo_batch"]
         skipped = d.get("levels_skipped_for_time")
@@ -269,7 +270,7 @@ def _step_tables(d: dict | None) -> list[str]:
                   + "; ".join(f"{e}: " + ", ".join(f"{s} {_f(n)}" for s, n in by.items()) for e, by in kernels.items())
                   + "."]
     if d.get("fused_error"):
-        lines += ["", f"Fused: the regions failed to compile ({d['fused_error']}); no fused cells."]
+        lines += ["", f"Fused: no fused cells ({d['fused_error']})."]
     elif d.get("fused_first_calls_s"):
         lines += ["", "Fused: the static engine with its pointwise regions compiled (engine.fused); its first calls "
                   f"(compiles, at 1 and 2 rows: {', '.join(d.get('fused_shapes', []))}) took "
@@ -324,10 +325,12 @@ def _big_tables(d: dict | None) -> list[str]:
              "| device ops a forward (fused) | device busy ms (fused) |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     fused = d.get("fused") or {}
-    for B, row in d["batches"].items():
-        f = fused.get("batches", {}).get(B, {})
-        lines.append(f"| {B} | {_f(row['step_ms'])} | {_f(row['bound_ms'])} | {_f(row['step_vs_bound'])}x | "
-                     f"{_f(row['bound_padded_ms'])} | {_f(row['tok_s'])} | {row['captures']} / {row['replays']} | "
+    for B in sorted(d["batches"].keys() | fused.get("batches", {}).keys(), key=int):
+        row, f = d["batches"].get(B, {}), fused.get("batches", {}).get(B, {})
+        lines.append(f"| {B} | {_f(row.get('step_ms'))} | {_f(row.get('bound_ms', f.get('bound_ms')))} | "
+                     f"{_f(row.get('step_vs_bound'))}{'x' if row else ''} | "
+                     f"{_f(row.get('bound_padded_ms', f.get('bound_padded_ms')))} | {_f(row.get('tok_s'))} | "
+                     f"{row.get('captures', '-')} / {row.get('replays', '-')} | "
                      f"{_f(f.get('step_ms'))} | {_f(f.get('step_vs_bound'))}{'x' if f else ''} | "
                      f"{_f(row.get('first_call_s'))} ({_f(f.get('first_call_s'))}) | "
                      f"{_f(row.get('forward_device_ops'))} ({_f(f.get('forward_device_ops'))}) | "
@@ -336,7 +339,13 @@ def _big_tables(d: dict | None) -> list[str]:
               "a first call captures its graphs, and fused, compiles the regions."]
     if fused.get("error"):
         lines += ["", f"The fused kernels failed: {fused['error']}"]
+    if d.get("skipped_for_time"):
+        lines += ["", f"Skipped for time (the stages after this one kept their plans): {_skipped_8b(d['skipped_for_time'])}."]
     return lines
+
+
+def _skipped_8b(skipped: list[dict]) -> str:
+    return ", ".join(f"batch {s['batch']}{' fused' if s['fused'] else ' op by op'}" for s in skipped)
 
 
 def against_simulator(result: dict) -> dict | None:

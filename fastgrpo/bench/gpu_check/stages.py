@@ -12,7 +12,7 @@ import statistics
 import time
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from fastgrpo.bench.gpu_check.harness import (PLANNED_S, Check, copy_bandwidth, log, peak_bandwidth, release, spread,
                                              sync, timed)
@@ -654,7 +654,7 @@ def rollout(c: Check) -> dict:
     policies = {mode: speculation_policy(engine, cfg, "static" if mode == AA_PAIR[1] else mode) for mode in SWEEP_MODES}
     cost_model = jsonable(getattr(policies["aware"], "costs", None))
     log(f"rollout: engine on {engine.device} ({engine.dtype}) built with aware's cost model in {calibration_s:.1f}s; "
-         f"{c.left():.0f}s left in the budget")
+         + (f"{c.stage_left():.0f}s left in the budget" if math.isfinite(c.stage_left()) else "no budget"))
     out: dict[str, Any] = {"modes": list(SWEEP_MODES), "fixed_modes": list(FIXED_MODES), "aa_pair": list(AA_PAIR),
                            "levels": [], "levels_skipped_for_time": [], "tokens_per_sequence": size.sweep_tokens,
                            "repetitions": size.reps, "calibration_s": calibration_s, "grpo_prompts": size.grpo_prompts,
@@ -693,7 +693,7 @@ def rollout(c: Check) -> dict:
         # within the budget: a level costs at most about twice the one before (the engine's steps cost much
         # the same at 4x the sequences until the GPU is busy), and the GRPO batch needs its least (64 tokens)
         step_s = sweep[-1]["concurrency"] / sweep[-1]["off_tok_s"] if sweep else 0.0
-        if sweep and c.left() < 2 * level_s + calls * 64 * step_s:
+        if sweep and c.stage_left() < 2 * level_s + calls * 64 * step_s:
             out["levels_skipped_for_time"].append(B)
             continue
         t1 = time.perf_counter()
@@ -711,10 +711,10 @@ def rollout(c: Check) -> dict:
     # the GRPO batch's length cap, lowered (to 32 at least) if its calls would not fit in what is left, priced
     # at plain decoding's step at the nearest concurrency measured, with half again for the other modes
     max_new = size.grpo_max_new
-    if sweep and math.isfinite(c.left()):
+    if sweep and math.isfinite(c.stage_left()):
         near = min(sweep, key=lambda r: abs(r["concurrency"] - 8 * size.grpo_prompts))
         step_s = near["concurrency"] / near["off_tok_s"]
-        max_new = min(max_new, max(32, int(c.left() / (1.5 * calls * step_s))))
+        max_new = min(max_new, max(32, int(c.stage_left() / (1.5 * calls * step_s))))
     out["grpo_max_new"] = max_new
     t = time.perf_counter()
     contenders = dict(policies) | {f"static_{s.depth}_{s.topk}_{s.num_verify}": Static(s) for s in STATIC_SWEEP}
@@ -758,10 +758,11 @@ def _step_engines(c: Check, config: PretrainedConfig, text: TextFormat, weights:
 
 
 def _compile_fused(engine: EmbeddedEngine, shapes: dict[str, SpecConfig | None], prompts: list[list[int]],
-                   sampling: SamplingParams) -> tuple[list[float], str | None]:
+                   sampling: SamplingParams, time_left: Callable[[], float]) -> tuple[list[float], str | None]:
     """Short calls of the fused engine's shapes at 1 and 2 rows before step_bench's timing: the regions'
-    compile for one shape and the recompile for dynamic ones (dynamo's automatic dynamic shapes). Returns
-    each call's seconds, and the error that ended them (None: compiled)."""
+    compile for one shape and the recompile for dynamic ones (dynamo's automatic dynamic shapes). Stops
+    after a call that leaves `time_left()` negative (the compiler is the one part of the stage whose time
+    cannot be planned). Returns each call's seconds, and the error or stop that ended them (None: compiled)."""
     from fastgrpo.speculation.policy import Off, Static
     from fastgrpo.types import Request
 
@@ -774,6 +775,10 @@ def _compile_fused(engine: EmbeddedEngine, shapes: dict[str, SpecConfig | None],
                 r = generate_call(engine, Off() if shape is None else Static(shape), requests,
                                   dataclasses.replace(sampling, max_new_tokens=4), seed=rows)
                 seconds.append(round(r["seconds"], 3))
+                if time_left() < 0:
+                    n = len(seconds)
+                    return seconds, (f"stopped for time after {n} compiling call{'s' * (n > 1)} ({sum(seconds):.0f}s): "
+                                     "the timing of the other engines' cells keeps the rest of the stage")
     except Exception as e:  # the compiler's failures are many; the other engines' cells still count
         return seconds, f"{type(e).__name__}: {e}"[:500]
     return seconds, None
@@ -859,7 +864,9 @@ def step_bench(c: Check) -> dict:
     timed by the engine's own per-step trace (a step ends with its results on the host: synchronised),
     the first STEP_WARMUP steps of a call left out (a new shape's graph capture), the median step of each
     call (`step_cells`), then the median and standard error over the calls. A level that would overrun the stage's plan
-    by a quarter (twice the last level's time) is skipped and recorded (gpu size)."""
+    by a quarter (twice the last level's time), or take the stages after it below their plans, is skipped
+    and recorded (gpu size), and the fused compile stops where it would leave the timing less than half
+    the plan (`Check.stage_left`)."""
     from fastgrpo.bench.rollout import rotated
     from fastgrpo.models.draft import DraftHead
     from fastgrpo.paths import draft_dir
@@ -883,10 +890,12 @@ def step_bench(c: Check) -> dict:
     combos = [(name, engine) for name in shapes for engine in engines if engine != "fused" or name in FUSED_SHAPES]
     sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=T,
                               ignore_eos=True)
-    fused_first_s, fused_error = _compile_fused(engines["fused"], shapes, prompts, sampling)
+    # the fused compile stops where the stage would keep less than half its plan for the timing
+    fused_first_s, fused_error = _compile_fused(engines["fused"], shapes, prompts, sampling,
+                                                lambda: c.stage_left() - PLANNED_S["step_bench"] / 2)
     if fused_error:
         combos = [(name, engine) for name, engine in combos if engine != "fused"]
-        log(f"steps: the fused kernels failed ({fused_error}); their cells are left out")
+        log(f"steps: no fused cells ({fused_error})")
     step_kernels: dict[str, Any] = {}
     try:
         step_kernels = _step_kernels({k: e for k, e in engines.items() if k != "fused" or not fused_error}, shapes,
@@ -910,7 +919,7 @@ def step_bench(c: Check) -> dict:
     plan = 1.25 * PLANNED_S["step_bench"] if c.size_name == "gpu" else math.inf
     t0, last = time.perf_counter(), 0.0
     for B in levels:
-        if out["levels"] and time.perf_counter() - t0 + 2 * last > plan:
+        if out["levels"] and (time.perf_counter() - t0 + 2 * last > plan or c.stage_left() < 2 * last):
             out["levels_skipped_for_time"].append(B)
             continue
         t1 = time.perf_counter()
@@ -1016,7 +1025,8 @@ def decode_8b(c: Check) -> dict:
     rows aside, and each row's KV cache) over the device's peak bandwidth. Steps are the engine's per-step trace after its first WARMUP_STEPS, two timed calls
     after a warm-up. At test size a scaled-down model of the same structure (SCALED_8B) runs instead (the
     full shape is recorded as skipped); at gpu size it is skipped, with the reason, on a CPU or where the
-    device lacks the memory."""
+    device lacks the memory. Measurements that would take the stages after it below their plans are
+    skipped and recorded (`skipped_for_time`)."""
     import random
 
     import torch
@@ -1110,11 +1120,19 @@ def decode_8b(c: Check) -> dict:
         return row
 
     # each batch with the layers' pointwise regions op by op and fused (models.fused), in turn (switching
-    # drops the captured graphs); a failure of the fused kernels is recorded and ends only their rows
+    # drops the captured graphs); a failure of the fused kernels is recorded and ends only their rows. After
+    # the first, a measurement is skipped, and recorded, where it would take the stages after this one
+    # below their plans: where less is left than twice the last one's two timed calls (its first call, of
+    # captures and compiles, is not a price for the next: a compile comes once)
+    out["skipped_for_time"], need = [], 0.0
     for i, B in enumerate(size.big_batches):
         for fused in rotated([False, True], i):
             if fused and "error" in out["fused"]:
                 continue
+            if need and c.stage_left() < need:
+                out["skipped_for_time"].append({"batch": B, "fused": fused})
+                continue
+            t = time.perf_counter()
             try:
                 engine.fused = fused
                 row = measure(B)
@@ -1125,6 +1143,7 @@ def decode_8b(c: Check) -> dict:
                 log(f"8B shape: the fused kernels failed ({out['fused']['error']}); their rows are left out")
                 continue
             (out["fused"] if fused else out)["batches"][str(B)] = row
+            need = 2 * (time.perf_counter() - t - row["first_call_s"])
             log(f"8B shape{'' if size.big_full else ' (scaled)'} batch {B}{', fused' if fused else ''}: step "
                  f"{row['step_ms']:.2f} ms against a bound of {row['bound_ms']:.3f} ms ({row['step_vs_bound']:.2f}x); "
                  f"graphs captured {row['captures']}, replayed {row['replays']}"
