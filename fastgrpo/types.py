@@ -126,6 +126,13 @@ class EngineStats(TypedDict, total=False):
     # the wait on the device after it (a wait left: the steps outlasted `ahead`; the CPU: 0; SGLang: absent)
     ahead_s: float
     wait_s: float
+    # embedded only: decode steps run as static steps (a graph's replay or capture on a GPU); of the token
+    # slots decode steps' target forwards compute, the share in padded rows (static steps run their batch's
+    # bucket); of the cache positions their attention reads (rows x positions), the share beyond each
+    # running row's own (padded rows, rows shorter than the longest, the context bucket's rounding)
+    static_steps: int
+    pad_row_share: float
+    pad_kv_share: float
     config_by_concurrency: dict[str, dict[str, int]]  # steps per chosen tree shape, by concurrency bucket (SGLang: {})
     trace: list[tuple[int, str, int, float]]  # per decode step: running, shape name, emitted, seconds (SGLang: [])
 

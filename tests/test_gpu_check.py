@@ -217,6 +217,9 @@ def test_every_stage_runs_on_the_cpu_with_plausible_numbers(check):
     assert r["engine"]["static_steps"] and r["engine"]["replays_checked"] > 100
     assert 0 < r["engine"]["graphs_a_gpu_would_capture"] < r["engine"]["replays_checked"]
     assert _positive(*r["cost_model"]["target_s"].values())
+    # static steps throughout (this engine has them and the static_steps override), padding counted
+    assert g["padding"]["off"]["static_share"] == 1.0 and 0 <= g["padding"]["aware"]["pad_row_share"] < 0.5
+    assert 0 < g["padding"]["off"]["pad_kv_share"] < 1 and "of cache positions read beyond" in check["markdown"]
 
     sb = d["step_bench"]  # every shape at every level, in both engines, each from every call; two fused too
     shapes = ["plain", *(f"d{a}k{b}n{c}" for a, b, c in STEP_SHAPES)]
@@ -439,9 +442,14 @@ def test_the_grpo_batch_reports_seconds_the_aa_ratio_and_aware_against_the_best_
     runs = {"off": secs([10, 12, 11]), "static": secs([5, 6, 4]), "static_aa": secs([5.5, 4.5, 5.0]),
             "fastgrpo": secs([7, 7, 7]), "tlt": secs([6, 6, 6]), "aware": secs([4, 4.2, 4.4]),
             "static_2_2_4": secs([4.8, 4.8, 4.8]), "off_unshared_prefill": secs([13, 13, 13])}
-    runs["aware"] = [dict(r, ahead_s=a, wait_s=w) for r, a, w in zip(runs["aware"], [0.02, 0.01, 0.03], [0.5, 0.7, 0.6])]
+    runs["aware"] = [dict(r, ahead_s=a, wait_s=w, decode_steps=n, static_steps=k, pad_row_share=pr, pad_kv_share=pk)
+                     for r, a, w, n, k, pr, pk in zip(runs["aware"], [0.02, 0.01, 0.03], [0.5, 0.7, 0.6], [100, 80, 90],
+                                                      [90, 80, 45], [0.1, 0.3, 0.2], [0.4, 0.2, 0.3])]
     g = grpo_summary(runs, ("off", "static", "fastgrpo", "tlt", "static_2_2_4"))
     assert g["aware_ahead_s"] == 0.02 and g["aware_wait_s"] == 0.6  # medians of its calls
+    # static steps 90 of 100, 80 of 80, 45 of 90: median 0.9; the shares' medians 0.2 and 0.3
+    assert g["padding"]["aware"] == pytest.approx({"static_share": 0.9, "pad_row_share": 0.2, "pad_kv_share": 0.3})
+    assert g["padding"]["off"] == {"static_share": 0.0, "pad_row_share": 0.0, "pad_kv_share": 0.0}  # none reported
     assert g["all_s"]["static"] == 5 and g["all_s"]["static_aa"] == 5.0 and g["aa_ratio"] == pytest.approx(1.0)
     assert g["best_fixed"] == "static_2_2_4" and g["best_fixed_s"] == 4.8 and g["static_best"] == "static_2_2_4"
     assert g["aware_vs_best"] == pytest.approx(4.8 / 4.2) and g["aware_vs_off"] == pytest.approx(11 / 4.2)

@@ -75,6 +75,25 @@ def test_buckets_are_the_ladder():
         batch_bucket(0)
 
 
+def test_the_stats_count_padded_rows_and_the_cache_positions_read_beyond_each_rows_own(dense):
+    """Three rows of 10, 20 and 30 prompt tokens, 5 tokens each (stops ignored), plain steps: the prefill
+    emits each row's first token, then 4 decode steps (k = 0..3) run all three. By hand: a static step
+    runs 4 rows (3's bucket), one of 4 token slots padded; each row reads the 64 positions of the longest
+    row's bucket (30 + k cached, 1 new), 4 x 64 a step; an eager step reads 3 rows to the longest's
+    31 + k. The rows need their own (10 + 20 + 30 + 3k) + 3 positions: 270 over the 4 steps."""
+    cfg, target, _ = dense
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=5, ignore_eos=True)
+    requests = [Request(list(range(3, 3 + n)), max_new_tokens=5) for n in (10, 20, 30)]
+    needed = 4 * 63 + 3 * (0 + 1 + 2 + 3)
+    for static, read, steps, rows_padded in ((True, 4 * 4 * 64, 4, 1 / 4), (False, 3 * (31 + 32 + 33 + 34), 0, 0.0)):
+        e = engine(cfg, target, static)
+        assert all(len(c.token_ids) == 5 for c in e.generate(requests, sampling, seed=1))
+        stats = e.stats()
+        assert (stats["decode_steps"], stats["static_steps"]) == (4, steps)
+        assert stats["pad_row_share"] == rows_padded
+        assert stats["pad_kv_share"] == pytest.approx(1 - needed / read, abs=1e-12)
+
+
 @pytest.mark.parametrize("name", SAMPLINGS)
 def test_static_plain_steps_equal_eager_ones(dense, name):
     """Nine requests through six rows: the batch shrinks through 6, 5, 4, ... (padded to 6, 6, 4, 4, 2, 1)

@@ -214,6 +214,12 @@ def _rollout_tables(r: dict | None) -> list[str]:
         if "aware_vs_best" in g:
             lines += ["", f"aware / best fixed ({g['best_fixed']}): {_f(g['aware_vs_best'])}x; aware / off: "
                       f"{_f(g['aware_vs_off'])}x; A/A ({' / '.join(r.get('aa_pair', []))}): {_f(g.get('aa_ratio'), 4)}."]
+        if pad := g.get("padding"):
+            lines += ["", "Steps run static (graph replays on a GPU), and what padding costs the target's forwards "
+                      "(medians over the calls): " + "; ".join(
+                          f"{m} {_pct(p['static_share'])} static, {_pct(p['pad_row_share'])} of token slots in padded "
+                          f"rows, {_pct(p['pad_kv_share'])} of cache positions read beyond each row's own"
+                          for m, p in pad.items() if m in ("off", "aware")) + "."]
     calls = r.get("calls") or []
     timed = [c for c in calls if c["rep"] > 0]
     if timed and "captures" in timed[0]:  # a capture inside a timed call adds its eager warm-up to that call

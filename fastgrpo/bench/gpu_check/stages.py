@@ -558,6 +558,10 @@ def generate_call(engine: EmbeddedEngine, policy: SpeculationPolicy, requests: l
             "prefill_s": stats.get("prefill_s", 0.0), "decode_steps": steps,
             # the policy's `ahead` in static steps, and the wait on the device after it (> 0: the step hid it)
             "ahead_s": stats.get("ahead_s", 0.0), "wait_s": stats.get("wait_s", 0.0),
+            # steps that ran static (graph replays on a GPU); padded rows' token slots and the cache positions
+            # attention read beyond each row's own, as shares (hardware-independent: what padding costs)
+            "static_steps": stats.get("static_steps", 0), "pad_row_share": stats.get("pad_row_share", 0.0),
+            "pad_kv_share": stats.get("pad_kv_share", 0.0),
             "configs": jsonable(stats.get("config_by_concurrency", {})), "trace": trace_columns(stats.get("trace", [])),
             "captures": after[0] - captures, "replays": after[1] - replays, "lengths": [len(o.token_ids) for o in out]}
 
@@ -604,6 +608,15 @@ def ahead_and_wait(rs: list[dict]) -> dict[str, float]:
             "aware_wait_s": statistics.median(r.get("wait_s", 0.0) for r in rs)}
 
 
+def padding(rs: list[dict]) -> dict[str, float]:
+    """Medians over calls: the share of decode steps that ran static (graph replays on a GPU), of the token
+    slots their target forwards computed in padded rows, and of the cache positions attention read beyond
+    each row's own."""
+    return {"static_share": statistics.median(r.get("static_steps", 0) / max(r.get("decode_steps", 0), 1) for r in rs),
+            "pad_row_share": statistics.median(r.get("pad_row_share", 0.0) for r in rs),
+            "pad_kv_share": statistics.median(r.get("pad_kv_share", 0.0) for r in rs)}
+
+
 def grpo_summary(runs: dict[str, list[dict]], fixed: tuple[str, ...]) -> dict:
     """The GRPO batch from each contender's timed calls: median seconds and standard errors, the best of
     the `fixed` choices, aware against it and against plain decoding (speed ratios: > 1 faster), the A/A
@@ -616,7 +629,7 @@ def grpo_summary(runs: dict[str, list[dict]], fixed: tuple[str, ...]) -> dict:
     out = {"off_s": med["off"], "static_best_s": med[best_static], "static_best": best_static,
            "all_s": med, "se_s": {m: s["se"] for m, s in spreads.items()}, "runs": {m: s["n"] for m, s in spreads.items()},
            "tokens_median": {m: statistics.median(r["tokens"] for r in rs) for m, rs in runs.items()},
-           "best_fixed": best_fixed, "best_fixed_s": med[best_fixed]}
+           "best_fixed": best_fixed, "best_fixed_s": med[best_fixed], "padding": {m: padding(rs) for m, rs in runs.items()}}
     out |= {f"{m}_s": med[m] for m in med if m in (*SWEEP_MODES, UNSHARED)}
     if "aware" in med:
         out |= {"aware_vs_best": med[best_fixed] / med["aware"], "aware_vs_off": med["off"] / med["aware"],

@@ -360,7 +360,8 @@ class EmbeddedEngine:
                 # the context a step is priced at: attention reads every row to the longest row's cache
                 # a step's seconds include the policy's choice: aware is held to realised wall time
                 t, captures = time.perf_counter(), self.graphs.captures
-                context = max(_cached(s) for s in running)
+                cached = [_cached(s) for s in running]
+                context = max(cached)
                 config = (self.policy.choose(len(running), context)
                           if self._pending is not None and self.speculating else None)
                 if config is not None and self.index is not None:
@@ -384,6 +385,7 @@ class EmbeddedEngine:
                 timed = self.graphs.captures == captures
                 self.policy.observe(config, len(running), emitted, seconds if timed else None, accepted)
                 self._count_step(config, len(running), emitted, seconds)
+                self._count_reads(config, len(running), static, context, sum(cached))
             self._retire(running, done)
             if drafting is not None:  # the step's host work for index drafts, its retire's included
                 self._host_steps.append((drafting[0], self._host_seconds() - drafting[1]))
@@ -536,6 +538,12 @@ class EmbeddedEngine:
                 and config.depth + 1 <= self.draft_window
                 and (config.depth - 1) * config.topk <= STATIC_TREE_ROOM)
 
+    def _static_shape(self, running: int, config: SpecConfig | None, context: int) -> tuple[int, int]:
+        """The rows and cache positions a static step runs for `running` rows whose longest has `context`
+        cached: the batch's bucket, and the bucket of that length plus the step's new tokens."""
+        new = 1 if config is None else config.num_verify
+        return batch_bucket(running), context_bucket(context + new, self.max_context + TREE_SLACK - STATIC_TREE_ROOM)
+
     def _static_step(self, running: list[_Sequence], config: SpecConfig | None, context: int,
                      sampling: SamplingParams) -> tuple[int, list[int] | None]:
         """One step of the running rows, padded to their bucket, through the step functions (replaying
@@ -543,9 +551,7 @@ class EmbeddedEngine:
         accepted per sequence or None for a plain step)."""
         assert self.steps is not None
         B = len(running)
-        rows = batch_bucket(B)
-        new = 1 if config is None else config.num_verify
-        ctx = context_bucket(context + new, self.max_context + TREE_SLACK - STATIC_TREE_ROOM)
+        rows, ctx = self._static_shape(B, config, context)
         if self._pending is not None:
             self._pending.flush(self.cache.lengths)  # the states of eager plain steps before this one
         # a graph is keyed by everything its step's Python decides on: the shape, the sampling rule (not
@@ -798,6 +804,20 @@ class EmbeddedEngine:
         self._by_config.setdefault(bucket, Counter())[name] += 1
         self._trace.append((running, name, emitted, seconds))
 
+    def _count_reads(self, config: SpecConfig | None, running: int, static: bool, context: int, cached: int) -> None:
+        """What a decode step's target forward computes beyond its rows' needs: the token slots of padded
+        rows (a static step runs its batch's bucket), and the cache positions its attention reads beyond
+        each row's own (`cached` in all, the longest `context`): every row reads to the longest row (an
+        eager step) or to the context bucket (a static one), a padded row all of it."""
+        new = 1 if config is None else config.num_verify
+        rows, ctx = self._static_shape(running, config, context) if static else (running, context + new)
+        c = self._counts
+        c["static_steps"] += static
+        c["slots"] += rows * new
+        c["padded_slots"] += (rows - running) * new
+        c["positions_read"] += rows * ctx
+        c["positions_needed"] += cached + running * new
+
     def _finish_stats(self, out: list[_Sequence], seconds: float) -> None:
         c = self._counts
         tokens = sum(len(s.tokens) for s in out)
@@ -816,6 +836,8 @@ class EmbeddedEngine:
             index_accepted=c["index_accepted"], host_steps=list(self._host_steps),
             # static steps: the host seconds of the policy's `ahead`, and of waiting on the device after it
             ahead_s=c["ahead_s"], wait_s=c["wait_s"],
+            static_steps=c["static_steps"], pad_row_share=c["padded_slots"] / max(c["slots"], 1),
+            pad_kv_share=1 - c["positions_needed"] / c["positions_read"] if c["positions_read"] else 0.0,
             config_by_concurrency={b: dict(v) for b, v in sorted(self._by_config.items())},
             trace=list(self._trace),
         )
