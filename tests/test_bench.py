@@ -36,6 +36,10 @@ def test_bench_rollout_compares_all_modes(tmp_path, tiny_policy, tiny_draft, cap
     assert hf["engine_batch1_prefill_ms"] > 0
     for shares in g["time_shares"].values():
         assert sum(shares.values()) == pytest.approx(1.0) and shares["prefill"] > 0
+    # eager steps on a CPU (engine.steps auto): no padded rows; attention reads every row to the longest
+    # row, and the batch's prompts differ in length
+    for mode, pad in g["padding"].items():
+        assert pad["static_share"] == pad["pad_row_share"] == 0.0 and 0 < pad["pad_kv_share"] < 1, mode
     assert (tmp_path / "rollout.png").stat().st_size > 10_000
     assert torch.backends.cpu.get_cpu_capability() in saved["meta"]["cpu"]
 

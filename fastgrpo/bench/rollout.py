@@ -43,7 +43,18 @@ def timed_generate(engine: EmbeddedEngine, requests: list[Request], sampling: Sa
     stats = engine.stats()
     return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds, "accept_len": stats["accept_len"],
             "spec_fraction": stats["spec_steps"] / max(stats["decode_steps"], 1), "prefill_s": stats["prefill_s"],
+            "decode_steps": stats["decode_steps"], "static_steps": stats["static_steps"],
+            "pad_row_share": stats["pad_row_share"], "pad_kv_share": stats["pad_kv_share"],
             "trace": stats["trace"], "lengths": [len(o.token_ids) for o in out]}
+
+
+def padding(rs: list[dict]) -> dict[str, float]:
+    """Medians over calls: the share of decode steps that ran static (graph replays on a GPU), of the token
+    slots their target forwards computed in padded rows, and of the cache positions attention read beyond
+    each row's own (EngineStats): what static shapes cost in work, whatever the hardware."""
+    return {"static_share": statistics.median(r.get("static_steps", 0) / max(r.get("decode_steps", 0), 1) for r in rs),
+            "pad_row_share": statistics.median(r.get("pad_row_share", 0.0) for r in rs),
+            "pad_kv_share": statistics.median(r.get("pad_kv_share", 0.0) for r in rs)}
 
 
 WARMUP_STEPS = 4  # decode steps of a generate() call not counted in the per-step time
@@ -125,6 +136,7 @@ def grpo_batch(engine, policies, prompts, cfg, n_prompts, group, max_new, reps, 
               "aware_per_sequence_s": med["aware_per_sequence"],
               "aware_accept_len": _median(runs["aware"], "accept_len"),
               "tokens_median": {m: _median(runs[m], "tokens") for m in contenders}, "all_s": med,
+              "padding": {m: padding(runs[m]) for m in contenders},
               # the shares of each mode's median-time repetition (medians of each part would not add up to 1)
               "time_shares": {m: sorted(runs[m], key=lambda r: r["seconds"])[len(runs[m]) // 2]["shares"]
                               for m in ("off", "aware")}}
@@ -277,6 +289,13 @@ def markdown(result: dict, command: str) -> str:
               "| mode | " + " | ".join(SHARES) + " |", "| --- |" + " ---: |" * len(SHARES)]
     for mode, shares in g["time_shares"].items():
         lines.append(f"| {mode} | " + " | ".join(f"{100 * shares[k]:.0f}%" for k in SHARES) + " |")
+    if pad := g.get("padding"):
+        lines += ["", "What the GRPO batch's decode steps computed beyond their rows' needs (medians over the calls; "
+                  "static steps run their batch's bucket of rows and context):", "",
+                  "| mode | steps static | token slots in padded rows | cache positions read beyond each row's own |",
+                  "| --- | ---: | ---: | ---: |"]
+        lines += [f"| {m} | {100 * p['static_share']:.0f}% | {100 * p['pad_row_share']:.1f}% | "
+                  f"{100 * p['pad_kv_share']:.1f}% |" for m, p in pad.items()]
     lines += ["", "Engine without speculation against Hugging Face `generate` (static cache), tokens/s:", "",
               "| batch | HF generate | engine | engine / HF |", "| ---: | ---: | ---: | ---: |"]
     for B in (1, 64):

@@ -608,19 +608,12 @@ def ahead_and_wait(rs: list[dict]) -> dict[str, float]:
             "aware_wait_s": statistics.median(r.get("wait_s", 0.0) for r in rs)}
 
 
-def padding(rs: list[dict]) -> dict[str, float]:
-    """Medians over calls: the share of decode steps that ran static (graph replays on a GPU), of the token
-    slots their target forwards computed in padded rows, and of the cache positions attention read beyond
-    each row's own."""
-    return {"static_share": statistics.median(r.get("static_steps", 0) / max(r.get("decode_steps", 0), 1) for r in rs),
-            "pad_row_share": statistics.median(r.get("pad_row_share", 0.0) for r in rs),
-            "pad_kv_share": statistics.median(r.get("pad_kv_share", 0.0) for r in rs)}
-
-
 def grpo_summary(runs: dict[str, list[dict]], fixed: tuple[str, ...]) -> dict:
     """The GRPO batch from each contender's timed calls: median seconds and standard errors, the best of
     the `fixed` choices, aware against it and against plain decoding (speed ratios: > 1 faster), the A/A
     pair's ratio (static_aa's speed over static's)."""
+    from fastgrpo.bench.rollout import padding
+
     spreads = {m: spread([r["seconds"] for r in rs]) for m, rs in runs.items()}
     med = {m: s["median"] for m, s in spreads.items()}
     statics = {m: med[m] for m in med if m.startswith("static_") and m != AA_PAIR[1]}
