@@ -126,6 +126,9 @@ class EngineStats(TypedDict, total=False):
     # the wait on the device after it (a wait left: the steps outlasted `ahead`; the CPU: 0; SGLang: absent)
     ahead_s: float
     wait_s: float
+    # embedded only: seconds of the call's steps that captured a CUDA graph (each an eager run of the step
+    # and its recording; a key's first use, once per engine; 0 where nothing is captured)
+    capture_s: float
     # embedded only: decode steps run as static steps (a graph's replay or capture on a GPU); of the token
     # slots decode steps' target forwards compute, the share in padded rows (static steps run their batch's
     # bucket); of the cache positions their attention reads (rows x positions), the share beyond each

@@ -209,6 +209,7 @@ def test_every_stage_runs_on_the_cpu_with_plausible_numbers(check):
         assert call["position"] == (modes.index(call["mode"]) - call["rep"]) % len(modes)
         assert len(call["trace"]["ms"]) == call["decode_steps"] == sum(n for counts in call["configs"].values()
                                                                       for n in counts.values())
+        assert call["capture_s"] == 0 and call["seconds"] == call["wall_s"]  # a CPU captures nothing
     aware_calls = [c for c in calls if c["mode"] in AWARE_MODES]
     assert [(s["workload"], s["mode"], s["rep"]) for s in r["aware_states"]] == [
         (c["workload"], c["mode"], c["rep"]) for c in aware_calls]

@@ -272,6 +272,11 @@ def test_cuda_graphs_replay_the_static_steps(dense):
     assert e.graphs.captures > 0 and e.graphs.replays > e.graphs.captures
     for a, b in zip(*runs):
         assert a.token_ids == b.token_ids
+    # the captures' seconds are the call's, apart; a second call of the same keys captures nothing
+    first = e.stats()["capture_s"]
+    assert 0 < first == e.graphs.capture_s < e.stats()["seconds"]
+    e.generate([Request(p) for p in ps], SAMPLINGS["t1"], seed=4)
+    assert e.stats()["capture_s"] == 0.0 and e.graphs.capture_s == first
 
 
 def test_the_host_time_tool_reports_each_level():

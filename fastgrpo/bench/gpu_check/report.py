@@ -224,10 +224,14 @@ def _rollout_tables(r: dict | None) -> list[str]:
     timed = [c for c in calls if c["rep"] > 0]
     if timed and "captures" in timed[0]:  # a capture inside a timed call adds its eager warm-up to that call
         late = [c for c in timed if c["captures"]]
-        lines += ["", f"CUDA graphs captured: {sum(c['captures'] for c in calls)} in all, "
+        engine = r.get("engine") or {}
+        what = ("CUDA graphs captured" if engine.get("graphs") or engine.get("replays_checked") is None else
+                "CUDA graphs a GPU would capture (each step key's first call, counted by the replay check here)")
+        lines += ["", f"{what}: {sum(c['captures'] for c in calls)} in all, "
                   f"{sum(c['captures'] for c in timed)} of them inside {len(late)} of the {len(timed)} timed calls"
                   + (" (" + ", ".join(sorted({f"{c['workload']} {c['mode']}" for c in late})) + ")" if late else "")
-                  + "."]
+                  + f"; the timed calls' seconds leave out their steps that captured ({_f(sum(c.get('capture_s', 0) for c in timed))} s"
+                  " in all: each an eager run of the step and its recording, paid once per key in an engine's life)."]
     last: dict[str, dict] = {}
     for call in calls:
         if call["mode"] == "aware" and call["rep"] > 0:

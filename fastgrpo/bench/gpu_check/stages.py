@@ -512,18 +512,23 @@ def policy_state(policy: Any) -> dict:
 
 
 def _graph_counts(engine: Any) -> tuple[int, int]:
-    """(CUDA graphs captured, replayed) by the engine so far; (0, 0) where it keeps none."""
+    """(CUDA graphs captured, replayed) by the engine so far. Where none is captured but each static step is
+    held to its graph's replay (`--check-replays` on a CPU), the graphs a GPU would have captured and
+    replayed at the same steps: which calls would pay a capture depends only on the steps' keys, so a CPU
+    run says where a GPU run's timed calls would. (0, 0) where the engine keeps neither."""
     graphs = getattr(engine, "graphs", None)
+    if (check := getattr(graphs, "replay_check", None)) is not None:
+        return check.keys, check.checked
     return int(getattr(graphs, "captures", 0) or 0), int(getattr(graphs, "replays", 0) or 0)
 
 
 def engine_info(engine: Any) -> dict:
     """How the engine runs its steps: static (fixed shapes) or eager, replayed from CUDA graphs or not."""
     graphs = getattr(engine, "graphs", None)
-    captures, replays = _graph_counts(engine)
     check = getattr(graphs, "replay_check", None)
     return {"static_steps": bool(getattr(engine, "static", False)), "graphs": bool(getattr(graphs, "enabled", False)),
-            "captures": captures, "replays": replays, "replays_checked": check.checked if check is not None else None,
+            "captures": int(getattr(graphs, "captures", 0) or 0), "replays": int(getattr(graphs, "replays", 0) or 0),
+            "replays_checked": check.checked if check is not None else None,
             "graphs_a_gpu_would_capture": check.keys if check is not None else None,
             "device": str(getattr(engine, "device", "")),
             "dtype": str(getattr(engine, "dtype", "")).removeprefix("torch.")}
@@ -540,7 +545,11 @@ def trace_columns(trace: list) -> dict[str, list]:
 def generate_call(engine: EmbeddedEngine, policy: SpeculationPolicy, requests: list[Request], sampling: SamplingParams,
                   seed: int, share_prefill: bool = True) -> dict:
     """One synchronised generate() call under `policy`: its time and tokens, the engine's statistics (the
-    configurations it ran by concurrency, its per-step trace) and the CUDA graphs it captured and replayed."""
+    configurations it ran by concurrency, its per-step trace) and the CUDA graphs it captured and replayed.
+    `seconds`, which every comparison takes, is the call's wall time (`wall_s`) less the seconds of its steps
+    that captured a graph (`capture_s`): a capture is paid once per step key in an engine's life (SGLang and
+    vLLM capture theirs before serving), and which timed call meets a key first depends on the seeds and
+    on which mode ran first (the modes share the engine's graphs), not on the mode."""
     engine.set_speculation(policy)
     engine.share_prefill = share_prefill
     captures, replays = _graph_counts(engine)
@@ -548,12 +557,15 @@ def generate_call(engine: EmbeddedEngine, policy: SpeculationPolicy, requests: l
     t = time.perf_counter()
     out = engine.generate(requests, sampling, seed=seed)
     sync()
-    seconds = time.perf_counter() - t
+    wall = time.perf_counter() - t
     stats = engine.stats()
+    capture_s = stats.get("capture_s", 0.0)
+    seconds = wall - capture_s
     tokens = sum(len(o.token_ids) for o in out)
     steps = stats.get("decode_steps") or 0
     after = _graph_counts(engine)
-    return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / max(seconds, 1e-12),
+    return {"seconds": seconds, "wall_s": wall, "capture_s": capture_s, "tokens": tokens,
+            "tok_s": tokens / max(seconds, 1e-12),
             "accept_len": stats.get("accept_len", 1.0), "spec_fraction": stats.get("spec_steps", 0) / max(steps, 1),
             "prefill_s": stats.get("prefill_s", 0.0), "decode_steps": steps,
             # the policy's `ahead` in static steps, and the wait on the device after it (> 0: the step hid it)
@@ -571,7 +583,7 @@ def _shares(r: dict) -> dict[str, float]:
     from fastgrpo.bench.rollout import time_shares
 
     t = r["trace"]
-    return time_shares({"seconds": r["seconds"], "prefill_s": r["prefill_s"],
+    return time_shares({"seconds": r.get("wall_s", r["seconds"]), "prefill_s": r["prefill_s"],  # (the trace has the captures)
                         "trace": list(zip(t["running"], t["config"], t["emitted"], [ms / 1000 for ms in t["ms"]]))})
 
 

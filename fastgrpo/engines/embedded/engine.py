@@ -334,7 +334,7 @@ class EmbeddedEngine:
         if self.draft_cache is not None:
             self.draft_cache.lengths.zero_()
             self.draft_cache.visible_from.zero_()
-        t0 = time.perf_counter()
+        t0, capture_s = time.perf_counter(), self.graphs.capture_s
         waiting = deque(range(len(requests)))
         running: list[_Sequence] = []
         done: dict[int, _Sequence] = {}
@@ -390,6 +390,7 @@ class EmbeddedEngine:
             if drafting is not None:  # the step's host work for index drafts, its retire's included
                 self._host_steps.append((drafting[0], self._host_seconds() - drafting[1]))
         out = [done[i] for i in range(len(requests))]
+        self._counts["capture_s"] = self.graphs.capture_s - capture_s
         self._finish_stats(out, time.perf_counter() - t0)
         return [Completion(s.tokens, s.logprobs, s.finish or "length",
                            {"spec_steps": s.spec_steps, "spec_emitted": s.spec_emitted}, self._captured(s),
@@ -836,7 +837,7 @@ class EmbeddedEngine:
             index_accepted=c["index_accepted"], host_steps=list(self._host_steps),
             # static steps: the host seconds of the policy's `ahead`, and of waiting on the device after it
             ahead_s=c["ahead_s"], wait_s=c["wait_s"],
-            static_steps=c["static_steps"], pad_row_share=c["padded_slots"] / max(c["slots"], 1),
+            capture_s=c["capture_s"], static_steps=c["static_steps"], pad_row_share=c["padded_slots"] / max(c["slots"], 1),
             pad_kv_share=1 - c["positions_needed"] / c["positions_read"] if c["positions_read"] else 0.0,
             config_by_concurrency={b: dict(v) for b, v in sorted(self._by_config.items())},
             trace=list(self._trace),

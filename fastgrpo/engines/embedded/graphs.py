@@ -9,6 +9,7 @@ sync, and a step with none needs no compiler to be captured.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -45,6 +46,9 @@ class StepGraphs:
         self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.captures = 0
         self.replays = 0
+        # seconds of the steps that captured (the eager run and the recording, synchronised): a one-time
+        # cost per key that a benchmark of steady decoding sets apart (SGLang and vLLM capture at start-up)
+        self.capture_s = 0.0
 
     def run(self, key: Hashable, step: Callable[[], Any]) -> Any:
         if self.audit is not None:
@@ -61,6 +65,8 @@ class StepGraphs:
             return out
         # the first call runs eagerly on a side stream (the warm-up capture needs: workspaces, cuBLAS
         # handles, allocations), and is this step; the capture after it records without running
+        torch.cuda.current_stream().synchronize()  # (a capture is rare: its syncs time it, and cost nothing)
+        t = time.perf_counter()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -71,6 +77,8 @@ class StepGraphs:
             out = step()
         self._graphs[key] = (graph, out)
         self.captures += 1
+        torch.cuda.current_stream().synchronize()
+        self.capture_s += time.perf_counter() - t
         return first
 
     def clear(self) -> None:
