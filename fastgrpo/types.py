@@ -129,15 +129,26 @@ class EngineStats(TypedDict, total=False):
     # embedded only: seconds of the call's steps that captured a CUDA graph (each an eager run of the step
     # and its recording; a key's first use, once per engine; 0 where nothing is captured)
     capture_s: float
-    # embedded only: decode steps run as static steps (a graph's replay or capture on a GPU); of the token
-    # slots decode steps' target forwards compute, the share in padded rows (static steps run their batch's
-    # bucket); of the cache positions their attention reads (rows x positions), the share beyond each
-    # running row's own (padded rows, rows shorter than the longest, the context bucket's rounding)
+    # embedded only: decode steps run as static steps (a graph's replay or capture on a GPU); the token slots
+    # decode steps' target forwards computed (rows x tokens a row), those in padded rows (static steps run
+    # their batch's bucket), and their share; the cache positions their attention read (rows x positions),
+    # those the running rows needed (each its own length and new tokens), and the share read beyond (padded
+    # rows, rows shorter than the longest, the context bucket's rounding)
     static_steps: int
+    token_slots: int
+    padded_slots: int
     pad_row_share: float
+    positions_read: int
+    positions_needed: int
     pad_kv_share: float
     config_by_concurrency: dict[str, dict[str, int]]  # steps per chosen tree shape, by concurrency bucket (SGLang: {})
     trace: list[tuple[int, str, int, float]]  # per decode step: running, shape name, emitted, seconds (SGLang: [])
+
+
+def padding_shares(slots: int, padded: int, read: int, needed: int) -> dict[str, float]:
+    """EngineStats' `pad_row_share` and `pad_kv_share` from their counts: padded token slots over all, and the
+    cache positions read beyond the rows' own over all read (0 where nothing was counted)."""
+    return {"pad_row_share": padded / slots if slots else 0.0, "pad_kv_share": 1 - needed / read if read else 0.0}
 
 
 @dataclass

@@ -131,7 +131,15 @@ def test_merged_engine_stats_are_the_sums_and_their_rates():
          "decode_steps": 30, "mean_running": 4.0, "spec_steps": 2, "spec_seq_steps": 20, "spec_emitted": 30,
          "accept_len": 1.5, "config_by_concurrency": {"8": {"a": 1, "b": 2}}, "trace": [(4, "b", 1, 0.1)],
          "draft_version": 2}
+    # the embedded engine's padding counts: 10 of 40 slots padded and 300 of 400 positions needed, then 0 of 60
+    # and 500 of 600: the shares of the sums, 10 / 100 and 1 - 800 / 1000 (not the mean of the calls' shares)
+    a |= {"token_slots": 40, "padded_slots": 10, "pad_row_share": 0.25, "positions_read": 400, "positions_needed": 300,
+          "pad_kv_share": 0.25, "capture_s": 0.5, "static_steps": 10}
+    b |= {"token_slots": 60, "padded_slots": 0, "pad_row_share": 0.0, "positions_read": 600, "positions_needed": 500,
+          "pad_kv_share": 1 / 6, "capture_s": 0.0, "static_steps": 30}
     m = merged_stats(a, b)
+    assert m["pad_row_share"] == pytest.approx(0.1) and m["pad_kv_share"] == pytest.approx(0.2)
+    assert m["capture_s"] == 0.5 and m["static_steps"] == 40
     assert m["tokens"] == 160 and m["tokens_per_s"] == 40.0 and m["sequences"] == 16
     assert m["mean_running"] == (8.0 * 10 + 4.0 * 30) / 40 and m["accept_len"] == 80 / 40
     assert m["config_by_concurrency"] == {"8": {"a": 5, "b": 2}} and len(m["trace"]) == 2

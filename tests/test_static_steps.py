@@ -11,6 +11,7 @@ from fastgrpo.engines.embedded.engine import EmbeddedEngine
 from fastgrpo.engines.embedded.graphs import HostSync, StepAudit
 from fastgrpo.engines.embedded.steps import batch_bucket, context_bucket
 from fastgrpo.engines.embedded.tree import Tree, ancestor_mask, verify_tree
+from fastgrpo.grpo.report import rollout_stats
 from fastgrpo.models.policy import new_policy, policy_config
 from fastgrpo.models.sampling import sampling_logprobs
 from fastgrpo.speculation.policy import Static
@@ -92,6 +93,10 @@ def test_the_stats_count_padded_rows_and_the_cache_positions_read_beyond_each_ro
         assert (stats["decode_steps"], stats["static_steps"]) == (4, steps)
         assert stats["pad_row_share"] == rows_padded
         assert stats["pad_kv_share"] == pytest.approx(1 - needed / read, abs=1e-12)
+        assert (stats["positions_read"], stats["positions_needed"]) == (read, needed)
+        # the run's per-step artifact keeps them (an engine that reports none, SGLang, leaves them out)
+        assert rollout_stats(stats)["pad_kv_share"] == stats["pad_kv_share"]
+        assert "pad_kv_share" not in rollout_stats({k: v for k, v in stats.items() if "pad" not in k})
 
 
 @pytest.mark.parametrize("name", SAMPLINGS)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastgrpo.types import Completion, EngineStats
+from fastgrpo.types import Completion, EngineStats, padding_shares
 
 # the record's own fields that metrics() leaves out (the step is MLflow's step, not a metric)
 _NOT_METRICS = ("step", "policy", "draft")
@@ -92,7 +92,8 @@ class StepRecord:
 
 
 _COUNTS = ("sequences", "tokens", "seconds", "decode_steps", "prefill_s", "decode_s", "spec_steps", "spec_seq_steps",
-           "spec_emitted")
+           "spec_emitted", "ahead_s", "wait_s", "capture_s", "static_steps", "token_slots", "padded_slots",
+           "positions_read", "positions_needed")
 
 
 def merged_stats(first: EngineStats, then: EngineStats) -> EngineStats:
@@ -111,6 +112,8 @@ def merged_stats(first: EngineStats, then: EngineStats) -> EngineStats:
                                 + then.get("mean_running", 0.0) * then.get("decode_steps", 0)) / steps if steps else 0.0)
     if "accept_len" in first or "accept_len" in then:
         out["accept_len"] = out["spec_emitted"] / out["spec_seq_steps"] if out.get("spec_seq_steps") else 1.0
+    if "token_slots" in out:
+        out |= padding_shares(out["token_slots"], out["padded_slots"], out["positions_read"], out["positions_needed"])
     if "config_by_concurrency" in first or "config_by_concurrency" in then:
         joined: dict[str, dict[str, int]] = {}
         for part in (first.get("config_by_concurrency", {}), then.get("config_by_concurrency", {})):

@@ -18,9 +18,11 @@ log = logging.getLogger(__name__)
 
 
 def rollout_stats(stats: EngineStats) -> dict:
-    """The speculation record of one rollout: chosen config by concurrency, and the per-step trace."""
+    """The speculation record of one rollout: chosen config by concurrency, and the per-step trace; with the
+    embedded engine also its static steps, their graph captures' seconds and what padding cost them."""
     return {k: stats[k] for k in ("accept_len", "mean_running", "spec_steps", "decode_steps",
-                                  "config_by_concurrency", "trace")}
+                                  "config_by_concurrency", "trace")} | {
+        k: stats[k] for k in ("static_steps", "capture_s", "pad_row_share", "pad_kv_share") if k in stats}
 
 
 def print_step(total: int, r: StepRecord) -> None:

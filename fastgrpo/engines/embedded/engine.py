@@ -29,7 +29,7 @@ from transformers import LlamaConfig
 from fastgrpo.bridge import checksum
 from fastgrpo.device import on_device
 from fastgrpo.models.families import checkpoint_tensors
-from fastgrpo.types import Completion, EngineStats, Request, SamplingParams
+from fastgrpo.types import Completion, EngineStats, Request, SamplingParams, padding_shares
 from fastgrpo.engines.embedded.constants import arange
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache
 from fastgrpo.models.sampling import cuts, kept_sets, sample, sampling_logprobs, sampling_uniforms
@@ -837,8 +837,10 @@ class EmbeddedEngine:
             index_accepted=c["index_accepted"], host_steps=list(self._host_steps),
             # static steps: the host seconds of the policy's `ahead`, and of waiting on the device after it
             ahead_s=c["ahead_s"], wait_s=c["wait_s"],
-            capture_s=c["capture_s"], static_steps=c["static_steps"], pad_row_share=c["padded_slots"] / max(c["slots"], 1),
-            pad_kv_share=1 - c["positions_needed"] / c["positions_read"] if c["positions_read"] else 0.0,
+            capture_s=c["capture_s"], static_steps=c["static_steps"], token_slots=c["slots"],
+            padded_slots=c["padded_slots"], positions_read=c["positions_read"],
+            positions_needed=c["positions_needed"], **padding_shares(c["slots"], c["padded_slots"],
+                                                                    c["positions_read"], c["positions_needed"]),
             config_by_concurrency={b: dict(v) for b, v in sorted(self._by_config.items())},
             trace=list(self._trace),
         )
