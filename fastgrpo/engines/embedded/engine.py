@@ -369,8 +369,9 @@ class EmbeddedEngine:
                 self._in_step = True
                 try:
                     static = self._static_takes(config)
+                    shape = self._step_shape(len(running), config, context, static)
                     if static:
-                        emitted, accepted = self._static_step(running, config, context, sampling)
+                        emitted, accepted = self._static_step(running, config, context, shape, sampling)
                     elif config is None:
                         emitted, accepted = self._decode(running, sampling, seed), None
                     else:
@@ -385,7 +386,7 @@ class EmbeddedEngine:
                 timed = self.graphs.captures == captures
                 self.policy.observe(config, len(running), emitted, seconds if timed else None, accepted)
                 self._count_step(config, len(running), emitted, seconds)
-                self._count_reads(config, len(running), static, context, sum(cached))
+                self._count_reads(config, len(running), static, shape, sum(cached))
             self._retire(running, done)
             if drafting is not None:  # the step's host work for index drafts, its retire's included
                 self._host_steps.append((drafting[0], self._host_seconds() - drafting[1]))
@@ -539,20 +540,23 @@ class EmbeddedEngine:
                 and config.depth + 1 <= self.draft_window
                 and (config.depth - 1) * config.topk <= STATIC_TREE_ROOM)
 
-    def _static_shape(self, running: int, config: SpecConfig | None, context: int) -> tuple[int, int]:
-        """The rows and cache positions a static step runs for `running` rows whose longest has `context`
-        cached: the batch's bucket, and the bucket of that length plus the step's new tokens."""
-        new = 1 if config is None else config.num_verify
-        return batch_bucket(running), context_bucket(context + new, self.max_context + TREE_SLACK - STATIC_TREE_ROOM)
+    def _step_shape(self, running: int, config: SpecConfig | None, context: int, static: bool) -> tuple[int, int]:
+        """The rows and cache positions a decode step's target forward runs for `running` rows whose longest
+        has `context` cached: a static step's batch bucket and the bucket of that length plus the step's new
+        tokens; an eager step's own rows and that length."""
+        needed = context + (1 if config is None else config.num_verify)
+        if not static:
+            return running, needed
+        return batch_bucket(running), context_bucket(needed, self.max_context + TREE_SLACK - STATIC_TREE_ROOM)
 
     def _static_step(self, running: list[_Sequence], config: SpecConfig | None, context: int,
-                     sampling: SamplingParams) -> tuple[int, list[int] | None]:
-        """One step of the running rows, padded to their bucket, through the step functions (replaying
-        the step's graph where captured); its results come back in one copy. Returns (tokens emitted,
-        accepted per sequence or None for a plain step)."""
+                     shape: tuple[int, int], sampling: SamplingParams) -> tuple[int, list[int] | None]:
+        """One step of the running rows, padded to their bucket (`shape`: `_step_shape`'s rows and cache
+        positions), through the step functions (replaying the step's graph where captured); its results
+        come back in one copy. Returns (tokens emitted, accepted per sequence or None for a plain step)."""
         assert self.steps is not None
         B = len(running)
-        rows, ctx = self._static_shape(B, config, context)
+        rows, ctx = shape
         if self._pending is not None:
             self._pending.flush(self.cache.lengths)  # the states of eager plain steps before this one
         # a graph is keyed by everything its step's Python decides on: the shape, the sampling rule (not
@@ -805,13 +809,14 @@ class EmbeddedEngine:
         self._by_config.setdefault(bucket, Counter())[name] += 1
         self._trace.append((running, name, emitted, seconds))
 
-    def _count_reads(self, config: SpecConfig | None, running: int, static: bool, context: int, cached: int) -> None:
-        """What a decode step's target forward computes beyond its rows' needs: the token slots of padded
-        rows (a static step runs its batch's bucket), and the cache positions its attention reads beyond
-        each row's own (`cached` in all, the longest `context`): every row reads to the longest row (an
-        eager step) or to the context bucket (a static one), a padded row all of it."""
+    def _count_reads(self, config: SpecConfig | None, running: int, static: bool, shape: tuple[int, int],
+                     cached: int) -> None:
+        """What a decode step's target forward computed beyond its rows' needs (`shape`: the rows and cache
+        positions it ran, `_step_shape`; `cached`: the running rows' cached tokens in all): the token slots
+        of padded rows, and the cache positions its attention read beyond each row's own (every row reads
+        to the longest row, or to the context bucket; a padded row all of it)."""
         new = 1 if config is None else config.num_verify
-        rows, ctx = self._static_shape(running, config, context) if static else (running, context + new)
+        rows, ctx = shape
         c = self._counts
         c["static_steps"] += static
         c["slots"] += rows * new
