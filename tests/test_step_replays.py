@@ -134,10 +134,11 @@ def test_a_mixture_of_experts_replays_with_and_without_its_routing_record():
 
 
 @pytest.mark.parametrize("drafts", ["hybrid", "index"])
-def test_index_drafts_beside_static_plain_steps_replay_as_captured(dense, drafts):
-    """Drafts from the suffix index run their speculative steps eagerly, between static plain steps of the
-    same engine: the plain steps still replay as captured, and three visits of the same prompts (the index
-    filling from their answers) give what an eager engine with the same history gives."""
+def test_index_drafts_replay_as_captured(dense, drafts):
+    """Drafts from the suffix index run static steps too (hybrid: the learned draft's step, the host's merge,
+    the verify step), beside static plain steps of the same engine: every step replays as captured, and
+    three visits of the same prompts (the index filling from their answers) give what an eager engine with
+    the same history gives, accepting as much."""
     from fastgrpo.speculation.suffix_index import IndexLimits
 
     cfg, target, draft = dense
@@ -147,9 +148,14 @@ def test_index_drafts_beside_static_plain_steps_replay_as_captured(dense, drafts
     for e in (static, eager):
         e.set_drafts(drafts, IndexLimits(window=8, depth=6))
     check = checked(static)
+    keys, run = set(), static.graphs.run
+    static.graphs.run = lambda key, step: keys.add(key[0]) or run(key, step)
     for visit in range(3):
         got = static.generate(requests, SAMPLINGS["t1"], seed=visit)
         want = eager.generate(requests, SAMPLINGS["t1"], seed=visit)
         assert_same(target, ps + ps, got, want, SAMPLINGS["t1"], visit)
-        assert static.stats()["spec_steps"] == eager.stats()["spec_steps"] > 0
+        s, w = static.stats(), eager.stats()
+        assert s["static_steps"] == s["decode_steps"] and s["spec_steps"] == w["spec_steps"] > 0
+        assert abs(s["accept_len"] - w["accept_len"]) < 0.05 and s["index_accepted"] > 0
     assert check.checked > 0
+    assert "verify" in keys and ("draft" in keys) == (drafts == "hybrid")

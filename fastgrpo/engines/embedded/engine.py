@@ -39,7 +39,7 @@ from fastgrpo.models.layers import EAGER
 from fastgrpo.speculation.policy import Off, PerSequencePolicy, SpeculationPolicy
 from fastgrpo.engines.embedded.graphs import StepGraphs
 from fastgrpo.engines.embedded.steps import (StaticSteps, StepResult, StepState, batch_bucket, catch_up,
-                                             context_bucket, keep_path)
+                                             context_bucket, depth_bucket, keep_path, tree_rows, unpack_learned)
 from fastgrpo.engines.embedded.tree import (INDEX, NonFiniteDraft, Tree, Verified, draft_tree, hybrid_tree,
                                             observe_verified, verify_tree)
 from fastgrpo.speculation.node_calibration import NodeCalibration
@@ -184,6 +184,7 @@ class EmbeddedEngine:
         self.state = StepState(self.rows) if self.static else None
         self.steps = StaticSteps(self.model, self.cache, self.state) if self.state is not None else None
         self._readback: Tensor | None = None  # the pinned host buffer a static step's results land in
+        self._tree_staging: dict[int, Tensor] = {}  # pinned host buffers a merged tree crosses to the device from
         self._kept_pending: _PendingStates | None = None  # static steps: the draft's pending states, kept
         self.draft: DraftHead | None = None
         self.draft_cache: KVCache | None = None
@@ -531,14 +532,16 @@ class EmbeddedEngine:
     # -- static steps ---------------------------------------------------------------------
     def _static_takes(self, config: SpecConfig | None) -> bool:
         """A static step can run this step: the engine has static steps, and a speculative step verifies
-        whole trees (no per-sequence budget) no deeper than the draft window holds."""
+        whole trees (no per-sequence budget) whose learned part, if any, the draft window and the tree's
+        cache room hold."""
         if self.steps is None:
             return False
         if config is None:
             return True
-        return (self.drafts == "learned" and not isinstance(self.policy, PerSequencePolicy)
-                and config.depth + 1 <= self.draft_window
-                and (config.depth - 1) * config.topk <= STATIC_TREE_ROOM)
+        if isinstance(self.policy, PerSequencePolicy):
+            return False
+        return self.drafts == "index" or (config.depth + 1 <= self.draft_window
+                                          and (config.depth - 1) * config.topk <= STATIC_TREE_ROOM)
 
     def _step_shape(self, running: int, config: SpecConfig | None, context: int, static: bool) -> tuple[int, int]:
         """The rows and cache positions a decode step's target forward runs for `running` rows whose longest
@@ -562,14 +565,22 @@ class EmbeddedEngine:
         # a graph is keyed by everything its step's Python decides on: the shape, the sampling rule (not
         # the length limit, which only the host reads), whether the draft's states are kept, the routing
         rule = (sampling.temperature, sampling.top_p, sampling.top_k)
+        merged = None  # drafts index | hybrid: the tree the host merged, which the step verified
         if config is None:
             out = self.graphs.run(("plain", rows, ctx, rule, self._pending is not None, self._routing),
                                   lambda: self.steps.plain(rows, ctx, sampling, self._pending, self._routing))
-        else:
+            levels = 1
+        elif self.drafts == "learned":
             out = self.graphs.run((config, rows, ctx, rule, self._routing),
                                   lambda: self.steps.speculate(config, rows, ctx, sampling, self._pending,
                                                                self._routing))
-        levels = 1 if config is None else config.depth + 1
+            levels = config.depth + 1
+        else:
+            merged, depth = self._merged_tree(running, config, rows, ctx)
+            out = self.graphs.run(("verify", config.num_verify, depth, rows, ctx, rule, self._routing),
+                                  lambda: self.steps.verify(config.num_verify, depth, rows, ctx, sampling,
+                                                            self._pending, self._routing))
+            levels = depth + 1
         ahead = getattr(self.policy, "ahead", None) if self._pending is not None and self.speculating else None
         result = StepResult.unpack(self._read_back(out.packed[:B], ahead and (lambda: ahead(B, context, config))),
                                    levels)
@@ -593,7 +604,64 @@ class EmbeddedEngine:
                 s.captured.append(out.hidden[b, nodes])
             if experts is not None:  # the accepted nodes' routing
                 s.routed.append(experts[b, nodes])
+        if merged is not None:
+            accepted = torch.tensor(result.accepted)
+            self._observe_merged(merged, Verified(torch.tensor(result.tokens), torch.tensor(result.logprobs),
+                                                  torch.tensor(result.path).view(B, levels - 1), accepted))
         return emitted, None if config is None else result.accepted
+
+    def _merged_tree(self, running: list[_Sequence], config: SpecConfig, rows: int, ctx: int) -> tuple[Tree, int]:
+        """A merged static step's tree: the learned draft's (drafts: hybrid; drafted by its step function
+        and read back) merged on the host with the index's candidates, then copied to the verify step's
+        input. Returns the tree (on the host, for the calibration) and the levels its verify walks: the
+        deepest node's on the ladder, at most the draft window allows (`keep_states`; deeper nodes are
+        left out, which only shortens what the step can accept)."""
+        assert self.steps is not None and self._pending is not None
+        B, N = len(running), config.num_verify
+        learned = None
+        if self.drafts == "hybrid":
+            out = self.graphs.run(("draft", config, rows, ctx), lambda: self.steps.propose(config, rows, ctx, self._pending))
+            learned, finite = unpack_learned(self._read_back(out[:B]), N)
+            if not all(finite):
+                log.warning("non-finite draft (draft version %d): the index's candidates alone this step",
+                            self.draft_version)
+                learned = None
+        candidates = self._index_candidates(running, config)
+        t = time.perf_counter()
+        tree = hybrid_tree(learned, candidates, torch.tensor([s.pending for s in running]), N, self.calibration)
+        depth = depth_bucket(int(tree.depth.max()), min(N - 1, self.draft_window - 1))
+        if int(tree.depth.max()) > depth:
+            tree = tree.restricted((tree.depth <= depth if tree.valid is None else tree.valid & (tree.depth <= depth))[:, 1:])
+        self._to_tree_input(tree_rows(tree, rows, depth))
+        self._counts["merge_s"] += time.perf_counter() - t
+        return tree, depth
+
+    def _to_tree_input(self, host: Tensor) -> None:
+        """Copy a tree built on the host (`tree_rows`) into the verify step's input: on a GPU from a pinned
+        buffer, ordered on the stream before the step (which the read-back after it waits for)."""
+        assert self.steps is not None
+        buffer = self.steps.tree_input(host.shape[1] // 4)[: host.shape[0]]
+        if buffer.device.type == "cpu":
+            buffer.copy_(host)
+            return
+        staging = self._tree_staging.get(host.shape[1])
+        if staging is None:
+            staging = self._tree_staging[host.shape[1]] = torch.empty(self.rows, host.shape[1], dtype=host.dtype,
+                                                                      pin_memory=True)
+        staging = staging[: host.shape[0]]
+        staging.copy_(host)
+        buffer.copy_(staging, non_blocking=True)
+
+    def _observe_merged(self, tree: Tree, result: Verified) -> None:
+        """What a verified merged tree says of its sources: each source's node acceptance (the calibration
+        that ranks the next merges) and the accepted tokens the index proposed."""
+        if self.calibration is not None:
+            t = time.perf_counter()
+            observe_verified(self.calibration, tree, result)
+            self._counts["merge_s"] += time.perf_counter() - t
+        on_path = torch.arange(result.path.shape[1])[None] < result.accepted[:, None]
+        from_index = (tree.source.gather(1, result.path) & INDEX) > 0
+        self._counts["index_accepted"] += int((from_index & on_path).sum())
 
     def _read_back(self, packed: Tensor, meanwhile: Callable[[], None] | None = None) -> Tensor:
         """The step's packed results on the host: on a GPU one copy into a pinned buffer, then the wait;
@@ -645,14 +713,8 @@ class EmbeddedEngine:
         self._keep_path(rows, start, result.path, result.accepted)
         self.cache.lengths[rows] = start + result.accepted + 1
         self._keep_pending(start, hidden, result)
-        if tree.source is not None and self.calibration is not None:  # what each source's nodes are worth
-            t = time.perf_counter()
-            observe_verified(self.calibration, tree, result)
-            self._counts["merge_s"] += time.perf_counter() - t
-        if tree.source is not None:  # accepted tokens the index proposed (the learned draft may have too)
-            on_path = torch.arange(result.path.shape[1])[None] < result.accepted[:, None]
-            from_index = (tree.source.gather(1, result.path) & INDEX) > 0
-            self._counts["index_accepted"] += int((from_index & on_path).sum())
+        if tree.source is not None:  # a merged tree
+            self._observe_merged(tree, result)
         emitted = 0
         accepted, tokens, logprobs, path = (t.tolist() for t in (result.accepted, result.tokens, result.logprobs, result.path))
         for b, s in enumerate(running):

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from fastgrpo.engines.embedded.constants import arange, full
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache, block_mask, cache_kv
-from fastgrpo.engines.embedded.tree import Verified, draft_tree, verify_tree
+from fastgrpo.engines.embedded.tree import Tree, Verified, ancestor_mask, draft_tree, verify_tree
 from fastgrpo.models.draft import DraftHead
 from fastgrpo.models.layers import EAGER, Pointwise
 from fastgrpo.models.sampling import cuts, sample, sampling_logprobs, seed_key
@@ -156,6 +156,7 @@ class StaticSteps:
         self.model, self.cache, self.state = model, cache, state
         self.draft: DraftHead | None = None
         self.draft_cache: KVCache | None = None
+        self._tree_inputs: dict[int, Tensor] = {}
 
     def _uniforms(self, B: int, levels: int, sampling: SamplingParams) -> Tensor | None:
         """[B, levels]: the sampling noise of each row's next `levels` positions (None: greedy)."""
@@ -198,25 +199,95 @@ class StaticSteps:
         """Catch the draft up, draft a tree of `config` per row, verify all in one target forward, keep each
         row's accepted path. `ctx` covers every row's length + config.num_verify. `routing`: with the
         experts each tree node ran (the engine keeps the accepted nodes')."""
+        tree = self._learned_tree(config, B, ctx, states)
+        assert tree.valid is not None  # static trees always say which nodes are verified
+        return self._verify(tree, config.depth, B, ctx, sampling, states, routing, tree.valid[:, 1:].any(-1))
+
+    def propose(self, config: SpecConfig, B: int, ctx: int, states: _PendingStates) -> Tensor:
+        """The learned half of a merged step (drafts: hybrid): catch the draft up and draft a tree of
+        `config` per row, packed for the host's merge with the index's candidates (`unpack_learned`)."""
+        tree = self._learned_tree(config, B, ctx, states)
+        assert tree.valid is not None and tree.score is not None
+        return torch.cat([tree.tokens.double(), tree.parents.double(), tree.depth.double(), tree.score.double(),
+                          tree.valid[:, 1:].any(-1, keepdim=True).double()], 1)
+
+    def verify(self, nodes: int, depth: int, B: int, ctx: int, sampling: SamplingParams,
+               states: _PendingStates, routing: bool = False) -> StepOutput:
+        """Verify the trees of `nodes` nodes the host built (drafts: index | hybrid) and copied into
+        `tree_input(nodes)` (`tree_rows`), walking `depth` levels: as `speculate` past its drafting."""
+        N, t = nodes, self.tree_input(nodes)[:B]
+        parents = t[:, N:2 * N]
+        tree = Tree(t[:, :N], parents, t[:, 2 * N:3 * N], ancestor_mask(parents, depth), valid=t[:, 3 * N:] > 0)
+        return self._verify(tree, depth, B, ctx, sampling, states, routing, full((B,), True, torch.bool, t.device))
+
+    def tree_input(self, nodes: int) -> Tensor:
+        """The device buffer [rows, 4 nodes] int64 that `verify` reads a host-built tree from (one per tree
+        size, made on first use: a graph replays on the buffer it was captured with)."""
+        buffer = self._tree_inputs.get(nodes)
+        if buffer is None:
+            buffer = self._tree_inputs[nodes] = torch.zeros(len(self.state.pending), 4 * nodes, dtype=torch.long,
+                                                            device=self.state.pending.device)
+        return buffer
+
+    def _learned_tree(self, config: SpecConfig, B: int, ctx: int, states: _PendingStates) -> Tree:
         assert self.draft is not None and self.draft_cache is not None
-        st, rows = self.state, slice(0, B)
         ops = self.model.static_ops
         root_features = catch_up(self.draft, self.draft_cache, self.cache, states, B, states.window, ctx, ops,
                                  static=True)
-        tree = draft_tree(self.draft, self.draft_cache, rows, root_features, st.pending[rows], config, ctx=ctx, ops=ops)
+        return draft_tree(self.draft, self.draft_cache, slice(0, B), root_features, self.state.pending[:B], config,
+                          ctx=ctx, ops=ops)
+
+    def _verify(self, tree: Tree, depth: int, B: int, ctx: int, sampling: SamplingParams, states: _PendingStates,
+                routing: bool, finite: Tensor) -> StepOutput:
+        """Verify `tree` in one target forward over `ctx` positions, walking `depth` levels, and keep each
+        row's accepted path (keys/values, the draft's pending states, the rows' state)."""
+        rows = slice(0, B)
         start = self.cache.lengths[rows].clone()
         routed = [] if routing else None
         logits, hidden = self.model.forward(tree.tokens, self.cache, rows, positions=start[:, None] + tree.depth,
                                             new_mask=tree.mask, ctx=ctx, routing=routed)
         node_logprobs = sampling_logprobs(logits, sampling)
-        result = verify_tree(node_logprobs, tree, sampling, self._uniforms(B, config.depth + 1, sampling),
-                             depth=config.depth)
+        result = verify_tree(node_logprobs, tree, sampling, self._uniforms(B, depth + 1, sampling), depth=depth)
         keep_path(self.cache, B, start, result.path, result.accepted)
         keep_states(states, start, hidden, result)
         self._advance(B, result.tokens, result.accepted)
-        assert tree.valid is not None  # static trees always say which nodes are verified
-        return StepOutput(pack(result.tokens, result.logprobs, result.path, result.accepted, tree.valid[:, 1:].any(-1)),
+        return StepOutput(pack(result.tokens, result.logprobs, result.path, result.accepted, finite),
                           hidden, node_logprobs if cuts(sampling) else None, _stacked(routed))
+
+
+def depth_bucket(deepest: int, cap: int) -> int:
+    """The levels a static verify of a host-built tree walks: its deepest node's depth up the ladder (few
+    graphs for the depths index chains reach), at most `cap`."""
+    return min(_LADDER[bisect.bisect_left(_LADDER, max(deepest, 1))], cap)
+
+
+def tree_rows(tree: Tree, rows: int, depth: int) -> Tensor:
+    """A host-built tree of B rows as `StaticSteps.verify` reads it: [rows, 4 N] int64 of each node's token,
+    parent, depth and whether it is verified. A node left out (the merge's padding, or one deeper than the
+    `depth` levels the step walks) becomes a padding node: token 0 under the root at depth 1, which attends
+    to the root and itself and is never accepted. Rows B.. (padded rows) hold a root alone."""
+    B, N = tree.tokens.shape
+    out = torch.zeros(rows, 4, N, dtype=torch.long)
+    valid = tree.depth <= depth
+    if tree.valid is not None:
+        valid &= tree.valid
+    out[:B, 0] = torch.where(valid, tree.tokens, 0)
+    out[:B, 1] = torch.where(valid, tree.parents, 0)
+    out[:B, 2] = torch.where(valid, tree.depth, 1)
+    out[:B, 3] = valid
+    out[B:, 2, 1:] = 1
+    out[B:, 3, 0] = 1
+    return out.view(rows, 4 * N)
+
+
+def unpack_learned(packed: Tensor, nodes: int) -> tuple[Tree, list[bool]]:
+    """`StaticSteps.propose`'s packed trees read back on the host: the learned tree of each row (new tensors,
+    not views of the read-back buffer, which the step's verify overwrites) and whether its draft was finite."""
+    N = nodes
+    parents, depth = packed[:, N:2 * N].long(), packed[:, 2 * N:3 * N].long()
+    tree = Tree(packed[:, :N].long(), parents, depth, ancestor_mask(parents, max(int(depth.max()), 1)),
+                packed[:, 3 * N:4 * N].float())
+    return tree, (packed[:, 4 * N] > 0).tolist()
 
 
 def _stacked(routed: list[Tensor] | None) -> Tensor | None:
