@@ -226,13 +226,16 @@ def test_a_per_sequence_budget_cannot_bring_back_the_padding_of_rows_with_fewer_
     assert engine.stats()["index_accepted"] > 0
 
 
-def test_learned_drafts_keep_static_steps_and_the_index_runs_eager(small_vocab):
+def test_every_draft_source_takes_static_steps_where_the_draft_window_holds_the_learned_tree(small_vocab):
     cfg, target, draft = small_vocab
     engine = engine_for(cfg, target, draft, Static(SpecConfig(2, 2, 3)))
     engine.steps = object()  # stands for a static engine's step functions
-    assert engine._static_takes(SpecConfig(2, 2, 3))
+    deep = SpecConfig(16, 2, 3)  # a learned tree deeper than the draft window (16 states) holds
+    assert engine._static_takes(SpecConfig(2, 2, 3)) and not engine._static_takes(deep)
     engine.set_drafts("hybrid")
-    assert not engine._static_takes(SpecConfig(2, 2, 3)) and engine._static_takes(None)
+    assert engine._static_takes(SpecConfig(2, 2, 3)) and not engine._static_takes(deep)
+    engine.set_drafts("index")  # no learned tree: index chains deeper than the window are cut to it
+    assert engine._static_takes(deep) and engine._static_takes(None)
     engine.set_drafts("learned")
     assert engine.index is None and engine._static_takes(SpecConfig(2, 2, 3))
     with pytest.raises(ValueError, match="drafts"):

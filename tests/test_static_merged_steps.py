@@ -1,0 +1,96 @@
+"""Static steps of merged trees (speculation.drafts: index | hybrid): the learned draft's step function
+(hybrid), the host's merge with the suffix index's candidates, then a verify step of the tree the host
+built. The same tokens as plain decoding and the eager engine, no host sync inside either step function,
+trees deeper than the draft window allows cut to it."""
+
+import pytest
+import torch
+
+from fastgrpo.engines.embedded.engine import EmbeddedEngine
+from fastgrpo.engines.embedded.steps import depth_bucket, tree_rows
+from fastgrpo.engines.embedded.tree import Tree, ancestor_mask
+from fastgrpo.speculation.policy import Static
+from fastgrpo.speculation.spec import SpecConfig
+from fastgrpo.speculation.suffix_index import IndexLimits
+from fastgrpo.types import Request
+from tests.test_static_steps import SAMPLINGS, STOPS, assert_same, audited, dense, engine, prompts  # noqa: F401
+
+
+def test_a_host_tree_crosses_as_rows_of_tokens_parents_depths_and_verified_nodes():
+    """One row: root 9, nodes 1 (token 4, depth 1), 2 (token 6 under 1, depth 2), 3 (token 8 under 2, depth 3)
+    and 4 (the merge's padding, left out). Walking 2 levels, node 3 is left out too, and both become padding
+    nodes (token 0 under the root at depth 1). The second row is a padded row: a root alone."""
+    parents = torch.tensor([[0, 0, 1, 2, 0]])
+    tree = Tree(torch.tensor([[9, 4, 6, 8, 0]]), parents, torch.tensor([[0, 1, 2, 3, 1]]), ancestor_mask(parents, 3),
+                valid=torch.tensor([[True, True, True, True, False]]))
+    rows = tree_rows(tree, 2, depth=2).view(2, 4, 5)
+    assert rows[0].tolist() == [[9, 4, 6, 0, 0], [0, 0, 1, 0, 0], [0, 1, 2, 1, 1], [1, 1, 1, 0, 0]]
+    assert rows[1].tolist() == [[0] * 5, [0] * 5, [0, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert [depth_bucket(d, 11) for d in (0, 1, 3, 5, 7, 9, 12)] == [1, 1, 4, 6, 8, 11, 11]
+
+
+def merged_engine(cfg, target, draft, drafts, tree, window=16):
+    e = EmbeddedEngine(cfg, 6, 128, eos_id=STOPS, pad_id=0, policy=Static(tree), static_steps=True,
+                       draft_window=window)
+    e.update_weights(target.state_dict().items(), version=0)
+    e.update_draft(draft.state_dict().items(), version=0)
+    e.set_drafts(drafts, IndexLimits(window=8, depth=6))
+    return e
+
+
+@pytest.mark.parametrize("drafts", ["hybrid", "index"])
+def test_merged_static_steps_emit_plain_decodings_tokens_and_accept_as_the_eager_engine(dense, drafts):
+    """Two visits of prompts asked twice each (siblings first, then the first visit's answers as history):
+    greedy tokens are plain decoding's, every decode step ran static, and the second visit accepts longer
+    paths than the first, as the eager engine's does, by as much."""
+    cfg, target, draft = dense
+    ps = prompts(5, seed=8)
+    requests = [Request(p) for _ in range(2) for p in ps]
+    sampling = SAMPLINGS["greedy"]
+    plain = engine(cfg, target, False).generate(requests, sampling, seed=3)
+    static = merged_engine(cfg, target, draft, drafts, SpecConfig(3, 2, 8))
+    eager = engine(cfg, target, False, draft, Static(SpecConfig(3, 2, 8)))
+    eager.set_drafts(drafts, IndexLimits(window=8, depth=6))
+    accepted = []
+    for visit in range(2):
+        got, want = static.generate(requests, sampling, seed=3), eager.generate(requests, sampling, seed=3)
+        assert_same(target, ps + ps, got, plain, sampling, 3)
+        assert_same(target, ps + ps, got, want, sampling, 3)
+        s, w = static.stats(), eager.stats()
+        assert s["static_steps"] == s["decode_steps"] == s["spec_steps"] > 0
+        assert abs(s["accept_len"] - w["accept_len"]) < 0.05, (s["accept_len"], w["accept_len"])
+        assert abs(s["index_accepted"] - w["index_accepted"]) <= 0.05 * w["index_accepted"]
+        accepted.append(s["accept_len"])
+    assert accepted[1] > accepted[0] + 0.5  # the history's answers were accepted, deep
+
+
+@pytest.mark.parametrize("drafts", ["hybrid", "index"])
+def test_no_merged_step_function_syncs_or_copies_host_data(dense, drafts):
+    """The learned draft's step and the verify step pass the strict audit (the merge between them is host
+    work by design: the tree crosses to the device before the verify step, not inside it)."""
+    cfg, target, draft = dense
+    e = merged_engine(cfg, target, draft, drafts, SpecConfig(4, 4, 12))
+    requests = [Request(p) for _ in range(2) for p in prompts(3, seed=1)]
+    for name in ("t0.7-cut", "greedy"):
+        audits = audited(e)
+        e.generate(requests, SAMPLINGS[name], seed=1)
+        assert {key[0] for key, _ in audits} == ({"draft", "verify"} if drafts == "hybrid" else {"verify"})
+        assert all(not a.violations for _, a in audits)
+
+
+def test_trees_deeper_than_the_draft_window_holds_are_cut_to_it(dense):
+    """A draft window of 3 keeps 3 pending states a row, so a static verify walks at most 2 levels; the
+    index's chains reach 6 (and the learned tree of depth 2 fits). Deeper nodes are left out, tokens stay
+    plain decoding's."""
+    cfg, target, draft = dense
+    ps = prompts(4, seed=2)
+    requests = [Request(p) for _ in range(2) for p in ps]
+    sampling = SAMPLINGS["greedy"]
+    plain = engine(cfg, target, False).generate(requests, sampling, seed=1)
+    e = merged_engine(cfg, target, draft, "hybrid", SpecConfig(2, 3, 10), window=3)
+    depths, run = [], e.graphs.run
+    e.graphs.run = lambda key, step: (depths.append(key[2]) if key[0] == "verify" else None) or run(key, step)
+    for _ in range(2):
+        assert_same(target, ps + ps, e.generate(requests, sampling, seed=1), plain, sampling, 1)
+        assert e.stats()["static_steps"] == e.stats()["decode_steps"]
+    assert depths and max(depths) == 2
