@@ -23,7 +23,8 @@ def test_a_host_tree_crosses_as_rows_of_tokens_parents_depths_and_verified_nodes
     parents = torch.tensor([[0, 0, 1, 2, 0]])
     tree = Tree(torch.tensor([[9, 4, 6, 8, 0]]), parents, torch.tensor([[0, 1, 2, 3, 1]]), ancestor_mask(parents, 3),
                 valid=torch.tensor([[True, True, True, True, False]]))
-    rows = tree_rows(tree, 2, depth=2).view(2, 4, 5)
+    rows = torch.full((2, 4, 5), 7)  # (what an earlier step left in the buffer)
+    tree_rows(tree, rows.view(2, 20), depth=2)
     assert rows[0].tolist() == [[9, 4, 6, 0, 0], [0, 0, 1, 0, 0], [0, 1, 2, 1, 1], [1, 1, 1, 0, 0]]
     assert rows[1].tolist() == [[0] * 5, [0] * 5, [0, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
     assert [depth_bucket(d, 11) for d in (0, 1, 3, 5, 7, 9, 12)] == [1, 1, 4, 6, 8, 11, 11]

@@ -282,12 +282,13 @@ class EmbeddedEngine:
 
     def set_drafts(self, drafts: str, limits: IndexLimits | None = None, index: SuffixIndex | None = None,
                    calibration: NodeCalibration | None = None) -> None:
-        """Who proposes the trees of eager speculative steps: the learned draft, the suffix index of the
+        """Who proposes the trees of speculative steps: the learned draft, the suffix index of the
         prompts' responses (earlier calls' and this call's siblings') or both in one tree
         (`tree.hybrid_tree`, its nodes ranked by `calibration`: each source's acceptance as verification
         found it). The index and the calibration live across generate() calls: that is their history
-        (`index`, `calibration`: ones to use instead, as a benchmark keeping one per source does). Static
-        steps take only learned trees, so with the index every speculative step runs eagerly."""
+        (`index`, `calibration`: ones to use instead, as a benchmark keeping one per source does). A static
+        engine runs a merged tree in two step functions, the learned draft's (hybrid) and the verify, with
+        the host's lookups and merge between them (`_merged_tree`)."""
         if drafts not in ("learned", "index", "hybrid"):
             raise ValueError(f"drafts must be learned, index or hybrid, got {drafts!r}")
         self.drafts = drafts
@@ -582,8 +583,8 @@ class EmbeddedEngine:
                                                             self._pending, self._routing))
             levels = depth + 1
         ahead = getattr(self.policy, "ahead", None) if self._pending is not None and self.speculating else None
-        result = StepResult.unpack(self._read_back(out.packed[:B], ahead and (lambda: ahead(B, context, config))),
-                                   levels)
+        packed = self._read_back(out.packed[:B], ahead and (lambda: ahead(B, context, config)))
+        result = StepResult.unpack(packed, levels)
         if not all(result.finite):
             log.warning("non-finite draft (draft version %d): plain tokens for %d rows this step",
                         self.draft_version, result.finite.count(False))
@@ -605,52 +606,53 @@ class EmbeddedEngine:
             if experts is not None:  # the accepted nodes' routing
                 s.routed.append(experts[b, nodes])
         if merged is not None:
-            accepted = torch.tensor(result.accepted)
-            self._observe_merged(merged, Verified(torch.tensor(result.tokens), torch.tensor(result.logprobs),
-                                                  torch.tensor(result.path).view(B, levels - 1), accepted))
+            L = levels
+            self._observe_merged(merged, Verified(packed[:, :L].long(), packed[:, L:2 * L], packed[:, 2 * L:3 * L - 1].long(),
+                                                  packed[:, 3 * L - 1].long()))
         return emitted, None if config is None else result.accepted
 
     def _merged_tree(self, running: list[_Sequence], config: SpecConfig, rows: int, ctx: int) -> tuple[Tree, int]:
         """A merged static step's tree: the learned draft's (drafts: hybrid; drafted by its step function
-        and read back) merged on the host with the index's candidates, then copied to the verify step's
-        input. Returns the tree (on the host, for the calibration) and the levels its verify walks: the
+        while the host looks up the index, then read back) merged on the host with the index's candidates,
+        then copied to the verify step's input. Returns the tree (on the host, for the calibration) and the levels its verify walks: the
         deepest node's on the ladder, at most the draft window allows (`keep_states`; deeper nodes are
         left out, which only shortens what the step can accept)."""
         assert self.steps is not None and self._pending is not None
         B, N = len(running), config.num_verify
         learned = None
-        if self.drafts == "hybrid":
+        if self.drafts == "hybrid":  # launched first: on a GPU the index's lookups run while it drafts
             out = self.graphs.run(("draft", config, rows, ctx), lambda: self.steps.propose(config, rows, ctx, self._pending))
+        candidates = self._index_candidates(running, config)
+        if self.drafts == "hybrid":
             learned, finite = unpack_learned(self._read_back(out[:B]), N)
-            if not all(finite):
+            if not finite:
                 log.warning("non-finite draft (draft version %d): the index's candidates alone this step",
                             self.draft_version)
                 learned = None
-        candidates = self._index_candidates(running, config)
         t = time.perf_counter()
         tree = hybrid_tree(learned, candidates, torch.tensor([s.pending for s in running]), N, self.calibration)
         depth = depth_bucket(int(tree.depth.max()), min(N - 1, self.draft_window - 1))
         if int(tree.depth.max()) > depth:
             tree = tree.restricted((tree.depth <= depth if tree.valid is None else tree.valid & (tree.depth <= depth))[:, 1:])
-        self._to_tree_input(tree_rows(tree, rows, depth))
+        self._to_tree_input(tree, rows, depth)
         self._counts["merge_s"] += time.perf_counter() - t
         return tree, depth
 
-    def _to_tree_input(self, host: Tensor) -> None:
-        """Copy a tree built on the host (`tree_rows`) into the verify step's input: on a GPU from a pinned
-        buffer, ordered on the stream before the step (which the read-back after it waits for)."""
+    def _to_tree_input(self, tree: Tree, rows: int, depth: int) -> None:
+        """Write a tree built on the host into the verify step's input (`tree_rows`): on a GPU into a pinned
+        buffer first, then one copy ordered on the stream before the step (the read-back after the step
+        waits for it, so the buffer is free again by the next step's merge)."""
         assert self.steps is not None
-        buffer = self.steps.tree_input(host.shape[1] // 4)[: host.shape[0]]
+        N = tree.tokens.shape[1]
+        buffer = self.steps.tree_input(N)[:rows]
         if buffer.device.type == "cpu":
-            buffer.copy_(host)
+            tree_rows(tree, buffer, depth)
             return
-        staging = self._tree_staging.get(host.shape[1])
+        staging = self._tree_staging.get(N)
         if staging is None:
-            staging = self._tree_staging[host.shape[1]] = torch.empty(self.rows, host.shape[1], dtype=host.dtype,
-                                                                      pin_memory=True)
-        staging = staging[: host.shape[0]]
-        staging.copy_(host)
-        buffer.copy_(staging, non_blocking=True)
+            staging = self._tree_staging[N] = torch.empty(self.rows, 4 * N, dtype=torch.long, pin_memory=True)
+        tree_rows(tree, staging[:rows], depth)
+        buffer.copy_(staging[:rows], non_blocking=True)
 
     def _observe_merged(self, tree: Tree, result: Verified) -> None:
         """What a verified merged tree says of its sources: each source's node acceptance (the calibration

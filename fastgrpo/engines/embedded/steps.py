@@ -22,6 +22,13 @@ scratch slot), and advance nothing; nothing they compute is read. Attention read
 every row, the positions past a row's own being masked, so a row's results do not depend on the bucket.
 Sampling stays keyed by (seed, request, position), never by row, so the tokens are those of the eager
 step whatever the padding.
+
+Trees the host merges (drafts from the suffix index, alone or with the learned draft's) cannot be built
+inside a step: the index lives on the host. Such a step is two step functions with the host between them:
+`propose` (the learned draft's tree, read back; hybrid only), the host's merge, a copy of the merged tree
+into `tree_input` (`tree_rows`), then `verify`, which walks a fixed number of levels (`depth_bucket`). Two
+read-backs a step instead of one, and no kernel launched while the host merges; the verify is the same
+graph as a learned step's past its drafting.
 """
 
 from __future__ import annotations
@@ -261,33 +268,34 @@ def depth_bucket(deepest: int, cap: int) -> int:
     return min(_LADDER[bisect.bisect_left(_LADDER, max(deepest, 1))], cap)
 
 
-def tree_rows(tree: Tree, rows: int, depth: int) -> Tensor:
-    """A host-built tree of B rows as `StaticSteps.verify` reads it: [rows, 4 N] int64 of each node's token,
-    parent, depth and whether it is verified. A node left out (the merge's padding, or one deeper than the
-    `depth` levels the step walks) becomes a padding node: token 0 under the root at depth 1, which attends
-    to the root and itself and is never accepted. Rows B.. (padded rows) hold a root alone."""
+def tree_rows(tree: Tree, out: Tensor, depth: int) -> None:
+    """Write a host-built tree of B rows into `out` [rows, 4 N] int64 as `StaticSteps.verify` reads it: each
+    node's token, parent, depth and whether it is verified. A node left out (the merge's padding, or one
+    deeper than the `depth` levels the step walks) becomes a padding node: token 0 under the root at depth
+    1, which attends to the root and itself and is never accepted. Rows B.. (padded rows) hold a root alone."""
     B, N = tree.tokens.shape
-    out = torch.zeros(rows, 4, N, dtype=torch.long)
     valid = tree.depth <= depth
     if tree.valid is not None:
         valid &= tree.valid
-    out[:B, 0] = torch.where(valid, tree.tokens, 0)
-    out[:B, 1] = torch.where(valid, tree.parents, 0)
-    out[:B, 2] = torch.where(valid, tree.depth, 1)
-    out[:B, 3] = valid
-    out[B:, 2, 1:] = 1
-    out[B:, 3, 0] = 1
-    return out.view(rows, 4 * N)
+    left_out = ~valid
+    torch.cat([tree.tokens.masked_fill(left_out, 0), tree.parents.masked_fill(left_out, 0),
+               tree.depth.masked_fill(left_out, 1), valid.long()], 1, out=out[:B])
+    if len(out) > B:
+        padded = out[B:].view(-1, 4, N)
+        padded.zero_()
+        padded[:, 2, 1:] = 1
+        padded[:, 3, 0] = 1
 
 
-def unpack_learned(packed: Tensor, nodes: int) -> tuple[Tree, list[bool]]:
-    """`StaticSteps.propose`'s packed trees read back on the host: the learned tree of each row (new tensors,
-    not views of the read-back buffer, which the step's verify overwrites) and whether its draft was finite."""
+def unpack_learned(packed: Tensor, nodes: int) -> tuple[Tree, bool]:
+    """`StaticSteps.propose`'s packed trees read back on the host: the learned tree of each row (new
+    tensors, not views of the read-back buffer, which the step's verify overwrites) and whether every
+    row's draft was finite. Its mask is left empty ([B, N, 0]): the merge reads the tokens, parents,
+    depths and scores alone, and the merged tree makes its own."""
     N = nodes
-    parents, depth = packed[:, N:2 * N].long(), packed[:, 2 * N:3 * N].long()
-    tree = Tree(packed[:, :N].long(), parents, depth, ancestor_mask(parents, max(int(depth.max()), 1)),
-                packed[:, 3 * N:4 * N].float())
-    return tree, (packed[:, 4 * N] > 0).tolist()
+    tree = Tree(packed[:, :N].long(), packed[:, N:2 * N].long(), packed[:, 2 * N:3 * N].long(),
+                torch.empty(len(packed), N, 0, dtype=torch.bool), packed[:, 3 * N:4 * N].float())
+    return tree, bool((packed[:, 4 * N] > 0).all())
 
 
 def _stacked(routed: list[Tensor] | None) -> Tensor | None:

@@ -12,7 +12,7 @@ token is an ordinary sample from the target given all tokens before it, whatever
 so the output distribution is exactly the target's. The draft only decides how often we get to
 continue, i.e. how many tokens one target forward yields. Greedy decoding is the argmax special case.
 
-Hybrid trees (`hybrid_tree`, `speculation.drafts: index | hybrid`, eager steps only): the learned
+Hybrid trees (`hybrid_tree`, `speculation.drafts: index | hybrid`, merged on the host): the learned
 draft's nodes and the suffix index's continuations (`speculation/suffix_index.py`: what the prompt's
 earlier responses and its live siblings wrote) merged into one tree of the same node budget, a path
 both propose being one node. Verification is the same, so the output stays exactly the target's
