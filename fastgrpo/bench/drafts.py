@@ -193,6 +193,7 @@ def bench_drafts(cfg: Config, quick: bool, output: Path, extra: list[str] | None
                  "max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
                  "index_limits": dataclasses.asdict(limits),
                  "index_trie": "Python" if CompiledTrie is None else "compiled",  # the indexes' default
+                 "steps": "static" if engine.static else "eager",
                  "measured_seconds": measured_s,
                  "seconds": time.perf_counter() - t0},
         "epochs": summarise(records, epochs),
@@ -219,7 +220,7 @@ def markdown(result: dict, command: str) -> str:
              f"samples, {m['epochs']} epochs of the same prompts (no training between them), up to "
              f"{m['max_new_tokens']} new tokens at temperature {m['temperature']}; tree {m['tree']} for every source "
              f"(equal node budget); means over {m['replicates']} replicates ± their standard error; the index's "
-             f"suffix trie {m.get('index_trie', 'Python')}.", "",
+             f"suffix trie {m.get('index_trie', 'Python')}; {m.get('steps', 'eager')} engine steps.", "",
              "Tokens per sequence per verify (accepted draft tokens + 1):", "",
              "| epoch | learned | index | hybrid | index / learned (accepted) | hybrid / learned (accepted) "
              "| hybrid: accepted from the index | sequences identical to off (learned, index, hybrid) |",

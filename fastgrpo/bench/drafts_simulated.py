@@ -16,9 +16,11 @@ merging and calibrating of its trees, measured here per speculative step and fit
 plus a cost per running row (`HostModel`: the merge is batched, so much of it is paid once a step), are
 added to every simulated speculative step (`HostWork`): a GPU host runs the same Python.
 
-What the simulator does not know: a hybrid step here runs eagerly (the captured steps take only
-learned trees), while the simulated step costs what a captured one would; and the profiles come from
-the bench policy on its task, not from an 8B model on reasoning text. Both are stated with the figures.
+What the simulator does not know: a static engine runs a hybrid step as two step functions (the
+learned draft's, then the verify of the merged tree) with a read-back and the host's merge between
+them, while the simulated step costs what one captured learned step of its node budget would; and the
+profiles come from the bench policy on its task, not from an 8B model on reasoning text. Both are
+stated with the figures.
 """
 
 from __future__ import annotations
