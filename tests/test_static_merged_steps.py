@@ -13,6 +13,8 @@ from fastgrpo.speculation.policy import Static
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.speculation.suffix_index import IndexLimits
 from fastgrpo.types import Request
+from tests.test_families import trained_draft
+from tests.test_moe_engine import hf_model, qwen3_moe
 from tests.test_static_steps import SAMPLINGS, STOPS, assert_same, audited, dense, engine, prompts  # noqa: F401
 
 
@@ -95,3 +97,69 @@ def test_trees_deeper_than_the_draft_window_holds_are_cut_to_it(dense):
         assert_same(target, ps + ps, e.generate(requests, sampling, seed=1), plain, sampling, 1)
         assert e.stats()["static_steps"] == e.stats()["decode_steps"]
     assert depths and max(depths) == 2
+
+
+def test_a_non_finite_learned_draft_leaves_the_index_alone_for_the_step(dense, caplog):
+    """A NaN draft cannot raise inside its step function: the host sees the row's flag after reading its
+    tree back and merges the index's candidates alone. Tokens are plain decoding's, and the second visit
+    still accepts the first visit's answers, all from the index."""
+    cfg, target, draft = dense
+    ps = prompts(4, seed=6)
+    requests = [Request(p) for _ in range(2) for p in ps]
+    sampling = SAMPLINGS["greedy"]
+    plain = engine(cfg, target, False).generate(requests, sampling, seed=2)
+    e = merged_engine(cfg, target, draft, "hybrid", SpecConfig(3, 2, 8))
+    e.update_draft([(k, torch.full_like(v, float("nan")) if k == "norm" else v) for k, v in draft.state_dict().items()],
+                   version=1)
+    for _ in range(2):
+        assert_same(target, ps + ps, e.generate(requests, sampling, seed=2), plain, sampling, 2)
+    stats = e.stats()
+    assert stats["static_steps"] == stats["decode_steps"] and stats["accept_len"] > 2.0
+    # every accepted token was the index's (the count also holds nodes accepted past a row's stop)
+    assert stats["index_accepted"] >= stats["spec_emitted"] - stats["spec_seq_steps"] > 0
+    assert "the index's candidates alone" in caplog.text
+
+
+def test_merged_static_steps_capture_the_states_eager_steps_capture(dense):
+    """Online draft learning reads the target's state at every position from generate(capture=True),
+    whichever source proposed the accepted nodes."""
+    cfg, target, draft = dense
+    ps = prompts(4, seed=7)
+    requests = [Request(p) for _ in range(2) for p in ps]
+    sampling = SAMPLINGS["t1"]
+    eager = engine(cfg, target, False, draft, Static(SpecConfig(3, 2, 8)))
+    eager.set_drafts("hybrid", IndexLimits(window=8, depth=6))
+    static = merged_engine(cfg, target, draft, "hybrid", SpecConfig(3, 2, 8))
+    for _ in range(2):
+        a = eager.generate(requests, sampling, seed=3, capture=True)
+        b = static.generate(requests, sampling, seed=3, capture=True)
+    assert static.stats()["index_accepted"] > 0
+    for p, x, y in zip(ps + ps, a, b):
+        assert x.token_ids == y.token_ids
+        assert x.hidden.shape == y.hidden.shape == (len(p) + len(x.token_ids) - 1, cfg.hidden_size)
+        assert torch.allclose(x.hidden, y.hidden, atol=1e-4)
+
+
+def test_a_mixture_of_experts_keeps_the_routing_of_merged_trees_accepted_nodes():
+    """Routing replay through merged static steps: each kept position's experts are those its verify ran,
+    as the eager engine records them."""
+    cfg = qwen3_moe()
+    hf = hf_model(cfg)
+    ps = prompts(3, seed=3)
+    draft = trained_draft(cfg, hf, ps)
+    requests = [Request(p) for _ in range(2) for p in ps]
+    runs = []
+    for static in (False, True):
+        e = EmbeddedEngine(cfg, 6, 128, eos_id=STOPS, pad_id=0, policy=Static(SpecConfig(3, 2, 6)), static_steps=static)
+        e.update_weights(hf.state_dict().items(), version=0)
+        e.update_draft(draft.state_dict().items(), version=0)
+        e.set_drafts("hybrid", IndexLimits(window=8, depth=6))
+        for _ in range(2):
+            out = e.generate(requests, SAMPLINGS["t1"], seed=2, routing=True)
+        runs.append((out, e.stats()))
+    (eager, _), (static, stats) = runs
+    assert stats["static_steps"] == stats["decode_steps"] and stats["index_accepted"] > 0
+    assert_same(hf, ps + ps, static, eager, SAMPLINGS["t1"], 2)
+    for a, b in zip(static, eager):
+        if a.token_ids == b.token_ids:
+            assert torch.equal(a.routing, b.routing)
