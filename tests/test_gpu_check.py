@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from fastgrpo.bench.gpu_check import (AWARE_MODES, BASE, DECODE_BATCHES, FUSED_SHAPES, GPU_TORCH, PLANNED_S, SIZES, STAGES,
-                                     STEP_SHAPES, SWEEP_MODES, WHEELS, gpu_requirements, wheels_to_install)
+from fastgrpo.bench.gpu_check import (AWARE_MODES, BASE, DECODE_BATCHES, FUSED_SHAPES, GPU_TORCH, MERGED_SHAPES,
+                                     PLANNED_S, SIZES, STAGES, STEP_SHAPES, SWEEP_MODES, WHEELS, gpu_requirements,
+                                     wheels_to_install)
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_PYTHON = {"extra": "", "python_version": "3.12", "python_full_version": "3.12.0"}  # the GPU machine's
@@ -228,8 +229,12 @@ def test_every_stage_runs_on_the_cpu_with_plausible_numbers(check):
     assert sb["engines"]["static"]["replays_checked"] > 0 and sb["engines"]["fused"]["replays_checked"] > 0
     assert sb["fused_error"] is None and len(sb["fused_first_calls_s"]) == 2 * len(FUSED_SHAPES)
     assert set(FUSED_SHAPES) <= set(shapes)
-    assert len(sb["cells"]) == len(size.step_levels) * (len(shapes) * 2 + len(FUSED_SHAPES))
+    assert len(sb["cells"]) == len(size.step_levels) * (len(shapes) * 2 + len(FUSED_SHAPES) + len(MERGED_SHAPES))
     assert {c["shape"] for c in sb["cells"] if c["engine"] == "fused"} == set(FUSED_SHAPES)
+    # hybrid trees in static steps, held to their graphs' contract, drafting from the stage's earlier calls
+    assert {c["shape"] for c in sb["cells"] if c["engine"] == "hybrid"} == set(MERGED_SHAPES)
+    assert sb["engines"]["hybrid"]["static_steps"] and sb["engines"]["hybrid"]["replays_checked"] > 0
+    assert "| hybrid ms (tokens a row-step) |" in check["markdown"]
     # kernels a step (here the profiler's kernel-launching ops): a tree step launches more than a plain one,
     # and the fused regions fewer than op by op
     k = sb["step_kernels"]

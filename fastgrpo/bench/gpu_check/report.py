@@ -256,21 +256,25 @@ def _step_tables(d: dict | None) -> list[str]:
              f"steps ± standard error). Static: fixed shapes, {'replayed from CUDA graphs' if graphs else 'run eagerly (no graphs here)'}; "
              "tokens/s: what steps like these emit (rows x tokens a row-step / step).", "",
              "| running | shape | eager ms | static ms | eager / static | fused ms | static / fused "
-             "| tokens a row-step (static) | static tokens/s | graphs captured / replayed |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| tokens a row-step (static) | static tokens/s | graphs captured / replayed "
+             "| hybrid ms (tokens a row-step) | hybrid tokens/s |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     by = {(r["level"], r["shape"], r["engine"]): r for r in d["cells"]}
     for B in d["levels"]:
         for shape in d["shapes"]:
             e, s, f = by.get((B, shape, "eager")), by.get((B, shape, "static")), by.get((B, shape, "fused"))
+            h = by.get((B, shape, "hybrid"))
             if not e or not s:
                 continue
             em, sm = e["step_ms"], s["step_ms"]
             fm = f["step_ms"] if f else {"median": None, "se": None}
+            hybrid = (f"{_pm(h['step_ms']['median'], h['step_ms']['se'])} ({_f(h.get('tokens_per_row_step'))}) | "
+                      f"{_f(h.get('tok_s'))}" if h else "- | -")
             lines.append(f"| {B} | {shape} | {_pm(em['median'], em['se'])} | {_pm(sm['median'], sm['se'])} | "
                          f"{_f(_ratio(em['median'], sm['median']))}x | {_pm(fm['median'], fm['se']) if f else '-'} | "
                          f"{_f(_ratio(sm['median'], fm['median'])) + 'x' if f else '-'} | "
                          f"{_f(s.get('tokens_per_row_step'))} | {_f(s.get('tok_s'))} | "
-                         f"{s.get('captures', 0)} / {s.get('replays', 0)} |")
+                         f"{s.get('captures', 0)} / {s.get('replays', 0)} | {hybrid} |")
     kernels = d.get("step_kernels") or {}
     if kernels.get("error"):
         lines += ["", f"Kernels a step: not counted ({kernels['error']})."]

@@ -41,6 +41,10 @@ STEP_SHAPES = ((2, 2, 4), (3, 4, 8), (4, 4, 12), (5, 8, 24), (6, 8, 48))
 # the shapes step_bench also runs in a static engine with fused pointwise regions (engine.fused): plain
 # decoding and the middle tree, so that its effect on a speculative step is measured beside a plain one's
 FUSED_SHAPES = ("plain", "d4k4n12")
+# the shapes step_bench also runs in a static engine drafting hybrid trees (speculation.drafts: hybrid): the
+# learned draft's step, the host's index lookups and merge, the verify step; beside the learned step's cell
+MERGED_SHAPES = ("d4k4n12",)
+ENGINE_SHAPES = {"fused": FUSED_SHAPES, "hybrid": MERGED_SHAPES}  # engines that run only some shapes
 STEP_WARMUP = 2  # steps of a step_bench call left out: a new shape's first (its graph capture) and one more
 ROOT = Path(__file__).resolve().parents[3]  # the repository: configs/models/
 BIG_MODEL = "llama-3.1-8b-instruct.json"
@@ -760,17 +764,21 @@ def rollout(c: Check) -> dict:
 # -- step_bench ------------------------------------------------------------------------------------------
 def _step_engines(c: Check, config: PretrainedConfig, text: TextFormat, weights: dict[str, Tensor],
                   draft: dict[str, Tensor], rows: int, max_context: int) -> dict[str, EmbeddedEngine]:
-    """The policy in three engines of `rows` rows: eager steps, static ones (CUDA graphs on a GPU), and
-    static ones with fused pointwise regions (engine.fused)."""
+    """The policy in four engines of `rows` rows: eager steps, static ones (CUDA graphs on a GPU), static ones
+    with fused pointwise regions (engine.fused), and static ones drafting hybrid trees (its suffix index
+    keeps the stage's calls, which ask the same prompts each time: their earlier answers are its history)."""
     from fastgrpo.engines.embedded.engine import EmbeddedEngine
+    from fastgrpo.speculation.suffix_index import IndexLimits
 
     engines = {}
-    for name, static in (("eager", False), ("static", True), ("fused", True)):
+    for name, static in (("eager", False), ("static", True), ("fused", True), ("hybrid", True)):
         engine = EmbeddedEngine(config, rows, max_context, eos_id=text.stop_ids, device=c.compute.device,
                                 dtype=c.compute.dtype, static_steps=static)
         engine.update_weights(weights.items(), version=0)
         engine.update_draft(draft.items(), version=0)
         engine.fused = name == "fused"
+        if name == "hybrid":
+            engine.set_drafts("hybrid", IndexLimits.of(c.cfg.speculation))
         engines[name] = engine
     return engines
 
@@ -875,9 +883,10 @@ def step_cells(B: int, shape: str, engine: str, calls: list[dict], warmup: int) 
 def step_bench(c: Check) -> dict:
     """The steps rollout runs, alone: plain decoding and five tree shapes (STEP_SHAPES) at each level of
     running rows, in the eager engine and in the static one (CUDA graphs on a GPU; on a CPU the same
-    static step functions, run eagerly), and plain decoding and d4k4n12 (FUSED_SHAPES) in a static engine
+    static step functions, run eagerly), plain decoding and d4k4n12 (FUSED_SHAPES) in a static engine
     with fused pointwise regions too (compiled before the timing; a failure to compile is recorded in
-    `fused_error` and drops only that engine's cells). Each (level, shape, engine) is `step_reps` generate calls of
+    `fused_error` and drops only that engine's cells), and d4k4n12 (MERGED_SHAPES) in a static engine
+    drafting hybrid trees (two step functions and the host's merge a step). Each (level, shape, engine) is `step_reps` generate calls of
     `step_tokens` tokens per row (EOS ignored), the combinations' order rotated per repetition; a step is
     timed by the engine's own per-step trace (a step ends with its results on the host: synchronised),
     the first STEP_WARMUP steps of a call left out (a new shape's graph capture), the median step of each
@@ -905,7 +914,8 @@ def step_bench(c: Check) -> dict:
     engines = _step_engines(c, m, text, weights, draft.state_dict(), max(levels), max_context)
     del policy, weights, draft
     shapes = {"plain": None} | {SpecConfig(*s).name: SpecConfig(*s) for s in STEP_SHAPES}
-    combos = [(name, engine) for name in shapes for engine in engines if engine != "fused" or name in FUSED_SHAPES]
+    combos = [(name, engine) for name in shapes for engine in engines
+              if engine not in ENGINE_SHAPES or name in ENGINE_SHAPES[engine]]
     sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=T,
                               ignore_eos=True)
     # the fused compile stops where the stage would keep less than half its plan for the timing
@@ -932,6 +942,7 @@ def step_bench(c: Check) -> dict:
                                      "kv_heads": m.num_key_value_heads, "vocab": m.vocab_size,
                                      "head_dim": getattr(m, "head_dim", None) or m.hidden_size // m.num_attention_heads},
                            "bytes_per_param": element, "fused_shapes": list(FUSED_SHAPES),
+                           "merged_shapes": list(MERGED_SHAPES),
                            "fused_first_calls_s": fused_first_s, "fused_error": fused_error,
                            "step_kernels": step_kernels, "cells": []}
     plan = 1.25 * PLANNED_S["step_bench"] if c.size_name == "gpu" else math.inf
