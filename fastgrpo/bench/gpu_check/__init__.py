@@ -52,10 +52,11 @@ from fastgrpo.bench.gpu_check.harness import PEAK_BANDWIDTH, PLANNED_S, SIZES, S
 from fastgrpo.bench.gpu_check.pins import BASE, GPU_EXTRAS, GPU_TORCH, WHEELS, gpu_requirements, wheels_to_install
 from fastgrpo.bench.gpu_check.report import against_simulator, dumps, markdown
 from fastgrpo.bench.gpu_check.stages import (AA_PAIR, AWARE_MODES, DECODE_BATCHES, FIXED_MODES, FUSED_SHAPES,
-                                             MERGED_SHAPES, STAGE_FUNCTIONS, STEP_SHAPES, SWEEP_MODES, grpo_summary, level_row,
-                                             policy_state, step_cells)
+                                             MERGED_SHAPES, STAGE_FUNCTIONS, STEP_SHAPES, SWEEP_MODES, grpo_summary,
+                                             level_row, policy_state, step_cells)
 
 __all__ = ["AA_PAIR", "AWARE_MODES", "BASE", "DECODE_BATCHES", "FIXED_MODES", "FUSED_SHAPES", "GPU_EXTRAS", "GPU_TORCH",
-           "MERGED_SHAPES", "PEAK_BANDWIDTH", "PLANNED_S", "SIZES", "STAGES", "STAGE_FUNCTIONS", "STEP_SHAPES", "SWEEP_MODES", "WHEELS",
+           "MERGED_SHAPES", "PEAK_BANDWIDTH", "PLANNED_S", "SIZES", "STAGES", "STAGE_FUNCTIONS", "STEP_SHAPES",
+           "SWEEP_MODES", "WHEELS",
            "Check", "Size", "against_simulator", "dumps", "gpu_requirements", "grpo_summary", "level_row", "main",
            "markdown", "policy_state", "run", "spread", "step_cells", "wheels_to_install"]

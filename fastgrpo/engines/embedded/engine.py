@@ -606,22 +606,23 @@ class EmbeddedEngine:
             if experts is not None:  # the accepted nodes' routing
                 s.routed.append(experts[b, nodes])
         if merged is not None:
-            L = levels
-            self._observe_merged(merged, Verified(packed[:, :L].long(), packed[:, L:2 * L], packed[:, 2 * L:3 * L - 1].long(),
-                                                  packed[:, 3 * L - 1].long()))
+            L = levels  # (the packed columns, `pack`)
+            self._observe_merged(merged, Verified(packed[:, :L].long(), packed[:, L:2 * L],
+                                                  packed[:, 2 * L:3 * L - 1].long(), packed[:, 3 * L - 1].long()))
         return emitted, None if config is None else result.accepted
 
     def _merged_tree(self, running: list[_Sequence], config: SpecConfig, rows: int, ctx: int) -> tuple[Tree, int]:
         """A merged static step's tree: the learned draft's (drafts: hybrid; drafted by its step function
         while the host looks up the index, then read back) merged on the host with the index's candidates,
-        then copied to the verify step's input. Returns the tree (on the host, for the calibration) and the levels its verify walks: the
-        deepest node's on the ladder, at most the draft window allows (`keep_states`; deeper nodes are
-        left out, which only shortens what the step can accept)."""
+        then copied to the verify step's input. Returns the tree (on the host, for the calibration) and the
+        levels its verify walks: the deepest node's on the ladder, at most the draft window allows
+        (`keep_states`; deeper nodes are left out, which only shortens what the step can accept)."""
         assert self.steps is not None and self._pending is not None
         B, N = len(running), config.num_verify
         learned = None
         if self.drafts == "hybrid":  # launched first: on a GPU the index's lookups run while it drafts
-            out = self.graphs.run(("draft", config, rows, ctx), lambda: self.steps.propose(config, rows, ctx, self._pending))
+            out = self.graphs.run(("draft", config, rows, ctx),
+                                  lambda: self.steps.propose(config, rows, ctx, self._pending))
         candidates = self._index_candidates(running, config)
         if self.drafts == "hybrid":
             learned, finite = unpack_learned(self._read_back(out[:B]), N)
@@ -633,7 +634,8 @@ class EmbeddedEngine:
         tree = hybrid_tree(learned, candidates, torch.tensor([s.pending for s in running]), N, self.calibration)
         depth = depth_bucket(int(tree.depth.max()), min(N - 1, self.draft_window - 1))
         if int(tree.depth.max()) > depth:
-            tree = tree.restricted((tree.depth <= depth if tree.valid is None else tree.valid & (tree.depth <= depth))[:, 1:])
+            within = tree.depth <= depth
+            tree = tree.restricted((within if tree.valid is None else tree.valid & within)[:, 1:])
         self._to_tree_input(tree, rows, depth)
         self._counts["merge_s"] += time.perf_counter() - t
         return tree, depth
