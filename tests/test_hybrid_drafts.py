@@ -345,6 +345,22 @@ def test_build_engine_gives_the_engine_the_configured_draft_source(small_vocab, 
     assert engine.drafts == "index" and engine.index.limits == IndexLimits.of(run.speculation)
 
 
+@pytest.mark.parametrize("steps", ["static", "eager"])
+def test_a_static_engine_warns_that_per_sequence_budgets_run_eagerly(small_vocab, monkeypatch, caplog, steps):
+    import fastgrpo.engines.embedded.build as build
+    from fastgrpo.config import load_config
+    from fastgrpo.models.draft import DraftHead
+
+    cfg, target, draft = small_vocab
+    monkeypatch.setattr(build, "has_draft", lambda directory: True)
+    monkeypatch.setattr(DraftHead, "load", classmethod(lambda cls, *args: draft))
+    monkeypatch.setattr(build, "speculation_policy", lambda engine, c, mode: Static(SpecConfig(2, 2, 3)))
+    run = load_config(None, ["speculation.policy=aware_per_sequence", "model.max_context=64", "rollout.max_new_tokens=32",
+                             "rollout.max_batch=4", f"engine.steps={steps}", "device=cpu"])
+    build.build_engine(run, cfg, type("Text", (), {"stop_ids": [VOCAB + 1]})(), target.state_dict().items())
+    assert ("runs its speculative steps eagerly" in caplog.text) == (steps == "static")
+
+
 # -- bench drafts ----------------------------------------------------------------------------------
 def test_bench_drafts_pools_accepted_length_over_sequences_and_averages_replicates():
     from fastgrpo.bench.drafts import MODES, ratio_se, summarise

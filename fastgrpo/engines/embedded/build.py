@@ -52,6 +52,10 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, text: TextFormat,
         engine.update_draft(draft.state_dict().items(), version=0)
         engine.set_speculation(speculation_policy(engine, cfg, mode))
         engine.set_drafts(cfg.speculation.drafts, IndexLimits.of(cfg.speculation))
+        if engine.static and mode == "aware_per_sequence":
+            log.warning("speculation.policy=aware_per_sequence runs its speculative steps eagerly (its per-row "
+                        "verify budgets cut the trees, which a static step's fixed shape cannot): on a GPU those "
+                        "steps are launch-bound; speculation.policy=aware runs every step static")
     return engine
 
 
