@@ -65,6 +65,9 @@ def test_merged_static_steps_emit_plain_decodings_tokens_and_accept_as_the_eager
         assert abs(s["accept_len"] - w["accept_len"]) < 0.05, (s["accept_len"], w["accept_len"])
         assert abs(s["index_accepted"] - w["index_accepted"]) <= 0.05 * w["index_accepted"]
         accepted.append(s["accept_len"])
+        # every verified node's outcome counted into the calibration, the last step's included
+        assert torch.equal(static.calibration.counts, eager.calibration.counts), (
+            static.calibration.counts, eager.calibration.counts)
     assert accepted[1] > accepted[0] + 0.5  # the history's answers were accepted, deep
 
 

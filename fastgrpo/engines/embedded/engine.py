@@ -185,6 +185,7 @@ class EmbeddedEngine:
         self.steps = StaticSteps(self.model, self.cache, self.state) if self.state is not None else None
         self._readback: Tensor | None = None  # the pinned host buffer a static step's results land in
         self._tree_staging: dict[int, Tensor] = {}  # pinned host buffers a merged tree crosses to the device from
+        self._unobserved: tuple[Tree, Verified] | None = None  # a merged static step's outcome, not yet observed
         self._kept_pending: _PendingStates | None = None  # static steps: the draft's pending states, kept
         self.draft: DraftHead | None = None
         self.draft_cache: KVCache | None = None
@@ -328,6 +329,7 @@ class EmbeddedEngine:
         self._capture = capture
         self._routing = routing and self.model.sparse_layers > 0
         self._requests = requests
+        self._unobserved = None  # (what a call that raised left)
         self._pending = self._pending_states() if self.speculating else None
         if self.state is not None:
             self.state.active.zero_()
@@ -392,6 +394,7 @@ class EmbeddedEngine:
             self._retire(running, done)
             if drafting is not None:  # the step's host work for index drafts, its retire's included
                 self._host_steps.append((drafting[0], self._host_seconds() - drafting[1]))
+        self._observe_held()
         out = [done[i] for i in range(len(requests))]
         self._counts["capture_s"] = self.graphs.capture_s - capture_s
         self._finish_stats(out, time.perf_counter() - t0)
@@ -605,10 +608,10 @@ class EmbeddedEngine:
                 s.captured.append(out.hidden[b, nodes])
             if experts is not None:  # the accepted nodes' routing
                 s.routed.append(experts[b, nodes])
-        if merged is not None:
-            L = levels  # (the packed columns, `pack`)
-            self._observe_merged(merged, Verified(packed[:, :L].long(), packed[:, L:2 * L],
-                                                  packed[:, 2 * L:3 * L - 1].long(), packed[:, 3 * L - 1].long()))
+        if merged is not None:  # observed at the next merged step, while its draft computes (`_observe_held`)
+            L = levels  # (the packed columns, `pack`; copies: the next step's read-back overwrites them)
+            self._unobserved = (merged, Verified(packed[:, :L].long(), packed[:, L:2 * L].clone(),
+                                                 packed[:, 2 * L:3 * L - 1].long(), packed[:, 3 * L - 1].long()))
         return emitted, None if config is None else result.accepted
 
     def _merged_tree(self, running: list[_Sequence], config: SpecConfig, rows: int, ctx: int) -> tuple[Tree, int]:
@@ -620,9 +623,10 @@ class EmbeddedEngine:
         assert self.steps is not None and self._pending is not None
         B, N = len(running), config.num_verify
         learned = None
-        if self.drafts == "hybrid":  # launched first: on a GPU the index's lookups run while it drafts
+        if self.drafts == "hybrid":  # launched first: on a GPU the host's work below runs while it drafts
             out = self.graphs.run(("draft", config, rows, ctx),
                                   lambda: self.steps.propose(config, rows, ctx, self._pending))
+        self._observe_held()
         candidates = self._index_candidates(running, config)
         if self.drafts == "hybrid":
             learned, finite = unpack_learned(self._read_back(out[:B]), N)
@@ -655,6 +659,13 @@ class EmbeddedEngine:
             staging = self._tree_staging[N] = torch.empty(self.rows, 4 * N, dtype=torch.long, pin_memory=True)
         tree_rows(tree, staging[:rows], depth)
         buffer.copy_(staging[:rows], non_blocking=True)
+
+    def _observe_held(self) -> None:
+        """Observe the last merged static step's outcome, if not yet (`_observe_merged`): before the next
+        merge, which ranks by it, and before the call's stats."""
+        if self._unobserved is not None:
+            self._observe_merged(*self._unobserved)
+            self._unobserved = None
 
     def _observe_merged(self, tree: Tree, result: Verified) -> None:
         """What a verified merged tree says of its sources: each source's node acceptance (the calibration
@@ -746,6 +757,7 @@ class EmbeddedEngine:
             learned = draft_tree(self.draft, self.draft_cache, rows, root_features, pending, config)
             if self.drafts == "learned":
                 return learned
+        self._observe_held()  # (a merged static step's, where static and eager merged steps mix)
         candidates = self._index_candidates(running, config)
         t = time.perf_counter()
         tree = hybrid_tree(learned, candidates, pending, config.num_verify, self.calibration)

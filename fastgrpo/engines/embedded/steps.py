@@ -293,8 +293,9 @@ def unpack_learned(packed: Tensor, nodes: int) -> tuple[Tree, bool]:
     row's draft was finite. Its mask is left empty ([B, N, 0]): the merge reads the tokens, parents,
     depths and scores alone, and the merged tree makes its own."""
     N = nodes
-    tree = Tree(packed[:, :N].long(), packed[:, N:2 * N].long(), packed[:, 2 * N:3 * N].long(),
-                torch.empty(len(packed), N, 0, dtype=torch.bool), packed[:, 3 * N:4 * N].float())
+    ids = packed[:, :3 * N].long()
+    tree = Tree(ids[:, :N], ids[:, N:2 * N], ids[:, 2 * N:], torch.empty(len(packed), N, 0, dtype=torch.bool),
+                packed[:, 3 * N:4 * N].float())
     return tree, bool((packed[:, 4 * N] > 0).all())
 
 
