@@ -208,3 +208,19 @@ def test_cuda_graphs_replay_merged_steps(dense):
     assert e.graphs.captures > 0 and e.graphs.replays > e.graphs.captures and e.stats()["index_accepted"] > 0
     for off, on in zip(*runs):
         assert [o.token_ids for o in off] == [o.token_ids for o in on]
+
+
+def test_the_host_time_tool_splits_a_merged_steps_host_work():
+    """tools/step_host_time.py --merged at a small size: both parts of the host work between a merged
+    step's step functions are timed at each level, and the index drafted (its second call on)."""
+    from tools.step_host_time import main
+
+    threads = torch.get_num_threads()
+    try:
+        rows = main(["--merged", "--running", "2,8", "--tokens", "8", "--reps", "2"])
+    finally:
+        torch.set_num_threads(threads)  # (the tool times one thread)
+    assert [r["running"] for r in rows] == [2, 8]
+    for r in rows:
+        assert r["overlapped_ms_per_step"] > 0 and r["waited_ms_per_step"] > 0 and r["index_accepted"] > 0
+        assert r["waited_us_per_row"] == pytest.approx(1e3 * r["waited_ms_per_step"] / r["running"])

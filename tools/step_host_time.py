@@ -2,11 +2,18 @@
 the host outside the step itself (reading its results back, appending tokens, stop checks, retiring
 rows, choosing the next step), which on a GPU is paid on top of a graph replay.
 
-    python tools/step_host_time.py [--running 16,256] [--tokens 48] [--reps 5]
+    python tools/step_host_time.py [--running 16,256] [--tokens 48] [--reps 5] [--merged]
 
 A tiny model on this CPU, plain static steps, EOS ignored: every call runs `tokens` - 1 decode steps of
 all `running` sequences. Host work = the call's seconds less its step functions' and its prefill's;
-reported per step and per running row, the median of `reps` calls (one thread)."""
+reported per step and per running row, the median of `reps` calls (one thread).
+
+`--merged`: hybrid d4k4n12 steps instead (the learned draft's step function, the host's merge, the
+verify step; a random draft, and the same prompts each call, so the index drafts from the earlier
+calls' answers), and the host work between a step's two step functions in its two parts: while the
+draft's step computes on a GPU (it is launched first: the index's lookups, observing the last verify),
+and between its read-back and the verify's launch, when a GPU waits (reading the draft's tree, the
+merge, writing the tree into the verify's input)."""
 
 from __future__ import annotations
 
@@ -57,6 +64,68 @@ def host_seconds(running: int, tokens: int, reps: int) -> dict:
     return {"running": running, "host_ms_per_step": 1e3 * host, "host_us_per_row": 1e6 * host / running}
 
 
+def merged_host_seconds(running: int, tokens: int, reps: int) -> dict:
+    import torch
+
+    from fastgrpo.engines.embedded.engine import EmbeddedEngine
+    from fastgrpo.models.draft import DraftHead
+    from fastgrpo.models.policy import new_policy, policy_config
+    from fastgrpo.speculation.policy import Static
+    from fastgrpo.speculation.spec import SpecConfig
+    from fastgrpo.types import Request, SamplingParams
+
+    cfg = policy_config("test", 61, 128, bos_id=1, eos_id=2, pad_id=0)
+    engine = EmbeddedEngine(cfg, running, 128, eos_id=2, pad_id=0, static_steps=True,
+                            policy=Static(SpecConfig(4, 4, 12)))
+    engine.update_weights(new_policy(cfg, seed=1).eval().state_dict().items(), version=0)
+    engine.update_draft(DraftHead(cfg, 128 + 256).state_dict().items(), version=0)
+    engine.set_drafts("hybrid")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 61, (8,), generator=g).tolist() for _ in range(max(1, running // 8))]
+    requests = [Request(prompts[i % len(prompts)], max_new_tokens=tokens) for i in range(running)]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=tokens, ignore_eos=True)
+    engine.generate(requests, sampling, seed=1)  # warm-up, and the index's first answers
+    run, read_back, marks = engine.graphs.run, engine._read_back, []
+
+    def timed_run(key, step):
+        out = run(key, step)
+        marks.append((key[0] if isinstance(key[0], str) else "step", time.perf_counter()))
+        return out
+
+    def timed_read_back(packed, meanwhile=None):
+        marks.append(("read", time.perf_counter()))
+        out = read_back(packed, meanwhile)
+        marks.append(("read_done", time.perf_counter()))
+        return out
+
+    engine.graphs.run, engine._read_back = timed_run, timed_read_back
+    overlapped, waited = [], []
+    for rep in range(reps):
+        marks.clear()
+        original_verify = engine.steps.verify
+
+        def verify(*args, **kwargs):
+            marks.append(("verify_launch", time.perf_counter()))
+            return original_verify(*args, **kwargs)
+
+        engine.steps.verify = verify
+        engine.generate(requests, sampling, seed=2 + rep)
+        engine.steps.verify = original_verify
+        steps = sum(1 for name, _ in marks if name == "draft")
+        # per merged step: draft launched -> its read-back starts (overlapped); its read-back done -> verify launched
+        o = w = 0.0
+        for i, (name, t) in enumerate(marks):
+            if name == "draft":
+                o += marks[i + 1][1] - t  # the read-back of the draft's tree follows
+                w += next(u for n, u in marks[i + 2:] if n == "verify_launch") - marks[i + 2][1]
+        overlapped.append(o / steps)
+        waited.append(w / steps)
+    o, w = statistics.median(overlapped), statistics.median(waited)
+    return {"running": running, "overlapped_ms_per_step": 1e3 * o, "overlapped_us_per_row": 1e6 * o / running,
+            "waited_ms_per_step": 1e3 * w, "waited_us_per_row": 1e6 * w / running,
+            "index_accepted": engine.stats()["index_accepted"]}
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     import torch
 
@@ -64,8 +133,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--running", default="16,256")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--merged", action="store_true", help="hybrid steps: the host work between their step functions")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    if args.merged:
+        rows = [merged_host_seconds(int(n), args.tokens, args.reps) for n in args.running.split(",")]
+        for r in rows:
+            print(f"running {r['running']:4d}: while the draft's step computes {r['overlapped_ms_per_step']:.3f} ms a "
+                  f"step ({r['overlapped_us_per_row']:.2f} us a row); between its read-back and the verify "
+                  f"{r['waited_ms_per_step']:.3f} ms ({r['waited_us_per_row']:.2f} us a row)", flush=True)
+        print(json.dumps(rows))
+        return rows
     rows = [host_seconds(int(n), args.tokens, args.reps) for n in args.running.split(",")]
     for r in rows:
         print(f"running {r['running']:4d}: host work {r['host_ms_per_step']:.3f} ms a step, "
