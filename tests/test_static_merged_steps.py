@@ -1,7 +1,8 @@
 """Static steps of merged trees (speculation.drafts: index | hybrid): the learned draft's step function
 (hybrid), the host's merge with the suffix index's candidates, then a verify step of the tree the host
-built. The same tokens as plain decoding and the eager engine, no host sync inside either step function,
-trees deeper than the draft window allows cut to it."""
+built. The same tokens, acceptance and calibration counts as the eager engine (and plain decoding's
+tokens), no host sync inside either step function, about the learned step's op count, trees deeper than the
+draft window allows cut to it, and the host work between the two step functions timed by its tool."""
 
 import pytest
 import torch
