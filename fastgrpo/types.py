@@ -121,7 +121,8 @@ class EngineStats(TypedDict, total=False):
     index_lookups: int
     index_matched: int
     index_accepted: int
-    host_steps: list[tuple[int, float]]
+    # (a static step's share of those seconds that ran while its learned draft's step computed, third)
+    host_steps: list[tuple[int, float, float]]
     # static steps: the host seconds of the policy's `ahead` (run while the device computes the step) and of
     # the wait on the device after it (a wait left: the steps outlasted `ahead`; the CPU: 0; SGLang: absent)
     ahead_s: float

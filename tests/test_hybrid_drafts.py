@@ -183,9 +183,10 @@ def test_tokens_equal_plain_decoding_with_index_candidates_right_wrong_and_dupli
     stats = engine.stats()
     accept_again = stats["accept_len"]
     # every step speculated: each one's rows and host seconds, which together are all the index's and merge's
-    rows = [r for r, _ in stats["host_steps"]]
+    rows = [r for r, _, _ in stats["host_steps"]]
     assert len(rows) == stats["spec_steps"] and sum(rows) == stats["spec_seq_steps"]
-    assert sum(h for _, h in stats["host_steps"]) == pytest.approx(stats["index_s"] + stats["merge_s"], rel=1e-9)
+    assert sum(h for _, h, _ in stats["host_steps"]) == pytest.approx(stats["index_s"] + stats["merge_s"], rel=1e-9)
+    assert all(hidden == 0.0 for _, _, hidden in stats["host_steps"])  # an eager step hides none of it
     for out in (first, again):
         same = sum(a == b for a, b in zip(out, plain))
         assert same >= 22 if not sampling.greedy else same == 24
@@ -493,16 +494,36 @@ def test_the_simulated_hybrid_step_pays_its_host_work_per_step_and_running_row()
     c = SpecConfig(4, 4, 12)
     assert priced.spec_step(c, 32, 5, 1000, 32000) == pytest.approx(costs.spec_step(c, 32, 5, 1000, 32000) + 1e-3 + 32e-4)
     assert priced.decode_step(32, 1000, 32000) == costs.decode_step(32, 1000, 32000) and priced.padded == costs.padded
-    # steps on the line 1 ms + 100 us a row, in two replicates
+    # steps on the line 1 ms + 100 us a row, in two replicates, of which 40 us a row hidden behind the draft
     sweeps = [{"learned": {"accepted": {c: [1, 2]}, "host_steps": []},
-               "hybrid": {"accepted": {c: [3]}, "host_steps": [(10, 2e-3), (20, 3e-3)]}},
+               "hybrid": {"accepted": {c: [3]}, "host_steps": [(10, 2e-3, 4e-4), (20, 3e-3, 8e-4)]}},
               {"learned": {"accepted": {c: [4]}, "host_steps": []},
-               "hybrid": {"accepted": {c: [5, 6]}, "host_steps": [(30, 4e-3), (40, 5e-3)]}}]
+               "hybrid": {"accepted": {c: [5, 6]}, "host_steps": [(30, 4e-3, 1.2e-3), (40, 5e-3, 1.6e-3)]}}]
     pooled = merge_sweeps(sweeps)
     assert pooled["learned"]["accepted"][c] == [1, 2, 4] and pooled["hybrid"]["accepted"][c] == [3, 5, 6]
     assert pooled["hybrid"]["host"].per_step == pytest.approx(1e-3)
     assert pooled["hybrid"]["host"].per_row == pytest.approx(1e-4)
+    assert pooled["hybrid"]["hidden"] == HostModel(pytest.approx(0.0, abs=1e-12), pytest.approx(4e-5))
+    assert pooled["hybrid"]["waited"] == HostModel(pytest.approx(1e-3), pytest.approx(6e-5))
+    assert pooled["hybrid"]["hidden_share"] == pytest.approx(4e-3 / 14e-3)
     assert pooled["learned"]["host"] == HostModel(0.0, 0.0) and pooled["hybrid"]["host_steps"] == 4
+
+
+def test_a_static_engines_schedule_pays_the_lookups_only_where_they_outlast_the_drafts_forwards():
+    """StaticHostWork: the waited part on every speculative step; the hidden part beyond the draft's forwards
+    (the roofline's `drafting`), from both sides of it."""
+    from fastgrpo.bench.drafts_simulated import HostModel, StaticHostWork
+    from fastgrpo.speculation.roofline import ACCELERATORS, MODELS, Roofline
+
+    costs = Roofline(ACCELERATORS["h100"], MODELS["llama3-8b"])
+    c, shape = SpecConfig(4, 4, 12), (32, 5, 1000, 32000)
+    drafting, step = costs.drafting(c, *shape), costs.spec_step(c, *shape)
+    assert 0 < drafting < step
+    short = StaticHostWork(costs, HostModel(1e-3, 0.0), HostModel(0.5 * drafting, 0.0))  # hidden entirely
+    assert short.spec_step(c, *shape) == pytest.approx(step + 1e-3)
+    long = StaticHostWork(costs, HostModel(1e-3, 0.0), HostModel(drafting + 2e-3, 0.0))  # 2 ms outlast it
+    assert long.spec_step(c, *shape) == pytest.approx(step + 3e-3)
+    assert long.decode_step(32, 1000, 32000) == costs.decode_step(32, 1000, 32000)  # plain steps pay nothing
 
 
 def test_the_host_fit_never_prices_a_term_below_zero():
@@ -542,3 +563,20 @@ def test_the_simulated_table_says_where_no_share_of_the_host_work_is_affordable(
     sim["host_budget_share"] = {"1.00": 0.5, "1.15": 0.25}
     assert markdown(sim)[-1].endswith("1.00x at <= 0.50 of it (0.50 ms a step + 50 us a row), "
                                       "1.15x at <= 0.25 of it (0.25 ms a step + 25 us a row).")
+
+
+def test_the_simulated_table_shows_the_static_schedule_where_it_was_priced():
+    from fastgrpo.bench.drafts_simulated import markdown
+
+    seconds = {m: 10.0 for m in ("off", "aware", "aware_per_sequence", "static_best")} | {"static_best_shape": "d3k4n8"}
+    faster = seconds | {"aware": 8.0}
+    sim = {"seconds": {"learned": seconds, "hybrid": seconds, "hybrid_static": faster, "hybrid_no_host": seconds},
+           "case": "H100", "repetitions": 1, "max_running": 128, "host_budget_share": {"1.00": 1.0},
+           "longtail": {"mean": 3000, "sigma": 1.0, "max_new": 16384, "prompts": 64, "group": 8},
+           "profiles": {"learned": {"measured_samples": {"a": 1}}},
+           "host": {"per_step_s": 1e-3, "per_row_s": 1e-4, "steps": 9, "hidden_share": 0.25,
+                    "waited": {"per_step": 1e-3, "per_row": 5e-5}, "hidden": {"per_step": 0.0, "per_row": 5e-5}}}
+    lines = markdown(sim)
+    assert "| `aware` | 10.0 | 10.0 | 1.00x | 8.0 | 1.25x | 10.0 | 1.00x |" in lines
+    assert any("25% while the learned draft's step computed" in line and "1.00 ms a step + 50 us a row" in line
+               for line in lines)

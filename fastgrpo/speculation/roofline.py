@@ -207,11 +207,15 @@ class Roofline:
     def decode_step(self, B: int, ctx_max: int, ctx_sum: int, speculating: bool = False) -> float:
         return self.target(B, 1, ctx_max, ctx_sum) + self.hw.step_overhead_s
 
+    def drafting(self, c: SpecConfig, B: int, width: int, ctx_max: int, ctx_sum: int) -> float:
+        """A speculative step's draft forwards: the catch-up of `width` tokens a row, then a level of
+        `topk` tokens a row for each further level of the tree."""
+        return self.draft(B, width, ctx_max, ctx_sum) + (c.depth - 1) * self.draft(B, c.topk, ctx_max, ctx_sum)
+
     def spec_step(self, c: SpecConfig, B: int, width: int, ctx_max: int, ctx_sum: int,
                   verified: float | None = None) -> float:
-        draft = self.draft(B, width, ctx_max, ctx_sum) + (c.depth - 1) * self.draft(B, c.topk, ctx_max, ctx_sum)
-        return (draft + self.target(B, verified or c.num_verify, ctx_max, ctx_sum) + self.hw.step_overhead_s
-                + self.hw.spec_overhead_s)
+        verify = self.target(B, verified or c.num_verify, ctx_max, ctx_sum)
+        return self.drafting(c, B, width, ctx_max, ctx_sum) + verify + self.hw.step_overhead_s + self.hw.spec_overhead_s
 
     def prefill(self, unique: int, width: int, joined: int) -> float:
         return self.target(unique, width, width, unique * width // 2) + self.hw.step_overhead_s

@@ -345,7 +345,9 @@ class EmbeddedEngine:
         self._counts: Counter = Counter()
         self._by_config: dict[str, Counter] = {}
         self._trace: list[tuple[int, str, int, float]] = []  # per decode step: running, config, tokens emitted, seconds
-        self._host_steps: list[tuple[int, float]] = []  # per speculative step with the index: running, host seconds
+        # per speculative step with the index: running rows, host seconds, and of those the seconds a static
+        # step spent while its learned draft's step function computed (hidden behind it on a GPU)
+        self._host_steps: list[tuple[int, float, float]] = []
         while waiting or running:
             drafting = None  # a step drafting from the index: its running rows, and the host seconds before it
             if waiting and len(running) < self.max_batch:
@@ -369,7 +371,7 @@ class EmbeddedEngine:
                 config = (self.policy.choose(len(running), context)
                           if self._pending is not None and self.speculating else None)
                 if config is not None and self.index is not None:
-                    drafting = (len(running), self._host_seconds())
+                    drafting = (len(running), self._host_seconds(), self._counts["hidden_s"])
                 self._in_step = True
                 try:
                     static = self._static_takes(config)
@@ -393,7 +395,8 @@ class EmbeddedEngine:
                 self._count_reads(config, len(running), static, shape, sum(cached))
             self._retire(running, done)
             if drafting is not None:  # the step's host work for index drafts, its retire's included
-                self._host_steps.append((drafting[0], self._host_seconds() - drafting[1]))
+                self._host_steps.append((drafting[0], self._host_seconds() - drafting[1],
+                                         self._counts["hidden_s"] - drafting[2]))
         self._observe_held()
         out = [done[i] for i in range(len(requests))]
         self._counts["capture_s"] = self.graphs.capture_s - capture_s
@@ -626,9 +629,11 @@ class EmbeddedEngine:
         if self.drafts == "hybrid":  # launched first: on a GPU the host's work below runs while it drafts
             out = self.graphs.run(("draft", config, rows, ctx),
                                   lambda: self.steps.propose(config, rows, ctx, self._pending))
+        t = time.perf_counter()
         self._observe_held()
         candidates = self._index_candidates(running, config)
         if self.drafts == "hybrid":
+            self._counts["hidden_s"] += time.perf_counter() - t
             learned, finite = unpack_learned(self._read_back(out[:B]), N)
             if not finite:
                 log.warning("non-finite draft (draft version %d): the index's candidates alone this step",
