@@ -886,14 +886,14 @@ def step_bench(c: Check) -> dict:
     static step functions, run eagerly), plain decoding and d4k4n12 (FUSED_SHAPES) in a static engine
     with fused pointwise regions too (compiled before the timing; a failure to compile is recorded in
     `fused_error` and drops only that engine's cells), and d4k4n12 (MERGED_SHAPES) in a static engine
-    drafting hybrid trees (two step functions and the host's merge a step). Each (level, shape, engine) is `step_reps` generate calls of
-    `step_tokens` tokens per row (EOS ignored), the combinations' order rotated per repetition; a step is
-    timed by the engine's own per-step trace (a step ends with its results on the host: synchronised),
-    the first STEP_WARMUP steps of a call left out (a new shape's graph capture), the median step of each
-    call (`step_cells`), then the median and standard error over the calls. A level that would overrun the stage's plan
-    by a quarter (twice the last level's time), or take the stages after it below their plans, is skipped
-    and recorded (gpu size), and the fused compile stops where it would leave the timing less than half
-    the plan (`Check.stage_left`)."""
+    drafting hybrid trees (two step functions and the host's merge a step). Each (level, shape, engine) is
+    `step_reps` generate calls of `step_tokens` tokens per row (EOS ignored), the combinations' order
+    rotated per repetition; a step is timed by the engine's own per-step trace (a step ends with its
+    results on the host: synchronised), the first STEP_WARMUP steps of a call left out (a new shape's
+    graph capture), the median step of each call (`step_cells`), then the median and standard error over
+    the calls. A level that would overrun the stage's plan by a quarter (twice the last level's time), or
+    take the stages after it below their plans, is skipped and recorded (gpu size), and the fused compile
+    stops where it would leave the timing less than half the plan (`Check.stage_left`)."""
     from fastgrpo.bench.rollout import rotated
     from fastgrpo.models.draft import DraftHead
     from fastgrpo.paths import draft_dir
