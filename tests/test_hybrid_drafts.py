@@ -510,18 +510,18 @@ def test_the_simulated_hybrid_step_pays_its_host_work_per_step_and_running_row()
 
 
 def test_a_static_engines_schedule_pays_the_lookups_only_where_they_outlast_the_drafts_forwards():
-    """StaticHostWork: the waited part on every speculative step; the hidden part beyond the draft's forwards
+    """HostWork with a hidden part (a static engine's schedule): the waited part on every speculative step; the hidden part beyond the draft's forwards
     (the roofline's `drafting`), from both sides of it."""
-    from fastgrpo.bench.drafts_simulated import HostModel, StaticHostWork
+    from fastgrpo.bench.drafts_simulated import HostModel, HostWork
     from fastgrpo.speculation.roofline import ACCELERATORS, MODELS, Roofline
 
     costs = Roofline(ACCELERATORS["h100"], MODELS["llama3-8b"])
     c, shape = SpecConfig(4, 4, 12), (32, 5, 1000, 32000)
     drafting, step = costs.drafting(c, *shape), costs.spec_step(c, *shape)
     assert 0 < drafting < step
-    short = StaticHostWork(costs, HostModel(1e-3, 0.0), HostModel(0.5 * drafting, 0.0))  # hidden entirely
+    short = HostWork(costs, HostModel(1e-3, 0.0), HostModel(0.5 * drafting, 0.0))  # hidden entirely
     assert short.spec_step(c, *shape) == pytest.approx(step + 1e-3)
-    long = StaticHostWork(costs, HostModel(1e-3, 0.0), HostModel(drafting + 2e-3, 0.0))  # 2 ms outlast it
+    long = HostWork(costs, HostModel(1e-3, 0.0), HostModel(drafting + 2e-3, 0.0))  # 2 ms outlast it
     assert long.spec_step(c, *shape) == pytest.approx(step + 3e-3)
     assert long.decode_step(32, 1000, 32000) == costs.decode_step(32, 1000, 32000)  # plain steps pay nothing
 

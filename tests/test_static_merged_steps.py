@@ -34,9 +34,9 @@ def test_a_host_tree_crosses_as_rows_of_tokens_parents_depths_and_verified_nodes
     assert [depth_bucket(d, 11) for d in (0, 1, 3, 5, 7, 9, 12)] == [1, 1, 4, 6, 8, 11, 11]
 
 
-def merged_engine(cfg, target, draft, drafts, tree, window=16):
+def merged_engine(cfg, target, draft, drafts, tree, window=16, **engine_args):
     e = EmbeddedEngine(cfg, 6, 128, eos_id=STOPS, pad_id=0, policy=Static(tree), static_steps=True,
-                       draft_window=window)
+                       draft_window=window, **engine_args)
     e.update_weights(target.state_dict().items(), version=0)
     e.update_draft(draft.state_dict().items(), version=0)
     e.set_drafts(drafts, IndexLimits(window=8, depth=6))
@@ -200,11 +200,7 @@ def test_cuda_graphs_replay_merged_steps(dense):
     requests = [Request(p) for _ in range(2) for p in prompts(5, seed=2)]
     runs = []
     for graphs in (False, True):
-        e = EmbeddedEngine(cfg, 12, 128, eos_id=STOPS, pad_id=0, policy=Static(SpecConfig(4, 4, 12)), device="cuda",
-                           static_steps=True, graphs=graphs)
-        e.update_weights(target.state_dict().items(), version=0)
-        e.update_draft(draft.state_dict().items(), version=0)
-        e.set_drafts("hybrid", IndexLimits(window=8, depth=6))
+        e = merged_engine(cfg, target, draft, "hybrid", SpecConfig(4, 4, 12), device="cuda", graphs=graphs)
         runs.append([e.generate(requests, SAMPLINGS["t1"], seed=4) for _ in range(2)])
     assert e.graphs.captures > 0 and e.graphs.replays > e.graphs.captures and e.stats()["index_accepted"] > 0
     for off, on in zip(*runs):

@@ -15,7 +15,7 @@ source's profile. A hybrid step also pays its host work: the index's lookups and
 merging and calibrating of its trees, measured here per speculative step and fitted as a cost per step
 plus a cost per running row (`HostModel`: the merge is batched, so much of it is paid once a step), are
 added to every simulated speculative step (`HostWork`): a GPU host runs the same Python. A static
-engine's schedule is priced too (`StaticHostWork`): it launches the learned draft's step function before
+engine's schedule is priced too (`HostWork` with its `hidden` part): it launches the learned draft's step function before
 the index's lookups, so the part of the host work a static sweep (`engine.steps=static`) measured while
 that step computed is paid only where it outlasts the draft's forwards; the rest on every step.
 
@@ -132,38 +132,24 @@ class HostModel:
 
 
 @dataclass
-class StaticHostWork:
-    """`costs` with a static engine's schedule of a hybrid step's host work: `waited` seconds the GPU waits
-    for (the draft's tree read back, the merge, the merged tree written), and `hidden` seconds that run
-    while the learned draft's step function computes (the lookups), paid only where they outlast it."""
-
-    costs: Roofline
-    waited: HostModel
-    hidden: HostModel
-
-    def __getattr__(self, name: str):
-        return getattr(self.costs, name)
-
-    def spec_step(self, c: SpecConfig, B: int, width: int, ctx_max: int, ctx_sum: int,
-                  verified: float | None = None) -> float:
-        beyond = max(0.0, self.hidden.seconds(B) - self.costs.drafting(c, B, width, ctx_max, ctx_sum))
-        return self.costs.spec_step(c, B, width, ctx_max, ctx_sum, verified) + self.waited.seconds(B) + beyond
-
-
-@dataclass
 class HostWork:
-    """`costs` with `host` seconds of host work added to every speculative step (a hybrid tree's
-    lookups and merging, which the GPU waits for)."""
+    """`costs` with `host` seconds of host work added to every speculative step (a hybrid tree's merging,
+    which the GPU waits for), and `hidden` seconds (a static engine's schedule: the lookups, run while the
+    learned draft's step function computes) paid only where they outlast the draft's forwards."""
 
     costs: Costs
     host: HostModel
+    hidden: HostModel | None = None
 
     def __getattr__(self, name: str):
         return getattr(self.costs, name)
 
     def spec_step(self, c: SpecConfig, B: int, width: int, ctx_max: int, ctx_sum: int,
                   verified: float | None = None) -> float:
-        return self.costs.spec_step(c, B, width, ctx_max, ctx_sum, verified) + self.host.seconds(B)
+        seconds = self.costs.spec_step(c, B, width, ctx_max, ctx_sum, verified) + self.host.seconds(B)
+        if self.hidden is not None:
+            seconds += max(0.0, self.hidden.seconds(B) - self.costs.drafting(c, B, width, ctx_max, ctx_sum))
+        return seconds
 
 
 def merge_sweeps(sweeps: list[dict]) -> dict:
@@ -223,8 +209,7 @@ def simulated_h100(pooled: dict, quick: bool, seed: int, log: Callable[[str], No
     measured: HostModel = pooled["hybrid"]["host"]
     cases = {"learned": (profiles["learned"], costs),
              "hybrid": (profiles["hybrid"], HostWork(costs, measured)),
-             "hybrid_static": (profiles["hybrid"], StaticHostWork(costs, pooled["hybrid"]["waited"],
-                                                                  pooled["hybrid"]["hidden"])),
+             "hybrid_static": (profiles["hybrid"], HostWork(costs, pooled["hybrid"]["waited"], pooled["hybrid"]["hidden"])),
              "hybrid_no_host": (profiles["hybrid"], costs)}
     seconds: dict[str, dict] = {}
     for case, (profile, priced) in cases.items():

@@ -641,8 +641,9 @@ class EmbeddedEngine:
                 learned = None
         t = time.perf_counter()
         tree = hybrid_tree(learned, candidates, torch.tensor([s.pending for s in running]), N, self.calibration)
-        depth = depth_bucket(int(tree.depth.max()), min(N - 1, self.draft_window - 1))
-        if int(tree.depth.max()) > depth:
+        deepest = int(tree.depth.max())
+        depth = depth_bucket(deepest, min(N - 1, self.draft_window - 1))
+        if deepest > depth:
             within = tree.depth <= depth
             tree = tree.restricted((within if tree.valid is None else tree.valid & within)[:, 1:])
         self._to_tree_input(tree, rows, depth)
