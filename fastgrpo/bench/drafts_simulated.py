@@ -15,9 +15,10 @@ source's profile. A hybrid step also pays its host work: the index's lookups and
 merging and calibrating of its trees, measured here per speculative step and fitted as a cost per step
 plus a cost per running row (`HostModel`: the merge is batched, so much of it is paid once a step), are
 added to every simulated speculative step (`HostWork`): a GPU host runs the same Python. A static
-engine's schedule is priced too (`HostWork` with its `hidden` part): it launches the learned draft's step function before
-the index's lookups, so the part of the host work a static sweep (`engine.steps=static`) measured while
-that step computed is paid only where it outlasts the draft's forwards; the rest on every step.
+engine's schedule is priced too (`HostWork` with its `hidden` part): it launches the learned draft's step
+function before the index's lookups, so the part of the host work a static sweep (`engine.steps=static`)
+measured while that step computed is paid only where it outlasts the draft's forwards; the rest on every
+step.
 
 What the simulator does not know: a static engine runs a hybrid step as two step functions (the
 learned draft's, then the verify of the merged tree) with a second read-back between them, while the
@@ -209,7 +210,8 @@ def simulated_h100(pooled: dict, quick: bool, seed: int, log: Callable[[str], No
     measured: HostModel = pooled["hybrid"]["host"]
     cases = {"learned": (profiles["learned"], costs),
              "hybrid": (profiles["hybrid"], HostWork(costs, measured)),
-             "hybrid_static": (profiles["hybrid"], HostWork(costs, pooled["hybrid"]["waited"], pooled["hybrid"]["hidden"])),
+             "hybrid_static": (profiles["hybrid"],
+                               HostWork(costs, pooled["hybrid"]["waited"], pooled["hybrid"]["hidden"])),
              "hybrid_no_host": (profiles["hybrid"], costs)}
     seconds: dict[str, dict] = {}
     for case, (profile, priced) in cases.items():
