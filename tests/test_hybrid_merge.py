@@ -17,8 +17,10 @@ from fastgrpo.speculation.suffix_index import Candidates
 
 
 def reference_merge(learned: Tree | None, candidates: list[Candidates], roots: list[int], num_verify: int,
-                    calibration: NodeCalibration | None) -> list[list[tuple[tuple[int, ...], float, int, float]]]:
-    """Each row's kept nodes, parents before children: (path, score, source bits, raw conditional)."""
+                    calibration: NodeCalibration | None,
+                    max_depth: int | None = None) -> list[list[tuple[tuple[int, ...], float, int, float]]]:
+    """Each row's kept nodes, parents before children: (path, score, source bits, raw conditional); none
+    deeper than `max_depth`."""
     out = []
     for b in range(len(roots)):
         nodes: dict[tuple[int, ...], list] = {}  # path -> [score, source bits, raw conditional], in proposal order
@@ -40,7 +42,8 @@ def reference_merge(learned: Tree | None, candidates: list[Candidates], roots: l
                                        torch.tensor(c.match_len)))
                 entry[0] = (nodes[path[:-1]][0] if len(path) > 1 else 0.0) + math.log(
                     max(calibration.conditional(CLASSES[cls], entry[2]), 1e-12))
-        kept = sorted(nodes, key=lambda p: (-nodes[p][0], len(p)))[: num_verify - 1]
+        allowed = [p for p in nodes if max_depth is None or len(p) <= max_depth]
+        kept = sorted(allowed, key=lambda p: (-nodes[p][0], len(p)))[: num_verify - 1]
         out.append([(p, *nodes[p]) for p in sorted(kept, key=len)])
     return out
 
@@ -125,6 +128,11 @@ def random_case(rng: random.Random, trial: int) -> tuple[Tree | None, list[Candi
     return learned, cands, [rng.randrange(vocab) for _ in range(rows)], rng.randint(2, 14)
 
 
+def depth_limit(trial: int) -> int | None:
+    """None (no limit) for two trials in three, else 1-3 levels: below the random trees' 4-5."""
+    return None if trial % 3 else 1 + trial % 4 % 3
+
+
 MERGES = [pytest.param(False, id="batched"),
           pytest.param(True, id="compiled", marks=pytest.mark.skipif(compiled_merge is None, reason="not built"))]
 
@@ -134,12 +142,14 @@ MERGES = [pytest.param(False, id="batched"),
 def test_the_merge_keeps_the_reference_nodes(calibrated, compiled):
     rng = random.Random(1)
     calibration = calibration_of(rng, calibrated)
-    shared = 0
+    shared = limited = 0
     for trial in range(60):
         learned, cands, roots, num_verify = random_case(rng, trial)
-        rows = len(roots)
-        tree = hybrid_tree(learned, cands, torch.tensor(roots), num_verify, calibration, compiled=compiled)
-        want = reference_merge(learned, cands, roots, num_verify, calibration)
+        rows, max_depth = len(roots), depth_limit(trial)
+        tree = hybrid_tree(learned, cands, torch.tensor(roots), num_verify, calibration, compiled=compiled,
+                           max_depth=max_depth)
+        want = reference_merge(learned, cands, roots, num_verify, calibration, max_depth)
+        limited += max_depth is not None and want != reference_merge(learned, cands, roots, num_verify, calibration)
         got = merged_rows(tree)
         assert tree.tokens.shape == (rows, num_verify) and tree.tokens[:, 0].tolist() == roots
         for g, w in zip(got, want):
@@ -152,6 +162,7 @@ def test_the_merge_keeps_the_reference_nodes(calibrated, compiled):
         depth = tree.depth.masked_fill(~tree.valid, 99) if tree.valid is not None else tree.depth
         assert bool((depth[:, 1:].diff(dim=1) >= 0).all())  # parents before children, padding last
     assert shared >= 20  # the merge of shared paths was exercised
+    assert limited >= 5  # and depth limits that changed the kept nodes
 
 
 @pytest.mark.skipif(compiled_merge is None, reason="the compiled merge is not built here")
@@ -163,7 +174,9 @@ def test_the_compiled_merge_makes_the_batched_tree(calibrated):
     for trial in range(60):
         learned, cands, roots, num_verify = random_case(rng, trial)
         args = (learned, cands, torch.tensor(roots), num_verify, calibration)
-        batched, compiled = hybrid_tree(*args, compiled=False), hybrid_tree(*args, compiled=True)
+        max_depth = depth_limit(trial)
+        batched = hybrid_tree(*args, compiled=False, max_depth=max_depth)
+        compiled = hybrid_tree(*args, compiled=True, max_depth=max_depth)
         for name in ("tokens", "parents", "depth", "mask", "score", "valid", "source", "raw", "match"):
             a, b = getattr(batched, name), getattr(compiled, name)
             assert (a is None) == (b is None), (trial, name)

@@ -2,20 +2,24 @@
 (hybrid), the host's merge with the suffix index's candidates, then a verify step of the tree the host
 built. The same tokens, acceptance and calibration counts as the eager engine (and plain decoding's
 tokens), no host sync inside either step function, about the learned step's op count, trees deeper than the
-draft window allows cut to it, and the host work between the two step functions timed by its tool."""
+draft window allows cut to it, the host's merge into the verify's input in C the same as by tensor
+operations, and the host work between the two step functions timed by its tool."""
+
+import random
 
 import pytest
 import torch
 
 from fastgrpo.engines.embedded.engine import EmbeddedEngine
-from fastgrpo.engines.embedded.steps import depth_bucket, tree_rows
-from fastgrpo.engines.embedded.tree import Tree, ancestor_mask
+from fastgrpo.engines.embedded.steps import depth_bucket, merged_rows, tree_rows
+from fastgrpo.engines.embedded.tree import Tree, ancestor_mask, compiled_merge_rows
 from fastgrpo.models.policy import new_policy
 from fastgrpo.speculation.policy import Static
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.speculation.suffix_index import IndexLimits
 from fastgrpo.types import Request
 from tests.test_families import trained_draft
+from tests.test_hybrid_merge import calibration_of, depth_limit, random_case
 from tests.test_moe_engine import hf_model, qwen3_moe
 from tests.test_static_steps import SAMPLINGS, STOPS, assert_same, audited, dense, engine, prompts  # noqa: F401
 
@@ -32,6 +36,57 @@ def test_a_host_tree_crosses_as_rows_of_tokens_parents_depths_and_verified_nodes
     assert rows[0].tolist() == [[9, 4, 6, 0, 0], [0, 0, 1, 0, 0], [0, 1, 2, 1, 1], [1, 1, 1, 0, 0]]
     assert rows[1].tolist() == [[0] * 5, [0] * 5, [0, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
     assert [depth_bucket(d, 11) for d in (0, 1, 3, 5, 7, 9, 12)] == [1, 1, 4, 6, 8, 11, 11]
+
+
+@pytest.mark.skipif(compiled_merge_rows is None, reason="the compiled merge is not built here")
+@pytest.mark.parametrize("calibrated", [False, True], ids=["raw", "calibrated"])
+def test_the_compiled_merge_writes_the_rows_and_tree_of_the_tensor_route(calibrated):
+    """`merged_rows` in one C call against unpacking, merging and writing the rows as tensor operations, on
+    the merge tests' random trees packed as `propose` packs them: the same verify rows (padded rows after
+    the running ones included), the same merged tree, deepest node and finiteness; with depth limits, a
+    row's non-finite draft (every row then the index's candidates alone) and the index alone."""
+    rng = random.Random(3)
+    calibration = calibration_of(rng, calibrated)
+    cases = {"learned": 0, "index alone": 0, "non-finite": 0, "limited": 0}
+    for trial in range(60):
+        learned, cands, roots, N = random_case(rng, trial)
+        B, max_depth = len(roots), depth_limit(trial) or N - 1
+        packed = None
+        if learned is not None:
+            finite = torch.ones(B, 1, dtype=torch.float64)
+            if trial % 7 == 3:
+                finite[rng.randrange(B)] = 0.0
+            packed = torch.cat([t.double() for t in (learned.tokens, learned.parents, learned.depth, learned.score)]
+                               + [finite], 1)
+            cases["non-finite" if trial % 7 == 3 else "learned"] += 1
+        else:
+            cases["index alone"] += 1
+        cases["limited"] += max_depth < N - 1
+        rows = B + trial % 3
+        outs, results = [], []
+        for compiled in (False, True):
+            out = torch.full((rows, 4 * N), 7, dtype=torch.long)  # (what an earlier step left in the buffer)
+            results.append(merged_rows(packed, cands, torch.tensor(roots), N, calibration, max_depth, out,
+                                       compiled=compiled))
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), trial
+        (reference, deepest, finite), (tree, c_deepest, c_finite) = results
+        assert (c_deepest, c_finite) == (deepest, finite), trial
+        assert finite == (packed is None or trial % 7 != 3)
+        assert deepest <= max_depth and int(outs[1][:B, 2 * N:3 * N].max()) <= max(max_depth, 1)
+        valid = torch.ones(B, N, dtype=torch.bool) if reference.valid is None else reference.valid
+        assert torch.equal(tree.valid, valid), trial
+        for name in ("tokens", "parents", "depth", "source", "raw", "match"):
+            a, b = getattr(reference, name), getattr(tree, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), (trial, name)
+    assert min(cases.values()) >= 4, cases
+
+
+def test_merged_rows_refuses_a_buffer_the_verify_cannot_read():
+    cands = random_case(random.Random(0), 0)[1]
+    with pytest.raises(ValueError, match=r"int64 CPU tensor \[rows, 48\]"):
+        merged_rows(None, cands, torch.zeros(len(cands), dtype=torch.long), 12, None, 11,
+                    torch.zeros(len(cands), 40, dtype=torch.long), compiled=compiled_merge_rows is not None)
 
 
 def merged_engine(cfg, target, draft, drafts, tree, window=16, **engine_args):

@@ -105,19 +105,160 @@ static void *address(PyObject *o) {
     return p;
 }
 
+/* Scratch space of one merge call, grown to the largest row's node count. */
+typedef struct {
+    Node *nodes;
+    Node **order;
+    Kept *kept;
+    int64_t *position;
+    Py_ssize_t cap;
+} Work;
+
+static void work_free(Work *w) { free(w->nodes), free(w->order), free(w->kept), free(w->position); }
+
+static int work_reserve(Work *w, Py_ssize_t U) {
+    if (U <= w->cap) return 0;
+    Node *n = realloc(w->nodes, (size_t)U * sizeof(Node));
+    if (n) w->nodes = n;
+    Node **o = n ? realloc(w->order, (size_t)U * sizeof(Node *)) : NULL;
+    if (o) w->order = o;
+    Kept *k = o ? realloc(w->kept, (size_t)U * sizeof(Kept)) : NULL;
+    if (k) w->kept = k;
+    int64_t *p = k ? realloc(w->position, (size_t)U * sizeof(int64_t)) : NULL;
+    if (p) w->position = p, w->cap = U;
+    if (!p) PyErr_NoMemory();
+    return p ? 0 : -1;
+}
+
+/* One row's merged tree, N nodes each (score may be NULL). */
+typedef struct {
+    int64_t *tok, *par, *dep;
+    float *score, *raw;
+    int8_t *src;
+} Row;
+
+/* Merge one row: the learned tree's L nodes (rt, rp, rd, rs; L = 1: the root alone) and the row's
+ * Candidates `cand`, keeping the N - 1 best alive nodes no deeper than `max_depth`, written to `o` (the
+ * root first, padding last: token 0 at depth 1 under the root). Returns the nodes kept (K; nodes K + 1..
+ * N - 1 are padding), or -1 with an exception set; *match: the row's match length; *deepest: raised to
+ * the deepest kept node's depth. */
+static Py_ssize_t merge_row(Work *w, const int64_t *rt, const int64_t *rp, const int64_t *rd, const float *rs,
+                            Py_ssize_t L, int64_t root, PyObject *cand, Py_ssize_t N, const Calibration *cal,
+                            int64_t max_depth, int64_t *match_out, int64_t *deepest, const Row *o) {
+    Py_ssize_t M = -1, K = -1;
+    PyObject *f_tok = field(cand, "tokens", &M), *f_par = f_tok ? field(cand, "parents", &M) : NULL;
+    PyObject *f_dep = f_par ? field(cand, "depth", &M) : NULL, *f_logp = f_dep ? field(cand, "logp", &M) : NULL;
+    PyObject *f_match = f_logp ? PyObject_GetAttrString(cand, "match_len") : NULL;
+    long match = f_match ? PyLong_AsLong(f_match) : -1;
+    Py_ssize_t U = L + (M < 0 ? 0 : M);
+    if (!f_match || (match == -1 && PyErr_Occurred()) || work_reserve(w, U) < 0) goto done;
+    Node *nodes = w->nodes;
+    for (Py_ssize_t u = 0; u < L; u++) {
+        Node *n = &nodes[u];
+        n->tok = rt[u], n->par = rp[u], n->dep = rd[u], n->node = u, n->id = u;
+        n->est = (double)rs[u];
+        n->src = u > 0 ? LEARNED : 0, n->alive = u > 0 && n->dep <= max_depth;
+    }
+    for (Py_ssize_t u = 0; u < L; u++) nodes[u].raw = exp(nodes[u].est - nodes[nodes[u].par].est);
+    for (Py_ssize_t i = 0; i < M; i++) {
+        Node *n = &nodes[L + i];
+        long p = PyLong_AsLong(PySequence_Fast_GET_ITEM(f_par, i));
+        n->tok = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(f_tok, i));
+        n->dep = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(f_dep, i));
+        n->est = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(f_logp, i));
+        if (PyErr_Occurred()) goto done;
+        if (p >= i || p < -1) {
+            PyErr_Format(PyExc_ValueError, "a candidate's parent (%ld) must come before it (%zd)", p, i);
+            goto done;
+        }
+        n->par = p >= 0 ? L + p : 0;
+        n->raw = exp(n->est - nodes[n->par].est);
+        n->node = n->id = L + i, n->src = INDEX, n->alive = n->dep <= max_depth;
+        /* a path the learned draft proposed is its node: its parent's node has a learned child of this
+         * token (parents come first, so the parent's node is known) */
+        int64_t parent_node = nodes[n->par].node;
+        if (L > 1 && parent_node < L)
+            for (Py_ssize_t v = 1; v < L; v++)
+                if (rp[v] == parent_node && rt[v] == n->tok) {
+                    Node *m = &nodes[v];
+                    n->node = v, n->alive = 0;
+                    if (n->est > m->est) m->est = n->est;
+                    if (n->raw > m->raw) m->raw = n->raw;
+                    m->src |= INDEX;
+                    break;
+                }
+    }
+
+    for (Py_ssize_t u = 0; u < U; u++) nodes[u].par = nodes[nodes[u].par].node; /* onto merged nodes */
+    if (!cal->counts) {
+        for (Py_ssize_t u = 0; u < U; u++) nodes[u].score = nodes[u].est;
+    } else { /* parents first: a path's score is its parent's plus its own node's */
+        int64_t levels = 0;
+        for (Py_ssize_t u = 0; u < U; u++) {
+            Node *n = &nodes[u];
+            int cls = node_class(n->src, match, cal->long_match);
+            n->score = log(calibrated(cal, cls, n->raw)); /* its own node's, until the paths are summed */
+            if (n->dep > levels) levels = n->dep;
+        }
+        nodes[0].score = 0.0; /* the root */
+        for (int64_t d = 1; d <= levels; d++)
+            for (Py_ssize_t u = 0; u < U; u++)
+                if (nodes[u].dep == d) nodes[u].score += nodes[nodes[u].par].score;
+    }
+
+    Node **order = w->order;
+    Kept *kept = w->kept;
+    for (Py_ssize_t u = 0; u < U; u++) order[u] = &nodes[u];
+    qsort(order, (size_t)U, sizeof(Node *), cmp_rank);
+    K = 0;
+    for (Py_ssize_t r = 0; r < U && K < N - 1 && order[r]->alive; r++) kept[K].node = order[r], kept[K].rank = r, K++;
+    qsort(kept, (size_t)K, sizeof(Kept), cmp_depth);
+    for (Py_ssize_t u = 0; u < U; u++) w->position[u] = 0; /* the root, and nodes not kept */
+    for (Py_ssize_t j = 0; j < K; j++) w->position[kept[j].node->id] = j + 1;
+
+    o->tok[0] = root, o->par[0] = 0, o->dep[0] = 0, o->src[0] = 0, o->raw[0] = 0.0f;
+    if (o->score) o->score[0] = 0.0f;
+    for (Py_ssize_t j = 1; j < N; j++) {
+        if (j <= K) {
+            const Node *n = kept[j - 1].node;
+            o->tok[j] = n->tok, o->par[j] = w->position[n->par], o->dep[j] = n->dep;
+            o->src[j] = (int8_t)n->src, o->raw[j] = (float)n->raw;
+            if (o->score) o->score[j] = (float)n->score;
+            if (n->dep > *deepest) *deepest = n->dep;
+        } else { /* padding: token 0 at depth 1 under the root, never verified */
+            o->tok[j] = 0, o->par[j] = 0, o->dep[j] = 1, o->src[j] = 0, o->raw[j] = 0.0f;
+            if (o->score) o->score[j] = -INFINITY;
+        }
+    }
+    *match_out = match;
+done:
+    Py_XDECREF(f_tok), Py_XDECREF(f_par), Py_XDECREF(f_dep), Py_XDECREF(f_logp), Py_XDECREF(f_match);
+    return K;
+}
+
+static PyObject *candidate_rows(PyObject *candidates, Py_ssize_t B) {
+    PyObject *cands = PySequence_Fast(candidates, "candidates must be a sequence");
+    if (cands && PySequence_Fast_GET_SIZE(cands) != B) {
+        PyErr_Format(PyExc_ValueError, "%zd candidate lists for %zd rows", PySequence_Fast_GET_SIZE(cands), B);
+        Py_CLEAR(cands);
+    }
+    return cands;
+}
+
 /* merge(learned (tokens, parents, depth, score) addresses, B, L, root_tokens address, candidates,
- *       num_verify, counts address or 0, prior, buckets, long_match,
- *       out (tokens, parents, depth, score, source, raw, kept, mask) addresses) -> all kept (bool)
+ *       num_verify, counts address or None, prior, buckets, long_match, max_depth,
+ *       out (tokens, parents, depth, score, source, raw, kept, mask, match) addresses) -> all kept (bool)
  * learned: int64 [B, L] x 3 and float32 [B, L]; root_tokens int64 [B]; out: int64 [B, N] x 3, float32
- * [B, N], int8 [B, N], float32 [B, N], bool [B, N - 1], bool [B, N, N]. */
+ * [B, N], int8 [B, N], float32 [B, N], bool [B, N - 1], bool [B, N, N], int64 [B]. */
 static PyObject *merge(PyObject *self, PyObject *args) {
     PyObject *a_ltok, *a_lpar, *a_ldep, *a_lscore, *a_root, *candidates, *a_counts;
-    PyObject *a_out[8];
+    PyObject *a_out[9];
     Py_ssize_t B, L, N;
+    long long max_depth;
     Calibration cal;
-    if (!PyArg_ParseTuple(args, "OOOOnnOOnOdllOOOOOOOO", &a_ltok, &a_lpar, &a_ldep, &a_lscore, &B, &L, &a_root,
-                          &candidates, &N, &a_counts, &cal.prior, &cal.buckets, &cal.long_match, &a_out[0],
-                          &a_out[1], &a_out[2], &a_out[3], &a_out[4], &a_out[5], &a_out[6], &a_out[7]))
+    if (!PyArg_ParseTuple(args, "OOOOnnOOnOdllLOOOOOOOOO", &a_ltok, &a_lpar, &a_ldep, &a_lscore, &B, &L, &a_root,
+                          &candidates, &N, &a_counts, &cal.prior, &cal.buckets, &cal.long_match, &max_depth, &a_out[0],
+                          &a_out[1], &a_out[2], &a_out[3], &a_out[4], &a_out[5], &a_out[6], &a_out[7], &a_out[8]))
         return NULL;
     if (B < 0 || L < 1 || N < 1 || cal.buckets < 1) return PyErr_Format(PyExc_ValueError, "bad shapes");
     const int64_t *ltok = address(a_ltok), *lpar = address(a_lpar), *ldep = address(a_ldep);
@@ -130,139 +271,114 @@ static PyObject *merge(PyObject *self, PyObject *args) {
     int8_t *osrc = address(a_out[4]);
     float *oraw = address(a_out[5]);
     uint8_t *okept = address(a_out[6]), *omask = address(a_out[7]);
+    int64_t *omatch = address(a_out[8]);
     if (PyErr_Occurred()) return NULL;
-    PyObject *cands = PySequence_Fast(candidates, "candidates must be a sequence");
+    PyObject *cands = candidate_rows(candidates, B);
     if (!cands) return NULL;
-    if (PySequence_Fast_GET_SIZE(cands) != B) {
-        Py_DECREF(cands);
-        return PyErr_Format(PyExc_ValueError, "%zd candidate lists for %zd rows", PySequence_Fast_GET_SIZE(cands), B);
-    }
-    Node *nodes = NULL;
-    Node **order = NULL;
-    Kept *kept = NULL;
-    int64_t *position = NULL;
-    Py_ssize_t cap = 0;
+    Work w = {0};
     int all_kept = 1;
     for (Py_ssize_t b = 0; b < B; b++) {
-        PyObject *cand = PySequence_Fast_GET_ITEM(cands, b);
-        Py_ssize_t M = -1;
-        PyObject *f_tok = field(cand, "tokens", &M), *f_par = f_tok ? field(cand, "parents", &M) : NULL;
-        PyObject *f_dep = f_par ? field(cand, "depth", &M) : NULL, *f_logp = f_dep ? field(cand, "logp", &M) : NULL;
-        PyObject *f_match = f_logp ? PyObject_GetAttrString(cand, "match_len") : NULL;
-        long match = f_match ? PyLong_AsLong(f_match) : -1;
-        Py_ssize_t U = L + (M < 0 ? 0 : M);
-        int bad = !f_match || (match == -1 && PyErr_Occurred());
-        if (!bad && U > cap) {
-            cap = U;
-            Node *n = realloc(nodes, (size_t)cap * sizeof(Node));
-            Node **o = n ? realloc(order, (size_t)cap * sizeof(Node *)) : NULL;
-            Kept *k = o ? realloc(kept, (size_t)cap * sizeof(Kept)) : NULL;
-            int64_t *p = k ? realloc(position, (size_t)cap * sizeof(int64_t)) : NULL;
-            if (n) nodes = n;
-            if (o) order = o;
-            if (k) kept = k;
-            if (p) position = p;
-            if (!p) bad = 1, PyErr_NoMemory();
+        Row o = {otok + b * N, opar + b * N, odep + b * N, oscore + b * N, oraw + b * N, osrc + b * N};
+        int64_t deepest = 0;
+        Py_ssize_t K = merge_row(&w, ltok + b * L, lpar + b * L, ldep + b * L, lscore + b * L, L, root[b],
+                                 PySequence_Fast_GET_ITEM(cands, b), N, &cal, max_depth, omatch + b, &deepest, &o);
+        if (K < 0) {
+            work_free(&w);
+            Py_DECREF(cands);
+            return NULL;
         }
-        if (!bad) {
-            const int64_t *rt = ltok + b * L, *rp = lpar + b * L, *rd = ldep + b * L;
-            const float *rs = lscore + b * L;
-            for (Py_ssize_t u = 0; u < L; u++) {
-                Node *n = &nodes[u];
-                n->tok = rt[u], n->par = rp[u], n->dep = rd[u], n->node = u, n->id = u;
-                n->est = (double)rs[u];
-                n->src = u > 0 ? LEARNED : 0, n->alive = u > 0;
-            }
-            for (Py_ssize_t u = 0; u < L; u++) nodes[u].raw = exp(nodes[u].est - nodes[nodes[u].par].est);
-            for (Py_ssize_t i = 0; i < M && !bad; i++) {
-                Node *n = &nodes[L + i];
-                long p = PyLong_AsLong(PySequence_Fast_GET_ITEM(f_par, i));
-                n->tok = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(f_tok, i));
-                n->dep = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(f_dep, i));
-                n->est = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(f_logp, i));
-                if (PyErr_Occurred()) { bad = 1; break; }
-                if (p >= i || p < -1) {
-                    PyErr_Format(PyExc_ValueError, "a candidate's parent (%ld) must come before it (%zd)", p, i);
-                    bad = 1;
-                    break;
-                }
-                n->par = p >= 0 ? L + p : 0;
-                n->raw = exp(n->est - nodes[n->par].est);
-                n->node = n->id = L + i, n->src = INDEX, n->alive = 1;
-                /* a path the learned draft proposed is its node: its parent's node has a learned child
-                 * of this token (parents come first, so the parent's node is known) */
-                int64_t parent_node = nodes[n->par].node;
-                if (L > 1 && parent_node < L)
-                    for (Py_ssize_t v = 1; v < L; v++)
-                        if (rp[v] == parent_node && rt[v] == n->tok) {
-                            Node *m = &nodes[v];
-                            n->node = v, n->alive = 0;
-                            if (n->est > m->est) m->est = n->est;
-                            if (n->raw > m->raw) m->raw = n->raw;
-                            m->src |= INDEX;
-                            break;
-                        }
-            }
-        }
-        Py_XDECREF(f_tok), Py_XDECREF(f_par), Py_XDECREF(f_dep), Py_XDECREF(f_logp), Py_XDECREF(f_match);
-        if (bad) goto fail;
-
-        for (Py_ssize_t u = 0; u < U; u++) nodes[u].par = nodes[nodes[u].par].node; /* onto merged nodes */
-        if (!cal.counts) {
-            for (Py_ssize_t u = 0; u < U; u++) nodes[u].score = nodes[u].est;
-        } else { /* parents first: a path's score is its parent's plus its own node's */
-            int64_t levels = 0;
-            for (Py_ssize_t u = 0; u < U; u++) {
-                Node *n = &nodes[u];
-                int cls = node_class(n->src, match, cal.long_match);
-                n->score = log(calibrated(&cal, cls, n->raw)); /* its own node's, until the paths are summed */
-                if (n->dep > levels) levels = n->dep;
-            }
-            nodes[0].score = 0.0; /* the root */
-            for (int64_t d = 1; d <= levels; d++)
-                for (Py_ssize_t u = 0; u < U; u++)
-                    if (nodes[u].dep == d) nodes[u].score += nodes[nodes[u].par].score;
-        }
-
-        for (Py_ssize_t u = 0; u < U; u++) order[u] = &nodes[u];
-        qsort(order, (size_t)U, sizeof(Node *), cmp_rank);
-        Py_ssize_t K = 0;
-        for (Py_ssize_t r = 0; r < U && K < N - 1 && order[r]->alive; r++) kept[K].node = order[r], kept[K].rank = r, K++;
-        qsort(kept, (size_t)K, sizeof(Kept), cmp_depth);
-        for (Py_ssize_t u = 0; u < U; u++) position[u] = 0; /* the root, and nodes not kept */
-        for (Py_ssize_t j = 0; j < K; j++) position[kept[j].node->id] = j + 1;
-
-        int64_t *t = otok + b * N, *p = opar + b * N, *d = odep + b * N;
-        float *s = oscore + b * N, *w = oraw + b * N;
-        int8_t *src = osrc + b * N;
         uint8_t *k = okept + b * (N - 1), *mask = omask + b * N * N;
-        t[0] = root[b], p[0] = 0, d[0] = 0, s[0] = 0.0f, src[0] = 0, w[0] = 0.0f;
-        for (Py_ssize_t j = 1; j < N; j++) {
-            if (j <= K) {
-                const Node *n = kept[j - 1].node;
-                t[j] = n->tok, p[j] = position[n->par], d[j] = n->dep, s[j] = (float)n->score;
-                src[j] = (int8_t)n->src, w[j] = (float)n->raw, k[j - 1] = 1;
-            } else { /* padding: token 0 at depth 1 under the root, never verified */
-                t[j] = 0, p[j] = 0, d[j] = 1, s[j] = -INFINITY, src[j] = 0, w[j] = 0.0f, k[j - 1] = 0;
-                all_kept = 0;
-            }
-        }
+        for (Py_ssize_t j = 1; j < N; j++) k[j - 1] = j <= K;
+        if (K < N - 1) all_kept = 0;
         memset(mask, 0, (size_t)(N * N));
         for (Py_ssize_t j = 0; j < N; j++) { /* a node, then its ancestors up to the root */
             mask[j * N + j] = 1;
             for (int64_t a = j; a != 0;) {
-                a = p[a];
+                a = o.par[a];
                 mask[j * N + a] = 1;
             }
         }
     }
-    free(nodes), free(order), free(kept), free(position);
+    work_free(&w);
     Py_DECREF(cands);
     return PyBool_FromLong(all_kept);
-fail:
-    free(nodes), free(order), free(kept), free(position);
+}
+
+/* merge_rows(packed address or None, L, B, rows, root_tokens address, candidates, num_verify, counts address
+ *            or None, prior, buckets, long_match, max_depth,
+ *            out (tokens, parents, depth, source, raw, valid, match, verify rows) addresses) -> (deepest, finite)
+ * `merge` of the learned trees a static step packed (`StaticSteps.propose`: float64 [B, 4 L + 1], each
+ * row's tokens, parents, depths, scores and whether its draft was finite; None: the index alone), whose
+ * tree goes straight into the verify step's input (`steps.tree_rows`): verify rows int64 [rows, 4 N],
+ * each row's tokens, parents, depths and whether verified; rows B.. a root alone. If any row's draft was
+ * not finite, every row merges the index's candidates alone (finite: False). The merged tree itself, for
+ * the calibration: tokens, parents, depth int64 [B, N], source int8 [B, N], raw float32 [B, N], valid bool
+ * [B, N], match int64 [B]. deepest: the deepest kept node's depth (0: none). */
+static PyObject *merge_rows(PyObject *self, PyObject *args) {
+    PyObject *a_packed, *a_root, *candidates, *a_counts, *a_out[8];
+    Py_ssize_t L, B, R, N;
+    long long max_depth;
+    Calibration cal;
+    if (!PyArg_ParseTuple(args, "OnnnOOnOdllLOOOOOOOO", &a_packed, &L, &B, &R, &a_root, &candidates, &N, &a_counts,
+                          &cal.prior, &cal.buckets, &cal.long_match, &max_depth, &a_out[0], &a_out[1], &a_out[2],
+                          &a_out[3], &a_out[4], &a_out[5], &a_out[6], &a_out[7]))
+        return NULL;
+    if (B < 0 || R < B || L < 1 || N < 1 || cal.buckets < 1) return PyErr_Format(PyExc_ValueError, "bad shapes");
+    const double *packed = a_packed == Py_None ? NULL : address(a_packed);
+    const int64_t *root = address(a_root);
+    cal.counts = a_counts == Py_None ? NULL : address(a_counts);
+    int64_t *otok = address(a_out[0]), *opar = address(a_out[1]), *odep = address(a_out[2]);
+    int8_t *osrc = address(a_out[3]);
+    float *oraw = address(a_out[4]);
+    uint8_t *ovalid = address(a_out[5]);
+    int64_t *omatch = address(a_out[6]), *out = address(a_out[7]);
+    if (PyErr_Occurred()) return NULL;
+    int finite = 1;
+    for (Py_ssize_t b = 0; packed && b < B; b++) finite &= packed[b * (4 * L + 1) + 4 * L] > 0;
+    Py_ssize_t Lrow = packed && finite ? L : 1; /* the learned nodes merged: the root alone without them */
+    int64_t *learned = malloc((size_t)(3 * Lrow) * sizeof(int64_t));
+    float *score = malloc((size_t)Lrow * sizeof(float));
+    if (!learned || !score) {
+        free(learned), free(score);
+        return PyErr_NoMemory();
+    }
+    PyObject *cands = candidate_rows(candidates, B);
+    Work w = {0};
+    int64_t deepest = 0;
+    for (Py_ssize_t b = 0; cands && b < B; b++) {
+        int64_t *t = out + b * 4 * N;
+        if (Lrow > 1) {
+            const double *row = packed + b * (4 * L + 1);
+            for (Py_ssize_t u = 0; u < L; u++) {
+                learned[u] = (int64_t)row[u], learned[L + u] = (int64_t)row[L + u];
+                learned[2 * L + u] = (int64_t)row[2 * L + u], score[u] = (float)row[3 * L + u];
+            }
+        } else {
+            learned[0] = root[b], learned[1] = learned[2] = 0, score[0] = 0.0f;
+        }
+        Row o = {otok + b * N, opar + b * N, odep + b * N, NULL, oraw + b * N, osrc + b * N};
+        Py_ssize_t K = merge_row(&w, learned, learned + Lrow, learned + 2 * Lrow, score, Lrow, root[b],
+                                 PySequence_Fast_GET_ITEM(cands, b), N, &cal, max_depth, omatch + b, &deepest, &o);
+        if (K < 0) {
+            Py_CLEAR(cands);
+            break;
+        }
+        for (Py_ssize_t j = 0; j < N; j++) {
+            ovalid[b * N + j] = j <= K;
+            t[j] = o.tok[j], t[N + j] = o.par[j], t[2 * N + j] = o.dep[j], t[3 * N + j] = j <= K;
+        }
+    }
+    for (Py_ssize_t b = B; cands && b < R; b++) { /* padded rows: a root alone (token 0), never verified nodes */
+        int64_t *t = out + b * 4 * N;
+        memset(t, 0, (size_t)(4 * N) * sizeof(int64_t));
+        for (Py_ssize_t j = 1; j < N; j++) t[2 * N + j] = 1;
+        t[3 * N] = 1;
+    }
+    work_free(&w);
+    free(learned), free(score);
+    if (!cands) return NULL;
     Py_DECREF(cands);
-    return NULL;
+    return Py_BuildValue("(LO)", (long long)deepest, finite ? Py_True : Py_False);
 }
 
 /* observe(parents, source, raw, valid or 0, match, path, accepted addresses, B, N, D, counts address,
@@ -313,6 +429,7 @@ static PyObject *observe(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"merge", merge, METH_VARARGS, "hybrid_tree's merge, row by row (tree.py calls it)."},
+    {"merge_rows", merge_rows, METH_VARARGS, "merge of a static step's packed learned trees into the verify's input."},
     {"observe", observe, METH_VARARGS, "A verified merged tree's calibration counts (tree.py calls it)."},
     {NULL}};
 

@@ -39,7 +39,7 @@ from fastgrpo.models.layers import EAGER
 from fastgrpo.speculation.policy import Off, PerSequencePolicy, SpeculationPolicy
 from fastgrpo.engines.embedded.graphs import StepGraphs
 from fastgrpo.engines.embedded.steps import (StaticSteps, StepResult, StepState, batch_bucket, catch_up,
-                                             context_bucket, depth_bucket, keep_path, tree_rows, unpack_learned)
+                                             context_bucket, depth_bucket, keep_path, merged_rows)
 from fastgrpo.engines.embedded.tree import (INDEX, NonFiniteDraft, Tree, Verified, draft_tree, hybrid_tree,
                                             observe_verified, verify_tree)
 from fastgrpo.speculation.node_calibration import NodeCalibration
@@ -619,13 +619,13 @@ class EmbeddedEngine:
 
     def _merged_tree(self, running: list[_Sequence], config: SpecConfig, rows: int, ctx: int) -> tuple[Tree, int]:
         """A merged static step's tree: the learned draft's (drafts: hybrid; drafted by its step function
-        while the host looks up the index, then read back) merged on the host with the index's candidates,
-        then copied to the verify step's input. Returns the tree (on the host, for the calibration) and the
-        levels its verify walks: the deepest node's on the ladder, at most the draft window allows
-        (`keep_states`; deeper nodes are left out, which only shortens what the step can accept)."""
+        while the host looks up the index, then read back) merged on the host with the index's candidates
+        straight into the verify step's input (`merged_rows`). Returns the tree (on the host, for the
+        calibration) and the levels its verify walks: the deepest node's on the ladder. No node is deeper
+        than the draft window allows (`keep_states`), which only shortens what the step can accept."""
         assert self.steps is not None and self._pending is not None
         B, N = len(running), config.num_verify
-        learned = None
+        packed = None
         if self.drafts == "hybrid":  # launched first: on a GPU the host's work below runs while it drafts
             out = self.graphs.run(("draft", config, rows, ctx),
                                   lambda: self.steps.propose(config, rows, ctx, self._pending))
@@ -634,37 +634,38 @@ class EmbeddedEngine:
         candidates = self._index_candidates(running, config)
         if self.drafts == "hybrid":
             self._counts["hidden_s"] += time.perf_counter() - t
-            learned, finite = unpack_learned(self._read_back(out[:B]), N)
-            if not finite:
-                log.warning("non-finite draft (draft version %d): the index's candidates alone this step",
-                            self.draft_version)
-                learned = None
+            packed = self._read_back(out[:B])
         t = time.perf_counter()
-        tree = hybrid_tree(learned, candidates, torch.tensor([s.pending for s in running]), N, self.calibration)
-        deepest = int(tree.depth.max())
-        depth = depth_bucket(deepest, min(N - 1, self.draft_window - 1))
-        if deepest > depth:
-            within = tree.depth <= depth
-            tree = tree.restricted((within if tree.valid is None else tree.valid & within)[:, 1:])
-        self._to_tree_input(tree, rows, depth)
+        cap = min(N - 1, self.draft_window - 1)
+        tree, deepest, finite = merged_rows(packed, candidates, torch.tensor([s.pending for s in running]), N,
+                                            self.calibration, cap, self._tree_input_rows(N, rows))
+        if not finite:
+            log.warning("non-finite draft (draft version %d): the index's candidates alone this step",
+                        self.draft_version)
+        depth = depth_bucket(deepest, cap)
+        self._send_tree_input(N, rows)
         self._counts["merge_s"] += time.perf_counter() - t
         return tree, depth
 
-    def _to_tree_input(self, tree: Tree, rows: int, depth: int) -> None:
-        """Write a tree built on the host into the verify step's input (`tree_rows`): on a GPU into a pinned
-        buffer first, then one copy ordered on the stream before the step (the read-back after the step
-        waits for it, so the buffer is free again by the next step's merge)."""
+    def _tree_input_rows(self, nodes: int, rows: int) -> Tensor:
+        """Where the host writes a merged tree for the verify step (`merged_rows`): its input buffer on the
+        CPU; on a GPU a pinned buffer, which `_send_tree_input` then copies there."""
         assert self.steps is not None
-        N = tree.tokens.shape[1]
-        buffer = self.steps.tree_input(N)[:rows]
+        buffer = self.steps.tree_input(nodes)
         if buffer.device.type == "cpu":
-            tree_rows(tree, buffer, depth)
-            return
-        staging = self._tree_staging.get(N)
+            return buffer[:rows]
+        staging = self._tree_staging.get(nodes)
         if staging is None:
-            staging = self._tree_staging[N] = torch.empty(self.rows, 4 * N, dtype=torch.long, pin_memory=True)
-        tree_rows(tree, staging[:rows], depth)
-        buffer.copy_(staging[:rows], non_blocking=True)
+            staging = self._tree_staging[nodes] = torch.empty(self.rows, 4 * nodes, dtype=torch.long, pin_memory=True)
+        return staging[:rows]
+
+    def _send_tree_input(self, nodes: int, rows: int) -> None:
+        """On a GPU: one copy of the written tree, ordered on the stream before the step (the read-back after
+        the step waits for it, so the pinned buffer is free again by the next step's merge)."""
+        assert self.steps is not None
+        buffer = self.steps.tree_input(nodes)
+        if buffer.device.type != "cpu":
+            buffer[:rows].copy_(self._tree_staging[nodes][:rows], non_blocking=True)
 
     def _observe_held(self) -> None:
         """Observe the last merged static step's outcome, if not yet (`_observe_merged`): before the next

@@ -34,6 +34,7 @@ graph as a learned step's past its drafting.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,11 +44,14 @@ from torch import Tensor
 
 from fastgrpo.engines.embedded.constants import arange, full
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache, block_mask, cache_kv
-from fastgrpo.engines.embedded.tree import Tree, Verified, ancestor_mask, draft_tree, verify_tree
+from fastgrpo.engines.embedded.tree import (Tree, Verified, ancestor_mask, compiled_merge_rows, draft_tree, hybrid_tree,
+                                            verify_tree)
 from fastgrpo.models.draft import DraftHead
 from fastgrpo.models.layers import EAGER, Pointwise
 from fastgrpo.models.sampling import cuts, sample, sampling_logprobs, seed_key
+from fastgrpo.speculation.node_calibration import LONG_MATCH, NodeCalibration
 from fastgrpo.speculation.spec import SpecConfig
+from fastgrpo.speculation.suffix_index import Candidates
 from fastgrpo.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -288,7 +292,7 @@ def tree_rows(tree: Tree, out: Tensor, depth: int) -> None:
 
 
 def unpack_learned(packed: Tensor, nodes: int) -> tuple[Tree, bool]:
-    """`StaticSteps.propose`'s packed trees read back on the host: the learned tree of each row (new
+    """`StaticSteps.propose`'s packed trees of `nodes` nodes read back on the host: the learned tree of each row (new
     tensors, not views of the read-back buffer, which the step's verify overwrites) and whether every
     row's draft was finite. Its mask is left empty ([B, N, 0]): the merge reads the tokens, parents,
     depths and scores alone, and the merged tree makes its own."""
@@ -297,6 +301,55 @@ def unpack_learned(packed: Tensor, nodes: int) -> tuple[Tree, bool]:
     tree = Tree(ids[:, :N], ids[:, N:2 * N], ids[:, 2 * N:], torch.empty(len(packed), N, 0, dtype=torch.bool),
                 packed[:, 3 * N:4 * N].float())
     return tree, bool((packed[:, 4 * N] > 0).all())
+
+
+def merged_rows(packed: Tensor | None, candidates: Sequence[Candidates], root_tokens: Tensor, nodes: int,
+                calibration: NodeCalibration | None, max_depth: int, out: Tensor,
+                compiled: bool | None = None) -> tuple[Tree, int, bool]:
+    """A merged static step's tree on the host, written into `out` [rows, 4 nodes] as `verify` reads it
+    (`tree_rows`; rows past the running ones a root alone): `hybrid_tree` of the learned trees `propose`
+    packed (read back; None: the index alone) and the index's `candidates`, no node deeper than
+    `max_depth`. Returns the merged tree (for the calibration: no mask or scores), its deepest verified
+    node's depth (0: none), and whether every row's draft was finite (if not, every row merged the index's candidates
+    alone, as an eager step would).
+
+    On a GPU the device waits for this, so it runs as one C call from the read-back to the verify's input
+    (`_tree_merge.merge_rows`) where the install built it: as tensor operations around the C merge
+    (`unpack_learned`, `hybrid_tree`, `tree_rows`: `compiled=False`) the steps around the merge were most
+    of its time. Both write the same rows and the same tree."""
+    B, N = len(root_tokens), nodes
+    if compiled is None:
+        compiled = compiled_merge_rows is not None
+    if not compiled or B == 0 or N < 2:
+        learned, finite = (None, True) if packed is None else unpack_learned(packed, (packed.shape[1] - 1) // 4)
+        tree = hybrid_tree(learned if finite else None, candidates, root_tokens, N, calibration,
+                           max_depth=max_depth)
+        tree_rows(tree, out, max_depth)
+        depth = tree.depth if tree.valid is None else tree.depth.masked_fill(~tree.valid, 0)
+        return tree, int(depth.max()), finite
+    if compiled_merge_rows is None:
+        raise RuntimeError("the compiled merge (fastgrpo/engines/embedded/_tree_merge.c) is not built")
+    cpu = torch.device("cpu")
+    if out.device != cpu or out.dtype != torch.long or not out.is_contiguous() or out.shape[1] != 4 * N:
+        raise ValueError(f"merged_rows writes a contiguous int64 CPU tensor [rows, {4 * N}], not {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
+    if packed is not None:
+        packed = packed.to(cpu, torch.float64).contiguous()
+        L = (packed.shape[1] - 1) // 4
+    roots = root_tokens.to(cpu, torch.long).contiguous()
+    counts = None if calibration is None else calibration.counts.to(cpu, torch.float64).contiguous()
+    record = [torch.empty(B, N, dtype=dtype) for dtype in (torch.long, torch.long, torch.long, torch.int8,
+                                                           torch.float32, torch.bool)]
+    match = torch.empty(B, dtype=torch.long)
+    deepest, finite = compiled_merge_rows(None if packed is None else packed.data_ptr(), 1 if packed is None else L,
+                                          B, len(out), roots.data_ptr(), candidates, N,
+                                          None if counts is None else counts.data_ptr(),
+                                          0.0 if calibration is None else calibration.prior,
+                                          1 if calibration is None else calibration.buckets, LONG_MATCH, max_depth,
+                                          *(t.data_ptr() for t in record), match.data_ptr(), out.data_ptr())
+    tokens, parents, depth, source, raw, valid = record
+    return (Tree(tokens, parents, depth, torch.empty(B, N, 0, dtype=torch.bool), valid=valid, source=source, raw=raw,
+                 match=match), deepest, finite)
 
 
 def _stacked(routed: list[Tensor] | None) -> Tensor | None:

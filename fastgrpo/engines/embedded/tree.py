@@ -44,9 +44,12 @@ from fastgrpo.speculation.suffix_index import Candidates
 
 try:  # hybrid_tree's merge and observe_verified's counting in C, where the install built them
     from fastgrpo.engines.embedded._tree_merge import merge as compiled_merge
+    from fastgrpo.engines.embedded._tree_merge import merge_rows as compiled_merge_rows
     from fastgrpo.engines.embedded._tree_merge import observe as compiled_observe
 except ImportError:
-    compiled_merge = compiled_observe = None
+    compiled_merge = compiled_merge_rows = compiled_observe = None
+
+NO_DEPTH_LIMIT = 2**62  # the C merge's max_depth for none
 
 
 class NonFiniteDraft(RuntimeError):
@@ -248,7 +251,8 @@ def observe_verified(calibration: NodeCalibration, tree: Tree, result: Verified,
 
 
 def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tokens: Tensor, num_verify: int,
-                calibration: NodeCalibration | None = None, compiled: bool | None = None) -> Tree:
+                calibration: NodeCalibration | None = None, compiled: bool | None = None,
+                max_depth: int | None = None) -> Tree:
     """One tree per row from the learned draft's tree (None: the index alone) and the index's
     continuations of that row (`SuffixIndex` candidates after the root), `num_verify` nodes with the root.
 
@@ -259,8 +263,9 @@ def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tok
     (`node_calibration`: learned per source from what verification accepted, the raw conditional the
     larger of the two sources'). Of all nodes the `num_verify - 1` best are kept, exact ties going to
     the shallower, then to the learned draft's, then to the earlier proposed: no path scores above its
-    prefix, so the kept set is ancestor-closed. A row with fewer nodes pads with nodes it does not
-    verify (`valid`).
+    prefix, so the kept set is ancestor-closed. `max_depth`: nodes deeper are never kept (a static verify
+    walks at most that many levels: a slot spent on a deeper node would be wasted). A row with fewer
+    nodes pads with nodes it does not verify (`valid`).
 
     Verification (`verify_tree`) does not read the scores or the sources: it samples the target at each
     node and moves on only if a child holds that token, so any child set keeps the output exactly the
@@ -280,7 +285,7 @@ def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tok
         raise RuntimeError("the compiled merge (fastgrpo/engines/embedded/_tree_merge.c) is not built: reinstall "
                            "fastgrpo (`pip install -e .`) where a C compiler is found")
     if compiled and B > 0 and N > 1:
-        return _merge_compiled(learned, candidates, root_tokens, N, calibration)
+        return _merge_compiled(learned, candidates, root_tokens, N, calibration, max_depth)
     if learned is None:  # the root alone
         zeros = torch.zeros(B, 1, dtype=torch.long)
         learned = Tree(root_tokens[:, None], zeros, zeros, torch.ones(B, 1, 1, dtype=torch.bool), torch.zeros(B, 1))
@@ -329,6 +334,8 @@ def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tok
     source = source.scatter_add(1, node, torch.cat([torch.zeros(B, L, dtype=torch.long), INDEX * merged.long()], 1))
     parents = node.gather(1, parents)  # a kept candidate's parent may be a learned node
     alive = torch.cat([ids[:L].expand(B, -1) > 0, i_valid & ~merged], 1)
+    if max_depth is not None:
+        alive &= depth <= max_depth
     match = torch.tensor([c.match_len for c in candidates], dtype=torch.long)
 
     if calibration is None:
@@ -371,7 +378,7 @@ def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tok
 
 
 def _merge_compiled(learned: Tree | None, candidates: Sequence[Candidates], root_tokens: Tensor, N: int,
-                    calibration: NodeCalibration | None) -> Tree:
+                    calibration: NodeCalibration | None, max_depth: int | None) -> Tree:
     """`hybrid_tree` by the C merge: contiguous CPU tensors of its dtypes in and out (a device's trees
     cross to the host and back)."""
     device, B = root_tokens.device, len(root_tokens)
@@ -388,17 +395,17 @@ def _merge_compiled(learned: Tree | None, candidates: Sequence[Candidates], root
     roots = root_tokens.to(cpu, torch.long).contiguous()
     out = [torch.empty(B, N, dtype=dtype) for dtype in (torch.long, torch.long, torch.long, torch.float32, torch.int8,
                                                          torch.float32)]
-    out += [torch.empty(B, N - 1, dtype=torch.bool), torch.empty(B, N, N, dtype=torch.bool)]
+    out += [torch.empty(B, N - 1, dtype=torch.bool), torch.empty(B, N, N, dtype=torch.bool),
+            torch.empty(B, dtype=torch.long)]
     counts = None if calibration is None else calibration.counts.to(cpu, torch.float64).contiguous()
     all_kept = compiled_merge(tokens.data_ptr(), parents.data_ptr(), depth.data_ptr(), score.data_ptr(), B,
                               tokens.shape[1], roots.data_ptr(), candidates, N,
                               None if counts is None else counts.data_ptr(),
                               0.0 if calibration is None else calibration.prior,
                               1 if calibration is None else calibration.buckets, LONG_MATCH,
-                              *(t.data_ptr() for t in out))
-    tokens, parents, depth, score, source, raw, kept, mask = (t.to(device) for t in out)
+                              NO_DEPTH_LIMIT if max_depth is None else max_depth, *(t.data_ptr() for t in out))
+    tokens, parents, depth, score, source, raw, kept, mask, match = (t.to(device) for t in out)
     valid = None if all_kept else torch.cat([torch.ones(B, 1, dtype=torch.bool, device=device), kept], 1)
-    match = torch.tensor([c.match_len for c in candidates], dtype=torch.long, device=device)
     return Tree(tokens, parents, depth, mask, score, valid, source, raw, match)
 
 
