@@ -25,8 +25,8 @@ step whatever the padding.
 
 Trees the host merges (drafts from the suffix index, alone or with the learned draft's) cannot be built
 inside a step: the index lives on the host. Such a step is two step functions with the host between them:
-`propose` (the learned draft's tree, read back; hybrid only), the host's merge, a copy of the merged tree
-into `tree_input` (`tree_rows`), then `verify`, which walks a fixed number of levels (`depth_bucket`). Two
+`propose` (the learned draft's tree, read back; hybrid only), the host's merge into `tree_input`'s rows
+(`merged_rows`), then `verify`, which walks a fixed number of levels (`depth_bucket`). Two
 read-backs a step instead of one, and no kernel launched while the host merges; the verify is the same
 graph as a learned step's past its drafting.
 """
@@ -216,7 +216,7 @@ class StaticSteps:
 
     def propose(self, config: SpecConfig, B: int, ctx: int, states: _PendingStates) -> Tensor:
         """The learned half of a merged step (drafts: hybrid): catch the draft up and draft a tree of
-        `config` per row, packed for the host's merge with the index's candidates (`unpack_learned`)."""
+        `config` per row, packed for the host's merge with the index's candidates (`merged_rows`)."""
         tree = self._learned_tree(config, B, ctx, states)
         assert tree.valid is not None and tree.score is not None
         return torch.cat([tree.tokens.double(), tree.parents.double(), tree.depth.double(), tree.score.double(),
@@ -225,7 +225,7 @@ class StaticSteps:
     def verify(self, nodes: int, depth: int, B: int, ctx: int, sampling: SamplingParams,
                states: _PendingStates, routing: bool = False) -> StepOutput:
         """Verify the trees of `nodes` nodes the host built (drafts: index | hybrid) and copied into
-        `tree_input(nodes)` (`tree_rows`), walking `depth` levels: as `speculate` past its drafting."""
+        `tree_input(nodes)` (`merged_rows`), walking `depth` levels: as `speculate` past its drafting."""
         N, t = nodes, self.tree_input(nodes)[:B]
         parents = t[:, N:2 * N]
         tree = Tree(t[:, :N], parents, t[:, 2 * N:3 * N], ancestor_mask(parents, depth), valid=t[:, 3 * N:] > 0)
