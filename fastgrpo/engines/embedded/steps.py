@@ -292,9 +292,9 @@ def tree_rows(tree: Tree, out: Tensor, depth: int) -> None:
 
 
 def unpack_learned(packed: Tensor, nodes: int) -> tuple[Tree, bool]:
-    """`StaticSteps.propose`'s packed trees of `nodes` nodes read back on the host: the learned tree of each row (new
-    tensors, not views of the read-back buffer, which the step's verify overwrites) and whether every
-    row's draft was finite. Its mask is left empty ([B, N, 0]): the merge reads the tokens, parents,
+    """`StaticSteps.propose`'s packed trees of `nodes` nodes read back on the host: the learned tree of
+    each row (new tensors, not views of the read-back buffer, which the step's verify overwrites) and
+    whether every row's draft was finite. Its mask is left empty ([B, N, 0]): the merge reads the tokens, parents,
     depths and scores alone, and the merged tree makes its own."""
     N = nodes
     ids = packed[:, :3 * N].long()
@@ -310,8 +310,8 @@ def merged_rows(packed: Tensor | None, candidates: Sequence[Candidates], root_to
     (`tree_rows`; rows past the running ones a root alone): `hybrid_tree` of the learned trees `propose`
     packed (read back; None: the index alone) and the index's `candidates`, no node deeper than
     `max_depth`. Returns the merged tree (for the calibration: no mask or scores), its deepest verified
-    node's depth (0: none), and whether every row's draft was finite (if not, every row merged the index's candidates
-    alone, as an eager step would).
+    node's depth (0: none), and whether every row's draft was finite (if not, every row merged the
+    index's candidates alone, as an eager step would).
 
     On a GPU the device waits for this, so it runs as one C call from the read-back to the verify's input
     (`_tree_merge.merge_rows`) where the install built it: as tensor operations around the C merge
