@@ -442,20 +442,18 @@ def test_a_calibrated_merge_spends_the_budget_on_the_source_verification_found_b
 def test_calibration_counts_the_nodes_whose_parent_was_reached():
     """Tree: root -> a(1) -> b(2), root -> c(3); b's walk accepted a then stopped: a accepted, b rejected
     (its parent reached), c rejected (its parent, the root, reached)."""
-    from fastgrpo.engines.embedded.tree import Verified, calibration_outcomes
+    from fastgrpo.engines.embedded.tree import calibration_outcomes
     from fastgrpo.speculation.node_calibration import BOTH, INDEX_SHORT, LEARNED_CLASS
 
     tree = learned_tree([(3,), (3, 4), (5,)], [-0.1, -0.2, -1.0], root=7)
     tree = replace(tree, source=torch.tensor([[0, LEARNED, LEARNED | INDEX, INDEX]], dtype=torch.int8),
                    raw=torch.tensor([[0.0, 0.9, 0.8, 0.3]]), match=torch.tensor([1]))
-    result = Verified(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3), torch.tensor([[1, 0]]), torch.tensor([1]))
-    got = outcomes(*calibration_outcomes(tree, result))
+    got = outcomes(*calibration_outcomes(tree, torch.tensor([[1, 0]]), torch.tensor([1])))
     assert [(c, round(r, 3), a) for c, r, a in got] == [(LEARNED_CLASS, 0.9, True), (BOTH, 0.8, False),
                                                         (INDEX_SHORT, 0.3, False)]
     # nothing accepted: only the root's children were reached
-    none = Verified(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3), torch.tensor([[0, 0]]), torch.tensor([0]))
-    assert [(c, a) for c, _, a in outcomes(*calibration_outcomes(tree, none))] == [(LEARNED_CLASS, False),
-                                                                                   (INDEX_SHORT, False)]
+    none = calibration_outcomes(tree, torch.tensor([[0, 0]]), torch.tensor([0]))
+    assert [(c, a) for c, _, a in outcomes(*none)] == [(LEARNED_CLASS, False), (INDEX_SHORT, False)]
 
 
 def test_a_resumed_run_drafts_from_the_index_its_checkpoint_kept(tmp_path, tiny_policy, tiny_draft):

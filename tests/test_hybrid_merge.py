@@ -214,16 +214,23 @@ def random_verified(rng: random.Random, tree: Tree) -> Verified:
 @pytest.mark.skipif(compiled_merge is None, reason="the compiled merge is not built here")
 def test_the_compiled_count_of_verified_nodes_is_the_tensor_one():
     """The same calibration counts (every class and bucket, accepted and reached) from the merged trees of the
-    cases above, each verified along a random path, counted by both."""
+    cases above, each verified along a random path, counted by both; and both return the accepted nodes the
+    index proposed, as counted node by node along each row's path (also with no calibration to count into)."""
     counted = {False: calibration_of(random.Random(4), True), True: calibration_of(random.Random(4), True)}
     start = counted[False].counts.clone()
     rng = random.Random(5)
+    from_index = 0
     for trial in range(60):
         learned, cands, roots, num_verify = random_case(rng, trial)
         tree = hybrid_tree(learned, cands, torch.tensor(roots), num_verify, counted[False])
         result = random_verified(rng, tree)
+        want = sum(int(tree.source[b, int(result.path[b, k])]) & INDEX > 0
+                   for b in range(len(roots)) for k in range(int(result.accepted[b])))
+        from_index += want
         for compiled, calibration in counted.items():
-            observe_verified(calibration, tree, result, compiled=compiled)
+            assert observe_verified(calibration, tree, result.path, result.accepted, compiled=compiled) == want
+            assert observe_verified(None, tree, result.path, result.accepted, compiled=compiled) == want
+    assert from_index > 20
     assert torch.equal(counted[False].counts, counted[True].counts)
     added = counted[False].counts - start
     assert added[..., 1].sum() > 200 and added[..., 0].sum() > 50  # nodes reached, and accepted

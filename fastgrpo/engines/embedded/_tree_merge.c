@@ -381,11 +381,12 @@ static PyObject *merge_rows(PyObject *self, PyObject *args) {
     return Py_BuildValue("(LO)", (long long)deepest, finite ? Py_True : Py_False);
 }
 
-/* observe(parents, source, raw, valid or 0, match, path, accepted addresses, B, N, D, counts address,
- *         buckets, long_match): `calibration_outcomes` and `NodeCalibration.observe` of a verified merged
- * tree in one pass: every verified non-root node whose parent was reached (the root, or a node on the
- * accepted path) counts once in its class and raw bucket as reached, and as accepted if it is on the
- * path. parents int64 [B, N], source int8 [B, N], raw float32 [B, N], valid bool [B, N], match int64 [B],
+/* observe(parents, source, raw, valid or None, match, path, accepted addresses, B, N, D, counts address or
+ *         None, buckets, long_match) -> index-accepted: `calibration_outcomes` and `NodeCalibration.observe`
+ * of a verified merged tree in one pass: every verified non-root node whose parent was reached (the root,
+ * or a node on the accepted path) counts once in its class and raw bucket as reached, and as accepted if
+ * it is on the path (counts None: nothing counted). Returns the accepted nodes the index proposed.
+ * parents int64 [B, N], source int8 [B, N], raw float32 [B, N], valid bool [B, N], match int64 [B],
  * path int64 [B, D], accepted int64 [B]; counts float64 [class, bucket, (accepted, reached)]. */
 static PyObject *observe(PyObject *self, PyObject *args) {
     PyObject *a[8];
@@ -400,10 +401,11 @@ static PyObject *observe(PyObject *self, PyObject *args) {
     const float *raw = address(a[2]);
     const uint8_t *valid = a[3] == Py_None ? NULL : address(a[3]);
     const int64_t *match = address(a[4]), *path = D ? address(a[5]) : NULL, *accepted = address(a[6]);
-    double *counts = address(a[7]);
+    double *counts = a[7] == Py_None ? NULL : address(a[7]);
     if (PyErr_Occurred()) return NULL;
     uint8_t *on_path = malloc((size_t)N);
     if (!on_path) return PyErr_NoMemory();
+    long long from_index = 0;
     for (Py_ssize_t b = 0; b < B; b++) {
         memset(on_path, 0, (size_t)N);
         for (int64_t k = 0; k < accepted[b] && k < D; k++) {
@@ -413,8 +415,9 @@ static PyObject *observe(PyObject *self, PyObject *args) {
                 return PyErr_Format(PyExc_ValueError, "an accepted node (%lld) outside the tree", (long long)node);
             }
             on_path[node] = 1;
+            from_index += (source[b * N + node] & INDEX) != 0;
         }
-        for (Py_ssize_t n = 1; n < N; n++) {
+        for (Py_ssize_t n = 1; counts && n < N; n++) {
             int64_t parent = parents[b * N + n];
             if ((valid && !valid[b * N + n]) || parent < 0 || parent >= N || !(parent == 0 || on_path[parent])) continue;
             int cls = node_class(source[b * N + n], match[b], long_match);
@@ -424,7 +427,7 @@ static PyObject *observe(PyObject *self, PyObject *args) {
         }
     }
     free(on_path);
-    Py_RETURN_NONE;
+    return PyLong_FromLongLong(from_index);
 }
 
 static PyMethodDef methods[] = {

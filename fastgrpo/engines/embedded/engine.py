@@ -40,7 +40,7 @@ from fastgrpo.speculation.policy import Off, PerSequencePolicy, SpeculationPolic
 from fastgrpo.engines.embedded.graphs import StepGraphs
 from fastgrpo.engines.embedded.steps import (StaticSteps, StepResult, StepState, batch_bucket, catch_up,
                                              context_bucket, depth_bucket, keep_path, merged_rows)
-from fastgrpo.engines.embedded.tree import (INDEX, NonFiniteDraft, Tree, Verified, draft_tree, hybrid_tree,
+from fastgrpo.engines.embedded.tree import (NonFiniteDraft, Tree, Verified, draft_tree, hybrid_tree,
                                             observe_verified, verify_tree)
 from fastgrpo.speculation.node_calibration import NodeCalibration
 from fastgrpo.speculation.spec import SpecConfig
@@ -185,7 +185,8 @@ class EmbeddedEngine:
         self.steps = StaticSteps(self.model, self.cache, self.state) if self.state is not None else None
         self._readback: Tensor | None = None  # the pinned host buffer a static step's results land in
         self._tree_staging: dict[int, Tensor] = {}  # pinned host buffers a merged tree crosses to the device from
-        self._unobserved: tuple[Tree, Verified] | None = None  # a merged static step's outcome, not yet observed
+        # a merged static step's tree, accepted path and counts, not yet observed (`_observe_held`)
+        self._unobserved: tuple[Tree, Tensor, Tensor] | None = None
         self._kept_pending: _PendingStates | None = None  # static steps: the draft's pending states, kept
         self.draft: DraftHead | None = None
         self.draft_cache: KVCache | None = None
@@ -612,9 +613,9 @@ class EmbeddedEngine:
             if experts is not None:  # the accepted nodes' routing
                 s.routed.append(experts[b, nodes])
         if merged is not None:  # observed at the next merged step, while its draft computes (`_observe_held`)
-            L = levels  # (the packed columns, `pack`; copies: the next step's read-back overwrites them)
-            self._unobserved = (merged, Verified(packed[:, :L].long(), packed[:, L:2 * L].clone(),
-                                                 packed[:, 2 * L:3 * L - 1].long(), packed[:, 3 * L - 1].long()))
+            L = levels  # (the packed columns, `pack`: a copy, as the next step's read-back overwrites them)
+            outcome = packed[:, 2 * L:3 * L].long()  # the accepted path, then the accepted count
+            self._unobserved = (merged, outcome[:, :L - 1], outcome[:, L - 1])
         return emitted, None if config is None else result.accepted
 
     def _merged_tree(self, running: list[_Sequence], config: SpecConfig, rows: int, ctx: int) -> tuple[Tree, int]:
@@ -674,16 +675,13 @@ class EmbeddedEngine:
             self._observe_merged(*self._unobserved)
             self._unobserved = None
 
-    def _observe_merged(self, tree: Tree, result: Verified) -> None:
-        """What a verified merged tree says of its sources: each source's node acceptance (the calibration
-        that ranks the next merges) and the accepted tokens the index proposed."""
-        if self.calibration is not None:
-            t = time.perf_counter()
-            observe_verified(self.calibration, tree, result)
-            self._counts["merge_s"] += time.perf_counter() - t
-        on_path = torch.arange(result.path.shape[1])[None] < result.accepted[:, None]
-        from_index = (tree.source.gather(1, result.path) & INDEX) > 0
-        self._counts["index_accepted"] += int((from_index & on_path).sum())
+    def _observe_merged(self, tree: Tree, path: Tensor, accepted: Tensor) -> None:
+        """What a verified merged tree says of its sources (its accepted `path` and counts, as `Verified`
+        holds them): each source's node acceptance (the calibration that ranks the next merges) and the
+        accepted tokens the index proposed."""
+        t = time.perf_counter()
+        self._counts["index_accepted"] += observe_verified(self.calibration, tree, path, accepted)
+        self._counts["merge_s"] += time.perf_counter() - t
 
     def _read_back(self, packed: Tensor, meanwhile: Callable[[], None] | None = None) -> Tensor:
         """The step's packed results on the host: on a GPU one copy into a pinned buffer, then the wait;
@@ -736,7 +734,7 @@ class EmbeddedEngine:
         self.cache.lengths[rows] = start + result.accepted + 1
         self._keep_pending(start, hidden, result)
         if tree.source is not None:  # a merged tree
-            self._observe_merged(tree, result)
+            self._observe_merged(tree, result.path, result.accepted)
         emitted = 0
         accepted, tokens, logprobs, path = (t.tolist() for t in (result.accepted, result.tokens, result.logprobs, result.path))
         for b, s in enumerate(running):

@@ -44,8 +44,8 @@ from torch import Tensor
 
 from fastgrpo.engines.embedded.constants import arange, full
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache, block_mask, cache_kv
-from fastgrpo.engines.embedded.tree import (Tree, Verified, ancestor_mask, compiled_merge_rows, draft_tree, hybrid_tree,
-                                            verify_tree)
+from fastgrpo.engines.embedded.tree import (Tree, Verified, ancestor_mask, compiled_merge_rows, draft_tree, host_tensor,
+                                            hybrid_tree, verify_tree)
 from fastgrpo.models.draft import DraftHead
 from fastgrpo.models.layers import EAGER, Pointwise
 from fastgrpo.models.sampling import cuts, sample, sampling_logprobs, seed_key
@@ -334,10 +334,10 @@ def merged_rows(packed: Tensor | None, candidates: Sequence[Candidates], root_to
         raise ValueError(f"merged_rows writes a contiguous int64 CPU tensor [rows, {4 * N}], not {out.dtype} "
                          f"{tuple(out.shape)} on {out.device}")
     if packed is not None:
-        packed = packed.to(cpu, torch.float64).contiguous()
+        packed = host_tensor(packed, torch.float64)
         L = (packed.shape[1] - 1) // 4
-    roots = root_tokens.to(cpu, torch.long).contiguous()
-    counts = None if calibration is None else calibration.counts.to(cpu, torch.float64).contiguous()
+    roots = host_tensor(root_tokens, torch.long)
+    counts = None if calibration is None else host_tensor(calibration.counts, torch.float64)
     record = [torch.empty(B, N, dtype=dtype) for dtype in (torch.long, torch.long, torch.long, torch.int8,
                                                            torch.float32, torch.bool)]
     match = torch.empty(B, dtype=torch.long)

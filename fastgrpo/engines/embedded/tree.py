@@ -207,14 +207,14 @@ def root_position(n: int, device: torch.device) -> Tensor:
 LEARNED, INDEX = 1, 2  # Tree.source bits: the learned draft proposed the node, the suffix index did
 
 
-def calibration_outcomes(tree: Tree, result: Verified) -> tuple[Tensor, Tensor, Tensor]:
+def calibration_outcomes(tree: Tree, path: Tensor, accepted: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """A merged tree's verified nodes whose parent was reached (the root, or a node on the accepted
-    path), row by row: each one's class id, raw conditional estimate and whether it was accepted
-    (`NodeCalibration.observe`)."""
+    path: `Verified.path` and `.accepted`), row by row: each one's class id, raw conditional estimate and
+    whether it was accepted (`NodeCalibration.observe`)."""
     assert tree.source is not None and tree.raw is not None and tree.match is not None
     B, N = tree.parents.shape
-    kept = torch.arange(result.path.shape[1])[None] < result.accepted[:, None]
-    on_path = torch.zeros(B, N, dtype=torch.long).scatter_add_(1, result.path, kept.long()) > 0
+    kept = torch.arange(path.shape[1])[None] < accepted[:, None]
+    on_path = torch.zeros(B, N, dtype=torch.long).scatter_add_(1, path, kept.long()) > 0
     reached = on_path.clone()
     reached[:, 0] = True
     counted = reached.gather(1, tree.parents) & (torch.arange(N) > 0)
@@ -224,30 +224,50 @@ def calibration_outcomes(tree: Tree, result: Verified) -> tuple[Tensor, Tensor, 
     return classes[counted], tree.raw[counted], on_path[counted]
 
 
-def observe_verified(calibration: NodeCalibration, tree: Tree, result: Verified, compiled: bool | None = None) -> None:
-    """Count a verified merged tree's outcomes into `calibration` (`calibration_outcomes`, then
-    `NodeCalibration.observe`): in C where built and every tensor is on the CPU (one pass over the rows,
-    a few microseconds), else as tensor operations; the same counts either way."""
+def index_accepted(tree: Tree, path: Tensor, accepted: Tensor) -> int:
+    """Accepted nodes of a verified merged tree that the suffix index proposed (alone or with the draft)."""
+    assert tree.source is not None
+    on_path = torch.arange(path.shape[1])[None] < accepted[:, None]
+    return int((((tree.source.gather(1, path) & INDEX) > 0) & on_path).sum())
+
+
+def host_tensor(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """`t` as a contiguous CPU tensor of `dtype` for the C code (itself when it is one already: most are,
+    and a conversion's call costs microseconds on a path taken every step)."""
+    if t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous():
+        return t
+    return t.to("cpu", dtype).contiguous()
+
+
+def observe_verified(calibration: NodeCalibration | None, tree: Tree, path: Tensor, accepted: Tensor,
+                     compiled: bool | None = None) -> int:
+    """Count a verified merged tree's outcomes (its accepted `path` and counts, as `Verified` holds them)
+    into `calibration` (`calibration_outcomes`, then `NodeCalibration.observe`; None: nothing to count) and
+    return the accepted nodes the index proposed (`index_accepted`): in C where built and every tensor is
+    on the CPU (one pass over the rows, a few microseconds), else as tensor operations; the same counts
+    either way."""
     assert tree.source is not None and tree.raw is not None and tree.match is not None
-    counts = calibration.counts
+    counts = None if calibration is None else calibration.counts
     if compiled is None:
-        compiled = compiled_observe is not None and counts.device.type == tree.tokens.device.type == "cpu"
+        compiled = (compiled_observe is not None and tree.tokens.device.type == "cpu"
+                    and (counts is None or counts.device.type == "cpu"))
     if not compiled or len(tree.tokens) == 0:
-        calibration.observe(*calibration_outcomes(tree, result))
-        return
+        if calibration is not None:
+            calibration.observe(*calibration_outcomes(tree, path, accepted))
+        return index_accepted(tree, path, accepted)
     if compiled_observe is None:
         raise RuntimeError("the compiled merge (fastgrpo/engines/embedded/_tree_merge.c) is not built")
     B, N = tree.parents.shape
-    cpu = torch.device("cpu")
-    parents, match, path, accepted = (t.to(cpu, torch.long).contiguous()
-                                      for t in (tree.parents, tree.match, result.path, result.accepted))
-    source, raw = tree.source.to(cpu, torch.int8).contiguous(), tree.raw.to(cpu, torch.float32).contiguous()
-    valid = None if tree.valid is None else tree.valid.to(cpu, torch.bool).contiguous()
-    if counts.device != cpu or counts.dtype != torch.float64 or not counts.is_contiguous():
+    parents, match, path, accepted = (host_tensor(t, torch.long) for t in (tree.parents, tree.match, path, accepted))
+    source, raw = host_tensor(tree.source, torch.int8), host_tensor(tree.raw, torch.float32)
+    valid = None if tree.valid is None else host_tensor(tree.valid, torch.bool)
+    if counts is not None and (counts.device.type != "cpu" or counts.dtype != torch.float64
+                               or not counts.is_contiguous()):
         raise ValueError("the compiled count needs the calibration's counts as a contiguous float64 CPU tensor")
-    compiled_observe(parents.data_ptr(), source.data_ptr(), raw.data_ptr(), None if valid is None else valid.data_ptr(),
-                     match.data_ptr(), path.data_ptr(), accepted.data_ptr(), B, N, path.shape[1], counts.data_ptr(),
-                     calibration.buckets, LONG_MATCH)
+    return compiled_observe(parents.data_ptr(), source.data_ptr(), raw.data_ptr(),
+                            None if valid is None else valid.data_ptr(), match.data_ptr(), path.data_ptr(),
+                            accepted.data_ptr(), B, N, path.shape[1], None if counts is None else counts.data_ptr(),
+                            1 if calibration is None else calibration.buckets, LONG_MATCH)
 
 
 def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tokens: Tensor, num_verify: int,
