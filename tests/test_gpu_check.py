@@ -234,7 +234,10 @@ def test_every_stage_runs_on_the_cpu_with_plausible_numbers(check):
     # hybrid trees in static steps, held to their graphs' contract, drafting from the stage's earlier calls
     assert {c["shape"] for c in sb["cells"] if c["engine"] == "hybrid"} == set(MERGED_SHAPES)
     assert sb["engines"]["hybrid"]["static_steps"] and sb["engines"]["hybrid"]["replays_checked"] > 0
-    assert "| hybrid ms (tokens a row-step) |" in check["markdown"]
+    assert "| hybrid ms (tokens a row-step; host ms a step, of it hidden) |" in check["markdown"]
+    # the host's work a hybrid step (the index, the merge), of which a part runs while the draft's step computes
+    hybrid = [c for c in sb["cells"] if c["engine"] == "hybrid"]
+    assert all(0 < c["host_hidden_ms"] < c["host_ms"] for c in hybrid), hybrid
     # kernels a step (here the profiler's kernel-launching ops): a tree step launches more than a plain one,
     # and the fused regions fewer than op by op
     k = sb["step_kernels"]

@@ -257,7 +257,7 @@ def _step_tables(d: dict | None) -> list[str]:
              "tokens/s: what steps like these emit (rows x tokens a row-step / step).", "",
              "| running | shape | eager ms | static ms | eager / static | fused ms | static / fused "
              "| tokens a row-step (static) | static tokens/s | graphs captured / replayed "
-             "| hybrid ms (tokens a row-step) | hybrid tokens/s |",
+             "| hybrid ms (tokens a row-step; host ms a step, of it hidden) | hybrid tokens/s |",
              "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     by = {(r["level"], r["shape"], r["engine"]): r for r in d["cells"]}
     for B in d["levels"]:
@@ -268,8 +268,8 @@ def _step_tables(d: dict | None) -> list[str]:
                 continue
             em, sm = e["step_ms"], s["step_ms"]
             fm = f["step_ms"] if f else {"median": None, "se": None}
-            hybrid = (f"{_pm(h['step_ms']['median'], h['step_ms']['se'])} ({_f(h.get('tokens_per_row_step'))}) | "
-                      f"{_f(h.get('tok_s'))}" if h else "- | -")
+            hybrid = (f"{_pm(h['step_ms']['median'], h['step_ms']['se'])} ({_f(h.get('tokens_per_row_step'))}; "
+                      f"{_f(h.get('host_ms'))}, {_f(h.get('host_hidden_ms'))}) | {_f(h.get('tok_s'))}" if h else "- | -")
             lines.append(f"| {B} | {shape} | {_pm(em['median'], em['se'])} | {_pm(sm['median'], sm['se'])} | "
                          f"{_f(_ratio(em['median'], sm['median']))}x | {_pm(fm['median'], fm['se']) if f else '-'} | "
                          f"{_f(_ratio(sm['median'], fm['median'])) + 'x' if f else '-'} | "

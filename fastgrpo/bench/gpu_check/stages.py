@@ -579,6 +579,10 @@ def generate_call(engine: EmbeddedEngine, policy: SpeculationPolicy, requests: l
             "static_steps": stats.get("static_steps", 0), "pad_row_share": stats.get("pad_row_share", 0.0),
             "pad_kv_share": stats.get("pad_kv_share", 0.0),
             "configs": jsonable(stats.get("config_by_concurrency", {})), "trace": trace_columns(stats.get("trace", [])),
+            # per speculative step drafting from the index: running rows, the host's seconds, and of those the
+            # seconds spent while the learned draft's step function computed (hidden behind it on a GPU)
+            "host_steps": [[int(n), round(float(h), 7), round(float(hidden), 7)]
+                           for n, h, hidden in stats.get("host_steps", [])],
             "captures": after[0] - captures, "replays": after[1] - replays, "lengths": [len(o.token_ids) for o in out]}
 
 
@@ -861,8 +865,12 @@ def step_cells(B: int, shape: str, engine: str, calls: list[dict], warmup: int) 
     from fastgrpo.engines.embedded.steps import batch_bucket
 
     bucket = batch_bucket(B)
-    per_call, tokens, steps = [], [], 0
+    per_call, tokens, steps, host, hidden = [], [], 0, [], []
     for r in calls:
+        merged = [(h, x) for n, h, x in r.get("host_steps", [])[warmup:] if batch_bucket(n) == bucket]
+        if merged:  # (steps drafting from the index: the host's work a step, and the part a GPU hides)
+            host.append(1000 * statistics.median(h for h, _ in merged))
+            hidden.append(1000 * statistics.median(x for _, x in merged))
         t = r["trace"]
         kept = [(ms, e, run) for run, cfg, e, ms in
                 list(zip(t["running"], t["config"], t["emitted"], t["ms"]))[warmup:]
@@ -877,6 +885,8 @@ def step_cells(B: int, shape: str, engine: str, calls: list[dict], warmup: int) 
            "captures": sum(r["captures"] for r in calls), "replays": sum(r["replays"] for r in calls)}
     if tokens and ms["median"] > 0:
         row["tok_s"] = B * row["tokens_per_row_step"] / (ms["median"] / 1000)
+    if host:
+        row["host_ms"], row["host_hidden_ms"] = statistics.median(host), statistics.median(hidden)
     return row
 
 
