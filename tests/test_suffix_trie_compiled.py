@@ -83,6 +83,39 @@ def test_an_index_drafts_the_same_with_either_trie():
 
 
 @needs_build
+def test_a_batch_of_lookups_is_each_rows_lookup():
+    """`lookup_rows` (one C call for every row, flat arrays) against `Response.lookup` row by row, on both
+    tries: three prompts' responses interleaved, with remembered history indexed on first use, rows that
+    match nothing, and every prompt dropped by `load_state_dict` while its responses are open (those rows
+    answer from the new entry, as a row-by-row lookup does). The same candidates, match lengths and
+    order of use."""
+    rng = random.Random(7)
+    limits = IndexLimits(window=4, depth=3, responses=2)
+    for compiled in (True, False):
+        batched, single = SuffixIndex(limits, compiled=compiled), SuffixIndex(limits, compiled=compiled)
+        prompts = {(k,): [k, 1, 2, 3] for k in (10, 11, 12)}  # (keys: the prompts' ids, as the engine's)
+        history = [variants(rng, 6, 12), variants(rng, 6, 12)]
+        for index in (batched, single):
+            index.remember((12,), prompts[(12,)], history)
+        rows = [[index.open((k,), prompts[(k,)]) for k in (10, 11, 10, 12, 11, 10)] for index in (batched, single)]
+        matched = empty = 0
+        for step in range(25):
+            for a, b in zip(*rows):
+                tokens = variants(rng, 6 if step % 5 else 40, 2)
+                a.extend(tokens), b.extend(tokens)
+            if step == 20:  # every prompt dropped and made again: the open responses' tries are gone
+                for index in (batched, single):
+                    index.load_state_dict(index.state_dict())
+            budget = rng.choice([1, 5, 8])
+            got, want = batched.lookup_rows(rows[0], budget), [r.lookup(budget) for r in rows[1]]
+            assert [got.row(b) for b in range(len(want))] == want, (compiled, step)
+            assert list(batched.prompts) == list(single.prompts)
+            matched += sum(c.match_len > 0 for c in want)
+            empty += sum(len(c) == 0 for c in want)
+        assert matched > 40 and empty > 5
+
+
+@needs_build
 def test_bad_tokens_are_refused():
     trie = CompiledTrie(4)
     with pytest.raises(ValueError, match="token id"):

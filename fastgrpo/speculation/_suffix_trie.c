@@ -367,6 +367,34 @@ static int push_children(const Trie *t, Heap *h, int64_t *tie, int32_t parent, d
     return 0;
 }
 
+/* One row of continuations (flat arrays of `budget` entries each; counts may be NULL). */
+typedef struct {
+    int64_t *tokens, *parents, *depth, *counts;
+    double *logp;
+} Found;
+
+/* The `budget` most probable continuation paths below `node`, at most `depth` tokens deep, best first,
+ * written to `out` (parents: the index of the node's parent among them, -1 under `node`). Returns how
+ * many, or -1 with an exception set. */
+static Py_ssize_t continue_into(const Trie *t, int32_t node, Py_ssize_t budget, int32_t depth, double prior,
+                                double min_prob, const Found *out) {
+    double floor = min_prob > 0 ? log(min_prob) : -INFINITY;
+    Heap h = {0};
+    int64_t tie = 0;
+    Py_ssize_t n = 0;
+    if (push_children(t, &h, &tie, node, 0.0, -1, prior, floor) < 0) n = -1;
+    while (n >= 0 && h.n && n < budget) {
+        Entry e = heap_pop(&h);
+        int64_t d = e.index < 0 ? 1 : out->depth[e.index] + 1;
+        out->tokens[n] = e.token, out->parents[n] = e.index, out->depth[n] = d, out->logp[n] = -e.neg;
+        if (out->counts) out->counts[n] = t->count[e.child];
+        if (d < depth && push_children(t, &h, &tie, e.child, -e.neg, (int32_t)n, prior, floor) < 0) n = -1;
+        else n++;
+    }
+    free(h.a);
+    return n;
+}
+
 /* The `budget` most probable continuation paths below `node`, at most `depth` tokens deep, best first:
  * (tokens, parents, depths, log-probabilities, counts), lists as `Candidates` holds them. */
 static PyObject *Trie_continuations(Trie *self, PyObject *args, PyObject *kw) {
@@ -376,38 +404,32 @@ static PyObject *Trie_continuations(Trie *self, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTupleAndKeywords(args, kw, "iii|dd", names, &node, &budget, &depth, &prior, &min_prob))
         return NULL;
     if (node < 0 || node >= self->size) return PyErr_Format(PyExc_IndexError, "no node %d", node);
-    double floor = min_prob > 0 ? log(min_prob) : -INFINITY;
-    PyObject *lists[5] = {PyList_New(0), PyList_New(0), PyList_New(0), PyList_New(0), PyList_New(0)};
-    int32_t *depths = NULL, n_out = 0, depths_cap = 0;
-    Heap h = {0};
-    int64_t tie = 0;
-    for (int i = 0; i < 5; i++)
-        if (!lists[i]) goto fail;
-    if (push_children(self, &h, &tie, node, 0.0, -1, prior, floor) < 0) goto fail;
-    while (h.n && n_out < budget) {
-        Entry e = heap_pop(&h);
-        int32_t d = e.index < 0 ? 1 : depths[e.index] + 1;
-        if (grow_i32(&depths, &depths_cap, n_out + 1) < 0) goto fail;
-        depths[n_out] = d;
-        PyObject *items[5] = {PyLong_FromLong(e.token), PyLong_FromLong(e.index), PyLong_FromLong(d),
-                              PyFloat_FromDouble(-e.neg), PyLong_FromLong(self->count[e.child])};
-        for (int i = 0; i < 5; i++) {
-            int bad = !items[i] || PyList_Append(lists[i], items[i]) < 0;
-            Py_XDECREF(items[i]);
-            if (bad) {
-                for (int j = i + 1; j < 5; j++) Py_XDECREF(items[j]);
-                goto fail;
-            }
-        }
-        if (d < depth && push_children(self, &h, &tie, e.child, -e.neg, n_out, prior, floor) < 0) goto fail;
-        n_out++;
+    Py_ssize_t cap = budget > 0 ? budget : 0;
+    int64_t *ints = malloc((size_t)(4 * cap + 1) * sizeof(int64_t));
+    double *logp = malloc((size_t)(cap + 1) * sizeof(double));
+    if (!ints || !logp) {
+        free(ints), free(logp);
+        return PyErr_NoMemory();
     }
-    free(h.a), free(depths);
+    Found f = {ints, ints + cap, ints + 2 * cap, ints + 3 * cap, logp};
+    Py_ssize_t n = continue_into(self, node, cap, depth, prior, min_prob, &f);
+    PyObject *lists[5] = {NULL};
+    if (n >= 0) {
+        for (int i = 0; i < 5; i++) lists[i] = PyList_New(n);
+        for (Py_ssize_t j = 0; j < n && lists[4]; j++) {
+            PyList_SET_ITEM(lists[0], j, PyLong_FromLongLong(f.tokens[j]));
+            PyList_SET_ITEM(lists[1], j, PyLong_FromLongLong(f.parents[j]));
+            PyList_SET_ITEM(lists[2], j, PyLong_FromLongLong(f.depth[j]));
+            PyList_SET_ITEM(lists[3], j, PyFloat_FromDouble(f.logp[j]));
+            PyList_SET_ITEM(lists[4], j, PyLong_FromLongLong(f.counts[j]));
+        }
+    }
+    free(ints), free(logp);
+    if (n < 0 || !lists[0] || !lists[1] || !lists[2] || !lists[3] || !lists[4] || PyErr_Occurred()) {
+        for (int i = 0; i < 5; i++) Py_XDECREF(lists[i]);
+        return NULL;
+    }
     return Py_BuildValue("(NNNNN)", lists[0], lists[1], lists[2], lists[3], lists[4]);
-fail:
-    free(h.a), free(depths);
-    for (int i = 0; i < 5; i++) Py_XDECREF(lists[i]);
-    return NULL;
 }
 
 /* -- TrieWriter --------------------------------------------------------------------------------- */
@@ -499,6 +521,58 @@ static PyObject *Writer_match(Writer *self, PyObject *arg) {
 static PyObject *Writer_tokens(Writer *self, void *closure) { return Py_NewRef(self->tokens); }
 static PyObject *Writer_trie(Writer *self, void *closure) { return Py_NewRef((PyObject *)self->trie); }
 
+/* lookup_rows(writers, window, budget, depth, prior, min_prob, out (tokens, parents, depth, logp, counts, n,
+ *             match) addresses): `SuffixIndex.lookup` of each writer's text from its own trie, every row into
+ * flat arrays (row b's candidates at b * budget: int64 tokens, parents, depths, float64 log-probabilities,
+ * int64 counts; int64 n[b] of them and match[b], the match length, 0 where nothing was found), without a
+ * Python object a candidate: a continuation's prior is `prior` over the row's match length, as the index's
+ * lookup sets it. */
+static PyObject *lookup_rows(PyObject *module, PyObject *args) {
+    PyObject *writers, *a[7];
+    int window, budget, depth;
+    double prior, min_prob;
+    if (!PyArg_ParseTuple(args, "OiiiddOOOOOOO", &writers, &window, &budget, &depth, &prior, &min_prob, &a[0], &a[1],
+                          &a[2], &a[3], &a[4], &a[5], &a[6]))
+        return NULL;
+    if (window < 1 || budget < 0) return PyErr_Format(PyExc_ValueError, "window must be >= 1 and budget >= 0");
+    void *ptr[7];
+    for (int i = 0; i < 7; i++) {
+        ptr[i] = PyLong_AsVoidPtr(a[i]);
+        if (!ptr[i] && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a null array address");
+        if (PyErr_Occurred()) return NULL;
+    }
+    int64_t *tokens = ptr[0], *parents = ptr[1], *depths = ptr[2], *counts = ptr[4], *n = ptr[5], *match = ptr[6];
+    double *logp = ptr[3];
+    PyObject *rows = PySequence_Fast(writers, "writers must be a sequence of TrieWriter");
+    if (!rows) return NULL;
+    for (Py_ssize_t b = 0; b < PySequence_Fast_GET_SIZE(rows); b++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(rows, b);
+        if (!PyObject_TypeCheck(o, &WriterType)) {
+            Py_DECREF(rows);
+            return PyErr_Format(PyExc_TypeError, "row %zd: a TrieWriter, not %s", b, Py_TYPE(o)->tp_name);
+        }
+        const Writer *w = (const Writer *)o;
+        const Trie *t = w->trie;
+        int32_t node = 0, length = window < w->n_frontier ? window : w->n_frontier;
+        for (; length > 0; length--)
+            if (t->first[node = w->frontier[length - 1]] >= 0) break;
+        Found f = {tokens + b * budget, parents + b * budget, depths + b * budget, counts + b * budget,
+                   logp + b * budget};
+        Py_ssize_t found = length ? continue_into(t, node, budget, depth, prior / length, min_prob, &f) : 0;
+        if (found < 0) {
+            Py_DECREF(rows);
+            return NULL;
+        }
+        n[b] = found, match[b] = found ? length : 0;
+    }
+    Py_DECREF(rows);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"lookup_rows", lookup_rows, METH_VARARGS, "Each writer's candidates into flat arrays (suffix_index.py calls it)."},
+    {NULL}};
+
 /* -- the types ---------------------------------------------------------------------------------- */
 static PyMethodDef Trie_methods[] = {
     {"writer", (PyCFunction)Trie_writer, METH_NOARGS, "A text inserted token by token."},
@@ -549,7 +623,8 @@ static PyTypeObject WriterType = {
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_suffix_trie",
-                                    "fastgrpo's suffix trie in C (suffix_index.py holds the reference).", -1};
+                                    "fastgrpo's suffix trie in C (suffix_index.py holds the reference).", -1,
+                                    module_methods};
 
 PyMODINIT_FUNC PyInit__suffix_trie(void) {
     if (PyType_Ready(&TrieType) < 0 || PyType_Ready(&WriterType) < 0) return NULL;

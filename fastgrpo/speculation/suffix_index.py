@@ -49,10 +49,13 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 try:  # the same trie in C, where the install built it
     from fastgrpo.speculation._suffix_trie import SuffixTrie as CompiledTrie
+    from fastgrpo.speculation._suffix_trie import lookup_rows as compiled_lookup_rows
 except ImportError:
-    CompiledTrie = None
+    CompiledTrie = compiled_lookup_rows = None
 
 
 class SuffixTrie:
@@ -250,6 +253,56 @@ class Candidates:
         return out
 
 
+@dataclass
+class CandidateRows:
+    """The candidates of B rows in flat arrays [B, budget] (`SuffixIndex.lookup_rows`; what the tree merge
+    reads): row b's `n[b]` candidates in its first columns of `tokens`, `parents` (among the row's, -1:
+    directly after the sequence), `depth`, `counts` (int64) and `logp` (float64), its match length in
+    `match[b]` (0: none found). The columns past a row's `n` are unspecified."""
+
+    tokens: np.ndarray
+    parents: np.ndarray
+    depth: np.ndarray
+    logp: np.ndarray
+    counts: np.ndarray
+    n: np.ndarray
+    match: np.ndarray
+
+    @classmethod
+    def empty(cls, rows: int, budget: int) -> CandidateRows:
+        """Rows of no candidates, room for `budget` each."""
+        return cls(*(np.zeros((rows, budget), dtype=np.int64) for _ in range(3)), np.zeros((rows, budget)),
+                   np.zeros((rows, budget), dtype=np.int64), np.zeros(rows, dtype=np.int64),
+                   np.zeros(rows, dtype=np.int64))
+
+    @classmethod
+    def of(cls, candidates: Sequence[Candidates], budget: int | None = None) -> CandidateRows:
+        """Each `Candidates` of a list as a row (`budget`: the columns, at least the longest's)."""
+        width = max([len(c) for c in candidates] + [budget or 0])
+        out = cls.empty(len(candidates), width)
+        for b, c in enumerate(candidates):
+            out.put(b, c)
+        return out
+
+    def put(self, b: int, c: Candidates) -> None:
+        n = self.n[b] = len(c)
+        for name in ("tokens", "parents", "depth", "logp", "counts"):
+            getattr(self, name)[b, :n] = getattr(c, name)
+        self.match[b] = c.match_len
+
+    def __len__(self) -> int:
+        return len(self.n)
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
+
+    def row(self, b: int) -> Candidates:
+        n = int(self.n[b])
+        return Candidates(*(getattr(self, name)[b, :n].tolist() for name in ("tokens", "parents", "depth", "logp",
+                                                                               "counts")), int(self.match[b]))
+
+
 @dataclass(frozen=True)
 class IndexLimits:
     window: int = 8  # most tokens of a sequence's end matched (a lookup's time is proportional to them)
@@ -425,6 +478,31 @@ class SuffixIndex:
             out = Candidates() if length == 0 else Candidates(*entry.trie.continuations(
                 node, budget, depth, self.limits.prior / length, min_prob))
             out.match_len = length if out.tokens else 0
+        return out
+
+    def lookup_rows(self, responses: Sequence[Response], budget: int) -> CandidateRows:
+        """`lookup(budget)` of each response, as rows of flat arrays. With the C trie, one call for every
+        row and no Python object a candidate (a step of a few hundred rows made tens of thousands of them,
+        on the host work a step waits for); the same candidates, match lengths and order of use as
+        `Response.lookup` row by row, which runs instead where a response's prompt was dropped."""
+        out = CandidateRows.empty(len(responses), budget)
+        whole = compiled_lookup_rows is not None and self.trie_type is CompiledTrie
+        prompts = self.prompts
+        for r in responses:  # (each row's prompt used in turn, as row-by-row lookups use them)
+            entry = prompts.get(r.key)
+            if entry is not r.entry:
+                whole = False
+            elif entry is not None:
+                prompts.move_to_end(r.key)
+                if entry.pending:
+                    self._index_pending(entry)
+        if not whole:
+            for b, r in enumerate(responses):
+                out.put(b, r.lookup(budget))
+            return out
+        compiled_lookup_rows([r.writer for r in responses], self.limits.window, budget, self.limits.depth,
+                             self.limits.prior, 0.0, *(a.ctypes.data for a in (out.tokens, out.parents, out.depth,
+                                                                               out.logp, out.counts, out.n, out.match)))
         return out
 
     def state_dict(self) -> dict:
