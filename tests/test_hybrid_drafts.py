@@ -15,7 +15,7 @@ from fastgrpo.engines.embedded.tree import INDEX, LEARNED, Tree, ancestor_mask, 
 from fastgrpo.models.sampling import sample, sampling_logprobs
 from fastgrpo.speculation.policy import Static
 from fastgrpo.speculation.spec import SpecConfig
-from fastgrpo.speculation.suffix_index import Candidates, IndexLimits
+from fastgrpo.speculation.suffix_index import CandidateRows, Candidates, IndexLimits
 from fastgrpo.types import Request, SamplingParams
 from tests.conftest import first_divergence_is_a_near_tie
 from tests.test_speculation import (MIXED_PROMPTS, VOCAB, engine_for, mixed_calls_scored, rank_fit_p,  # noqa: F401
@@ -50,7 +50,7 @@ def node_paths(tree: Tree, b: int = 0) -> list[tuple[int, ...]]:
 def test_a_path_both_sources_propose_is_one_node_scored_by_the_larger_estimate():
     learned = learned_tree([(3,), (4,), (3, 5), (3, 6)], [-0.1, -1.0, -0.5, -2.0], root=7)
     index = candidates([(3,), (3, 5), (3, 5, 2), (6,)], [-0.3, -0.4, -0.45, -3.0])
-    tree = hybrid_tree(learned, [index], torch.tensor([7]), num_verify=6)
+    tree = hybrid_tree(learned, CandidateRows.of([index]), torch.tensor([7]), num_verify=6)
     paths = node_paths(tree)
     assert tree.valid is None and len(paths) == 6
     # the five best of seven distinct paths: (3) -0.1, (3,5) -0.4, (3,5,2) -0.45, (4) -1.0, (3,6) -2.0; (6) -3.0 out
@@ -67,7 +67,7 @@ def test_a_path_both_sources_propose_is_one_node_scored_by_the_larger_estimate()
 
 def test_rows_with_fewer_nodes_than_the_budget_verify_only_theirs():
     rows = [candidates([(1,), (1, 2)], [-0.1, -0.2]), Candidates()]
-    tree = hybrid_tree(None, rows, torch.tensor([5, 6]), num_verify=4)
+    tree = hybrid_tree(None, CandidateRows.of(rows), torch.tensor([5, 6]), num_verify=4)
     assert tree.valid.tolist() == [[True, True, True, False], [True, False, False, False]]
     assert node_paths(tree)[:3] == [(), (1,), (1, 2)]
     # a left-out node is never accepted, whatever the target samples there
@@ -114,7 +114,7 @@ def test_verification_emits_the_plain_samples_whatever_proposed_the_children(sam
         ipaths = some_paths(rng.randint(0, 8), rng.randint(0, 6)) + rng.sample(lpaths, min(2, len(lpaths)))
         ipaths = sorted(set(ipaths), key=len)
         index = candidates(ipaths, [-0.3 * len(p) - 0.01 * rng.random() for p in ipaths])
-        tree = hybrid_tree(learned if trial % 4 else None, [index], torch.tensor([1]), rng.randint(2, 12))
+        tree = hybrid_tree(learned if trial % 4 else None, CandidateRows.of([index]), torch.tensor([1]), rng.randint(2, 12))
         paths = node_paths(tree)
         logprobs = torch.stack([target_logprobs(p, sampling) for p in paths])[None]
         result = verify_tree(logprobs, tree, sampling, u[:, : int(tree.depth.max()) + 1])
@@ -428,12 +428,12 @@ def test_a_calibrated_merge_spends_the_budget_on_the_source_verification_found_b
     learned = learned_tree([(3,), (3, 4)], [math.log(0.9), 2 * math.log(0.9)], root=7)
     index = candidates([(5,), (5, 6), (5, 6, 8)], [math.log(0.35), 2 * math.log(0.35), 3 * math.log(0.35)])
     index.match_len = 6
-    raw = hybrid_tree(learned, [index], torch.tensor([7]), num_verify=4)
+    raw = hybrid_tree(learned, CandidateRows.of([index]), torch.tensor([7]), num_verify=4)
     assert node_paths(raw)[1:] == [(3,), (5,), (3, 4)]
     cal = NodeCalibration(prior=1e-6)
     observe(cal, [(LEARNED_CLASS, 0.9, i % 4 == 0) for i in range(100)] +
             [(INDEX_LONG, 0.35, i % 10 != 0) for i in range(100)])
-    tree = hybrid_tree(learned, [index], torch.tensor([7]), num_verify=4, calibration=cal)
+    tree = hybrid_tree(learned, CandidateRows.of([index]), torch.tensor([7]), num_verify=4, calibration=cal)
     assert node_paths(tree)[1:] == [(5,), (5, 6), (5, 6, 8)]
     assert [round(math.exp(float(s)), 4) for s in tree.score[0, 1:]] == [0.9, 0.81, 0.729]
     assert tree.raw[0, 1:].tolist() == pytest.approx([0.35, 0.35, 0.35]) and tree.match.tolist() == [6]

@@ -13,7 +13,7 @@ import torch
 from fastgrpo.engines.embedded.tree import (INDEX, LEARNED, Tree, Verified, ancestor_mask, compiled_merge, hybrid_tree,
                                             observe_verified)
 from fastgrpo.speculation.node_calibration import CLASSES, NodeCalibration, node_classes
-from fastgrpo.speculation.suffix_index import Candidates
+from fastgrpo.speculation.suffix_index import CandidateRows, Candidates
 
 
 def reference_merge(learned: Tree | None, candidates: list[Candidates], roots: list[int], num_verify: int,
@@ -146,7 +146,7 @@ def test_the_merge_keeps_the_reference_nodes(calibrated, compiled):
     for trial in range(60):
         learned, cands, roots, num_verify = random_case(rng, trial)
         rows, max_depth = len(roots), depth_limit(trial)
-        tree = hybrid_tree(learned, cands, torch.tensor(roots), num_verify, calibration, compiled=compiled,
+        tree = hybrid_tree(learned, CandidateRows.of(cands), torch.tensor(roots), num_verify, calibration, compiled=compiled,
                            max_depth=max_depth)
         want = reference_merge(learned, cands, roots, num_verify, calibration, max_depth)
         limited += max_depth is not None and want != reference_merge(learned, cands, roots, num_verify, calibration)
@@ -173,7 +173,7 @@ def test_the_compiled_merge_makes_the_batched_tree(calibrated):
     calibration = calibration_of(rng, calibrated)
     for trial in range(60):
         learned, cands, roots, num_verify = random_case(rng, trial)
-        args = (learned, cands, torch.tensor(roots), num_verify, calibration)
+        args = (learned, CandidateRows.of(cands), torch.tensor(roots), num_verify, calibration)
         max_depth = depth_limit(trial)
         batched = hybrid_tree(*args, compiled=False, max_depth=max_depth)
         compiled = hybrid_tree(*args, compiled=True, max_depth=max_depth)
@@ -188,9 +188,9 @@ def test_the_compiled_merge_makes_the_batched_tree(calibrated):
 def test_the_compiled_merge_refuses_candidates_out_of_order():
     late_parent = Candidates(tokens=[1, 2], parents=[1, -1], depth=[2, 1], logp=[-0.1, -0.2], counts=[1, 1], match_len=2)
     with pytest.raises(ValueError, match="must come before it"):
-        hybrid_tree(None, [late_parent], torch.tensor([0]), 4, compiled=True)
-    with pytest.raises(ValueError, match="candidate lists"):
-        hybrid_tree(None, [], torch.tensor([0]), 4, compiled=True)
+        hybrid_tree(None, CandidateRows.of([late_parent]), torch.tensor([0]), 4, compiled=True)
+    with pytest.raises(ValueError, match="candidate rows"):
+        hybrid_tree(None, CandidateRows.of([]), torch.tensor([0]), 4, compiled=True)
 
 
 def random_verified(rng: random.Random, tree: Tree) -> Verified:
@@ -222,7 +222,7 @@ def test_the_compiled_count_of_verified_nodes_is_the_tensor_one():
     from_index = 0
     for trial in range(60):
         learned, cands, roots, num_verify = random_case(rng, trial)
-        tree = hybrid_tree(learned, cands, torch.tensor(roots), num_verify, counted[False])
+        tree = hybrid_tree(learned, CandidateRows.of(cands), torch.tensor(roots), num_verify, counted[False])
         result = random_verified(rng, tree)
         want = sum(int(tree.source[b, int(result.path[b, k])]) & INDEX > 0
                    for b in range(len(roots)) for k in range(int(result.accepted[b])))

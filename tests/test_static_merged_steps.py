@@ -16,7 +16,7 @@ from fastgrpo.engines.embedded.tree import Tree, ancestor_mask, compiled_merge_r
 from fastgrpo.models.policy import new_policy
 from fastgrpo.speculation.policy import Static
 from fastgrpo.speculation.spec import SpecConfig
-from fastgrpo.speculation.suffix_index import IndexLimits
+from fastgrpo.speculation.suffix_index import CandidateRows, IndexLimits
 from fastgrpo.types import Request
 from tests.test_families import trained_draft
 from tests.test_hybrid_merge import calibration_of, depth_limit, random_case
@@ -66,7 +66,7 @@ def test_the_compiled_merge_writes_the_rows_and_tree_of_the_tensor_route(calibra
         outs, results = [], []
         for compiled in (False, True):
             out = torch.full((rows, 4 * N), 7, dtype=torch.long)  # (what an earlier step left in the buffer)
-            results.append(merged_rows(packed, cands, torch.tensor(roots), N, calibration, max_depth, out,
+            results.append(merged_rows(packed, CandidateRows.of(cands), torch.tensor(roots), N, calibration, max_depth, out,
                                        compiled=compiled))
             outs.append(out)
         assert torch.equal(outs[0], outs[1]), trial
@@ -85,7 +85,7 @@ def test_the_compiled_merge_writes_the_rows_and_tree_of_the_tensor_route(calibra
 def test_merged_rows_refuses_a_buffer_the_verify_cannot_read():
     cands = random_case(random.Random(0), 0)[1]
     with pytest.raises(ValueError, match=r"int64 CPU tensor \[rows, 48\]"):
-        merged_rows(None, cands, torch.zeros(len(cands), dtype=torch.long), 12, None, 11,
+        merged_rows(None, CandidateRows.of(cands), torch.zeros(len(cands), dtype=torch.long), 12, None, 11,
                     torch.zeros(len(cands), 40, dtype=torch.long), compiled=compiled_merge_rows is not None)
 
 

@@ -82,23 +82,6 @@ static double calibrated(const Calibration *c, int cls, double raw) {
     return p < 1e-12 ? 1e-12 : p;
 }
 
-/* A candidate list attribute as a fast sequence of length `n` (-1: its own length, returned). */
-static PyObject *field(PyObject *cand, const char *name, Py_ssize_t *n) {
-    PyObject *attr = PyObject_GetAttrString(cand, name);
-    if (!attr) return NULL;
-    PyObject *seq = PySequence_Fast(attr, "a Candidates field must be a list");
-    Py_DECREF(attr);
-    if (!seq) return NULL;
-    if (*n < 0) {
-        *n = PySequence_Fast_GET_SIZE(seq);
-    } else if (PySequence_Fast_GET_SIZE(seq) != *n) {
-        Py_DECREF(seq);
-        PyErr_Format(PyExc_ValueError, "Candidates.%s has a length unlike its tokens'", name);
-        return NULL;
-    }
-    return seq;
-}
-
 static void *address(PyObject *o) {
     void *p = PyLong_AsVoidPtr(o);
     if (!p && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a null tensor address");
@@ -137,21 +120,48 @@ typedef struct {
     int8_t *src;
 } Row;
 
-/* Merge one row: the learned tree's L nodes (rt, rp, rd, rs; L = 1: the root alone) and the row's
- * Candidates `cand`, keeping the N - 1 best alive nodes no deeper than `max_depth`, written to `o` (the
- * root first, padding last: token 0 at depth 1 under the root). Returns the nodes kept (K; nodes K + 1..
- * N - 1 are padding), or -1 with an exception set; *match: the row's match length; *deepest: raised to
- * the deepest kept node's depth. */
+/* One row's candidates from the index (`CandidateRows`' columns): M of them. */
+typedef struct {
+    const int64_t *tok, *par, *dep;
+    const double *logp;
+    Py_ssize_t M;
+    int64_t match;
+} Cands;
+
+/* The candidate rows `CandidateRows` holds: B rows of `width` columns; n and match [B]. */
+typedef struct {
+    const int64_t *tok, *par, *dep, *n, *match;
+    const double *logp;
+    Py_ssize_t width;
+} CandRows;
+
+static int cand_rows(PyObject *a[6], Py_ssize_t width, Py_ssize_t B, CandRows *c) {
+    c->tok = address(a[0]), c->par = address(a[1]), c->dep = address(a[2]), c->logp = address(a[3]);
+    c->n = address(a[4]), c->match = address(a[5]), c->width = width;
+    if (PyErr_Occurred()) return -1;
+    for (Py_ssize_t b = 0; b < B; b++)
+        if (c->n[b] < 0 || c->n[b] > width) {
+            PyErr_Format(PyExc_ValueError, "row %zd: %lld candidates in %zd columns", b, (long long)c->n[b], width);
+            return -1;
+        }
+    return 0;
+}
+
+static Cands cand_row(const CandRows *c, Py_ssize_t b) {
+    Py_ssize_t o = b * c->width;
+    Cands r = {c->tok + o, c->par + o, c->dep + o, c->logp + o, (Py_ssize_t)c->n[b], c->match[b]};
+    return r;
+}
+
+/* Merge one row: the learned tree's L nodes (rt, rp, rd, rs; L = 1: the root alone) and the row's index
+ * candidates `c`, keeping the N - 1 best alive nodes no deeper than `max_depth`, written to `o` (the root
+ * first, padding last: token 0 at depth 1 under the root). Returns the nodes kept (K; nodes K + 1..N - 1
+ * are padding), or -1 with an exception set; *deepest: raised to the deepest kept node's depth. */
 static Py_ssize_t merge_row(Work *w, const int64_t *rt, const int64_t *rp, const int64_t *rd, const float *rs,
-                            Py_ssize_t L, int64_t root, PyObject *cand, Py_ssize_t N, const Calibration *cal,
-                            int64_t max_depth, int64_t *match_out, int64_t *deepest, const Row *o) {
-    Py_ssize_t M = -1, K = -1;
-    PyObject *f_tok = field(cand, "tokens", &M), *f_par = f_tok ? field(cand, "parents", &M) : NULL;
-    PyObject *f_dep = f_par ? field(cand, "depth", &M) : NULL, *f_logp = f_dep ? field(cand, "logp", &M) : NULL;
-    PyObject *f_match = f_logp ? PyObject_GetAttrString(cand, "match_len") : NULL;
-    long match = f_match ? PyLong_AsLong(f_match) : -1;
-    Py_ssize_t U = L + (M < 0 ? 0 : M);
-    if (!f_match || (match == -1 && PyErr_Occurred()) || work_reserve(w, U) < 0) goto done;
+                            Py_ssize_t L, int64_t root, const Cands *c, Py_ssize_t N, const Calibration *cal,
+                            int64_t max_depth, int64_t *deepest, const Row *o) {
+    Py_ssize_t M = c->M, U = L + M, K = 0;
+    if (work_reserve(w, U) < 0) return -1;
     Node *nodes = w->nodes;
     for (Py_ssize_t u = 0; u < L; u++) {
         Node *n = &nodes[u];
@@ -162,15 +172,12 @@ static Py_ssize_t merge_row(Work *w, const int64_t *rt, const int64_t *rp, const
     for (Py_ssize_t u = 0; u < L; u++) nodes[u].raw = exp(nodes[u].est - nodes[nodes[u].par].est);
     for (Py_ssize_t i = 0; i < M; i++) {
         Node *n = &nodes[L + i];
-        long p = PyLong_AsLong(PySequence_Fast_GET_ITEM(f_par, i));
-        n->tok = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(f_tok, i));
-        n->dep = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(f_dep, i));
-        n->est = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(f_logp, i));
-        if (PyErr_Occurred()) goto done;
+        int64_t p = c->par[i];
         if (p >= i || p < -1) {
-            PyErr_Format(PyExc_ValueError, "a candidate's parent (%ld) must come before it (%zd)", p, i);
-            goto done;
+            PyErr_Format(PyExc_ValueError, "a candidate's parent (%lld) must come before it (%zd)", (long long)p, i);
+            return -1;
         }
+        n->tok = c->tok[i], n->dep = c->dep[i], n->est = c->logp[i];
         n->par = p >= 0 ? L + p : 0;
         n->raw = exp(n->est - nodes[n->par].est);
         n->node = n->id = L + i, n->src = INDEX, n->alive = n->dep <= max_depth;
@@ -196,7 +203,7 @@ static Py_ssize_t merge_row(Work *w, const int64_t *rt, const int64_t *rp, const
         int64_t levels = 0;
         for (Py_ssize_t u = 0; u < U; u++) {
             Node *n = &nodes[u];
-            int cls = node_class(n->src, match, cal->long_match);
+            int cls = node_class(n->src, c->match, cal->long_match);
             n->score = log(calibrated(cal, cls, n->raw)); /* its own node's, until the paths are summed */
             if (n->dep > levels) levels = n->dep;
         }
@@ -210,7 +217,6 @@ static Py_ssize_t merge_row(Work *w, const int64_t *rt, const int64_t *rp, const
     Kept *kept = w->kept;
     for (Py_ssize_t u = 0; u < U; u++) order[u] = &nodes[u];
     qsort(order, (size_t)U, sizeof(Node *), cmp_rank);
-    K = 0;
     for (Py_ssize_t r = 0; r < U && K < N - 1 && order[r]->alive; r++) kept[K].node = order[r], kept[K].rank = r, K++;
     qsort(kept, (size_t)K, sizeof(Kept), cmp_depth);
     for (Py_ssize_t u = 0; u < U; u++) w->position[u] = 0; /* the root, and nodes not kept */
@@ -230,61 +236,49 @@ static Py_ssize_t merge_row(Work *w, const int64_t *rt, const int64_t *rp, const
             if (o->score) o->score[j] = -INFINITY;
         }
     }
-    *match_out = match;
-done:
-    Py_XDECREF(f_tok), Py_XDECREF(f_par), Py_XDECREF(f_dep), Py_XDECREF(f_logp), Py_XDECREF(f_match);
     return K;
 }
 
-static PyObject *candidate_rows(PyObject *candidates, Py_ssize_t B) {
-    PyObject *cands = PySequence_Fast(candidates, "candidates must be a sequence");
-    if (cands && PySequence_Fast_GET_SIZE(cands) != B) {
-        PyErr_Format(PyExc_ValueError, "%zd candidate lists for %zd rows", PySequence_Fast_GET_SIZE(cands), B);
-        Py_CLEAR(cands);
-    }
-    return cands;
-}
-
-/* merge(learned (tokens, parents, depth, score) addresses, B, L, root_tokens address, candidates,
- *       num_verify, counts address or None, prior, buckets, long_match, max_depth,
- *       out (tokens, parents, depth, score, source, raw, kept, mask, match) addresses) -> all kept (bool)
- * learned: int64 [B, L] x 3 and float32 [B, L]; root_tokens int64 [B]; out: int64 [B, N] x 3, float32
- * [B, N], int8 [B, N], float32 [B, N], bool [B, N - 1], bool [B, N, N], int64 [B]. */
+/* merge(learned (tokens, parents, depth, score) addresses, B, L, root_tokens address, candidate rows (tokens,
+ *       parents, depth, logp, n, match) addresses, their width, num_verify, counts address or None, prior,
+ *       buckets, long_match, max_depth, out (tokens, parents, depth, score, source, raw, kept, mask)
+ *       addresses) -> all kept (bool)
+ * learned: int64 [B, L] x 3 and float32 [B, L]; root_tokens int64 [B]; candidate rows: `CandidateRows`;
+ * out: int64 [B, N] x 3, float32 [B, N], int8 [B, N], float32 [B, N], bool [B, N - 1], bool [B, N, N]. */
 static PyObject *merge(PyObject *self, PyObject *args) {
-    PyObject *a_ltok, *a_lpar, *a_ldep, *a_lscore, *a_root, *candidates, *a_counts;
-    PyObject *a_out[9];
-    Py_ssize_t B, L, N;
+    PyObject *a_ltok, *a_lpar, *a_ldep, *a_lscore, *a_root, *a_cand[6], *a_counts;
+    PyObject *a_out[8];
+    Py_ssize_t B, L, width, N;
     long long max_depth;
     Calibration cal;
-    if (!PyArg_ParseTuple(args, "OOOOnnOOnOdllLOOOOOOOOO", &a_ltok, &a_lpar, &a_ldep, &a_lscore, &B, &L, &a_root,
-                          &candidates, &N, &a_counts, &cal.prior, &cal.buckets, &cal.long_match, &max_depth, &a_out[0],
-                          &a_out[1], &a_out[2], &a_out[3], &a_out[4], &a_out[5], &a_out[6], &a_out[7], &a_out[8]))
+    if (!PyArg_ParseTuple(args, "OOOOnnOOOOOOOnnOdllLOOOOOOOO", &a_ltok, &a_lpar, &a_ldep, &a_lscore, &B, &L, &a_root,
+                          &a_cand[0], &a_cand[1], &a_cand[2], &a_cand[3], &a_cand[4], &a_cand[5], &width, &N,
+                          &a_counts, &cal.prior, &cal.buckets, &cal.long_match, &max_depth, &a_out[0], &a_out[1],
+                          &a_out[2], &a_out[3], &a_out[4], &a_out[5], &a_out[6], &a_out[7]))
         return NULL;
-    if (B < 0 || L < 1 || N < 1 || cal.buckets < 1) return PyErr_Format(PyExc_ValueError, "bad shapes");
+    if (B < 0 || L < 1 || N < 1 || width < 0 || cal.buckets < 1) return PyErr_Format(PyExc_ValueError, "bad shapes");
+    CandRows cands;
+    if (cand_rows(a_cand, width, B, &cands) < 0) return NULL;
     const int64_t *ltok = address(a_ltok), *lpar = address(a_lpar), *ldep = address(a_ldep);
     const float *lscore = address(a_lscore);
     const int64_t *root = address(a_root);
-    if (PyErr_Occurred()) return NULL;
     cal.counts = a_counts == Py_None ? NULL : address(a_counts);
     int64_t *otok = address(a_out[0]), *opar = address(a_out[1]), *odep = address(a_out[2]);
     float *oscore = address(a_out[3]);
     int8_t *osrc = address(a_out[4]);
     float *oraw = address(a_out[5]);
     uint8_t *okept = address(a_out[6]), *omask = address(a_out[7]);
-    int64_t *omatch = address(a_out[8]);
     if (PyErr_Occurred()) return NULL;
-    PyObject *cands = candidate_rows(candidates, B);
-    if (!cands) return NULL;
     Work w = {0};
     int all_kept = 1;
     for (Py_ssize_t b = 0; b < B; b++) {
         Row o = {otok + b * N, opar + b * N, odep + b * N, oscore + b * N, oraw + b * N, osrc + b * N};
+        Cands c = cand_row(&cands, b);
         int64_t deepest = 0;
-        Py_ssize_t K = merge_row(&w, ltok + b * L, lpar + b * L, ldep + b * L, lscore + b * L, L, root[b],
-                                 PySequence_Fast_GET_ITEM(cands, b), N, &cal, max_depth, omatch + b, &deepest, &o);
+        Py_ssize_t K = merge_row(&w, ltok + b * L, lpar + b * L, ldep + b * L, lscore + b * L, L, root[b], &c, N,
+                                 &cal, max_depth, &deepest, &o);
         if (K < 0) {
             work_free(&w);
-            Py_DECREF(cands);
             return NULL;
         }
         uint8_t *k = okept + b * (N - 1), *mask = omask + b * N * N;
@@ -300,30 +294,34 @@ static PyObject *merge(PyObject *self, PyObject *args) {
         }
     }
     work_free(&w);
-    Py_DECREF(cands);
     return PyBool_FromLong(all_kept);
 }
 
-/* merge_rows(packed address or None, L, B, rows, root_tokens address, candidates, num_verify, counts address
- *            or None, prior, buckets, long_match, max_depth,
- *            out (tokens, parents, depth, source, raw, valid, match, verify rows) addresses) -> (deepest, finite)
+/* merge_rows(packed address or None, L, B, rows, root_tokens address, candidate rows (tokens, parents, depth,
+ *            logp, n, match) addresses, their width, num_verify, counts address or None, prior, buckets,
+ *            long_match, max_depth, out (tokens, parents, depth, source, raw, valid, verify rows)
+ *            addresses) -> (deepest, finite)
  * `merge` of the learned trees a static step packed (`StaticSteps.propose`: float64 [B, 4 L + 1], each
  * row's tokens, parents, depths, scores and whether its draft was finite; None: the index alone), whose
  * tree goes straight into the verify step's input (`steps.tree_rows`): verify rows int64 [rows, 4 N],
  * each row's tokens, parents, depths and whether verified; rows B.. a root alone. If any row's draft was
  * not finite, every row merges the index's candidates alone (finite: False). The merged tree itself, for
  * the calibration: tokens, parents, depth int64 [B, N], source int8 [B, N], raw float32 [B, N], valid bool
- * [B, N], match int64 [B]. deepest: the deepest kept node's depth (0: none). */
+ * [B, N]. deepest: the deepest kept node's depth (0: none). */
 static PyObject *merge_rows(PyObject *self, PyObject *args) {
-    PyObject *a_packed, *a_root, *candidates, *a_counts, *a_out[8];
-    Py_ssize_t L, B, R, N;
+    PyObject *a_packed, *a_root, *a_cand[6], *a_counts, *a_out[7];
+    Py_ssize_t L, B, R, width, N;
     long long max_depth;
     Calibration cal;
-    if (!PyArg_ParseTuple(args, "OnnnOOnOdllLOOOOOOOO", &a_packed, &L, &B, &R, &a_root, &candidates, &N, &a_counts,
-                          &cal.prior, &cal.buckets, &cal.long_match, &max_depth, &a_out[0], &a_out[1], &a_out[2],
-                          &a_out[3], &a_out[4], &a_out[5], &a_out[6], &a_out[7]))
+    if (!PyArg_ParseTuple(args, "OnnnOOOOOOOnnOdllLOOOOOOO", &a_packed, &L, &B, &R, &a_root, &a_cand[0], &a_cand[1],
+                          &a_cand[2], &a_cand[3], &a_cand[4], &a_cand[5], &width, &N, &a_counts, &cal.prior,
+                          &cal.buckets, &cal.long_match, &max_depth, &a_out[0], &a_out[1], &a_out[2], &a_out[3],
+                          &a_out[4], &a_out[5], &a_out[6]))
         return NULL;
-    if (B < 0 || R < B || L < 1 || N < 1 || cal.buckets < 1) return PyErr_Format(PyExc_ValueError, "bad shapes");
+    if (B < 0 || R < B || L < 1 || N < 1 || width < 0 || cal.buckets < 1)
+        return PyErr_Format(PyExc_ValueError, "bad shapes");
+    CandRows cands;
+    if (cand_rows(a_cand, width, B, &cands) < 0) return NULL;
     const double *packed = a_packed == Py_None ? NULL : address(a_packed);
     const int64_t *root = address(a_root);
     cal.counts = a_counts == Py_None ? NULL : address(a_counts);
@@ -331,7 +329,7 @@ static PyObject *merge_rows(PyObject *self, PyObject *args) {
     int8_t *osrc = address(a_out[3]);
     float *oraw = address(a_out[4]);
     uint8_t *ovalid = address(a_out[5]);
-    int64_t *omatch = address(a_out[6]), *out = address(a_out[7]);
+    int64_t *out = address(a_out[6]);
     if (PyErr_Occurred()) return NULL;
     int finite = 1;
     for (Py_ssize_t b = 0; packed && b < B; b++) finite &= packed[b * (4 * L + 1) + 4 * L] > 0;
@@ -342,10 +340,10 @@ static PyObject *merge_rows(PyObject *self, PyObject *args) {
         free(learned), free(score);
         return PyErr_NoMemory();
     }
-    PyObject *cands = candidate_rows(candidates, B);
     Work w = {0};
     int64_t deepest = 0;
-    for (Py_ssize_t b = 0; cands && b < B; b++) {
+    int failed = 0;
+    for (Py_ssize_t b = 0; b < B && !failed; b++) {
         int64_t *t = out + b * 4 * N;
         if (Lrow > 1) {
             const double *row = packed + b * (4 * L + 1);
@@ -357,18 +355,16 @@ static PyObject *merge_rows(PyObject *self, PyObject *args) {
             learned[0] = root[b], learned[1] = learned[2] = 0, score[0] = 0.0f;
         }
         Row o = {otok + b * N, opar + b * N, odep + b * N, NULL, oraw + b * N, osrc + b * N};
-        Py_ssize_t K = merge_row(&w, learned, learned + Lrow, learned + 2 * Lrow, score, Lrow, root[b],
-                                 PySequence_Fast_GET_ITEM(cands, b), N, &cal, max_depth, omatch + b, &deepest, &o);
-        if (K < 0) {
-            Py_CLEAR(cands);
-            break;
-        }
-        for (Py_ssize_t j = 0; j < N; j++) {
+        Cands c = cand_row(&cands, b);
+        Py_ssize_t K = merge_row(&w, learned, learned + Lrow, learned + 2 * Lrow, score, Lrow, root[b], &c, N, &cal,
+                                 max_depth, &deepest, &o);
+        failed = K < 0;
+        for (Py_ssize_t j = 0; j < N && !failed; j++) {
             ovalid[b * N + j] = j <= K;
             t[j] = o.tok[j], t[N + j] = o.par[j], t[2 * N + j] = o.dep[j], t[3 * N + j] = j <= K;
         }
     }
-    for (Py_ssize_t b = B; cands && b < R; b++) { /* padded rows: a root alone (token 0), never verified nodes */
+    for (Py_ssize_t b = B; b < R && !failed; b++) { /* padded rows: a root alone (token 0), never verified nodes */
         int64_t *t = out + b * 4 * N;
         memset(t, 0, (size_t)(4 * N) * sizeof(int64_t));
         for (Py_ssize_t j = 1; j < N; j++) t[2 * N + j] = 1;
@@ -376,8 +372,7 @@ static PyObject *merge_rows(PyObject *self, PyObject *args) {
     }
     work_free(&w);
     free(learned), free(score);
-    if (!cands) return NULL;
-    Py_DECREF(cands);
+    if (failed) return NULL;
     return Py_BuildValue("(LO)", (long long)deepest, finite ? Py_True : Py_False);
 }
 

@@ -44,7 +44,7 @@ from fastgrpo.engines.embedded.tree import (NonFiniteDraft, Tree, Verified, draf
                                             observe_verified, verify_tree)
 from fastgrpo.speculation.node_calibration import NodeCalibration
 from fastgrpo.speculation.spec import SpecConfig
-from fastgrpo.speculation.suffix_index import Candidates, IndexLimits, Response, SuffixIndex
+from fastgrpo.speculation.suffix_index import CandidateRows, IndexLimits, Response, SuffixIndex
 
 log = logging.getLogger(__name__)
 TREE_SLACK = 256  # cache room past the context for tree tokens that are verified and then dropped
@@ -769,14 +769,14 @@ class EmbeddedEngine:
         self._counts["merge_s"] += time.perf_counter() - t
         return tree
 
-    def _index_candidates(self, running: list[_Sequence], config: SpecConfig) -> list[Candidates]:
+    def _index_candidates(self, running: list[_Sequence], config: SpecConfig) -> CandidateRows:
         """Each row's continuations from the index after its pending token, at most the tree's budget
         (its text brought up to date first: a sibling's lookup sees every token emitted before this step)."""
         assert self.index is not None
         t = time.perf_counter()
-        out = [self._indexed(s).lookup(config.num_verify - 1) for s in running]
+        out = self.index.lookup_rows([self._indexed(s) for s in running], config.num_verify - 1)
         self._counts["index_s"] += time.perf_counter() - t
-        self._counts["index_matched"] += sum(c.match_len > 0 for c in out)
+        self._counts["index_matched"] += int((out.match > 0).sum())
         self._counts["index_lookups"] += len(out)
         return out
 

@@ -34,7 +34,6 @@ graph as a learned step's past its drafting.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,14 +43,14 @@ from torch import Tensor
 
 from fastgrpo.engines.embedded.constants import arange, full
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache, block_mask, cache_kv
-from fastgrpo.engines.embedded.tree import (Tree, Verified, ancestor_mask, compiled_merge_rows, draft_tree, host_tensor,
-                                            hybrid_tree, verify_tree)
+from fastgrpo.engines.embedded.tree import (Tree, Verified, ancestor_mask, candidate_arrays, compiled_merge_rows,
+                                            draft_tree, host_tensor, hybrid_tree, verify_tree)
 from fastgrpo.models.draft import DraftHead
 from fastgrpo.models.layers import EAGER, Pointwise
 from fastgrpo.models.sampling import cuts, sample, sampling_logprobs, seed_key
 from fastgrpo.speculation.node_calibration import LONG_MATCH, NodeCalibration
 from fastgrpo.speculation.spec import SpecConfig
-from fastgrpo.speculation.suffix_index import Candidates
+from fastgrpo.speculation.suffix_index import CandidateRows
 from fastgrpo.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -303,7 +302,7 @@ def unpack_learned(packed: Tensor, nodes: int) -> tuple[Tree, bool]:
     return tree, bool((packed[:, 4 * N] > 0).all())
 
 
-def merged_rows(packed: Tensor | None, candidates: Sequence[Candidates], root_tokens: Tensor, nodes: int,
+def merged_rows(packed: Tensor | None, candidates: CandidateRows, root_tokens: Tensor, nodes: int,
                 calibration: NodeCalibration | None, max_depth: int, out: Tensor,
                 compiled: bool | None = None) -> tuple[Tree, int, bool]:
     """A merged static step's tree on the host, written into `out` [rows, 4 nodes] as `verify` reads it
@@ -340,16 +339,17 @@ def merged_rows(packed: Tensor | None, candidates: Sequence[Candidates], root_to
     counts = None if calibration is None else host_tensor(calibration.counts, torch.float64)
     record = [torch.empty(B, N, dtype=dtype) for dtype in (torch.long, torch.long, torch.long, torch.int8,
                                                            torch.float32, torch.bool)]
-    match = torch.empty(B, dtype=torch.long)
+    if len(candidates) != B:
+        raise ValueError(f"{len(candidates)} candidate rows for {B} rows")
     deepest, finite = compiled_merge_rows(None if packed is None else packed.data_ptr(), 1 if packed is None else L,
-                                          B, len(out), roots.data_ptr(), candidates, N,
+                                          B, len(out), roots.data_ptr(), *candidate_arrays(candidates), N,
                                           None if counts is None else counts.data_ptr(),
                                           0.0 if calibration is None else calibration.prior,
                                           1 if calibration is None else calibration.buckets, LONG_MATCH, max_depth,
-                                          *(t.data_ptr() for t in record), match.data_ptr(), out.data_ptr())
+                                          *(t.data_ptr() for t in record), out.data_ptr())
     tokens, parents, depth, source, raw, valid = record
     return (Tree(tokens, parents, depth, torch.empty(B, N, 0, dtype=torch.bool), valid=valid, source=source, raw=raw,
-                 match=match), deepest, finite)
+                 match=torch.from_numpy(candidates.match)), deepest, finite)
 
 
 def _stacked(routed: list[Tensor] | None) -> Tensor | None:

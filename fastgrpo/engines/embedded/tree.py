@@ -26,9 +26,9 @@ back to the host), which a graph-captured step (`steps.py`) needs.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -40,7 +40,7 @@ from fastgrpo.types import SamplingParams
 from fastgrpo.models.draft import DraftHead
 from fastgrpo.models.layers import EAGER, Pointwise
 from fastgrpo.speculation.node_calibration import LONG_MATCH, NodeCalibration, node_classes
-from fastgrpo.speculation.suffix_index import Candidates
+from fastgrpo.speculation.suffix_index import CandidateRows
 
 try:  # hybrid_tree's merge and observe_verified's counting in C, where the install built them
     from fastgrpo.engines.embedded._tree_merge import merge as compiled_merge
@@ -270,11 +270,12 @@ def observe_verified(calibration: NodeCalibration | None, tree: Tree, path: Tens
                             1 if calibration is None else calibration.buckets, LONG_MATCH)
 
 
-def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tokens: Tensor, num_verify: int,
+def hybrid_tree(learned: Tree | None, candidates: CandidateRows, root_tokens: Tensor, num_verify: int,
                 calibration: NodeCalibration | None = None, compiled: bool | None = None,
                 max_depth: int | None = None) -> Tree:
     """One tree per row from the learned draft's tree (None: the index alone) and the index's
-    continuations of that row (`SuffixIndex` candidates after the root), `num_verify` nodes with the root.
+    continuations of that row (`SuffixIndex.lookup_rows`' rows of candidates after the root), `num_verify`
+    nodes with the root.
 
     A node is a token path from the root, whoever proposed it: a path both propose is one node (so a
     node's children are distinct tokens). Its score: without `calibration`, the larger of the two
@@ -315,25 +316,21 @@ def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tok
     L = learned.tokens.shape[1]
 
     # the index's candidates as [B, M] tensors (padding invalid), parents numbered among all U = L + M nodes
-    M = max((len(c) for c in candidates), default=0)
-    tok, par, dep, logp, valid = [], [], [], [], []
-    index_levels = 0
-    for c in candidates:
-        pad = M - len(c)
-        tok += c.tokens + [0] * pad
-        par += [p + L if p >= 0 else 0 for p in c.parents] + [0] * pad
-        dep += c.depth + [0] * pad
-        logp += c.logp + [0.0] * pad
-        valid += [True] * len(c) + [False] * pad
-        index_levels = max(index_levels, max(c.depth, default=0))
-    levels = max(levels, index_levels)
-    shape = (B, M)
-    i_tok, i_par, i_dep = (torch.tensor(x, dtype=torch.long).view(shape) for x in (tok, par, dep))
-    i_valid = torch.tensor(valid, dtype=torch.bool).view(shape)
+    if len(candidates) != B:
+        raise ValueError(f"{len(candidates)} candidate rows for {B} rows")
+    M = int(candidates.n.max(initial=0))
+    i_valid = torch.from_numpy(np.arange(M)[None, :] < candidates.n[:, None])
+
+    def index_column(values: np.ndarray, pad: float | int) -> Tensor:
+        return torch.where(i_valid, torch.from_numpy(np.ascontiguousarray(values[:, :M])), pad)
+
+    i_tok, i_dep, i_par = (index_column(a, 0) for a in (candidates.tokens, candidates.depth, candidates.parents))
+    i_par = torch.where(i_valid & (i_par >= 0), i_par + L, 0)
+    levels = max(levels, index_levels := int(i_dep.max()) if M else 0)
     tokens = torch.cat([learned.tokens, i_tok], 1)
     parents = torch.cat([learned.parents, i_par], 1)
     depth = torch.cat([learned.depth, i_dep], 1)
-    estimate = torch.cat([learned.score.double(), torch.tensor(logp, dtype=torch.float64).view(shape)], 1)
+    estimate = torch.cat([learned.score.double(), index_column(candidates.logp, 0.0)], 1)
     raw = torch.exp(estimate - estimate.gather(1, parents))  # each source's own conditional (roots: 1)
     ids = torch.arange(L + M)
     source = torch.cat([torch.where(ids[:L] > 0, LEARNED, 0).expand(B, L), torch.where(i_valid, INDEX, 0)], 1)
@@ -356,7 +353,7 @@ def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tok
     alive = torch.cat([ids[:L].expand(B, -1) > 0, i_valid & ~merged], 1)
     if max_depth is not None:
         alive &= depth <= max_depth
-    match = torch.tensor([c.match_len for c in candidates], dtype=torch.long)
+    match = torch.from_numpy(candidates.match.copy())
 
     if calibration is None:
         score = estimate
@@ -397,13 +394,25 @@ def hybrid_tree(learned: Tree | None, candidates: Sequence[Candidates], root_tok
     return tree if bool(kept.all()) else tree.restricted(kept)
 
 
-def _merge_compiled(learned: Tree | None, candidates: Sequence[Candidates], root_tokens: Tensor, N: int,
+def candidate_arrays(rows: CandidateRows) -> list[int]:
+    """The C merge's arguments for `rows`: its arrays' addresses (tokens, parents, depth, logp, n, match),
+    then its width; each checked to be the C-contiguous int64 or float64 array the C code reads."""
+    arrays = (rows.tokens, rows.parents, rows.depth, rows.logp, rows.n, rows.match)
+    for name, a, dtype in zip(("tokens", "parents", "depth", "logp", "n", "match"), arrays,
+                              (np.int64, np.int64, np.int64, np.float64, np.int64, np.int64)):
+        if a.dtype != dtype or not a.flags.c_contiguous or len(a) != len(rows.n):
+            raise ValueError(f"CandidateRows.{name}: a C-contiguous {np.dtype(dtype).name} array of "
+                             f"{len(rows.n)} rows, not {a.dtype} {a.shape}")
+    return [a.ctypes.data for a in arrays] + [rows.width]
+
+
+def _merge_compiled(learned: Tree | None, candidates: CandidateRows, root_tokens: Tensor, N: int,
                     calibration: NodeCalibration | None, max_depth: int | None) -> Tree:
     """`hybrid_tree` by the C merge: contiguous CPU tensors of its dtypes in and out (a device's trees
     cross to the host and back)."""
     device, B = root_tokens.device, len(root_tokens)
     if len(candidates) != B:
-        raise ValueError(f"{len(candidates)} candidate lists for {B} rows")
+        raise ValueError(f"{len(candidates)} candidate rows for {B} rows")
     cpu = torch.device("cpu")
     if learned is None:  # the root alone
         zeros = torch.zeros(B, 1, dtype=torch.long)
@@ -415,17 +424,17 @@ def _merge_compiled(learned: Tree | None, candidates: Sequence[Candidates], root
     roots = root_tokens.to(cpu, torch.long).contiguous()
     out = [torch.empty(B, N, dtype=dtype) for dtype in (torch.long, torch.long, torch.long, torch.float32, torch.int8,
                                                          torch.float32)]
-    out += [torch.empty(B, N - 1, dtype=torch.bool), torch.empty(B, N, N, dtype=torch.bool),
-            torch.empty(B, dtype=torch.long)]
+    out += [torch.empty(B, N - 1, dtype=torch.bool), torch.empty(B, N, N, dtype=torch.bool)]
     counts = None if calibration is None else calibration.counts.to(cpu, torch.float64).contiguous()
     all_kept = compiled_merge(tokens.data_ptr(), parents.data_ptr(), depth.data_ptr(), score.data_ptr(), B,
-                              tokens.shape[1], roots.data_ptr(), candidates, N,
+                              tokens.shape[1], roots.data_ptr(), *candidate_arrays(candidates), N,
                               None if counts is None else counts.data_ptr(),
                               0.0 if calibration is None else calibration.prior,
                               1 if calibration is None else calibration.buckets, LONG_MATCH,
                               NO_DEPTH_LIMIT if max_depth is None else max_depth, *(t.data_ptr() for t in out))
-    tokens, parents, depth, score, source, raw, kept, mask, match = (t.to(device) for t in out)
+    tokens, parents, depth, score, source, raw, kept, mask = (t.to(device) for t in out)
     valid = None if all_kept else torch.cat([torch.ones(B, 1, dtype=torch.bool, device=device), kept], 1)
+    match = torch.from_numpy(candidates.match.copy()).to(device)
     return Tree(tokens, parents, depth, mask, score, valid, source, raw, match)
 
 
