@@ -107,8 +107,9 @@ def test_a_batch_of_lookups_is_each_rows_lookup():
                 for index in (batched, single):
                     index.load_state_dict(index.state_dict())
             budget = rng.choice([1, 5, 8])
-            got, want = batched.lookup_rows(rows[0], budget), [r.lookup(budget) for r in rows[1]]
+            (got, got_matched), want = batched.lookup_rows(rows[0], budget), [r.lookup(budget) for r in rows[1]]
             assert [got.row(b) for b in range(len(want))] == want, (compiled, step)
+            assert got_matched == sum(c.match_len > 0 for c in want)
             assert list(batched.prompts) == list(single.prompts)
             matched += sum(c.match_len > 0 for c in want)
             empty += sum(len(c) == 0 for c in want)

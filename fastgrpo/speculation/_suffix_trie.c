@@ -521,31 +521,31 @@ static PyObject *Writer_match(Writer *self, PyObject *arg) {
 static PyObject *Writer_tokens(Writer *self, void *closure) { return Py_NewRef(self->tokens); }
 static PyObject *Writer_trie(Writer *self, void *closure) { return Py_NewRef((PyObject *)self->trie); }
 
-/* lookup_rows(writers, window, budget, depth, prior, min_prob, out (tokens, parents, depth, logp, counts, n,
- *             match) addresses): `SuffixIndex.lookup` of each writer's text from its own trie, every row into
- * flat arrays (row b's candidates at b * budget: int64 tokens, parents, depths, float64 log-probabilities,
- * int64 counts; int64 n[b] of them and match[b], the match length, 0 where nothing was found), without a
+/* lookup_rows(writers, window, budget, depth, prior, min_prob, ints address, logp address) -> rows matched:
+ * `SuffixIndex.lookup` of each writer's text from its own trie, every row into flat arrays (`CandidateRows`:
+ * B = len(writers) rows of `budget` columns; ints int64 [4 B budget + 2 B]: tokens, parents, depths, counts,
+ * then n [B] and match [B], the match length, 0 where nothing was found; logp float64 [B, budget]), without a
  * Python object a candidate: a continuation's prior is `prior` over the row's match length, as the index's
- * lookup sets it. */
+ * lookup sets it. The columns past a row's n are left as they were. */
 static PyObject *lookup_rows(PyObject *module, PyObject *args) {
-    PyObject *writers, *a[7];
+    PyObject *writers, *a_ints, *a_logp;
     int window, budget, depth;
     double prior, min_prob;
-    if (!PyArg_ParseTuple(args, "OiiiddOOOOOOO", &writers, &window, &budget, &depth, &prior, &min_prob, &a[0], &a[1],
-                          &a[2], &a[3], &a[4], &a[5], &a[6]))
+    if (!PyArg_ParseTuple(args, "OiiiddOO", &writers, &window, &budget, &depth, &prior, &min_prob, &a_ints, &a_logp))
         return NULL;
     if (window < 1 || budget < 0) return PyErr_Format(PyExc_ValueError, "window must be >= 1 and budget >= 0");
-    void *ptr[7];
-    for (int i = 0; i < 7; i++) {
-        ptr[i] = PyLong_AsVoidPtr(a[i]);
-        if (!ptr[i] && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a null array address");
-        if (PyErr_Occurred()) return NULL;
-    }
-    int64_t *tokens = ptr[0], *parents = ptr[1], *depths = ptr[2], *counts = ptr[4], *n = ptr[5], *match = ptr[6];
-    double *logp = ptr[3];
+    int64_t *ints = PyLong_AsVoidPtr(a_ints);
+    double *logp = PyLong_AsVoidPtr(a_logp);
+    if (PyErr_Occurred()) return NULL;
     PyObject *rows = PySequence_Fast(writers, "writers must be a sequence of TrieWriter");
     if (!rows) return NULL;
-    for (Py_ssize_t b = 0; b < PySequence_Fast_GET_SIZE(rows); b++) {
+    Py_ssize_t B = PySequence_Fast_GET_SIZE(rows), cells = B * budget, matched = 0;
+    if ((B && !ints) || (cells && !logp)) { /* (an empty tensor's address is null) */
+        Py_DECREF(rows);
+        return PyErr_Format(PyExc_ValueError, "a null array address");
+    }
+    int64_t *n = ints + 4 * cells, *match = n + B;
+    for (Py_ssize_t b = 0; b < B; b++) {
         PyObject *o = PySequence_Fast_GET_ITEM(rows, b);
         if (!PyObject_TypeCheck(o, &WriterType)) {
             Py_DECREF(rows);
@@ -556,17 +556,18 @@ static PyObject *lookup_rows(PyObject *module, PyObject *args) {
         int32_t node = 0, length = window < w->n_frontier ? window : w->n_frontier;
         for (; length > 0; length--)
             if (t->first[node = w->frontier[length - 1]] >= 0) break;
-        Found f = {tokens + b * budget, parents + b * budget, depths + b * budget, counts + b * budget,
-                   logp + b * budget};
+        Py_ssize_t at = b * budget;
+        Found f = {ints + at, ints + cells + at, ints + 2 * cells + at, ints + 3 * cells + at, logp + at};
         Py_ssize_t found = length ? continue_into(t, node, budget, depth, prior / length, min_prob, &f) : 0;
         if (found < 0) {
             Py_DECREF(rows);
             return NULL;
         }
         n[b] = found, match[b] = found ? length : 0;
+        matched += found > 0;
     }
     Py_DECREF(rows);
-    Py_RETURN_NONE;
+    return PyLong_FromSsize_t(matched);
 }
 
 static PyMethodDef module_methods[] = {

@@ -49,7 +49,8 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
+import torch
+from torch import Tensor
 
 try:  # the same trie in C, where the install built it
     from fastgrpo.speculation._suffix_trie import SuffixTrie as CompiledTrie
@@ -253,51 +254,49 @@ class Candidates:
         return out
 
 
-@dataclass
 class CandidateRows:
-    """The candidates of B rows in flat arrays [B, budget] (`SuffixIndex.lookup_rows`; what the tree merge
+    """The candidates of B rows in flat arrays [B, width] (`SuffixIndex.lookup_rows`; what the tree merge
     reads): row b's `n[b]` candidates in its first columns of `tokens`, `parents` (among the row's, -1:
-    directly after the sequence), `depth`, `counts` (int64) and `logp` (float64), its match length in
-    `match[b]` (0: none found). The columns past a row's `n` are unspecified."""
+    directly after the sequence), `depth`, `counts` and `logp`, its match length in `match[b]` (0: none
+    found); the columns past a row's `n` are zero. The integers are one int64 tensor (`ints`: tokens,
+    parents, depth, counts, then n and match), the log-probabilities one float64 tensor: two allocations
+    and two addresses for the C code, whatever the rows (a step's fixed host cost, which a GPU waits on)."""
 
-    tokens: np.ndarray
-    parents: np.ndarray
-    depth: np.ndarray
-    logp: np.ndarray
-    counts: np.ndarray
-    n: np.ndarray
-    match: np.ndarray
+    def __init__(self, rows: int, width: int):
+        self.rows, self.width = rows, width
+        self.ints = torch.zeros(4 * rows * width + 2 * rows, dtype=torch.long)
+        self.logp = torch.zeros(rows, width, dtype=torch.float64)
+
+    def _block(self, k: int) -> Tensor:
+        return self.ints[k * self.rows * self.width:(k + 1) * self.rows * self.width].view(self.rows, self.width)
+
+    tokens = property(lambda self: self._block(0))
+    parents = property(lambda self: self._block(1))
+    depth = property(lambda self: self._block(2))
+    counts = property(lambda self: self._block(3))
+    n = property(lambda self: self.ints[4 * self.rows * self.width:][:self.rows])
+    match = property(lambda self: self.ints[4 * self.rows * self.width + self.rows:])
 
     @classmethod
-    def empty(cls, rows: int, budget: int) -> CandidateRows:
-        """Rows of no candidates, room for `budget` each."""
-        return cls(*(np.zeros((rows, budget), dtype=np.int64) for _ in range(3)), np.zeros((rows, budget)),
-                   np.zeros((rows, budget), dtype=np.int64), np.zeros(rows, dtype=np.int64),
-                   np.zeros(rows, dtype=np.int64))
-
-    @classmethod
-    def of(cls, candidates: Sequence[Candidates], budget: int | None = None) -> CandidateRows:
-        """Each `Candidates` of a list as a row (`budget`: the columns, at least the longest's)."""
-        width = max([len(c) for c in candidates] + [budget or 0])
-        out = cls.empty(len(candidates), width)
+    def of(cls, candidates: Sequence[Candidates], width: int | None = None) -> CandidateRows:
+        """Each `Candidates` of a list as a row (`width`: the columns, at least the longest's)."""
+        out = cls(len(candidates), max([len(c) for c in candidates] + [width or 0]))
         for b, c in enumerate(candidates):
             out.put(b, c)
         return out
 
     def put(self, b: int, c: Candidates) -> None:
-        n = self.n[b] = len(c)
+        """Row b's candidates from a `Candidates`."""
+        n = len(c)
         for name in ("tokens", "parents", "depth", "logp", "counts"):
-            getattr(self, name)[b, :n] = getattr(c, name)
-        self.match[b] = c.match_len
+            getattr(self, name)[b, :n] = torch.tensor(getattr(c, name), dtype=getattr(self, name).dtype)
+        self.n[b], self.match[b] = n, c.match_len
 
     def __len__(self) -> int:
-        return len(self.n)
-
-    @property
-    def width(self) -> int:
-        return self.tokens.shape[1]
+        return self.rows
 
     def row(self, b: int) -> Candidates:
+        """Row b as a `Candidates`."""
         n = int(self.n[b])
         return Candidates(*(getattr(self, name)[b, :n].tolist() for name in ("tokens", "parents", "depth", "logp",
                                                                                "counts")), int(self.match[b]))
@@ -480,12 +479,13 @@ class SuffixIndex:
             out.match_len = length if out.tokens else 0
         return out
 
-    def lookup_rows(self, responses: Sequence[Response], budget: int) -> CandidateRows:
-        """`lookup(budget)` of each response, as rows of flat arrays. With the C trie, one call for every
-        row and no Python object a candidate (a step of a few hundred rows made tens of thousands of them,
-        on the host work a step waits for); the same candidates, match lengths and order of use as
-        `Response.lookup` row by row, which runs instead where a response's prompt was dropped."""
-        out = CandidateRows.empty(len(responses), budget)
+    def lookup_rows(self, responses: Sequence[Response], budget: int) -> tuple[CandidateRows, int]:
+        """`lookup(budget)` of each response, as rows of flat arrays, and how many rows found a match. With
+        the C trie, one call for every row and no Python object a candidate (a step of a few hundred rows
+        made tens of thousands of them, on the host work a step waits for); the same candidates, match
+        lengths and order of use as `Response.lookup` row by row, which runs instead where a response's
+        prompt was dropped while it was written."""
+        out = CandidateRows(len(responses), budget)
         whole = compiled_lookup_rows is not None and self.trie_type is CompiledTrie
         prompts = self.prompts
         for r in responses:  # (each row's prompt used in turn, as row-by-row lookups use them)
@@ -496,14 +496,14 @@ class SuffixIndex:
                 prompts.move_to_end(r.key)
                 if entry.pending:
                     self._index_pending(entry)
-        if not whole:
-            for b, r in enumerate(responses):
-                out.put(b, r.lookup(budget))
-            return out
-        compiled_lookup_rows([r.writer for r in responses], self.limits.window, budget, self.limits.depth,
-                             self.limits.prior, 0.0, *(a.ctypes.data for a in (out.tokens, out.parents, out.depth,
-                                                                               out.logp, out.counts, out.n, out.match)))
-        return out
+        if whole:
+            matched = compiled_lookup_rows([r.writer for r in responses], self.limits.window, budget,
+                                           self.limits.depth, self.limits.prior, 0.0, out.ints.data_ptr(),
+                                           out.logp.data_ptr())
+            return out, matched
+        for b, r in enumerate(responses):
+            out.put(b, r.lookup(budget))
+        return out, int((out.match > 0).sum())
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the index: each prompt's key, prompt and finished responses (as

@@ -128,17 +128,20 @@ typedef struct {
     int64_t match;
 } Cands;
 
-/* The candidate rows `CandidateRows` holds: B rows of `width` columns; n and match [B]. */
+/* The candidate rows `CandidateRows` holds: B rows of `width` columns. Its ints: int64 [4 B width + 2 B],
+ * tokens, parents, depths and counts [B, width], then n and match [B]; its logp: float64 [B, width]. */
 typedef struct {
     const int64_t *tok, *par, *dep, *n, *match;
     const double *logp;
     Py_ssize_t width;
 } CandRows;
 
-static int cand_rows(PyObject *a[6], Py_ssize_t width, Py_ssize_t B, CandRows *c) {
-    c->tok = address(a[0]), c->par = address(a[1]), c->dep = address(a[2]), c->logp = address(a[3]);
-    c->n = address(a[4]), c->match = address(a[5]), c->width = width;
+static int cand_rows(PyObject *a_ints, PyObject *a_logp, Py_ssize_t width, Py_ssize_t B, CandRows *c) {
+    Py_ssize_t cells = B * width;
+    const int64_t *ints = address(a_ints);
+    c->logp = cells ? address(a_logp) : NULL, c->width = width; /* (an empty tensor's address is null) */
     if (PyErr_Occurred()) return -1;
+    c->tok = ints, c->par = ints + cells, c->dep = ints + 2 * cells, c->n = ints + 4 * cells, c->match = c->n + B;
     for (Py_ssize_t b = 0; b < B; b++)
         if (c->n[b] < 0 || c->n[b] > width) {
             PyErr_Format(PyExc_ValueError, "row %zd: %lld candidates in %zd columns", b, (long long)c->n[b], width);
@@ -239,26 +242,25 @@ static Py_ssize_t merge_row(Work *w, const int64_t *rt, const int64_t *rp, const
     return K;
 }
 
-/* merge(learned (tokens, parents, depth, score) addresses, B, L, root_tokens address, candidate rows (tokens,
- *       parents, depth, logp, n, match) addresses, their width, num_verify, counts address or None, prior,
+/* merge(learned (tokens, parents, depth, score) addresses, B, L, root_tokens address, candidate rows (ints,
+ *       logp) addresses, their width, num_verify, counts address or None, prior,
  *       buckets, long_match, max_depth, out (tokens, parents, depth, score, source, raw, kept, mask)
  *       addresses) -> all kept (bool)
  * learned: int64 [B, L] x 3 and float32 [B, L]; root_tokens int64 [B]; candidate rows: `CandidateRows`;
  * out: int64 [B, N] x 3, float32 [B, N], int8 [B, N], float32 [B, N], bool [B, N - 1], bool [B, N, N]. */
 static PyObject *merge(PyObject *self, PyObject *args) {
-    PyObject *a_ltok, *a_lpar, *a_ldep, *a_lscore, *a_root, *a_cand[6], *a_counts;
+    PyObject *a_ltok, *a_lpar, *a_ldep, *a_lscore, *a_root, *a_ints, *a_logp, *a_counts;
     PyObject *a_out[8];
     Py_ssize_t B, L, width, N;
     long long max_depth;
     Calibration cal;
-    if (!PyArg_ParseTuple(args, "OOOOnnOOOOOOOnnOdllLOOOOOOOO", &a_ltok, &a_lpar, &a_ldep, &a_lscore, &B, &L, &a_root,
-                          &a_cand[0], &a_cand[1], &a_cand[2], &a_cand[3], &a_cand[4], &a_cand[5], &width, &N,
-                          &a_counts, &cal.prior, &cal.buckets, &cal.long_match, &max_depth, &a_out[0], &a_out[1],
+    if (!PyArg_ParseTuple(args, "OOOOnnOOOnnOdllLOOOOOOOO", &a_ltok, &a_lpar, &a_ldep, &a_lscore, &B, &L, &a_root,
+                          &a_ints, &a_logp, &width, &N, &a_counts, &cal.prior, &cal.buckets, &cal.long_match, &max_depth, &a_out[0], &a_out[1],
                           &a_out[2], &a_out[3], &a_out[4], &a_out[5], &a_out[6], &a_out[7]))
         return NULL;
     if (B < 0 || L < 1 || N < 1 || width < 0 || cal.buckets < 1) return PyErr_Format(PyExc_ValueError, "bad shapes");
     CandRows cands;
-    if (cand_rows(a_cand, width, B, &cands) < 0) return NULL;
+    if (cand_rows(a_ints, a_logp, width, B, &cands) < 0) return NULL;
     const int64_t *ltok = address(a_ltok), *lpar = address(a_lpar), *ldep = address(a_ldep);
     const float *lscore = address(a_lscore);
     const int64_t *root = address(a_root);
@@ -297,8 +299,8 @@ static PyObject *merge(PyObject *self, PyObject *args) {
     return PyBool_FromLong(all_kept);
 }
 
-/* merge_rows(packed address or None, L, B, rows, root_tokens address, candidate rows (tokens, parents, depth,
- *            logp, n, match) addresses, their width, num_verify, counts address or None, prior, buckets,
+/* merge_rows(packed address or None, L, B, rows, root_tokens address, candidate rows (ints, logp) addresses,
+ *            their width, num_verify, counts address or None, prior, buckets,
  *            long_match, max_depth, out (tokens, parents, depth, source, raw, valid, verify rows)
  *            addresses) -> (deepest, finite)
  * `merge` of the learned trees a static step packed (`StaticSteps.propose`: float64 [B, 4 L + 1], each
@@ -309,19 +311,19 @@ static PyObject *merge(PyObject *self, PyObject *args) {
  * the calibration: tokens, parents, depth int64 [B, N], source int8 [B, N], raw float32 [B, N], valid bool
  * [B, N]. deepest: the deepest kept node's depth (0: none). */
 static PyObject *merge_rows(PyObject *self, PyObject *args) {
-    PyObject *a_packed, *a_root, *a_cand[6], *a_counts, *a_out[7];
+    PyObject *a_packed, *a_root, *a_ints, *a_logp, *a_counts, *a_out[7];
     Py_ssize_t L, B, R, width, N;
     long long max_depth;
     Calibration cal;
-    if (!PyArg_ParseTuple(args, "OnnnOOOOOOOnnOdllLOOOOOOO", &a_packed, &L, &B, &R, &a_root, &a_cand[0], &a_cand[1],
-                          &a_cand[2], &a_cand[3], &a_cand[4], &a_cand[5], &width, &N, &a_counts, &cal.prior,
+    if (!PyArg_ParseTuple(args, "OnnnOOOnnOdllLOOOOOOO", &a_packed, &L, &B, &R, &a_root, &a_ints, &a_logp, &width,
+                          &N, &a_counts, &cal.prior,
                           &cal.buckets, &cal.long_match, &max_depth, &a_out[0], &a_out[1], &a_out[2], &a_out[3],
                           &a_out[4], &a_out[5], &a_out[6]))
         return NULL;
     if (B < 0 || R < B || L < 1 || N < 1 || width < 0 || cal.buckets < 1)
         return PyErr_Format(PyExc_ValueError, "bad shapes");
     CandRows cands;
-    if (cand_rows(a_cand, width, B, &cands) < 0) return NULL;
+    if (cand_rows(a_ints, a_logp, width, B, &cands) < 0) return NULL;
     const double *packed = a_packed == Py_None ? NULL : address(a_packed);
     const int64_t *root = address(a_root);
     cal.counts = a_counts == Py_None ? NULL : address(a_counts);

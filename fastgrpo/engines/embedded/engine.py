@@ -774,9 +774,9 @@ class EmbeddedEngine:
         (its text brought up to date first: a sibling's lookup sees every token emitted before this step)."""
         assert self.index is not None
         t = time.perf_counter()
-        out = self.index.lookup_rows([self._indexed(s) for s in running], config.num_verify - 1)
+        out, matched = self.index.lookup_rows([self._indexed(s) for s in running], config.num_verify - 1)
         self._counts["index_s"] += time.perf_counter() - t
-        self._counts["index_matched"] += int((out.match > 0).sum())
+        self._counts["index_matched"] += matched
         self._counts["index_lookups"] += len(out)
         return out
 

@@ -349,7 +349,7 @@ def merged_rows(packed: Tensor | None, candidates: CandidateRows, root_tokens: T
                                           *(t.data_ptr() for t in record), out.data_ptr())
     tokens, parents, depth, source, raw, valid = record
     return (Tree(tokens, parents, depth, torch.empty(B, N, 0, dtype=torch.bool), valid=valid, source=source, raw=raw,
-                 match=torch.from_numpy(candidates.match)), deepest, finite)
+                 match=candidates.match), deepest, finite)
 
 
 def _stacked(routed: list[Tensor] | None) -> Tensor | None:

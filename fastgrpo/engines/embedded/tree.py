@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -318,11 +317,12 @@ def hybrid_tree(learned: Tree | None, candidates: CandidateRows, root_tokens: Te
     # the index's candidates as [B, M] tensors (padding invalid), parents numbered among all U = L + M nodes
     if len(candidates) != B:
         raise ValueError(f"{len(candidates)} candidate rows for {B} rows")
-    M = int(candidates.n.max(initial=0))
-    i_valid = torch.from_numpy(np.arange(M)[None, :] < candidates.n[:, None])
+    n = candidates.n
+    M = int(n.max()) if len(n) else 0
+    i_valid = torch.arange(M)[None, :] < n[:, None]
 
-    def index_column(values: np.ndarray, pad: float | int) -> Tensor:
-        return torch.where(i_valid, torch.from_numpy(np.ascontiguousarray(values[:, :M])), pad)
+    def index_column(values: Tensor, pad: float | int) -> Tensor:
+        return torch.where(i_valid, values[:, :M], pad)
 
     i_tok, i_dep, i_par = (index_column(a, 0) for a in (candidates.tokens, candidates.depth, candidates.parents))
     i_par = torch.where(i_valid & (i_par >= 0), i_par + L, 0)
@@ -353,7 +353,7 @@ def hybrid_tree(learned: Tree | None, candidates: CandidateRows, root_tokens: Te
     alive = torch.cat([ids[:L].expand(B, -1) > 0, i_valid & ~merged], 1)
     if max_depth is not None:
         alive &= depth <= max_depth
-    match = torch.from_numpy(candidates.match.copy())
+    match = candidates.match.clone()
 
     if calibration is None:
         score = estimate
@@ -395,15 +395,15 @@ def hybrid_tree(learned: Tree | None, candidates: CandidateRows, root_tokens: Te
 
 
 def candidate_arrays(rows: CandidateRows) -> list[int]:
-    """The C merge's arguments for `rows`: its arrays' addresses (tokens, parents, depth, logp, n, match),
-    then its width; each checked to be the C-contiguous int64 or float64 array the C code reads."""
-    arrays = (rows.tokens, rows.parents, rows.depth, rows.logp, rows.n, rows.match)
-    for name, a, dtype in zip(("tokens", "parents", "depth", "logp", "n", "match"), arrays,
-                              (np.int64, np.int64, np.int64, np.float64, np.int64, np.int64)):
-        if a.dtype != dtype or not a.flags.c_contiguous or len(a) != len(rows.n):
-            raise ValueError(f"CandidateRows.{name}: a C-contiguous {np.dtype(dtype).name} array of "
-                             f"{len(rows.n)} rows, not {a.dtype} {a.shape}")
-    return [a.ctypes.data for a in arrays] + [rows.width]
+    """The C merge's arguments for `rows`: its two tensors' addresses and its width, each tensor checked to
+    be what the C code reads (contiguous, on the CPU, of its dtype and size)."""
+    cells = rows.rows * rows.width
+    for name, t, dtype, size in (("ints", rows.ints, torch.long, 4 * cells + 2 * rows.rows),
+                                 ("logp", rows.logp, torch.float64, cells)):
+        if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != size:
+            raise ValueError(f"CandidateRows.{name}: a contiguous {dtype} CPU tensor of {size} values, not "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    return [rows.ints.data_ptr(), rows.logp.data_ptr(), rows.width]
 
 
 def _merge_compiled(learned: Tree | None, candidates: CandidateRows, root_tokens: Tensor, N: int,
@@ -434,7 +434,7 @@ def _merge_compiled(learned: Tree | None, candidates: CandidateRows, root_tokens
                               NO_DEPTH_LIMIT if max_depth is None else max_depth, *(t.data_ptr() for t in out))
     tokens, parents, depth, score, source, raw, kept, mask = (t.to(device) for t in out)
     valid = None if all_kept else torch.cat([torch.ones(B, 1, dtype=torch.bool, device=device), kept], 1)
-    match = torch.from_numpy(candidates.match.copy()).to(device)
+    match = candidates.match.to(device, copy=True)
     return Tree(tokens, parents, depth, mask, score, valid, source, raw, match)
 
 
