@@ -770,8 +770,9 @@ class EmbeddedEngine:
         return tree
 
     def _index_candidates(self, running: list[_Sequence], config: SpecConfig) -> CandidateRows:
-        """Each row's continuations from the index after its pending token, at most the tree's budget
-        (its text brought up to date first: a sibling's lookup sees every token emitted before this step)."""
+        """Each row's continuations from the index after its pending token, at most the tree's budget.
+        Every row's text is brought up to date before any row looks up, so each row's lookup sees every token
+        its siblings emitted before this step, whatever its place in the batch."""
         assert self.index is not None
         t = time.perf_counter()
         out, matched = self.index.lookup_rows([self._indexed(s) for s in running], config.num_verify - 1)
