@@ -1,6 +1,8 @@
-/* `tree.hybrid_tree`'s merge in C, row by row (and `observe_verified`'s counting of its verified nodes): the same tree as its batched tensor version, which stays
- * as the reference and the fallback where this extension is not built (tests/test_hybrid_merge.py holds
- * both to a node-by-node reference and to each other).
+/* `tree.hybrid_tree`'s merge in C, row by row (`merge`; `merge_rows`, the same merge written straight into a
+ * static verify step's input rows; and `observe_verified`'s counting of its verified nodes): the same tree as
+ * its batched tensor version, which stays as the reference and the fallback where this extension is not
+ * built (tests/test_hybrid_merge.py and tests/test_static_merged_steps.py hold them to a node-by-node
+ * reference and to each other).
  *
  * Why C: the batched version is about a hundred small tensor operations a step, over a millisecond of
  * host time a speculative step on the critical path whatever the batch; here a row costs a few
@@ -12,7 +14,8 @@
  *   - the `num_verify - 1` best alive nodes are kept (score, then shallower, then lower number: learned
  *     nodes before the candidates, each in proposal order), parents before children, padding last.
  *
- * Tensors cross as addresses of contiguous CPU tensors of fixed dtypes; tree.py checks them. */
+ * Tensors cross as addresses of contiguous CPU tensors of fixed dtypes (the index's candidates as
+ * `CandidateRows`' two tensors); tree.py and steps.py check them. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>

@@ -337,10 +337,10 @@ def merged_rows(packed: Tensor | None, candidates: CandidateRows, root_tokens: T
         L = (packed.shape[1] - 1) // 4
     roots = host_tensor(root_tokens, torch.long)
     counts = None if calibration is None else host_tensor(calibration.counts, torch.float64)
-    record = [torch.empty(B, N, dtype=dtype) for dtype in (torch.long, torch.long, torch.long, torch.int8,
-                                                           torch.float32, torch.bool)]
     if len(candidates) != B:
         raise ValueError(f"{len(candidates)} candidate rows for {B} rows")
+    record = [torch.empty(B, N, dtype=dtype) for dtype in (torch.long, torch.long, torch.long, torch.int8,
+                                                           torch.float32, torch.bool)]
     deepest, finite = compiled_merge_rows(None if packed is None else packed.data_ptr(), 1 if packed is None else L,
                                           B, len(out), roots.data_ptr(), *candidate_arrays(candidates), N,
                                           None if counts is None else counts.data_ptr(),
