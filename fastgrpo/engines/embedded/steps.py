@@ -43,12 +43,12 @@ from torch import Tensor
 
 from fastgrpo.engines.embedded.constants import arange, full
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache, block_mask, cache_kv
-from fastgrpo.engines.embedded.tree import (Tree, Verified, ancestor_mask, candidate_arrays, compiled_merge_rows,
-                                            draft_tree, host_tensor, hybrid_tree, verify_tree)
+from fastgrpo.engines.embedded.tree import (Tree, Verified, ancestor_mask, compiled_merge_rows, draft_tree, host_tensor,
+                                            hybrid_tree, merge_args, verify_tree)
 from fastgrpo.models.draft import DraftHead
 from fastgrpo.models.layers import EAGER, Pointwise
 from fastgrpo.models.sampling import cuts, sample, sampling_logprobs, seed_key
-from fastgrpo.speculation.node_calibration import LONG_MATCH, NodeCalibration
+from fastgrpo.speculation.node_calibration import NodeCalibration
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.speculation.suffix_index import CandidateRows
 from fastgrpo.types import SamplingParams
@@ -293,8 +293,8 @@ def tree_rows(tree: Tree, out: Tensor, depth: int) -> None:
 def unpack_learned(packed: Tensor, nodes: int) -> tuple[Tree, bool]:
     """`StaticSteps.propose`'s packed trees of `nodes` nodes read back on the host: the learned tree of
     each row (new tensors, not views of the read-back buffer, which the step's verify overwrites) and
-    whether every row's draft was finite. Its mask is left empty ([B, N, 0]): the merge reads the tokens, parents,
-    depths and scores alone, and the merged tree makes its own."""
+    whether every row's draft was finite. Its mask is left empty ([B, N, 0]): the merge reads the tokens,
+    parents, depths and scores alone, and the merged tree makes its own."""
     N = nodes
     ids = packed[:, :3 * N].long()
     tree = Tree(ids[:, :N], ids[:, N:2 * N], ids[:, 2 * N:], torch.empty(len(packed), N, 0, dtype=torch.bool),
@@ -336,17 +336,14 @@ def merged_rows(packed: Tensor | None, candidates: CandidateRows, root_tokens: T
         packed = host_tensor(packed, torch.float64)
         L = (packed.shape[1] - 1) // 4
     roots = host_tensor(root_tokens, torch.long)
-    counts = None if calibration is None else host_tensor(calibration.counts, torch.float64)
     if len(candidates) != B:
         raise ValueError(f"{len(candidates)} candidate rows for {B} rows")
+    args, _counts = merge_args(candidates, N, calibration, max_depth)
     record = [torch.empty(B, N, dtype=dtype) for dtype in (torch.long, torch.long, torch.long, torch.int8,
                                                            torch.float32, torch.bool)]
     deepest, finite = compiled_merge_rows(None if packed is None else packed.data_ptr(), 1 if packed is None else L,
-                                          B, len(out), roots.data_ptr(), *candidate_arrays(candidates), N,
-                                          None if counts is None else counts.data_ptr(),
-                                          0.0 if calibration is None else calibration.prior,
-                                          1 if calibration is None else calibration.buckets, LONG_MATCH, max_depth,
-                                          *(t.data_ptr() for t in record), out.data_ptr())
+                                          B, len(out), roots.data_ptr(), *args, *(t.data_ptr() for t in record),
+                                          out.data_ptr())
     tokens, parents, depth, source, raw, valid = record
     return (Tree(tokens, parents, depth, torch.empty(B, N, 0, dtype=torch.bool), valid=valid, source=source, raw=raw,
                  match=candidates.match), deepest, finite)

@@ -394,16 +394,24 @@ def hybrid_tree(learned: Tree | None, candidates: CandidateRows, root_tokens: Te
     return tree if bool(kept.all()) else tree.restricted(kept)
 
 
-def candidate_arrays(rows: CandidateRows) -> list[int]:
-    """The C merge's arguments for `rows`: its two tensors' addresses and its width, each tensor checked to
-    be what the C code reads (contiguous, on the CPU, of its dtype and size)."""
-    cells = rows.rows * rows.width
-    for name, t, dtype, size in (("ints", rows.ints, torch.long, 4 * cells + 2 * rows.rows),
-                                 ("logp", rows.logp, torch.float64, cells)):
+def merge_args(candidates: CandidateRows, N: int, calibration: NodeCalibration | None,
+               max_depth: int | None) -> tuple[list, Tensor | None]:
+    """The C merges' arguments after the roots (`merge`, `merge_rows`): the candidate rows' two tensors'
+    addresses and width, each tensor checked to be what the C code reads (contiguous, on the CPU, of its
+    dtype and size); the node budget; the calibration's counts address (None: raw scores), prior, buckets
+    and long-match threshold; the depth limit. Also the counts tensor the address points into, to be
+    kept alive through the call."""
+    cells = candidates.rows * candidates.width
+    for name, t, dtype, size in (("ints", candidates.ints, torch.long, 4 * cells + 2 * candidates.rows),
+                                 ("logp", candidates.logp, torch.float64, cells)):
         if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != size:
             raise ValueError(f"CandidateRows.{name}: a contiguous {dtype} CPU tensor of {size} values, not "
                              f"{t.dtype} {tuple(t.shape)} on {t.device}")
-    return [rows.ints.data_ptr(), rows.logp.data_ptr(), rows.width]
+    counts = None if calibration is None else host_tensor(calibration.counts, torch.float64)
+    return ([candidates.ints.data_ptr(), candidates.logp.data_ptr(), candidates.width, N,
+             None if counts is None else counts.data_ptr(), 0.0 if calibration is None else calibration.prior,
+             1 if calibration is None else calibration.buckets, LONG_MATCH,
+             NO_DEPTH_LIMIT if max_depth is None else max_depth], counts)
 
 
 def _merge_compiled(learned: Tree | None, candidates: CandidateRows, root_tokens: Tensor, N: int,
@@ -413,25 +421,19 @@ def _merge_compiled(learned: Tree | None, candidates: CandidateRows, root_tokens
     device, B = root_tokens.device, len(root_tokens)
     if len(candidates) != B:
         raise ValueError(f"{len(candidates)} candidate rows for {B} rows")
-    cpu = torch.device("cpu")
+    roots = host_tensor(root_tokens, torch.long)
     if learned is None:  # the root alone
         zeros = torch.zeros(B, 1, dtype=torch.long)
-        tokens, parents, depth = root_tokens.to(cpu, torch.long)[:, None].contiguous(), zeros, zeros
-        score = torch.zeros(B, 1)
+        tokens, parents, depth, score = roots[:, None].contiguous(), zeros, zeros, torch.zeros(B, 1)
     else:
-        tokens, parents, depth = (t.to(cpu, torch.long).contiguous() for t in (learned.tokens, learned.parents, learned.depth))
-        score = learned.score.to(cpu, torch.float32).contiguous()
-    roots = root_tokens.to(cpu, torch.long).contiguous()
+        tokens, parents, depth = (host_tensor(t, torch.long) for t in (learned.tokens, learned.parents, learned.depth))
+        score = host_tensor(learned.score, torch.float32)
     out = [torch.empty(B, N, dtype=dtype) for dtype in (torch.long, torch.long, torch.long, torch.float32, torch.int8,
                                                          torch.float32)]
     out += [torch.empty(B, N - 1, dtype=torch.bool), torch.empty(B, N, N, dtype=torch.bool)]
-    counts = None if calibration is None else calibration.counts.to(cpu, torch.float64).contiguous()
+    args, _counts = merge_args(candidates, N, calibration, max_depth)
     all_kept = compiled_merge(tokens.data_ptr(), parents.data_ptr(), depth.data_ptr(), score.data_ptr(), B,
-                              tokens.shape[1], roots.data_ptr(), *candidate_arrays(candidates), N,
-                              None if counts is None else counts.data_ptr(),
-                              0.0 if calibration is None else calibration.prior,
-                              1 if calibration is None else calibration.buckets, LONG_MATCH,
-                              NO_DEPTH_LIMIT if max_depth is None else max_depth, *(t.data_ptr() for t in out))
+                              tokens.shape[1], roots.data_ptr(), *args, *(t.data_ptr() for t in out))
     tokens, parents, depth, score, source, raw, kept, mask = (t.to(device) for t in out)
     valid = None if all_kept else torch.cat([torch.ones(B, 1, dtype=torch.bool, device=device), kept], 1)
     match = candidates.match.to(device, copy=True)
