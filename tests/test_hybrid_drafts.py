@@ -346,8 +346,9 @@ def test_build_engine_gives_the_engine_the_configured_draft_source(small_vocab, 
     assert engine.drafts == "index" and engine.index.limits == IndexLimits.of(run.speculation)
 
 
-@pytest.mark.parametrize("steps", ["static", "eager"])
-def test_a_static_engine_warns_that_per_sequence_budgets_run_eagerly(small_vocab, monkeypatch, caplog, steps):
+@pytest.mark.parametrize("steps,drafts", [("static", "hybrid"), ("eager", "hybrid"), ("static", "learned")])
+def test_a_static_engine_warns_that_per_sequence_budgets_of_merged_trees_run_eagerly(small_vocab, monkeypatch, caplog,
+                                                                                    steps, drafts):
     import fastgrpo.engines.embedded.build as build
     from fastgrpo.config import load_config
     from fastgrpo.models.draft import DraftHead
@@ -357,9 +358,10 @@ def test_a_static_engine_warns_that_per_sequence_budgets_run_eagerly(small_vocab
     monkeypatch.setattr(DraftHead, "load", classmethod(lambda cls, *args: draft))
     monkeypatch.setattr(build, "speculation_policy", lambda engine, c, mode: Static(SpecConfig(2, 2, 3)))
     run = load_config(None, ["speculation.policy=aware_per_sequence", "model.max_context=64", "rollout.max_new_tokens=32",
-                             "rollout.max_batch=4", f"engine.steps={steps}", "device=cpu"])
+                             "rollout.max_batch=4", f"engine.steps={steps}", f"speculation.drafts={drafts}",
+                             "device=cpu"])
     build.build_engine(run, cfg, type("Text", (), {"stop_ids": [VOCAB + 1]})(), target.state_dict().items())
-    assert ("runs its speculative steps eagerly" in caplog.text) == (steps == "static")
+    assert ("runs its speculative steps eagerly" in caplog.text) == (steps == "static" and drafts == "hybrid")
 
 
 # -- bench drafts ----------------------------------------------------------------------------------

@@ -21,9 +21,21 @@ does for speculating at all, it cuts the tree only for a predicted gain above `m
 calibration factor cannot price every depth right, and cuts on thinner predicted gains lose accepted
 tokens. Lossless: only which proposed tokens
 are verified changes, never how (tree.py).
+
+A static engine (CUDA graphs: every shape fixed when captured) cannot run a ragged forward: its verify
+costs B w tokens for a tree width w (root included) that every row shares, whatever each row keeps. There
+the engine passes the widths it has step functions for, and the choice is the width: each row keeps its
+w - 1 most probable nodes (ancestor-closed, as above; in a shared width a row's extra nodes cost nothing),
+w maximising
+
+    goodput(w) = (B + c * sum_rows sum_{top w - 1} p_j) / (T_draft + T_verify(B w)),
+
+so the tree narrows when every row's draft is unsure, and never for one row alone.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -65,10 +77,15 @@ class AwarePerSequence(Aware):
     def calibration(self) -> float:
         return min(max(self._accepted / self._predicted, 0.05), 2.0)
 
-    def select(self, scores: Tensor, depth: Tensor, config: SpecConfig, running: int) -> Tensor:
+    def select(self, scores: Tensor, depth: Tensor, config: SpecConfig, running: int,
+               widths: Sequence[int] | None = None) -> Tensor:
         """Which drafted nodes to verify: scores and depth [B, N - 1] of each row's non-root nodes
-        (cumulative draft log-probabilities, tree levels). Returns [B, N - 1] bool."""
+        (cumulative draft log-probabilities, tree levels). Returns [B, N - 1] bool. `widths`: the tree
+        widths (nodes a row, root included) a static engine can verify, one for every row (module
+        docstring); None: any set of nodes (a ragged verify)."""
         B, K = scores.shape
+        if widths is not None:
+            return self._select_width(scores, depth, config, running, widths)
         p = scores.double().exp().flatten()
         order = (p - 1e-9 * depth.flatten()).argsort(descending=True)  # exact ties: the parent first
         reach = torch.cat([torch.zeros(1, dtype=torch.float64), p[order].cumsum(0)])  # expected accepts, M = 0..BK
@@ -87,14 +104,42 @@ class AwarePerSequence(Aware):
             best = B * K  # speculates only for a clear gain: a single calibration factor misjudges depths)
         nodes = torch.zeros(B * K, dtype=torch.bool)
         nodes[order[:best]] = True
-        self.verified_depth = (depth * nodes.view(B, K)).amax(1).tolist()  # what acceptance may learn
-        self._step_prediction = float(reach[best])
+        return self._chosen(nodes.view(B, K), depth, config, float(reach[best]))
+
+    def _select_width(self, scores: Tensor, depth: Tensor, config: SpecConfig, running: int,
+                      widths: Sequence[int]) -> Tensor:
+        """`select` where every row verifies the same width w (in `widths`), its w - 1 most probable nodes."""
+        B, K = scores.shape
+        p = scores.double().exp()
+        order = (p - 1e-9 * depth).argsort(1, descending=True)  # per row; exact ties: the parent first
+        # expected accepts of every row's top m nodes, m = 0..K
+        reach = torch.cat([torch.zeros(1, dtype=torch.float64), p.gather(1, order).sum(0).cumsum(0)])
+        w = torch.tensor(sorted({min(max(int(x), 1), K + 1) for x in widths} | {K + 1}))  # the whole tree last
+        usual = self.costs.target(self._verified_tokens(config, running), rows=B)
+        extra = self.costs.target_many(B * w, rows=B) - usual
+        seconds = (self.predicted_seconds(config, running) + self._correction("off", running) * extra).clamp(min=1e-9)
+        rate = (B + self.calibration * reach[w - 1]) / seconds
+        best = int(rate.argmax())
+        if rate[best] < rate[-1] * (1 + self.margin):  # a near tie: the whole tree (as `select`)
+            best = len(w) - 1
+        kept = int(w[best]) - 1
+        nodes = torch.zeros(B, K, dtype=torch.bool)
+        nodes.scatter_(1, order[:, :kept], True)
+        return self._chosen(nodes, depth, config, float(reach[kept]))
+
+    def _chosen(self, nodes: Tensor, depth: Tensor, config: SpecConfig, prediction: float) -> Tensor:
+        """Record a step's choice of `nodes` [B, N - 1] (the levels acceptance may learn, the prediction the
+        calibration compares with the step's accepts, the width this shape verifies) and return it."""
+        B, K = nodes.shape
+        verified = int(nodes.sum())
+        self.verified_depth = (depth * nodes).amax(1).tolist()  # what acceptance may learn
+        self._step_prediction = prediction
         total, weight = self._width.get(config, (float(config.num_verify), 1.0))
         d = self.calibration_decay
-        self._width[config] = (d * total + 1 + best / B, d * weight + 1)
+        self._width[config] = (d * total + 1 + verified / B, d * weight + 1)
         self.offered_nodes += B * K
-        self.verified_nodes += best
-        return nodes.view(B, K)
+        self.verified_nodes += verified
+        return nodes
 
     def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
                 accepted: list[int] | None = None) -> None:

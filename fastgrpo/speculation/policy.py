@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
@@ -68,9 +69,12 @@ class PerSequencePolicy(SpeculationPolicy, Protocol):
     proposed each row's tree of `config`, the engine verifies only the nodes `select` keeps
     (`isinstance(policy, PerSequencePolicy)` is how the engine asks; `aware_per_sequence` is one)."""
 
-    def select(self, scores: Tensor, depth: Tensor, config: SpecConfig, running: int) -> Tensor:
+    def select(self, scores: Tensor, depth: Tensor, config: SpecConfig, running: int,
+               widths: Sequence[int] | None = None) -> Tensor:
         """Which drafted nodes to verify: scores and depth [B, N - 1] of each row's non-root nodes
-        (cumulative draft log-probabilities, tree levels). Returns [B, N - 1] bool, ancestor-closed."""
+        (cumulative draft log-probabilities, tree levels). Returns [B, N - 1] bool, ancestor-closed.
+        `widths`: a static engine's tree widths (nodes a row, root included): then every row keeps at
+        most one width's nodes less the root, the verify running at that width for all rows."""
 
 
 class Off:

@@ -52,10 +52,11 @@ def build_engine(cfg: Config, model_config: PretrainedConfig, text: TextFormat,
         engine.update_draft(draft.state_dict().items(), version=0)
         engine.set_speculation(speculation_policy(engine, cfg, mode))
         engine.set_drafts(cfg.speculation.drafts, IndexLimits.of(cfg.speculation))
-        if engine.static and mode == "aware_per_sequence":
-            log.warning("speculation.policy=aware_per_sequence runs its speculative steps eagerly (its per-row "
-                        "verify budgets cut the trees, which a static step's fixed shape cannot): on a GPU those "
-                        "steps are launch-bound; speculation.policy=aware runs every step static")
+        if engine.static and mode == "aware_per_sequence" and cfg.speculation.drafts != "learned":
+            log.warning("speculation.policy=aware_per_sequence with speculation.drafts=%s runs its speculative steps "
+                        "eagerly (its budgets cut trees by the learned draft's scores, which a merged tree does not "
+                        "carry in a static step yet): on a GPU those steps are launch-bound; "
+                        "speculation.policy=aware runs every step static", cfg.speculation.drafts)
     return engine
 
 

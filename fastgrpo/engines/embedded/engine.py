@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -39,7 +40,8 @@ from fastgrpo.models.layers import EAGER
 from fastgrpo.speculation.policy import Off, PerSequencePolicy, SpeculationPolicy
 from fastgrpo.engines.embedded.graphs import StepGraphs
 from fastgrpo.engines.embedded.steps import (StaticSteps, StepResult, StepState, batch_bucket, catch_up,
-                                             context_bucket, depth_bucket, keep_path, merged_rows)
+                                             context_bucket, cut_tree, depth_bucket, keep_path, merged_rows,
+                                             node_widths, tree_rows, unpack_learned)
 from fastgrpo.engines.embedded.tree import (NonFiniteDraft, Tree, Verified, draft_tree, hybrid_tree,
                                             observe_verified, verify_tree)
 from fastgrpo.speculation.node_calibration import NodeCalibration
@@ -540,14 +542,14 @@ class EmbeddedEngine:
     # -- static steps ---------------------------------------------------------------------
     def _static_takes(self, config: SpecConfig | None) -> bool:
         """A static step can run this step: the engine has static steps, and a speculative step verifies
-        whole trees (no per-sequence budget) whose learned part, if any, the draft window and the tree's
-        cache room hold."""
+        trees whose learned part, if any, the draft window and the tree's cache room hold (with a per-sequence
+        budget, learned trees only)."""
         if self.steps is None:
             return False
         if config is None:
             return True
-        if isinstance(self.policy, PerSequencePolicy):
-            return False
+        if isinstance(self.policy, PerSequencePolicy) and self.drafts != "learned":
+            return False  # (a merged tree's nodes carry no scores for `select` yet)
         return self.drafts == "index" or (config.depth + 1 <= self.draft_window
                                           and (config.depth - 1) * config.topk <= STATIC_TREE_ROOM)
 
@@ -578,16 +580,19 @@ class EmbeddedEngine:
             out = self.graphs.run(("plain", rows, ctx, rule, self._pending is not None, self._routing),
                                   lambda: self.steps.plain(rows, ctx, sampling, self._pending, self._routing))
             levels = 1
-        elif self.drafts == "learned":
+        elif self.drafts == "learned" and not isinstance(self.policy, PerSequencePolicy):
             out = self.graphs.run((config, rows, ctx, rule, self._routing),
                                   lambda: self.steps.speculate(config, rows, ctx, sampling, self._pending,
                                                                self._routing))
             levels = config.depth + 1
-        else:
-            merged, depth = self._merged_tree(running, config, rows, ctx)
-            out = self.graphs.run(("verify", config.num_verify, depth, rows, ctx, rule, self._routing),
-                                  lambda: self.steps.verify(config.num_verify, depth, rows, ctx, sampling,
-                                                            self._pending, self._routing))
+        else:  # a tree the host cut (a per-sequence budget) or merged (drafts index | hybrid), then verified
+            if self.drafts == "learned":
+                nodes, depth = self._cut_tree(running, config, rows, ctx)
+            else:
+                (merged, depth), nodes = self._merged_tree(running, config, rows, ctx), config.num_verify
+            out = self.graphs.run(("verify", nodes, depth, rows, ctx, rule, self._routing),
+                                  lambda: self.steps.verify(nodes, depth, rows, ctx, sampling, self._pending,
+                                                            self._routing))
             levels = depth + 1
         ahead = getattr(self.policy, "ahead", None) if self._pending is not None and self.speculating else None
         packed = self._read_back(out.packed[:B], ahead and (lambda: ahead(B, context, config)))
@@ -617,6 +622,29 @@ class EmbeddedEngine:
             outcome = packed[:, 2 * L:3 * L].long()  # the accepted path, then the accepted count
             self._unobserved = (merged, outcome[:, :L - 1], outcome[:, L - 1])
         return emitted, None if config is None else result.accepted
+
+    def _cut_tree(self, running: list[_Sequence], config: SpecConfig, rows: int, ctx: int) -> tuple[int, int]:
+        """A static step with a verify budget per sequence (`PerSequencePolicy`): the learned draft's trees
+        (its step function, read back), the nodes the policy keeps at one of the widths the verify step runs
+        (`node_widths`: the same width for every row, as a captured step's shape is), the cut trees written
+        into the verify step's input (`cut_tree`). Returns the width and the levels the verify walks."""
+        assert self.steps is not None and self._pending is not None
+        B, N = len(running), config.num_verify
+        out = self.graphs.run(("draft", config, rows, ctx), lambda: self.steps.propose(config, rows, ctx, self._pending))
+        packed = self._read_back(out[:B])
+        tree, _ = unpack_learned(packed, N)
+        finite = packed[:, 4 * N] > 0
+        if not bool(finite.all()):
+            log.warning("non-finite draft (draft version %d): plain tokens for %d rows this step",
+                        self.draft_version, int((~finite).sum()))
+        scores = tree.score[:, 1:].masked_fill(~finite[:, None], -math.inf)  # such a row's nodes: never kept
+        chosen = self.policy.select(scores, tree.depth[:, 1:], config, B, widths=node_widths(N))
+        cut = cut_tree(tree, chosen, finite)
+        width = cut.tokens.shape[1]
+        depth = depth_bucket(int(cut.depth.masked_fill(~cut.valid, 0).max()), config.depth)
+        tree_rows(cut, self._tree_input_rows(width, rows), depth)
+        self._send_tree_input(width, rows)
+        return width, depth
 
     def _merged_tree(self, running: list[_Sequence], config: SpecConfig, rows: int, ctx: int) -> tuple[Tree, int]:
         """A merged static step's tree: the learned draft's (drafts: hybrid; drafted by its step function

@@ -271,6 +271,33 @@ def depth_bucket(deepest: int, cap: int) -> int:
     return min(_LADDER[bisect.bisect_left(_LADDER, max(deepest, 1))], cap)
 
 
+def node_widths(nodes: int) -> list[int]:
+    """The widths (nodes a row, root included) a static verify runs a tree of `nodes` cut on the host at
+    (`cut_tree`): the ladder below `nodes`, then `nodes` (a few graphs per tree shape)."""
+    return [w for w in _LADDER if w < nodes] + [nodes]
+
+
+def cut_tree(tree: Tree, chosen: Tensor, finite: Tensor | None = None) -> Tree:
+    """The learned trees `tree` [B, N] (`unpack_learned`) keeping each row's root and `chosen` [B, N - 1]
+    non-root nodes (ancestor-closed: a per-sequence budget's `select`), moved to the row's first columns in
+    their order (parents before children) and renumbered, cut to the narrowest of `node_widths(N)` that
+    holds every row's; the columns past a row's nodes are left out (`valid` false). `finite` [B]: rows
+    whose draft was finite; the others keep their root alone (the static step's rule)."""
+    B, N = tree.tokens.shape
+    keep = torch.cat([torch.ones(B, 1, dtype=torch.bool), chosen], 1)
+    if finite is not None:
+        keep[:, 1:] &= finite[:, None]
+    count = keep.sum(1)
+    width = next(w for w in node_widths(N) if w >= int(count.max()))
+    cols = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :width]  # kept first, in order
+    position = keep.long().cumsum(1) - 1  # a kept node's column in the cut tree
+    parents = position.gather(1, tree.parents.gather(1, cols))
+    valid = torch.arange(width)[None] < count[:, None]
+    return Tree(tree.tokens.gather(1, cols), parents.masked_fill(~valid, 0), tree.depth.gather(1, cols),
+                torch.empty(B, width, 0, dtype=torch.bool),
+                None if tree.score is None else tree.score.gather(1, cols), valid)
+
+
 def tree_rows(tree: Tree, out: Tensor, depth: int) -> None:
     """Write a host-built tree of B rows into `out` [rows, 4 N] int64 as `StaticSteps.verify` reads it: each
     node's token, parent, depth and whether it is verified. A node left out (the merge's padding, or one
