@@ -432,16 +432,28 @@ def test_acceptance_is_measured_on_whole_trees_only():
 
 def test_per_sequence_budget_is_not_slower_than_aware_on_a_simulated_gpu():
     """On H100 / Llama-3-8B at 16 and 64 running sequences (where verifying starts to cost), cutting
-    unlikely nodes must not make the rollout slower than aware's uniform tree."""
+    unlikely nodes must not make the rollout slower than aware's uniform tree: neither in a ragged verify
+    nor at the widths a static engine verifies (one for every row)."""
     costs, acc = Roofline(H100, LLAMA3_8B), eagle_profile(0.5)
     for B in (16, 64):
         wl = Workload("fixed", [SimRequest(i, 256, 600) for i in range(B)], 600, 1000)
         seconds = {}
-        for name in ("aware", "aware_per_sequence"):
+        for name, static in (("aware", False), ("aware_per_sequence", False), ("aware_per_sequence", True)):
             policy = sim_policies(costs, ())[name]
             rng = np.random.default_rng(0)
-            seconds[name] = [simulate(wl, costs, acc, policy, B, rng) for _ in range(2)][-1].seconds
-        assert seconds["aware_per_sequence"] <= 1.01 * seconds["aware"], (B, seconds)
+            runs = [simulate(wl, costs, acc, policy, B, rng, static_widths=static) for _ in range(2)]
+            seconds[name, static] = runs[-1].seconds
+        assert seconds["aware_per_sequence", False] <= 1.01 * seconds["aware", False], (B, seconds)
+        assert seconds["aware_per_sequence", True] <= 1.01 * seconds["aware", False], (B, seconds)
+
+
+def test_the_per_sequence_tool_runs_its_four_policies_on_every_seed():
+    from tools.per_sequence_sim import main
+
+    out = main(["--seeds", "1"])
+    assert len(out["seconds"]) == 4 and all(len(s) == 1 and s[0] > 0 for s in out["seconds"].values())
+    # a budget that keeps every node verifies aware's trees: within the simulator's draws of aware's time
+    assert abs(out["seconds"]["aware, every node kept"][0] / out["seconds"]["aware"][0] - 1) < 0.1
 
 
 def test_the_standard_error_of_a_median_shrinks_with_runs_and_vanishes_without_spread():

@@ -39,9 +39,9 @@ def time_by_bucket(run: SimRun) -> dict[str, float]:
 
 def run_policies(workload: Workload, costs: Costs, acceptance: AcceptanceProfile, statics: Sequence[SpecConfig],
                  max_batch: int, reps: int, seed: int, confidence: DraftConfidence = DraftConfidence(),
-                 modes: Sequence[str] | None = None) -> dict[str, dict]:
+                 modes: Sequence[str] | None = None, static_widths: bool = False) -> dict[str, dict]:
     """Every policy (or `modes`) on one workload: median simulated seconds of `reps` rollouts (learning
-    policies after a warm-up rollout), with the median run kept for its trace."""
+    policies after a warm-up rollout), with the median run kept for its trace. `static_widths`: `simulate`'s."""
     policies = sim_policies(costs, statics, tlt_seed=seed)
     rng = np.random.default_rng(seed)
     out = {}
@@ -50,7 +50,8 @@ def run_policies(workload: Workload, costs: Costs, acceptance: AcceptanceProfile
             continue
         runs = []
         for rep in range(reps + (mode in LEARNING)):
-            run = simulate(workload, costs, acceptance, policy, max_batch, rng, confidence=confidence)
+            run = simulate(workload, costs, acceptance, policy, max_batch, rng, confidence=confidence,
+                           static_widths=static_widths)
             if rep or mode not in LEARNING:
                 runs.append(run)
         runs.sort(key=lambda r: r.seconds)

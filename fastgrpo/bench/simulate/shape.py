@@ -30,7 +30,9 @@ from fastgrpo.bench.simulate.workload import longtail_case, longtail_of
 GPU_BETA = 0.9
 # the policies compared (the per-sequence budget is left out: its draft confidences are a further
 # assumption, and it is the slowest to simulate)
-MODES = ("off", "fastgrpo", "tlt", "aware", "aware_expert_blind")
+MODES = ("off", "fastgrpo", "tlt", "aware", "aware_expert_blind", "aware_per_sequence")
+# aware_per_sequence again on static steps (a GPU's CUDA graphs): one verify width for every row, not a ragged verify
+PER_SEQUENCE_STATIC = "aware_per_sequence_static"
 # step prices shown beside the table: running rows and a tree at each, over 3,000 cached tokens per row
 PRICE_POINTS = (1, 16, 128)
 PRICE_CONTEXT = 3000
@@ -79,6 +81,8 @@ def bench_simulate_model(cfg, model: str, hardware: str, tensor: int, quick: boo
     reps = 1 if quick else 3
     modes = (*MODES, *(f"static_{c.name}" for c in GPU_STATICS))
     res = run_policies(workload, costs, accept, GPU_STATICS, GPU_MAX_BATCH, reps, cfg.seed, modes=modes)
+    res[PER_SEQUENCE_STATIC] = run_policies(workload, costs, accept, GPU_STATICS, GPU_MAX_BATCH, reps, cfg.seed,
+                                            modes=("aware_per_sequence",), static_widths=True)["aware_per_sequence"]
     seconds = {m: r["seconds"] for m, r in res.items()}
     statics = {m: s for m, s in seconds.items() if m.startswith("static_")}
     best = min(statics, key=statics.get)
@@ -90,7 +94,7 @@ def bench_simulate_model(cfg, model: str, hardware: str, tensor: int, quick: boo
                  "case": costs.name, "workload": workload.name, "longtail": lt, "max_running": GPU_MAX_BATCH,
                  "repetitions": reps, "acceptance": accept.to_json(), "moe": shape.moe},
         "seconds": seconds, "best_static": best[7:],
-        "time_by_bucket": {m: time_by_bucket(res[m]["run"]) for m in (*MODES, best) if m in res},
+        "time_by_bucket": {m: time_by_bucket(res[m]["run"]) for m in (*MODES, PER_SEQUENCE_STATIC, best) if m in res},
         "choices": {m: choices_by_bucket(res[m]["run"].trace) for m in ("aware", "aware_expert_blind") if m in res},
         "spec_fraction": {m: res[m]["run"].spec_steps / max(res[m]["run"].decode_steps, 1) for m in res},
         "step_prices": step_prices(costs, Roofline(costs.hw, shape.blind())),
@@ -108,13 +112,16 @@ def markdown(result: dict, command: str) -> str:
     aware = s["aware"]
     label = {"off": "`off`", "fastgrpo": "`fastgrpo`", "tlt": "`tlt`", "aware": "`aware`",
              "aware_expert_blind": "`aware`, expert-blind (priced as a dense model of the active size)",
+             "aware_per_sequence": "`aware_per_sequence` (a ragged verify: each row its own nodes)",
+             PER_SEQUENCE_STATIC: "`aware_per_sequence` on static steps (one verify width for every row)",
              best: f"best static tree ({result['best_static']})"}
     lines = [f"SIMULATED, not measured. `{command}` ({m['date']}; {m['case']} at TP{m['tp']}; {m['workload']}, "
              f"{m['longtail']['prompts']} prompts x {m['longtail']['group']}; at most {m['max_running']} running; "
              f"median of {m['repetitions']} rollouts per policy, learning ones after a warm-up rollout).", "",
              "| policy | rollout s (SIMULATED) | `aware` against it | share of steps speculative |",
              "| --- | ---: | ---: | ---: |"]
-    for mode in ("off", "fastgrpo", "tlt", best, "aware_expert_blind", "aware"):
+    for mode in ("off", "fastgrpo", "tlt", best, "aware_expert_blind", "aware", "aware_per_sequence",
+                 PER_SEQUENCE_STATIC):
         if mode not in s:
             continue
         against = "" if mode == "aware" else f"{s[mode] / aware:.2f}x"

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from fastgrpo.engines.embedded.engine import DRAFT_WINDOW
+from fastgrpo.engines.embedded.steps import node_widths
 from fastgrpo.speculation.per_sequence import AwarePerSequence
 from fastgrpo.speculation.policy import Aware, FastGRPOFormula, Off, SpeculationPolicy, Static
 from fastgrpo.speculation.roofline import Roofline, simulated_cost_model
@@ -99,7 +100,8 @@ class SimRun:
 
 def simulate(workload: Workload, costs: Costs, acceptance: AcceptanceProfile | None, policy: SpeculationPolicy,
              max_batch: int, rng: np.random.Generator, policy_clock: bool = False,
-             share_prefill: bool = True, confidence: DraftConfidence = DraftConfidence()) -> SimRun:
+             share_prefill: bool = True, confidence: DraftConfidence = DraftConfidence(),
+             static_widths: bool = False) -> SimRun:
     """One engine.generate() call, step by step (the engine's loop: fastgrpo/engines/embedded/engine.py).
 
     `policy` is called exactly as the engine calls it: choose(running) before a step while
@@ -107,7 +109,9 @@ def simulate(workload: Workload, costs: Costs, acceptance: AcceptanceProfile | N
     step seconds; a policy with a per-sequence budget (`select`) picks the nodes to verify from the
     draft confidences of `confidence`, and the step costs what it verifies. With `policy_clock` the
     policy's own wall time is added to the clock (on this CPU the engine spends it between steps, and
-    it is the same code on the same machine)."""
+    it is the same code on the same machine). `static_widths`: the engine's steps are static (a GPU's CUDA
+    graphs), so a per-sequence budget picks one of the widths its verify runs for every row (`node_widths`)
+    instead of a ragged set of nodes."""
     reqs = workload.requests
     speculating = policy.name != "off"
     select = getattr(policy, "select", None)
@@ -150,7 +154,8 @@ def simulate(workload: Workload, costs: Costs, acceptance: AcceptanceProfile | N
             else:
                 scores, depth, L, w = confidence.tree(acceptance, config, B, rng)
                 t = time.perf_counter()
-                nodes = select(torch.from_numpy(scores), torch.from_numpy(depth), config, B).numpy()
+                widths = {"widths": node_widths(config.num_verify)} if static_widths else {}
+                nodes = select(torch.from_numpy(scores), torch.from_numpy(depth), config, B, **widths).numpy()
                 policy_s_step += time.perf_counter() - t
                 seconds = costs.spec_step(config, B, rows.catch_up_width(), ctx_max, ctx_sum,
                                           verified=float(1 + nodes.sum() / B))
