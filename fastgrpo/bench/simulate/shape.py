@@ -28,8 +28,8 @@ from fastgrpo.bench.simulate.workload import longtail_case, longtail_of
 # the width gain of a tree over a chain (AcceptanceProfile.beta) as our draft's fit in bench simulate's
 # full run (bench/simulate.json gpu_acceptance.beta; bench sglang-tiers takes the same)
 GPU_BETA = 0.9
-# the policies compared (the per-sequence budget is left out: its draft confidences are a further
-# assumption, and it is the slowest to simulate)
+# the policies compared (the per-sequence budget's draft confidences are a further assumption of the simulator's:
+# tools/per_sequence_sim.py measures what its draws add)
 MODES = ("off", "fastgrpo", "tlt", "aware", "aware_expert_blind", "aware_per_sequence")
 # aware_per_sequence again on static steps (a GPU's CUDA graphs): one verify width for every row, not a ragged verify
 PER_SEQUENCE_STATIC = "aware_per_sequence_static"
