@@ -400,18 +400,34 @@ class VerifiedCosts(ToyCosts):
 
     def spec_step(self, c, B, width, ctx_max, ctx_sum, verified=None):
         n = verified or c.num_verify
-        self.verified.append((B, n))
+        self.verified.append((c, n))
         return 2.0 + 0.1 * B * n
 
 
-def test_a_per_sequence_budget_is_charged_for_the_nodes_it_verifies():
+@pytest.mark.parametrize("static", [False, True])
+def test_a_per_sequence_budget_is_charged_for_the_share_of_the_tree_it_verifies(static):
+    """The draft confidences hold fewer nodes a row than the tree has (d4k4n12: 4 levels of 2, for 11 nodes):
+    each step is charged the root plus the verified share of the tree's N - 1 nodes, the whole tree N."""
     costs = VerifiedCosts()
     policy = AwarePerSequence(simulated_cost_model(costs), margin=0.0)  # cuts on any predicted gain
+    shares = []
+    select = policy.select
+
+    def recorded(scores, depth, config, running, **widths):
+        nodes = select(scores, depth, config, running, **widths)
+        shares.append(float(nodes.float().mean()))
+        if static:  # one width for every row
+            assert len(set(nodes.sum(1).tolist())) == 1
+        return nodes
+
+    policy.select = recorded
     wl = Workload("w", [SimRequest(i, 8, 40) for i in range(6)], 100, 200)
-    run = simulate(wl, costs, AcceptanceProfile([0.7], 0.3), policy, 6, np.random.default_rng(0))
-    assert run.spec_steps == len(costs.verified) > 0
-    assert sum(B * (n - 1) for B, n in costs.verified) == pytest.approx(policy.verified_nodes)
-    assert policy.verified_nodes < policy.offered_nodes  # some rows' trees were cut
+    run = simulate(wl, costs, AcceptanceProfile([0.7], 0.3), policy, 6, np.random.default_rng(0), static_widths=static)
+    assert run.spec_steps == len(costs.verified) == len(shares) > 0
+    assert all(n == pytest.approx(1 + (c.num_verify - 1) * share) for (c, n), share in zip(costs.verified, shares))
+    assert any(share == 1 and n == c.num_verify for (c, n), share in zip(costs.verified, shares))
+    if not static:
+        assert policy.verified_nodes < policy.offered_nodes  # some rows' trees were cut
 
 
 def test_acceptance_is_measured_on_whole_trees_only():
@@ -433,27 +449,32 @@ def test_acceptance_is_measured_on_whole_trees_only():
 def test_per_sequence_budget_is_not_slower_than_aware_on_a_simulated_gpu():
     """On H100 / Llama-3-8B at 16 and 64 running sequences (where verifying starts to cost), cutting
     unlikely nodes must not make the rollout slower than aware's uniform tree: neither in a ragged verify
-    nor at the widths a static engine verifies (one for every row)."""
+    nor at the widths a static engine verifies (one for every row). Mean of three seeds; within 2%: the
+    draws alone move `aware` against itself by up to 2% a seed (an `aware` whose budget keeps every node,
+    tools/per_sequence_sim.py's), and at 64 the budget cuts nothing and runs about 1% behind `aware`."""
     costs, acc = Roofline(H100, LLAMA3_8B), eagle_profile(0.5)
     for B in (16, 64):
         wl = Workload("fixed", [SimRequest(i, 256, 600) for i in range(B)], 600, 1000)
         seconds = {}
         for name, static in (("aware", False), ("aware_per_sequence", False), ("aware_per_sequence", True)):
-            policy = sim_policies(costs, ())[name]
-            rng = np.random.default_rng(0)
-            runs = [simulate(wl, costs, acc, policy, B, rng, static_widths=static) for _ in range(2)]
-            seconds[name, static] = runs[-1].seconds
-        assert seconds["aware_per_sequence", False] <= 1.01 * seconds["aware", False], (B, seconds)
-        assert seconds["aware_per_sequence", True] <= 1.01 * seconds["aware", False], (B, seconds)
+            runs = []
+            for seed in range(3):
+                policy, rng = sim_policies(costs, ())[name], np.random.default_rng(seed)
+                runs.append([simulate(wl, costs, acc, policy, B, rng, static_widths=static) for _ in range(2)][-1])
+            seconds[name, static] = statistics.mean(r.seconds for r in runs)
+        assert seconds["aware_per_sequence", False] <= 1.02 * seconds["aware", False], (B, seconds)
+        assert seconds["aware_per_sequence", True] <= 1.02 * seconds["aware", False], (B, seconds)
 
 
 def test_the_per_sequence_tool_runs_its_four_policies_on_every_seed():
     from tools.per_sequence_sim import main
 
-    out = main(["--seeds", "1"])
-    assert len(out["seconds"]) == 4 and all(len(s) == 1 and s[0] > 0 for s in out["seconds"].values())
-    # a budget that keeps every node verifies aware's trees: within the simulator's draws of aware's time
-    assert abs(out["seconds"]["aware, every node kept"][0] / out["seconds"]["aware"][0] - 1) < 0.1
+    out = main(["--seeds", "2"])
+    assert len(out["seconds"]) == 4 and all(len(s) == 2 and min(s) > 0 for s in out["seconds"].values())
+    # a budget that keeps every node verifies aware's trees, priced as aware's: its time is aware's but for the
+    # draws (0.3% here; 2.6% less when the simulator priced the draft confidences' 8 nodes a row for d4k4n12's 11)
+    kept, aware = (sum(out["seconds"][k]) for k in ("aware, every node kept", "aware"))
+    assert abs(kept / aware - 1) < 0.015
 
 
 def test_the_standard_error_of_a_median_shrinks_with_runs_and_vanishes_without_spread():

@@ -153,12 +153,15 @@ def simulate(workload: Workload, costs: Costs, acceptance: AcceptanceProfile | N
                 spec_steps += 1
             else:
                 scores, depth, L, w = confidence.tree(acceptance, config, B, rng)
+                # the confidences' K nodes a row stand for the tree's N - 1 (K = depth x a whole fill, up to
+                # N - 1): verifying a share of them verifies that share of the tree, priced so
+                K, N = scores.shape[1], config.num_verify
+                widths = {"widths": confidence_widths(N, K)} if static_widths else {}
                 t = time.perf_counter()
-                widths = {"widths": node_widths(config.num_verify)} if static_widths else {}
                 nodes = select(torch.from_numpy(scores), torch.from_numpy(depth), config, B, **widths).numpy()
                 policy_s_step += time.perf_counter() - t
                 seconds = costs.spec_step(config, B, rows.catch_up_width(), ctx_max, ctx_sum,
-                                          verified=float(1 + nodes.sum() / B))
+                                          verified=float(1 + (N - 1) * nodes.sum() / (B * K)))
                 accepted = confidence.accepted(nodes, L, w, rng)
                 emitted = rows.step_spec(accepted)
                 spec_steps += 1
@@ -173,6 +176,12 @@ def simulate(workload: Workload, costs: Costs, acceptance: AcceptanceProfile | N
         finished += rows.retire()
     clock += costs.per_call(len(reqs))
     return SimRun(clock, prefill_s, steps, spec_steps, emitted_total, policy_s, trace, finished)
+
+
+def confidence_widths(nodes: int, columns: int) -> list[int]:
+    """A static engine's verify widths for a tree of `nodes` (`node_widths`), in the units of the draft
+    confidences' `columns` nodes a row that stand for its `nodes` - 1 (the nearest, root included)."""
+    return sorted({1 + round((w - 1) * columns / (nodes - 1)) for w in node_widths(nodes)})
 
 
 def replay_steps(records: list[tuple[SpecConfig | None, int, list[int] | None]], prompt_lens: Sequence[int],
