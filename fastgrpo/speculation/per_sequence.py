@@ -82,10 +82,13 @@ class AwarePerSequence(Aware):
         """Which drafted nodes to verify: scores and depth [B, N - 1] of each row's non-root nodes
         (cumulative draft log-probabilities, tree levels). Returns [B, N - 1] bool. `widths`: the tree
         widths (nodes a row, root included) a static engine can verify, one for every row (module
-        docstring); None: any set of nodes (a ragged verify)."""
+        docstring); None: any set of nodes (a ragged verify). Scores of K < N - 1 nodes a row (the
+        simulator's draft confidences, a coarser picture of the tree) each stand for (N - 1) / K of its
+        nodes: verifying a share of them verifies that share of the tree, and is priced so."""
         B, K = scores.shape
         if widths is not None:
             return self._select_width(scores, depth, config, running, widths)
+        per_node = (config.num_verify - 1) / K  # tokens a scored node stands for (1 in the engine)
         p = scores.double().exp().flatten()
         order = (p - 1e-9 * depth.flatten()).argsort(descending=True)  # exact ties: the parent first
         reach = torch.cat([torch.zeros(1, dtype=torch.float64), p[order].cumsum(0)])  # expected accepts, M = 0..BK
@@ -96,7 +99,7 @@ class AwarePerSequence(Aware):
         # (priced as draft + verify forwards alone, that work missing, cutting looks more rewarding
         # than it is)
         usual = self.costs.target(self._verified_tokens(config, running), rows=B)
-        extra = self.costs.target_many(B + M, rows=B) - usual
+        extra = self.costs.target_many(B + per_node * M, rows=B) - usual
         seconds = (self.predicted_seconds(config, running) + self._correction("off", running) * extra).clamp(min=1e-9)
         rate = (B + self.calibration * reach) / seconds
         best = int(rate.argmax())
@@ -110,13 +113,14 @@ class AwarePerSequence(Aware):
                       widths: Sequence[int]) -> Tensor:
         """`select` where every row verifies the same width w (in `widths`), its w - 1 most probable nodes."""
         B, K = scores.shape
+        per_node = (config.num_verify - 1) / K
         p = scores.double().exp()
         order = (p - 1e-9 * depth).argsort(1, descending=True)  # per row; exact ties: the parent first
         # expected accepts of every row's top m nodes, m = 0..K
         reach = torch.cat([torch.zeros(1, dtype=torch.float64), p.gather(1, order).sum(0).cumsum(0)])
         w = torch.tensor(sorted({min(max(int(x), 1), K + 1) for x in widths} | {K + 1}))  # the whole tree last
         usual = self.costs.target(self._verified_tokens(config, running), rows=B)
-        extra = self.costs.target_many(B * w, rows=B) - usual
+        extra = self.costs.target_many(B * (1 + per_node * (w - 1)), rows=B) - usual
         seconds = (self.predicted_seconds(config, running) + self._correction("off", running) * extra).clamp(min=1e-9)
         rate = (B + self.calibration * reach[w - 1]) / seconds
         best = int(rate.argmax())
@@ -136,7 +140,8 @@ class AwarePerSequence(Aware):
         self._step_prediction = prediction
         total, weight = self._width.get(config, (float(config.num_verify), 1.0))
         d = self.calibration_decay
-        self._width[config] = (d * total + 1 + verified / B, d * weight + 1)
+        tokens = 1 + (config.num_verify - 1) * verified / (B * K)  # a row's, root included (`select`)
+        self._width[config] = (d * total + tokens, d * weight + 1)
         self.offered_nodes += B * K
         self.verified_nodes += verified
         return nodes

@@ -41,13 +41,15 @@ def run_policies(workload: Workload, costs: Costs, acceptance: AcceptanceProfile
                  max_batch: int, reps: int, seed: int, confidence: DraftConfidence = DraftConfidence(),
                  modes: Sequence[str] | None = None, static_widths: bool = False) -> dict[str, dict]:
     """Every policy (or `modes`) on one workload: median simulated seconds of `reps` rollouts (learning
-    policies after a warm-up rollout), with the median run kept for its trace. `static_widths`: `simulate`'s."""
+    policies after a warm-up rollout), with the median run kept for its trace. `static_widths`: `simulate`'s.
+    Each policy draws from its own generator of `seed`: the same draws for every policy as far as they ask
+    alike (common random numbers), and no policy's figure depends on which others ran before it."""
     policies = sim_policies(costs, statics, tlt_seed=seed)
-    rng = np.random.default_rng(seed)
     out = {}
     for mode, policy in policies.items():
         if modes is not None and mode not in modes:
             continue
+        rng = np.random.default_rng(seed)
         runs = []
         for rep in range(reps + (mode in LEARNING)):
             run = simulate(workload, costs, acceptance, policy, max_batch, rng, confidence=confidence,
