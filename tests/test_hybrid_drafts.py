@@ -578,5 +578,5 @@ def test_the_simulated_table_shows_the_static_schedule_where_it_was_priced():
                     "waited": {"per_step": 1e-3, "per_row": 5e-5}, "hidden": {"per_step": 0.0, "per_row": 5e-5}}}
     lines = markdown(sim)
     assert "| `aware` | 10.0 | 10.0 | 1.00x | 8.0 | 1.25x | 10.0 | 1.00x |" in lines
-    assert any("25% while the learned draft's step computed" in line and "1.00 ms a step + 50 us a row" in line
+    assert any("25% while a step function computed" in line and "1.00 ms a step + 50 us a row" in line
                for line in lines)

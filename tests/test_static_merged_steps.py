@@ -127,6 +127,47 @@ def test_merged_static_steps_emit_plain_decodings_tokens_and_accept_as_the_eager
     assert accepted[1] > accepted[0] + 0.5  # the history's answers were accepted, deep
 
 
+def test_the_index_is_tidied_while_a_static_step_computes_and_drafts_as_the_eager_ones(dense):
+    """Four prompts asked three times in one call, each keeping its last response: a prompt's second and
+    third finished responses put it over its limit mid-call. The static engine removes the oldest (`tidy`) while
+    a step function computes (launched, not yet read back), once a step, as the eager engine does after
+    its step: the same tokens, accepted nodes, calibration counts and histories."""
+    cfg, target, draft = dense
+    ps = prompts(4, seed=8)
+    requests = [Request(p) for _ in range(3) for p in ps]
+    sampling, limits = SAMPLINGS["greedy"], IndexLimits(window=8, depth=6, responses=1)
+    static = merged_engine(cfg, target, draft, "hybrid", SpecConfig(3, 2, 8))
+    static.set_drafts("hybrid", limits)
+    eager = engine(cfg, target, False, draft, Static(SpecConfig(3, 2, 8)))
+    eager.set_drafts("hybrid", limits)
+    launched, tidied = [False], []
+    run, read_back, tidy = static.graphs.run, static._read_back, static.index.tidy
+
+    def run_and_mark(key, step):
+        launched[0] = True
+        return run(key, step)
+
+    def read_back_and_mark(*args, **kwargs):
+        launched[0] = False
+        return read_back(*args, **kwargs)
+
+    def tidy_and_record():
+        over = any(len(e.history) > limits.responses for e in static.index.prompts.values())
+        tidied.append((static._in_step, launched[0], over))
+        tidy()
+
+    static.graphs.run, static._read_back, static.index.tidy = run_and_mark, read_back_and_mark, tidy_and_record
+    got, want = static.generate(requests, sampling, seed=3), eager.generate(requests, sampling, seed=3)
+    assert_same(target, ps * 3, got, want, sampling, 3)
+    assert sum(over for in_step, _, over in tidied if in_step) >= 2  # prompts went over their limit mid-call
+    assert all(at_launch for in_step, at_launch, over in tidied if in_step)
+    s, w = static.stats(), eager.stats()
+    assert s["static_steps"] == s["decode_steps"] and s["index_accepted"] == w["index_accepted"] > 0
+    assert torch.equal(static.calibration.counts, eager.calibration.counts)
+    for key, entry in static.index.prompts.items():  # within its limit when the call returns, as the eager one's
+        assert len(entry.history) == limits.responses and static.index.history(key) == eager.index.history(key)
+
+
 @pytest.mark.parametrize("drafts", ["hybrid", "index"])
 def test_no_merged_step_function_syncs_or_copies_host_data(dense, drafts):
     """The learned draft's step and the verify step pass the strict audit (the merge between them is host

@@ -213,6 +213,30 @@ def test_a_prompt_keeps_only_its_last_responses():
     assert index.tokens == 1 + 2 * (len(index.prompts["p"].tail) + 2) + len(index.prompts["p"].tail)
 
 
+def test_a_close_that_leaves_the_upkeep_to_tidy_keeps_the_response_until_then():
+    """`close(tidy=False)`: the prompt goes over its limit (2 responses) and the index over its cap until
+    `tidy()`, which then applies both as a plain close would have; a checkpoint tidies first. Tokens: p's
+    prompt and three responses of 3 (its one-token tail first), 10; q's prompt, tail and 8 written, 10:
+    20 over the cap of 18, and 17 once p's oldest response is removed, so nothing need be dropped."""
+    limits = IndexLimits(window=2, depth=2, responses=2, max_tokens=18)
+    index = SuffixIndex(limits)
+    for first in (30, 40, 50):
+        r = index.open("p", [1])
+        r.extend([first, first + 1])
+        r.close(tidy=False)
+    probe = index.open("q", [1])  # another prompt, left open: the cap never drops it
+    probe.extend([7] * 8)
+    assert len(index.prompts["p"].history) == 3 and index.tokens > limits.max_tokens
+    assert sorted(index.lookup("p", [1], budget=5, depth=1).tokens) == [30, 40, 50]  # 30 not yet removed
+    saved = index.state_dict()
+    p_saved = next(x for x in saved["prompts"] if x["key"] == list("p"))
+    assert [h[-2:] for h in p_saved["history"]] == [[40, 41], [50, 51]]
+    assert sorted(index.lookup("p", [1], budget=5, depth=1).tokens) == [40, 50]
+    assert index.tokens == 17 and set(index.prompts) == {"p", "q"} and index.evicted == 0
+    index.tidy()  # nothing left to do
+    assert [h[-2:] for h in index.history("p")] == [[40, 41], [50, 51]]
+
+
 def test_the_memory_cap_drops_the_least_recently_used_prompts_but_not_open_ones():
     limits = IndexLimits(window=2, depth=2, max_tokens=60)
     index = SuffixIndex(limits)
@@ -299,3 +323,14 @@ def test_remembered_responses_draft_as_written_ones_once_their_prompt_is_used():
         assert a.match_len == b.match_len and dict(zip(a.paths(), a.logp)) == pytest.approx(dict(zip(b.paths(), b.logp)))
     assert remembered.prompts["p"].trie.nodes == written.prompts["p"].trie.nodes > only_prompt.nodes
     assert not remembered.prompts["p"].pending
+
+
+def test_the_upkeep_tool_times_the_removal_on_and_off_the_critical_path():
+    """tools/index_upkeep_time.py at a small size: a close that removes the prompt's oldest response costs
+    its removal; a deferred one files the response only, and the removal moves to `tidy`."""
+    from tools.index_upkeep_time import main
+
+    for row in main(["--prompts", "2", "--group", "4", "--epochs", "2", "--length", "400", "--responses", "4"]):
+        before, now = row["close"], row["deferred"]
+        assert before["closes"] == now["closes"] == 8
+        assert now["close_ms"] < before["close_ms"] / 3 and now["tidy_ms"] > 3 * now["close_ms"]

@@ -269,7 +269,8 @@ def markdown(sim: dict) -> list[str]:
     if "waited" in sim["host"]:
         waited, hidden = HostModel(**sim["host"]["waited"]), HostModel(**sim["host"]["hidden"])
         lines += ["", f"A static engine's schedule: of the hybrid steps' host work the sweep measured "
-                      f"{100 * sim['host']['hidden_share']:.0f}% while the learned draft's step computed (the lookups: "
+                      f"{100 * sim['host']['hidden_share']:.0f}% while a step function computed (the lookups while the "
+                      f"learned draft's step does, the index's upkeep while the verify does: "
                       f"{hidden.describe()}), paid only where it outlasts the draft's forwards, and the rest on every step "
                       f"({waited.describe()}); an eager sweep hides none, and prices this column as the one before it."]
 

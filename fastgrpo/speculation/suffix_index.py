@@ -38,7 +38,8 @@ reference and fallback; both give identical nodes, matches and candidates.
 Limits: each prompt keeps its last `responses` finished responses (older ones are removed from its
 trie); all prompts together hold at most `max_tokens` tokens of indexed text (a trie holds at most
 `window + depth` nodes per token), the least recently used prompts being dropped whole when the cap is
-passed (never one with a response still being written).
+passed (never one with a response still being written). Both apply when a response closes, or at the
+next `tidy()` for one closed with `tidy=False` (the engine's: off the host's critical path).
 """
 
 from __future__ import annotations
@@ -364,8 +365,8 @@ class Response:
         `SuffixIndex.lookup` of its text finds them, matched from the writer's frontier)."""
         return self.index.lookup(self.key, self.writer.tokens, budget, depth, min_prob, writer=self.writer)
 
-    def close(self) -> None:
-        self.index.close(self)
+    def close(self, tidy: bool = True) -> None:
+        self.index.close(self, tidy)
 
 
 class SuffixIndex:
@@ -384,6 +385,7 @@ class SuffixIndex:
         self.prompts: OrderedDict[Hashable, _Prompt] = OrderedDict()  # least recently used first
         self.tokens = 0
         self.evicted = 0  # prompts dropped for the memory cap
+        self._untidy: list[tuple[Hashable, _Prompt]] = []  # prompts closed without their limits applied
 
     def open(self, key: Hashable, prompt: Sequence[int]) -> Response:
         """Start indexing a response of prompt `key` (visible to its siblings from its first token)."""
@@ -436,9 +438,12 @@ class SuffixIndex:
             entry.tokens -= len(old)
             self.tokens -= len(old)
 
-    def close(self, response: Response) -> None:
+    def close(self, response: Response, tidy: bool = True) -> None:
         """The response is finished: it stays as the prompt's history; the prompt keeps its last
-        `responses`, and prompts are dropped, least recently used first, while the index is over its cap."""
+        `responses`, and prompts are dropped, least recently used first, while the index is over its cap.
+        `tidy=False`: those two are left to the next `tidy()`, and lookups until then still see the
+        responses beyond the limit. Removing a response from a trie walks all of it (milliseconds for
+        thousands of tokens): the engine closes a finished sequence so, and tidies while a step computes."""
         if response.closed:
             return
         response.closed = True
@@ -447,7 +452,19 @@ class SuffixIndex:
         if self.prompts.get(response.key) is not entry:  # its prompt was dropped meanwhile
             return
         entry.history.append(response.writer.tokens)
-        self._trim(entry)
+        self._untidy.append((response.key, entry))
+        if tidy:
+            self.tidy()
+
+    def tidy(self) -> None:
+        """Apply what closes with `tidy=False` left: each such prompt keeps its last `responses`, then the
+        memory cap drops the least recently used prompts."""
+        if not self._untidy:
+            return
+        for key, entry in self._untidy:
+            if self.prompts.get(key) is entry:
+                self._trim(entry)
+        self._untidy.clear()
         self._evict()
 
     def _evict(self) -> None:
@@ -510,6 +527,7 @@ class SuffixIndex:
         indexed; remembered ones after the rest), least recently used first, and the limits they were kept under. Responses still being
         written are not kept (a checkpoint falls between rollouts, when none is). Keys are saved as lists:
         `load_state_dict` makes them tuples, the engine's keys (a prompt's token ids)."""
+        self.tidy()
         return {"limits": asdict(self.limits),
                 "prompts": [{"key": list(key), "prompt": e.prompt,
                              "history": [list(r) for r in (*e.history, *e.pending)]}
@@ -521,6 +539,7 @@ class SuffixIndex:
         its trie when the prompt is next used, as remembered ones do (a resume does not index the
         prompts it will not meet soon)."""
         self.prompts.clear()
+        self._untidy.clear()
         self.tokens = 0
         for saved in state["prompts"]:
             entry = self.prompts[tuple(saved["key"])] = _Prompt(saved["prompt"], self.limits, self.trie_type)

@@ -349,7 +349,8 @@ class EmbeddedEngine:
         self._by_config: dict[str, Counter] = {}
         self._trace: list[tuple[int, str, int, float]] = []  # per decode step: running, config, tokens emitted, seconds
         # per speculative step with the index: running rows, host seconds, and of those the seconds a static
-        # step spent while its learned draft's step function computed (hidden behind it on a GPU)
+        # step spent while one of its step functions computed (hidden on a GPU: the lookups behind the learned
+        # draft's step, the index's upkeep behind the verify's)
         self._host_steps: list[tuple[int, float, float]] = []
         while waiting or running:
             drafting = None  # a step drafting from the index: its running rows, and the host seconds before it
@@ -388,6 +389,8 @@ class EmbeddedEngine:
                     if self.state is not None and not static:  # an eager step in a static engine
                         self.state.start_rows(0, [s.pending for s in running], [s.key for s in running],
                                               [len(s.tokens) for s in running])
+                    if not static:  # (a static step tidies while its step function computes)
+                        self._tidy_index()
                 finally:
                     self._in_step = False
                 seconds = time.perf_counter() - t
@@ -397,6 +400,8 @@ class EmbeddedEngine:
                 self._count_step(config, len(running), emitted, seconds)
                 self._count_reads(config, len(running), static, shape, sum(cached))
             self._retire(running, done)
+            if not (running or waiting):  # the call returns an index within its limits
+                self._tidy_index()
             if drafting is not None:  # the step's host work for index drafts, its retire's included
                 self._host_steps.append((drafting[0], self._host_seconds() - drafting[1],
                                          self._counts["hidden_s"] - drafting[2]))
@@ -594,6 +599,7 @@ class EmbeddedEngine:
                                   lambda: self.steps.verify(nodes, depth, rows, ctx, sampling, self._pending,
                                                             self._routing))
             levels = depth + 1
+        self._tidy_index(hidden=True)  # the step function computes on a GPU: launched, not waited for
         ahead = getattr(self.policy, "ahead", None) if self._pending is not None and self.speculating else None
         packed = self._read_back(out.packed[:B], ahead and (lambda: ahead(B, context, config)))
         result = StepResult.unpack(packed, levels)
@@ -695,6 +701,20 @@ class EmbeddedEngine:
         buffer = self.steps.tree_input(nodes)
         if buffer.device.type != "cpu":
             buffer[:rows].copy_(self._tree_staging[nodes][:rows], non_blocking=True)
+
+    def _tidy_index(self, hidden: bool = False) -> None:
+        """The index's upkeep after the sequences retired since the last step (`SuffixIndex.tidy`: removing
+        responses past a prompt's limit walks each through its trie), once a step, between its lookups and
+        its retire, eager and static alike (the same candidates either way); a static step runs it while its
+        step function computes (`hidden`: counted as such)."""
+        if self.index is None:
+            return
+        t = time.perf_counter()
+        self.index.tidy()
+        seconds = time.perf_counter() - t
+        self._counts["index_s"] += seconds
+        if hidden:
+            self._counts["hidden_s"] += seconds
 
     def _observe_held(self) -> None:
         """Observe the last merged static step's outcome, if not yet (`_observe_merged`): before the next
@@ -882,7 +902,7 @@ class EmbeddedEngine:
                 self._pending.flush(self.cache.lengths)  # rows are about to move
             if self.index is not None:  # a finished response stays in the index as its prompt's history
                 t = time.perf_counter()
-                self._indexed(running[row]).close()
+                self._indexed(running[row]).close(tidy=False)  # its prompt's limits: `_tidy_index`
                 self._counts["index_s"] += time.perf_counter() - t
             done[running[row].index] = running[row]
             last = len(running) - 1
