@@ -357,9 +357,9 @@ def test_a_static_engine_warns_that_per_sequence_budgets_of_merged_trees_run_eag
     monkeypatch.setattr(build, "has_draft", lambda directory: True)
     monkeypatch.setattr(DraftHead, "load", classmethod(lambda cls, *args: draft))
     monkeypatch.setattr(build, "speculation_policy", lambda engine, c, mode: Static(SpecConfig(2, 2, 3)))
-    run = load_config(None, ["speculation.policy=aware_per_sequence", "model.max_context=64", "rollout.max_new_tokens=32",
-                             "rollout.max_batch=4", f"engine.steps={steps}", f"speculation.drafts={drafts}",
-                             "device=cpu"])
+    run = load_config(None, ["speculation.policy=aware_per_sequence", "model.max_context=64",
+                             "rollout.max_new_tokens=32", "rollout.max_batch=4", f"engine.steps={steps}",
+                             f"speculation.drafts={drafts}", "device=cpu"])
     build.build_engine(run, cfg, type("Text", (), {"stop_ids": [VOCAB + 1]})(), target.state_dict().items())
     assert ("runs its speculative steps eagerly" in caplog.text) == (steps == "static" and drafts == "hybrid")
 

@@ -129,9 +129,9 @@ def test_merged_static_steps_emit_plain_decodings_tokens_and_accept_as_the_eager
 
 def test_the_index_is_tidied_while_a_static_step_computes_and_drafts_as_the_eager_ones(dense):
     """Four prompts asked three times in one call, each keeping its last response: a prompt's second and
-    third finished responses put it over its limit mid-call. The static engine removes the oldest (`tidy`) while
-    a step function computes (launched, not yet read back), once a step, as the eager engine does after
-    its step: the same tokens, accepted nodes, calibration counts and histories."""
+    third finished responses put it over its limit mid-call. The static engine removes the oldest (`tidy`)
+    while a step function computes (launched, not yet read back), once a step, as the eager engine does
+    after its step: the same tokens, accepted nodes, calibration counts and histories."""
     cfg, target, draft = dense
     ps = prompts(4, seed=8)
     requests = [Request(p) for _ in range(3) for p in ps]

@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--responses", type=int, default=16)
     args = p.parse_args(argv)
     if args.epochs * args.group <= args.responses:
-        raise SystemExit(f"no close removes a response: {args.epochs} epochs of {args.group} keep within {args.responses}")
+        raise SystemExit(f"no close removes a response: {args.epochs} epochs of {args.group} "
+                         f"keep within {args.responses}")
     rows = [measure(kind, args.prompts, args.group, args.epochs, args.length, args.responses)
             for kind in ("siblings", "novel")]
     for r in rows:

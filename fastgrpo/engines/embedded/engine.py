@@ -636,7 +636,8 @@ class EmbeddedEngine:
         into the verify step's input (`cut_tree`). Returns the width and the levels the verify walks."""
         assert self.steps is not None and self._pending is not None
         B, N = len(running), config.num_verify
-        out = self.graphs.run(("draft", config, rows, ctx), lambda: self.steps.propose(config, rows, ctx, self._pending))
+        out = self.graphs.run(("draft", config, rows, ctx),
+                              lambda: self.steps.propose(config, rows, ctx, self._pending))
         packed = self._read_back(out[:B])
         tree, _ = unpack_learned(packed, N)
         finite = packed[:, 4 * N] > 0
