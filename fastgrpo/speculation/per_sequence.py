@@ -92,19 +92,7 @@ class AwarePerSequence(Aware):
         p = scores.double().exp().flatten()
         order = (p - 1e-9 * depth.flatten()).argsort(descending=True)  # exact ties: the parent first
         reach = torch.cat([torch.zeros(1, dtype=torch.float64), p[order].cumsum(0)])  # expected accepts, M = 0..BK
-        M = torch.arange(B * K + 1)
-        # a step of this shape as measured (at the width it usually verifies), less or plus the verify
-        # tokens M saves or adds, priced as the target's measured / calibrated time at this concurrency:
-        # the step's fixed work (drafting, tree building, sampling) is not saved by verifying less
-        # (priced as draft + verify forwards alone, that work missing, cutting looks more rewarding
-        # than it is)
-        usual = self.costs.target(self._verified_tokens(config, running), rows=B)
-        extra = self.costs.target_many(B + per_node * M, rows=B) - usual
-        seconds = (self.predicted_seconds(config, running) + self._correction("off", running) * extra).clamp(min=1e-9)
-        rate = (B + self.calibration * reach) / seconds
-        best = int(rate.argmax())
-        if rate[best] < rate[-1] * (1 + self.margin):  # a near tie: verify aware's whole tree (as aware
-            best = B * K  # speculates only for a clear gain: a single calibration factor misjudges depths)
+        best = self._best(reach, B + per_node * torch.arange(B * K + 1), config, running, B)
         nodes = torch.zeros(B * K, dtype=torch.bool)
         nodes[order[:best]] = True
         return self._chosen(nodes.view(B, K), depth, config, float(reach[best]))
@@ -119,17 +107,25 @@ class AwarePerSequence(Aware):
         # expected accepts of every row's top m nodes, m = 0..K
         reach = torch.cat([torch.zeros(1, dtype=torch.float64), p.gather(1, order).sum(0).cumsum(0)])
         w = torch.tensor(sorted({min(max(int(x), 1), K + 1) for x in widths} | {K + 1}))  # the whole tree last
-        usual = self.costs.target(self._verified_tokens(config, running), rows=B)
-        extra = self.costs.target_many(B * (1 + per_node * (w - 1)), rows=B) - usual
-        seconds = (self.predicted_seconds(config, running) + self._correction("off", running) * extra).clamp(min=1e-9)
-        rate = (B + self.calibration * reach[w - 1]) / seconds
-        best = int(rate.argmax())
-        if rate[best] < rate[-1] * (1 + self.margin):  # a near tie: the whole tree (as `select`)
-            best = len(w) - 1
-        kept = int(w[best]) - 1
+        kept = int(w[self._best(reach[w - 1], B * (1 + per_node * (w - 1)), config, running, B)]) - 1
         nodes = torch.zeros(B, K, dtype=torch.bool)
         nodes.scatter_(1, order[:, :kept], True)
         return self._chosen(nodes, depth, config, float(reach[kept]))
+
+    def _best(self, reach: Tensor, tokens: Tensor, config: SpecConfig, running: int, B: int) -> int:
+        """Which choice to verify: choice i verifies `tokens[i]` tokens and expects `reach[i]` draft tokens
+        accepted; the last is the whole tree. A step of this shape as measured (at the width it usually
+        verifies), less or plus the verify tokens a choice saves or adds, priced as the target's measured /
+        calibrated time at this concurrency: the step's fixed work (drafting, tree building, sampling) is not
+        saved by verifying less (priced as draft + verify forwards alone, that work missing, cutting looks
+        more rewarding than it is). A near tie keeps the whole tree (as aware speculates only for a clear
+        gain: a single calibration factor misjudges depths)."""
+        usual = self.costs.target(self._verified_tokens(config, running), rows=B)
+        extra = self.costs.target_many(tokens, rows=B) - usual
+        seconds = (self.predicted_seconds(config, running) + self._correction("off", running) * extra).clamp(min=1e-9)
+        rate = (B + self.calibration * reach) / seconds
+        best = int(rate.argmax())
+        return len(rate) - 1 if rate[best] < rate[-1] * (1 + self.margin) else best
 
     def _chosen(self, nodes: Tensor, depth: Tensor, config: SpecConfig, prediction: float) -> Tensor:
         """Record a step's choice of `nodes` [B, N - 1] (the levels acceptance may learn, the prediction the

@@ -594,7 +594,8 @@ class EmbeddedEngine:
             if self.drafts == "learned":
                 nodes, depth = self._cut_tree(running, config, rows, ctx)
             else:
-                (merged, depth), nodes = self._merged_tree(running, config, rows, ctx), config.num_verify
+                nodes = config.num_verify
+                merged, depth = self._merged_tree(running, config, rows, ctx)
             out = self.graphs.run(("verify", nodes, depth, rows, ctx, rule, self._routing),
                                   lambda: self.steps.verify(nodes, depth, rows, ctx, sampling, self._pending,
                                                             self._routing))
@@ -638,9 +639,7 @@ class EmbeddedEngine:
         B, N = len(running), config.num_verify
         out = self.graphs.run(("draft", config, rows, ctx),
                               lambda: self.steps.propose(config, rows, ctx, self._pending))
-        packed = self._read_back(out[:B])
-        tree, _ = unpack_learned(packed, N)
-        finite = packed[:, 4 * N] > 0
+        tree, finite = unpack_learned(self._read_back(out[:B]), N)
         if not bool(finite.all()):
             log.warning("non-finite draft (draft version %d): plain tokens for %d rows this step",
                         self.draft_version, int((~finite).sum()))

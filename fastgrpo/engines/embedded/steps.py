@@ -317,16 +317,16 @@ def tree_rows(tree: Tree, out: Tensor, depth: int) -> None:
         padded[:, 3, 0] = 1
 
 
-def unpack_learned(packed: Tensor, nodes: int) -> tuple[Tree, bool]:
+def unpack_learned(packed: Tensor, nodes: int) -> tuple[Tree, Tensor]:
     """`StaticSteps.propose`'s packed trees of `nodes` nodes read back on the host: the learned tree of
     each row (new tensors, not views of the read-back buffer, which the step's verify overwrites) and
-    whether every row's draft was finite. Its mask is left empty ([B, N, 0]): the merge reads the tokens,
+    whether each row's draft was finite [B]. Its mask is left empty ([B, N, 0]): the merge reads the tokens,
     parents, depths and scores alone, and the merged tree makes its own."""
     N = nodes
     ids = packed[:, :3 * N].long()
     tree = Tree(ids[:, :N], ids[:, N:2 * N], ids[:, 2 * N:], torch.empty(len(packed), N, 0, dtype=torch.bool),
                 packed[:, 3 * N:4 * N].float())
-    return tree, bool((packed[:, 4 * N] > 0).all())
+    return tree, packed[:, 4 * N] > 0
 
 
 def merged_rows(packed: Tensor | None, candidates: CandidateRows, root_tokens: Tensor, nodes: int,
@@ -347,7 +347,10 @@ def merged_rows(packed: Tensor | None, candidates: CandidateRows, root_tokens: T
     if compiled is None:
         compiled = compiled_merge_rows is not None
     if not compiled or B == 0 or N < 2:
-        learned, finite = (None, True) if packed is None else unpack_learned(packed, (packed.shape[1] - 1) // 4)
+        learned, finite = None, True
+        if packed is not None:
+            learned, rows_finite = unpack_learned(packed, (packed.shape[1] - 1) // 4)
+            finite = bool(rows_finite.all())
         tree = hybrid_tree(learned if finite else None, candidates, root_tokens, N, calibration,
                            max_depth=max_depth)
         tree_rows(tree, out, max_depth)
