@@ -8,7 +8,7 @@ import statistics
 import numpy as np
 import pytest
 
-from fastgrpo.bench.simulate import (CONTEXT, SWEEP, AcceptanceProfile, CpuCosts, DraftConfidence, Recorder,
+from fastgrpo.bench.simulate import (CONTEXT, PROFILE_CONFIGS, SWEEP, AcceptanceProfile, CpuCosts, DraftConfidence, Recorder,
                                      SimRequest, Workload, eagle_profile, fit_acceptance, price_engine_run,
                                      replay_steps, sim_policies, simulate, whole_tree_acceptance)
 from fastgrpo.engines.embedded.engine import EmbeddedEngine
@@ -17,7 +17,7 @@ from fastgrpo.models.policy import new_policy, policy_config
 from fastgrpo.speculation.cost_model import CostModel
 from fastgrpo.models.draft import DraftHead
 from fastgrpo.speculation.per_sequence import AwarePerSequence
-from fastgrpo.speculation.policy import Aware, Off, Static
+from fastgrpo.speculation.policy import Aware, Off, Static, candidate_configs
 from fastgrpo.speculation.tlt import TLT
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.types import Request, SamplingParams
@@ -360,6 +360,24 @@ def test_a_step_cheaper_than_the_sweeps_forwards_is_priced_so_down_to_half_of_th
     assert costs.decode_step(64, CONTEXT, 0) == pytest.approx(5e-3)  # -20 ms on a 10 ms forward: half of it
     # a tree of depth 2: the draft's catch-up and one more draft forward, then the verify
     assert costs.spec_step(SpecConfig(2, 1, 3), 1, 1, CONTEXT, 0) == pytest.approx(1e-3 + 1e-3 + 1e-2 - 3e-3)
+
+
+def test_a_speculative_step_is_never_priced_below_a_plain_step_of_its_rows():
+    """A fit whose intercept reads -8 ms at one row would price a chain of one (draft 1 ms, verify 10 ms) at 3 ms,
+    and half of its forwards at 5.5 ms; a plain step there costs 10 - 2 = 8 ms, and the chain no less."""
+    curve = CostModel(dict.fromkeys(SWEEP, 1e-2), dict.fromkeys(SWEEP, 1e-3))
+    costs = CpuCosts(curve, off_extra={1: -2e-3}, plain_extra={1: -2e-3}, spec_extra={1: -8e-3})
+    assert costs.spec_step(SpecConfig(1, 1, 2), 1, 1, CONTEXT, 0) == pytest.approx(8e-3)
+    assert CpuCosts(curve, off_extra={1: -2e-3}, spec_extra={1: -1e-3}).spec_step(
+        SpecConfig(1, 1, 2), 1, 1, CONTEXT, 0) == pytest.approx(1e-3 + 1e-2 - 1e-3)  # above it: the fit's
+
+
+def test_the_profile_measures_both_corners_of_awares_grid():
+    """The speculative steps' fit is read only between the shapes it measured: the shallowest and the deepest
+    shape `aware` may choose are among them."""
+    depths = [c.depth for c in candidate_configs()]
+    profiled = [c.depth for c in PROFILE_CONFIGS if isinstance(c, SpecConfig)]
+    assert min(profiled) == min(depths) == 1 and max(profiled) == max(depths)
 
 
 def test_a_profiled_shape_is_priced_as_measured_and_others_by_the_fit():

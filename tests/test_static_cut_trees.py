@@ -137,3 +137,20 @@ def test_aware_per_sequence_runs_static_steps_and_cuts_where_verifying_is_dear(d
     assert stats["static_steps"] == stats["decode_steps"] > 0 and len(widths) == stats["spec_steps"] > 0
     # a static step verifies B (w - 1) of the B (N - 1) drafted nodes: fewer, where a narrower width ran
     assert 0 < policy.verified_nodes < policy.offered_nodes
+
+
+def test_the_host_time_tool_times_a_cut_steps_host_work():
+    """tools/step_host_time.py --cut at a small size: the host work between the draft's read-back and the
+    verify's launch is timed at each level, and the budget cut (a random draft's nodes are rarely worth their
+    verify under the tool's GPU-like prices)."""
+    from tools.step_host_time import main
+
+    threads = torch.get_num_threads()
+    try:
+        rows = main(["--cut", "--running", "2,8", "--tokens", "8", "--reps", "2"])
+    finally:
+        torch.set_num_threads(threads)  # (the tool times one thread)
+    assert [r["running"] for r in rows] == [2, 8]
+    for r in rows:
+        assert r["waited_ms_per_step"] > 0 and 0 <= r["verified_share"] < 1
+        assert r["waited_us_per_row"] == pytest.approx(1e3 * r["waited_ms_per_step"] / r["running"])

@@ -13,7 +13,13 @@ verify step; a random draft, and the same prompts each call, so the index drafts
 calls' answers), and the host work between a step's two step functions in its two parts: while the
 draft's step computes on a GPU (it is launched first: the index's lookups, observing the last verify),
 and between its read-back and the verify's launch, when a GPU waits (reading the draft's tree, the
-merge, writing the tree into the verify's input)."""
+merge, writing the tree into the verify's input).
+
+`--cut`: `aware_per_sequence`'s static steps instead (learned d4k4n12 trees, a random draft, a per-sequence
+budget that prices a verified token at 1/256 of a forward, so that it cuts; the share it verified is
+printed): the draft's
+step function is read back at once, so the host work that counts is between that read-back and the verify's
+launch, when a GPU waits (the budget's choice, the cut trees, writing them into the verify's input)."""
 
 from __future__ import annotations
 
@@ -64,22 +70,37 @@ def host_seconds(running: int, tokens: int, reps: int) -> dict:
     return {"running": running, "host_ms_per_step": 1e3 * host, "host_us_per_row": 1e6 * host / running}
 
 
-def merged_host_seconds(running: int, tokens: int, reps: int) -> dict:
+def merged_host_seconds(running: int, tokens: int, reps: int, cut: bool = False) -> dict:
     import torch
 
     from fastgrpo.engines.embedded.engine import EmbeddedEngine
     from fastgrpo.models.draft import DraftHead
     from fastgrpo.models.policy import new_policy, policy_config
+    from fastgrpo.speculation.cost_model import CostModel
+    from fastgrpo.speculation.per_sequence import AwarePerSequence
     from fastgrpo.speculation.policy import Static
     from fastgrpo.speculation.spec import SpecConfig
     from fastgrpo.types import Request, SamplingParams
 
+    shape = SpecConfig(4, 4, 12)
+
+    class Budget(AwarePerSequence):
+        """The per-sequence budget on the fixed shape (a random draft would make `aware` decode plainly)."""
+
+        def choose(self, running: int, context: float | None = None) -> SpecConfig:
+            return shape
+
+    grid = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+    # a verified token priced at 1/256 of a forward's fixed cost, in prices far above this CPU's seconds (its
+    # measured steps barely move them): the budget cuts as where verifying is dear
+    policy = Budget(CostModel({t: 1e4 * (1 + t / 256) for t in grid}, {t: 1e3 for t in grid}), margin=0.0) if cut \
+        else Static(shape)
     cfg = policy_config("test", 61, 128, bos_id=1, eos_id=2, pad_id=0)
-    engine = EmbeddedEngine(cfg, running, 128, eos_id=2, pad_id=0, static_steps=True,
-                            policy=Static(SpecConfig(4, 4, 12)))
+    engine = EmbeddedEngine(cfg, running, 128, eos_id=2, pad_id=0, static_steps=True, policy=policy)
     engine.update_weights(new_policy(cfg, seed=1).eval().state_dict().items(), version=0)
     engine.update_draft(DraftHead(cfg, 128 + 256).state_dict().items(), version=0)
-    engine.set_drafts("hybrid")
+    if not cut:
+        engine.set_drafts("hybrid")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 61, (8,), generator=g).tolist() for _ in range(max(1, running // 8))]
     requests = [Request(prompts[i % len(prompts)], max_new_tokens=tokens) for i in range(running)]
@@ -121,9 +142,12 @@ def merged_host_seconds(running: int, tokens: int, reps: int) -> dict:
         overlapped.append(o / steps)
         waited.append(w / steps)
     o, w = statistics.median(overlapped), statistics.median(waited)
-    return {"running": running, "overlapped_ms_per_step": 1e3 * o, "overlapped_us_per_row": 1e6 * o / running,
-            "waited_ms_per_step": 1e3 * w, "waited_us_per_row": 1e6 * w / running,
-            "index_accepted": engine.stats()["index_accepted"]}
+    out = {"running": running, "overlapped_ms_per_step": 1e3 * o, "overlapped_us_per_row": 1e6 * o / running,
+           "waited_ms_per_step": 1e3 * w, "waited_us_per_row": 1e6 * w / running,
+           "index_accepted": engine.stats()["index_accepted"]}
+    if cut:  # how much the budget cut: verified nodes of those drafted
+        out["verified_share"] = policy.verified_nodes / max(policy.offered_nodes, 1)
+    return out
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -134,14 +158,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--merged", action="store_true", help="hybrid steps: the host work between their step functions")
+    p.add_argument("--cut", action="store_true",
+                   help="aware_per_sequence's static steps: the host work between their step functions")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    if args.merged:
-        rows = [merged_host_seconds(int(n), args.tokens, args.reps) for n in args.running.split(",")]
+    if args.merged or args.cut:
+        rows = [merged_host_seconds(int(n), args.tokens, args.reps, cut=args.cut) for n in args.running.split(",")]
         for r in rows:
             print(f"running {r['running']:4d}: while the draft's step computes {r['overlapped_ms_per_step']:.3f} ms a "
                   f"step ({r['overlapped_us_per_row']:.2f} us a row); between its read-back and the verify "
-                  f"{r['waited_ms_per_step']:.3f} ms ({r['waited_us_per_row']:.2f} us a row)", flush=True)
+                  f"{r['waited_ms_per_step']:.3f} ms ({r['waited_us_per_row']:.2f} us a row)"
+                  + (f"; {r['verified_share']:.0%} of the drafted nodes verified" if args.cut else ""), flush=True)
         print(json.dumps(rows))
         return rows
     rows = [host_seconds(int(n), args.tokens, args.reps) for n in args.running.split(",")]

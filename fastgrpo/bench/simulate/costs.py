@@ -128,7 +128,10 @@ class CpuCosts:
         n = verified or c.num_verify
         extra = (self._grid(self.spec_extra, B) + k * B * n + d * c.depth + e * B * c.depth * c.topk**2
                  + self._grid(self.spec_measured.get(c, {}), B))
-        return self._plus_extra(self.spec_forwards(c, B, width, ctx_max, verified), extra)
+        # never below a plain step of its rows: a speculative step runs the target over at least as many
+        # tokens, and the draft besides (a fit read far from its shapes can say less)
+        return max(self._plus_extra(self.spec_forwards(c, B, width, ctx_max, verified), extra),
+                   self.decode_step(B, ctx_max, ctx_sum, speculating=True))
 
     def prefill(self, unique: int, width: int, joined: int) -> float:
         return max(self._prefill_tokens(unique * width) + self.copy_s * (joined - unique), 0.0)

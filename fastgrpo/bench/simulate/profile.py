@@ -32,8 +32,10 @@ def _engine_run(engine, policy, requests, sampling, seed: int) -> dict:
     return timed_generate(engine, requests, sampling, seed)
 
 
-PROFILE_CONFIGS = (None, "plain", SpecConfig(3, 1, 4), SpecConfig(2, 2, 4), SpecConfig(4, 4, 12), SpecConfig(5, 8, 24),
-                   SpecConfig(6, 8, 32))  # plain, then trees out to the deepest, widest corner of aware's grid
+# plain, then trees from the shallowest corner of aware's grid (a chain of one: the speculative steps' fit,
+# extrapolated to depth 1 from depths 2-6, priced it 27% low at 4 rows in one run) out to the deepest, widest
+PROFILE_CONFIGS = (None, "plain", SpecConfig(1, 1, 2), SpecConfig(3, 1, 4), SpecConfig(2, 2, 4), SpecConfig(4, 4, 12),
+                   SpecConfig(5, 8, 24), SpecConfig(6, 8, 32))
 PROFILE_LEVELS = (1, 2, 4, 8, 16, 32, 64)  # rows running; the grid a plain step's extra is read from
 SHAPES_PER_LEVEL = 4  # shapes the validation's policies ran, profiled per level beyond PROFILE_CONFIGS
 # (unique prompts, copies of each) of the measured prefills: copies 1 make the table by tokens
@@ -61,7 +63,7 @@ class CpuProfiler:
     the validation's medians). Per run the step residual is the median step's (robust to one slow
     step). `curve`: use this sweep instead of measuring one (tests).
 
-    Beyond its five trees it profiles, from the next pass on, the shapes the policies ran on the
+    Beyond its six trees it profiles, from the next pass on, the shapes the policies ran on the
     workloads so far (`add_shapes`: the most used per level of rows), and prices a shape it measured
     as measured: through the fit alone, the learning policies' steps at one running sequence were
     priced 16% (`aware`) and 12% (`tlt`) low in one run (BENCHMARKS.md section 8)."""
