@@ -229,6 +229,8 @@ def test_between_searches_a_step_reads_no_curve_for_prices_it_already_took():
     plain_once(aware, 4)
     c = aware.choose(4, 100)
     assert c is not None  # (speculation pays at 4 rows on these costs)
+    aware.observe(c, 4, 8, aware._calibrated_seconds(c, 4), accepted=[1] * 4)  # after plain: the catch-up, unpriced
+    c = aware.choose(4, 100)
     aware.observe(c, 4, 8, aware._calibrated_seconds(c, 4), accepted=[1] * 4)  # a kind's first: searched again
     for step in range(Aware.SEARCH_EVERY):
         lookups.clear()
@@ -276,9 +278,11 @@ def test_aware_probes_less_often_while_probes_confirm_its_choice():
 
     chosen = [step() for _ in range(1200)]
     switched = chosen.index(None)  # speculates until a probe of plain decoding measures it
-    probes = [i for i, c in enumerate(chosen) if c is not None and i > switched]
+    spec = [i for i, c in enumerate(chosen) if c is not None and i > switched]
+    probes = [i for i in spec if i - 1 not in spec]  # each probe of speculation: two steps (the catch-up, then one
+    assert all(i + 1 in spec and i + 2 not in spec for i in probes)  # measured)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert gaps[-4:] == [129] * 4  # the interval doubled to its cap (128 plain steps, then the probe)
+    assert gaps[-4:] == [130] * 4  # the interval doubled to its cap (128 plain steps, then the probe's two)
     assert gaps[0] < gaps[1] < gaps[2]
     spec_factor = 0.05  # ...until it becomes 20x cheaper: the next probe must overturn the choice
     chosen = [step() for _ in range(500)]
@@ -518,7 +522,10 @@ def test_without_ahead_for_a_step_its_acceptance_and_search_wait_one_step_at_mos
         steps += 1
         assert steps < 100
     aware.ahead(4, 100, tree)
-    aware.observe(tree, 4, 8, 0.012, [1, 1, 1, 1])  # the bucket's first tree step: searched anew, all learned
+    aware.observe(tree, 4, 8, 0.012, [1, 1, 1, 1])  # right after plain steps: the draft's catch-up, unpriced
+    aware.choose(4, 100)
+    aware.ahead(4, 100, tree)
+    aware.observe(tree, 4, 8, 0.012, [1, 1, 1, 1])  # the bucket's first priced tree step: searched anew, all learned
     learned = dict(aware.acceptance.count)
     aware.choose(4, 100)
     aware.ahead(4, 100, tree)
@@ -561,3 +568,18 @@ def test_a_search_prices_every_shape_as_goodput_does(policy):
             aware.context = context
             assert aware._rates(running).tolist() == pytest.approx([aware.goodput(c, running) for c in aware.candidates],
                                                                    rel=1e-12)
+
+
+def test_a_speculative_step_right_after_a_plain_one_does_not_price_its_shape():
+    """The first speculative step after plain ones also catches the draft up on the states they added: measured
+    at 10x its calibrated time it moves neither the step fit nor the correction, and speculation stays chosen;
+    the next speculative step (no catch-up) measured so is taken, and plain decoding wins."""
+    aware = Aware(synthetic_costs(), acceptance_prior=0.8, probe_every=10_000)
+    plain_once(aware, 4)
+    corrections = dict(aware.correction)
+    for priced in (False, True):
+        c = aware.choose(4, 100)
+        assert c is not None
+        aware.observe(c, 4, 8, 10 * aware._calibrated_seconds(c, 4), accepted=[1] * 4)
+        assert (aware._fit(4).shapes == {} and aware.correction == corrections) is not priced
+    assert aware.choose(4, 100) is None
