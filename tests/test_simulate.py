@@ -585,3 +585,10 @@ def test_the_model_table_lists_every_policy_against_aware():
     assert "| `off` | 300.0 | 3.75x |" in table
     assert "| best static tree (d5k8n24) | 100.0 | 1.25x |" in table and "d3k4n8" not in table
     assert "expert-blind" in table and "| `aware` | 80.0 |  |" in table
+
+
+def test_the_fixed_concurrency_tool_prices_every_gpu_and_model_at_each_level():
+    from tools.fixed_concurrency_sim import main
+
+    rows = main(["--levels", "1,128", "--tokens", "128"])
+    assert len(rows) == 8 and all(r["aware_s"] <= r["off_s"] / 0.98 for r in rows)  # never slower than plain
