@@ -279,8 +279,8 @@ def test_aware_probes_less_often_while_probes_confirm_its_choice():
     chosen = [step() for _ in range(1200)]
     switched = chosen.index(None)  # speculates until a probe of plain decoding measures it
     spec = [i for i, c in enumerate(chosen) if c is not None and i > switched]
-    probes = [i for i in spec if i - 1 not in spec]  # each probe of speculation: two steps (the catch-up, then one
-    assert all(i + 1 in spec and i + 2 not in spec for i in probes)  # measured)
+    probes = [i for i in spec if i - 1 not in spec]
+    assert all(i + 1 in spec and i + 2 not in spec for i in probes)  # a probe: the catch-up, then one measured
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps[-4:] == [130] * 4  # the interval doubled to its cap (128 plain steps, then the probe's two)
     assert gaps[0] < gaps[1] < gaps[2]

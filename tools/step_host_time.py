@@ -17,9 +17,9 @@ merge, writing the tree into the verify's input).
 
 `--cut`: `aware_per_sequence`'s static steps instead (learned d4k4n12 trees, a random draft, a per-sequence
 budget that prices a verified token at 1/256 of a forward, so that it cuts; the share it verified is
-printed): the draft's
-step function is read back at once, so the host work that counts is between that read-back and the verify's
-launch, when a GPU waits (the budget's choice, the cut trees, writing them into the verify's input)."""
+printed): the draft's step function is read back at once, so the host work that counts is between that
+read-back and the verify's launch, when a GPU waits (the budget's choice, the cut trees, writing them into
+the verify's input)."""
 
 from __future__ import annotations
 

@@ -32,8 +32,9 @@ def _engine_run(engine, policy, requests, sampling, seed: int) -> dict:
     return timed_generate(engine, requests, sampling, seed)
 
 
-# plain, then trees from the shallowest corner of aware's grid (a chain of one: the speculative steps' fit,
-# extrapolated to depth 1 from depths 2-6, priced it 27% low at 4 rows in one run) out to the deepest, widest
+# plain, then trees from the shallowest corner of aware's grid (a chain of one) out to the deepest, widest: the
+# speculative steps' fit is read only between depths it measured (extrapolated, it can price a shape far off,
+# and a simulated `aware` then chooses a shape the engine's would not)
 PROFILE_CONFIGS = (None, "plain", SpecConfig(1, 1, 2), SpecConfig(3, 1, 4), SpecConfig(2, 2, 4), SpecConfig(4, 4, 12),
                    SpecConfig(5, 8, 24), SpecConfig(6, 8, 32))
 PROFILE_LEVELS = (1, 2, 4, 8, 16, 32, 64)  # rows running; the grid a plain step's extra is read from
