@@ -17,7 +17,7 @@ from fastgrpo.speculation.policy import Static
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.types import Request
 from tests.test_speculation_policy import linear_costs
-from tests.test_static_steps import SAMPLINGS, assert_same, audited, dense, engine, prompts  # noqa: F401
+from tests.test_static_steps import SAMPLINGS, assert_same, audited, dense, engine, host_time_tool, prompts  # noqa: F401
 
 
 def test_a_cut_tree_moves_each_rows_kept_nodes_to_its_front_and_takes_the_narrowest_width():
@@ -143,14 +143,7 @@ def test_the_host_time_tool_times_a_cut_steps_host_work():
     """tools/step_host_time.py --cut at a small size: the host work between the draft's read-back and the
     verify's launch is timed at each level, and the budget cut (a random draft's nodes are rarely worth their
     verify under the tool's GPU-like prices)."""
-    from tools.step_host_time import main
-
-    threads = torch.get_num_threads()
-    try:
-        rows = main(["--cut", "--running", "2,8", "--tokens", "8", "--reps", "2"])
-    finally:
-        torch.set_num_threads(threads)  # (the tool times one thread)
-    assert [r["running"] for r in rows] == [2, 8]
+    rows = host_time_tool("--cut", "--tokens", "8")
     for r in rows:
         assert r["waited_ms_per_step"] > 0 and 0 <= r["verified_share"] < 1
         assert r["waited_us_per_row"] == pytest.approx(1e3 * r["waited_ms_per_step"] / r["running"])

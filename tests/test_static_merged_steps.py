@@ -21,7 +21,7 @@ from fastgrpo.types import Request
 from tests.test_families import trained_draft
 from tests.test_hybrid_merge import calibration_of, depth_limit, random_case
 from tests.test_moe_engine import hf_model, qwen3_moe
-from tests.test_static_steps import SAMPLINGS, STOPS, assert_same, audited, dense, engine, prompts  # noqa: F401
+from tests.test_static_steps import SAMPLINGS, STOPS, assert_same, audited, dense, engine, host_time_tool, prompts  # noqa: F401
 
 
 def test_a_host_tree_crosses_as_rows_of_tokens_parents_depths_and_verified_nodes():
@@ -306,14 +306,7 @@ def test_cuda_graphs_replay_merged_steps(dense):
 def test_the_host_time_tool_splits_a_merged_steps_host_work():
     """tools/step_host_time.py --merged at a small size: both parts of the host work between a merged
     step's step functions are timed at each level, and the index drafted (its second call on)."""
-    from tools.step_host_time import main
-
-    threads = torch.get_num_threads()
-    try:
-        rows = main(["--merged", "--running", "2,8", "--tokens", "8", "--reps", "2"])
-    finally:
-        torch.set_num_threads(threads)  # (the tool times one thread)
-    assert [r["running"] for r in rows] == [2, 8]
+    rows = host_time_tool("--merged", "--tokens", "8")
     for r in rows:
         assert r["overlapped_ms_per_step"] > 0 and r["waited_ms_per_step"] > 0 and r["index_accepted"] > 0
         assert r["waited_us_per_row"] == pytest.approx(1e3 * r["waited_ms_per_step"] / r["running"])

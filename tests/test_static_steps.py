@@ -284,16 +284,23 @@ def test_cuda_graphs_replay_the_static_steps(dense):
     assert e.stats()["capture_s"] == 0.0 and e.graphs.capture_s == first
 
 
-def test_the_host_time_tool_reports_each_level():
-    """tools/step_host_time.py (the host work a static step costs outside the step function) at a small size."""
+def host_time_tool(*args: str) -> list[dict]:
+    """tools/step_host_time.py at 2 and 8 running rows, two calls each (the tool times one thread: the test's
+    thread count is put back)."""
     from tools.step_host_time import main
 
     threads = torch.get_num_threads()
     try:
-        rows = main(["--running", "2,8", "--tokens", "6", "--reps", "2"])
+        rows = main([*args, "--running", "2,8", "--reps", "2"])
     finally:
-        torch.set_num_threads(threads)  # (the tool times one thread)
+        torch.set_num_threads(threads)
     assert [r["running"] for r in rows] == [2, 8]
+    return rows
+
+
+def test_the_host_time_tool_reports_each_level():
+    """tools/step_host_time.py (the host work a static step costs outside the step function) at a small size."""
+    rows = host_time_tool("--tokens", "6")
     for r in rows:
         assert r["host_ms_per_step"] > 0 and r["host_us_per_row"] == pytest.approx(1e3 * r["host_ms_per_step"] / r["running"])
 

@@ -70,7 +70,9 @@ def host_seconds(running: int, tokens: int, reps: int) -> dict:
     return {"running": running, "host_ms_per_step": 1e3 * host, "host_us_per_row": 1e6 * host / running}
 
 
-def merged_host_seconds(running: int, tokens: int, reps: int, cut: bool = False) -> dict:
+def split_host_seconds(running: int, tokens: int, reps: int, cut: bool = False) -> dict:
+    """The host work of a step of two step functions (`--merged`: hybrid trees; `cut`: a per-sequence budget),
+    split at the draft's read-back: while the draft's step computes, and before the verify's launch."""
     import torch
 
     from fastgrpo.engines.embedded.engine import EmbeddedEngine
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     if args.merged or args.cut:
-        rows = [merged_host_seconds(int(n), args.tokens, args.reps, cut=args.cut) for n in args.running.split(",")]
+        rows = [split_host_seconds(int(n), args.tokens, args.reps, cut=args.cut) for n in args.running.split(",")]
         for r in rows:
             print(f"running {r['running']:4d}: while the draft's step computes {r['overlapped_ms_per_step']:.3f} ms a "
                   f"step ({r['overlapped_us_per_row']:.2f} us a row); between its read-back and the verify "

@@ -608,7 +608,8 @@ class Aware(Off):
         # added (a window a row, on the eager engine; the static one catches up a window every step): a cost
         # its shape's next steps do not pay. Taken for the shape's, a probe's catch-up makes every tree look
         # dear, and with plain decoding chosen every measurement of speculation is a probe: it stays chosen
-        caught_up, self._after_plain = config is not None and self._after_plain, config is None
+        caught_up = config is not None and self._after_plain
+        self._after_plain = config is None
         if seconds is None or caught_up:  # no price in it (a graph's capture, or the catch-up): its tokens
             self._probing = None  # only; a probe measured nothing, and the next step probes again
             self._learn_acceptance(config, accepted)
