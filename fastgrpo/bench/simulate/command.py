@@ -267,15 +267,16 @@ def markdown(result: dict, command: str) -> str:
     lines += ["", f"![SIMULATED rollout time per policy]({stem}.png)",
               f"![SIMULATED running batch over time]({stem}-running.png)",
               f"![SIMULATED time by concurrency]({stem}-buckets.png)", "",
-              "SIMULATED fixed concurrency (aware / off, and the best of the others / off):", "",
-              "| hardware | model | running | aware / off | best static / off | fastgrpo / off | tlt / off | "
-              "per-sequence / off |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "SIMULATED fixed concurrency (mean seconds of each cell's runs: aware / off, the others / off, and "
+              "aware / the best static tree by its mean, with the standard error of the per-run ratios):", "",
+              "| hardware | model | running | runs | aware / off | best static / off | fastgrpo / off | tlt / off | "
+              "per-sequence / off | aware / best static (SE) |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in result["fixed_concurrency"]:
-        ps = r.get("aware_per_sequence_s")
-        lines.append(f"| {r['hardware']} | {r['model']} | {r['running']} | {r['off_s'] / r['aware_s']:.2f}x | "
-                     f"{r['off_s'] / r['static_best_s']:.2f}x | {r['off_s'] / r['fastgrpo_s']:.2f}x | "
-                     f"{r['off_s'] / r['tlt_s']:.2f}x | " + ("- |" if ps is None else f"{r['off_s'] / ps:.2f}x |"))
+        lines.append(f"| {r['hardware']} | {r['model']} | {r['running']} | {r['seeds']} | {r['off_s'] / r['aware_s']:.2f}x | "
+                     f"{r['off_s'] / r['static_best_s']:.2f}x ({r['static_best']}) | {r['off_s'] / r['fastgrpo_s']:.2f}x | "
+                     f"{r['off_s'] / r['tlt_s']:.2f}x | {r['off_s'] / r['aware_per_sequence_s']:.2f}x | "
+                     f"{r['aware_over_best_static']:.3f}x ({r['aware_over_best_static_se']:.3f}) |")
     return "\n".join(lines)
 
 
