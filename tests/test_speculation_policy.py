@@ -5,6 +5,7 @@ budget; the per-sequence verify budget; the cost model's fitting and pricing."""
 import itertools
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -404,10 +405,10 @@ def test_cost_model_ignores_a_noisy_calibration_point():
 
 def test_one_size_is_priced_as_the_curve_prices_many():
     """`aware` asks one size at a time (plain Python), the per-sequence budget many at once
-    (torch): the same curve below, between and beyond its points, at fractional sizes."""
+    (numpy): the same curve below, between and beyond its points, at fractional sizes."""
     costs = CostModel({1: 1e-3, 4: 1.5e-3, 64: 8e-3, 512: 9e-2}, {1: 2e-4, 64: 1e-3})
     sizes = [0.5, 1, 2.7, 4, 33.3, 64, 100.25, 512, 900.5]
-    many = costs.target_many(torch.tensor(sizes, dtype=torch.float64)).tolist()
+    many = costs.target_many(np.array(sizes)).tolist()
     assert [costs.target(t) for t in sizes] == pytest.approx(many, rel=1e-12)
     assert costs.target(0.5) == 1e-3 and costs.target(900.5) == pytest.approx(9e-2 + (9e-2 - 8e-3) * 388.5 / 448)
     assert costs.draft(32.5) == pytest.approx(2e-4 + (1e-3 - 2e-4) * 31.5 / 63)
@@ -421,7 +422,7 @@ def test_a_forward_of_fewer_rows_is_priced_below_the_sweeps_point_of_as_many_tok
     assert costs.target(16, rows=1) == pytest.approx(0.0052 - 15 * 0.0001)
     assert costs.target(256, rows=16) == pytest.approx(0.002 + 0.0002 * 256 - 48 * 0.0001)
     assert costs.target(2, rows=1) >= costs.target(1)  # never below the cheapest forward
-    many = costs.target_many(torch.tensor([1, 4, 16, 100]), rows=1)
+    many = costs.target_many(np.array([1, 4, 16, 100]), rows=1)
     assert many.tolist() == pytest.approx([costs.target(t, rows=1) for t in (1, 4, 16, 100)])
     assert CostModel.from_json(costs.to_json()).target(16, rows=1) == pytest.approx(costs.target(16, rows=1))
 

@@ -26,8 +26,6 @@ from __future__ import annotations
 import bisect
 
 import numpy as np
-import torch
-from torch import Tensor
 
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # Past SWEEP the sweep goes on doubling (FURTHER, a kind at a time) while that kind's forward is still
@@ -46,21 +44,13 @@ CONTEXT_EXTRA = 256  # the probes are timed over CONTEXT and CONTEXT + CONTEXT_E
 KINDS = ("target", "draft")
 
 
-def piecewise_linear(xs: Tensor, ys: Tensor, tokens: Tensor) -> Tensor:
-    """Piecewise linear through the points (xs, ys): flat below the first, the last segment's
-    (compute-bound) slope beyond the last."""
-    t = tokens.to(torch.float64).clamp(min=float(xs[0]))
-    i = torch.searchsorted(xs, t).clamp(1, len(xs) - 1)  # the segment [xs[i-1], xs[i]]: the first with t <= xs[i]
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return y0 + (y1 - y0) * (t - x0) / (x1 - x0)
-
-
 def piecewise_linear_at(xs: list[float], ys: list[float], tokens: float) -> float:
-    """piecewise_linear at one size, in plain Python: `aware` prices ~100 candidate trees per search, at
-    the draft's catch-up tokens (a float that moves with acceptance), and a torch call per price is
-    too slow for that many."""
+    """The curve through the points (xs, ys) at one size, in plain Python: flat below the first point, the
+    last segment's (compute-bound) slope beyond the last. `aware` prices ~100 candidate trees per search, at
+    the draft's catch-up tokens (a float that moves with acceptance), and a torch call per price is too
+    slow for that many."""
     t = max(tokens, xs[0])
-    i = min(max(bisect.bisect_left(xs, t), 1), len(xs) - 1)  # as piecewise_linear's searchsorted
+    i = min(max(bisect.bisect_left(xs, t), 1), len(xs) - 1)  # the segment [xs[i-1], xs[i]]: the first with t <= xs[i]
     return ys[i - 1] + (ys[i] - ys[i - 1]) * (t - xs[i - 1]) / (xs[i] - xs[i - 1])
 
 
@@ -68,7 +58,7 @@ def piecewise_linear_many(xs: np.ndarray, ys: np.ndarray, tokens: np.ndarray) ->
     """piecewise_linear_at at many sizes in numpy: a search of `aware` prices every candidate tree at
     once (a torch call costs several times a numpy one at this size)."""
     t = np.maximum(tokens, xs[0])
-    i = np.searchsorted(xs[1:-1], t) + 1  # piecewise_linear's segment: searchsorted on xs, clipped to [1, len - 1]
+    i = np.searchsorted(xs[1:-1], t) + 1  # piecewise_linear_at's segment: bisect on xs, clipped to [1, len - 1]
     return ys[i - 1] + (ys[i] - ys[i - 1]) * (t - xs[i - 1]) / (xs[i] - xs[i - 1])
 
 
@@ -101,7 +91,7 @@ def monotone(curve: dict[int, float]) -> dict[int, float]:
 
 
 def sweep_rows(tokens):
-    return tokens.clamp(max=ROWS) if isinstance(tokens, Tensor) else min(tokens, ROWS)
+    return np.minimum(tokens, ROWS) if isinstance(tokens, np.ndarray) else min(tokens, ROWS)
 
 
 def row_seconds(sweep_s: dict[int, float], probes: dict[tuple[int, int], float]) -> float:
@@ -140,8 +130,6 @@ class CostModel:
         # that move with acceptance, which would grow a memo without bound over a training run
         self._points = {name: ([float(x) for x in c], [float(y) for y in c.values()])
                         for name, c in (("target_s", self.target_s), ("draft_s", self.draft_s))}
-        self._tensors = {name: tuple(torch.tensor(v, dtype=torch.float64, device="cpu") for v in xy)
-                         for name, xy in self._points.items()}
         self._arrays = {name: tuple(np.array(v, dtype=np.float64) for v in xy) for name, xy in self._points.items()}
 
     def _lookup(self, curve: str, tokens: float) -> float:
@@ -152,8 +140,8 @@ class CostModel:
         not read; never below the sweep's cheapest forward."""
         saved = self.target_row_s * (sweep_rows(tokens) - rows)
         floor = self._points["target_s"][1][0]  # the cheapest forward
-        if isinstance(seconds, Tensor):
-            return (seconds - saved.clamp(min=0.0)).clamp(min=floor)
+        if isinstance(seconds, np.ndarray):
+            return np.maximum(seconds - np.maximum(saved, 0.0), floor)
         return max(seconds - max(saved, 0.0), floor)
 
     def target(self, tokens: float, rows: float | None = None) -> float:
@@ -186,10 +174,10 @@ class CostModel:
         rates = self.context_s
         return (rates[f"{kind}_row"] * rows + rates[f"{kind}_token"] * tokens) * (context - CONTEXT)
 
-    def target_many(self, tokens: Tensor, rows: float | None = None) -> Tensor:
+    def target_many(self, tokens: np.ndarray, rows: float | None = None) -> np.ndarray:
         """target() at many sizes at once (a per-sequence budget weighs every total it could verify)."""
-        t = tokens.to(torch.float64)
-        seconds = piecewise_linear(*(v.to(t.device) for v in self._tensors["target_s"]), t)  # a GPU step's tokens
+        t = np.asarray(tokens, dtype=np.float64)
+        seconds = piecewise_linear_many(*self._arrays["target_s"], t)
         return seconds if rows is None else self._in_rows(seconds, t, rows)
 
     def to_json(self) -> dict:

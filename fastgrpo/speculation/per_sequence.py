@@ -84,35 +84,33 @@ class AwarePerSequence(Aware):
         widths (nodes a row, root included) a static engine can verify, one for every row (module
         docstring); None: any set of nodes (a ragged verify). Scores of K < N - 1 nodes a row (the
         simulator's draft confidences, a coarser picture of the tree) each stand for (N - 1) / K of its
-        nodes: verifying a share of them verifies that share of the tree, and is priced so."""
-        B, K = scores.shape
-        if widths is not None:
-            return self._select_width(scores, depth, config, running, widths)
-        per_node = (config.num_verify - 1) / K  # tokens a scored node stands for (1 in the engine)
-        p = scores.double().exp().flatten()
-        order = (p - 1e-9 * depth.flatten()).argsort(descending=True)  # exact ties: the parent first
-        reach = torch.cat([torch.zeros(1, dtype=torch.float64), p[order].cumsum(0)])  # expected accepts, M = 0..BK
-        best = self._best(reach, B + per_node * torch.arange(B * K + 1), config, running, B)
-        nodes = torch.zeros(B * K, dtype=torch.bool)
-        nodes[order[:best]] = True
-        return self._chosen(nodes.view(B, K), depth, config, float(reach[best]))
+        nodes: verifying a share of them verifies that share of the tree, and is priced so.
 
-    def _select_width(self, scores: Tensor, depth: Tensor, config: SpecConfig, running: int,
-                      widths: Sequence[int]) -> Tensor:
-        """`select` where every row verifies the same width w (in `widths`), its w - 1 most probable nodes."""
+        In numpy on the host: a static step's device waits for this choice, and a few dozen torch calls on
+        arrays this small cost several times as many microseconds. Exact ties go to the parent, then to
+        the earlier node."""
         B, K = scores.shape
-        per_node = (config.num_verify - 1) / K
-        p = scores.double().exp()
-        order = (p - 1e-9 * depth).argsort(1, descending=True)  # per row; exact ties: the parent first
-        # expected accepts of every row's top m nodes, m = 0..K
-        reach = torch.cat([torch.zeros(1, dtype=torch.float64), p.gather(1, order).sum(0).cumsum(0)])
-        w = torch.tensor(sorted({min(max(int(x), 1), K + 1) for x in widths} | {K + 1}))  # the whole tree last
-        kept = int(w[self._best(reach[w - 1], B * (1 + per_node * (w - 1)), config, running, B)]) - 1
-        nodes = torch.zeros(B, K, dtype=torch.bool)
-        nodes.scatter_(1, order[:, :kept], True)
+        p = np.exp(scores.detach().cpu().numpy().astype(np.float64))
+        key = -(p - 1e-9 * depth.cpu().numpy())  # ascending: most probable first; exact ties: the parent first
+        per_node = (config.num_verify - 1) / K  # tokens a scored node stands for (1 in the engine)
+        if widths is not None:  # every row verifies the same width w (in `widths`), its w - 1 most probable nodes
+            order = np.argsort(key, axis=1, kind="stable")
+            # expected accepts of every row's top m nodes, m = 0..K
+            reach = np.concatenate([[0.0], np.take_along_axis(p, order, 1).sum(0).cumsum()])
+            w = np.array(sorted({min(max(int(x), 1), K + 1) for x in widths} | {K + 1}))  # the whole tree last
+            kept = int(w[self._best(reach[w - 1], B * (1 + per_node * (w - 1)), config, running, B)]) - 1
+            nodes = np.zeros((B, K), dtype=bool)
+            np.put_along_axis(nodes, order[:, :kept], True, 1)
+        else:
+            order = np.argsort(key.ravel(), kind="stable")
+            reach = np.concatenate([[0.0], p.ravel()[order].cumsum()])  # expected accepts, M = 0..BK
+            kept = self._best(reach, B + per_node * np.arange(B * K + 1), config, running, B)
+            nodes = np.zeros(B * K, dtype=bool)
+            nodes[order[:kept]] = True
+            nodes = nodes.reshape(B, K)
         return self._chosen(nodes, depth, config, float(reach[kept]))
 
-    def _best(self, reach: Tensor, tokens: Tensor, config: SpecConfig, running: int, B: int) -> int:
+    def _best(self, reach: np.ndarray, tokens: np.ndarray, config: SpecConfig, running: int, B: int) -> int:
         """Which choice to verify: choice i verifies `tokens[i]` tokens and expects `reach[i]` draft tokens
         accepted; the last is the whole tree. A step of this shape as measured (at the width it usually
         verifies), less or plus the verify tokens a choice saves or adds, priced as the target's measured /
@@ -122,17 +120,17 @@ class AwarePerSequence(Aware):
         gain: a single calibration factor misjudges depths)."""
         usual = self.costs.target(self._verified_tokens(config, running), rows=B)
         extra = self.costs.target_many(tokens, rows=B) - usual
-        seconds = (self.predicted_seconds(config, running) + self._correction("off", running) * extra).clamp(min=1e-9)
+        seconds = np.maximum(self.predicted_seconds(config, running) + self._correction("off", running) * extra, 1e-9)
         rate = (B + self.calibration * reach) / seconds
         best = int(rate.argmax())
         return len(rate) - 1 if rate[best] < rate[-1] * (1 + self.margin) else best
 
-    def _chosen(self, nodes: Tensor, depth: Tensor, config: SpecConfig, prediction: float) -> Tensor:
+    def _chosen(self, nodes: np.ndarray, depth: Tensor, config: SpecConfig, prediction: float) -> Tensor:
         """Record a step's choice of `nodes` [B, N - 1] (the levels acceptance may learn, the prediction the
         calibration compares with the step's accepts, the width this shape verifies) and return it."""
         B, K = nodes.shape
         verified = int(nodes.sum())
-        self.verified_depth = (depth * nodes).amax(1).tolist()  # what acceptance may learn
+        self.verified_depth = (depth.cpu().numpy() * nodes).max(1).tolist()  # what acceptance may learn
         self._step_prediction = prediction
         total, weight = self._width.get(config, (float(config.num_verify), 1.0))
         d = self.calibration_decay
@@ -140,7 +138,7 @@ class AwarePerSequence(Aware):
         self._width[config] = (d * total + tokens, d * weight + 1)
         self.offered_nodes += B * K
         self.verified_nodes += verified
-        return nodes
+        return torch.from_numpy(nodes).to(depth.device)
 
     def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
                 accepted: list[int] | None = None) -> None:

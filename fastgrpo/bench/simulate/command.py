@@ -273,9 +273,10 @@ def markdown(result: dict, command: str) -> str:
               "per-sequence / off | aware / best static (SE) |",
               "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in result["fixed_concurrency"]:
-        lines.append(f"| {r['hardware']} | {r['model']} | {r['running']} | {r['seeds']} | {r['off_s'] / r['aware_s']:.2f}x | "
-                     f"{r['off_s'] / r['static_best_s']:.2f}x ({r['static_best']}) | {r['off_s'] / r['fastgrpo_s']:.2f}x | "
-                     f"{r['off_s'] / r['tlt_s']:.2f}x | {r['off_s'] / r['aware_per_sequence_s']:.2f}x | "
+        over = {m: r["off_s"] / r[f"{m}_s"] for m in ("aware", "static_best", "fastgrpo", "tlt", "aware_per_sequence")}
+        lines.append(f"| {r['hardware']} | {r['model']} | {r['running']} | {r['seeds']} | {over['aware']:.2f}x | "
+                     f"{over['static_best']:.2f}x ({r['static_best']}) | {over['fastgrpo']:.2f}x | "
+                     f"{over['tlt']:.2f}x | {over['aware_per_sequence']:.2f}x | "
                      f"{r['aware_over_best_static']:.3f}x ({r['aware_over_best_static_se']:.3f}) |")
     return "\n".join(lines)
 

@@ -282,20 +282,26 @@ def cut_tree(tree: Tree, chosen: Tensor, finite: Tensor | None = None) -> Tree:
     non-root nodes (ancestor-closed: a per-sequence budget's `select`), moved to the row's first columns in
     their order (parents before children) and renumbered, cut to the narrowest of `node_widths(N)` that
     holds every row's; the columns past a row's nodes are left out (`valid` false). `finite` [B]: rows
-    whose draft was finite; the others keep their root alone (the static step's rule)."""
+    whose draft was finite; the others keep their root alone (the static step's rule). On the host, in numpy
+    (a GPU waits for it; torch calls on arrays this small cost several times as much)."""
     B, N = tree.tokens.shape
-    keep = torch.cat([torch.ones(B, 1, dtype=torch.bool), chosen], 1)
+    keep = np.concatenate([np.ones((B, 1), dtype=bool), chosen.cpu().numpy()], 1)
     if finite is not None:
-        keep[:, 1:] &= finite[:, None]
+        keep[:, 1:] &= finite.cpu().numpy()[:, None]
     count = keep.sum(1)
     width = next(w for w in node_widths(N) if w >= int(count.max()))
-    cols = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :width]  # kept first, in order
-    position = keep.long().cumsum(1) - 1  # a kept node's column in the cut tree
-    parents = position.gather(1, tree.parents.gather(1, cols))
-    valid = torch.arange(width)[None] < count[:, None]
-    return Tree(tree.tokens.gather(1, cols), parents.masked_fill(~valid, 0), tree.depth.gather(1, cols),
-                torch.empty(B, width, 0, dtype=torch.bool),
-                None if tree.score is None else tree.score.gather(1, cols), valid)
+    cols = np.argsort(~keep, axis=1, kind="stable")[:, :width]  # kept first, in order
+    position = keep.cumsum(1) - 1  # a kept node's column in the cut tree
+    valid = np.arange(width)[None] < count[:, None]
+
+    def cut(t: Tensor) -> np.ndarray:
+        return np.take_along_axis(t.cpu().numpy(), cols, 1)
+
+    parents = np.where(valid, np.take_along_axis(position, cut(tree.parents), 1), 0)
+    host = torch.from_numpy
+    return Tree(host(cut(tree.tokens)), host(parents), host(cut(tree.depth)),
+                torch.empty(B, width, 0, dtype=torch.bool), None if tree.score is None else host(cut(tree.score)),
+                host(valid))
 
 
 def tree_rows(tree: Tree, out: Tensor, depth: int) -> None:
