@@ -147,3 +147,4 @@ def test_the_host_time_tool_times_a_cut_steps_host_work():
     for r in rows:
         assert r["waited_ms_per_step"] > 0 and 0 <= r["verified_share"] < 1
         assert r["waited_us_per_row"] == pytest.approx(1e3 * r["waited_ms_per_step"] / r["running"])
+        assert 0 < r["select_warm_ms"] and 0 < r["select_in_step_ms"] < r["waited_ms_per_step"]  # the choice is in it

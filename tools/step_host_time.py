@@ -19,7 +19,7 @@ merge, writing the tree into the verify's input).
 budget that prices a verified token at 1/256 of a forward, so that it cuts; the share it verified is
 printed): the draft's step function is read back at once, so the host work that counts is between that
 read-back and the verify's launch, when a GPU waits (the budget's choice, the cut trees, writing them into
-the verify's input)."""
+the verify's input). It also times the budget's choice alone, in the step and replayed warm (`select_seconds`)."""
 
 from __future__ import annotations
 
@@ -149,7 +149,33 @@ def split_host_seconds(running: int, tokens: int, reps: int, cut: bool = False) 
            "index_accepted": engine.stats()["index_accepted"]}
     if cut:  # how much the budget cut: verified nodes of those drafted
         out["verified_share"] = policy.verified_nodes / max(policy.offered_nodes, 1)
+        out |= select_seconds(policy, engine, requests, sampling, reps)
     return out
+
+
+def select_seconds(policy, engine, requests, sampling, reps: int) -> dict:
+    """The budget's choice (`select`) in the step, where the host runs it right after the CPU's own forward
+    (cold caches), and the last step's call replayed 200 times in a row (warm): a GPU's host waits for the
+    draft's step with its caches as it left them, nearer the second."""
+    import torch
+
+    select, in_step, last = policy.select, [], []
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        out = select(*args, **kwargs)
+        in_step.append(time.perf_counter() - t)
+        last[:] = [tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args), kwargs]
+        return out
+
+    policy.select = timed
+    engine.generate(requests, sampling, seed=2 + reps)
+    policy.select = select
+    args, kwargs = last
+    t = time.perf_counter()
+    for _ in range(200):
+        select(*args, **kwargs)
+    return {"select_in_step_ms": 1e3 * statistics.median(in_step), "select_warm_ms": 1e3 * (time.perf_counter() - t) / 200}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -170,7 +196,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"running {r['running']:4d}: while the draft's step computes {r['overlapped_ms_per_step']:.3f} ms a "
                   f"step ({r['overlapped_us_per_row']:.2f} us a row); between its read-back and the verify "
                   f"{r['waited_ms_per_step']:.3f} ms ({r['waited_us_per_row']:.2f} us a row)"
-                  + (f"; {r['verified_share']:.0%} of the drafted nodes verified" if args.cut else ""), flush=True)
+                  + (f"; {r['verified_share']:.0%} of the drafted nodes verified; the choice {r['select_in_step_ms']:.3f} "
+                     f"ms in the step, {r['select_warm_ms']:.3f} ms replayed warm" if args.cut else ""), flush=True)
         print(json.dumps(rows))
         return rows
     rows = [host_seconds(int(n), args.tokens, args.reps) for n in args.running.split(",")]
