@@ -1,8 +1,10 @@
 """SIMULATED: what `aware_per_sequence` gains over `aware`, and how much of it is the simulator's.
 
-    python tools/per_sequence_sim.py [--seeds 4] [--hardware h100] [--model configs/models/llama-3.1-8b-instruct.json]
+    python tools/per_sequence_sim.py [--seeds 4] [--full] [--hardware h100]
+                                     [--model configs/models/llama-3.1-8b-instruct.json]
 
-The quick long-tail workload (`bench simulate`'s, 16 prompts x 8, at most 128 running) on the roofline
+The quick long-tail workload (`bench simulate`'s, 16 prompts x 8, at most 128 running: all start at once and
+run down; `--full`: the target case's 64 x 8, which keeps 128 running for most of the rollout) on the roofline
 of one GPU and model, per seed (workload and draws), the second of two rollouts (the first is the
 learning policies' warm-up), for four policies:
 
@@ -13,7 +15,8 @@ learning policies' warm-up), for four policies:
 - `aware_per_sequence`, a ragged verify (the eager engine's);
 - `aware_per_sequence` at a static engine's widths (`simulate(static_widths=True)`: CUDA graphs).
 
-Prints each policy's seconds per seed, their means, and `aware`'s mean over each."""
+Prints each policy's seconds per seed, their means, `aware`'s mean over each, and the mean seconds spent at
+65-128 running (where a verify of 128 rows' trees is compute-bound, and a ragged verify's cuts save most)."""
 
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from fastgrpo.bench.simulate import simulate
     from fastgrpo.bench.simulate.acceptance import eagle_profile
-    from fastgrpo.bench.simulate.gpu import GPU_MAX_BATCH
+    from fastgrpo.bench.simulate.gpu import GPU_MAX_BATCH, time_by_bucket
     from fastgrpo.bench.simulate.shape import GPU_BETA, load_model_shape
     from fastgrpo.bench.simulate.workload import longtail_case, longtail_of
     from fastgrpo.speculation.per_sequence import AwarePerSequence
@@ -45,6 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seeds", type=int, default=4)
     p.add_argument("--hardware", choices=sorted(ACCELERATORS), default="h100")
     p.add_argument("--model", default=str(ROOT / "configs/models/llama-3.1-8b-instruct.json"))
+    p.add_argument("--full", action="store_true", help="the target case's workload (64 x 8), not the quick one")
     args = p.parse_args(argv)
 
     class KeepEveryNode(Aware):
@@ -58,19 +62,23 @@ def main(argv: list[str] | None = None) -> dict:
                 "aware_per_sequence, ragged": (AwarePerSequence, False),
                 "aware_per_sequence, static widths": (AwarePerSequence, True)}
     seconds: dict[str, list[float]] = {name: [] for name in policies}
+    busy: dict[str, list[float]] = {name: [] for name in policies}  # seconds at 65-128 running
     for seed in range(args.seeds):
-        workload = longtail_of(longtail_case(True), seed)
+        workload = longtail_of(longtail_case(not args.full), seed)
         for name, (kind, static) in policies.items():
             policy, rng = kind(simulated_cost_model(costs)), np.random.default_rng(seed)
             runs = [simulate(workload, costs, eagle_profile(GPU_BETA), policy, GPU_MAX_BATCH, rng,
                              static_widths=static) for _ in range(2)]
             seconds[name].append(runs[-1].seconds)
+            busy[name].append(time_by_bucket(runs[-1])["65-128"])
     aware = statistics.mean(seconds["aware"])
-    print(f"SIMULATED {costs.name}, quick long tail, {args.seeds} seeds (seconds a rollout):")
+    size = "full" if args.full else "quick"
+    print(f"SIMULATED {costs.name}, {size} long tail, {args.seeds} seeds (seconds a rollout):")
     for name, s in seconds.items():
         mean = statistics.mean(s)
-        print(f"  {name:36s} {' '.join(f'{x:6.1f}' for x in s)}   mean {mean:6.2f}   aware / it {aware / mean:.3f}x")
-    out = {"case": costs.name, "seeds": args.seeds, "seconds": seconds}
+        print(f"  {name:36s} {' '.join(f'{x:6.1f}' for x in s)}   mean {mean:6.2f}   aware / it {aware / mean:.3f}x"
+              f"   at 65-128 running {statistics.mean(busy[name]):6.2f}")
+    out = {"case": costs.name, "full": args.full, "seeds": args.seeds, "seconds": seconds, "at_65_128_s": busy}
     print(json.dumps(out))
     return out
 

@@ -175,7 +175,8 @@ def select_seconds(policy, engine, requests, sampling, reps: int) -> dict:
     t = time.perf_counter()
     for _ in range(200):
         select(*args, **kwargs)
-    return {"select_in_step_ms": 1e3 * statistics.median(in_step), "select_warm_ms": 1e3 * (time.perf_counter() - t) / 200}
+    warm = (time.perf_counter() - t) / 200
+    return {"select_in_step_ms": 1e3 * statistics.median(in_step), "select_warm_ms": 1e3 * warm}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -196,8 +197,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"running {r['running']:4d}: while the draft's step computes {r['overlapped_ms_per_step']:.3f} ms a "
                   f"step ({r['overlapped_us_per_row']:.2f} us a row); between its read-back and the verify "
                   f"{r['waited_ms_per_step']:.3f} ms ({r['waited_us_per_row']:.2f} us a row)"
-                  + (f"; {r['verified_share']:.0%} of the drafted nodes verified; the choice {r['select_in_step_ms']:.3f} "
-                     f"ms in the step, {r['select_warm_ms']:.3f} ms replayed warm" if args.cut else ""), flush=True)
+                  + (f"; {r['verified_share']:.0%} of the drafted nodes verified; the choice "
+                     f"{r['select_in_step_ms']:.3f} ms in the step, {r['select_warm_ms']:.3f} ms replayed warm"
+                     if args.cut else ""), flush=True)
         print(json.dumps(rows))
         return rows
     rows = [host_seconds(int(n), args.tokens, args.reps) for n in args.running.split(",")]
