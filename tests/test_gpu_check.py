@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -452,3 +453,27 @@ def test_the_rehearsal_runs_the_versions_the_last_gpu_check_found():
     assert dict(pin.split("==") for pin in GPU_MACHINE) == found
     script = (ROOT / "tools" / "gpu_rehearsal.sh").read_text()
     assert "GPU_MACHINE" in script and "--check-replays engine.steps=static" in script
+
+
+def test_the_gpu_script_builds_the_c_parts_for_a_python_that_lacks_them(tmp_path):
+    """tools/gpu_check.sh on a checkout whose C extensions are not built for its Python (the device machine's
+    3.12 gets this machine's build for another Python, or none): it builds them in place before the run, and
+    the environment stage records that the run has them (without them the index and the hybrid merge would
+    run their slower Python equivalents, and the step timings would include that)."""
+    from fastgrpo.bench.gpu_check.stages import compiled_extensions
+
+    if not all(compiled_extensions().values()):
+        pytest.skip("this install has no C compiler: the extensions are not built here either")
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "artifacts", "runs", "mlruns", "bench", "build", "*.so", "__pycache__", "gpu_wheels"))
+    env = dict(os.environ, PYTHON=sys.executable, GPU_WHEELS=str(tmp_path / "none"), PYTHONPATH="")
+    proc = subprocess.run(["bash", "tools/gpu_check.sh", "--size", "test", "--device", "cpu", "--stages", "environment",
+                           "--out", str(tmp_path / "out")], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "building the C extensions" in proc.stdout
+    assert {p.name.split(".")[0] for p in repo.glob("fastgrpo/**/*.so")} == {"_suffix_trie", "_tree_merge"}
+    result = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert result["stages"]["environment"]["data"]["compiled_extensions"] == {"suffix_trie": True, "tree_merge": True}
+    assert "C extensions built" in (tmp_path / "out" / "gpu_check.md").read_text()

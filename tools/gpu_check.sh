@@ -8,8 +8,10 @@
 #    which git ignores and the device tool carries with the working tree.
 # 2. On the GPU machine (Python 3.12 with torch + CUDA, transformers, safetensors, numpy), from anywhere:
 #        bash tools/gpu_check.sh --out "$OUT"
-#    It installs the wheels whose package this Python lacks or has in an older version (pip install
-#    --no-index --no-deps --target, into a temporary directory; unzipped if pip fails), puts that directory
+#    It builds the C extensions for that Python where they are not built for it (setup.py build_ext
+#    --inplace; optional, as at install), installs the wheels whose package this Python lacks or has in an
+#    older version (pip install --no-index --no-deps --target, into a temporary directory; unzipped if pip
+#    fails), puts that directory
 #    and the repository first on PYTHONPATH,
 #    and runs `python -m fastgrpo.bench.gpu_check` from the repository root, offline (HF_HUB_OFFLINE=1),
 #    without MLflow (tracking.enabled=false) or plots.
@@ -95,6 +97,19 @@ if [ ${#MISSING[@]} -gt 0 ]; then
     fi
 elif [ ! -d "$WHEELS_DIR" ]; then
     echo "gpu_check: no $WHEELS_DIR/ (fetch it with tools/gpu_wheels.sh where PyPI is reachable)"
+fi
+
+# the C parts (setup.py: the draft index's trie, the hybrid merge) for this Python, where they are not built for
+# it yet: a build made elsewhere is for another Python (the device machine's 3.12), and without them the
+# index's lookups and the hybrid merge run as their slower Python and torch equivalents. Optional, as at
+# install: a failure leaves those in charge, and the environment stage records which ran
+EXTENSIONS="import fastgrpo.speculation._suffix_trie, fastgrpo.engines.embedded._tree_merge"
+if ! PYTHONPATH=. "$PY" -c "$EXTENSIONS" 2>/dev/null; then
+    echo "gpu_check: building the C extensions for $("$PY" -c 'import sys; print(sys.version.split()[0])')"
+    if ! timeout 120 "$PY" setup.py --quiet build_ext --inplace >"${TMPDIR:-/tmp}/fastgrpo-build-ext.log" 2>&1; then
+        echo "gpu_check: warning: the C extensions did not build (the Python equivalents run instead):" >&2
+        tail -3 "${TMPDIR:-/tmp}/fastgrpo-build-ext.log" >&2
+    fi
 fi
 
 export PYTHONPATH=".:$SITE${PYTHONPATH:+:$PYTHONPATH}"

@@ -41,11 +41,19 @@ def _f(x: Any, digits: int = 3) -> str:
     return str(x)
 
 
+def _extensions(compiled: dict[str, bool] | None) -> str:
+    """The C parts the run had (none recorded: a run before the environment stage read them)."""
+    if compiled is None:
+        return ""
+    missing = [name for name, built in compiled.items() if not built]
+    return "; C extensions " + ("built" if not missing else f"missing ({', '.join(missing)}: Python equivalents ran)")
+
+
 def _summary(name: str, d: dict) -> str:
     if name == "environment":
         return (f"{d.get('device_name')}; torch {d.get('torch')} CUDA {d.get('cuda')}; transformers "
                 f"{d.get('transformers')}; copy {_f(d.get('copy_bandwidth_gb_s'), 4)} GB/s, spec "
-                f"{_f(d.get('peak_bandwidth_gb_s'), 4)} GB/s")
+                f"{_f(d.get('peak_bandwidth_gb_s'), 4)} GB/s" + _extensions(d.get("compiled_extensions")))
     if name == "sft":
         return (f"{_f(d['parameters'] / 1e6)}M parameters, {d['steps']} of {d['planned_steps']} steps of "
                 f"{d['batch_size']} ({_f(d['steps_per_s'])} steps/s), loss {_f(d['train_loss'])}, greedy pass@1 "

@@ -63,7 +63,7 @@ def environment(c: Check) -> dict:
            "transformers": transformers.__version__, "device": str(d), "dtype": str(c.compute.dtype),
            "cpu_threads": torch.get_num_threads(), "machine": platform.machine(),
            "wheels_installed_here": os.environ.get("GPU_CHECK_INSTALLED", "").split(),
-           "budget_s": c.budget_s, "size": c.size_name}
+           "compiled_extensions": compiled_extensions(), "budget_s": c.budget_s, "size": c.size_name}
     if d.type == "cuda":
         p = torch.cuda.get_device_properties(d)
         out |= {"device_name": torch.cuda.get_device_name(d), "capability": f"{p.major}.{p.minor}",
@@ -77,6 +77,16 @@ def environment(c: Check) -> dict:
     log(f"{out['device_name']}, torch {out['torch']} (CUDA {out['cuda']}), transformers {out['transformers']}, "
          f"{out['dtype']}; copy {out['copy_bandwidth_gb_s']:.0f} GB/s, spec {out['peak_bandwidth_gb_s']} GB/s")
     return out
+
+
+def compiled_extensions() -> dict[str, bool]:
+    """Which of setup.py's C parts this Python runs (the draft index's trie, the hybrid merge): without them
+    the index's lookups and the merge are their Python and torch equivalents, the same trees at more host
+    time a step, which the step and rollout timings then include."""
+    from fastgrpo.engines.embedded import tree
+    from fastgrpo.speculation import suffix_index
+
+    return {"suffix_trie": suffix_index.CompiledTrie is not None, "tree_merge": tree.compiled_merge_rows is not None}
 
 
 def sft(c: Check) -> dict:
