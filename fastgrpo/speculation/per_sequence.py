@@ -90,8 +90,8 @@ class AwarePerSequence(Aware):
         arrays this small cost several times as many microseconds. Exact ties go to the parent, then to
         the earlier node."""
         B, K = scores.shape
-        p = np.exp(scores.detach().cpu().numpy().astype(np.float64))
-        key = -(p - 1e-9 * depth.cpu().numpy())  # ascending: most probable first; exact ties: the parent first
+        p, levels = np.exp(scores.cpu().numpy().astype(np.float64)), depth.cpu().numpy()
+        key = -(p - 1e-9 * levels)  # ascending: most probable first; exact ties: the parent first
         per_node = (config.num_verify - 1) / K  # tokens a scored node stands for (1 in the engine)
         if widths is not None:  # every row verifies the same width w (in `widths`), its w - 1 most probable nodes
             order = np.argsort(key, axis=1, kind="stable")
@@ -108,7 +108,7 @@ class AwarePerSequence(Aware):
             nodes = np.zeros(B * K, dtype=bool)
             nodes[order[:kept]] = True
             nodes = nodes.reshape(B, K)
-        return self._chosen(nodes, depth, config, float(reach[kept]))
+        return torch.from_numpy(self._chosen(nodes, levels, config, float(reach[kept]))).to(depth.device)
 
     def _best(self, reach: np.ndarray, tokens: np.ndarray, config: SpecConfig, running: int, B: int) -> int:
         """Which choice to verify: choice i verifies `tokens[i]` tokens and expects `reach[i]` draft tokens
@@ -125,12 +125,12 @@ class AwarePerSequence(Aware):
         best = int(rate.argmax())
         return len(rate) - 1 if rate[best] < rate[-1] * (1 + self.margin) else best
 
-    def _chosen(self, nodes: np.ndarray, depth: Tensor, config: SpecConfig, prediction: float) -> Tensor:
+    def _chosen(self, nodes: np.ndarray, depth: np.ndarray, config: SpecConfig, prediction: float) -> np.ndarray:
         """Record a step's choice of `nodes` [B, N - 1] (the levels acceptance may learn, the prediction the
         calibration compares with the step's accepts, the width this shape verifies) and return it."""
         B, K = nodes.shape
         verified = int(nodes.sum())
-        self.verified_depth = (depth.cpu().numpy() * nodes).max(1).tolist()  # what acceptance may learn
+        self.verified_depth = (depth * nodes).max(1).tolist()  # what acceptance may learn
         self._step_prediction = prediction
         total, weight = self._width.get(config, (float(config.num_verify), 1.0))
         d = self.calibration_decay
@@ -138,7 +138,7 @@ class AwarePerSequence(Aware):
         self._width[config] = (d * total + tokens, d * weight + 1)
         self.offered_nodes += B * K
         self.verified_nodes += verified
-        return torch.from_numpy(nodes).to(depth.device)
+        return nodes
 
     def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float,
                 accepted: list[int] | None = None) -> None:
