@@ -118,7 +118,8 @@ def build_policy(cfg: Config, out_dir: str | Path | None = None) -> dict[str, fl
     losses: list[torch.Tensor] = []
     done = 0
     for step in bar:
-        # a fixed number of steps, so the policy is the same on any machine; the clock is only a guard
+        # a fixed number of steps, so the policy is the same at the same thread count (a CPU matmul's
+        # reduction order can follow it: `threads` in the report); the clock is only a guard
         if s.max_minutes and time.perf_counter() - t0 > 60 * s.max_minutes:
             warnings.warn(f"SFT stopped by the sft.max_minutes guard after {step} of {steps} steps: this policy "
                           f"is NOT the reference one for this config (results will differ from a full run)")
@@ -153,7 +154,7 @@ def build_policy(cfg: Config, out_dir: str | Path | None = None) -> dict[str, fl
     accuracy = evaluate(engine, text, encode_problems(evals, text, cfg.model.max_context, "eval"),
                         cfg.eval.samples, SamplingParams.of(cfg.rollout), load_reward(cfg.task), seed=cfg.seed)
     report = {"train_loss": loss_avg, "minutes": minutes, "parameters": num_parameters(model), "steps": done,
-              "complete": float(done == steps)} | accuracy
+              "complete": float(done == steps), "threads": torch.get_num_threads()} | accuracy
     print("SFT done: " + ", ".join(f"{k} {v:.4g}" for k, v in report.items()), flush=True)
 
     tmp = out.with_name(out.name + ".tmp")  # write whole, then rename: never a half-written policy

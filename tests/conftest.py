@@ -17,7 +17,18 @@ from filelock import FileLock
 from fastgrpo.config import Config, load_config
 
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ... under xdist; None in one process
-torch.set_num_threads(1 if WORKER else 2)
+THREADS = 1 if WORKER else 2
+torch.set_num_threads(THREADS)
+
+
+@pytest.fixture(autouse=True)
+def _tier_threads():
+    """Every test runs, and the session's policy is built, at the tier's thread count: a run with `threads=1`
+    sets the process's count, and a matmul's reduction order (so its last bits) can follow the count."""
+    torch.set_num_threads(THREADS)
+    yield
+    torch.set_num_threads(THREADS)
+
 
 # the sbatch tests start a Slurm cluster: `make test-slurm` runs them, after `make test`
 collect_ignore = [] if os.environ.get("FASTGRPO_TEST_SLURM") == "1" else ["slurm"]

@@ -221,12 +221,15 @@ def test_same_seed_same_run_and_speculation_does_not_change_learning(tmp_path, t
 
 @pytest.mark.slow  # two SFT runs: ~40 s
 def test_sft_is_the_same_policy_bit_for_bit(tmp_path, tiny_policy):
-    """SFT runs a fixed number of steps (no clock): building the policy again gives the same weights."""
+    """SFT runs a fixed number of steps (no clock): building the policy again, at the thread count its report
+    records, gives the same weights."""
     from fastgrpo.sft import build_policy
 
-    cfg = tiny_config(tmp_path)
+    threads = json.loads((tiny_policy / "sft_report.json").read_text())["threads"]
+    cfg = tiny_config(tmp_path, threads=threads)
     report = build_policy(cfg)
     assert report["complete"] == 1.0 and report["steps"] == cfg.sft.examples // cfg.sft.batch_size
+    assert report["threads"] == threads >= 1
     a, b = load_file(tiny_policy / "model.safetensors"), load_file(tmp_path / "policy" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
