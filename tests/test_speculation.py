@@ -546,3 +546,17 @@ def test_every_configured_policy_name_builds_that_policy():
         assert policy.name == name
     with pytest.raises(ValueError, match="needs a calibrated cost model"):
         make_policy(SpeculationConfig(policy="aware"))
+
+
+def test_the_extrapolation_tool_prices_past_512_tokens_as_the_cost_model_does():
+    """tools/forward_extrapolation.py at test size: its cost-model price of 768 tokens is the line through the
+    swept 256 and 512 points, its other price the 512 point's cost per token, both against a measured time."""
+    from tools.forward_extrapolation import main
+
+    (row,) = main(["--size", "test", "--larger", "768", "--rounds", "1", "--reps", "1", "--threads", "1"])
+    s256, s512 = row["swept_s"][256], row["swept_s"][512]
+    assert row["segment_s"] == pytest.approx(s512 + (s512 - s256) * (768 - 512) / 256)
+    assert row["origin_s"] == pytest.approx(s512 * 1.5) and row["measured_s"] > 0
+    assert row["segment_error"] == pytest.approx(row["segment_s"] / row["measured_s"] - 1)
+    with pytest.raises(SystemExit):
+        main(["--larger", "500"])
