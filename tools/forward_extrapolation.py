@@ -14,38 +14,33 @@ line through the origin and the last point (what a compute-bound forward would c
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from fastgrpo.engines.embedded.calibrate import _time
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache
 from fastgrpo.models.policy import new_policy, policy_config
-from fastgrpo.speculation.cost_model import CONTEXT, ROWS, piecewise_linear_at
+from fastgrpo.speculation.cost_model import CONTEXT, ROWS, SWEEP, piecewise_linear_at
 
-SWEPT = (64, 128, 256, 512)  # the sweep's points at 64 rows (1, 2, 4, 8 tokens a row)
+SWEPT = tuple(t for t in SWEEP if t >= ROWS)  # the sweep's points at 64 rows (1, 2, 4, 8 tokens a row)
 
 
 def forward_seconds(model: InferenceModel, cache: KVCache, tokens_per_row: int, reps: int) -> float:
-    """The median of `reps` target forwards of ROWS rows of `tokens_per_row` tokens over CONTEXT cached ones."""
+    """The median of `reps` target forwards of ROWS rows of `tokens_per_row` tokens over CONTEXT cached ones,
+    timed as the engine's calibration times its sweep (a forward leaves the cache's lengths as they were)."""
     ids = torch.randint(0, model.cfg.vocab_size, (ROWS, tokens_per_row))
-    times = []
+    cache.lengths.fill_(CONTEXT)
     with torch.inference_mode():
-        for rep in range(reps + 1):  # the first warms up
-            cache.lengths.fill_(CONTEXT)
-            start = time.perf_counter()
-            model.forward(ids, cache, slice(0, ROWS))
-            if rep:
-                times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+        return _time(lambda: model.forward(ids, cache, slice(0, ROWS)), reps)
 
 
 def measure(size: str, larger: tuple[int, ...], rounds: int, reps: int) -> list[dict]:
     """A row per (round, larger size): measured seconds and the two prices from that round's swept points."""
-    longest = max(larger) // ROWS
-    cfg = policy_config(size, 1000, CONTEXT + longest + 1, 1, 2, 0)
-    model = InferenceModel(cfg, CONTEXT + longest + 1)
+    positions = CONTEXT + max(larger) // ROWS + 1
+    cfg = policy_config(size, 1000, positions, 1, 2, 0)
+    model = InferenceModel(cfg, positions)
     model.load(new_policy(cfg, 0).state_dict().items())
-    cache = KVCache(cfg, ROWS, CONTEXT + longest + 1)
+    cache = KVCache(cfg, ROWS, positions)
     rows = []
     for r in range(rounds):
         seconds = {t: forward_seconds(model, cache, t // ROWS, reps) for t in (*SWEPT, *larger)}
