@@ -7,6 +7,7 @@ machine, once, before any work (a config that asks for what the machine lacks fa
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,20 @@ def cpu_description() -> str:
 # Tests set this to enter every device context on the CPU too, as a GPU run does, so that a tensor made
 # outside one shows (tests/device_guard.py).
 ENTER_CPU_CONTEXT = False
+
+
+@contextlib.contextmanager
+def thread_count(threads: int | None) -> Iterator[None]:
+    """torch's CPU thread count at `threads` (None or 0: unchanged) inside, and back to what it was after:
+    the count is the process's, and a run called in-process (a test, a notebook, the GPU check) must not
+    leave it changed for whatever runs next (a matmul's last bits can follow the count)."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:

@@ -62,13 +62,12 @@ def require_policy(cfg: Config) -> None:
 
 def setup_run(cfg: Config, resume: bool) -> Run:
     """A policy rank's run, from the policy at model.path (or the latest checkpoint: `resume`). The layout
-    and the device were checked before (`preflight`, which `train.train` runs), not again here."""
+    and the device were checked before (`preflight`, which `train.train` runs), not again here; the caller
+    sets the thread count (`device.thread_count`)."""
     require_policy(cfg)
     check_checkpoint(cfg.model.path)  # a family fastgrpo computes, before any work
     reward = load_reward(cfg.task)  # a module:function that cannot be imported fails here, before any work
     channel = init_world(cfg.parallel.draft_ranks)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     run_dir = Path(cfg.run_dir)

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from fastgrpo.config import Config
-from fastgrpo.device import resolve
+from fastgrpo.device import resolve, thread_count
 from fastgrpo.engines import build_engine
 from fastgrpo.types import SamplingParams
 from fastgrpo.grpo.evaluate import evaluate
@@ -75,12 +75,14 @@ def build_policy(cfg: Config, out_dir: str | Path | None = None) -> dict[str, fl
 
     On the configured device (`fastgrpo.device.resolve`): fp32 weights and optimizer, and with bf16
     (`trainer.precision`) the forward and backward under bf16 autocast; the saved policy is fp32."""
-    out = Path(out_dir or cfg.model.path)
+    with thread_count(cfg.threads):
+        return _build_policy(cfg, Path(out_dir or cfg.model.path))
+
+
+def _build_policy(cfg: Config, out: Path) -> dict[str, float]:
     if cfg.sft.init and not is_policy(Path(cfg.sft.init)):
         raise FileNotFoundError(f"sft.init: no Hugging Face checkpoint at {cfg.sft.init} (config.json missing)")
     compute = resolve(cfg)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     train, evals = load_task(cfg.task, cfg.eval.split)
     if any(p.solution is None for p in train):
         raise ValueError(f"task.source {cfg.task.source!r} has no worked solutions; SFT needs the synthetic task")

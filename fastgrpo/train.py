@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fastgrpo.config import Config
+from fastgrpo.device import thread_count
 from fastgrpo.distributed import StopRequest
 from fastgrpo.grpo.advantages import informative_groups
 from fastgrpo.grpo.batch import training_batch
@@ -72,7 +73,8 @@ def train(cfg: Config, resume: bool = False) -> TrainResult:
     preflight(cfg)  # the layout and this machine's device and precision, before any work
     stop = StopRequest()
     try:
-        return _train(setup_run(cfg, resume), stop)
+        with thread_count(cfg.threads):  # the process's count, back to what it was when the run ends
+            return _train(setup_run(cfg, resume), stop)
     finally:
         stop.restore()
 

@@ -115,13 +115,23 @@ def test_eval_command_on_a_checkpoint(tmp_path, tiny_policy, capsys, monkeypatch
 
 
 def test_nan_step_is_skipped_and_training_goes_on(tmp_path, tiny_policy, monkeypatch):
+    """Also: the run computes at its `threads` and leaves the process's thread count as it found it."""
     import fastgrpo.grpo.batch as batch
 
-    real = batch.group_advantages
-    monkeypatch.setattr(batch, "group_advantages", lambda r, s, **kw: real(r, s, **kw) * float("nan"))
-    cfg = tiny_config(tmp_path, tiny_policy, **{"grpo.drop_equal_reward_groups": "false", "grpo.steps": 1})
+    real, seen = batch.group_advantages, []
+
+    def nan_advantages(r, s, **kw):
+        seen.append(torch.get_num_threads())
+        return real(r, s, **kw) * float("nan")
+
+    monkeypatch.setattr(batch, "group_advantages", nan_advantages)
+    outside = torch.get_num_threads()
+    inside = 2 if outside == 1 else 1
+    cfg = tiny_config(tmp_path, tiny_policy, **{"grpo.drop_equal_reward_groups": "false", "grpo.steps": 1,
+                                                 "threads": inside})
     before = load_file(tiny_policy / "model.safetensors")
     train(cfg)
+    assert seen and set(seen) == {inside} and torch.get_num_threads() == outside
     assert history(tmp_path / "run", "skipped_updates") == {1: 1.0}
     after = load_file(tmp_path / "run" / "checkpoints" / "step_00000001" / "policy" / "model.safetensors")
     assert all(torch.equal(before[k], after[k]) for k in after)

@@ -28,6 +28,7 @@ import torch
 
 from fastgrpo.bench.report import command_line, publish
 from fastgrpo.config import Config
+from fastgrpo.device import thread_count
 from fastgrpo.grpo.batch import training_batch
 from fastgrpo.run_setup import setup_run
 from fastgrpo.train import rollout
@@ -41,7 +42,7 @@ def bench_noise(cfg: Config, quick: bool, output: Path, batches: int | None = No
     if K < 3:
         raise ValueError(f"--batches must be >= 3 (pairs of independent batches estimate the signal), got {K}")
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, thread_count(cfg.threads):
         run_cfg = dataclasses.replace(cfg, run_dir=tmp, tracking=dataclasses.replace(cfg.tracking, enabled=False),
                                       draft=dataclasses.replace(cfg.draft, online="off"))
         run = setup_run(run_cfg, resume=False)

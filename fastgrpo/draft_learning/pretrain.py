@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from fastgrpo.config import Config
-from fastgrpo.device import on_device, resolve
+from fastgrpo.device import on_device, resolve, thread_count
 from fastgrpo.draft_learning.trainer import DraftTrainer
 from fastgrpo.models.families import check_checkpoint
 from fastgrpo.models.policy import load_policy
@@ -57,8 +57,13 @@ def fill_buffer(trainer: DraftTrainer, policy, corpus: list[list[int]], max_toke
 
 
 def pretrain_draft(cfg: Config) -> dict[str, float]:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    """The draft head of `draft.path`, pretrained on the policy's own hidden states over the task's
+    answers, at the config's thread count (restored after)."""
+    with thread_count(cfg.threads):
+        return _pretrain_draft(cfg)
+
+
+def _pretrain_draft(cfg: Config) -> dict[str, float]:
     compute = resolve(cfg)
     check_checkpoint(cfg.model.path)  # a family fastgrpo computes, before any work
     policy, fmt = load_policy(cfg.model.path), load_text_format(cfg.model.path, cfg.task)
