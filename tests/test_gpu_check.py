@@ -431,7 +431,7 @@ def test_the_gpu_stages_fit_one_600_second_command():
 def test_the_8b_shape_is_the_configs_llama_3_1_8b():
     from transformers import LlamaConfig
 
-    from fastgrpo.bench.gpu_check.stages import BIG_MODEL, ROOT, SCALED_8B, decoder_parameters
+    from fastgrpo.bench.gpu_check.decode import BIG_MODEL, ROOT, SCALED_8B, decoder_parameters
 
     config = LlamaConfig.from_json_file(str(ROOT / "configs" / "models" / BIG_MODEL))
     assert decoder_parameters(config) == 8_030_261_248  # the published size (configs/models/README.md)

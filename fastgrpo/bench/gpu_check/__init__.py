@@ -41,8 +41,10 @@ that the modules this path imports come from nowhere else. No MLflow (`tracking.
 here starts a tracker), no plots.
 
 The package: `pins` (the GPU installs' pins and which carried wheels to install), `harness` (the sizes,
-the run and its timing helpers), `stages` (one function per stage), `fit` (the simulator's constants
-fitted to measured steps), `report` (the tables), `driver` (`run`, `main`).
+the run and its timing helpers), `stages` (the stages in run order, and the training side's), `decode`
+(decode_bound, decode_8b), `steps` (step_bench, simulator_fit), `rollout_sweep` (rollout), `records` (one
+timed generate() call and what is kept of it), `fit` (the simulator's constants fitted to measured steps),
+`report` (the tables), `driver` (`run`, `main`).
 """
 
 from __future__ import annotations
@@ -51,9 +53,11 @@ from fastgrpo.bench.gpu_check.driver import main, run
 from fastgrpo.bench.gpu_check.harness import PEAK_BANDWIDTH, PLANNED_S, SIZES, STAGES, Check, Size, spread
 from fastgrpo.bench.gpu_check.pins import BASE, GPU_EXTRAS, GPU_TORCH, WHEELS, gpu_requirements, wheels_to_install
 from fastgrpo.bench.gpu_check.report import against_simulator, dumps, markdown
-from fastgrpo.bench.gpu_check.stages import (AA_PAIR, AWARE_MODES, DECODE_BATCHES, FIXED_MODES, FUSED_SHAPES,
-                                             MERGED_SHAPES, STAGE_FUNCTIONS, STEP_SHAPES, SWEEP_MODES, grpo_summary,
-                                             level_row, policy_state, step_cells)
+from fastgrpo.bench.gpu_check.decode import DECODE_BATCHES
+from fastgrpo.bench.gpu_check.records import policy_state
+from fastgrpo.bench.gpu_check.rollout_sweep import AA_PAIR, AWARE_MODES, FIXED_MODES, SWEEP_MODES, grpo_summary, level_row
+from fastgrpo.bench.gpu_check.stages import STAGE_FUNCTIONS
+from fastgrpo.bench.gpu_check.steps import FUSED_SHAPES, MERGED_SHAPES, STEP_SHAPES, step_cells
 
 __all__ = ["AA_PAIR", "AWARE_MODES", "BASE", "DECODE_BATCHES", "FIXED_MODES", "FUSED_SHAPES", "GPU_EXTRAS", "GPU_TORCH",
            "MERGED_SHAPES", "PEAK_BANDWIDTH", "PLANNED_S", "SIZES", "STAGES", "STAGE_FUNCTIONS", "STEP_SHAPES",
