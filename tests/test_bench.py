@@ -175,7 +175,7 @@ def test_bench_guarantee_pairs_aware_with_off_at_each_thread_count(tmp_path, tin
     cfg = tiny_config(tmp_path, tiny_policy, **{"draft.path": tiny_draft, "rollout.max_batch": 64,
                                                 "speculation.cost_model_dir": tmp_path / "costs"})
     before = torch.get_num_threads()
-    bench_guarantee(cfg, quick=True, output=tmp_path / "guarantee.json", runs=1, threads=[1, 2], repetitions=1)
+    bench_guarantee(cfg, quick=True, output=tmp_path / "guarantee.json", runs=1, threads=[1, 2], repetitions=1, aa=True)
     assert torch.get_num_threads() == before
     saved = json.loads((tmp_path / "guarantee.json").read_text())
     assert saved["meta"]["repetitions"] == 1
@@ -198,12 +198,21 @@ def test_bench_guarantee_pairs_aware_with_off_at_each_thread_count(tmp_path, tin
             assert every[0] <= pool["ci95"][0] <= pool["median"] <= pool["ci95"][1] <= every[-1]
             for p in (p for pairs in r["runs"] for p in pairs):  # a block without speculative steps lost nothing to them
                 assert p["probes"] >= 0 and (p["spec_fraction"] > 0 or p["spec_net_fraction"] == 0)
+        assert list(passed["aa"]) == list(loads)  # the noise floor of every workload
+        for r in passed["aa"].values():
+            blocks = [b for run in r["runs"] for b in run]
+            assert len(blocks) == saved["meta"]["repetitions"] and r["pooled"]["pairs"] == len(blocks)
+            for b in blocks:  # plain decoding twice on the block's seeds: the same tokens, timed twice
+                assert b["tokens"]["off"] == b["tokens"]["off_aa"] > 0
+                speeds = {m: b["tokens"][m] / b["seconds"][m] for m in b["tokens"]}
+                assert b["ratio"] == pytest.approx(speeds["off_aa"] / speeds["off"])
     table = markdown(saved, "cmd")
+    assert "The noise floor" in table
     # the CPU named (timings compare only on one CPU type): its ISA as torch's kernels see it
     assert torch.backends.cpu.get_cpu_capability() in saved["meta"]["cpu"] and saved["meta"]["cpu"] in table
     worst = min(min(r["ratios"]) for passed in saved["threads"].values() for r in passed["aware_vs_off"].values())
     assert f"| {worst:.3f}x |" in table
-    assert table.count("| yes |") + table.count("| no |") == 2 * (len(LEVELS) + 1)
+    assert table.count("| yes |") + table.count("| no |") == 2 * 2 * (len(LEVELS) + 1)  # aware's rows and A/A's
 
 
 def test_simulate_repetitions_are_checked_before_any_work(tmp_path):
@@ -213,3 +222,23 @@ def test_simulate_repetitions_are_checked_before_any_work(tmp_path):
     assert main(["bench", "rollout", "--runs", "6", "--output", str(out)]) == 1  # not rollout's flag (guarantee's)
     assert main(["bench", "simulate", "--repetitions", "0", "--output", str(out)]) == 1
     assert not out.exists()
+
+
+def test_the_aware_trace_tool_splits_each_call_by_shape(tmp_path, tiny_policy, tiny_draft):
+    """tools/aware_trace.py at test size: the bench's order and seeds, `off`'s calls all plain steps (each row
+    `--tokens` tokens, the first at prefill), a tree step at least a token a row, and the rows go to --json."""
+    from tools.aware_trace import main
+
+    overrides = tiny_overrides(tmp_path, tiny_policy,
+                               **{"draft.path": tiny_draft, "speculation.cost_model_dir": tmp_path / "costs"})
+    rows = main(["--config", "", "--running", "4", "--tokens", "12", "--calls", "2", "--threads", "1",
+                 "--json", str(tmp_path / "trace.json"), *overrides])
+    assert [(r["call"], r["mode"]) for r in rows] == [(0, "off"), (0, "aware"), (1, "aware"), (1, "off")]
+    for r in rows:
+        shapes = r["shapes"]
+        if r["mode"] == "off":  # every row one token a step, the first at prefill
+            assert set(shapes) == {"off"} and shapes["off"]["steps"] == 12 - 1
+        for name, v in shapes.items():  # plain: one token a row; a tree's verify at least one
+            assert name == "off" and v["tokens_a_row"] == 1.0 or name.startswith("d") and v["tokens_a_row"] >= 1.0
+            assert v["rate"] == pytest.approx(v["tokens_a_row"] / v["ms"])
+    assert json.loads((tmp_path / "trace.json").read_text()) == json.loads(json.dumps(rows))

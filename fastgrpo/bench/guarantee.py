@@ -24,6 +24,11 @@ Each block also says where aware's time went (`step_accounting`): its plain step
 and its speculative steps (decisions and probes) against the plain steps that would have emitted the
 same tokens, so a loss can be traced to deciding, probing or speculating.
 
+A block's ratio of two identical modes is not 1 on a shared machine, and a run's median of a few
+blocks can fall below the floor with nothing to tell the modes apart. `--aa` measures that: after
+each workload's blocks, the same blocks (orders and seeds) of plain decoding against itself, two `off`
+policies (A/A), whose ratios are the noise floor the aware figures are read against.
+
 The engine's other claim, a lead over Hugging Face `generate` at batch 1 without speculation, is
 checked the same way: the two back to back, a run's figure the median of the pairs' ratios.
 """
@@ -76,8 +81,9 @@ def abba_block(modes: list[str], rep: int, rows: int) -> list[tuple[str, int]]:
             for call, mode in enumerate((first, second, second, first))]
 
 
-def one_run(engine, cfg: Config, loads: dict, reps: int) -> dict[str, dict]:
-    """ABBA blocks (`abba_block`) of off/aware calls of every workload with fresh policies; block 0 warms up."""
+def one_run(engine, cfg: Config, loads: dict, reps: int, aa: bool = False) -> dict[str, dict]:
+    """ABBA blocks (`abba_block`) of off/aware calls of every workload with fresh policies; block 0 warms up.
+    With `aa`, each workload's A/A blocks after its own (`aa_blocks`)."""
     modes = {mode: speculation_policy(engine, cfg, mode) for mode in ("off", "aware")}
     out = {}
     for name, (requests, sampling) in loads.items():
@@ -104,7 +110,28 @@ def one_run(engine, cfg: Config, loads: dict, reps: int) -> dict[str, dict]:
                               **step_accounting(traces["aware"], traces["off"])})
         out[name] = {"ratio": statistics.median(p["aware_tok_s"] / p["off_tok_s"] for p in pairs),
                      "spec_fraction": statistics.median(p["spec_fraction"] for p in pairs), "pairs": pairs}
+        if aa:
+            blocks = aa_blocks(engine, cfg, requests, sampling, reps)
+            out[name] |= {"aa_ratio": statistics.median(b["ratio"] for b in blocks), "aa_blocks": blocks}
     return out
+
+
+def aa_blocks(engine, cfg: Config, requests: list[Request], sampling: SamplingParams, reps: int) -> list[dict]:
+    """Blocks 1..reps of `one_run` (the same orders and seeds) with plain decoding in both places: two
+    `off` policies, A and A'. Each block's ratio, A' throughput over A's, is what two identical modes read
+    on this machine: the noise floor. No warm-up block: the engine is warm, and `off` learns nothing."""
+    modes = {mode: speculation_policy(engine, cfg, "off") for mode in ("off", "off_aa")}
+    blocks = []
+    for rep in range(1, reps + 1):
+        tokens, seconds = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0)
+        for mode, seed in abba_block(list(modes), rep, len(requests)):
+            engine.set_speculation(modes[mode])
+            r = timed_generate(engine, requests, sampling, seed=seed)
+            tokens[mode] += r["tokens"]
+            seconds[mode] += r["seconds"]
+        blocks.append({"tokens": tokens, "seconds": seconds,
+                       "ratio": (tokens["off_aa"] / seconds["off_aa"]) / (tokens["off"] / seconds["off"])})
+    return blocks
 
 
 def step_accounting(aware: list[tuple], off: list[tuple]) -> dict[str, float]:
@@ -153,7 +180,7 @@ def engine_vs_hf(policy, engine, cfg: Config, prompt: list[int], tokens: int, re
 
 
 def bench_guarantee(cfg: Config, quick: bool, output: Path, runs: int | None, threads: list[int] | None,
-                    extra: list[str] | None = None, repetitions: int | None = None) -> dict:
+                    extra: list[str] | None = None, repetitions: int | None = None, aa: bool = False) -> dict:
     runs = runs or (2 if quick else 5)
     threads = threads or [1, 2]
     reps = repetitions or (3 if quick else 5)  # ABBA blocks of four calls
@@ -166,17 +193,19 @@ def bench_guarantee(cfg: Config, quick: bool, output: Path, runs: int | None, th
     result: dict = {"meta": {"date": datetime.date.today().isoformat(), "quick": quick, "torch": torch.__version__,
                              "machine": platform.machine(), "cpu": cpu_description(),
                              "policy_parameters": num_parameters(policy),
-                             "runs": runs, "repetitions": reps, "floor": FLOOR}, "threads": {}}
+                             "runs": runs, "repetitions": reps, "floor": FLOOR, "aa": aa}, "threads": {}}
     try:
         for t in threads:
             torch.set_num_threads(t)
             engine = build_engine(cfg, policy.config, text, policy.state_dict().items(), speculation="aware")
             per_run, hf = [], []
             for run in range(runs):
-                per_run.append(one_run(engine, cfg, loads, reps))
+                per_run.append(one_run(engine, cfg, loads, reps, aa))
                 hf.append(engine_vs_hf(policy, engine, cfg, prompts[0], loads["running 1"][1].max_new_tokens, reps))
                 print(f"{t} thread(s), run {run + 1}/{runs}: aware / off " + ", ".join(
                     f"{name} {r['ratio']:.3f}x" for name, r in per_run[-1].items())
+                    + ("; A/A (off / off) " + ", ".join(f"{name} {r['aa_ratio']:.3f}x" for name, r in per_run[-1].items())
+                       if aa else "")
                     + f"; engine / HF generate at batch 1 {hf[-1]['ratio']:.3f}x", flush=True)
             result["threads"][str(t)] = {
                 "torch_threads": torch.get_num_threads(),
@@ -186,12 +215,17 @@ def bench_guarantee(cfg: Config, quick: bool, output: Path, runs: int | None, th
                                         "pooled": pooled([p["aware_tok_s"] / p["off_tok_s"]
                                                           for r in per_run for p in r[name]["pairs"]]),
                                         "runs": [r[name]["pairs"] for r in per_run]} for name in loads}}
+            if aa:
+                result["threads"][str(t)]["aa"] = {
+                    name: {"ratios": [r[name]["aa_ratio"] for r in per_run],
+                           "pooled": pooled([b["ratio"] for r in per_run for b in r[name]["aa_blocks"]]),
+                           "runs": [r[name]["aa_blocks"] for r in per_run]} for name in loads}
     finally:
         torch.set_num_threads(before)
     result["meta"]["seconds"] = time.perf_counter() - t0
     command = command_line("guarantee", quick, output,
                            (extra or []) + [f"--runs {runs}", f"--threads {','.join(map(str, threads))}"]
-                           + ([f"--repetitions {repetitions}"] if repetitions else []))
+                           + ([f"--repetitions {repetitions}"] if repetitions else []) + (["--aa"] if aa else []))
     publish(result, output, command, markdown)
     return result
 
@@ -216,6 +250,17 @@ def markdown(result: dict, command: str) -> str:
                          f"{100 * statistics.median(r['spec_fractions']):.0f}% | {_mean(blocks, 'probes'):.2f} | "
                          f"{_mean(blocks, 'plain_step_vs_off'):.3f} | {100 * _mean(blocks, 'spec_net_fraction'):+.1f}% | "
                          f"{100 * _mean(blocks, 'outside_steps_fraction'):+.1f}% |")
+    if any("aa" in r for r in result["threads"].values()):
+        lines += ["", "The noise floor: the same blocks (orders and seeds) of plain decoding against itself (A/A: "
+                  "two `off` policies), throughput of the second over the first:", "",
+                  "| threads | workload | runs (off / off) | worst run | all runs >= floor | all blocks: median [95% CI] |",
+                  "| ---: | --- | --- | ---: | --- | --- |"]
+        for t, r in result["threads"].items():
+            for name, r in r.get("aa", {}).items():
+                ratios, pool = r["ratios"], r["pooled"]
+                lines.append(f"| {t} | {name} | {', '.join(f'{x:.3f}' for x in ratios)} | {min(ratios):.3f}x | "
+                             f"{'yes' if min(ratios) >= m['floor'] else 'no'} | {pool['median']:.3f} "
+                             f"[{pool['ci95'][0]:.3f}, {pool['ci95'][1]:.3f}] ({pool['pairs']} blocks) |")
     lines += ["", "Where aware's time went (means over all blocks): probes are speculative steps taken only to "
               "re-measure speculation while plain decoding is chosen; aware's plain steps are timed against off's at "
               "the same running count in the same block; speculative steps' net time is their seconds minus those of "
@@ -245,9 +290,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--threads", type=thread_counts, help="torch thread counts, comma-separated (default 1,2)")
     parser.add_argument("--repetitions", type=at_least_one,
                         help="ABBA blocks per run, after a warm-up block (default 5; 3 with --quick)")
+    parser.add_argument("--aa", action="store_true",
+                        help="also run each workload's blocks with plain decoding against itself (A/A): the noise "
+                             "floor beside aware's figures (about 1.8x the time)")
     parser.set_defaults(run=from_cli)
 
 
 def from_cli(args, cfg) -> dict:
     return bench_guarantee(cfg, args.quick, args.output, args.runs, args.threads, extra=args.extra,
-                           repetitions=args.repetitions)
+                           repetitions=args.repetitions, aa=args.aa)

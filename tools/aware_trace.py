@@ -1,0 +1,86 @@
+"""Where a fresh `aware` spends its calls on one of `bench guarantee`'s fixed-concurrency workloads.
+
+`bench guarantee` says whether `aware` kept up with plain decoding; this says how, call by call: one
+engine, a fresh `aware` (as each run of the bench starts), calls of N running sequences (EOS ignored,
+the bench's seeds) alternating with `off`, and for each call both modes' throughput and aware's decode
+steps by shape: how many, tokens emitted a row, median milliseconds, and tokens a row per millisecond,
+which is what decides (plain decoding's is 1 / its step's ms). A shape whose rate is below plain
+decoding's in the same call cost time.
+
+    python tools/aware_trace.py --config configs/tiny_cpu_plain.yaml --running 16 --tokens 96 --calls 6
+
+Prints one line a mode and call; `--json` writes the rows too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from fastgrpo.bench.guarantee import abba_block
+from fastgrpo.bench.rollout import timed_generate
+from fastgrpo.config import load_config
+from fastgrpo.device import thread_count
+from fastgrpo.engines.embedded.build import build_engine, speculation_policy
+from fastgrpo.models.policy import load_policy
+from fastgrpo.models.tokenizer import load_text_format
+from fastgrpo.tasks.source import encode_problems, load_task
+from fastgrpo.types import Request, SamplingParams
+
+
+def shapes_of(trace: list[tuple]) -> dict[str, dict[str, float]]:
+    """An engine trace's decode steps (running, config, emitted, seconds) by shape ("off": plain): steps,
+    tokens a row, median ms, tokens a row per ms."""
+    by: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for running, config, emitted, seconds in trace:
+        by["off" if config is None else str(config)].append((emitted / running, seconds))
+    out = {}
+    for shape, steps in by.items():
+        per_row = statistics.mean(e for e, _ in steps)
+        ms = 1000 * statistics.median(s for _, s in steps)
+        out[shape] = {"steps": len(steps), "tokens_a_row": per_row, "ms": ms, "rate": per_row / ms}
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/tiny_cpu_plain.yaml", help="YAML config ('': the built-in defaults)")
+    ap.add_argument("--running", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=96, help="tokens a row (bench guarantee: 96, 48 with --quick)")
+    ap.add_argument("--calls", type=int, default=6, help="calls of each mode")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = ap.parse_args(argv)
+    cfg = load_config(args.config or None, args.overrides)
+    policy, text = load_policy(cfg.model.path), load_text_format(cfg.model.path, cfg.task)
+    _, evals = load_task(cfg.task)
+    prompts = [e.prompt_ids for e in encode_problems(evals, text, cfg.model.max_context, "eval")]
+    requests = [Request(prompts[i % len(prompts)], max_new_tokens=args.tokens) for i in range(args.running)]
+    sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                              max_new_tokens=args.tokens, ignore_eos=True)
+    rows = []
+    with thread_count(args.threads):
+        engine = build_engine(cfg, policy.config, text, policy.state_dict().items(), speculation="aware")
+        modes = {"off": speculation_policy(engine, cfg, "off"), "aware": speculation_policy(engine, cfg, "aware")}
+        for call in range(args.calls):
+            for mode, seed in abba_block(list(modes), call, args.running)[:2]:  # the bench's order and seeds
+                engine.set_speculation(modes[mode])
+                r = timed_generate(engine, requests, sampling, seed=seed)
+                row = {"call": call, "mode": mode, "tok_s": r["tok_s"], "shapes": shapes_of(r["trace"])}
+                rows.append(row)
+                print(f"call {call} {mode:5s} {r['tok_s']:7.0f} tok/s | " + "; ".join(
+                    f"{s}: {v['steps']} steps, {v['tokens_a_row']:.2f} tokens a row, {v['ms']:.1f} ms, "
+                    f"{1000 * v['rate']:.1f} tokens a row a second" for s, v in row["shapes"].items()), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
