@@ -20,8 +20,6 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-
 from fastgrpo.bench.guarantee import abba_block
 from fastgrpo.bench.rollout import timed_generate
 from fastgrpo.config import load_config
