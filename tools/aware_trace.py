@@ -20,7 +20,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from fastgrpo.bench.guarantee import abba_block
+from fastgrpo.bench.guarantee import abba_block, fixed_concurrency
 from fastgrpo.bench.rollout import timed_generate
 from fastgrpo.config import load_config
 from fastgrpo.device import thread_count
@@ -28,15 +28,14 @@ from fastgrpo.engines.embedded.build import build_engine, speculation_policy
 from fastgrpo.models.policy import load_policy
 from fastgrpo.models.tokenizer import load_text_format
 from fastgrpo.tasks.source import encode_problems, load_task
-from fastgrpo.types import Request, SamplingParams
 
 
 def shapes_of(trace: list[tuple]) -> dict[str, dict[str, float]]:
-    """An engine trace's decode steps (running, config, emitted, seconds) by shape ("off": plain): steps,
+    """An engine trace's decode steps (running, shape name, emitted, seconds) by shape ("off": plain): steps,
     tokens a row, median ms, tokens a row per ms."""
     by: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for running, config, emitted, seconds in trace:
-        by["off" if config is None else str(config)].append((emitted / running, seconds))
+    for running, name, emitted, seconds in trace:
+        by[name].append((emitted / running, seconds))
     out = {}
     for shape, steps in by.items():
         per_row = statistics.mean(e for e, _ in steps)
@@ -59,9 +58,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     policy, text = load_policy(cfg.model.path), load_text_format(cfg.model.path, cfg.task)
     _, evals = load_task(cfg.task)
     prompts = [e.prompt_ids for e in encode_problems(evals, text, cfg.model.max_context, "eval")]
-    requests = [Request(prompts[i % len(prompts)], max_new_tokens=args.tokens) for i in range(args.running)]
-    sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                              max_new_tokens=args.tokens, ignore_eos=True)
+    requests, sampling = fixed_concurrency(cfg, prompts, args.running, args.tokens)
     rows = []
     with thread_count(args.threads):
         engine = build_engine(cfg, policy.config, text, policy.state_dict().items(), speculation="aware")

@@ -35,6 +35,7 @@ checked the same way: the two back to back, a run's figure the median of the pai
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import platform
 import random
@@ -48,7 +49,7 @@ from fastgrpo.engines.embedded.build import build_engine, speculation_policy
 from fastgrpo.bench.report import command_line, publish
 from fastgrpo.bench.rollout import hf_generate_seconds, rotated, timed_generate
 from fastgrpo.config import Config
-from fastgrpo.device import cpu_description
+from fastgrpo.device import cpu_description, thread_count
 from fastgrpo.models.policy import load_policy, num_parameters
 from fastgrpo.models.tokenizer import load_text_format
 from fastgrpo.tasks.source import encode_problems, load_task
@@ -61,16 +62,19 @@ LEVELS = (1, 4, 16, 64)
 def workloads(cfg: Config, prompts: list[list[int]], quick: bool) -> dict[str, tuple[list[Request], SamplingParams]]:
     """Fixed concurrency (EOS ignored, so the running count stays put) and a GRPO-shaped batch."""
     tokens = 48 if quick else 96
-    fixed = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                           max_new_tokens=tokens, ignore_eos=True)
-    out = {f"running {b}": ([Request(prompts[i % len(prompts)], max_new_tokens=tokens) for i in range(b)], fixed)
-           for b in LEVELS}
+    out = {f"running {b}": fixed_concurrency(cfg, prompts, b, tokens) for b in LEVELS}
     group = cfg.rollout.group_size
     n_prompts = 4 if quick else 8
-    grpo = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                          max_new_tokens=128 if quick else cfg.rollout.max_new_tokens)
+    grpo = dataclasses.replace(SamplingParams.of(cfg.rollout), max_new_tokens=128 if quick else cfg.rollout.max_new_tokens)
     out[f"GRPO batch ({n_prompts}x{group})"] = ([Request(p) for p in prompts[:n_prompts] for _ in range(group)], grpo)
     return out
+
+
+def fixed_concurrency(cfg: Config, prompts: list[list[int]], rows: int,
+                      tokens: int) -> tuple[list[Request], SamplingParams]:
+    """`rows` sequences of `tokens` new tokens each, EOS ignored, so the running count stays put."""
+    sampling = dataclasses.replace(SamplingParams.of(cfg.rollout), max_new_tokens=tokens, ignore_eos=True)
+    return [Request(prompts[i % len(prompts)], max_new_tokens=tokens) for i in range(rows)], sampling
 
 
 def abba_block(modes: list[str], rep: int, rows: int) -> list[tuple[str, int]]:
@@ -89,25 +93,15 @@ def one_run(engine, cfg: Config, loads: dict, reps: int, aa: bool = False) -> di
     for name, (requests, sampling) in loads.items():
         pairs = []
         for rep in range(reps + 1):
-            tokens, seconds, spec = {"off": 0, "aware": 0}, {"off": 0.0, "aware": 0.0}, []
-            traces: dict[str, list] = {"off": [], "aware": []}
-            outside = {"off": 0.0, "aware": 0.0}  # seconds of the calls outside their decode steps
             probes = modes["aware"].probes
-            for mode, seed in abba_block(list(modes), rep, len(requests)):
-                engine.set_speculation(modes[mode])
-                r = timed_generate(engine, requests, sampling, seed=seed)
-                tokens[mode] += r["tokens"]
-                seconds[mode] += r["seconds"]
-                traces[mode] += r["trace"]
-                outside[mode] += r["seconds"] - sum(step[3] for step in r["trace"])
-                if mode == "aware":
-                    spec.append(r["spec_fraction"])
+            calls = timed_block(engine, modes, requests, sampling, rep)
+            off, aware = calls["off"], calls["aware"]
             if rep:
-                pairs.append({"off_tok_s": tokens["off"] / seconds["off"], "aware_tok_s": tokens["aware"] / seconds["aware"],
-                              "spec_fraction": statistics.mean(spec), "probes": modes["aware"].probes - probes,
+                pairs.append({"off_tok_s": off["tokens"] / off["seconds"], "aware_tok_s": aware["tokens"] / aware["seconds"],
+                              "spec_fraction": statistics.mean(aware["spec"]), "probes": modes["aware"].probes - probes,
                               # prefill, the policy's decisions and the engine loop: aware's beyond off's
-                              "outside_steps_fraction": (outside["aware"] - outside["off"]) / seconds["aware"],
-                              **step_accounting(traces["aware"], traces["off"])})
+                              "outside_steps_fraction": (aware["outside"] - off["outside"]) / aware["seconds"],
+                              **step_accounting(aware["trace"], off["trace"])})
         out[name] = {"ratio": statistics.median(p["aware_tok_s"] / p["off_tok_s"] for p in pairs),
                      "spec_fraction": statistics.median(p["spec_fraction"] for p in pairs), "pairs": pairs}
         if aa:
@@ -123,15 +117,27 @@ def aa_blocks(engine, cfg: Config, requests: list[Request], sampling: SamplingPa
     modes = {mode: speculation_policy(engine, cfg, "off") for mode in ("off", "off_aa")}
     blocks = []
     for rep in range(1, reps + 1):
-        tokens, seconds = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0)
-        for mode, seed in abba_block(list(modes), rep, len(requests)):
-            engine.set_speculation(modes[mode])
-            r = timed_generate(engine, requests, sampling, seed=seed)
-            tokens[mode] += r["tokens"]
-            seconds[mode] += r["seconds"]
+        calls = timed_block(engine, modes, requests, sampling, rep)
+        tokens, seconds = ({m: c[k] for m, c in calls.items()} for k in ("tokens", "seconds"))
         blocks.append({"tokens": tokens, "seconds": seconds,
                        "ratio": (tokens["off_aa"] / seconds["off_aa"]) / (tokens["off"] / seconds["off"])})
     return blocks
+
+
+def timed_block(engine, modes: dict, requests: list[Request], sampling: SamplingParams, rep: int) -> dict[str, dict]:
+    """Block `rep`'s four calls (`abba_block`), per mode in `modes`' order: its tokens and seconds over its two
+    calls, their steps' trace, their seconds outside the decode steps, and each call's speculative share."""
+    out = {mode: {"tokens": 0, "seconds": 0.0, "trace": [], "outside": 0.0, "spec": []} for mode in modes}
+    for mode, seed in abba_block(list(modes), rep, len(requests)):
+        engine.set_speculation(modes[mode])
+        r = timed_generate(engine, requests, sampling, seed=seed)
+        o = out[mode]
+        o["tokens"] += r["tokens"]
+        o["seconds"] += r["seconds"]
+        o["trace"] += r["trace"]
+        o["outside"] += r["seconds"] - sum(step[3] for step in r["trace"])
+        o["spec"].append(r["spec_fraction"])
+    return out
 
 
 def step_accounting(aware: list[tuple], off: list[tuple]) -> dict[str, float]:
@@ -188,15 +194,13 @@ def bench_guarantee(cfg: Config, quick: bool, output: Path, runs: int | None, th
     _, evals = load_task(cfg.task)
     prompts = [e.prompt_ids for e in encode_problems(evals, text, cfg.model.max_context, "eval")]
     loads = workloads(cfg, prompts, quick)
-    before = torch.get_num_threads()
     t0 = time.perf_counter()
     result: dict = {"meta": {"date": datetime.date.today().isoformat(), "quick": quick, "torch": torch.__version__,
                              "machine": platform.machine(), "cpu": cpu_description(),
                              "policy_parameters": num_parameters(policy),
                              "runs": runs, "repetitions": reps, "floor": FLOOR, "aa": aa}, "threads": {}}
-    try:
-        for t in threads:
-            torch.set_num_threads(t)
+    for t in threads:
+        with thread_count(t):
             engine = build_engine(cfg, policy.config, text, policy.state_dict().items(), speculation="aware")
             per_run, hf = [], []
             for run in range(runs):
@@ -220,8 +224,6 @@ def bench_guarantee(cfg: Config, quick: bool, output: Path, runs: int | None, th
                     name: {"ratios": [r[name]["aa_ratio"] for r in per_run],
                            "pooled": pooled([b["ratio"] for r in per_run for b in r[name]["aa_blocks"]]),
                            "runs": [r[name]["aa_blocks"] for r in per_run]} for name in loads}
-    finally:
-        torch.set_num_threads(before)
     result["meta"]["seconds"] = time.perf_counter() - t0
     command = command_line("guarantee", quick, output,
                            (extra or []) + [f"--runs {runs}", f"--threads {','.join(map(str, threads))}"]
