@@ -226,7 +226,8 @@ def test_simulate_repetitions_are_checked_before_any_work(tmp_path):
 
 def test_the_aware_trace_tool_splits_each_call_by_shape(tmp_path, tiny_policy, tiny_draft):
     """tools/aware_trace.py at test size: the bench's order and seeds, `off`'s calls all plain steps (each row
-    `--tokens` tokens, the first at prefill), a tree step at least a token a row, and the rows go to --json."""
+    `--tokens` tokens, the first at prefill) with no tail, a tree step at least a token a row, and the rows go
+    to --json."""
     from tools.aware_trace import main
 
     overrides = tiny_overrides(tmp_path, tiny_policy,
@@ -236,8 +237,11 @@ def test_the_aware_trace_tool_splits_each_call_by_shape(tmp_path, tiny_policy, t
     assert [(r["call"], r["mode"]) for r in rows] == [(0, "off"), (0, "aware"), (1, "aware"), (1, "off")]
     for r in rows:
         shapes = r["shapes"]
-        if r["mode"] == "off":  # every row one token a step, the first at prefill
+        if r["mode"] == "off":  # every row one token a step, the first at prefill: the rows finish together
             assert set(shapes) == {"off"} and shapes["off"]["steps"] == 12 - 1
+            assert r["tail"] == {"steps": 0, "share": 0.0}
+        else:  # a tail step is a decode step: no more of them than steps in all
+            assert 0 <= r["tail"]["steps"] <= sum(v["steps"] for v in shapes.values()) and 0 <= r["tail"]["share"] <= 1
         for name, v in shapes.items():  # plain: one token a row; a tree's verify at least one
             assert name == "off" and v["tokens_a_row"] == 1.0 or name.startswith("d") and v["tokens_a_row"] >= 1.0
             assert v["rate"] == pytest.approx(v["tokens_a_row"] / v["ms"])

@@ -212,7 +212,7 @@ def test_a_grpo_tail_searches_once_per_level_of_running_sequences_and_prices_eac
     for running in range(40, 32, -1):
         aware.choose(running, 500)
     assert searches == [40, 34]
-    tree, rate, seconds = aware._tree(37)
+    tree, rate, seconds, _ = aware._tree(37)
     assert tree is not None and tree == aware._tree(40)[0]
     assert rate == pytest.approx(aware.goodput(tree, 37)) and seconds == pytest.approx(aware.predicted_seconds(tree, 37))
     assert rate != pytest.approx(aware._tree(40)[1])

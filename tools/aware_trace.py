@@ -5,7 +5,10 @@ engine, a fresh `aware` (as each run of the bench starts), calls of N running se
 the bench's seeds) alternating with `off`, and for each call both modes' throughput and aware's decode
 steps by shape: how many, tokens emitted a row, median milliseconds, and tokens a row per millisecond,
 which is what decides (plain decoding's is 1 / its step's ms). A shape whose rate is below plain
-decoding's in the same call cost time.
+decoding's in the same call cost time. Speculation also unlocks the rows: each accepts its own number of
+tokens a step, so some finish first and the last ones decode at fewer rows than the call started with
+(the tail), where a step costs more a row; each call's tail (its steps below the starting concurrency and
+their share of the decode time) is printed beside its shapes.
 
     python tools/aware_trace.py --config configs/tiny_cpu_plain.yaml --running 16 --tokens 96 --calls 6
 
@@ -44,6 +47,13 @@ def shapes_of(trace: list[tuple]) -> dict[str, dict[str, float]]:
     return out
 
 
+def tail_of(trace: list[tuple], running: int) -> dict[str, float]:
+    """An engine trace's steps with fewer than `running` rows: how many, and their share of the decode seconds."""
+    tail = [seconds for rows, _, _, seconds in trace if rows < running]
+    total = sum(step[3] for step in trace)
+    return {"steps": len(tail), "share": sum(tail) / total if total else 0.0}
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/tiny_cpu_plain.yaml", help="YAML config ('': the built-in defaults)")
@@ -67,9 +77,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for mode, seed in abba_block(list(modes), call, args.running)[:2]:  # the bench's order and seeds
                 engine.set_speculation(modes[mode])
                 r = timed_generate(engine, requests, sampling, seed=seed)
-                row = {"call": call, "mode": mode, "tok_s": r["tok_s"], "shapes": shapes_of(r["trace"])}
+                row = {"call": call, "mode": mode, "tok_s": r["tok_s"], "shapes": shapes_of(r["trace"]),
+                       "tail": tail_of(r["trace"], args.running)}
                 rows.append(row)
-                print(f"call {call} {mode:5s} {r['tok_s']:7.0f} tok/s | " + "; ".join(
+                print(f"call {call} {mode:5s} {r['tok_s']:7.0f} tok/s | tail {row['tail']['steps']} steps, "
+                      f"{100 * row['tail']['share']:.0f}% of decode | " + "; ".join(
                     f"{s}: {v['steps']} steps, {v['tokens_a_row']:.2f} tokens a row, {v['ms']:.1f} ms, "
                     f"{1000 * v['rate']:.1f} tokens a row a second" for s, v in row["shapes"].items()), flush=True)
     if args.json:

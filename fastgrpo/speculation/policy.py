@@ -269,6 +269,18 @@ class StepFit:
             seen[i] = keep * seen[i] + (1 - keep) * value
         seen[3] += 1
 
+    def pace(self, c: SpecConfig) -> float | None:
+        """Shape c's measured seconds in plain steps of its context (its mean seconds / its mean u), or None
+        if never measured: how fast the machine runs it now, the context's growth taken out."""
+        seen = self.shapes.get(c)
+        return None if seen is None else seen[1] / seen[2]
+
+    def follow(self, factor: float, measured: SpecConfig | None = None) -> None:
+        """Scale every shape's seconds but `measured`'s by `factor`: the machine's pace moved by it."""
+        for c, seen in self.shapes.items():
+            if c != measured:
+                seen[1] *= factor
+
     def fit(self, scale: float, context: float | None = None) -> None:
         """Refit with `scale`, plain's current correction (U = u * scale), for steps at `context` cached
         tokens a row: against the shapes measured nearest that context, a shape measured an octave further
@@ -366,6 +378,7 @@ class Aware(Off):
         # error differs between one sequence and sixty-four, so a factor learned at one must not move another
         self.correction: dict[tuple[str, int], float] = {}
         self._measured: set[tuple[str, int]] = set()  # (kind, bucket) measured at least once
+        self._plain_steps: dict[int, int] = {}  # per bucket: plain steps measured (`_settled`)
         # steps in a bucket since each kind was last measured there: the kind not being chosen is
         # measured again (one probe step) after `probe_every` steps, so that a decision never rests for
         # long on a calibration that was wrong or on a slow spell of a shared machine. A probe that
@@ -388,7 +401,9 @@ class Aware(Off):
         # graph-replayed step. The step fits are refit once per bucket in that time, and acceptance read once
         self._searched: dict[tuple[int, float, float | None], tuple[SpecConfig | None, list[SpecConfig]]] = {}
         # per running count and context level: the searched tree, its goodput and its step seconds there
-        self._trees: dict[tuple[int, float | None], tuple[SpecConfig | None, float, float]] = {}
+        # (and plain decoding's goodput then: a decision compares the two as priced together, not a tree
+        # priced a search ago with plain decoding priced now)
+        self._trees: dict[tuple[int, float | None], tuple[SpecConfig | None, float, float, float]] = {}
         self._fitted: set[int] = set()  # buckets whose step fit was refit since the searches were forgotten
         self._prices: dict[tuple[SpecConfig | None, int, float | None], float] = {}  # _calibrated_seconds, likewise
         self._emitted: np.ndarray | None = None  # every candidate's expected tokens a row, likewise
@@ -413,6 +428,9 @@ class Aware(Off):
     # speculative steps between searches: waits doubled while searches agreed (up to 256) left a GRPO
     # batch's tail on trees chosen on stale acceptance (0.93-0.97x the best fixed tree, simulated)
     SEARCH_EVERY = 16
+    # steps of a kind's evidence before its moves are read as the machine's pace (`_settled`): about the
+    # memory of its running mean (1 / (1 - correction_decay))
+    SETTLED = 10
 
     def _correction(self, kind: str, running: int) -> float:
         return self.correction.get((kind, self._bucket(running)), 1.0)
@@ -478,14 +496,15 @@ class Aware(Off):
         return running * emitted / self._fit(running).seconds_of(forwards, self.shapes.depth, self.shapes.nodes,
                                                                  plain, scale)
 
-    def _tree(self, running: int) -> tuple[SpecConfig | None, float, float]:
-        """The best tree at `running` and the step's context, its goodput and its step seconds there."""
+    def _tree(self, running: int) -> tuple[SpecConfig | None, float, float, float]:
+        """The best tree at `running` and the step's context, its goodput and its step seconds there, and plain
+        decoding's goodput there, priced at the same time."""
         if (key := (running, self.context)) not in self._trees:
-            best = self._search(running)[0]
+            best, plain = self._search(running)[0], self.goodput(None, running)
             if best is None:
-                self._trees[key] = (None, 0.0, 0.0)
+                self._trees[key] = (None, 0.0, 0.0, plain)
             else:
-                self._trees[key] = (best, self.goodput(best, running), self.predicted_seconds(best, running))
+                self._trees[key] = (best, self.goodput(best, running), self.predicted_seconds(best, running), plain)
         return self._trees[key]
 
     def _search(self, running: int) -> tuple[SpecConfig | None, list[SpecConfig]]:
@@ -529,8 +548,8 @@ class Aware(Off):
         return others[turn % len(others)]
 
     def _decide(self, running: int) -> SpecConfig | None:
-        tree, rate, _ = self._tree(running)
-        return tree if rate > self.goodput(None, running) * (1 + self.margin) else None
+        tree, rate, _, plain = self._tree(running)
+        return tree if rate > plain * (1 + self.margin) else None
 
     def choose(self, running: int, context: float | None = None) -> SpecConfig | None:
         self.context = context_level(context)
@@ -596,11 +615,20 @@ class Aware(Off):
         `probe_budget`; never over `max_probe_every` (a probe must come, or a decision taken on a wrong
         price would never be undone)."""
         interval = self._probe_interval.get(self._bucket(running), self.probe_every)
-        tree, _, tree_seconds = self._tree(running)
+        tree, _, tree_seconds, _ = self._tree(running)
         if choice is None and tree is not None:  # the probe would be speculative steps: bound their share
             extra = PROBE_STEPS * (tree_seconds / self.predicted_seconds(None, running) - 1)
             interval = max(interval, math.ceil(extra / self.probe_budget))
         return min(interval, self.max_probe_every)
+
+    def _settled(self, kind: str, b: int, config: SpecConfig | None) -> bool:
+        """Whether the running kind's evidence in bucket b (plain's correction, or shape config's mean) holds
+        SETTLED steps: before that its mean still moves toward the truth from its first noisy step, which
+        is no change of the machine's pace and must not move what is not running."""
+        if kind == "off":
+            return self._plain_steps.get(b, 0) >= self.SETTLED
+        seen = self.fits[b].shapes.get(config) if b in self.fits else None
+        return seen is not None and seen[3] >= self.SETTLED
 
     def observe(self, config: SpecConfig | None, running: int, emitted: int, seconds: float | None,
                 accepted: list[int] | None = None) -> None:
@@ -629,10 +657,26 @@ class Aware(Off):
         current = self.correction.get((kind, b)) if (kind, b) in self._measured else None
         self._measured.add((kind, b))
         keep = 0.5 if probe else self.decay
+        fit = self._fit(running)
+        settled = self._settled(kind, b, config)  # (before this step joins its evidence)
         if config is not None:  # (clipped as the ratio is: beyond it the measurement is absurd, not the model wrong)
-            self._fit(running).add(calibrated, config, ratio * calibrated, self._calibrated_seconds(None, running),
-                                   probe, self.context)
+            pace = fit.pace(config)
+            fit.add(calibrated, config, ratio * calibrated, self._calibrated_seconds(None, running), probe, self.context)
+            moved = None if pace is None else fit.pace(config) / pace
+        else:
+            moved = None if current is None else (keep * current + (1 - keep) * ratio) / current
+            self._plain_steps[b] = self._plain_steps.get(b, 0) + 1
         self.correction[(kind, b)] = ratio if current is None else keep * current + (1 - keep) * ratio
+        if settled and moved is not None and not probe and (other, b) in self._measured:
+            # the machine's pace, read from the kind running, moves the evidence on what is not running:
+            # a shared machine's speed drifts by tens of percent over seconds, and plain decoding measured
+            # in a slow spell, set against speculation measured since, chose speculation at a loss (and the
+            # reverse). So kinds are compared as their last paired measurement (a probe) left them
+            if config is None:
+                fit.follow(moved)
+            else:
+                self.correction[("off", b)] *= moved
+                fit.follow(moved, config)
         if (other, b) not in self._measured:
             self.correction[(other, b)] = self.correction[(kind, b)]
             if current is None:  # (searched again on the first measurement only)
