@@ -156,17 +156,19 @@ def test_bench_noise_measures_the_loops_own_gradients(tmp_path, tiny_policy, cap
 
 
 def test_guarantee_step_accounting_prices_speculative_steps_at_off_plain_steps():
-    """Aware's plain steps against off's at the same running count; its speculative steps against the
-    plain steps that would have emitted the same tokens (off's median step at that running count)."""
+    """Aware's plain steps against off's at the same running count (the nearest where off ran none); its
+    speculative steps against the plain steps that would have emitted the same tokens (off's median step
+    at that running count); its steps at fewer rows than off ever ran, its tail, apart."""
     from fastgrpo.bench.guarantee import step_accounting
 
     off = [(4, "off", 4, 1.0), (4, "off", 4, 3.0), (4, "off", 4, 1.0), (2, "off", 2, 0.5)]
-    aware = [(4, "off", 4, 1.1), (4, "d2-k1-n3", 8, 3.0), (2, "off", 2, 0.5), (2, "d2-k1-n3", 6, 1.0),
-             (1, "off", 1, 0.4)]  # no off step ran at 1: the nearest running count's (2) is the reference
+    aware = [(4, "off", 4, 1.1), (3, "off", 3, 0.9), (4, "d2-k1-n3", 8, 3.0), (2, "off", 2, 0.5),
+             (2, "d2-k1-n3", 6, 1.0), (1, "off", 1, 0.4)]  # off ran no step at 3 (nearest: 4, 2; the first), nor at 1
     got = step_accounting(aware, off)
-    assert got["plain_step_vs_off"] == pytest.approx((1.1 + 0.5 + 0.4) / (1.0 + 0.5 + 0.5))
-    # speculative: 4.0 s against 8 / 4 x 1.0 + 6 / 2 x 0.5 = 3.5 s of plain steps, over 6.0 s of decoding
-    assert got["spec_net_fraction"] == pytest.approx((4.0 - 3.5) / 6.0)
+    assert got["plain_step_vs_off"] == pytest.approx((1.1 + 0.9 + 0.5) / (1.0 + 1.0 + 0.5))
+    # speculative: 4.0 s against 8 / 4 x 1.0 + 6 / 2 x 0.5 = 3.5 s of plain steps, over 6.9 s of decoding
+    assert got["spec_net_fraction"] == pytest.approx((4.0 - 3.5) / 6.9)
+    assert got["tail_fraction"] == pytest.approx(0.4 / 6.9)  # the step at 1 row
 
 
 def test_bench_guarantee_pairs_aware_with_off_at_each_thread_count(tmp_path, tiny_policy, tiny_draft):

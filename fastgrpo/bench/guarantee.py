@@ -21,8 +21,9 @@ interval below 1) from a run that drew slow blocks (the interval around 1). (The
 name "pairs" for a run's list of blocks.)
 
 Each block also says where aware's time went (`step_accounting`): its plain steps against off's,
-and its speculative steps (decisions and probes) against the plain steps that would have emitted the
-same tokens, so a loss can be traced to deciding, probing or speculating.
+its speculative steps (decisions and probes) against the plain steps that would have emitted the
+same tokens, and its tail (steps at fewer rows than off ran: speculation lets some rows finish first),
+so a loss can be traced to deciding, probing, speculating or the rows it unlocked.
 
 A block's ratio of two identical modes is not 1 on a shared machine, and a run's median of a few
 blocks can fall below the floor with nothing to tell the modes apart. `--aa` measures that: after
@@ -143,24 +144,33 @@ def timed_block(engine, modes: dict, requests: list[Request], sampling: Sampling
 def step_accounting(aware: list[tuple], off: list[tuple]) -> dict[str, float]:
     """Where aware's decode time went, against off's steps of the same block (engine traces: running,
     config, emitted, seconds): its plain steps over off's at the same running count (what deciding
-    costs), and the seconds its speculative steps took beyond the plain steps that would have emitted
-    the same tokens (what speculation lost, or won if negative), as a fraction of aware's decode time."""
+    costs), the seconds its speculative steps took beyond the plain steps that would have emitted the
+    same tokens (what speculation lost, or won if negative), and its tail, as fractions of aware's decode
+    time. The tail is aware's steps at fewer rows than off ever ran: speculation unlocks the rows (each
+    accepts its own number of tokens a step), so at fixed concurrency some finish first and the rest
+    decode at fewer rows, each step dearer a row, where off's rows finish together. No off step prices
+    those, so they are counted apart (against off's steps at more rows, a tail's plain steps read as
+    cheap as a quarter of off's)."""
     by_running: dict[int, list[float]] = {}
     for running, _, _, s in off:
         by_running.setdefault(running, []).append(s)
     plain = {b: statistics.median(v) for b, v in by_running.items()}
+    fewest = min(plain)
 
     def off_step(running: int) -> float:
         return plain[running] if running in plain else plain[min(plain, key=lambda b: abs(b - running))]
 
-    plain_s = plain_ref = spec_s = spec_ref = 0.0
+    plain_s = plain_ref = spec_s = spec_ref = tail_s = 0.0
     for running, name, emitted, s in aware:
-        if name == "off":
+        if running < fewest:
+            tail_s += s
+        elif name == "off":
             plain_s, plain_ref = plain_s + s, plain_ref + off_step(running)
         else:
             spec_s, spec_ref = spec_s + s, spec_ref + emitted / running * off_step(running)
+    decode = plain_s + spec_s + tail_s
     return {"plain_step_vs_off": plain_s / plain_ref if plain_ref else 1.0,
-            "spec_net_fraction": (spec_s - spec_ref) / (plain_s + spec_s)}
+            "spec_net_fraction": (spec_s - spec_ref) / decode, "tail_fraction": tail_s / decode}
 
 
 def pooled(ratios: list[float], resamples: int = 2000, seed: int = 0) -> dict:
@@ -241,8 +251,8 @@ def markdown(result: dict, command: str) -> str:
              f"alternating) of aware's throughput / off's. Floor: {m['floor']:.2f}x.", "",
              "| threads | workload | runs (aware / off) | worst run | all runs >= floor | all blocks: median [95% CI] "
              "| aware speculative steps (median) | probes per block | aware plain step / off's | speculative steps' "
-             "net time (% of aware's) | outside the steps, beyond off's (% of aware's) |",
-             "| ---: | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+             "net time (% of aware's) | tail (% of aware's) | outside the steps, beyond off's (% of aware's) |",
+             "| ---: | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for t, r in result["threads"].items():
         for name, r in r["aware_vs_off"].items():
             ratios, pool, blocks = r["ratios"], r["pooled"], [p for run in r["runs"] for p in run]
@@ -251,6 +261,7 @@ def markdown(result: dict, command: str) -> str:
                          f"[{pool['ci95'][0]:.3f}, {pool['ci95'][1]:.3f}] ({pool['pairs']} blocks) | "
                          f"{100 * statistics.median(r['spec_fractions']):.0f}% | {_mean(blocks, 'probes'):.2f} | "
                          f"{_mean(blocks, 'plain_step_vs_off'):.3f} | {100 * _mean(blocks, 'spec_net_fraction'):+.1f}% | "
+                         f"{100 * _mean(blocks, 'tail_fraction'):.1f}% | "
                          f"{100 * _mean(blocks, 'outside_steps_fraction'):+.1f}% |")
     if any("aa" in r for r in result["threads"].values()):
         lines += ["", "The noise floor: the same blocks (orders and seeds) of plain decoding against itself (A/A: "
@@ -267,7 +278,8 @@ def markdown(result: dict, command: str) -> str:
               "re-measure speculation while plain decoding is chosen; aware's plain steps are timed against off's at "
               "the same running count in the same block; speculative steps' net time is their seconds minus those of "
               "the off plain steps that would have emitted the same tokens, over aware's decode time (negative: "
-              "speculation saved time); outside the steps: prefill, the policy's decisions and the engine loop, "
+              "speculation saved time); the tail: aware's steps at fewer rows than off ever ran (speculation lets "
+              "some rows finish first), over its decode time, counted in neither; outside the steps: prefill, the policy's decisions and the engine loop, "
               "aware's seconds beyond off's over aware's.",
               "", "Engine without speculation against Hugging Face `generate` (static cache) at batch 1, "
               "throughput ratio (median of paired repetitions per run):", "",
