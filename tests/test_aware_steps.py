@@ -113,7 +113,7 @@ def test_without_the_step_fit_the_eager_costs_defeat_aware():
     0.62x at one sequence), where the draft levels' host work decides the tree."""
     original = StepFit.fit
 
-    def one_ratio(self, scale, context=None, cold=None):  # T = f F, f the mean measured / calibrated: one correction a bucket
+    def one_ratio(self, scale, context=None):  # T = f F, f the mean measured / calibrated: one correction a bucket
         ratios = [sec / F for F, sec, *_ in self.shapes.values()]
         self.f, self.h, self.g = (sum(ratios) / len(ratios) if ratios else scale), 0.0, 0.0
 
@@ -208,9 +208,8 @@ def test_aware_nears_the_best_fixed_choice_on_a_grpo_batch(truth):
     """A GRPO batch (32 prompts x 8 samples, lengths log-normal around 300 tokens, up to 2048): aware,
     choosing at every step for the sequences still running, takes at most 1/0.97 of the time of the best
     single choice held through the batch (the static policies' best, chosen knowing the truth); measured
-    at seeds 1-3: 1.01-1.05x on the eager costs, 1.27-1.29x on the graphed ones (the tail's few rows want
-    deeper trees than the batch's start; each bucket of the tail starts from the step fit of the nearest
-    measured, `Aware._borrowed`), and 1.5x and 2.0x `off`."""
+    at seeds 1-3: 1.00-1.04x on the eager costs, 1.26-1.30x on the graphed ones (the tail's few rows want
+    deeper trees than the batch's start), and 1.5x and 2.0x `off`."""
     from fastgrpo.speculation.policy import Off, Static
 
     lengths = [min(2048, max(8, int(random.Random(i).lognormvariate(math.log(300), 0.8)))) for i in range(256)]
@@ -276,5 +275,6 @@ def test_a_machine_whose_speed_drifts_does_not_mislead_aware():
         control = Aware(gpu_calibration())
         control.SETTLED = 10**9
         stale = choices_rate(cheap_speculation, 64, 1500, seed, sine, control)
-        print(f"\nsine, seed {seed}: aware {carried / rate:.3f}x {best.name}, without the pace carried {stale / rate:.3f}x")
+        print(f"\nsine, seed {seed}: aware {carried / rate:.3f}x {best.name}, "
+              f"without the pace carried {stale / rate:.3f}x")
         assert carried >= FLOOR * rate > stale

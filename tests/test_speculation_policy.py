@@ -584,21 +584,3 @@ def test_a_speculative_step_right_after_a_plain_one_does_not_price_its_shape():
         aware.observe(c, 4, 8, 10 * aware._calibrated_seconds(c, 4), accepted=[1] * 4)
         assert (aware._fit(4).shapes == {} and aware.correction == corrections) is not priced
     assert aware.choose(4, 100) is None
-
-
-def test_a_bucket_without_speculative_steps_of_its_own_prices_trees_by_the_nearest_measured_one():
-    """A chain's steps at 8 running cost three plain steps (a fixed cost no forward shows). At 32 running,
-    where none was measured yet, its forwards alone say it pays (a fresh aware takes it there); priced by
-    the step fit of the nearest bucket measured (8), it does not, and aware decodes plainly."""
-    chain = SpecConfig(1, 1, 2)
-    fresh = Aware(synthetic_costs(), [chain])
-    plain_once(fresh, 32)
-    assert fresh.choose(32) == chain
-    aware = Aware(synthetic_costs(), [chain])
-    plain_once(aware, 8, 32)
-    for _ in range(12):  # (the first, right after a plain step, is not priced)
-        aware.observe(chain, 8, 8 * 2, 3 * aware.costs.target(8), accepted=[1] * 8)
-    aware.choose(8)  # (its search fits bucket 8's steps)
-    assert aware.predicted_seconds(chain, 8) > 2 * aware.predicted_seconds(None, 8)
-    assert aware.choose(32) is None
-    assert (aware.fits[32].f, aware.fits[32].h) == (aware.fits[8].f, aware.fits[8].h) and not aware.fits[32].shapes

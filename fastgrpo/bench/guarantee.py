@@ -279,8 +279,8 @@ def markdown(result: dict, command: str) -> str:
               "the same running count in the same block; speculative steps' net time is their seconds minus those of "
               "the off plain steps that would have emitted the same tokens, over aware's decode time (negative: "
               "speculation saved time); the tail: aware's steps at fewer rows than off ever ran (speculation lets "
-              "some rows finish first), over its decode time, counted in neither; outside the steps: prefill, the policy's decisions and the engine loop, "
-              "aware's seconds beyond off's over aware's.",
+              "some rows finish first), over its decode time, counted in neither; outside the steps: prefill, the "
+              "policy's decisions and the engine loop, aware's seconds beyond off's over aware's.",
               "", "Engine without speculation against Hugging Face `generate` (static cache) at batch 1, "
               "throughput ratio (median of paired repetitions per run):", "",
               "| threads | runs (engine / HF) | worst run |", "| ---: | --- | ---: |"]

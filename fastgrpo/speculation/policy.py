@@ -281,24 +281,16 @@ class StepFit:
             if c != measured:
                 seen[1] *= factor
 
-    def fit(self, scale: float, context: float | None = None, cold: tuple[float, ...] | None = None) -> None:
+    def fit(self, scale: float, context: float | None = None) -> None:
         """Refit with `scale`, plain's current correction (U = u * scale), for steps at `context` cached
         tokens a row: against the shapes measured nearest that context, a shape measured an octave further
         weighs half as much, two octaves a quarter, further not at all. How far the calibration is off
         depends on the context, and a wide shape tried once early and never again, however lightly
         weighted, would set the per-node cost q alone (its node count gives it the leverage) and price
         every tree its size out of reach. Relative to the nearest, so that evidence is never all dropped:
-        with none left, the calibration alone, however wrong, would decide again.
-
-        `cold`: (f, h, g, q) while no shape is measured here, another bucket's fit (`Aware._borrowed`);
-        else, and once shapes are measured here, the fit shrinks toward f = 1, h = g = q = 0. (Shrinking
-        toward another bucket's terms held its per-node cost, which grows with the rows verified, on
-        every bucket of a GRPO batch's tail: simulated, 0.90x the best fixed tree on the eager costs.)"""
+        with none left, the calibration alone, however wrong, would decide again."""
         self.f, self.h, self.g, self.q = 1.0, 0.0, 0.0, 0.0
         if not self.shapes:
-            if cold is not None:
-                self.f, self.h, self.g = cold[:3]
-                self.q = cold[3] if self.per_node else 0.0
             return
         octave = math.log2(context) if context else None
         far = {c: 0.0 if octave is None else abs(octave - v[4]) for c, v in self.shapes.items()}  # octaves away
@@ -356,7 +348,9 @@ class Aware(Off):
     `StepFit`'s model of whole measured steps (its calibrated forwards, a fixed cost and a cost per draft
     level), per concurrency bucket at the running rows' context; E comes from the acceptance model,
     seeded with the draft's measured acceptance when known. A tree must beat plain decoding by `margin`
-    to be chosen; the shapes not chosen (plain decoding, the next best trees) are probed now and then."""
+    to be chosen; the shapes not chosen (plain decoding, the next best trees) are probed now and then,
+    and between probes their evidence follows the machine's pace as the running kind's steps read it
+    (`observe`)."""
 
     name = "aware"
 
@@ -455,19 +449,6 @@ class Aware(Off):
             self.fits[b] = StepFit()  # at its prior until a search fits it (`_search`)
         return self.fits[b]
 
-    def _borrowed(self, b: int) -> tuple[float, float, float, float] | None:
-        """The step fit (f, h, g, q) of the bucket nearest b (in octaves; a tie, the larger) whose speculative
-        steps were measured, as last fitted: bucket b's prior. Its terms are in plain steps, which carry
-        from bucket to bucket far better than the calibration alone: a bucket's first trees priced by
-        their forwards alone (this CPU at 64 running: the chain of one at 74 ms where it took 98-113 ms,
-        plain steps 45 ms) were taken at a loss until their own steps were measured."""
-        measured = [o for o, fit in self.fits.items() if o != b and fit.shapes]
-        if not measured:
-            return None
-        nearest = min(measured, key=lambda o: (abs(math.log2(o / b)), -o))
-        fit = self.fits[nearest]
-        return fit.f, fit.h, fit.g, fit.q
-
     def _calibrated_seconds(self, c: SpecConfig | None, running: int) -> float:
         """The step's time by the calibration alone (before the online correction): the draft's catch-up
         on last step's accepted states, its further levels, and the verify of every node of every row.
@@ -534,7 +515,7 @@ class Aware(Off):
         b = self._bucket(running)  # (a level may straddle two buckets, each with its own step fit)
         if (level := (b, running_level(running), self.context)) not in self._searched:
             if b not in self._fitted:
-                self._fit(running).fit(self._correction("off", running), self.context, self._borrowed(b))
+                self._fit(running).fit(self._correction("off", running), self.context)
                 self._fitted.add(b)
             rates = self._rates(running)
             ranked = np.argsort(-rates, kind="stable")[: self.explore].tolist()  # best first; a tie: the earlier
@@ -682,7 +663,8 @@ class Aware(Off):
         settled = self._settled(kind, b, config)  # (before this step joins its evidence)
         if config is not None:  # (clipped as the ratio is: beyond it the measurement is absurd, not the model wrong)
             pace = fit.pace(config)
-            fit.add(calibrated, config, ratio * calibrated, self._calibrated_seconds(None, running), probe, self.context)
+            fit.add(calibrated, config, ratio * calibrated, self._calibrated_seconds(None, running), probe,
+                    self.context)
             moved = None if pace is None else fit.pace(config) / pace
         updated = ratio if current is None else keep * current + (1 - keep) * ratio
         if config is None:
