@@ -3,7 +3,6 @@ highest predicted goodput, its margin, online acceptance and per-bucket correcti
 budget; the per-sequence verify budget; the cost model's fitting and pricing."""
 
 import itertools
-import json
 
 import numpy as np
 import pytest
