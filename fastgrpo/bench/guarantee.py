@@ -149,8 +149,9 @@ def step_accounting(aware: list[tuple], off: list[tuple]) -> dict[str, float]:
     time. The tail is aware's steps at fewer rows than off ever ran: speculation unlocks the rows (each
     accepts its own number of tokens a step), so at fixed concurrency some finish first and the rest
     decode at fewer rows, each step dearer a row, where off's rows finish together. No off step prices
-    those, so they are counted apart (against off's steps at more rows, a tail's plain steps read as
-    cheap as a quarter of off's)."""
+    those, so they are counted apart (priced at off's steps of more rows, aware's plain steps read 0.73x
+    off's in a block that had speculated on 90% of its steps, and the block's accounting contradicted
+    its ratio)."""
     by_running: dict[int, list[float]] = {}
     for running, _, _, s in off:
         by_running.setdefault(running, []).append(s)
