@@ -30,7 +30,7 @@ from fastgrpo.device import thread_count
 from fastgrpo.engines.embedded.build import build_engine, speculation_policy
 from fastgrpo.models.policy import load_policy
 from fastgrpo.models.tokenizer import load_text_format
-from fastgrpo.tasks.source import encode_problems, load_task
+from fastgrpo.tasks.source import held_out_prompt_ids
 
 
 def shapes_of(trace: list[tuple]) -> dict[str, dict[str, float]]:
@@ -66,8 +66,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     cfg = load_config(args.config or None, args.overrides)
     policy, text = load_policy(cfg.model.path), load_text_format(cfg.model.path, cfg.task)
-    _, evals = load_task(cfg.task)
-    prompts = [e.prompt_ids for e in encode_problems(evals, text, cfg.model.max_context, "eval")]
+    prompts = held_out_prompt_ids(cfg.task, text, cfg.model.max_context)
     requests, sampling = fixed_concurrency(cfg, prompts, args.running, args.tokens)
     rows = []
     with thread_count(args.threads):

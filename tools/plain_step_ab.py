@@ -79,10 +79,9 @@ def main(argv: list[str] | None = None) -> int:
 def grpo_batch(engine, cfg, text, policies: dict, repetitions: int, threads: int) -> int:
     """--grpo: aware's plain steps against off's, by running count and by running count and context."""
     from fastgrpo.bench.guarantee import abba_block, step_accounting, workloads
-    from fastgrpo.tasks.source import encode_problems, load_task
+    from fastgrpo.tasks.source import held_out_prompt_ids
 
-    _, evals = load_task(cfg.task)
-    prompts = [e.prompt_ids for e in encode_problems(evals, text, cfg.model.max_context, "eval")]
+    prompts = held_out_prompt_ids(cfg.task, text, cfg.model.max_context)
     requests, sampling = next(load for name, load in workloads(cfg, prompts, True).items() if name.startswith("GRPO"))
     contexts: list[int] = []  # each step's cached tokens over its running rows, beside the engine's trace
     count_step = type(engine)._count_step

@@ -32,7 +32,7 @@ from fastgrpo import paths
 from fastgrpo.paths import draft_dir
 from fastgrpo.speculation.policy import Static
 from fastgrpo.speculation.spec import SpecConfig
-from fastgrpo.tasks.source import encode_problems, load_task
+from fastgrpo.tasks.source import held_out_prompt_ids
 
 TREES = (SpecConfig(4, 4, 12), SpecConfig(2, 2, 4))
 RUNNING = 16  # sequences decoded together when measuring acceptance: the tail where speculation runs
@@ -51,8 +51,7 @@ def fit_drafts(cfg: Config, policy_dir: Path, drafts: dict[str, Path], quick: bo
     policy, text = load_policy(policy_dir), load_text_format(policy_dir, cfg.task)
     policy.eval()
     engine = build_engine(cfg, policy.config, text, policy.state_dict().items(), speculation="static")
-    _, evals = load_task(cfg.task)
-    prompts = [e.prompt_ids for e in encode_problems(evals, text, cfg.model.max_context, "eval")]
+    prompts = held_out_prompt_ids(cfg.task, text, cfg.model.max_context)
     group, n_prompts, seeds = (4, 8, 1) if quick else (cfg.rollout.group_size, 16, 3)
     if len(prompts) < 3 * n_prompts + RUNNING:
         raise ValueError(f"bench draft needs {3 * n_prompts + RUNNING} eval prompts; "

@@ -53,7 +53,7 @@ from fastgrpo.config import Config
 from fastgrpo.device import cpu_description, thread_count
 from fastgrpo.models.policy import load_policy, num_parameters
 from fastgrpo.models.tokenizer import load_text_format
-from fastgrpo.tasks.source import encode_problems, load_task
+from fastgrpo.tasks.source import held_out_prompt_ids
 from fastgrpo.types import Request, SamplingParams
 
 FLOOR = 0.97  # aware / off throughput that counts as "not slower": the guarantee aware is held to
@@ -202,8 +202,7 @@ def bench_guarantee(cfg: Config, quick: bool, output: Path, runs: int | None, th
     threads = threads or [1, 2]
     reps = repetitions or (3 if quick else 5)  # ABBA blocks of four calls
     policy, text = load_policy(cfg.model.path), load_text_format(cfg.model.path, cfg.task)
-    _, evals = load_task(cfg.task)
-    prompts = [e.prompt_ids for e in encode_problems(evals, text, cfg.model.max_context, "eval")]
+    prompts = held_out_prompt_ids(cfg.task, text, cfg.model.max_context)
     loads = workloads(cfg, prompts, quick)
     t0 = time.perf_counter()
     result: dict = {"meta": {"date": datetime.date.today().isoformat(), "quick": quick, "torch": torch.__version__,

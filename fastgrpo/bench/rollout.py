@@ -27,7 +27,7 @@ from fastgrpo.models.policy import load_policy, num_parameters
 from fastgrpo.models.tokenizer import load_text_format
 from fastgrpo.speculation.policy import Static
 from fastgrpo.speculation.spec import SpecConfig
-from fastgrpo.tasks.source import encode_problems, load_task
+from fastgrpo.tasks.source import held_out_prompt_ids
 
 MODES = ("off", "static", "fastgrpo", "aware", "aware_per_sequence")
 UNSHARED = "off_unshared_prefill"
@@ -229,8 +229,7 @@ def bench_rollout(cfg: Config, quick: bool, output: Path, extra: list[str] | Non
     policy.eval()
     engine = build_engine(cfg, policy.config, text, policy.state_dict().items(), speculation="aware")
     policies = _modes(engine, cfg)
-    _, evals = load_task(cfg.task)
-    prompts = [e.prompt_ids for e in encode_problems(evals, text, cfg.model.max_context, "eval")]
+    prompts = held_out_prompt_ids(cfg.task, text, cfg.model.max_context)
     if repetitions < 1:
         raise ValueError(f"--repetitions must be >= 1, got {repetitions}")
     reps = repetitions

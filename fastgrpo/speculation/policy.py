@@ -661,15 +661,15 @@ class Aware(Off):
         keep = 0.5 if probe else self.decay
         fit = self._fit(running)
         settled = self._settled(kind, b, config)  # (before this step joins its evidence)
-        if config is not None:  # (clipped as the ratio is: beyond it the measurement is absurd, not the model wrong)
+        updated = ratio if current is None else keep * current + (1 - keep) * ratio
+        if config is None:  # (moved: how far this step moved the running kind's evidence)
+            moved = None if current is None else updated / current
+            self._plain_steps[b] = self._plain_steps.get(b, 0) + 1
+        else:  # (clipped as the ratio is: beyond it the measurement is absurd, not the model wrong)
             pace = fit.pace(config)
             fit.add(calibrated, config, ratio * calibrated, self._calibrated_seconds(None, running), probe,
                     self.context)
             moved = None if pace is None else fit.pace(config) / pace
-        updated = ratio if current is None else keep * current + (1 - keep) * ratio
-        if config is None:
-            moved = None if current is None else updated / current
-            self._plain_steps[b] = self._plain_steps.get(b, 0) + 1
         self.correction[(kind, b)] = updated
         if settled and moved is not None and not probe and (other, b) in self._measured:
             # the machine's pace, read from the kind running, moves the evidence on what is not running:

@@ -81,6 +81,12 @@ class EncodedProblem:
     prompt_ids: list[int]
 
 
+def held_out_prompt_ids(cfg: TaskConfig, text: TextFormat, max_context: int) -> list[list[int]]:
+    """The held-out problems' prompts as token ids, those that fit `max_context` (what benchmarks decode)."""
+    _, held_out = load_task(cfg)
+    return [e.prompt_ids for e in encode_problems(held_out, text, max_context, "eval")]
+
+
 def encode_problems(problems: list[Problem], text: TextFormat, max_context: int,
                     what: str = "train") -> list[EncodedProblem]:
     """Tokenized problems; prompts that leave no room to answer within the context are skipped and counted."""

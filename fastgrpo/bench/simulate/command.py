@@ -29,7 +29,7 @@ def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = Non
     from fastgrpo.bench.report import command_line, publish
     from fastgrpo.models.policy import load_policy, num_parameters
     from fastgrpo.models.tokenizer import load_text_format
-    from fastgrpo.tasks.source import encode_problems, load_task
+    from fastgrpo.tasks.source import held_out_prompt_ids
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -39,8 +39,7 @@ def bench_simulate(cfg, quick: bool, output: Path, extra: list[str] | None = Non
     policy.eval()
     # the draft is loaded for a static policy: no cached calibration is read or written here
     engine = build_engine(cfg, policy.config, text, policy.state_dict().items(), speculation="static")
-    _, evals = load_task(cfg.task)
-    prompts = [e.prompt_ids for e in encode_problems(evals, text, cfg.model.max_context, "eval")]
+    prompts = held_out_prompt_ids(cfg.task, text, cfg.model.max_context)
     sc = cfg.speculation
     static_cfg = SpecConfig(sc.depth, sc.topk, sc.num_verify)
     temperature, top_p = cfg.rollout.temperature, cfg.rollout.top_p
