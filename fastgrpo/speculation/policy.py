@@ -401,7 +401,7 @@ class Aware(Off):
         # steps are observed, so a search is kept until a probe, a kind's first measurement, or SEARCH_EVERY
         # speculative steps, not run anew at every step: a search costs a tenth of a small model's
         # graph-replayed step. The step fits are refit once per bucket in that time, and acceptance read once
-        self._searched: dict[tuple[int, float, float | None], tuple[SpecConfig | None, list[SpecConfig]]] = {}
+        self._searched: dict[tuple[int, float, float | None], tuple[SpecConfig | None, list[SpecConfig], SpecConfig | None]] = {}
         # per running count and context level: the searched tree, its goodput and its step seconds there
         # (and plain decoding's goodput then: a decision compares the two as priced together, not a tree
         # priced a search ago with plain decoding priced now)
@@ -444,7 +444,9 @@ class Aware(Off):
                                           self._calibrated_seconds(None, running), self._correction("off", running))
 
     def _fit(self, running: int) -> StepFit:
-        b = self._bucket(running)
+        return self._fit_of(self._bucket(running))
+
+    def _fit_of(self, b: int) -> StepFit:
         if b not in self.fits:
             self.fits[b] = StepFit()  # at its prior until a search fits it (`_search`)
         return self.fits[b]
@@ -509,7 +511,7 @@ class Aware(Off):
                 self._trees[key] = (best, self.goodput(best, running), self.predicted_seconds(best, running), plain)
         return self._trees[key]
 
-    def _search(self, running: int) -> tuple[SpecConfig | None, list[SpecConfig]]:
+    def _search(self, running: int) -> tuple[SpecConfig | None, list[SpecConfig], SpecConfig | None]:
         """The best tree among the candidates (the bucket's held tree while within `switch_margin` of it)
         and the best `explore` shapes, searched at the first running count of `running`'s level."""
         b = self._bucket(running)  # (a level may straddle two buckets, each with its own step fit)
@@ -524,8 +526,34 @@ class Aware(Off):
             # (a held tree means candidates, so ranked is not empty)
             if held is not None and rates[held] * (1 + self.switch_margin) >= rates[ranked[0]]:
                 best = self.candidates[held]
-            self._searched[level] = (best, [self.candidates[i] for i in ranked])
+            self._searched[level] = (best, [self.candidates[i] for i in ranked], self._contrast(b, rates))
         return self._searched[level]
+
+    def _contrast(self, b: int, rates: np.ndarray) -> SpecConfig | None:
+        """While the sizes (depth d, nodes beyond the root m) of the shapes measured in bucket b lie on one
+        line: the best tree twice or half as far from it. The step fit prices a tree's fixed cost, its cost
+        per level and per node (`StepFit.fit`); from shapes of one depth it cannot tell a cost per level from
+        a fixed cost, from one node count a cost per node, from shapes whose nodes grow with their depth
+        (d2k2n4, d4k2n8) the two from each other. Until then the search prices the other trees alike but
+        for their forwards and stays where it started: the deepest, widest trees, on forwards that cost a
+        GPU nearly nothing while memory-bound. One shape measured: a tree far in both sizes; shapes of one
+        depth (node count): one far in that size; shapes on a slanted line: one whose nodes are twice or
+        half the line's at its depth."""
+        points = sorted({(c.depth, c.num_verify - 1) for c in self._fit_of(b).shapes})
+        if not points:
+            return None  # (the first tree is the search's own)
+        d, m = self.shapes.depth, self.shapes.nodes - 1
+        (d0, m0), (d1, m1) = points[0], points[-1]
+        if any((d1 - d0) * (mi - m0) != (m1 - m0) * (di - d0) for di, mi in points):
+            return None  # (not on one line: the costs are told apart)
+        far = lambda size, v: (size * 2 <= v) | (size >= 2 * v)  # noqa: E731
+        if d0 == d1 or m0 == m1:
+            allowed = (far(d, d0) if d0 == d1 else True) & (far(m, m0) if m0 == m1 else True)
+        else:
+            allowed = far(m, m0 + (m1 - m0) / (d1 - d0) * (d - d0))
+        if not np.any(allowed):
+            return None
+        return self.candidates[int(np.argmax(np.where(allowed, rates, -np.inf)))]
 
     def _forget_searches(self) -> None:
         self._learn_deferred()  # (a search reads acceptance: never without every step observed)
@@ -569,6 +597,10 @@ class Aware(Off):
         choice = self._decide(running)
         if choice is not None:
             self._held[b] = choice
+            if (contrast := self._search(running)[2]) is not None:  # measured before the tree is held on
+                self._probing = b
+                self.probes += 1
+                return contrast
         if self._since.get(("probe", b), 0) >= self._interval(running, choice):
             self._probing = b
             self.probes += 1
@@ -662,11 +694,13 @@ class Aware(Off):
         fit = self._fit(running)
         settled = self._settled(kind, b, config)  # (before this step joins its evidence)
         updated = ratio if current is None else keep * current + (1 - keep) * ratio
+        first_of_shape = False  # (the shape's first step measured in this bucket)
         if config is None:  # (moved: how far this step moved the running kind's evidence)
             moved = None if current is None else updated / current
             self._plain_steps[b] = self._plain_steps.get(b, 0) + 1
         else:  # (clipped as the ratio is: beyond it the measurement is absurd, not the model wrong)
             pace = fit.pace(config)
+            first_of_shape = pace is None
             fit.add(calibrated, config, ratio * calibrated, self._calibrated_seconds(None, running), probe,
                     self.context)
             moved = None if pace is None else fit.pace(config) / pace
@@ -692,7 +726,7 @@ class Aware(Off):
             # fresh evidence on speculation: search the trees again. A probe's search decides below whether
             # the probe overturned the choice, and a first measurement replaces the calibration: neither
             # waits; the periodic search waits for `ahead` where an engine calls it
-            if probe or current is None:
+            if probe or current is None or first_of_shape:
                 self._forget_searches()
             elif self._since_search >= self.SEARCH_EVERY:
                 if self._ahead:
