@@ -232,13 +232,23 @@ def test_between_searches_a_step_reads_no_curve_for_prices_it_already_took():
     aware.observe(c, 4, 8, aware._calibrated_seconds(c, 4), accepted=[1] * 4)  # after plain: the catch-up, unpriced
     c = aware.choose(4, 100)
     aware.observe(c, 4, 8, aware._calibrated_seconds(c, 4), accepted=[1] * 4)  # a kind's first: searched again
-    for step in range(Aware.SEARCH_EVERY):
+
+    def step(c):  # every drafted token accepted: no shape disappoints the prior, so the choice settles
+        aware.observe(c, 4, 4 * (c.depth + 1), 1.1 * aware._calibrated_seconds(c, 4), accepted=[c.depth] * 4)
+        return aware.choose(4, 100)
+
+    c = aware.choose(4, 100)
+    for _ in range(8):  # each shape's first measurement (a contrast's, `Aware._contrast`) searches again
+        if c in aware.fits[4].shapes:
+            break
+        c = step(c)
+    assert c in aware.fits[4].shapes
+    for n in range(Aware.SEARCH_EVERY - 1):
         lookups.clear()
-        c = aware.choose(4, 100)
-        aware.observe(c, 4, 8, 1.1 * aware._calibrated_seconds(c, 4), accepted=[1] * 4)
-        assert lookups == [] or step == 0, step  # (the first step after a search prices the tree anew)
+        c = step(c)
+        assert lookups == [], n
     lookups.clear()
-    c = aware.choose(4, 100)  # the searches were forgotten after SEARCH_EVERY speculative steps
+    c = step(c)  # the searches were forgotten after SEARCH_EVERY speculative steps
     assert lookups
 
 

@@ -256,6 +256,7 @@ class StepFit:
         self.per_node = per_node  # fit q (else 0: forwards alone price a tree's size)
         self.prior_weight, self.decay, self.cap = prior_weight, decay, cap
         self.f, self.h, self.g, self.q = 1.0, 0.0, 0.0, 0.0
+        self.residual: dict[SpecConfig, float] = {}  # per measured shape, in plain steps (`fit`)
 
     def add(self, forwards: float, c: SpecConfig, seconds: float, plain: float, probe: bool = False,
             context: float | None = None) -> None:
@@ -290,6 +291,7 @@ class StepFit:
         every tree its size out of reach. Relative to the nearest, so that evidence is never all dropped:
         with none left, the calibration alone, however wrong, would decide again."""
         self.f, self.h, self.g, self.q = 1.0, 0.0, 0.0, 0.0
+        self.residual = {}
         if not self.shapes:
             return
         octave = math.log2(context) if context else None
@@ -318,14 +320,26 @@ class StepFit:
         theta = np.zeros(4)
         theta[keep] = solved
         self.f, self.h, self.g, self.q = theta.tolist()  # (q: 0 unless per_node)
+        # each measured shape's own evidence, beyond the fit, as its weight earns it against one step's
+        weights = np.array([weight for *_, weight in rows], dtype=np.float64)
+        residual = (y - x @ theta) / w[:, 0] * weights / (weights + 1)
+        self.residual = {c: r for (c, *_), r in zip(rows, residual.tolist())}
 
     def seconds(self, forwards: float, c: SpecConfig, plain: float, scale: float) -> float:
         """plain: u, a plain step's calibrated forward; scale: plain's correction (U = u * scale)."""
-        return self.seconds_of(forwards, c.depth, c.num_verify, plain, scale)
+        return self.seconds_of(forwards, c.depth, c.num_verify, plain, scale, self.residual.get(c, 0.0))
 
-    def seconds_of(self, forwards, depth, nodes, plain: float, scale: float):
+    def residuals(self, shapes: Shapes) -> np.ndarray:
+        """`residual` of every shape of `shapes` (0 for those not measured)."""
+        out = np.zeros(len(shapes.configs))
+        for c, r in self.residual.items():
+            if (i := shapes.index.get(c)) is not None:
+                out[i] = r
+        return out
+
+    def seconds_of(self, forwards, depth, nodes, plain: float, scale: float, residual=0.0):
         """`seconds` of a shape of `depth` levels and `nodes` verified a row (floats, or arrays of shapes)."""
-        overhead = self.h + self.g * depth + self.q * (nodes - 1)
+        overhead = self.h + self.g * depth + self.q * (nodes - 1) + residual
         return plain * max(scale - 1, 0) + self.f * min(scale, 1) * forwards + plain * scale * overhead
 
     def to_json(self) -> dict:
@@ -423,7 +437,7 @@ class Aware(Off):
         # per sequence, the deepest tree level this step verifies: set by a budget that cuts the tree
         # (aware_per_sequence), None for every level; acceptance learns only the levels tried
         self.verified_depth: list[int] | None = None
-        self.probes = 0  # probe steps taken (the guarantee bench reports what they cost)
+        self.probes = 0  # probe and contrast steps taken (the guarantee bench reports what they cost)
         self._after_plain = False  # the last step observed was plain (`observe`)
 
     _bucket = staticmethod(concurrency_bucket)
@@ -497,8 +511,9 @@ class Aware(Off):
         emitted = self._emitted
         forwards = self._calibrated_seconds_many(emitted, running)
         plain, scale = self._calibrated_seconds(None, running), self._correction("off", running)
-        return running * emitted / self._fit(running).seconds_of(forwards, self.shapes.depth, self.shapes.nodes,
-                                                                 plain, scale)
+        fit = self._fit(running)
+        return running * emitted / fit.seconds_of(forwards, self.shapes.depth, self.shapes.nodes, plain, scale,
+                                                  fit.residuals(self.shapes))
 
     def _tree(self, running: int) -> tuple[SpecConfig | None, float, float, float]:
         """The best tree at `running` and the step's context, its goodput and its step seconds there, and plain
@@ -598,7 +613,6 @@ class Aware(Off):
         if choice is not None:
             self._held[b] = choice
             if (contrast := self._search(running)[2]) is not None:  # measured before the tree is held on
-                self._probing = b
                 self.probes += 1
                 return contrast
         if self._since.get(("probe", b), 0) >= self._interval(running, choice):
@@ -694,13 +708,13 @@ class Aware(Off):
         fit = self._fit(running)
         settled = self._settled(kind, b, config)  # (before this step joins its evidence)
         updated = ratio if current is None else keep * current + (1 - keep) * ratio
-        first_of_shape = False  # (the shape's first step measured in this bucket)
+        new_shape = False  # (a shape measured in this bucket for the first time)
         if config is None:  # (moved: how far this step moved the running kind's evidence)
             moved = None if current is None else updated / current
             self._plain_steps[b] = self._plain_steps.get(b, 0) + 1
         else:  # (clipped as the ratio is: beyond it the measurement is absurd, not the model wrong)
             pace = fit.pace(config)
-            first_of_shape = pace is None
+            new_shape = pace is None
             fit.add(calibrated, config, ratio * calibrated, self._calibrated_seconds(None, running), probe,
                     self.context)
             moved = None if pace is None else fit.pace(config) / pace
@@ -725,10 +739,11 @@ class Aware(Off):
             self._since_search += 1
             # fresh evidence on speculation: search the trees again. A probe's search decides below whether
             # the probe overturned the choice, and a first measurement replaces the calibration: neither
-            # waits; the periodic search waits for `ahead` where an engine calls it
-            if probe or current is None or first_of_shape:
+            # waits. A shape's first measurement (a contrast's, `_contrast`) and the periodic search wait
+            # for `ahead` where an engine calls it
+            if probe or current is None:
                 self._forget_searches()
-            elif self._since_search >= self.SEARCH_EVERY:
+            elif new_shape or self._since_search >= self.SEARCH_EVERY:
                 if self._ahead:
                     self._stale = True
                 else:
