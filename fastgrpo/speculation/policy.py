@@ -249,7 +249,9 @@ class StepFit:
     fall back to its prior exactly where shapes must be compared. Each shape weighs min(its steps,
     `cap`) in a weighted least squares, with a ridge of `prior_weight` toward f = 1, h = g = q = 0 (until
     shapes disagree, a speculative step costs a plain step's overhead plus its forwards); h, g, q stay >= 0,
-    and g (q) is fitted only once shapes of two depths (node counts) are measured."""
+    and g (q) is fitted only once shapes of two depths (node counts) are measured. A measured shape is
+    priced by the fit plus its own excess over it, as far as its weight w earns against one step's
+    (w / (w + 1)): a shape whose costs are not the others' kind is priced by its own steps."""
 
     def __init__(self, prior_weight: float = 1.0, decay: float = 0.9, cap: float = 4.0, per_node: bool = True):
         self.shapes: dict[SpecConfig, list[float]] = {}  # per shape: mean [F, seconds, u], its steps, mean log2 context
@@ -347,6 +349,9 @@ class StepFit:
                 "steps": int(sum(v[3] for v in self.shapes.values()))}
 
 
+# a search's findings: the best tree, the best `explore` shapes, the contrast to measure (`Aware._search`)
+Searched = tuple[SpecConfig | None, list[SpecConfig], SpecConfig | None]
+
 # steps a probe of speculation takes while plain decoding is chosen: the first catches the draft up (`observe`
 # does not price it), the second is measured
 PROBE_STEPS = 2
@@ -364,7 +369,8 @@ class Aware(Off):
     seeded with the draft's measured acceptance when known. A tree must beat plain decoding by `margin`
     to be chosen; the shapes not chosen (plain decoding, the next best trees) are probed now and then,
     and between probes their evidence follows the machine's pace as the running kind's steps read it
-    (`observe`)."""
+    (`observe`). Before a bucket holds a tree, trees of contrasting sizes are measured there, until the
+    step fit can part its costs (`_contrast`)."""
 
     name = "aware"
 
@@ -412,10 +418,11 @@ class Aware(Off):
         self._probing: int | None = None  # bucket of the step being probed
         # the searches, per bucket, running level (running_level) and context level: the best tree and the best
         # `explore` shapes. Their inputs (the acceptance model and the step fits) move only when speculative
-        # steps are observed, so a search is kept until a probe, a kind's first measurement, or SEARCH_EVERY
-        # speculative steps, not run anew at every step: a search costs a tenth of a small model's
-        # graph-replayed step. The step fits are refit once per bucket in that time, and acceptance read once
-        self._searched: dict[tuple[int, float, float | None], tuple[SpecConfig | None, list[SpecConfig], SpecConfig | None]] = {}
+        # steps are observed, so a search is kept until a probe, a kind's or a shape's first measurement, or
+        # SEARCH_EVERY speculative steps, not run anew at every step: a search costs a tenth of a small
+        # model's graph-replayed step. The step fits are refit once per bucket in that time, and acceptance
+        # read once. Each: the best tree, the best `explore` shapes, the contrast to measure (`_contrast`)
+        self._searched: dict[tuple[int, float, float | None], Searched] = {}
         # per running count and context level: the searched tree, its goodput and its step seconds there
         # (and plain decoding's goodput then: a decision compares the two as priced together, not a tree
         # priced a search ago with plain decoding priced now)
@@ -526,7 +533,7 @@ class Aware(Off):
                 self._trees[key] = (best, self.goodput(best, running), self.predicted_seconds(best, running), plain)
         return self._trees[key]
 
-    def _search(self, running: int) -> tuple[SpecConfig | None, list[SpecConfig], SpecConfig | None]:
+    def _search(self, running: int) -> Searched:
         """The best tree among the candidates (the bucket's held tree while within `switch_margin` of it)
         and the best `explore` shapes, searched at the first running count of `running`'s level."""
         b = self._bucket(running)  # (a level may straddle two buckets, each with its own step fit)
