@@ -67,11 +67,8 @@ class AwarePerSequence(Aware):
         return running * total / weight
 
     def _verified_tokens_many(self, running: int) -> np.ndarray:
-        nodes = self.shapes.nodes.copy()
-        for c, (total, weight) in self._width.items():  # the shapes tried: a few
-            if (i := self.shapes.index.get(c)) is not None:
-                nodes[i] = total / weight
-        return running * nodes
+        tried = {c: total / weight for c, (total, weight) in self._width.items()}  # the shapes tried: a few
+        return running * self.shapes.scatter(tried, self.shapes.nodes)
 
     @property
     def calibration(self) -> float:

@@ -152,6 +152,14 @@ class Shapes:
         self.width = np.array([tree_width(c) for c in configs], dtype=np.float64)
         self.has_level = self.levels[None, :] <= self.depth[:, None]
 
+    def scatter(self, values: dict[SpecConfig, float], base: np.ndarray | float = 0.0) -> np.ndarray:
+        """An array over the shapes: `values` where a shape has one (the few measured), else `base`."""
+        out = np.array(np.broadcast_to(base, (len(self.configs),)), dtype=np.float64)
+        for c, v in values.items():
+            if (i := self.index.get(c)) is not None:
+                out[i] = v
+        return out
+
 
 class AcceptanceModel:
     """Expected tokens emitted per sequence per step for any tree shape, learned online.
@@ -199,10 +207,7 @@ class AcceptanceModel:
         miss = shapes.width[:, None] ** -self.beta
         reach = np.cumprod(np.where(shapes.has_level, 1 - (1 - alpha[None, :]) * miss, 1.0), axis=1)
         prior = 1.0 + np.where(shapes.has_level, reach, 0.0).sum(axis=1)
-        emitted, count = np.zeros(len(shapes.configs)), np.zeros(len(shapes.configs))
-        for c, n in self.count.items():  # the shapes measured: a few
-            if (i := shapes.index.get(c)) is not None:
-                emitted[i], count[i] = self.sum_emitted[c], n
+        emitted, count = shapes.scatter(self.sum_emitted), shapes.scatter(self.count)  # (the shapes measured)
         return (prior * self.prior_weight + emitted) / (self.prior_weight + count)
 
     def observe(self, c: SpecConfig, accepted: list[int], verified_depth: list[int] | None = None) -> None:
@@ -323,21 +328,13 @@ class StepFit:
         theta[keep] = solved
         self.f, self.h, self.g, self.q = theta.tolist()  # (q: 0 unless per_node)
         # each measured shape's own evidence, beyond the fit, as its weight earns it against one step's
-        weights = np.array([weight for *_, weight in rows], dtype=np.float64)
+        weights = w[:, 0] ** 2
         residual = (y - x @ theta) / w[:, 0] * weights / (weights + 1)
         self.residual = {c: r for (c, *_), r in zip(rows, residual.tolist())}
 
     def seconds(self, forwards: float, c: SpecConfig, plain: float, scale: float) -> float:
         """plain: u, a plain step's calibrated forward; scale: plain's correction (U = u * scale)."""
         return self.seconds_of(forwards, c.depth, c.num_verify, plain, scale, self.residual.get(c, 0.0))
-
-    def residuals(self, shapes: Shapes) -> np.ndarray:
-        """`residual` of every shape of `shapes` (0 for those not measured)."""
-        out = np.zeros(len(shapes.configs))
-        for c, r in self.residual.items():
-            if (i := shapes.index.get(c)) is not None:
-                out[i] = r
-        return out
 
     def seconds_of(self, forwards, depth, nodes, plain: float, scale: float, residual=0.0):
         """`seconds` of a shape of `depth` levels and `nodes` verified a row (floats, or arrays of shapes)."""
@@ -520,7 +517,7 @@ class Aware(Off):
         plain, scale = self._calibrated_seconds(None, running), self._correction("off", running)
         fit = self._fit(running)
         return running * emitted / fit.seconds_of(forwards, self.shapes.depth, self.shapes.nodes, plain, scale,
-                                                  fit.residuals(self.shapes))
+                                                  self.shapes.scatter(fit.residual))
 
     def _tree(self, running: int) -> tuple[SpecConfig | None, float, float, float]:
         """The best tree at `running` and the step's context, its goodput and its step seconds there, and plain
