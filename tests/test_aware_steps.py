@@ -8,7 +8,7 @@ import random
 import pytest
 
 from fastgrpo.speculation.cost_model import CostModel
-from fastgrpo.speculation.policy import Aware, StepFit, candidate_configs
+from fastgrpo.speculation.policy import Aware, StepFit, candidate_configs, running_mean
 from fastgrpo.speculation.spec import SpecConfig
 
 GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -329,3 +329,52 @@ def test_a_machine_whose_speed_drifts_does_not_mislead_aware(truth):
         print(f"\nseed {seed}: aware {carried:.3f}x {best and best.name}, without the pace carried {stale[-1]:.3f}x")
         assert carried >= FLOOR
     assert min(stale) < FLOOR
+
+
+def test_a_running_mean_lets_no_single_stall_decide():
+    """Stalls make steps slower, never faster: of a kind's first two steps 2.5x apart the lesser stands,
+    whichever came first; a later stall counts as 1.5x the mean (0.9 * 1 + 0.1 * 1.5); a real doubling of
+    the pace is still followed (within 5% after 30 steps)."""
+    assert running_mean(1.0, 1, 2.5, 0.1) == (1.0, 0.0)
+    assert running_mean(2.5, 1, 1.0, 0.1) == (1.0, 1.0)
+    assert running_mean(1.0, 1, 1.2, 0.1)[0] == pytest.approx(1.02)
+    assert running_mean(1.0, 5, 3.0, 0.1)[0] == pytest.approx(1.05)
+    assert running_mean(1.0, 5, 0.2, 0.5)[0] == pytest.approx(0.5 + 0.5 / 1.5)
+    mean = 1.0
+    for n in range(5, 35):
+        mean = running_mean(mean, n, 2.0, 0.1)[0]
+    assert 1.9 < mean <= 2.0
+
+
+def stalled_run(stall: float, steps: int = 200) -> tuple[list, SpecConfig, float]:
+    """aware at one running on cheap costs without noise, the first step of its second shape (its first
+    contrast) `stall` times its cost: the steps' shapes, that shape, tokens a second."""
+    aware, B, rng = Aware(gpu_calibration()), 1, random.Random(0)
+    shapes, log, stalled = [], [], None
+    tokens = seconds = 0.0
+    for _ in range(steps):
+        c = aware.choose(B, 512)
+        t = cheap_speculation(c, B)
+        if c is not None and c not in shapes:
+            shapes.append(c)
+        if stalled is None and len(shapes) == 2 and c == shapes[1]:
+            stalled, t = c, stall * t
+        acc = None if c is None else accepted(c, B, rng)
+        emitted = B if acc is None else sum(a + 1 for a in acc)
+        aware.observe(c, B, emitted, t, acc)
+        tokens, seconds = tokens + emitted, seconds + t
+        log.append(c)
+    return log, stalled, tokens / seconds
+
+
+def test_a_stalled_step_of_a_contrast_is_taken_again_before_it_turns_a_bucket_to_plain():
+    """Trees pay, but the first step of a bucket's first contrast stalls at 3x: priced on that one step,
+    plain decoding wins, and plain decoding probes speculation hundreds of steps apart. So the shape is
+    taken once more, the lesser step stands, and the bucket speculates on: in 200 steps, at least 90%
+    speculative, within 3% of the same run without the stall (the code before: 2% speculative, 0.70x)."""
+    log, stalled, rate = stalled_run(3.0)
+    assert log[log.index(stalled) + 1] == stalled  # taken again at once
+    speculative = sum(c is not None for c in log) / len(log)
+    unstalled = stalled_run(1.0)[2]
+    print(f"\nstalled {stalled.name}: {speculative:.0%} speculative steps, {rate / unstalled:.3f}x unstalled")
+    assert speculative >= 0.9 and rate >= 0.97 * unstalled

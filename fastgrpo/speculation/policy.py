@@ -45,6 +45,23 @@ def context_level(context: float | None) -> float | None:
     return quarter_octave(context)
 
 
+# a step this many times its kind's mean is read as a stall of the machine, not as the kind's cost
+# (`running_mean`): a shared CPU stalls single steps by 2-3x, and one such step taken for a tree's cost
+# chose plain decoding, whose probes of speculation are then hundreds of steps apart
+SPIKE = 1.5
+
+
+def running_mean(mean: float, n: float, value: float, weight: float) -> tuple[float, float]:
+    """A kind's running mean of step costs after `value` joins its `n` earlier steps (weight `weight`), and the
+    weight `value` had in it. Robust to stalls of the machine, which make steps slower and never faster: of a
+    kind's first two steps, when more than SPIKE apart, the lesser stands alone; a later step counts as at
+    most SPIKE times the mean (at least 1 / SPIKE of it), so a real change of pace still moves the mean, a
+    few percent a step."""
+    if n == 1 and max(mean, value) > SPIKE * min(mean, value):
+        return min(mean, value), float(value < mean)
+    return (1 - weight) * mean + weight * min(max(value, mean / SPIKE), mean * SPIKE), weight
+
+
 class SpeculationPolicy(Protocol):
     """What an engine asks each decode step: `choose`, then, after the step, `observe`. A policy may also
     define `ahead(running, context, config)`, which a static engine calls while the device computes the
@@ -272,9 +289,12 @@ class StepFit:
         if seen is None:
             self.shapes[c] = [forwards, seconds, plain, 1.0, octave]
             return
-        keep = 0.5 if probe else self.decay
-        for i, value in ((0, forwards), (1, seconds), (2, plain), (4, octave)):
-            seen[i] = keep * seen[i] + (1 - keep) * value
+        # the pace (seconds / u: the context's growth taken out) is a robust mean (`running_mean`); the other
+        # terms follow with the weight it gave this step
+        pace, w = running_mean(seen[1] / seen[2], seen[3], seconds / plain, 0.5 if probe else 1 - self.decay)
+        for i, value in ((0, forwards), (2, plain), (4, octave)):
+            seen[i] += w * (value - seen[i])
+        seen[1] = pace * seen[2]
         seen[3] += 1
 
     def pace(self, c: SpecConfig) -> float | None:
@@ -397,7 +417,7 @@ class Aware(Off):
         # error differs between one sequence and sixty-four, so a factor learned at one must not move another
         self.correction: dict[tuple[str, int], float] = {}
         self._measured: set[tuple[str, int]] = set()  # (kind, bucket) measured at least once
-        self._plain_steps: dict[int, int] = {}  # per bucket: plain steps measured (`_settled`)
+        self._steps: Counter[tuple[str, int]] = Counter()  # (kind, bucket): steps measured (`_settled`)
         # steps in a bucket since each kind was last measured there: the kind not being chosen is
         # measured again (one probe step) after `probe_every` steps, so that a decision never rests for
         # long on a calibration that was wrong or on a slow spell of a shared machine. A probe that
@@ -413,6 +433,16 @@ class Aware(Off):
         self._probe_interval: dict[int, int] = {}
         self._probe_turn: dict[int, int] = {}  # per bucket: which of the shapes not chosen the next probe tries
         self._probing: int | None = None  # bucket of the step being probed
+        # a shape whose first step in a bucket cost over SPIKE times its price, where the bucket's step fit
+        # already held other shapes' steps (the bucket, the shape): if that one step turns the bucket to
+        # plain decoding, the shape is taken once more first (`_retaken`) and the trees are searched again
+        # on its second step. One step alone may be a stall of the machine, and of two the lesser stands
+        # (`running_mean`); plain decoding, once chosen, probes speculation hundreds of steps apart. Not a
+        # bucket's first tree: priced by its forwards alone it is a surprise wherever the calibration
+        # misses the host's work, and retaking it in each cold bucket of a GRPO batch's tail cost 1-2%
+        # where trees lose (simulated)
+        self._again: tuple[int, SpecConfig] | None = None
+        self._retaken: SpecConfig | None = None
         # the searches, per bucket, running level (running_level) and context level: the best tree and the best
         # `explore` shapes. Their inputs (the acceptance model and the step fits) move only when speculative
         # steps are observed, so a search is kept until a probe, a kind's or a shape's first measurement, or
@@ -614,6 +644,12 @@ class Aware(Off):
             # same ~225 ms for 1 and 512 tokens, so the largest tree looked free and cost 10 plain steps)
             return None
         choice = self._decide(running)
+        if (again := self._again) is not None and again[0] == b and not self._stale:  # (decided on that step)
+            self._again = None
+            if choice is None:
+                self.probes += 1
+                self._retaken = again[1]
+                return again[1]
         if choice is not None:
             self._held[b] = choice
             if (contrast := self._search(running)[2]) is not None:  # measured before the tree is held on
@@ -678,7 +714,7 @@ class Aware(Off):
         SETTLED steps: before that its mean still moves toward the truth from its first noisy step, which
         is no change of the machine's pace and must not move what is not running."""
         if kind == "off":
-            return self._plain_steps.get(b, 0) >= self.SETTLED
+            return self._steps["off", b] >= self.SETTLED
         seen = self.fits[b].shapes.get(config) if b in self.fits else None
         return seen is not None and seen[3] >= self.SETTLED
 
@@ -700,25 +736,28 @@ class Aware(Off):
         # by 80x (every forward a scheduler stall), and only this correction can undo it
         calibrated = self._calibrated_seconds(config, running)
         ratio = min(max(seconds / max(calibrated, 1e-9), 1e-3), 1e3)
-        # the first measurement of a kind in a bucket replaces the calibration; later ones are averaged,
-        # a probe (rare, and the only fresh evidence on its kind) with weight one half. Until the other
-        # kind is measured there, it takes the same factor: a calibration is most likely off by a common
-        # scale (a busier or faster machine than during the sweep), and so the two stay comparable
+        # the first measurement of a kind in a bucket replaces the calibration; later ones are averaged
+        # (`running_mean`: robust to stalls), a probe (rare, and the only fresh evidence on its kind) with
+        # weight at least one half. Until the other kind is measured there, it takes the same factor: a
+        # calibration is most likely off by a common scale (a busier or faster machine than during the
+        # sweep), and so the two stay comparable
         probe = self._probing == b
         decided = self._decide(running) if probe else None  # the choice the probe tests
         current = self.correction.get((kind, b)) if (kind, b) in self._measured else None
         self._measured.add((kind, b))
-        keep = 0.5 if probe else self.decay
         fit = self._fit(running)
         settled = self._settled(kind, b, config)  # (before this step joins its evidence)
-        updated = ratio if current is None else keep * current + (1 - keep) * ratio
-        new_shape = False  # (a shape measured in this bucket for the first time)
+        weight = 0.5 if probe else 1 - self.decay
+        updated = ratio if current is None else running_mean(current, self._steps[kind, b], ratio, weight)[0]
+        self._steps[kind, b] += 1
+        fresh = False  # (a shape's first step in this bucket, or the step retaking it)
         if config is None:  # (moved: how far this step moved the running kind's evidence)
             moved = None if current is None else updated / current
-            self._plain_steps[b] = self._plain_steps.get(b, 0) + 1
         else:  # (clipped as the ratio is: beyond it the measurement is absurd, not the model wrong)
             pace = fit.pace(config)
-            new_shape = pace is None
+            fresh, self._retaken = pace is None or config == self._retaken, None
+            if pace is None and fit.shapes and seconds > SPIKE * self.predicted_seconds(config, running):
+                self._again = (b, config)
             fit.add(calibrated, config, ratio * calibrated, self._calibrated_seconds(None, running), probe,
                     self.context)
             moved = None if pace is None else fit.pace(config) / pace
@@ -743,11 +782,11 @@ class Aware(Off):
             self._since_search += 1
             # fresh evidence on speculation: search the trees again. A probe's search decides below whether
             # the probe overturned the choice, and a first measurement replaces the calibration: neither
-            # waits. A shape's first measurement (a contrast's, `_contrast`) and the periodic search wait
-            # for `ahead` where an engine calls it
+            # waits. A shape's first measurement (a contrast's, `_contrast`), a retaken shape's second, and
+            # the periodic search wait for `ahead` where an engine calls it
             if probe or current is None:
                 self._forget_searches()
-            elif new_shape or self._since_search >= self.SEARCH_EVERY:
+            elif fresh or self._since_search >= self.SEARCH_EVERY:
                 if self._ahead:
                     self._stale = True
                 else:
