@@ -270,9 +270,9 @@ def test_aware_nears_the_best_fixed_choice_on_a_grpo_batch(truth):
     single choice held through the batch (the static policies' best at seed 1, chosen knowing the truth),
     on the mean of seeds 1-3. Every concurrency bucket of the tail starts cold, priced by its forwards;
     measured: 1.009-1.060x on the eager costs, 1.250-1.287x on the graphed ones (the tail's few rows want
-    deeper trees than the batch's start), 0.971-0.982x where trees pay or lose (the code before the
-    contrasts: 0.850-0.886x on both, a cold bucket holding the deepest tree for its first 16 steps or all
-    its life)."""
+    deeper trees than the batch's start), 0.974-0.982x where trees pay, 0.964-0.979x where they lose (the
+    code before the contrasts: 0.850-0.886x on both, a cold bucket holding the deepest tree for its first
+    16 steps or all its life; before a stalled contrast step was retaken, 0.971-0.980x where trees lose)."""
     from fastgrpo.speculation.policy import Off, Static
 
     lengths = [min(2048, max(8, int(random.Random(i).lognormvariate(math.log(300), 0.8)))) for i in range(256)]

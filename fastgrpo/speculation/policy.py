@@ -440,7 +440,7 @@ class Aware(Off):
         # (`running_mean`); plain decoding, once chosen, probes speculation hundreds of steps apart. Not a
         # bucket's first tree: priced by its forwards alone it is a surprise wherever the calibration
         # misses the host's work, and retaking it in each cold bucket of a GRPO batch's tail cost 1-2%
-        # where trees lose (simulated)
+        # where trees pay (simulated)
         self._again: tuple[int, SpecConfig] | None = None
         self._retaken: SpecConfig | None = None
         # the searches, per bucket, running level (running_level) and context level: the best tree and the best
