@@ -378,3 +378,11 @@ def test_a_stalled_step_of_a_contrast_is_taken_again_before_it_turns_a_bucket_to
     unstalled = stalled_run(1.0)[2]
     print(f"\nstalled {stalled.name}: {speculative:.0%} speculative steps, {rate / unstalled:.3f}x unstalled")
     assert speculative >= 0.9 and rate >= 0.97 * unstalled
+
+
+def test_the_stalls_tool_runs_every_truth_and_traces_its_least_seed():
+    from tools.aware_stalls import main
+
+    rows = main(["--steps", "40", "--seeds", "2", "--running", "1", "--stalls", "0.1:2", "--trace"])
+    assert [r["truth"] for r in rows] == [t.__name__ for t in TRUTHS]
+    assert all(0 < r["least"] <= r["mean"] < 1.1 and 0 <= r["speculative"] <= 1 for r in rows)
