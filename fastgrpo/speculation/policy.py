@@ -439,7 +439,7 @@ class Aware(Off):
         # on its second step. One step alone may be a stall of the machine, and of two the lesser stands
         # (`running_mean`); plain decoding, once chosen, probes speculation hundreds of steps apart. Not a
         # bucket's first tree: priced by its forwards alone it is a surprise wherever the calibration
-        # misses the host's work, and retaking it in each cold bucket of a GRPO batch's tail cost 1-2%
+        # misses the host's work, and retaking it in each cold bucket of a GRPO batch's tail cost 1.5-2%
         # where trees pay (simulated)
         self._again: tuple[int, SpecConfig] | None = None
         self._retaken: SpecConfig | None = None
@@ -738,7 +738,7 @@ class Aware(Off):
         ratio = min(max(seconds / max(calibrated, 1e-9), 1e-3), 1e3)
         # the first measurement of a kind in a bucket replaces the calibration; later ones are averaged
         # (`running_mean`: robust to stalls), a probe (rare, and the only fresh evidence on its kind) with
-        # weight at least one half. Until the other kind is measured there, it takes the same factor: a
+        # weight one half. Until the other kind is measured there, it takes the same factor: a
         # calibration is most likely off by a common scale (a busier or faster machine than during the
         # sweep), and so the two stay comparable
         probe = self._probing == b
