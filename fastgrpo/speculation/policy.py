@@ -416,8 +416,7 @@ class Aware(Off):
         # measured / predicted step time, per kind (off, spec) and concurrency bucket: the calibration's
         # error differs between one sequence and sixty-four, so a factor learned at one must not move another
         self.correction: dict[tuple[str, int], float] = {}
-        self._measured: set[tuple[str, int]] = set()  # (kind, bucket) measured at least once
-        self._steps: Counter[tuple[str, int]] = Counter()  # (kind, bucket): steps measured (`_settled`)
+        self._steps: Counter[tuple[str, int]] = Counter()  # (kind, bucket): steps measured (0: never)
         # steps in a bucket since each kind was last measured there: the kind not being chosen is
         # measured again (one probe step) after `probe_every` steps, so that a decision never rests for
         # long on a calibration that was wrong or on a slow spell of a shared machine. A probe that
@@ -638,7 +637,7 @@ class Aware(Off):
             if self._stale:
                 self._forget_searches()
         b = self._bucket(running)
-        if ("off", b) not in self._measured:
+        if not self._steps["off", b]:
             # a bucket's first step is plain: plain decoding is never a loss, and its measured time anchors
             # every later comparison (a calibration swept while another process held a core once read the
             # same ~225 ms for 1 and 512 tokens, so the largest tree looked free and cost 10 plain steps)
@@ -676,7 +675,7 @@ class Aware(Off):
         grow = 1 + (config.depth if config is not None else 0)
         decided = self.context  # (this step's: `choose` set it)
         for rows in dict.fromkeys((running, max(running - 1, 1))):
-            if ("off", self._bucket(rows)) not in self._measured:
+            if not self._steps["off", self._bucket(rows)]:
                 continue  # (its first step is plain, and its first measurement searches anew)
             for ctx in dict.fromkeys(context_level(None if context is None else context + d) for d in (1, grow)):
                 self.context = ctx
@@ -743,8 +742,7 @@ class Aware(Off):
         # sweep), and so the two stay comparable
         probe = self._probing == b
         decided = self._decide(running) if probe else None  # the choice the probe tests
-        current = self.correction.get((kind, b)) if (kind, b) in self._measured else None
-        self._measured.add((kind, b))
+        current = self.correction.get((kind, b)) if self._steps[kind, b] else None
         fit = self._fit(running)
         settled = self._settled(kind, b, config)  # (before this step joins its evidence)
         weight = 0.5 if probe else 1 - self.decay
@@ -762,7 +760,7 @@ class Aware(Off):
                     self.context)
             moved = None if pace is None else fit.pace(config) / pace
         self.correction[(kind, b)] = updated
-        if settled and moved is not None and not probe and (other, b) in self._measured:
+        if settled and moved is not None and not probe and self._steps[other, b]:
             # the machine's pace, read from the kind running, moves the evidence on what is not running:
             # a shared machine's speed drifts by tens of percent over seconds, and plain decoding measured
             # in a slow spell, set against speculation measured since, chose speculation at a loss (and the
@@ -772,7 +770,7 @@ class Aware(Off):
             else:
                 self.correction[("off", b)] *= moved
                 fit.follow(moved, config)
-        if (other, b) not in self._measured:
+        if not self._steps[other, b]:
             self.correction[(other, b)] = self.correction[(kind, b)]
             if current is None:  # (searched again on the first measurement only)
                 self._forget_searches()
