@@ -8,8 +8,8 @@ by the one factory from a config, through the same behavioural checks on the sam
   continues exactly: the same weights and the same next step;
 - under each option of the objective (`tests.test_trainer.OPTION_RUNS`: GSPO, dual clip, log-ratio
   clamp, Dr. GRPO's aggregations, every rollout correction, k1/k2/k3) the three trainers take the same
-  step: the same losses, gradient norms and step metrics (fp32, to 3e-6 relative), each run's option
-  active.
+  step: the same losses, gradient norms and step metrics (fp32, to 1e-4 relative, the oracle test's bound:
+  Adam amplifies rounding after the first update), each run's option active.
 Each backend runs in a world of one spawned process (Megatron and DeepSpeed initialise
 torch.distributed), so the suite is in the slow tier."""
 
@@ -177,9 +177,14 @@ def test_every_trainer_takes_the_same_step_under_each_objective_option(backend, 
     want, got = options["torch"][name], options[backend][name]
     assert got["updates"] == want["updates"] == 4
     assert all(want[key] != 0 for key in active), {key: want[key] for key in active}
-    # fp32 throughout; the backends sum in their own orders (Megatron's own layers and grad norm, DeepSpeed's
-    # norm): 1e-7 to 1.8e-6 relative measured over these runs on one machine, 3.5e-6 (Megatron's loss, no
-    # correction) on another whose kernels sum otherwise, so 1e-5 (or 1e-6 absolute near zero)
+    # fp32 throughout, the oracle test's bound (tests.test_trainer): the backends sum in their own orders
+    # (Megatron's own layers and grad norm, DeepSpeed's norm), which agree to about 1e-6 at equal weights,
+    # but after the first update Adam divides each coordinate's step by its own gradient scale, so a
+    # coordinate whose gradient is at rounding level moves differently in two equally correct runs, and the
+    # later minibatches' losses and norms inherit it. The no-correction run amplifies most: its k3 term,
+    # exp(ref - logp), reads 15.6 at the second minibatch (gradient norm 597); there Megatron's first update
+    # agreed to 3e-7 and its mean loss and norm to 2.1e-5 and 2.8e-5 on an Intel Xeon. A dropped option moves
+    # them far more: each option of each run set back to its default moved some key by 13% or more (torch).
     for key in ("loss", "grad_norm", "clip_fraction", "dual_clip_fraction", "ratio_clamped_fraction",
                 "correction_masked_fraction", "correction_truncated_fraction", "kl_ref", "kl_engine_trainer"):
-        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+        assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
