@@ -391,7 +391,7 @@ def test_the_stalls_tool_runs_every_truth_and_traces_its_least_seed():
 def test_the_fixed_length_tool_compares_aware_with_the_batch_s_best_fixed_choice():
     from tools.aware_fixed_length import main
 
-    rows = main(["--rows", "4", "--tokens", "16", "--calls", "1"])
+    rows = main(["--rows", "4", "--tokens", "16", "--seeds", "2"])
     assert [r["truth"] for r in rows] == [t.__name__ for t in TRUTHS]
     # plain decoding is among the fixed choices: the batch's best is never slower than plain
     assert all(r["plain_over_best"] >= 1 and r["plain_over_aware"] > 0 for r in rows)
