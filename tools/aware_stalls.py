@@ -11,6 +11,7 @@ seeds, and aware's share of speculative steps (`--trace`: the least seed's steps
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import random
 import sys
@@ -41,12 +42,7 @@ def run(truth, running: int, steps: int, seed: int, chance: float, factor: float
         emitted = running if acc is None else sum(a + 1 for a in acc)
         aware.observe(c, running, emitted, t, acc)
         tokens, seconds, speculative = tokens + emitted, seconds + t, speculative + (c is not None)
-    runs = [[shapes[0], 1]]
-    for shape in shapes[1:]:
-        if shape == runs[-1][0]:
-            runs[-1][1] += 1
-        else:
-            runs.append([shape, 1])
+    runs = ((shape, len(list(same))) for shape, same in itertools.groupby(shapes))
     return tokens / seconds, speculative / steps, " ".join(f"{s}x{n}" if n > 1 else s for s, n in runs)
 
 
