@@ -246,13 +246,16 @@ def test_a_cold_bucket_measures_trees_of_three_sizes_off_one_line_before_holding
     assert aware.choose(B, 512) == aware._held[B]
 
 
-def rollout_seconds(truth, lengths: list[int], policy, seed: int) -> float:
+def rollout_seconds(truth, lengths: list[int], policy, seed: int, known: bool = False) -> float:
     """Seconds to finish a GRPO batch: every sequence runs until it has emitted its length; the running
-    count falls as they finish (the long tail); 3% noise on every step."""
+    count falls as they finish (the long tail); 3% noise on every step. `known`: the policy is told each
+    row's tokens left (`Aware.tokens_left`: lengths fixed, EOS ignored), else the lengths stand for EOS."""
     rng = random.Random(seed)
     left, seconds = list(lengths), 0.0
     while running := [i for i, n in enumerate(left) if n > 0]:
         B = len(running)
+        if known and hasattr(policy, "tokens_left"):
+            policy.tokens_left([left[i] for i in running])
         c = policy.choose(B, 512)
         t = truth(c, B) * math.exp(rng.gauss(0, 0.03))
         acc = [0] * B if c is None else accepted(c, B, rng)

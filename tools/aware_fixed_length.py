@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--rows", default="16,64")
     ap.add_argument("--tokens", default="48,128", help="each row's length, comma-separated")
     ap.add_argument("--seeds", type=int, default=10, help="timed calls of aware, and runs of each fixed choice")
+    ap.add_argument("--unknown", action="store_true",
+                    help="aware is not told the rows' tokens left (it ranks trees by their rate a step)")
     args = ap.parse_args(argv)
     seeds = range(1, args.seeds + 1)
     out = []
@@ -50,8 +52,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          for c in [None, *candidate_configs()]}
                 best = min(fixed, key=lambda c: sum(fixed[c]))
                 aware = Aware(gpu_calibration())
-                rollout_seconds(truth, lengths, aware, 0)
-                aware_s = [rollout_seconds(truth, lengths, aware, s) for s in seeds]
+                rollout_seconds(truth, lengths, aware, 0, known=not args.unknown)
+                aware_s = [rollout_seconds(truth, lengths, aware, s, known=not args.unknown) for s in seeds]
                 (best_over, best_se), (step_over, step_se) = ratio(fixed[best], aware_s), ratio(fixed[per_step], aware_s)
                 row = {"truth": truth.__name__, "rows": rows, "tokens": tokens,
                        "per_step_best": per_step.name if per_step else "plain",

@@ -62,6 +62,39 @@ def running_mean(mean: float, n: float, value: float, weight: float) -> tuple[fl
     return (1 - weight) * mean + weight * min(max(value, mean / SPIKE), mean * SPIKE), weight
 
 
+def normal_cdf(x: np.ndarray) -> np.ndarray:
+    """The standard normal's distribution function, by its tanh form (within 2e-4 of it; numpy has no erf)."""
+    return 0.5 * (1.0 + np.tanh(0.7978845608 * (x + 0.044715 * x**3)))
+
+
+def batch_seconds(left: np.ndarray, rows: np.ndarray, mean: np.ndarray, second: np.ndarray, at_batch: np.ndarray,
+                  at_one: np.ndarray, batch: int) -> np.ndarray:
+    """Per shape, held until the batch ends: the seconds until its last row ends. `rows[u]` rows have `left[u]`
+    tokens left each (exact: EOS ignored); a row emits X tokens a step, E[X] `mean`, E[X^2] `second`; a step
+    of n rows costs a + b n (`at_one` at one row, `at_batch` at `batch` rows). Steps run while any row does,
+    so the batch costs a E[its last row's steps] + b E[all rows' steps]. A row's steps to emit L tokens, by
+    renewal theory: mean (L - 1 + E[X (X + 1)] / (2 E[X])) / E[X] (its last step overshoots), variance
+    L Var[X] / E[X]^3, taken as normal (plain decoding: exactly L). Rows of a tree end unevenly and the batch
+    with its slowest, some two standard deviations past the mean at 64 rows, at a step cost that hardly
+    falls with the rows: a tree's rate a step overstates what it saves a short batch."""
+    mean, second = mean[:, None], second[:, None]
+    mu = (left[None, :] - 1 + (second + mean) / (2 * mean)) / mean  # [shapes, row groups]
+    sd = np.sqrt(left[None, :] * np.maximum(second - mean**2, 0.0) / mean**3)
+    # E[max] = sum over steps k of P(the last row runs past k): 1 below the longest row's lower reach, 0
+    # above its upper; summed at up to 64 steps between (a stride beyond), with a continuity correction
+    lo = np.maximum(np.floor((mu - 6 * sd).max(axis=1) - 0.5), 0.0)
+    hi = np.ceil((mu + 6 * sd).max(axis=1))
+    stride = max(1.0, math.ceil(float((hi - lo).max(initial=0.0)) / 64))
+    k = lo[:, None] + stride * np.arange(64)[None, :] + (stride - 1) / 2  # [shapes, steps]
+    below = normal_cdf((k[:, :, None] + 0.5 - mu[:, None, :]) / np.maximum(sd, 1e-9)[:, None, :])
+    all_ended = np.exp((rows[None, None, :] * np.log(np.maximum(below, 1e-300))).sum(axis=2))
+    last = lo + stride * np.where(k < hi[:, None], 1.0 - all_ended, 0.0).sum(axis=1)
+    per_row = (at_batch - at_one) / (batch - 1) if batch > 1 else np.zeros_like(at_batch)
+    per_row = np.maximum(per_row, 0.0)
+    fixed = np.maximum(at_batch - per_row * batch, 0.0)
+    return fixed * last + per_row * (rows[None, :] * mu).sum(axis=1)
+
+
 class SpeculationPolicy(Protocol):
     """What an engine asks each decode step: `choose`, then, after the step, `observe`. A policy may also
     define `ahead(running, context, config)`, which a static engine calls while the device computes the
@@ -201,6 +234,7 @@ class AcceptanceModel:
         self.prior_weight = prior_weight
         self.beta = beta
         self.sum_emitted: dict[SpecConfig, float] = {}
+        self.sum_squares: dict[SpecConfig, float] = {}  # of each row's tokens a step (`moments_many`)
         self.count: dict[SpecConfig, float] = {}
 
     def alpha(self, d: int) -> float:
@@ -218,14 +252,29 @@ class AcceptanceModel:
         n = self.count.get(c, 0.0)
         return (self.prior(c) * self.prior_weight + self.sum_emitted.get(c, 0.0)) / (self.prior_weight + n)
 
-    def expected_many(self, shapes: Shapes) -> np.ndarray:
-        """`expected` of every shape at once (`prior`'s product over levels as one cumulative product)."""
+    def _reach_many(self, shapes: Shapes) -> np.ndarray:
+        """[shapes, levels]: the prior's chance that a row's accepted path reaches each level (0 past a shape's
+        depth), `prior`'s product over levels as one cumulative product."""
         alpha = np.array([self.alpha(d) for d in shapes.levels], dtype=np.float64)
         miss = shapes.width[:, None] ** -self.beta
         reach = np.cumprod(np.where(shapes.has_level, 1 - (1 - alpha[None, :]) * miss, 1.0), axis=1)
-        prior = 1.0 + np.where(shapes.has_level, reach, 0.0).sum(axis=1)
+        return np.where(shapes.has_level, reach, 0.0)
+
+    def expected_many(self, shapes: Shapes) -> np.ndarray:
+        """`expected` of every shape at once."""
+        prior = 1.0 + self._reach_many(shapes).sum(axis=1)
         emitted, count = shapes.scatter(self.sum_emitted), shapes.scatter(self.count)  # (the shapes measured)
         return (prior * self.prior_weight + emitted) / (self.prior_weight + count)
+
+    def moments_many(self, shapes: Shapes) -> tuple[np.ndarray, np.ndarray]:
+        """Every shape's tokens a row a step X: E[X] (`expected_many`) and E[X^2], the prior's (X = 1 + A, A
+        the levels accepted: E[A^2] = sum over levels d of (2d - 1) P(A >= d)) blended with the measured
+        rows' as the mean is. How unevenly rows finish a fixed length depends on it (`batch_seconds`)."""
+        reach = self._reach_many(shapes)
+        levels = reach.sum(axis=1)
+        second = 1.0 + 2.0 * levels + (reach * (2.0 * shapes.levels - 1.0)[None, :]).sum(axis=1)
+        squares, count = shapes.scatter(self.sum_squares), shapes.scatter(self.count)
+        return self.expected_many(shapes), (second * self.prior_weight + squares) / (self.prior_weight + count)
 
     def observe(self, c: SpecConfig, accepted: list[int], verified_depth: list[int] | None = None) -> None:
         """`verified_depth`: per sequence, the deepest level of its tree that was verified at all (a
@@ -245,6 +294,7 @@ class AcceptanceModel:
                 self.reached[d] += rows
                 self.passed[d] += rows * (1.0 if d <= a else missed)
         self.sum_emitted[c] = self.sum_emitted.get(c, 0.0) + (sum(accepted) + len(accepted))
+        self.sum_squares[c] = self.sum_squares.get(c, 0.0) + sum(rows * (a + 1) ** 2 for (a, _), rows in pairs)
         self.count[c] = self.count.get(c, 0.0) + len(accepted)
 
 
@@ -366,8 +416,10 @@ class StepFit:
                 "steps": int(sum(v[3] for v in self.shapes.values()))}
 
 
-# a search's findings: the best tree, the best `explore` shapes, the contrast to measure (`Aware._search`)
-Searched = tuple[SpecConfig | None, list[SpecConfig], SpecConfig | None]
+# a search's findings (`Aware._search`): the best tree, the best `explore` shapes by goodput (probed), the best
+# `BATCH_SHAPES` of distinct sizes (ranked again by a batch's time where its rows' lengths are known), the
+# contrast to measure
+Searched = tuple[SpecConfig | None, list[SpecConfig], list[SpecConfig], SpecConfig | None]
 
 # steps a probe of speculation takes while plain decoding is chosen: the first catches the draft up (`observe`
 # does not price it), the second is measured
@@ -383,7 +435,10 @@ class Aware(Off):
     step's T is its calibrated forward times the bucket's measured correction; a speculative step's is
     `StepFit`'s model of whole measured steps (its calibrated forwards, a fixed cost and a cost per draft
     level), per concurrency bucket at the running rows' context; E comes from the acceptance model,
-    seeded with the draft's measured acceptance when known. A tree must beat plain decoding by `margin`
+    seeded with the draft's measured acceptance when known. Where every row's length is known (EOS
+    ignored: `tokens_left`), the best few shapes by goodput are ranked again by the batch's remaining
+    time, each held to its end (`batch_seconds`: rows that end unevenly keep the batch running at its
+    slowest). A tree must beat plain decoding by `margin`
     to be chosen; the shapes not chosen (plain decoding, the next best trees) are probed now and then,
     and between probes their evidence follows the machine's pace as the running kind's steps read it
     (`observe`). Before a bucket holds a tree, trees of contrasting sizes are measured there, until the
@@ -471,6 +526,9 @@ class Aware(Off):
         # (aware_per_sequence), None for every level; acceptance learns only the levels tried
         self.verified_depth: list[int] | None = None
         self.probes = 0  # probe and contrast steps taken (the guarantee bench reports what they cost)
+        # the running rows' tokens left, where exact (`tokens_left`): distinct counts and their rows
+        self._left: tuple[np.ndarray, np.ndarray] | None = None
+        self._moments: tuple[np.ndarray, np.ndarray] | None = None  # acceptance's, kept as `_emitted` is
         self._after_plain = False  # the last step observed was plain (`observe`)
 
     _bucket = staticmethod(concurrency_bucket)
@@ -480,6 +538,18 @@ class Aware(Off):
     # steps of a kind's evidence before its moves are read as the machine's pace (`_settled`): about the
     # memory of its running mean (1 / (1 - correction_decay))
     SETTLED = 10
+    # shapes, best by goodput, that a batch of known lengths ranks by its remaining time (`_batch_tree`):
+    # a batch's best is a shallower tree than a step's, but near it in goodput
+    BATCH_SHAPES = 8
+
+    def tokens_left(self, left: Sequence[int] | None) -> None:
+        """Each running row's tokens left, where every row will emit exactly that many (EOS ignored, as a
+        bench's fixed lengths), else None: an engine calls it before each `choose`."""
+        if left is None or len(left) == 0:
+            self._left = None
+            return
+        values, rows = np.unique(np.asarray(left, dtype=np.float64), return_counts=True)
+        self._left = (values, rows.astype(np.float64))
 
     def _correction(self, kind: str, running: int) -> float:
         return self.correction.get((kind, self._bucket(running)), 1.0)
@@ -550,32 +620,76 @@ class Aware(Off):
 
     def _tree(self, running: int) -> tuple[SpecConfig | None, float, float, float]:
         """The best tree at `running` and the step's context, its goodput and its step seconds there, and plain
-        decoding's goodput there, priced at the same time."""
-        if (key := (running, self.context)) not in self._trees:
+        decoding's goodput there, priced at the same time; where the rows' lengths are known, the goodputs
+        are over the batch's remaining time (`_batch_tree`), searched again as its longest row's tokens
+        left fall by a quarter octave."""
+        left = self._left if self._left is not None and self._left[1].sum() == running else None
+        key = (running, self.context, None if left is None else quarter_octave(left[0][-1]))
+        if key not in self._trees:
             best, plain = self._search(running)[0], self.goodput(None, running)
             if best is None:
                 self._trees[key] = (None, 0.0, 0.0, plain)
+            elif left is not None:
+                self._trees[key] = self._batch_tree(running, best, *left)
             else:
                 self._trees[key] = (best, self.goodput(best, running), self.predicted_seconds(best, running), plain)
         return self._trees[key]
 
+    def _batch_tree(self, running: int, best: SpecConfig, left: np.ndarray, rows: np.ndarray
+                    ) -> tuple[SpecConfig, float, float, float]:
+        """`_tree` for a batch whose `rows[u]` rows have `left[u]` tokens left each: the search's best and its
+        next `BATCH_SHAPES` by goodput, and plain decoding, priced by the batch's remaining time, each held
+        to its end (`batch_seconds`; a step at one row is priced by this bucket's step fit at one row's
+        forwards). Goodputs are the batch's tokens over that time; the bucket's held tree stays while within
+        `switch_margin` of the best."""
+        shapes: list[SpecConfig | None] = [None, *dict.fromkeys([best, *self._search(running)[2]])]
+        if self._moments is None:
+            self._moments = self.acceptance.moments_many(self.shapes)
+        at = [self.shapes.index[c] for c in shapes[1:]]
+        mean = np.concatenate([[1.0], self._moments[0][at]])
+        second = np.concatenate([[1.0], self._moments[1][at]])
+        fit, scale = self._fit(running), self._correction("off", running)
+        plain_one = self._calibrated_seconds(None, 1)
+        at_batch = np.array([self.predicted_seconds(c, running) for c in shapes])
+        at_one = np.array([plain_one * scale] + [fit.seconds(self._calibrated_seconds(c, 1), c, plain_one, scale)
+                                                 for c in shapes[1:]])
+        rates = float((left * rows).sum()) / batch_seconds(left, rows, mean, second, at_batch, at_one, running)
+        i = 1 + int(np.argmax(rates[1:]))
+        held = self._held.get(self._bucket(running))
+        if held in shapes and rates[shapes.index(held)] * (1 + self.switch_margin) >= rates[i]:
+            i = shapes.index(held)
+        return shapes[i], float(rates[i]), float(at_batch[i]), float(rates[0])
+
     def _search(self, running: int) -> Searched:
         """The best tree among the candidates (the bucket's held tree while within `switch_margin` of it)
-        and the best `explore` shapes, searched at the first running count of `running`'s level."""
+        and the best shapes (`Searched`), searched at the first running count of `running`'s level."""
         b = self._bucket(running)  # (a level may straddle two buckets, each with its own step fit)
         if (level := (b, running_level(running), self.context)) not in self._searched:
             if b not in self._fitted:
                 self._fit(running).fit(self._correction("off", running), self.context)
                 self._fitted.add(b)
             rates = self._rates(running)
-            ranked = np.argsort(-rates, kind="stable")[: self.explore].tolist()  # best first; a tie: the earlier
+            order = np.argsort(-rates, kind="stable").tolist()  # best first (of a tie, the earlier)
+            ranked = order[: self.explore]
             best = self.candidates[ranked[0]] if ranked else None
             held = self.shapes.index.get(self._held.get(b))
             # (a held tree means candidates, so ranked is not empty)
             if held is not None and rates[held] * (1 + self.switch_margin) >= rates[ranked[0]]:
                 best = self.candidates[held]
-            self._searched[level] = (best, [self.candidates[i] for i in ranked], self._contrast(b, rates))
+            self._searched[level] = (best, [self.candidates[i] for i in ranked], self._distinct(order),
+                                     self._contrast(b, rates))
         return self._searched[level]
+
+    def _distinct(self, order: list[int]) -> list[SpecConfig]:
+        """The first `BATCH_SHAPES` candidates in `order` of distinct depth and node count: shapes of one size
+        whose top-k differs price alike, and the best few by goodput were often one size's several."""
+        sizes: dict[tuple[int, int], SpecConfig] = {}
+        for i in order:
+            c = self.candidates[i]
+            sizes.setdefault((c.depth, c.num_verify), c)
+            if len(sizes) == self.BATCH_SHAPES:
+                break
+        return list(sizes.values())
 
     def _contrast(self, b: int, rates: np.ndarray) -> SpecConfig | None:
         """While the sizes (depth d, nodes beyond the root m) of the shapes measured in bucket b lie on one
@@ -611,6 +725,7 @@ class Aware(Off):
         self._trees.clear()
         self._fitted.clear()
         self._emitted = None
+        self._moments = None
         self._since_search = 0
 
     def _probe_choice(self, running: int, choice: SpecConfig | None) -> SpecConfig | None:
@@ -651,7 +766,7 @@ class Aware(Off):
                 return again[1]
         if choice is not None:
             self._held[b] = choice
-            if (contrast := self._search(running)[2]) is not None:  # measured before the tree is held on
+            if (contrast := self._search(running)[3]) is not None:  # measured before the tree is held on
                 self.probes += 1
                 return contrast
         if self._since.get(("probe", b), 0) >= self._interval(running, choice):
