@@ -38,12 +38,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--rows", default="16,64")
     ap.add_argument("--tokens", default="48,128", help="each row's length, comma-separated")
     ap.add_argument("--seeds", type=int, default=10, help="timed calls of aware, and runs of each fixed choice")
+    ap.add_argument("--truths", default=",".join(t.__name__ for t in TRUTHS), help="comma-separated")
     ap.add_argument("--unknown", action="store_true",
                     help="aware is not told the rows' tokens left (it ranks trees by their rate a step)")
     args = ap.parse_args(argv)
     seeds = range(1, args.seeds + 1)
     out = []
-    for truth in TRUTHS:
+    for truth in (t for t in TRUTHS if t.__name__ in args.truths.split(",")):
         for rows in (int(x) for x in args.rows.split(",")):
             for tokens in (int(x) for x in args.tokens.split(",")):
                 lengths = [tokens] * rows
