@@ -308,15 +308,21 @@ class EveryKth(Static):
 def test_the_engine_tells_the_policy_the_longest_rows_cached_tokens(small_vocab, trained_draft):
     """The engine's attention reads every row to the longest row's cache, so that is the context a
     policy prices a step at: the prompt, plus every token a step fed (one per plain step, the accepted
-    path and the bonus token per speculative step), row by row, while both rows run."""
+    path and the bonus token per speculative step), row by row, while both rows run. Where EOS is ignored
+    it also tells each row's tokens left before the step (its budget less what it emitted: the prefill's
+    token and each step's), and None where a row may stop sooner."""
 
     class Recording(EveryKth):
         def __init__(self):
             super().__init__(SpecConfig(3, 2, 5), k=2)
             self.seen = []
+            self.left = []
+
+        def tokens_left(self, left):
+            self.left.append(left)
 
         def choose(self, running, context=None):
-            self.seen.append(("choose", running, context))
+            self.seen.append(("choose", running, context, self.left[-1]))
             return super().choose(running, context)
 
         def observe(self, config, running, emitted, seconds, accepted=None):
@@ -327,17 +333,22 @@ def test_the_engine_tells_the_policy_the_longest_rows_cached_tokens(small_vocab,
     greedy = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
     engine_for(cfg, target, trained_draft, policy, max_batch=2).generate(
         [Request([1, 3, 4], max_new_tokens=30), Request([1, 5, 5, 6, 7, 2], max_new_tokens=30)], greedy)
-    cached, checked = [3, 6], 0
+    cached, left, checked = [3, 6], [29, 29], 0
     for event in policy.seen:
         if event[0] == "choose":
             if event[1] < 2:
                 break  # a row finished: rows move
-            assert event[2] == max(cached)
+            assert event[2] == max(cached) and event[3] == left
             checked += 1
         else:
             _, config, accepted = event
-            cached = [c + (1 if config is None else a + 1) for c, a in zip(cached, accepted or [0, 0])]
+            fed = [1 if config is None else a + 1 for a in accepted or [0, 0]]
+            cached, left = [c + f for c, f in zip(cached, fed)], [n - f for n, f in zip(left, fed)]
     assert checked > 8 and any(e[0] == "observe" and e[1] is not None and max(e[2]) > 0 for e in policy.seen)
+    told = len(policy.left)
+    engine_for(cfg, target, trained_draft, policy, max_batch=2).generate(
+        [Request([1, 3, 4], max_new_tokens=30)], SamplingParams(temperature=0.0, max_new_tokens=30))
+    assert len(policy.left) > told and all(left is None for left in policy.left[told:])
 
 
 def test_draft_catch_up_after_plain_steps_feeds_only_a_window(small_vocab, trained_draft):

@@ -114,7 +114,7 @@ def gpu_fixed_concurrency(acceptance: AcceptanceProfile, levels: Sequence[int], 
             costs = Roofline(hw, model)
             for B in levels:
                 wl = Workload(f"fixed {B}", [SimRequest(i, prompt_len, tokens) for i in range(B)], tokens,
-                              prompt_len + tokens + 1)
+                              prompt_len + tokens + 1, known_lengths=True)
                 runs = [{m: r["seconds"] for m, r in run_policies(wl, costs, acceptance, GPU_STATICS, max(B, 1), 1,
                                                                   seed + k).items()}
                         for k in range(fixed_seeds(B))]

@@ -140,6 +140,8 @@ def simulate(workload: Workload, costs: Costs, acceptance: AcceptanceProfile | N
             B = rows.n
             ctx_max, ctx_sum = rows.context()
             t = time.perf_counter()
+            if speculating and (tokens_left := getattr(policy, "tokens_left", None)) is not None:
+                tokens_left((rows.limit - rows.generated).tolist() if workload.known_lengths else None)
             config = policy.choose(B, ctx_max if costs.padded else ctx_sum / B) if speculating else None
             policy_s_step = time.perf_counter() - t
             if config is None:

@@ -127,7 +127,7 @@ def validate(engine, engine_policies: dict[str, SpeculationPolicy], profiler: Cp
         policies["static"] = Static(static_cfg)
         for B in levels:
             wl = Workload(f"sweep{B}", [SimRequest(i, sweep_prompts[B][i], tokens) for i in range(B)], tokens,
-                          max_context)
+                          max_context, known_lengths=True)
             for rep in range(level_reps(reps, B) + 1):
                 for mode in SWEEP_MODES:
                     run = simulate(wl, local[f"sweep_B{B}"], profiles[f"sweep_B{B}"], policies[mode],

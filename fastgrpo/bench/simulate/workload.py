@@ -24,6 +24,9 @@ class Workload:
     max_new: int
     max_context: int
     description: str = ""
+    # EOS ignored (a bench's fixed lengths): every row runs to its length, and the engine tells the policy each
+    # row's tokens left (`Aware.tokens_left`); else a length stands for where a row meets EOS, unknown ahead
+    known_lengths: bool = False
 
 
 def grpo_workload(name: str, prompt_lens: Sequence[int], lengths: Sequence[Sequence[int]], max_new: int,

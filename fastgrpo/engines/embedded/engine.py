@@ -372,8 +372,12 @@ class EmbeddedEngine:
                 t, captures = time.perf_counter(), self.graphs.captures
                 cached = [_cached(s) for s in running]
                 context = max(cached)
-                config = (self.policy.choose(len(running), context)
-                          if self._pending is not None and self.speculating else None)
+                speculating = self._pending is not None and self.speculating
+                if speculating and (tokens_left := getattr(self.policy, "tokens_left", None)) is not None:
+                    # exact only where EOS is ignored (a bench's fixed lengths): then a row runs its budget
+                    tokens_left([min(s.max_new, self.max_context - s.prompt_len) - len(s.tokens) for s in running]
+                                if sampling.ignore_eos else None)
+                config = self.policy.choose(len(running), context) if speculating else None
                 if config is not None and self.index is not None:
                     drafting = (len(running), self._host_seconds(), self._counts["hidden_s"])
                 self._in_step = True
