@@ -260,12 +260,12 @@ def test_aware_does_not_search_its_trees_again_at_every_plain_step():
     aware = Aware(CostModel({t: 0.003 + 0.0006 * t for t in sizes}, {t: 0.0005 + 0.0001 * t for t in sizes}))
     plain_once(aware, 16)
     assert aware.choose(16, 100) is None
-    kept = aware._trees[(16, aware.context)]
+    kept = aware._trees[(16, aware.context, None)]  # (None: the rows' lengths not known)
     for context in range(100, 140):  # 100 to 139 cached tokens: two levels (2^6.75 ~ 108, 2^7 = 128)
         assert aware.choose(16, context) is None
         aware.observe(None, 16, 16, aware.costs.target(16) * 1.1)
-    assert aware._trees[(16, context_level(100))] is kept
-    assert sorted(level for running, level in aware._trees if running == 16) == [2**6.75, 2**7]
+    assert aware._trees[(16, context_level(100), None)] is kept
+    assert sorted(level for running, level, _ in aware._trees if running == 16) == [2**6.75, 2**7]
 
 
 def test_aware_probes_less_often_while_probes_confirm_its_choice():

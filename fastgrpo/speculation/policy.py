@@ -80,19 +80,23 @@ def batch_seconds(left: np.ndarray, rows: np.ndarray, mean: np.ndarray, second: 
     mean, second = mean[:, None], second[:, None]
     mu = (left[None, :] - 1 + (second + mean) / (2 * mean)) / mean  # [shapes, row groups]
     sd = np.sqrt(left[None, :] * np.maximum(second - mean**2, 0.0) / mean**3)
+    summed = (rows[None, :] * mu).sum(axis=1)
     # E[max] = sum over steps k of P(the last row runs past k): 1 below the longest row's lower reach, 0
-    # above its upper; summed at up to 64 steps between (a stride beyond), with a continuity correction
-    lo = np.maximum(np.floor((mu - 6 * sd).max(axis=1) - 0.5), 0.0)
-    hi = np.ceil((mu + 6 * sd).max(axis=1))
-    stride = max(1.0, math.ceil(float((hi - lo).max(initial=0.0)) / 64))
-    k = lo[:, None] + stride * np.arange(64)[None, :] + (stride - 1) / 2  # [shapes, steps]
+    # above its upper (4.5 standard deviations); summed at up to 32 steps between (a stride beyond), with a
+    # continuity correction, over the rows that can still be running there
+    lo = np.maximum(np.floor((mu - 4.5 * sd).max(axis=1) - 0.5), 0.0)
+    hi = np.ceil((mu + 4.5 * sd).max(axis=1))
+    late = (mu + 4.5 * sd >= lo[:, None]).any(axis=0)
+    mu, sd, rows = mu[:, late], sd[:, late], rows[late]
+    stride = max(1.0, math.ceil(float((hi - lo).max(initial=0.0)) / 32))
+    k = lo[:, None] + stride * np.arange(32)[None, :] + (stride - 1) / 2  # [shapes, steps]
     below = normal_cdf((k[:, :, None] + 0.5 - mu[:, None, :]) / np.maximum(sd, 1e-9)[:, None, :])
-    all_ended = np.exp((rows[None, None, :] * np.log(np.maximum(below, 1e-300))).sum(axis=2))
+    all_ended = np.exp((rows * np.log(np.maximum(below, 1e-300))).sum(axis=2))
     last = lo + stride * np.where(k < hi[:, None], 1.0 - all_ended, 0.0).sum(axis=1)
     per_row = (at_batch - at_one) / (batch - 1) if batch > 1 else np.zeros_like(at_batch)
     per_row = np.maximum(per_row, 0.0)
     fixed = np.maximum(at_batch - per_row * batch, 0.0)
-    return fixed * last + per_row * (rows[None, :] * mu).sum(axis=1)
+    return fixed * last + per_row * summed
 
 
 class SpeculationPolicy(Protocol):
@@ -504,10 +508,10 @@ class Aware(Off):
         # model's graph-replayed step. The step fits are refit once per bucket in that time, and acceptance
         # read once. Each: the best tree, the best `explore` shapes, the contrast to measure (`_contrast`)
         self._searched: dict[tuple[int, float, float | None], Searched] = {}
-        # per running count and context level: the searched tree, its goodput and its step seconds there
-        # (and plain decoding's goodput then: a decision compares the two as priced together, not a tree
-        # priced a search ago with plain decoding priced now)
-        self._trees: dict[tuple[int, float | None], tuple[SpecConfig | None, float, float, float]] = {}
+        # per running count, context level and longest row's tokens left (quarter octaves; None: not known):
+        # the searched tree, its goodput and its step seconds there (and plain decoding's goodput then: a
+        # decision compares the two as priced together, not a tree priced a search ago with plain now)
+        self._trees: dict[tuple[int, float | None, float | None], tuple[SpecConfig | None, float, float, float]] = {}
         self._fitted: set[int] = set()  # buckets whose step fit was refit since the searches were forgotten
         self._prices: dict[tuple[SpecConfig | None, int, float | None], float] = {}  # _calibrated_seconds, likewise
         self._emitted: np.ndarray | None = None  # every candidate's expected tokens a row, likewise
@@ -544,11 +548,15 @@ class Aware(Off):
 
     def tokens_left(self, left: Sequence[int] | None) -> None:
         """Each running row's tokens left, where every row will emit exactly that many (EOS ignored, as a
-        bench's fixed lengths), else None: an engine calls it before each `choose`."""
+        bench's fixed lengths), else None: an engine calls it before each `choose`. Kept as at most 32
+        distinct counts (rounded up to a 32nd of the longest): a batch's time prices every distinct count
+        at every step of its end, and rows far from the longest hardly move it."""
         if left is None or len(left) == 0:
             self._left = None
             return
-        values, rows = np.unique(np.asarray(left, dtype=np.float64), return_counts=True)
+        counts = np.asarray(left, dtype=np.float64)
+        grain = max(1.0, math.ceil(float(counts.max()) / 32))
+        values, rows = np.unique(np.ceil(counts / grain) * grain, return_counts=True)
         self._left = (values, rows.astype(np.float64))
 
     def _correction(self, kind: str, running: int) -> float:
@@ -645,15 +653,21 @@ class Aware(Off):
         shapes: list[SpecConfig | None] = [None, *dict.fromkeys([best, *self._search(running)[2]])]
         if self._moments is None:
             self._moments = self.acceptance.moments_many(self.shapes)
-        at = [self.shapes.index[c] for c in shapes[1:]]
-        mean = np.concatenate([[1.0], self._moments[0][at]])
-        second = np.concatenate([[1.0], self._moments[1][at]])
-        fit, scale = self._fit(running), self._correction("off", running)
-        plain_one = self._calibrated_seconds(None, 1)
-        at_batch = np.array([self.predicted_seconds(c, running) for c in shapes])
-        at_one = np.array([plain_one * scale] + [fit.seconds(self._calibrated_seconds(c, 1), c, plain_one, scale)
-                                                 for c in shapes[1:]])
-        rates = float((left * rows).sum()) / batch_seconds(left, rows, mean, second, at_batch, at_one, running)
+        emitted, squares = self._moments
+        at = np.array([self.shapes.index[c] for c in shapes[1:]])
+        fit, scale, s = self._fit(running), self._correction("off", running), self.shapes
+        residual = s.scatter(fit.residual)[at]
+
+        def step_seconds(n: int) -> np.ndarray:  # plain's and the trees' at n rows, by this bucket's fit
+            plain = self._calibrated_seconds(None, n)
+            trees = fit.seconds_of(self._calibrated_seconds_many(emitted, n)[at], s.depth[at], s.nodes[at], plain,
+                                   scale, residual)
+            return np.concatenate([[plain * scale], trees])
+
+        at_batch = step_seconds(running)
+        mean, second = np.concatenate([[1.0], emitted[at]]), np.concatenate([[1.0], squares[at]])
+        seconds = batch_seconds(left, rows, mean, second, at_batch, step_seconds(1), running)
+        rates = float((left * rows).sum()) / seconds
         i = 1 + int(np.argmax(rates[1:]))
         held = self._held.get(self._bucket(running))
         if held in shapes and rates[shapes.index(held)] * (1 + self.switch_margin) >= rates[i]:
