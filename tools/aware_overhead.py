@@ -2,7 +2,7 @@
 
     python tools/aware_overhead.py [--model configs/models/llama-3.1-8b-instruct.json | --policy-size gpu]
                                    [--gpu h100] [--running 1,4,16,64,256] [--tokens 2048] [--alpha 0.7]
-                                   [--beta 0.7] [--batch 64 --max-tokens 1024] [--against-fixed] [--no-ahead]
+                                   [--beta 0.7] [--batch 64 --max-tokens 1024] [--against-fixed] [--no-ahead] [--known]
 
 `--policy-size gpu` prices the GPU check's policy (fastgrpo's own `gpu` size, 308.6M parameters with its
 task's 296-token vocabulary, `--vocab`), whose steps are the shortest `aware` decides on.
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -71,14 +72,18 @@ def overlapped(policy, ahead: bool, running: int, context: float, config, second
 
 
 def drive(policy, roofline, profile, running: int, tokens_each: int, seed: int, prompt: int = 64,
-          ahead: bool = True) -> dict:
+          ahead: bool = True, known: bool = False) -> dict:
     """Decode steps of `running` sequences under `policy` until each has emitted `tokens_each` tokens
-    after a `prompt`-token prompt; host seconds of its calls (of `ahead`'s, those the steps do not hide)."""
+    after a `prompt`-token prompt; host seconds of its calls (of `ahead`'s, those the steps do not hide).
+    `known`: the policy is told the rows' tokens left before each step, as an engine ignoring EOS tells it
+    (every row the mean's: the rows here advance together), timed with `choose`."""
     rng = np.random.default_rng(seed)
     context, choose_s, observe_s, ahead_s, exposed_s, step_s, chosen = float(prompt), 0.0, 0.0, 0.0, 0.0, 0.0, None
     tokens = changes = steps = 0
     while context < prompt + tokens_each:
         t = time.perf_counter()
+        if known and (tokens_left := getattr(policy, "tokens_left", None)) is not None:
+            tokens_left([max(1, math.ceil(prompt + tokens_each - context))] * running)
         config = policy.choose(running, context)
         choose_s += time.perf_counter() - t
         accepted, emitted, seconds = simulated_step(config, running, int(context), profile, roofline, rng)
@@ -176,6 +181,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--against-fixed", action="store_true", help="also run plain decoding and every candidate "
                    "tree, fixed, over the same tokens and seeds (best_fixed): aware's SIMULATED tokens/s against "
                    "the best")
+    p.add_argument("--known", action="store_true", help="tell aware the rows' tokens left before each step "
+                   "(`Aware.tokens_left`, as an engine ignoring EOS does): the batch's time ranks its trees")
     p.add_argument("--no-ahead", action="store_true", help="never call aware's `ahead` (an eager engine's steps, "
                    "which have no wait on the device to overlap): every search in `choose`")
     args = p.parse_args(argv)
@@ -217,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for running in (int(x) for x in args.running.split(",")):
         runs = [drive(Aware(costs, acceptance_prior=args.alpha), roofline, profile, running, args.tokens, seed,
-                      ahead=not args.no_ahead) for seed in range(5)]
+                      ahead=not args.no_ahead, known=args.known) for seed in range(5)]
         row = {"running": running, **{k: statistics.median(r[k] for r in runs)
                                        for k in ("choose_us", "observe_us", "ahead_us", "exposed_us", "step_ms", "changes")},
                "choice": statistics.mode(r["choice"] for r in runs)}

@@ -796,20 +796,25 @@ class Aware(Off):
         searches one step older; the searches of the levels the next step may reach (its context grows by
         one token to `config`'s depth + 1, and a row may retire) are made before it asks. So on a GPU a
         search costs no step its time (a search is a tenth of a small model's replayed step). Once an
-        engine calls it, the periodic search waits for it; a caller that never does searches in `choose`."""
+        engine calls it, the periodic search waits for it; a caller that never does searches in `choose`.
+        Where the rows' lengths are known, their tokens left shrink as the context grows (a batch's time is
+        ranked anew at each quarter octave of its longest row's, `_batch_tree`, several times a step's
+        search), and a row that retires changes them past guessing: the next step at these rows only."""
         self._ahead, self._chosen_since_ahead = True, 0
         self._learn_deferred()
         if self._stale:
             self._forget_searches()
         grow = 1 + (config.depth if config is not None else 0)
-        decided = self.context  # (this step's: `choose` set it)
+        decided, told = self.context, self._left  # (this step's: `choose` and `tokens_left` set them)
         for rows in dict.fromkeys((running, max(running - 1, 1))):
-            if not self._steps["off", self._bucket(rows)]:
+            if not self._steps["off", self._bucket(rows)] or (told is not None and rows != running):
                 continue  # (its first step is plain, and its first measurement searches anew)
-            for ctx in dict.fromkeys(context_level(None if context is None else context + d) for d in (1, grow)):
-                self.context = ctx
+            for d in dict.fromkeys((1, grow)):
+                self.context = context_level(None if context is None else context + d)
+                if told is not None:
+                    self._left = (np.maximum(told[0] - d, 1.0), told[1])
                 self._tree(rows)
-        self.context = decided
+        self.context, self._left = decided, told
 
     def _learn_acceptance(self, config: SpecConfig | None, accepted: list[int] | None) -> None:
         """Learn from a step's accepted lengths: at once, or, where an engine calls `ahead`, there (a step of
