@@ -530,8 +530,8 @@ class Aware(Off):
         # (aware_per_sequence), None for every level; acceptance learns only the levels tried
         self.verified_depth: list[int] | None = None
         self.probes = 0  # probe and contrast steps taken (the guarantee bench reports what they cost)
-        # the running rows' tokens left, where exact (`tokens_left`): distinct counts and their rows
-        self._left: tuple[np.ndarray, np.ndarray] | None = None
+        # the running rows' tokens left, where exact (`tokens_left`)
+        self._left: Sequence[int] | None = None
         self._moments: tuple[np.ndarray, np.ndarray] | None = None  # acceptance's, kept as `_emitted` is
         self._after_plain = False  # the last step observed was plain (`observe`)
 
@@ -548,16 +548,19 @@ class Aware(Off):
 
     def tokens_left(self, left: Sequence[int] | None) -> None:
         """Each running row's tokens left, where every row will emit exactly that many (EOS ignored, as a
-        bench's fixed lengths), else None: an engine calls it before each `choose`. Kept as at most 32
-        distinct counts (rounded up to a 32nd of the longest): a batch's time prices every distinct count
-        at every step of its end, and rows far from the longest hardly move it."""
-        if left is None or len(left) == 0:
-            self._left = None
-            return
+        bench's fixed lengths), else None: an engine calls it before each `choose` (kept as given: read only
+        when a batch's time is ranked, `_batch_tree`)."""
+        self._left = left if left else None
+
+    @staticmethod
+    def _row_groups(left: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Rows' tokens left as at most 32 distinct counts (rounded up to a 32nd of the longest) and the rows
+        of each: a batch's time prices every distinct count at every step of its end, and rows far from the
+        longest hardly move it."""
         counts = np.asarray(left, dtype=np.float64)
         grain = max(1.0, math.ceil(float(counts.max()) / 32))
         values, rows = np.unique(np.ceil(counts / grain) * grain, return_counts=True)
-        self._left = (values, rows.astype(np.float64))
+        return values, rows.astype(np.float64)
 
     def _correction(self, kind: str, running: int) -> float:
         return self.correction.get((kind, self._bucket(running)), 1.0)
@@ -631,14 +634,14 @@ class Aware(Off):
         decoding's goodput there, priced at the same time; where the rows' lengths are known, the goodputs
         are over the batch's remaining time (`_batch_tree`), searched again as its longest row's tokens
         left fall by a quarter octave."""
-        left = self._left if self._left is not None and self._left[1].sum() == running else None
-        key = (running, self.context, None if left is None else quarter_octave(left[0][-1]))
+        left = self._left if self._left is not None and len(self._left) == running else None
+        key = (running, self.context, None if left is None else quarter_octave(max(left)))
         if key not in self._trees:
             best, plain = self._search(running)[0], self.goodput(None, running)
             if best is None:
                 self._trees[key] = (None, 0.0, 0.0, plain)
             elif left is not None:
-                self._trees[key] = self._batch_tree(running, best, *left)
+                self._trees[key] = self._batch_tree(running, best, *self._row_groups(left))
             else:
                 self._trees[key] = (best, self.goodput(best, running), self.predicted_seconds(best, running), plain)
         return self._trees[key]
@@ -812,7 +815,7 @@ class Aware(Off):
             for d in dict.fromkeys((1, grow)):
                 self.context = context_level(None if context is None else context + d)
                 if told is not None:
-                    self._left = (np.maximum(told[0] - d, 1.0), told[1])
+                    self._left = [max(n - d, 1) for n in told]
                 self._tree(rows)
         self.context, self._left = decided, told
 
