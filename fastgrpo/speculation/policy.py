@@ -533,6 +533,7 @@ class Aware(Off):
         # the running rows' tokens left, where exact (`tokens_left`)
         self._left: Sequence[int] | None = None
         self._moments: tuple[np.ndarray, np.ndarray] | None = None  # acceptance's, kept as `_emitted` is
+        self._batch_prices: dict[tuple[int, float | None, SpecConfig], tuple] = {}  # `_batch_shapes`, likewise
         self._after_plain = False  # the last step observed was plain (`observe`)
 
     _bucket = staticmethod(concurrency_bucket)
@@ -652,7 +653,23 @@ class Aware(Off):
         next `BATCH_SHAPES` by goodput, and plain decoding, priced by the batch's remaining time, each held
         to its end (`batch_seconds`; a step at one row is priced by this bucket's step fit at one row's
         forwards). Goodputs are the batch's tokens over that time; the bucket's held tree stays while within
-        `switch_margin` of the best."""
+        `switch_margin` of the best. The shapes' moments and step prices are kept per running count and
+        context as the searches are: as the rows' tokens left fall, only the batch's time is priced anew."""
+        if (key := (running, self.context, best)) not in self._batch_prices:
+            self._batch_prices[key] = self._batch_shapes(running, best)
+        shapes, mean, second, at_batch, at_one = self._batch_prices[key]
+        seconds = batch_seconds(left, rows, mean, second, at_batch, at_one, running)
+        rates = float((left * rows).sum()) / seconds
+        i = 1 + int(np.argmax(rates[1:]))
+        held = self._held.get(self._bucket(running))
+        if held in shapes and rates[shapes.index(held)] * (1 + self.switch_margin) >= rates[i]:
+            i = shapes.index(held)
+        return shapes[i], float(rates[i]), float(at_batch[i]), float(rates[0])
+
+    def _batch_shapes(self, running: int, best: SpecConfig) -> tuple[list[SpecConfig | None], np.ndarray, np.ndarray,
+                                                                      np.ndarray, np.ndarray]:
+        """`_batch_tree`'s shapes (plain decoding first), their E[X] and E[X^2] a row, and their step seconds at
+        `running` rows and at one."""
         shapes: list[SpecConfig | None] = [None, *dict.fromkeys([best, *self._search(running)[2]])]
         if self._moments is None:
             self._moments = self.acceptance.moments_many(self.shapes)
@@ -667,15 +684,8 @@ class Aware(Off):
                                    scale, residual)
             return np.concatenate([[plain * scale], trees])
 
-        at_batch = step_seconds(running)
         mean, second = np.concatenate([[1.0], emitted[at]]), np.concatenate([[1.0], squares[at]])
-        seconds = batch_seconds(left, rows, mean, second, at_batch, step_seconds(1), running)
-        rates = float((left * rows).sum()) / seconds
-        i = 1 + int(np.argmax(rates[1:]))
-        held = self._held.get(self._bucket(running))
-        if held in shapes and rates[shapes.index(held)] * (1 + self.switch_margin) >= rates[i]:
-            i = shapes.index(held)
-        return shapes[i], float(rates[i]), float(at_batch[i]), float(rates[0])
+        return shapes, mean, second, step_seconds(running), step_seconds(1)
 
     def _search(self, running: int) -> Searched:
         """The best tree among the candidates (the bucket's held tree while within `switch_margin` of it)
@@ -743,6 +753,7 @@ class Aware(Off):
         self._fitted.clear()
         self._emitted = None
         self._moments = None
+        self._batch_prices.clear()
         self._since_search = 0
 
     def _probe_choice(self, running: int, choice: SpecConfig | None) -> SpecConfig | None:
