@@ -4,13 +4,14 @@ finish unevenly, and the last rows decode at fewer rows, where a step costs more
 decoding never has; a tree chosen for its rate a step at the batch's rows is not the best for the batch. Per
 truth, rows and length: the best tree a step at the full batch and its rate over plain decoding's; the best
 fixed choice over the whole batch (plain or a static tree, by its mean seconds over the seeds) and plain's
-time over it; `aware` (one object over a warm-up call and one call per seed, as `bench rollout` keeps it)
-against both, each a ratio of means over the same seeds, with the standard error of the per-seed ratios
-(a short batch's time varies by several percent from seed to seed, with the draws of acceptance): the
-batch's best over a step's best is what a step's rate costs as an objective; a step's best held fixed over
-aware, what aware's learning costs in the batch.
+time over it; `aware` (one object over a warm-up call and one call per seed, as `bench rollout` keeps it;
+told each row's tokens left before each step, as the engine tells it where EOS is ignored, or with `--unknown`
+told nothing: then it ranks trees by their goodput a step) against both, each a ratio of means over the same
+seeds, with the standard error of the per-seed ratios (a short batch's time varies by several percent from
+seed to seed, with the draws of acceptance): the batch's best over a step's best is what a step's rate costs
+as an objective; a step's best held fixed over aware, what aware's learning costs in the batch.
 
-    python tools/aware_fixed_length.py --rows 16,64 --tokens 48,128 --seeds 10
+    python tools/aware_fixed_length.py --rows 16,64 --tokens 48,128 --seeds 10 [--truths graphed,...] [--unknown]
 """
 
 from __future__ import annotations

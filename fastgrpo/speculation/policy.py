@@ -442,11 +442,10 @@ class Aware(Off):
     seeded with the draft's measured acceptance when known. Where every row's length is known (EOS
     ignored: `tokens_left`), the best few shapes by goodput are ranked again by the batch's remaining
     time, each held to its end (`batch_seconds`: rows that end unevenly keep the batch running at its
-    slowest). A tree must beat plain decoding by `margin`
-    to be chosen; the shapes not chosen (plain decoding, the next best trees) are probed now and then,
-    and between probes their evidence follows the machine's pace as the running kind's steps read it
-    (`observe`). Before a bucket holds a tree, trees of contrasting sizes are measured there, until the
-    step fit can part its costs (`_contrast`)."""
+    slowest). A tree must beat plain decoding by `margin` to be chosen; the shapes not chosen (plain
+    decoding, the next best trees) are probed now and then, and between probes their evidence follows the
+    machine's pace as the running kind's steps read it (`observe`). Before a bucket holds a tree, trees of
+    contrasting sizes are measured there, until the step fit can part its costs (`_contrast`)."""
 
     name = "aware"
 
