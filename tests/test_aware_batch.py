@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from fastgrpo.bench.simulate import SimRequest, Workload, eagle_profile, simulate
-from fastgrpo.speculation.policy import Aware, Off, Static, batch_seconds, candidate_configs
+from fastgrpo.speculation.batch_time import batch_seconds
+from fastgrpo.speculation.policy import Aware, Off, Static, candidate_configs
 from fastgrpo.speculation.spec import SpecConfig
 from tests.test_aware_steps import cheap_speculation, dear_speculation, gpu_calibration, rollout_seconds
 
