@@ -9,7 +9,7 @@ import pytest
 
 from fastgrpo.bench.simulate import SimRequest, Workload, eagle_profile, simulate
 from fastgrpo.speculation.batch_time import batch_seconds
-from fastgrpo.speculation.policy import Aware, Off, Static, candidate_configs
+from fastgrpo.speculation.policy import AcceptanceModel, Aware, Off, Shapes, Static, candidate_configs
 from fastgrpo.speculation.spec import SpecConfig
 from tests.test_aware_steps import cheap_speculation, dear_speculation, gpu_calibration, rollout_seconds
 
@@ -61,8 +61,6 @@ def test_batch_seconds_matches_the_steps_of_rows_drawn_one_by_one(tokens, rows, 
 def test_acceptance_learns_the_second_moment_of_a_shapes_tokens():
     """After 4,000 rows of a shape, its E[X] and E[X^2] (`moments_many`) are the rows' own, within 2%, from a
     prior that said otherwise (alpha 0.6 against the rows' 0.85)."""
-    from fastgrpo.speculation.policy import AcceptanceModel, Shapes
-
     shape, rng = SpecConfig(3, 1, 4), random.Random(3)
     model, shapes = AcceptanceModel(), Shapes(candidate_configs())
     drawn = [tree_tokens(rng, 0.85, 3) for _ in range(4000)]
