@@ -228,11 +228,14 @@ class AcceptanceModel:
         reach = np.cumprod(np.where(shapes.has_level, 1 - (1 - alpha[None, :]) * miss, 1.0), axis=1)
         return np.where(shapes.has_level, reach, 0.0)
 
+    def _blend(self, shapes: Shapes, prior: np.ndarray, sums: dict[SpecConfig, float]) -> np.ndarray:
+        """The prior's figure per shape, weighed `prior_weight` rows, with the rows measured of each (`sums`
+        over `count` rows; the shapes measured are a few)."""
+        return (prior * self.prior_weight + shapes.scatter(sums)) / (self.prior_weight + shapes.scatter(self.count))
+
     def expected_many(self, shapes: Shapes) -> np.ndarray:
         """`expected` of every shape at once."""
-        prior = 1.0 + self._reach_many(shapes).sum(axis=1)
-        emitted, count = shapes.scatter(self.sum_emitted), shapes.scatter(self.count)  # (the shapes measured)
-        return (prior * self.prior_weight + emitted) / (self.prior_weight + count)
+        return self._blend(shapes, 1.0 + self._reach_many(shapes).sum(axis=1), self.sum_emitted)
 
     def moments_many(self, shapes: Shapes) -> tuple[np.ndarray, np.ndarray]:
         """Every shape's tokens a row a step X: E[X] (`expected_many`) and E[X^2], the prior's (X = 1 + A, A
@@ -241,8 +244,7 @@ class AcceptanceModel:
         reach = self._reach_many(shapes)
         levels = reach.sum(axis=1)
         second = 1.0 + 2.0 * levels + (reach * (2.0 * shapes.levels - 1.0)[None, :]).sum(axis=1)
-        squares, count = shapes.scatter(self.sum_squares), shapes.scatter(self.count)
-        return self.expected_many(shapes), (second * self.prior_weight + squares) / (self.prior_weight + count)
+        return self._blend(shapes, 1.0 + levels, self.sum_emitted), self._blend(shapes, second, self.sum_squares)
 
     def observe(self, c: SpecConfig, accepted: list[int], verified_depth: list[int] | None = None) -> None:
         """`verified_depth`: per sequence, the deepest level of its tree that was verified at all (a
@@ -477,7 +479,8 @@ class Aware(Off):
         self._trees: dict[tuple[int, float | None, float | None], tuple[SpecConfig | None, float, float, float]] = {}
         self._fitted: set[int] = set()  # buckets whose step fit was refit since the searches were forgotten
         self._prices: dict[tuple[SpecConfig | None, int, float | None], float] = {}  # _calibrated_seconds, likewise
-        self._emitted: np.ndarray | None = None  # every candidate's expected tokens a row, likewise
+        # every candidate's expected tokens a row and their second moment (`AcceptanceModel.moments_many`), likewise
+        self._moments: tuple[np.ndarray, np.ndarray] | None = None
         self._since_search = 0  # speculative steps since the searches were forgotten
         # an engine that calls `ahead` while the device runs a step (its static steps) takes the periodic
         # search off the steps' path: a refresh due after a step waits for the next `ahead` (`_stale`)
@@ -495,7 +498,6 @@ class Aware(Off):
         self.probes = 0  # probe and contrast steps taken (the guarantee bench reports what they cost)
         # the running rows' tokens left, where exact (`tokens_left`)
         self._left: Sequence[int] | None = None
-        self._moments: tuple[np.ndarray, np.ndarray] | None = None  # acceptance's, kept as `_emitted` is
         self._batch_prices: dict[tuple[int, float | None, SpecConfig], tuple] = {}  # `_batch_shapes`, likewise
         self._after_plain = False  # the last step observed was plain (`observe`)
 
@@ -580,13 +582,17 @@ class Aware(Off):
         emitted = 1.0 if c is None else self.acceptance.expected(c)
         return running * emitted / self.predicted_seconds(c, running)
 
+    def _acceptance_moments(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every candidate's E[X] and E[X^2] a row, read from acceptance once a search cycle."""
+        if self._moments is None:
+            self._moments = self.acceptance.moments_many(self.shapes)
+        return self._moments
+
     def _rates(self, running: int) -> np.ndarray:
         """`goodput` of every candidate by the same arithmetic, as arrays (`Shapes`): on a GPU a search one
         shape at a time cost a few percent of a graph-replayed step, which `aware` must not lose to its
         fixed rivals."""
-        if self._emitted is None:
-            self._emitted = self.acceptance.expected_many(self.shapes)
-        emitted = self._emitted
+        emitted = self._acceptance_moments()[0]
         forwards = self._calibrated_seconds_many(emitted, running)
         plain, scale = self._calibrated_seconds(None, running), self._correction("off", running)
         fit = self._fit(running)
@@ -623,10 +629,8 @@ class Aware(Off):
         shapes, mean, second, at_batch, at_one = self._batch_prices[key]
         seconds = batch_seconds(left, rows, mean, second, at_batch, at_one, running)
         rates = float((left * rows).sum()) / seconds
-        i = 1 + int(np.argmax(rates[1:]))
         held = self._held.get(self._bucket(running))
-        if held in shapes and rates[shapes.index(held)] * (1 + self.switch_margin) >= rates[i]:
-            i = shapes.index(held)
+        i = self._holding(rates, 1 + int(np.argmax(rates[1:])), shapes.index(held) if held in shapes else None)
         return shapes[i], float(rates[i]), float(at_batch[i]), float(rates[0])
 
     def _batch_shapes(self, running: int, best: SpecConfig) -> tuple[list[SpecConfig | None], np.ndarray, np.ndarray,
@@ -634,9 +638,7 @@ class Aware(Off):
         """`_batch_tree`'s shapes (plain decoding first), their E[X] and E[X^2] a row, and their step seconds at
         `running` rows and at one."""
         shapes: list[SpecConfig | None] = [None, *dict.fromkeys([best, *self._search(running)[2]])]
-        if self._moments is None:
-            self._moments = self.acceptance.moments_many(self.shapes)
-        emitted, squares = self._moments
+        emitted, squares = self._acceptance_moments()
         at = np.array([self.shapes.index[c] for c in shapes[1:]])
         fit, scale, s = self._fit(running), self._correction("off", running), self.shapes
         residual = s.scatter(fit.residual)[at]
@@ -661,14 +663,15 @@ class Aware(Off):
             rates = self._rates(running)
             order = np.argsort(-rates, kind="stable").tolist()  # best first (of a tie, the earlier)
             ranked = order[: self.explore]
-            best = self.candidates[ranked[0]] if ranked else None
-            held = self.shapes.index.get(self._held.get(b))
-            # (a held tree means candidates, so ranked is not empty)
-            if held is not None and rates[held] * (1 + self.switch_margin) >= rates[ranked[0]]:
-                best = self.candidates[held]
+            held = self.shapes.index.get(self._held.get(b))  # (a held tree means candidates: ranked is not empty)
+            best = self.candidates[self._holding(rates, ranked[0], held)] if ranked else None
             self._searched[level] = (best, [self.candidates[i] for i in ranked], self._distinct(order),
                                      self._contrast(b, rates))
         return self._searched[level]
+
+    def _holding(self, rates: np.ndarray, best: int, held: int | None) -> int:
+        """`best`, unless the bucket's held tree (`held`, an index into `rates`) is within `switch_margin` of it."""
+        return held if held is not None and rates[held] * (1 + self.switch_margin) >= rates[best] else best
 
     def _distinct(self, order: list[int]) -> list[SpecConfig]:
         """The first `BATCH_SHAPES` candidates in `order` of distinct depth and node count: shapes of one size
@@ -714,7 +717,6 @@ class Aware(Off):
         self._prices.clear()
         self._trees.clear()
         self._fitted.clear()
-        self._emitted = None
         self._moments = None
         self._batch_prices.clear()
         self._since_search = 0
