@@ -123,6 +123,9 @@ class EngineStats(TypedDict, total=False):
     index_accepted: int
     # (a static step's share of those seconds that ran while its learned draft's step computed, third)
     host_steps: list[tuple[int, float, float]]
+    # embedded only: the host seconds of the speculation policy's `choose` (with the rows' tokens left it is
+    # told) and `observe`, on every decode step's path: what an adaptive policy costs beside a fixed one
+    policy_s: float
     # static steps: the host seconds of the policy's `ahead` (run while the device computes the step) and of
     # the wait on the device after it (a wait left: the steps outlasted `ahead`; the CPU: 0; SGLang: absent)
     ahead_s: float

@@ -200,6 +200,7 @@ def test_bench_guarantee_pairs_aware_with_off_at_each_thread_count(tmp_path, tin
             assert every[0] <= pool["ci95"][0] <= pool["median"] <= pool["ci95"][1] <= every[-1]
             for p in (p for pairs in r["runs"] for p in pairs):  # a block without speculative steps lost nothing to them
                 assert p["probes"] >= 0 and (p["spec_fraction"] > 0 or p["spec_net_fraction"] == 0)
+                assert 0 < p["policy_fraction"] < 0.5  # aware's host time: some, and no more than it plausibly is
         assert list(passed["aa"]) == list(loads)  # the noise floor of every workload
         for r in passed["aa"].values():
             blocks = [b for run in r["runs"] for b in run]

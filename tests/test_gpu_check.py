@@ -193,6 +193,7 @@ def test_every_stage_runs_on_the_cpu_with_plausible_numbers(check):
         assert all(row[f"{mode}_runs"] == size.reps and row[f"{mode}_tok_s_se"] >= 0 for mode in SWEEP_MODES)
         assert row["aa_ratio"] == pytest.approx(row["static_aa_tok_s"] / row["static_tok_s"])
         assert row["aware_ahead_s"] > 0 and row["aware_wait_s"] == 0  # static steps on the CPU: nothing to wait for
+        assert 0 < row["aware_policy_share"] < 1 and row["aware_policy_s"] > 0
         assert row["aware_vs_best"] == pytest.approx(row["aware_tok_s"] / max(row[f"{m}_tok_s"] for m in
                                                                                 ("off", "static", "fastgrpo", "tlt")))
     g = r["grpo_batch"]
@@ -313,7 +314,8 @@ def test_the_markdown_has_every_table(check):
                   "| running | off | static | static_aa |", "A/A", "aware's step shapes", "Decode steps alone",
                   "| running | shape | eager ms | static ms |", "| fused ms | static / fused |", "Kernels one step launches", "fitted to the static steps", "| max abs |",
                   "A scaled-down Llama-3.1-8B structure", "| fused: step ms |",
-                  "CUDA graphs a GPU would capture (each step key's first call, counted by the replay check here): "):
+                  "CUDA graphs a GPU would capture (each step key's first call, counted by the replay check here): ",
+                  "aware's own host time a call", "; aware's own host time "):
         assert table in md_text, table
     assert "| 4 | d6k8n48 |" in md_text and " ± " in md_text  # a step row, standard errors
 

@@ -34,7 +34,7 @@ def test_a_sweep_level_reports_the_aa_ratio_and_aware_against_the_best_fixed_cho
     assert row["aware_vs_best"] == pytest.approx(1.0) and row["aware_vs_off"] == pytest.approx(2.0)
     assert row["best"] == "static_aa" and row["best_vs_off"] == pytest.approx(2.1)
     assert row["aware_accept_len"] == 2.5 and row["static_runs"] == 3
-    assert row["aware_ahead_s"] == row["aware_wait_s"] == 0.0  # calls of an engine that reports neither
+    assert row["aware_ahead_s"] == row["aware_wait_s"] == row["aware_policy_s"] == 0.0  # an engine reporting none
 
 
 def test_the_grpo_batch_reports_seconds_the_aa_ratio_and_aware_against_the_best_fixed_choice():
@@ -44,11 +44,14 @@ def test_the_grpo_batch_reports_seconds_the_aa_ratio_and_aware_against_the_best_
     runs = {"off": secs([10, 12, 11]), "static": secs([5, 6, 4]), "static_aa": secs([5.5, 4.5, 5.0]),
             "fastgrpo": secs([7, 7, 7]), "tlt": secs([6, 6, 6]), "aware": secs([4, 4.2, 4.4]),
             "static_2_2_4": secs([4.8, 4.8, 4.8]), "off_unshared_prefill": secs([13, 13, 13])}
-    runs["aware"] = [dict(r, ahead_s=a, wait_s=w, decode_steps=n, static_steps=k, pad_row_share=pr, pad_kv_share=pk)
-                     for r, a, w, n, k, pr, pk in zip(runs["aware"], [0.02, 0.01, 0.03], [0.5, 0.7, 0.6], [100, 80, 90],
-                                                      [90, 80, 45], [0.1, 0.3, 0.2], [0.4, 0.2, 0.3])]
+    runs["aware"] = [dict(r, ahead_s=a, wait_s=w, decode_steps=n, static_steps=k, pad_row_share=pr, pad_kv_share=pk,
+                          policy_s=p)
+                     for r, a, w, n, k, pr, pk, p in zip(runs["aware"], [0.02, 0.01, 0.03], [0.5, 0.7, 0.6], [100, 80, 90],
+                                                         [90, 80, 45], [0.1, 0.3, 0.2], [0.4, 0.2, 0.3], [0.2, 0.21, 0.11])]
     g = grpo_summary(runs, ("off", "static", "fastgrpo", "tlt", "static_2_2_4"))
     assert g["aware_ahead_s"] == 0.02 and g["aware_wait_s"] == 0.6  # medians of its calls
+    # its own host time: median 0.2 s; shares 0.2 / 4 = 0.05, 0.21 / 4.2 = 0.05, 0.11 / 4.4 = 0.025: median 0.05
+    assert g["aware_policy_s"] == 0.2 and g["aware_policy_share"] == pytest.approx(0.05)
     # static steps 90 of 100, 80 of 80, 45 of 90: median 0.9; the shares' medians 0.2 and 0.3
     assert g["padding"]["aware"] == pytest.approx({"static_share": 0.9, "pad_row_share": 0.2, "pad_kv_share": 0.3})
     assert g["padding"]["off"] == {"static_share": 0.0, "pad_row_share": 0.0, "pad_kv_share": 0.0}  # none reported

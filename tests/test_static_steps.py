@@ -428,3 +428,38 @@ def test_each_static_step_calls_the_policys_ahead_while_it_waits_for_the_step(de
     engine(cfg, target, False, draft, eager).generate(requests, GREEDY)
     kinds = [call[0] for call in eager.calls]
     assert "ahead" not in kinds and kinds == ["choose", "observe"] * (len(kinds) // 2) and len(kinds) >= 6
+
+
+def test_the_engine_counts_the_policys_own_host_time(dense):
+    """`policy_s`: the seconds of the policy's `choose` and `observe` (not its `ahead`, counted apart), so that
+    a run reads what an adaptive policy's host work costs it: a policy that waits 2 ms in each shows at
+    least 4 ms a step, and the same policy without the waits well under 1 ms a step."""
+    cfg, target, draft = dense
+
+    class Slow(Static):
+        def __init__(self, wait):
+            super().__init__(SpecConfig(3, 2, 6))
+            self.wait, self.steps = wait, 0
+
+        def choose(self, running, context=None):
+            time.sleep(self.wait)
+            self.steps += 1
+            return self.config if self.steps % 2 else None
+
+        def observe(self, config, running, emitted, seconds, accepted=None):
+            time.sleep(self.wait)
+
+        def ahead(self, running, context=None, config=None):
+            time.sleep(0.01)  # (ahead_s's, not policy_s's)
+
+    requests = [Request(p, max_new_tokens=12) for p in prompts(3, seed=4)]
+    for wait in (0.002, 0.0):
+        e = engine(cfg, target, True, draft, policy := Slow(wait))
+        e.generate(requests, GREEDY)
+        stats = e.stats()
+        steps = stats["decode_steps"]
+        assert steps == policy.steps >= 6 and stats["ahead_s"] >= 0.01 * steps
+        if wait:
+            assert 2 * wait * steps <= stats["policy_s"] < stats["seconds"]
+        else:
+            assert 0 < stats["policy_s"] < 1e-3 * steps

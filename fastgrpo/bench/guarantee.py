@@ -102,6 +102,8 @@ def one_run(engine, cfg: Config, loads: dict, reps: int, aa: bool = False) -> di
                               "spec_fraction": statistics.mean(aware["spec"]), "probes": modes["aware"].probes - probes,
                               # prefill, the policy's decisions and the engine loop: aware's beyond off's
                               "outside_steps_fraction": (aware["outside"] - off["outside"]) / aware["seconds"],
+                              # aware's own choices and updates (in its steps and outside them)
+                              "policy_fraction": aware["policy"] / aware["seconds"],
                               **step_accounting(aware["trace"], off["trace"])})
         out[name] = {"ratio": statistics.median(p["aware_tok_s"] / p["off_tok_s"] for p in pairs),
                      "spec_fraction": statistics.median(p["spec_fraction"] for p in pairs), "pairs": pairs}
@@ -128,7 +130,7 @@ def aa_blocks(engine, cfg: Config, requests: list[Request], sampling: SamplingPa
 def timed_block(engine, modes: dict, requests: list[Request], sampling: SamplingParams, rep: int) -> dict[str, dict]:
     """Block `rep`'s four calls (`abba_block`), per mode in `modes`' order: its tokens and seconds over its two
     calls, their steps' trace, their seconds outside the decode steps, and each call's speculative share."""
-    out = {mode: {"tokens": 0, "seconds": 0.0, "trace": [], "outside": 0.0, "spec": []} for mode in modes}
+    out = {mode: {"tokens": 0, "seconds": 0.0, "trace": [], "outside": 0.0, "policy": 0.0, "spec": []} for mode in modes}
     for mode, seed in abba_block(list(modes), rep, len(requests)):
         engine.set_speculation(modes[mode])
         r = timed_generate(engine, requests, sampling, seed=seed)
@@ -137,6 +139,7 @@ def timed_block(engine, modes: dict, requests: list[Request], sampling: Sampling
         o["seconds"] += r["seconds"]
         o["trace"] += r["trace"]
         o["outside"] += r["seconds"] - sum(step[3] for step in r["trace"])
+        o["policy"] += r["policy_s"]
         o["spec"].append(r["spec_fraction"])
     return out
 
@@ -251,8 +254,9 @@ def markdown(result: dict, command: str) -> str:
              f"alternating) of aware's throughput / off's. Floor: {m['floor']:.2f}x.", "",
              "| threads | workload | runs (aware / off) | worst run | all runs >= floor | all blocks: median [95% CI] "
              "| aware speculative steps (median) | probes per block | aware plain step / off's | speculative steps' "
-             "net time (% of aware's) | tail (% of aware's) | outside the steps, beyond off's (% of aware's) |",
-             "| ---: | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "net time (% of aware's) | tail (% of aware's) | outside the steps, beyond off's (% of aware's) | aware's "
+             "own choices and updates (% of its time) |",
+             "| ---: | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for t, r in result["threads"].items():
         for name, r in r["aware_vs_off"].items():
             ratios, pool, blocks = r["ratios"], r["pooled"], [p for run in r["runs"] for p in run]
@@ -262,7 +266,8 @@ def markdown(result: dict, command: str) -> str:
                          f"{100 * statistics.median(r['spec_fractions']):.0f}% | {_mean(blocks, 'probes'):.2f} | "
                          f"{_mean(blocks, 'plain_step_vs_off'):.3f} | {100 * _mean(blocks, 'spec_net_fraction'):+.1f}% | "
                          f"{100 * _mean(blocks, 'tail_fraction'):.1f}% | "
-                         f"{100 * _mean(blocks, 'outside_steps_fraction'):+.1f}% |")
+                         f"{100 * _mean(blocks, 'outside_steps_fraction'):+.1f}% | "
+                         f"{100 * _mean(blocks, 'policy_fraction'):.2f}% |")
     if any("aa" in r for r in result["threads"].values()):
         lines += ["", "The noise floor: the same blocks (orders and seeds) of plain decoding against itself (A/A: "
                   "two `off` policies), throughput of the second over the first:", "",
@@ -280,7 +285,8 @@ def markdown(result: dict, command: str) -> str:
               "the off plain steps that would have emitted the same tokens, over aware's decode time (negative: "
               "speculation saved time); the tail: aware's steps at fewer rows than off ever ran (speculation lets "
               "some rows finish first), over its decode time, counted in neither; outside the steps: prefill, the "
-              "policy's decisions and the engine loop, aware's seconds beyond off's over aware's.",
+              "policy's decisions and the engine loop, aware's seconds beyond off's over aware's; aware's own choices "
+              "and updates: the host time of its `choose` and `observe` (the engine's `policy_s`), over its time.",
               "", "Engine without speculation against Hugging Face `generate` (static cache) at batch 1, "
               "throughput ratio (median of paired repetitions per run):", "",
               "| threads | runs (engine / HF) | worst run |", "| ---: | --- | ---: |"]

@@ -44,7 +44,7 @@ def timed_generate(engine: EmbeddedEngine, requests: list[Request], sampling: Sa
     return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds, "accept_len": stats["accept_len"],
             "spec_fraction": stats["spec_steps"] / max(stats["decode_steps"], 1), "prefill_s": stats["prefill_s"],
             "decode_steps": stats["decode_steps"], "static_steps": stats["static_steps"],
-            "pad_row_share": stats["pad_row_share"], "pad_kv_share": stats["pad_kv_share"],
+            "pad_row_share": stats["pad_row_share"], "pad_kv_share": stats["pad_kv_share"], "policy_s": stats["policy_s"],
             "trace": stats["trace"], "lengths": [len(o.token_ids) for o in out]}
 
 

@@ -92,7 +92,7 @@ class StepRecord:
 
 
 _COUNTS = ("sequences", "tokens", "seconds", "decode_steps", "prefill_s", "decode_s", "spec_steps", "spec_seq_steps",
-           "spec_emitted", "ahead_s", "wait_s", "capture_s", "static_steps", "token_slots", "padded_slots",
+           "spec_emitted", "policy_s", "ahead_s", "wait_s", "capture_s", "static_steps", "token_slots", "padded_slots",
            "positions_read", "positions_needed")
 
 

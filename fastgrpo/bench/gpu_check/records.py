@@ -139,8 +139,9 @@ def generate_call(engine: EmbeddedEngine, policy: SpeculationPolicy, requests: l
             "tok_s": tokens / max(seconds, 1e-12),
             "accept_len": stats.get("accept_len", 1.0), "spec_fraction": stats.get("spec_steps", 0) / max(steps, 1),
             "prefill_s": stats.get("prefill_s", 0.0), "decode_steps": steps,
-            # the policy's `ahead` in static steps, and the wait on the device after it (> 0: the step hid it)
-            "ahead_s": stats.get("ahead_s", 0.0), "wait_s": stats.get("wait_s", 0.0),
+            # the policy's choices and updates (on the steps' path), its `ahead` in static steps, and the wait on
+            # the device after it (> 0: the step hid it)
+            "policy_s": stats.get("policy_s", 0.0), "ahead_s": stats.get("ahead_s", 0.0), "wait_s": stats.get("wait_s", 0.0),
             # steps that ran static (graph replays on a GPU); padded rows' token slots and the cache positions
             # attention read beyond each row's own, as shares (hardware-independent: what padding costs)
             "static_steps": stats.get("static_steps", 0), "pad_row_share": stats.get("pad_row_share", 0.0),

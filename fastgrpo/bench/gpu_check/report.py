@@ -212,6 +212,12 @@ def _rollout_tables(r: dict | None) -> list[str]:
         lines.append(f"| {row['concurrency']} | " + " | ".join(cells) + f" | {_f(row.get('aa_ratio'), 4)} | "
                      f"{row.get('best_fixed', row.get('best'))} | {_f(row.get('aware_vs_best'))}x | "
                      f"{_f(row.get('aware_vs_off', row['aware_tok_s'] / row['off_tok_s']))}x |")
+    timed = [row for row in r["sweep"] if "aware_policy_s" in row]
+    if timed:
+        lines += ["", "aware's own host time a call (its choices and updates, on the steps' path; medians), and "
+                  "its share of the call: " + "; ".join(
+                      f"{row['concurrency']} running {1e3 * row['aware_policy_s']:.1f} ms "
+                      f"({100 * row['aware_policy_share']:.1f}%)" for row in timed) + "."]
     g = r.get("grpo_batch")
     if g:
         se = g.get("se_s") or {}
@@ -221,7 +227,9 @@ def _rollout_tables(r: dict | None) -> list[str]:
                   "| " + " | ".join(_pm(v, se.get(m)) for m, v in g["all_s"].items()) + " |"]
         if "aware_vs_best" in g:
             lines += ["", f"aware / best fixed ({g['best_fixed']}): {_f(g['aware_vs_best'])}x; aware / off: "
-                      f"{_f(g['aware_vs_off'])}x; A/A ({' / '.join(r.get('aa_pair', []))}): {_f(g.get('aa_ratio'), 4)}."]
+                      f"{_f(g['aware_vs_off'])}x; A/A ({' / '.join(r.get('aa_pair', []))}): {_f(g.get('aa_ratio'), 4)}"
+                      + (f"; aware's own host time {1e3 * g['aware_policy_s']:.1f} ms a call "
+                         f"({100 * g['aware_policy_share']:.1f}%)" if "aware_policy_s" in g else "") + "."]
         if pad := g.get("padding"):
             lines += ["", "Steps run static (graph replays on a GPU), and what padding costs the target's forwards "
                       "(medians over the calls): " + "; ".join(

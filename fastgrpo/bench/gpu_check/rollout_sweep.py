@@ -55,9 +55,13 @@ def level_row(B: int, runs: dict[str, list[dict]]) -> dict:
 
 
 def ahead_and_wait(rs: list[dict]) -> dict[str, float]:
-    """aware's calls: the median seconds of its `ahead` in static steps and of the wait on the device after
-    it (a wait left: the device's steps hid `ahead`; none: `ahead` was on the steps' path)."""
-    return {"aware_ahead_s": statistics.median(r.get("ahead_s", 0.0) for r in rs),
+    """aware's calls: the median seconds of its choices and updates (on every step's path) and their share of
+    the call's time (what aware's host work costs it against a fixed policy), of its `ahead` in static steps
+    and of the wait on the device after it (a wait left: the device's steps hid `ahead`; none: `ahead` was
+    on the steps' path)."""
+    return {"aware_policy_s": statistics.median(r.get("policy_s", 0.0) for r in rs),
+            "aware_policy_share": statistics.median(r.get("policy_s", 0.0) / max(r["seconds"], 1e-12) for r in rs),
+            "aware_ahead_s": statistics.median(r.get("ahead_s", 0.0) for r in rs),
             "aware_wait_s": statistics.median(r.get("wait_s", 0.0) for r in rs)}
 
 

@@ -378,6 +378,7 @@ class EmbeddedEngine:
                     tokens_left([min(s.max_new, self.max_context - s.prompt_len) - len(s.tokens) for s in running]
                                 if sampling.ignore_eos else None)
                 config = self.policy.choose(len(running), context) if speculating else None
+                self._counts["policy_s"] += time.perf_counter() - t  # (with the rows' lengths read for it)
                 if config is not None and self.index is not None:
                     drafting = (len(running), self._host_seconds(), self._counts["hidden_s"])
                 self._in_step = True
@@ -400,7 +401,9 @@ class EmbeddedEngine:
                 seconds = time.perf_counter() - t
                 # a step that captured its graph ran eagerly and recorded: its time prices no later step
                 timed = self.graphs.captures == captures
+                t = time.perf_counter()
                 self.policy.observe(config, len(running), emitted, seconds if timed else None, accepted)
+                self._counts["policy_s"] += time.perf_counter() - t
                 self._count_step(config, len(running), emitted, seconds)
                 self._count_reads(config, len(running), static, shape, sum(cached))
             self._retire(running, done)
@@ -976,8 +979,9 @@ class EmbeddedEngine:
             index_s=c["index_s"], merge_s=c["merge_s"], index_lookups=c["index_lookups"],
             index_matched=c["index_matched"],
             index_accepted=c["index_accepted"], host_steps=list(self._host_steps),
-            # static steps: the host seconds of the policy's `ahead`, and of waiting on the device after it
-            ahead_s=c["ahead_s"], wait_s=c["wait_s"],
+            # the host seconds of the policy's choices and updates (on every step's path), of its `ahead` in
+            # static steps (while the device computes), and of waiting on the device after it
+            policy_s=c["policy_s"], ahead_s=c["ahead_s"], wait_s=c["wait_s"],
             capture_s=c["capture_s"], static_steps=c["static_steps"], token_slots=c["slots"],
             padded_slots=c["padded_slots"], positions_read=c["positions_read"],
             positions_needed=c["positions_needed"], **padding_shares(c["slots"], c["padded_slots"],
