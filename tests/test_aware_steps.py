@@ -372,9 +372,11 @@ def stalled_run(stall: float, steps: int = 200) -> tuple[list, SpecConfig, float
 
 def test_a_stalled_step_of_a_contrast_is_taken_again_before_it_turns_a_bucket_to_plain():
     """Trees pay, but the first step of a bucket's first contrast stalls at 3x: priced on that one step,
-    plain decoding wins, and plain decoding probes speculation hundreds of steps apart. So the shape is
-    taken once more, the lesser step stands, and the bucket speculates on: in 200 steps, at least 90%
-    speculative, within 3% of the same run without the stall (the code before: 2% speculative, 0.70x)."""
+    plain decoding or a tree of another size wins, and the shapes not chosen are measured again only at
+    rare probes. So the shape is taken once more, the lesser step stands, and the bucket speculates on: in
+    200 steps, at least 90% speculative, within 3% of the same run without the stall (retaken only where
+    the stall turned the bucket to plain decoding, 0.964x: the stall priced the wide trees out; never
+    retaken, 2% speculative, 0.70x)."""
     log, stalled, rate = stalled_run(3.0)
     assert log[log.index(stalled) + 1] == stalled  # taken again at once
     speculative = sum(c is not None for c in log) / len(log)

@@ -187,6 +187,12 @@ class AcceptanceModel:
     given the path to it (pooled over shapes: a prior for shapes never tried), and the mean emitted
     tokens of each shape actually used (which overrides the prior as it accumulates).
 
+    Each level's alpha_d is its own passes and reaches shrunk toward the pooled alpha of every level
+    (`prior_weight` rows of it), and the pooled alpha toward `prior_alpha` (as many): a level no tree
+    has reached yet takes what the levels tried say, not the fixed prior. Held to the prior, the levels
+    beyond the tree in use priced every deeper tree by a guess (0.6 against a draft's 0.7: deep trees
+    6% short of their tokens a step, and a shallower tree held where a deeper one was best).
+
     A tree keeping w candidates a level (`tree_width`) misses level d with chance (1 - alpha_d) w^-beta,
     the law `bench simulate` fits to measured acceptance (beta 0.4-0.9 over its profiles, median 0.7):
     a draft's alternatives are not independent guesses, and (1 - alpha)^w promised a width-8 tree nearly
@@ -197,22 +203,29 @@ class AcceptanceModel:
     """
 
     def __init__(self, prior_alpha: float = 0.6, prior_weight: float = 8.0, max_depth: int = 16, beta: float = 0.7):
-        self.reached = [prior_weight] * (max_depth + 2)
-        self.passed = [prior_weight * prior_alpha] * (max_depth + 2)
-        self.prior_weight = prior_weight
+        # per level, rows that reached it and of those the passes, in first-candidate units (`observe`)
+        self.reached = [0.0] * (max_depth + 2)
+        self.passed = [0.0] * (max_depth + 2)
+        self.prior_alpha, self.prior_weight = prior_alpha, prior_weight
         self.beta = beta
         self.sum_emitted: dict[SpecConfig, float] = {}
         self.sum_squares: dict[SpecConfig, float] = {}  # of each row's tokens a step (`moments_many`)
         self.count: dict[SpecConfig, float] = {}
 
-    def alpha(self, d: int) -> float:
-        return min(max(self.passed[d] / self.reached[d], 0.0), 1.0)  # (a few misses of a wide tree: below 0)
+    def pooled(self) -> float:
+        """The alpha of every level's rows together, shrunk toward `prior_alpha`: an untried level's."""
+        return (sum(self.passed) + self.prior_weight * self.prior_alpha) / (sum(self.reached) + self.prior_weight)
+
+    def alpha(self, d: int, pooled: float | None = None) -> float:
+        pooled = self.pooled() if pooled is None else pooled
+        alpha = (self.passed[d] + self.prior_weight * pooled) / (self.reached[d] + self.prior_weight)
+        return min(max(alpha, 0.0), 1.0)  # (a few misses of a wide tree: below 0)
 
     def prior(self, c: SpecConfig) -> float:
         miss = tree_width(c) ** -self.beta  # of a level, relative to one candidate's
-        expected, reach = 1.0, 1.0
+        expected, reach, pooled = 1.0, 1.0, self.pooled()
         for d in range(1, c.depth + 1):
-            reach *= 1 - (1 - self.alpha(d)) * miss
+            reach *= 1 - (1 - self.alpha(d, pooled)) * miss
             expected += reach
         return expected
 
@@ -223,7 +236,8 @@ class AcceptanceModel:
     def _reach_many(self, shapes: Shapes) -> np.ndarray:
         """[shapes, levels]: the prior's chance that a row's accepted path reaches each level (0 past a shape's
         depth), `prior`'s product over levels as one cumulative product."""
-        alpha = np.array([self.alpha(d) for d in shapes.levels], dtype=np.float64)
+        pooled = self.pooled()
+        alpha = np.array([self.alpha(d, pooled) for d in shapes.levels], dtype=np.float64)
         miss = shapes.width[:, None] ** -self.beta
         reach = np.cumprod(np.where(shapes.has_level, 1 - (1 - alpha[None, :]) * miss, 1.0), axis=1)
         return np.where(shapes.has_level, reach, 0.0)
@@ -457,10 +471,12 @@ class Aware(Off):
         self._probe_turn: dict[int, int] = {}  # per bucket: which of the shapes not chosen the next probe tries
         self._probing: int | None = None  # bucket of the step being probed
         # a shape whose first step in a bucket cost over SPIKE times its price, where the bucket's step fit
-        # already held other shapes' steps (the bucket, the shape): if that one step turns the bucket to
-        # plain decoding, the shape is taken once more first (`_retaken`) and the trees are searched again
-        # on its second step. One step alone may be a stall of the machine, and of two the lesser stands
-        # (`running_mean`); plain decoding, once chosen, probes speculation hundreds of steps apart. Not a
+        # already held other shapes' steps (the bucket, the shape): unless the next search chooses it anyway,
+        # the shape is taken once more first (`_retaken`) and the trees are searched again on its second
+        # step. One step alone may be a stall of the machine, and of two the lesser stands (`running_mean`);
+        # a stall taken for the shape's cost turns the bucket to plain decoding, which probes speculation
+        # hundreds of steps apart, or teaches the step fit a cost per node or level that prices every tree
+        # of its size out, and the shapes not chosen are measured again only at rare probes. Not a
         # bucket's first tree: priced by its forwards alone it is a surprise wherever the calibration
         # misses the host's work, and retaking it in each cold bucket of a GRPO batch's tail cost 1.5-2%
         # where trees pay (simulated)
@@ -477,7 +493,7 @@ class Aware(Off):
         # the searched tree, its goodput and its step seconds there (and plain decoding's goodput then: a
         # decision compares the two as priced together, not a tree priced a search ago with plain now)
         self._trees: dict[tuple[int, float | None, float | None], tuple[SpecConfig | None, float, float, float]] = {}
-        self._fitted: set[int] = set()  # buckets whose step fit was refit since the searches were forgotten
+        self._refit: set[int] = set()  # buckets whose step fit was refit since the searches were forgotten
         self._prices: dict[tuple[SpecConfig | None, int, float | None], float] = {}  # _calibrated_seconds, likewise
         # every candidate's expected tokens a row and their second moment (`AcceptanceModel.moments_many`), likewise
         self._moments: tuple[np.ndarray, np.ndarray] | None = None
@@ -508,9 +524,9 @@ class Aware(Off):
     # steps of a kind's evidence before its moves are read as the machine's pace (`_settled`): about the
     # memory of its running mean (1 / (1 - correction_decay))
     SETTLED = 10
-    # shapes, best by goodput, that a batch of known lengths ranks by its remaining time (`_batch_tree`):
-    # a batch's best is a shallower tree than a step's, but near it in goodput
-    BATCH_SHAPES = 8
+    # shapes that a batch of known lengths ranks by its remaining time (`_batch_tree`): the best of each depth
+    # by goodput and the next best (`_distinct`): a batch's best is a shallower tree than a step's
+    BATCH_SHAPES = 10
 
     def tokens_left(self, left: Sequence[int] | None) -> None:
         """Each running row's tokens left, where every row will emit exactly that many (EOS ignored, as a
@@ -636,17 +652,22 @@ class Aware(Off):
     def _batch_shapes(self, running: int, best: SpecConfig) -> tuple[list[SpecConfig | None], np.ndarray, np.ndarray,
                                                                       np.ndarray, np.ndarray]:
         """`_batch_tree`'s shapes (plain decoding first), their E[X] and E[X^2] a row, and their step seconds at
-        `running` rows and at one."""
+        `running` rows and at one. A step at one row is priced by the one-row bucket's measurements where it
+        has them (plain's correction; its step fit where trees were measured there), else by this bucket's
+        at one row's forwards: a calibration flat in the rows (a GPU's memory-bound forwards) misses a cost
+        per row of the host's, and a tail priced at the batch's step cost ranked deep trees above the
+        shallower ones whose rows end more evenly (the batch's best at 256 rows where trees pay)."""
         shapes: list[SpecConfig | None] = [None, *dict.fromkeys([best, *self._search(running)[2]])]
         emitted, squares = self._acceptance_moments()
         at = np.array([self.shapes.index[c] for c in shapes[1:]])
-        fit, scale, s = self._fit(running), self._correction("off", running), self.shapes
-        residual = s.scatter(fit.residual)[at]
+        s = self.shapes
 
-        def step_seconds(n: int) -> np.ndarray:  # plain's and the trees' at n rows, by this bucket's fit
-            plain = self._calibrated_seconds(None, n)
+        def step_seconds(n: int) -> np.ndarray:  # plain's and the trees' at n rows
+            b = self._bucket(n) if self._steps["off", self._bucket(n)] else self._bucket(running)
+            fit = self._fitted(b) if self._fit_of(b).shapes else self._fitted(self._bucket(running))
+            plain, scale = self._calibrated_seconds(None, n), self.correction.get(("off", b), 1.0)
             trees = fit.seconds_of(self._calibrated_seconds_many(emitted, n)[at], s.depth[at], s.nodes[at], plain,
-                                   scale, residual)
+                                   scale, s.scatter(fit.residual)[at])
             return np.concatenate([[plain * scale], trees])
 
         mean, second = np.concatenate([[1.0], emitted[at]]), np.concatenate([[1.0], squares[at]])
@@ -657,9 +678,7 @@ class Aware(Off):
         and the best shapes (`Searched`), searched at the first running count of `running`'s level."""
         b = self._bucket(running)  # (a level may straddle two buckets, each with its own step fit)
         if (level := (b, running_level(running), self.context)) not in self._searched:
-            if b not in self._fitted:
-                self._fit(running).fit(self._correction("off", running), self.context)
-                self._fitted.add(b)
+            self._fitted(b)
             rates = self._rates(running)
             order = np.argsort(-rates, kind="stable").tolist()  # best first (of a tie, the earlier)
             ranked = order[: self.explore]
@@ -669,19 +688,34 @@ class Aware(Off):
                                      self._contrast(b, rates))
         return self._searched[level]
 
+    def _fitted(self, b: int) -> StepFit:
+        """Bucket b's step fit, refit once a search cycle (at plain's correction there, the step's context)."""
+        fit = self._fit_of(b)
+        if b not in self._refit:
+            fit.fit(self.correction.get(("off", b), 1.0), self.context)
+            self._refit.add(b)
+        return fit
+
     def _holding(self, rates: np.ndarray, best: int, held: int | None) -> int:
         """`best`, unless the bucket's held tree (`held`, an index into `rates`) is within `switch_margin` of it."""
         return held if held is not None and rates[held] * (1 + self.switch_margin) >= rates[best] else best
 
     def _distinct(self, order: list[int]) -> list[SpecConfig]:
-        """The first `BATCH_SHAPES` candidates in `order` of distinct depth and node count: shapes of one size
-        whose top-k differs price alike, and the best few by goodput were often one size's several."""
+        """The best candidate of each depth in `order` (best first), then the next of distinct depth and node
+        count, `BATCH_SHAPES` in all. A batch's best is shallower than a step's (its rows end more evenly),
+        and the best few by goodput were all deeper: at 64 rows where trees pay, eight of depths 3 to 5
+        and not the batch's best, of depth 2; and shapes of one size whose top-k differs price alike."""
         sizes: dict[tuple[int, int], SpecConfig] = {}
+        depths: set[int] = set()
+        for i in order:  # (the best of each depth)
+            if (c := self.candidates[i]).depth not in depths:
+                depths.add(c.depth)
+                sizes[c.depth, c.num_verify] = c
         for i in order:
+            if len(sizes) >= self.BATCH_SHAPES:
+                break
             c = self.candidates[i]
             sizes.setdefault((c.depth, c.num_verify), c)
-            if len(sizes) == self.BATCH_SHAPES:
-                break
         return list(sizes.values())
 
     def _contrast(self, b: int, rates: np.ndarray) -> SpecConfig | None:
@@ -716,7 +750,7 @@ class Aware(Off):
         self._searched.clear()
         self._prices.clear()
         self._trees.clear()
-        self._fitted.clear()
+        self._refit.clear()
         self._moments = None
         self._batch_prices.clear()
         self._since_search = 0
@@ -753,7 +787,7 @@ class Aware(Off):
         choice = self._decide(running)
         if (again := self._again) is not None and again[0] == b and not self._stale:  # (decided on that step)
             self._again = None
-            if choice is None:
+            if choice != again[1]:
                 self.probes += 1
                 self._retaken = again[1]
                 return again[1]

@@ -221,20 +221,15 @@ def observe_histogram(acceptance: AcceptanceModel, histogram: Sequence[int], sho
     counts in its slot 0 (`plain_steps`; `AwareTiers.count` takes them out). The histogram does not
     say which chain a step ran, so only the levels every chain of the call drafted, 1..`shortest`
     (its shallowest positive chain), are evidence: a step that accepted a drafts passed levels 1..a
-    and failed level a + 1 when a < shortest. Deeper levels take the pooled acceptance of those (the
-    constant per-level acceptance aware's prior assumes too): counting only their passes, as a
-    histogram alone would, drives their estimate to 1."""
+    and failed level a + 1 when a < shortest. Deeper levels are left as they were, so that until they
+    are tried they take the pooled acceptance of those (`AcceptanceModel.alpha`): counting only their
+    passes, as a histogram alone would, drives their estimate to 1."""
     if shortest <= 0 or not any(histogram):
         return
     for a, n in enumerate(histogram):
         for d in range(1, min(a + 1, shortest) + 1):
             acceptance.reached[d] += n
             acceptance.passed[d] += n * (d <= a)
-    reached = sum(acceptance.reached[1:shortest + 1])
-    pooled = sum(acceptance.passed[1:shortest + 1]) / reached
-    for d in range(shortest + 1, len(acceptance.reached)):
-        acceptance.reached[d] = reached / shortest
-        acceptance.passed[d] = pooled * reached / shortest
 
 
 class AwareTiers(Off):
