@@ -191,7 +191,7 @@ class AcceptanceModel:
     (`prior_weight` rows of it), and the pooled alpha toward `prior_alpha` (as many): a level no tree
     has reached yet takes what the levels tried say, not the fixed prior. Held to the prior, the levels
     beyond the tree in use priced every deeper tree by a guess (0.6 against a draft's 0.7: deep trees
-    6% short of their tokens a step, and a shallower tree held where a deeper one was best).
+    4-6% short of their tokens a step, and a shallower tree held where a deeper one was best).
 
     A tree keeping w candidates a level (`tree_width`) misses level d with chance (1 - alpha_d) w^-beta,
     the law `bench simulate` fits to measured acceptance (beta 0.4-0.9 over its profiles, median 0.7):
