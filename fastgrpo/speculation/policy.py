@@ -663,8 +663,9 @@ class Aware(Off):
         s = self.shapes
 
         def step_seconds(n: int) -> np.ndarray:  # plain's and the trees' at n rows
-            b = self._bucket(n) if self._steps["off", self._bucket(n)] else self._bucket(running)
-            fit = self._fitted(b) if self._fit_of(b).shapes else self._fitted(self._bucket(running))
+            b = self._bucket(n)
+            b = b if self._steps["off", b] else self._bucket(running)
+            fit = self._fitted(b if self._fit_of(b).shapes else self._bucket(running))
             plain, scale = self._calibrated_seconds(None, n), self.correction.get(("off", b), 1.0)
             trees = fit.seconds_of(self._calibrated_seconds_many(emitted, n)[at], s.depth[at], s.nodes[at], plain,
                                    scale, s.scatter(fit.residual)[at])

@@ -47,14 +47,14 @@ def level_row(B: int, runs: dict[str, list[dict]]) -> dict:
     row |= {"best_fixed": best_fixed, "best_fixed_tok_s": row[f"{best_fixed}_tok_s"]}
     if "aware" in runs:
         row |= {"aware_vs_best": row["aware_tok_s"] / row["best_fixed_tok_s"],
-                "aware_vs_off": row["aware_tok_s"] / row["off_tok_s"], **ahead_and_wait(runs["aware"])}
+                "aware_vs_off": row["aware_tok_s"] / row["off_tok_s"], **aware_host_times(runs["aware"])}
     a, b = AA_PAIR
     if a in runs and b in runs:
         row["aa_ratio"] = row[f"{b}_tok_s"] / row[f"{a}_tok_s"]
     return row
 
 
-def ahead_and_wait(rs: list[dict]) -> dict[str, float]:
+def aware_host_times(rs: list[dict]) -> dict[str, float]:
     """aware's calls: the median seconds of its choices and updates (on every step's path) and their share of
     the call's time (what aware's host work costs it against a fixed policy), of its `ahead` in static steps
     and of the wait on the device after it (a wait left: the device's steps hid `ahead`; none: `ahead` was
@@ -84,7 +84,7 @@ def grpo_summary(runs: dict[str, list[dict]], fixed: tuple[str, ...]) -> dict:
     if "aware" in med:
         out |= {"aware_vs_best": med[best_fixed] / med["aware"], "aware_vs_off": med["off"] / med["aware"],
                 "aware_accept_len": statistics.median(r["accept_len"] for r in runs["aware"]),
-                **ahead_and_wait(runs["aware"])}
+                **aware_host_times(runs["aware"])}
     a, b = AA_PAIR
     if a in med and b in med:
         out["aa_ratio"] = med[a] / med[b]
