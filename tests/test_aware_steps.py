@@ -400,3 +400,20 @@ def test_the_fixed_length_tool_compares_aware_with_the_batch_s_best_fixed_choice
     assert [r["truth"] for r in rows] == [t.__name__ for t in TRUTHS]
     # plain decoding is among the fixed choices: the batch's best is never slower than plain
     assert all(r["plain_over_best"] >= 1 and r["plain_over_aware"] > 0 for r in rows)
+
+
+def test_the_gpu_check_sim_replays_the_rollout_stage_against_the_best_fixed_choice():
+    from tools.aware_gpu_check_sim import main
+
+    rows = main(["--runs", "2", "--levels", "1,4", "--tokens", "16", "--grpo-rows", "8", "--grpo-median", "16",
+                 "--truths", "cheap_speculation,dear_speculation"])
+    assert [(r["truth"], r["workload"]) for r in rows] == [
+        (t, w) for t in ("cheap_speculation", "dear_speculation") for w in ("1", "4", "grpo")]
+    by = {(r["truth"], r["workload"]): r for r in rows}
+    # where every tree loses (a draft level costs 0.9 plain steps) plain decoding is the best fixed choice;
+    # where trees pay (a quarter of a plain step a level) a tree is
+    assert by["dear_speculation", "4"]["expected_best_choice"] == "plain"
+    assert by["cheap_speculation", "4"]["expected_best_choice"] != "plain"
+    for r in rows:  # the calls' best is the least time over the very calls the expected best also ran
+        assert 0.5 < r["expected_best_over_calls_best"]["least"] <= r["expected_best_over_calls_best"]["mean"] <= 1
+        assert r["over_calls_best"]["mean"] <= r["over_expected_best"]["mean"] + 1e-12
