@@ -143,6 +143,7 @@ def test_aware_corrects_its_cost_model_per_concurrency():
     plain_once(aware, 16, 1)
     spec16, spec1 = aware.choose(16), aware.choose(1)
     assert spec16 is not None and spec1 is not None
+    before16, before1 = aware.predicted_seconds(spec16, 16), aware.predicted_seconds(spec1, 1)
     for _ in range(48):
         c = aware.choose(16)
         if c is None:
@@ -151,7 +152,8 @@ def test_aware_corrects_its_cost_model_per_concurrency():
             aware.observe(c, 16, 16, 3 * aware.predicted_seconds(c, 16), accepted=[0] * 16)
     assert aware.choose(16) is None
     assert aware.choose(1) is not None  # what was learned at 16 sequences leaves 1 sequence alone
-    assert aware.correction.get(("spec", 1), 1.0) == 1.0 and aware.correction[("spec", 16)] > 2
+    # the slow steps priced at 16 sequences, not at 1
+    assert aware.predicted_seconds(spec1, 1) == before1 and aware.predicted_seconds(spec16, 16) > 2 * before16
 
 
 def test_aware_probes_plain_decoding_when_its_calibration_overrates_it():

@@ -451,8 +451,9 @@ class Aware(Off):
         self.explore = explore  # probes of speculation rotate over the best `explore` shapes
         self.decay = correction_decay
         self.probe_every = probe_every
-        # measured / predicted step time, per kind (off, spec) and concurrency bucket: the calibration's
-        # error differs between one sequence and sixty-four, so a factor learned at one must not move another
+        # a plain step's measured / calibrated time, per concurrency bucket (keyed ("off", bucket); a speculative
+        # step's is its bucket's step fit): the calibration's error differs between one sequence and sixty-four,
+        # so a factor learned at one must not move another
         self.correction: dict[tuple[str, int], float] = {}
         self._steps: Counter[tuple[str, int]] = Counter()  # (kind, bucket): steps measured (0: never)
         # steps in a bucket since each kind was last measured there: the kind not being chosen is
@@ -883,22 +884,22 @@ class Aware(Off):
         # by 80x (every forward a scheduler stall), and only this correction can undo it
         calibrated = self._calibrated_seconds(config, running)
         ratio = min(max(seconds / max(calibrated, 1e-9), 1e-3), 1e3)
-        # the first measurement of a kind in a bucket replaces the calibration; later ones are averaged
-        # (`running_mean`: robust to stalls), a probe (rare, and the only fresh evidence on its kind) with
-        # weight one half. Until the other kind is measured there, it takes the same factor: a
-        # calibration is most likely off by a common scale (a busier or faster machine than during the
-        # sweep), and so the two stay comparable
         probe = self._probing == b
         decided = self._decide(running) if probe else None  # the choice the probe tests
-        current = self.correction.get((kind, b)) if self._steps[kind, b] else None
+        first = not self._steps[kind, b]  # (this kind's first measurement in the bucket)
         fit = self._fit(running)
         settled = self._settled(kind, b, config)  # (before this step joins its evidence)
-        weight = 0.5 if probe else 1 - self.decay
-        updated = ratio if current is None else running_mean(current, self._steps[kind, b], ratio, weight)[0]
         self._steps[kind, b] += 1
         fresh = False  # (a shape's first step in this bucket, or the step retaking it)
-        if config is None:  # (moved: how far this step moved the running kind's evidence)
-            moved = None if current is None else updated / current
+        if config is None:
+            # plain's first measurement in a bucket replaces the calibration; later ones are averaged
+            # (`running_mean`: robust to stalls), a probe (rare, and the only fresh evidence on its kind) with
+            # weight one half. moved: how far this step moved the running kind's evidence
+            current = self.correction.get(("off", b), 1.0)
+            updated = ratio if first else running_mean(current, self._steps["off", b] - 1, ratio,
+                                                       0.5 if probe else 1 - self.decay)[0]
+            moved = None if first else updated / current
+            self.correction[("off", b)] = updated
         else:  # (clipped as the ratio is: beyond it the measurement is absurd, not the model wrong)
             pace = fit.pace(config)
             fresh, self._retaken = pace is None or config == self._retaken, None
@@ -907,7 +908,11 @@ class Aware(Off):
             fit.add(calibrated, config, ratio * calibrated, self._calibrated_seconds(None, running), probe,
                     self.context)
             moved = None if pace is None else fit.pace(config) / pace
-        self.correction[(kind, b)] = updated
+            if first and not self._steps["off", b]:
+                # plain decoding not yet measured here takes speculation's factor: a calibration is most
+                # likely off by a common scale (a busier or faster machine than during the sweep), and so
+                # the two stay comparable (a bucket's first step is plain when `aware` chooses it)
+                self.correction[("off", b)] = ratio
         if settled and moved is not None and not probe and self._steps[other, b]:
             # the machine's pace, read from the kind running, moves the evidence on what is not running:
             # a shared machine's speed drifts by tens of percent over seconds, and plain decoding measured
@@ -918,10 +923,8 @@ class Aware(Off):
             else:
                 self.correction[("off", b)] *= moved
                 fit.follow(moved, config)
-        if not self._steps[other, b]:
-            self.correction[(other, b)] = self.correction[(kind, b)]
-            if current is None:  # (searched again on the first measurement only)
-                self._forget_searches()
+        if first and not self._steps[other, b]:
+            self._forget_searches()  # (a first measurement replaces the calibration: searched again)
         self._since[("probe", b)] = 0 if probe else self._since.get(("probe", b), 0) + 1
         self._learn_acceptance(config, accepted)
         if config is not None:
@@ -930,7 +933,7 @@ class Aware(Off):
             # the probe overturned the choice, and a first measurement replaces the calibration: neither
             # waits. A shape's first measurement (a contrast's, `_contrast`), a retaken shape's second, and
             # the periodic search wait for `ahead` where an engine calls it
-            if probe or current is None:
+            if probe or first:
                 self._forget_searches()
             elif fresh or self._since_search >= self.SEARCH_EVERY:
                 if self._ahead:
