@@ -237,6 +237,9 @@ def test_every_stage_runs_on_the_cpu_with_plausible_numbers(check):
     assert {c["shape"] for c in sb["cells"] if c["engine"] == "hybrid"} == set(MERGED_SHAPES)
     assert sb["engines"]["hybrid"]["static_steps"] and sb["engines"]["hybrid"]["replays_checked"] > 0
     assert "| hybrid ms (tokens a row-step; host ms a step, of it hidden) |" in check["markdown"]
+    # the targets, each read from its stage: a verdict on every level of the sweep, none failing to render
+    assert "| target | measured | verdict |" in check["markdown"] and "targets failed" not in check["markdown"]
+    assert all(f"at {B} running | " in check["markdown"] for B in size.levels)
     # the host's work a hybrid step (the index, the merge), of which a part runs while the draft's step computes
     hybrid = [c for c in sb["cells"] if c["engine"] == "hybrid"]
     assert all(0 < c["host_hidden_ms"] < c["host_ms"] for c in hybrid), hybrid

@@ -7,6 +7,8 @@ import json
 import math
 from typing import Any
 
+from fastgrpo.bench.gpu_check.targets import targets
+
 
 def finite(x: Any) -> Any:
     """JSON without NaN/inf (they become null)."""
@@ -149,6 +151,12 @@ def markdown(result: dict) -> str:
             text = s["error"].splitlines()[0][:200].replace("|", "/")
         lines.append(f"| {name} | {s['status']} | {s['seconds']:.1f} | {_f(s.get('planned_s'))} | "
                      f"{_f(s.get('peak_memory_gb'))} | {text} |")
+    lines += ["", "Targets (docs/gpu.md; within noise: below its line by less than twice the ratio's standard error "
+              "or the A/A pair's distance from 1):", "", "| target | measured | verdict |", "| --- | --- | --- |"]
+    try:
+        lines += [f"| {t.target} | {t.measured} | {t.verdict} |" for t in targets(result)]
+    except Exception as e:  # (as a summary, it must not cost the report)
+        lines.append(f"| (targets failed: {type(e).__name__}: {str(e)[:80]}) | | |")
     lines += _rollout_tables((stages.get("rollout") or {}).get("data"))
     d = (stages.get("decode_bound") or {}).get("data")
     if d:
