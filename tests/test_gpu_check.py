@@ -141,7 +141,8 @@ def check(tmp_path_factory):
     if proc.returncode != 0:
         print(proc.stdout[-6000:], proc.stderr[-6000:], sep="\n")
     return {"returncode": proc.returncode, "result": json.loads((out / "gpu_check.json").read_text()),
-            "markdown": (out / "gpu_check.md").read_text(), "imports": json.loads(report.read_text())}
+            "markdown": (out / "gpu_check.md").read_text(), "imports": json.loads(report.read_text()),
+            "log": proc.stdout}
 
 
 def _positive(*values) -> bool:
@@ -240,6 +241,9 @@ def test_every_stage_runs_on_the_cpu_with_plausible_numbers(check):
     # the targets, each read from its stage: a verdict on every level of the sweep, none failing to render
     assert "| target | measured | verdict |" in check["markdown"] and "targets failed" not in check["markdown"]
     assert all(f"at {B} running | " in check["markdown"] for B in size.levels)
+    # and the log ends with them (a short-lived machine hands back the log's tail)
+    tail = check["log"].strip().splitlines()[-3:]
+    assert all(line.startswith("[gpu-check] target: ") for line in tail), tail
     # the host's work a hybrid step (the index, the merge), of which a part runs while the draft's step computes
     hybrid = [c for c in sb["cells"] if c["engine"] == "hybrid"]
     assert all(0 < c["host_hidden_ms"] < c["host_ms"] for c in hybrid), hybrid

@@ -14,6 +14,7 @@ from pathlib import Path
 from fastgrpo.bench.gpu_check.harness import SIZES, STAGES, Check, log, release
 from fastgrpo.bench.gpu_check.pins import WHEELS, wheels_to_install
 from fastgrpo.bench.gpu_check.report import against_simulator, dumps, finite, markdown
+from fastgrpo.bench.gpu_check.targets import targets
 from fastgrpo.bench.gpu_check.stages import STAGE_FUNCTIONS
 
 
@@ -43,6 +44,8 @@ def run(out: Path, size: str = "gpu", device: str = "auto", work: Path | None = 
              + f"; wrote {out}/gpu_check.json and {out}/gpu_check.md")
         if not check.result["meta"]["within_budget"]:
             log(f"over the budget of {check.budget_s:.0f}s ({check.seconds():.0f}s)")
+        for t in targets(check.result):  # (last: a log's tail is what a short-lived machine hands back)
+            log(f"target: {t.target}: {t.measured}: {t.verdict}")
         return 1 if failed else 0
     finally:
         import torch.distributed as dist
