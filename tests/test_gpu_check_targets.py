@@ -15,7 +15,7 @@ def ok(data: dict) -> dict:
 
 def level(B: int, aware: float, aware_se: float, best: float, best_se: float, aa: float) -> dict:
     return {"concurrency": B, "aware_tok_s": aware, "aware_tok_s_se": aware_se, "static_tok_s": best,
-            "static_tok_s_se": best_se, "best_fixed": "static", "aware_vs_best": aware / best, "aa_ratio": aa}
+            "static_tok_s_se": best_se, "best_fixed": "static", "aware_vs_best": aware / best, "aa_ratio": aa, "aware_runs": 3}
 
 
 RESULT = {"stages": {
@@ -33,7 +33,7 @@ RESULT = {"stages": {
                    "levels_skipped_for_time": [256],
                    "grpo_batch": {"best_fixed": "static", "all_s": {"aware": 4.0, "static": 4.1, "off": 9.0},
                                   "se_s": {"aware": 0.1, "static": 0.1}, "aware_vs_best": 4.1 / 4.0,
-                                  "aware_vs_off": 9.0 / 4.0, "aa_ratio": 1.02}})}}
+                                  "aware_vs_off": 9.0 / 4.0, "aa_ratio": 1.02, "runs": {"aware": 5}}})}}
 
 
 def test_the_standard_error_of_a_ratio_adds_the_sides_relative_errors_in_quadrature():
@@ -58,11 +58,13 @@ def test_every_target_is_read_from_its_stage_with_its_verdict():
     assert got["the check's policy's plain step at 1 running <= 2.5 ms"] == ("2.200 ms (step_bench static)", "met")
     line = "aware >= 0.97x the best fixed choice at {} running"
     # 4 running: 0.95, se 0.95 x sqrt((2/95)^2 + (2/100)^2) = 0.0276, 0.95 + 0.055 >= 0.97
-    assert got[line.format(4)] == ("0.950x static (se 0.028, A/A 1.010)", "within noise")
+    assert got[line.format(4)] == ("0.950x static (se 0.028, A/A 1.010; 3 repetitions)", "within noise")
     # 16 running: 0.90, se 0.90 x sqrt((0.5/90)^2 + (0.5/100)^2) = 0.0067; noise 0.013 (> |1 - 1.005|)
-    assert got[line.format(16)] == ("0.900x static (se 0.007, A/A 1.005)", "not met")
+    assert got[line.format(16)] == ("0.900x static (se 0.007, A/A 1.005; 3 repetitions)", "not met")
     assert got[line.format(64)][1] == "met" and got[line.format(256)] == ("skipped for time", "not measured")
-    assert got["aware >= 0.97x the best fixed choice on the GRPO batch"][1] == "met"  # 4.1 / 4.0 = 1.025
+    # 4.1 / 4.0 = 1.025; se 1.025 x sqrt((0.1/4)^2 + (0.1/4.1)^2) = 0.0358
+    assert got["aware >= 0.97x the best fixed choice on the GRPO batch"] == (
+        "1.025x static (se 0.036, A/A 1.020; 5 repetitions)", "met")
     assert got["aware >= 2x plain decoding on the GRPO batch"] == ("2.25x", "met")
     assert got["the fitted simulator within 20% of the measured steps"] == (
         "largest abs error 25.0% (30.0% each level held out)", "not met")

@@ -52,6 +52,9 @@ class Size:
     big_tokens: int = 64  # decode_8b: tokens per generate call
     big_full: bool = True  # decode_8b: the real 8B shape (False: a scaled-down one of the same structure)
     budget_s: float = 0.0  # the whole run's; the rollout stage (the last) fits itself into what is left; 0: none
+    # rollout: repetitions more, at most, while aware against the best fixed choice is within noise (targets.py),
+    # each workload spending on them no more than EXTRA_SHARE of the stage's time left when it started
+    extra_reps: int = 6
 
 
 SIZES = {
@@ -74,7 +77,7 @@ SIZES = {
                    "grpo.micro_batch_size=8", "optim.lr=1e-3"),
         levels=(1, 4), sweep_tokens=8, reps=3, grpo_prompts=2, grpo_max_new=12, decode_tokens=8,
         train_sequences=8, push_reps=2, step_levels=(1, 4), step_tokens=8, step_reps=3, big_tokens=6,
-        big_full=False),
+        big_full=False, extra_reps=2),
 }
 
 

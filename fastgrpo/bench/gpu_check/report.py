@@ -207,8 +207,10 @@ def _rollout_tables(r: dict | None) -> list[str]:
         return []
     modes = r["modes"]
     lines = ["", f"Rollout at fixed concurrency ({r['tokens_per_sequence']} tokens per sequence, EOS ignored; "
-             f"median of {r['repetitions']} after a warm-up, in an order rotated every repetition, ± the standard "
-             "error), tokens/s (aware's accepted length). A/A: the same static tree under a second name, its "
+             f"median of {r['repetitions']} after a warm-up"
+             + (f", up to {r['repetitions'] + r['extra_repetitions']} while aware was within noise of its line"
+                if r.get("extra_repetitions") else "")
+             + ", in an order rotated every repetition, ± the standard error), tokens/s (aware's accepted length). A/A: the same static tree under a second name, its "
              "speed over the first's (the noise floor); best fixed: the fastest of "
              + ", ".join(r.get("fixed_modes") or ["off", "static", "fastgrpo"]) + ".", "",
              "| running | " + " | ".join(modes) + " | A/A | best fixed | aware / best fixed | aware / off |",

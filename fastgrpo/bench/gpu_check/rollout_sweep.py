@@ -10,6 +10,7 @@ from typing import Any
 
 from fastgrpo.bench.gpu_check.harness import Check, log, spread, sync
 from fastgrpo.bench.gpu_check.records import engine_info, generate_call, jsonable, policy_state
+from fastgrpo.bench.gpu_check.targets import aware_verdict, grpo_ratio, level_ratio
 
 # the rollout's modes: `static` twice under two names (the A/A pair: the same tree, policy and seeds, so
 # their ratio is the run's noise floor), every fixed choice aware must match, and aware's two
@@ -18,6 +19,9 @@ AA_PAIR = ("static", "static_aa")
 FIXED_MODES = ("off", "static", "fastgrpo", "tlt")  # the GRPO batch adds bench rollout's static trees
 AWARE_MODES = ("aware", "aware_per_sequence")
 UNSHARED = "off_unshared_prefill"  # plain decoding, every sample prefilling its own copy of its prompt
+# a workload's repetitions beyond Size.reps (while aware is within noise of its line) may take this share of the
+# stage's time left when it started: at a few rows, where 3 calls decide least, they are the cheapest
+EXTRA_SHARE = 0.05
 
 
 def _shares(r: dict) -> dict[str, float]:
@@ -94,8 +98,9 @@ def grpo_summary(runs: dict[str, list[dict]], fixed: tuple[str, ...]) -> dict:
 def rollout(c: Check) -> dict:
     """`bench rollout`'s workloads on the run's device, repeated until they decide: the modes of
     SWEEP_MODES (an A/A pair among them) at each level of running sequences and on a GRPO batch (with
-    bench rollout's static trees and unshared prefill), `reps` timed calls each after a warm-up, the
-    modes' order rotated every repetition. Kept with the results: every call (time, tokens, the
+    bench rollout's static trees and unshared prefill), `reps` timed calls each after a warm-up, and up to
+    `extra_reps` more while aware is within noise of its line (targets.py), the modes' order rotated every
+    repetition. Kept with the results: every call (time, tokens, the
     configurations it ran by concurrency, its per-step trace, graph captures), aware's state after each of
     its calls, and its calibrated cost model (calibrated here first, timed)."""
     from fastgrpo.bench.rollout import STATIC_SWEEP, rotated
@@ -120,7 +125,8 @@ def rollout(c: Check) -> dict:
          + (f"{c.stage_left():.0f}s left in the budget" if math.isfinite(c.stage_left()) else "no budget"))
     out: dict[str, Any] = {"modes": list(SWEEP_MODES), "fixed_modes": list(FIXED_MODES), "aa_pair": list(AA_PAIR),
                            "levels": [], "levels_skipped_for_time": [], "tokens_per_sequence": size.sweep_tokens,
-                           "repetitions": size.reps, "calibration_s": calibration_s, "grpo_prompts": size.grpo_prompts,
+                           "repetitions": size.reps, "extra_repetitions": size.extra_reps,
+                           "calibration_s": calibration_s, "grpo_prompts": size.grpo_prompts,
                            "engine": engine_info(engine), "cost_model": cost_model, "calls": [], "aware_states": []}
 
     def record(workload: str, mode: str, rep: int, order: list[str], r: dict, policy) -> None:
@@ -133,17 +139,29 @@ def rollout(c: Check) -> dict:
             out["aware_states"].append({"workload": workload, "mode": mode, "rep": rep, "configs": r["configs"],
                                         "probes": state.get("probes"), "state": state})
 
-    def run_reps(workload: str, contenders: dict, requests, sampling, seed, unshared: str | None = None) -> dict:
+    def run_reps(workload: str, contenders: dict, requests, sampling, seed, undecided, unshared: str | None = None
+                 ) -> tuple[dict, float]:
+        """The contenders' calls, rotated: a warm-up and `size.reps` timed repetitions, then more while
+        `undecided(runs)` (aware within noise of its line), up to `size.extra_reps` and EXTRA_SHARE of the
+        stage's time left; and the seconds of the warm-up and the first `size.reps` (what the next level's
+        are estimated from)."""
         runs: dict[str, list[dict]] = {m: [] for m in contenders}
-        for rep in range(size.reps + 1):  # rep 0 warms up (and teaches the learning policies, as in training)
+        allowance, t, fixed_s = EXTRA_SHARE * c.stage_left(), time.perf_counter(), 0.0
+        for rep in range(size.reps + size.extra_reps + 1):  # rep 0 warms up (and teaches the learning policies)
+            if rep > size.reps:
+                rep_s = fixed_s / (size.reps + 1)
+                if not undecided(runs) or (rep - size.reps) * rep_s > allowance or rep_s > c.stage_left():
+                    break
             order = rotated(list(contenders), rep)
             for mode in order:
                 r = generate_call(engine, contenders[mode], requests, sampling, seed(rep), share_prefill=mode != unshared)
                 record(workload, mode, rep, order, r, contenders[mode])
                 if rep:
                     runs[mode].append(r)
+            if rep == size.reps:
+                fixed_s = time.perf_counter() - t
         engine.share_prefill = True
-        return runs
+        return runs, fixed_s
 
     # the GRPO batch's generate calls: every mode, the static sweep and unshared prefill, each reps + 1 times
     calls = (len(SWEEP_MODES) + len(STATIC_SWEEP) + 1) * (size.reps + 1)
@@ -161,9 +179,9 @@ def rollout(c: Check) -> dict:
             continue
         t1 = time.perf_counter()
         requests = [Request(prompts[i % len(prompts)], max_new_tokens=size.sweep_tokens) for i in range(B)]
-        runs = run_reps(f"sweep_{B}", policies, requests, sampling, lambda rep, B=B: 1000 * rep + B)
-        level_s = time.perf_counter() - t1
-        row = level_row(B, runs) | {"seconds": level_s}
+        runs, level_s = run_reps(f"sweep_{B}", policies, requests, sampling, lambda rep, B=B: 1000 * rep + B,
+                                 lambda runs, B=B: aware_verdict(*level_ratio(level_row(B, runs))) == "within noise")
+        row = level_row(B, runs) | {"seconds": time.perf_counter() - t1}
         sweep.append(row)
         out["levels"].append(B)
         log(f"concurrency {B:3d}: " + ", ".join(f"{m} {row[f'{m}_tok_s']:.0f}±{row[f'{m}_tok_s_se']:.0f}"
@@ -184,8 +202,10 @@ def rollout(c: Check) -> dict:
     contenders[UNSHARED] = policies["off"]  # plain decoding with every sample prefilling its own prompt
     requests = [Request(p) for p in prompts[: size.grpo_prompts] for _ in range(8)]
     grpo_sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=max_new)
-    runs = run_reps("grpo", contenders, requests, grpo_sampling, lambda rep: 77 + rep, unshared=UNSHARED)
     fixed = (*FIXED_MODES, *(m for m in contenders if m.startswith("static_") and m != AA_PAIR[1]))
+    runs, _ = run_reps("grpo", contenders, requests, grpo_sampling, lambda rep: 77 + rep,
+                       lambda runs: aware_verdict(*grpo_ratio(grpo_summary(runs, fixed))) == "within noise",
+                       unshared=UNSHARED)
     g = grpo_summary(runs, fixed)
     # the shares of each mode's median-time repetition (medians of each part would not add up to 1)
     g["time_shares"] = {m: _shares(sorted(runs[m], key=lambda r: r["seconds"])[len(runs[m]) // 2])

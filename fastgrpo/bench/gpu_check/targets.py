@@ -42,6 +42,21 @@ def aware_verdict(ratio: float, se: float, aa: float | None) -> Verdict:
     return "within noise" if ratio + noise >= AWARE_LINE else "not met"
 
 
+def level_ratio(row: dict) -> tuple[float, float, float | None]:
+    """A sweep level's aware / best fixed (`level_row`), its standard error and the A/A ratio."""
+    best = row["best_fixed"]
+    se = ratio_se(row["aware_vs_best"], row["aware_tok_s"], row.get("aware_tok_s_se"), row[f"{best}_tok_s"],
+                  row.get(f"{best}_tok_s_se"))
+    return row["aware_vs_best"], se, row.get("aa_ratio")
+
+
+def grpo_ratio(g: dict) -> tuple[float, float, float | None]:
+    """The GRPO batch's aware / best fixed (`grpo_summary`), its standard error and the A/A ratio."""
+    best, se_s, all_s = g["best_fixed"], g.get("se_s") or {}, g["all_s"]
+    se = ratio_se(g["aware_vs_best"], all_s["aware"], se_s.get("aware"), all_s[best], se_s.get(best))
+    return g["aware_vs_best"], se, g.get("aa_ratio")
+
+
 def _data(result: dict, stage: str) -> dict | None:
     s = result.get("stages", {}).get(stage) or {}
     return s.get("data") if s.get("status") == "ok" else None
@@ -55,22 +70,19 @@ def _aware(result: dict) -> list[Target]:
     for row in r.get("sweep", []):
         if "aware_vs_best" not in row:
             continue
-        best = row["best_fixed"]
-        se = ratio_se(row["aware_vs_best"], row["aware_tok_s"], row.get("aware_tok_s_se"), row[f"{best}_tok_s"],
-                      row.get(f"{best}_tok_s_se"))
+        ratio, se, aa = level_ratio(row)
         out.append(Target(f"aware >= {AWARE_LINE}x the best fixed choice at {row['concurrency']} running",
-                          f"{row['aware_vs_best']:.3f}x {best} (se {se:.3f}, A/A {row.get('aa_ratio', math.nan):.3f})",
-                          aware_verdict(row["aware_vs_best"], se, row.get("aa_ratio"))))
+                          f"{ratio:.3f}x {row['best_fixed']} (se {se:.3f}, A/A {aa or math.nan:.3f}; "
+                          f"{row['aware_runs']} repetitions)", aware_verdict(ratio, se, aa)))
     for level in r.get("levels_skipped_for_time", []):
         out.append(Target(f"aware >= {AWARE_LINE}x the best fixed choice at {level} running", "skipped for time",
                           "not measured"))
     g = r.get("grpo_batch") or {}
     if "aware_vs_best" in g:
-        best, se_s, all_s = g["best_fixed"], g.get("se_s") or {}, g["all_s"]
-        se = ratio_se(g["aware_vs_best"], all_s["aware"], se_s.get("aware"), all_s[best], se_s.get(best))
+        ratio, se, aa = grpo_ratio(g)
         out.append(Target(f"aware >= {AWARE_LINE}x the best fixed choice on the GRPO batch",
-                          f"{g['aware_vs_best']:.3f}x {best} (se {se:.3f}, A/A {g.get('aa_ratio', math.nan):.3f})",
-                          aware_verdict(g["aware_vs_best"], se, g.get("aa_ratio"))))
+                          f"{ratio:.3f}x {g['best_fixed']} (se {se:.3f}, A/A {aa or math.nan:.3f}; "
+                          f"{(g.get('runs') or {}).get('aware', '?')} repetitions)", aware_verdict(ratio, se, aa)))
         over_off = g["aware_vs_off"]
         out.append(Target(f"aware >= {AWARE_OVER_OFF:g}x plain decoding on the GRPO batch", f"{over_off:.2f}x",
                           "met" if over_off >= AWARE_OVER_OFF else "not met"))
