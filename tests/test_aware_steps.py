@@ -417,3 +417,16 @@ def test_the_gpu_check_sim_replays_the_rollout_stage_against_the_best_fixed_choi
     for r in rows:  # the calls' best is the least time over the very calls the expected best also ran
         assert 0.5 < r["expected_best_over_calls_best"]["least"] <= r["expected_best_over_calls_best"]["mean"] <= 1
         assert r["over_calls_best"]["mean"] <= r["over_expected_best"]["mean"] + 1e-12
+
+
+def test_the_gpu_check_sim_reads_the_checks_verdicts_adding_calls_only_while_within_noise():
+    from tools.aware_gpu_check_sim import main
+
+    rows = main(["--runs", "3", "--levels", "1,4", "--tokens", "16", "--grpo-rows", "8", "--grpo-median", "16",
+                 "--truths", "graphed", "--verdicts", "6"])
+    assert [r["workload"] for r in rows] == ["1", "4", "grpo"]
+    for r in rows:
+        assert sum(r["after_calls"].values()) == sum(r["at_end"].values()) == 3
+        assert set(r["at_end"]) <= {"met", "not met", "within noise"} and 3 <= r["mean_calls"] <= 6
+        if "within noise" not in r["after_calls"]:  # a decided workload takes no call beyond the check's 3
+            assert r["mean_calls"] == 3 and r["at_end"] == r["after_calls"]

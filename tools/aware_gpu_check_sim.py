@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections import Counter
 import random
 import statistics
 import sys
@@ -70,6 +71,47 @@ def stage(truth, run: int, workloads: list[tuple[str, list[int], bool, SpecConfi
     return out
 
 
+def verdicts(truth, run: int, workloads: list[tuple[str, list[int], bool, SpecConfig | None]], most: int,
+             calls: int = 3) -> dict[str, tuple[str, str, int]]:
+    """One replay of the stage as the check reads it (`--verdicts`): its fixed modes (plain decoding, the
+    default static tree d4k4n12, fastgrpo's formula and TLT, which learns through the stage as aware does),
+    each call's tokens a second, and the check's verdict (`targets.aware_verdict`: aware's median over the
+    best fixed mode's, with its standard error; the A/A pair reads 1 here, as identical seeds run alike) after
+    `calls` timed calls and after the calls the check adds while it is within noise, up to `most`. Per
+    workload: the two verdicts and the calls taken."""
+    from fastgrpo.bench.gpu_check.harness import spread
+    from fastgrpo.bench.gpu_check.targets import aware_verdict, ratio_se
+    from fastgrpo.speculation.policy import FastGRPOFormula
+    from fastgrpo.speculation.tlt import TLT
+
+    modes = {"off": Off(), "static": Static(SpecConfig(4, 4, 12)), "fastgrpo": FastGRPOFormula(), "tlt": TLT(),
+             "aware": Aware(gpu_calibration())}
+    out = {}
+    for name, lengths, known, _ in workloads:
+        tok_s: dict[str, list[float]] = {m: [] for m in modes}
+
+        def verdict() -> str:
+            s = {m: spread(v) for m, v in tok_s.items()}
+            best = max((m for m in modes if m != "aware"), key=lambda m: s[m]["median"])
+            ratio = s["aware"]["median"] / s[best]["median"]
+            se = ratio_se(ratio, s["aware"]["median"], s["aware"]["se"], s[best]["median"], s[best]["se"])
+            return aware_verdict(ratio, se, 1.0)
+
+        first = None
+        for rep in range(most + 1):  # rep 0: the warm-up
+            if rep > calls and verdict() != "within noise":
+                break
+            for mode, policy in modes.items():
+                seconds = rollout_seconds(truth, lengths, policy, 100_000 * run + 1000 * rep + len(lengths),
+                                          known=known and mode == "aware")
+                if rep:
+                    tok_s[mode].append(sum(lengths) / seconds)
+            if rep == calls:
+                first = verdict()
+        out[name] = (first, verdict(), len(tok_s["aware"]))
+    return out
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=20, help="replays of the stage, each a fresh aware and its own seeds")
@@ -79,12 +121,28 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--grpo-rows", type=int, default=64)
     ap.add_argument("--grpo-median", type=float, default=120.0, help="the GRPO batch's median length")
     ap.add_argument("--truths", default=",".join(t.__name__ for t in TRUTHS), help="comma-separated")
+    ap.add_argument("--verdicts", type=int, metavar="MOST",
+                    help="the check's own modes and verdicts instead, calls added while within noise up to MOST")
     args = ap.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
     out = []
     for truth in (t for t in TRUTHS if t.__name__ in args.truths.split(",")):
         workloads = [(f"{B}", [args.tokens] * B, True) for B in levels]
         workloads.append(("grpo", grpo_lengths(args.grpo_rows, args.grpo_median), False))
+        if args.verdicts:
+            workloads = [(name, lengths, known, None) for name, lengths, known in workloads]
+            runs = [verdicts(truth, r, workloads, args.verdicts, args.calls) for r in range(args.runs)]
+            for name, *_ in workloads:
+                got = [r[name] for r in runs]
+                row = {"truth": truth.__name__, "workload": name, "runs": args.runs,
+                       "after_calls": dict(Counter(first for first, _, _ in got)),
+                       "at_end": dict(Counter(end for _, end, _ in got)),
+                       "mean_calls": statistics.mean(n for *_, n in got)}
+                out.append(row)
+                print(f"{row['truth']:17s} {name:>4s}: after {args.calls} calls {row['after_calls']}; with calls added "
+                      f"while within noise (up to {args.verdicts}, {row['mean_calls']:.1f} on average) {row['at_end']}",
+                      flush=True)
+            continue
         workloads = [(name, lengths, known, expected_best(truth, lengths)) for name, lengths, known in workloads]
         runs = [stage(truth, r, workloads, args.calls) for r in range(args.runs)]
         for name, _, _, best in workloads:
