@@ -13,7 +13,11 @@ and how many runs fell below 0.97x, the check's line; the calls' noise is the si
 acceptance's draws), not a GPU's.
 
     python tools/aware_gpu_check_sim.py [--runs 20] [--levels 1,4,16,64,256] [--tokens 64] [--calls 3]
-                                        [--truths graphed,...]
+                                        [--truths graphed,...] [--verdicts 9]
+
+`--verdicts MOST` reads the stage as the check itself does instead: against its own few fixed modes, with
+its verdict (met, within noise, not met: fastgrpo/bench/gpu_check/targets.py) after the 3 calls and after
+the calls it adds while within noise, up to MOST.
 """
 
 from __future__ import annotations
@@ -124,6 +128,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--verdicts", type=int, metavar="MOST",
                     help="the check's own modes and verdicts instead, calls added while within noise up to MOST")
     args = ap.parse_args(argv)
+    if args.verdicts is not None and args.verdicts < args.calls:
+        ap.error(f"--verdicts {args.verdicts}: the most calls must be at least --calls ({args.calls})")
     levels = [int(x) for x in args.levels.split(",")]
     out = []
     for truth in (t for t in TRUTHS if t.__name__ in args.truths.split(",")):

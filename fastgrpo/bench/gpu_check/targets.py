@@ -3,7 +3,8 @@ it, and whether it was met. A speed ratio from 3 repetitions is noisy at a few r
 the simulator, a fixed choice that knew the truth fell below 0.97x the calls' best in about half the runs
 at 4 running: tools/aware_gpu_check_sim.py), so `aware` below its line by less than the run's own noise
 (twice the ratio's standard error, or the A/A pair's distance from 1, whichever is larger) is reported as
-within noise, neither met nor failed: the next run, with more repetitions, decides it."""
+within noise, neither met nor failed. The rollout stage repeats such a workload (up to `Size.extra_reps`
+more); what is still within noise after them is for the next run to decide."""
 
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def _aware(result: dict) -> list[Target]:
         ratio, se, aa = level_ratio(row)
         out.append(Target(f"aware >= {AWARE_LINE}x the best fixed choice at {row['concurrency']} running",
                           f"{ratio:.3f}x {row['best_fixed']} (se {se:.3f}, A/A {aa or math.nan:.3f}; "
-                          f"{row['aware_runs']} repetitions)", aware_verdict(ratio, se, aa)))
+                          f"{row.get('aware_runs', '?')} repetitions)", aware_verdict(ratio, se, aa)))
     for level in r.get("levels_skipped_for_time", []):
         out.append(Target(f"aware >= {AWARE_LINE}x the best fixed choice at {level} running", "skipped for time",
                           "not measured"))
