@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections import Counter
 import random
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
