@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from fastgrpo.config import load_config
-from fastgrpo.engines.embedded import engine as embedded
+from fastgrpo.engines.embedded.pending import PendingStates
 from fastgrpo.engines.embedded.build import build_engine, speculation_policy
 from fastgrpo.models.policy import load_policy
 from fastgrpo.models.tokenizer import load_text_format
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         return grpo_batch(engine, cfg, text, policies, args.repetitions, args.threads)
     requests = [Request(list(range(5, 40)), max_new_tokens=args.tokens) for _ in range(args.running)]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.tokens, ignore_eos=True)
-    keep = embedded._PendingStates.defer
+    keep = PendingStates.defer
     modes = ["off", "aware", "aware, states not kept"]
     steps: dict[str, list[float]] = {m: [] for m in modes}
     speculative: dict[str, int] = {m: 0 for m in modes}
@@ -59,14 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.repetitions + 1):  # repetition 0 warms up
             for mode in modes if rep % 2 == 0 else modes[::-1]:
                 engine.set_speculation(policies[mode.split(",")[0]])
-                embedded._PendingStates.defer = (lambda self, hidden, tokens: None) if "not kept" in mode else keep
+                PendingStates.defer = (lambda self, hidden, tokens: None) if "not kept" in mode else keep
                 engine.generate(requests, sampling, seed=rep)
                 trace = engine.stats()["trace"]
                 if rep:
                     steps[mode].append(statistics.median(s for r, c, _, s in trace if c == "off" and r == args.running))
                     speculative[mode] += sum(c != "off" for _, c, _, _ in trace)
     finally:
-        embedded._PendingStates.defer = keep
+        PendingStates.defer = keep
     print(f"plain steps at {args.running} running, {args.threads} thread(s), median per call (ms), "
           f"{args.repetitions} alternations:")
     for mode in modes:

@@ -31,8 +31,8 @@ from fastgrpo.bridge import checksum
 from fastgrpo.device import on_device
 from fastgrpo.models.families import checkpoint_tensors
 from fastgrpo.types import Completion, EngineStats, Request, SamplingParams, padding_shares
-from fastgrpo.engines.embedded.constants import arange
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache
+from fastgrpo.engines.embedded.pending import PendingStates
 from fastgrpo.models.sampling import cuts, kept_sets, sample, sampling_logprobs, sampling_uniforms
 from fastgrpo.models.draft import DraftHead
 from fastgrpo.models.fused import fused_pointwise
@@ -72,55 +72,6 @@ class _Sequence:
     captured: list[Tensor] = field(default_factory=list)  # target states of every position, in order
     routed: list[Tensor] = field(default_factory=list)  # a MoE's experts at every position, in order
     response: Response | None = None  # its text in the suffix index (drafts: index | hybrid)
-
-
-class _PendingStates:
-    """Target states the draft has not consumed yet, per cache row: the state at position p, and the
-    token that follows it, in slot p % window. A row keeps only its last `window` states, all a
-    catch-up ever feeds. A plain step only appends its states to a list (`defer`): they are written
-    in one batch when they are needed or the rows change (`flush`), so the plain steps `aware` takes
-    cost what plain decoding costs."""
-
-    def __init__(self, rows: int, window: int, hidden_size: int, dtype: torch.dtype = torch.float32):
-        self.window = window
-        self.hidden = torch.zeros(rows, window, hidden_size, dtype=dtype)  # the target's states, in its dtype
-        self.next_token = torch.zeros(rows, window, dtype=torch.long)
-        # plain steps not yet written, oldest first: (states [B, H], next tokens) of rows 0..B-1
-        self._deferred: deque[tuple[Tensor, list[int]]] = deque(maxlen=window)
-
-    def put(self, rows: Tensor, positions: Tensor, hidden: Tensor, next_token: Tensor) -> None:
-        """Write state i to (rows[i], positions[i] % window); a flat index_copy_ is the cheapest such write."""
-        flat = rows * self.window + positions % self.window
-        self.hidden.view(-1, self.hidden.shape[-1]).index_copy_(0, flat, hidden)
-        self.next_token.view(-1).index_copy_(0, flat, next_token)
-
-    def defer(self, hidden: Tensor, next_token: list[int]) -> None:
-        """A plain step's states of rows 0..B-1 (a view of the forward's output, never written to)."""
-        self._deferred.append((hidden, next_token))
-
-    def flush(self, lengths: Tensor) -> None:
-        """Write the deferred steps, given the rows' cache lengths now: the last deferred step's states
-        are at positions lengths - 1 (no row changed since: the engine flushes before any change)."""
-        if not self._deferred:
-            return
-        k, B = len(self._deferred), len(self._deferred[0][1])
-        hidden = torch.stack([h for h, _ in self._deferred], 1)  # [B, k, H]
-        tokens = torch.tensor([t for _, t in self._deferred]).T  # [B, k]
-        positions = lengths[:B, None] - k + torch.arange(k)
-        rows = torch.arange(B)[:, None].expand(B, k)
-        self.put(rows.reshape(-1), positions.reshape(-1), hidden.reshape(B * k, -1), tokens.reshape(-1))
-        self._deferred.clear()
-
-    def take(self, start: Tensor, width: int) -> tuple[Tensor, Tensor]:
-        """States at positions start[b] .. start[b] + width - 1 of rows 0..B-1 (entries past a row's
-        last state are stale and must be treated as padding; width is at most the window)."""
-        rows = arange(len(start), start.device)[:, None]
-        slots = (start[:, None] + arange(width, start.device)) % self.window
-        return self.hidden[rows, slots], self.next_token[rows, slots]
-
-    def move_row(self, src: int, dst: int) -> None:
-        self.hidden[dst] = self.hidden[src]
-        self.next_token[dst] = self.next_token[src]
 
 
 class EmbeddedEngine:
@@ -189,7 +140,7 @@ class EmbeddedEngine:
         self._tree_staging: dict[int, Tensor] = {}  # pinned host buffers a merged tree crosses to the device from
         # a merged static step's tree, accepted path and counts, not yet observed (`_observe_held`)
         self._unobserved: tuple[Tree, Tensor, Tensor] | None = None
-        self._kept_pending: _PendingStates | None = None  # static steps: the draft's pending states, kept
+        self._kept_pending: PendingStates | None = None  # static steps: the draft's pending states, kept
         self.draft: DraftHead | None = None
         self.draft_cache: KVCache | None = None
         self.policy: SpeculationPolicy = policy or Off()
@@ -202,7 +153,7 @@ class EmbeddedEngine:
         self.share_prefill = True  # prefill a prompt several requests share once (off: to measure what it saves)
         self._capture = False  # this generate() call returns the target's hidden states (online draft learning)
         self._routing = False  # this generate() call returns a mixture of experts' routing (routing replay)
-        self._pending: _PendingStates | None = None  # for the draft's catch-up, kept while speculating
+        self._pending: PendingStates | None = None  # for the draft's catch-up, kept while speculating
         # async draft learning: polled between decode steps for a newer draft, (weights, version) or None
         self.draft_source: Callable[[], tuple[Iterable[tuple[str, Tensor]], int] | None] | None = None
         self._in_step = False
@@ -421,14 +372,14 @@ class EmbeddedEngine:
                            s.sample_sets[: len(s.tokens)] if cuts(sampling) else None, self._routed(s))
                 for s in out]
 
-    def _pending_states(self) -> _PendingStates:
+    def _pending_states(self) -> PendingStates:
         """The draft's pending states for a call: one buffer for the engine's life when steps are static (a
         captured step reads the buffer it was captured with; every entry is written before it is read),
         a fresh one per call otherwise."""
         if self.state is None:
-            return _PendingStates(self.rows, self.draft_window, self.cfg.hidden_size, self.dtype)
+            return PendingStates(self.rows, self.draft_window, self.cfg.hidden_size, self.dtype)
         if self._kept_pending is None:
-            self._kept_pending = _PendingStates(self.rows, self.draft_window, self.cfg.hidden_size, self.dtype)
+            self._kept_pending = PendingStates(self.rows, self.draft_window, self.cfg.hidden_size, self.dtype)
         self._kept_pending._deferred.clear()
         return self._kept_pending
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -43,6 +42,7 @@ from torch import Tensor
 
 from fastgrpo.engines.embedded.constants import arange, full
 from fastgrpo.engines.embedded.model import InferenceModel, KVCache, block_mask, cache_kv
+from fastgrpo.engines.embedded.pending import PendingStates
 from fastgrpo.engines.embedded.tree import (Tree, Verified, ancestor_mask, compiled_merge_rows, draft_tree, host_tensor,
                                             hybrid_tree, merge_args, verify_tree)
 from fastgrpo.models.draft import DraftHead
@@ -52,9 +52,6 @@ from fastgrpo.speculation.node_calibration import NodeCalibration
 from fastgrpo.speculation.spec import SpecConfig
 from fastgrpo.speculation.suffix_index import CandidateRows
 from fastgrpo.types import SamplingParams
-
-if TYPE_CHECKING:
-    from fastgrpo.engines.embedded.engine import _PendingStates
 
 # 1, 2, 4, 6, 8, 12, 16, 24, ...: powers of two and the halves between them, so a padded step does at most
 # a third more work than its rows need, with few distinct shapes to capture (vLLM pads decode batches to
@@ -186,7 +183,7 @@ class StaticSteps:
         last = tokens.gather(1, accepted[:, None])[:, 0]
         st.pending[rows] = torch.where(active, last, st.pending[rows])
 
-    def plain(self, B: int, ctx: int, sampling: SamplingParams, states: _PendingStates | None,
+    def plain(self, B: int, ctx: int, sampling: SamplingParams, states: PendingStates | None,
               routing: bool = False) -> StepOutput:
         """One token for each row (rows 0..B-1, attention over `ctx` positions); `routing`: with the
         experts each row's token ran (a mixture of experts' routing replay)."""
@@ -205,7 +202,7 @@ class StaticSteps:
                           logprobs if cuts(sampling) else None, _stacked(routed))
 
     def speculate(self, config: SpecConfig, B: int, ctx: int, sampling: SamplingParams,
-                  states: _PendingStates, routing: bool = False) -> StepOutput:
+                  states: PendingStates, routing: bool = False) -> StepOutput:
         """Catch the draft up, draft a tree of `config` per row, verify all in one target forward, keep each
         row's accepted path. `ctx` covers every row's length + config.num_verify. `routing`: with the
         experts each tree node ran (the engine keeps the accepted nodes')."""
@@ -213,7 +210,7 @@ class StaticSteps:
         assert tree.valid is not None  # static trees always say which nodes are verified
         return self._verify(tree, config.depth, B, ctx, sampling, states, routing, tree.valid[:, 1:].any(-1))
 
-    def propose(self, config: SpecConfig, B: int, ctx: int, states: _PendingStates) -> Tensor:
+    def propose(self, config: SpecConfig, B: int, ctx: int, states: PendingStates) -> Tensor:
         """The learned half of a merged step (drafts: hybrid): catch the draft up and draft a tree of
         `config` per row, packed for the host's merge with the index's candidates (`merged_rows`)."""
         tree = self._learned_tree(config, B, ctx, states)
@@ -222,7 +219,7 @@ class StaticSteps:
                           tree.valid[:, 1:].any(-1, keepdim=True).double()], 1)
 
     def verify(self, nodes: int, depth: int, B: int, ctx: int, sampling: SamplingParams,
-               states: _PendingStates, routing: bool = False) -> StepOutput:
+               states: PendingStates, routing: bool = False) -> StepOutput:
         """Verify the trees of `nodes` nodes the host built (drafts: index | hybrid) and copied into
         `tree_input(nodes)` (`merged_rows`), walking `depth` levels: as `speculate` past its drafting."""
         N, t = nodes, self.tree_input(nodes)[:B]
@@ -239,7 +236,7 @@ class StaticSteps:
                                                             device=self.state.pending.device)
         return buffer
 
-    def _learned_tree(self, config: SpecConfig, B: int, ctx: int, states: _PendingStates) -> Tree:
+    def _learned_tree(self, config: SpecConfig, B: int, ctx: int, states: PendingStates) -> Tree:
         assert self.draft is not None and self.draft_cache is not None
         ops = self.model.static_ops
         root_features = catch_up(self.draft, self.draft_cache, self.cache, states, B, states.window, ctx, ops,
@@ -247,7 +244,7 @@ class StaticSteps:
         return draft_tree(self.draft, self.draft_cache, slice(0, B), root_features, self.state.pending[:B], config,
                           ctx=ctx, ops=ops)
 
-    def _verify(self, tree: Tree, depth: int, B: int, ctx: int, sampling: SamplingParams, states: _PendingStates,
+    def _verify(self, tree: Tree, depth: int, B: int, ctx: int, sampling: SamplingParams, states: PendingStates,
                 routing: bool, finite: Tensor) -> StepOutput:
         """Verify `tree` in one target forward over `ctx` positions, walking `depth` levels, and keep each
         row's accepted path (keys/values, the draft's pending states, the rows' state)."""
@@ -390,7 +387,7 @@ def _stacked(routed: list[Tensor] | None) -> Tensor | None:
     return None if routed is None else torch.stack(routed, 2)
 
 
-def catch_up(draft: DraftHead, draft_cache: KVCache, cache: KVCache, states: _PendingStates, B: int, width: int,
+def catch_up(draft: DraftHead, draft_cache: KVCache, cache: KVCache, states: PendingStates, B: int, width: int,
              ctx: int, ops: Pointwise = EAGER, static: bool = False) -> Tensor:
     """Feed the draft the target states of rows 0..B-1 it has not seen (accepted paths, decoded and
     prefilled tokens; at most a window of them: a row further behind feeds its last `states.window` and
@@ -429,7 +426,7 @@ def keep_path(cache: KVCache, B: int, start: Tensor, path: Tensor, accepted: Ten
         c[:, r, dst] = c[:, r, src]
 
 
-def keep_states(states: _PendingStates, start: Tensor, hidden: Tensor, result: Verified) -> None:
+def keep_states(states: PendingStates, start: Tensor, hidden: Tensor, result: Verified) -> None:
     """The draft's pending states of a verify step: the root's and each accepted node's, with the token
     after each, at positions start .. start + accepted. All D + 1 entries are written: those past a row's
     accepted count land at positions past its new length, which the next catch-up does not read and later
