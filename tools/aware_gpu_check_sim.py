@@ -46,6 +46,11 @@ def grpo_lengths(rows: int, median: float, cap: int = 256) -> list[int]:
     return [min(cap, max(8, int(rng.lognormvariate(math.log(median), 0.8)))) for _ in range(rows)]
 
 
+def call_seed(run: int, rep: int, lengths: list[int]) -> int:
+    """A workload's call `rep` (0: the warm-up) in replay `run`: every mode runs it with the same draws."""
+    return 100_000 * run + 1000 * rep + len(lengths)
+
+
 def fixed(c: SpecConfig | None) -> Off:
     return Off() if c is None else Static(c)
 
@@ -66,7 +71,7 @@ def stage(truth, run: int, workloads: list[tuple[str, list[int], bool, SpecConfi
     aware = Aware(gpu_calibration())
     out = {}
     for name, lengths, known, best in workloads:
-        seeds = [100_000 * run + 1000 * rep + len(lengths) for rep in range(calls + 1)]
+        seeds = [call_seed(run, rep, lengths) for rep in range(calls + 1)]
         rollout_seconds(truth, lengths, aware, seeds[0], known=known)  # the warm-up call
         aware_s = sum(rollout_seconds(truth, lengths, aware, s, known=known) for s in seeds[1:])
         times = {c: sum(rollout_seconds(truth, lengths, fixed(c), s) for s in seeds[1:])
@@ -106,7 +111,7 @@ def verdicts(truth, run: int, workloads: list[tuple[str, list[int], bool, SpecCo
             if rep > calls and verdict() != "within noise":
                 break
             for mode, policy in modes.items():
-                seconds = rollout_seconds(truth, lengths, policy, 100_000 * run + 1000 * rep + len(lengths),
+                seconds = rollout_seconds(truth, lengths, policy, call_seed(run, rep, lengths),
                                           known=known and mode == "aware")
                 if rep:
                     tok_s[mode].append(sum(lengths) / seconds)

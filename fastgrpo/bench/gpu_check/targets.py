@@ -63,27 +63,28 @@ def _data(result: dict, stage: str) -> dict | None:
     return s.get("data") if s.get("status") == "ok" else None
 
 
+def _against_best(where: str, best: str, runs: int | None, ratio: float, se: float, aa: float | None) -> Target:
+    return Target(f"aware >= {AWARE_LINE}x the best fixed choice {where}",
+                  f"{ratio:.3f}x {best} (se {se:.3f}, A/A {aa or math.nan:.3f}; {runs or '?'} repetitions)",
+                  aware_verdict(ratio, se, aa))
+
+
 def _aware(result: dict) -> list[Target]:
     r = _data(result, "rollout")
     if not r:
         return [Target(f"aware >= {AWARE_LINE}x the best fixed choice", "no rollout stage", "not measured")]
     out = []
     for row in r.get("sweep", []):
-        if "aware_vs_best" not in row:
-            continue
-        ratio, se, aa = level_ratio(row)
-        out.append(Target(f"aware >= {AWARE_LINE}x the best fixed choice at {row['concurrency']} running",
-                          f"{ratio:.3f}x {row['best_fixed']} (se {se:.3f}, A/A {aa or math.nan:.3f}; "
-                          f"{row.get('aware_runs', '?')} repetitions)", aware_verdict(ratio, se, aa)))
+        if "aware_vs_best" in row:
+            out.append(_against_best(f"at {row['concurrency']} running", row["best_fixed"], row.get("aware_runs"),
+                                     *level_ratio(row)))
     for level in r.get("levels_skipped_for_time", []):
         out.append(Target(f"aware >= {AWARE_LINE}x the best fixed choice at {level} running", "skipped for time",
                           "not measured"))
     g = r.get("grpo_batch") or {}
     if "aware_vs_best" in g:
-        ratio, se, aa = grpo_ratio(g)
-        out.append(Target(f"aware >= {AWARE_LINE}x the best fixed choice on the GRPO batch",
-                          f"{ratio:.3f}x {g['best_fixed']} (se {se:.3f}, A/A {aa or math.nan:.3f}; "
-                          f"{(g.get('runs') or {}).get('aware', '?')} repetitions)", aware_verdict(ratio, se, aa)))
+        out.append(_against_best("on the GRPO batch", g["best_fixed"], (g.get("runs") or {}).get("aware"),
+                                 *grpo_ratio(g)))
         over_off = g["aware_vs_off"]
         out.append(Target(f"aware >= {AWARE_OVER_OFF:g}x plain decoding on the GRPO batch", f"{over_off:.2f}x",
                           "met" if over_off >= AWARE_OVER_OFF else "not met"))

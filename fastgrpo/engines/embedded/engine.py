@@ -380,7 +380,7 @@ class EmbeddedEngine:
             return PendingStates(self.rows, self.draft_window, self.cfg.hidden_size, self.dtype)
         if self._kept_pending is None:
             self._kept_pending = PendingStates(self.rows, self.draft_window, self.cfg.hidden_size, self.dtype)
-        self._kept_pending._deferred.clear()
+        self._kept_pending.discard()
         return self._kept_pending
 
     def _swap_draft(self) -> None:

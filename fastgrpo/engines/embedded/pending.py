@@ -35,6 +35,10 @@ class PendingStates:
         """A plain step's states of rows 0..B-1 (a view of the forward's output, never written to)."""
         self._deferred.append((hidden, next_token))
 
+    def discard(self) -> None:
+        """Drop the deferred steps unwritten (a new call: their rows hold other sequences now)."""
+        self._deferred.clear()
+
     def flush(self, lengths: Tensor) -> None:
         """Write the deferred steps, given the rows' cache lengths now: the last deferred step's states
         are at positions lengths - 1 (no row changed since: the engine flushes before any change)."""
