@@ -267,7 +267,7 @@ def test_the_converted_qwen3_checkpoint_holds_what_megatrons_model_asks_for(tmp_
     ({"model_type": "qwen3", "auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}, "custom modelling code"),
 ])
 def test_convert_refuses_an_unsupported_family_naming_the_supported_ones(tmp_path, capsys, checkpoints, config, says):
-    from fastgrpo.conversion.files import ConversionError
+    from fastgrpo.safetensors_dir import CheckpointError
     from fastgrpo.conversion.sources import load_config
 
     bad = tmp_path / "bad"
@@ -283,7 +283,7 @@ def test_convert_refuses_an_unsupported_family_naming_the_supported_ones(tmp_pat
         err = capsys.readouterr().err
         assert says in err and all(f in err for f in ("llama:", "qwen2:", "qwen3:")), err
     assert not (tmp_path / "out").exists()
-    with pytest.raises(ConversionError, match=says):
+    with pytest.raises(CheckpointError, match=says):
         load_config(bad)
 
 

@@ -392,20 +392,18 @@ def test_bench_trainer_moe_pushes_the_same_tensors_with_and_without_expert_paral
 def _load_from_disk(rank, world, policy_dir, tp, pp):
     """This rank's model loaded from the checkpoint on disk and from the state dict, and which Hugging
     Face tensors the disk loader read."""
-    from fastgrpo.conversion.sources import HFSource
-    from fastgrpo.trainers.megatron.layout import Layout
+    from fastgrpo.safetensors_dir import SafetensorsDir
     from fastgrpo.trainers.megatron.model import build_model, initialize, load_hf_checkpoint
 
     initialize(tp, pp)
     read = []
-    group = HFSource.hf_group
+    getitem = SafetensorsDir.__getitem__
 
     def recorded(self, name):
-        out = group(self, name)
-        read.extend(out)
-        return out
+        read.append(name)
+        return getitem(self, name)
 
-    HFSource.hf_group = recorded
+    SafetensorsDir.__getitem__ = recorded
     model, layout = _load("llama-tied", tp, pp)
     from_disk = build_model(hf_model("llama-tied").config, layout).eval()
     load_hf_checkpoint(from_disk, policy_dir, layout)

@@ -19,14 +19,19 @@ Why it looks the way it does:
   checksums (`fastgrpo-manifest.json`, keyed by Hugging Face names whatever the kind) that every
   command checks when it reads the checkpoint back.
 
-The parts: `files` (names, checksums, manifests, atomic outputs, streaming safetensors), `sources`
+The parts: `fastgrpo.safetensors_dir` (below this package, shared with the Megatron trainer: safetensors
+read one tensor at a time, checksums and manifests checked), `files` (dtypes, manifests and safetensors
+written, atomic outputs), `sources`
 (Hugging Face and Megatron checkpoints read one parameter at a time), `writers` (Hugging Face and
 Megatron written at any TP x PP; the dry run), `checks` (verify, inspect), `exports` (the SGLang EAGLE
 draft, DeepSpeed to Hugging Face), `memory_bench` (bench-memory), and `cli` (the command).
 """
 
+from fastgrpo.safetensors_dir import (  # noqa: F401
+    INDEX, MANIFEST, ST_DTYPES, Checker, CheckpointError, SafetensorsDir, checksum, read_manifest, read_safetensor,
+    read_safetensors_header)
 from fastgrpo.conversion.files import (  # noqa: F401
-    Checker, ConversionError, DTYPES, HF_NON_WEIGHT, INDEX, MANIFEST, ST_DTYPES, ST_NAMES, SafetensorsWriter, atomic_dir, checksum, parse_size, read_manifest, read_safetensor, read_safetensors_header, write_manifest)
+    DTYPES, HF_NON_WEIGHT, ST_NAMES, SafetensorsWriter, atomic_dir, parse_size, write_manifest)
 from fastgrpo.conversion.sources import (  # noqa: F401
     HFSource, MegatronSource, dcp_reader, keys_map, layout_of, load_config, open_checkpoint)
 from fastgrpo.conversion.writers import (  # noqa: F401

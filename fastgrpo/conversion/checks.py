@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from fastgrpo.conversion.files import ConversionError, _dtype_name, checksum
+from fastgrpo.safetensors_dir import CheckpointError, checksum
+from fastgrpo.conversion.files import _dtype_name
 from fastgrpo.conversion.sources import open_checkpoint
 
 
@@ -100,7 +101,7 @@ def inspect(path: Path, check: bool = False, tensors: bool = False, out=None) ->
     manifest = src.check.manifest
     info["manifest"] = None if manifest is None else f"{len(manifest)} tensors, sha256"
     if manifest is not None and set(manifest) != set(shapes):
-        raise ConversionError(f"{path}: its manifest lists other tensors than the checkpoint holds: "
+        raise CheckpointError(f"{path}: its manifest lists other tensors than the checkpoint holds: "
                               f"{sorted(set(manifest) ^ set(shapes))[:5]}")
     if check:
         sums = {}

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from fastgrpo.trainers.megatron.layout import LayoutError
-from fastgrpo.conversion.files import ConversionError, DTYPES, parse_size
+from fastgrpo.safetensors_dir import CheckpointError
+from fastgrpo.conversion.files import DTYPES, parse_size
 from fastgrpo.conversion.sources import layout_of, load_config, open_checkpoint
 from fastgrpo.conversion.writers import dry_run, write_hf, write_megatron
 from fastgrpo.conversion.checks import inspect, verify
@@ -23,7 +24,7 @@ def _dtype_arg(text: str | None) -> torch.dtype | None:
     if text in (None, "keep"):
         return None
     if text not in DTYPES:
-        raise ConversionError(f"--dtype {text}: one of keep, {', '.join(DTYPES)}")
+        raise CheckpointError(f"--dtype {text}: one of keep, {', '.join(DTYPES)}")
     return DTYPES[text]
 
 
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return _run(args)
-    except (ConversionError, LayoutError) as e:
+    except (CheckpointError, LayoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -99,29 +100,29 @@ def _run(args) -> int:
         if args.dry_run:
             config = load_config(args.config or args.hf) if (args.config or args.hf) else None
             if config is None:
-                raise ConversionError("--dry-run needs --config FILE or --hf DIR")
+                raise CheckpointError("--dry-run needs --config FILE or --hf DIR")
             dry_run(config, args.tensor, args.pipeline, _dtype_arg(args.dtype), expert=args.expert,
                     expert_tensor=args.expert_tensor)
             return 0
         if not args.hf or not args.out:
-            raise ConversionError("hf-to-megatron needs --hf DIR and --out DIR (or --dry-run)")
+            raise CheckpointError("hf-to-megatron needs --hf DIR and --out DIR (or --dry-run)")
         source = open_checkpoint(args.hf)
         if source.kind != "hf":
-            raise ConversionError(f"{args.hf} is a Megatron checkpoint, not a Hugging Face directory (use reshard, "
+            raise CheckpointError(f"{args.hf} is a Megatron checkpoint, not a Hugging Face directory (use reshard, "
                                   f"or megatron-to-hf)")
         stats = write_megatron(source, args.out, layout_of(source.config, args.tensor, args.pipeline, args.expert,
                                                            args.expert_tensor), _dtype_arg(args.dtype))
     elif c == "megatron-to-hf":
         source = open_checkpoint(args.megatron)
         if source.kind != "megatron":
-            raise ConversionError(f"{args.megatron} is a Hugging Face directory, not a Megatron checkpoint")
+            raise CheckpointError(f"{args.megatron} is a Hugging Face directory, not a Megatron checkpoint")
         stats = write_hf(source, args.out, parse_size(args.max_shard_size), _dtype_arg(args.dtype), args.tokenizer)
     elif c == "deepspeed-to-hf":
         stats = deepspeed_to_hf(args.checkpoint, args.out, parse_size(args.max_shard_size), _dtype_arg(args.dtype))
     elif c == "reshard":
         source = open_checkpoint(args.megatron)
         if source.kind != "megatron":
-            raise ConversionError(f"{args.megatron} is a Hugging Face directory, not a Megatron checkpoint")
+            raise CheckpointError(f"{args.megatron} is a Hugging Face directory, not a Megatron checkpoint")
         stats = write_megatron(source, args.out, layout_of(source.config, args.tensor, args.pipeline, args.expert,
                                                            args.expert_tensor))
     elif c == "verify":

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from fastgrpo.conversion.files import ConversionError, SafetensorsWriter, atomic_dir, read_safetensor, read_safetensors_header
+from fastgrpo.safetensors_dir import CheckpointError, read_safetensor, read_safetensors_header
+from fastgrpo.conversion.files import SafetensorsWriter, atomic_dir
 from fastgrpo.conversion.sources import load_config
 from fastgrpo.conversion.writers import _cast, _copy_non_weights
 from fastgrpo.paths import DRAFT_CONFIG, DRAFT_WEIGHTS, checkpoint_policy, draft_weights, has_draft, is_policy
@@ -23,7 +24,7 @@ def export_draft(draft: Path, policy: Path, out: Path, drop_norms: bool = False)
 
     draft, policy = Path(draft), Path(policy)
     if not has_draft(draft):
-        raise ConversionError(f"{draft} is not a draft directory ({DRAFT_WEIGHTS} missing; `fastgrpo draft-pretrain` "
+        raise CheckpointError(f"{draft} is not a draft directory ({DRAFT_WEIGHTS} missing; `fastgrpo draft-pretrain` "
                               f"writes one)")
     config = load_config(policy)
     header, start = read_safetensors_header(draft_weights(draft))
@@ -31,9 +32,9 @@ def export_draft(draft: Path, policy: Path, out: Path, drop_norms: bool = False)
     try:
         tensors, dropped = sglang_eagle_tensors(w, config)
     except ValueError as e:
-        raise ConversionError(f"{draft}: {e} (policy at {policy})") from e
+        raise CheckpointError(f"{draft}: {e} (policy at {policy})") from e
     if dropped and not drop_norms:
-        raise ConversionError(
+        raise CheckpointError(
             f"SGLang's EAGLE Llama draft ({SGLANG_EAGLE_ARCHITECTURE}, llama_eagle.py) has no input norm in its layer "
             f"and no final norm, so this draft's {', '.join(dropped)} cannot be carried over; pass --drop-norms to "
             f"export without them (verification stays lossless, acceptance may drop)")
@@ -63,9 +64,9 @@ def deepspeed_to_hf(checkpoint: Path, out: Path, max_shard: int, dtype: torch.dt
     checkpoint = Path(checkpoint)
     ds_dir, policy = checkpoint / "deepspeed", checkpoint_policy(checkpoint)
     if not (ds_dir / "fastgrpo.json").is_file():
-        raise ConversionError(f"{checkpoint} holds no DeepSpeed checkpoint ({ds_dir / 'fastgrpo.json'} missing)")
+        raise CheckpointError(f"{checkpoint} holds no DeepSpeed checkpoint ({ds_dir / 'fastgrpo.json'} missing)")
     if not is_policy(policy):
-        raise ConversionError(f"{checkpoint} has no policy/config.json to name the model")
+        raise CheckpointError(f"{checkpoint} has no policy/config.json to name the model")
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

@@ -1,5 +1,5 @@
-"""Checkpoint files: names, dtypes, checksums and manifests, atomic output directories, safetensors read
-and written one tensor at a time."""
+"""Checkpoint files written: dtypes, manifests, atomic output directories, safetensors written one tensor
+at a time (reading them is `fastgrpo.safetensors_dir`, below the trainers and this package alike)."""
 
 from __future__ import annotations
 
@@ -18,38 +18,20 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from fastgrpo.safetensors_dir import INDEX, MANIFEST, ST_DTYPES, CheckpointError, tensor_bytes
 
-
-MANIFEST = "fastgrpo-manifest.json"
-INDEX = "model.safetensors.index.json"
 HF_NON_WEIGHT = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
-ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-             "BOOL": torch.bool}
 ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ConversionError(Exception):
-    """Bad input or a checkpoint that is not what it says: the message names the problem."""
-
-
 # -- small helpers ----------------------------------------------------------------------------
-def _bytes_of(t: Tensor) -> memoryview:
-    """A tensor's bytes without a copy (contiguous tensors; any dtype)."""
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def checksum(t: Tensor) -> str:
-    return hashlib.sha256(_bytes_of(t)).hexdigest()
-
-
 def parse_size(text: str) -> int:
     """'5GB', '500MB', '2GiB' or a byte count."""
     m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?i?B?)?\s*", text, re.I)
     if not m:
-        raise ConversionError(f"not a size: {text!r} (e.g. 5GB, 500MB)")
+        raise CheckpointError(f"not a size: {text!r} (e.g. 5GB, 500MB)")
     unit = (m.group(2) or "").upper().rstrip("B")
     base = 1024 if unit.endswith("I") else 1000
     return int(float(m.group(1)) * base ** " KMGT".index((unit.rstrip("I") or " ")))
@@ -65,7 +47,7 @@ def atomic_dir(out: Path) -> Iterator[Path]:
     does not: an output directory either is complete or does not exist."""
     out = Path(out)
     if out.exists():
-        raise ConversionError(f"{out} already exists: remove it or choose another output directory")
+        raise CheckpointError(f"{out} already exists: remove it or choose another output directory")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
@@ -76,67 +58,9 @@ def atomic_dir(out: Path) -> Iterator[Path]:
         raise
 
 
-
-def read_manifest(directory: Path) -> dict | None:
-    f = Path(directory) / MANIFEST
-    return json.loads(f.read_text())["tensors"] if f.is_file() else None
-
-
 def write_manifest(directory: Path, kind: str, tensors: dict[str, dict]) -> None:
     (Path(directory) / MANIFEST).write_text(json.dumps(
         {"format": 1, "kind": kind, "checksum": "sha256", "tensors": tensors}, indent=1))
-
-
-class Checker:
-    """Checks each tensor read against the checkpoint's manifest (if it has one)."""
-
-    def __init__(self, where: Path, manifest: dict | None):
-        self.where, self.manifest, self.seen = where, manifest, set()
-
-    def __call__(self, name: str, t: Tensor) -> None:
-        if self.manifest is None:
-            return
-        entry = self.manifest.get(name)
-        if entry is None:
-            raise ConversionError(f"{self.where}: tensor {name} is not in its manifest ({MANIFEST})")
-        if checksum(t) != entry["sha256"]:
-            raise ConversionError(f"{self.where}: checksum mismatch for tensor {name}: the data does not match "
-                                  f"its manifest ({MANIFEST}); the checkpoint is corrupt")
-        self.seen.add(name)
-
-
-# -- safetensors, streamed ----------------------------------------------------------------------
-def read_safetensors_header(file: Path) -> tuple[dict, int]:
-    """(header, where the data starts) of a safetensors file, checked against the file's size."""
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ConversionError(f"{file} is not a safetensors file (truncated)")
-        n = struct.unpack("<Q", raw)[0]
-        if n > min(size - 8, 100_000_000):
-            raise ConversionError(f"{file} is not a safetensors file (header of {n} bytes)")
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    end = max((v["data_offsets"][1] for v in header.values()), default=0)
-    if 8 + n + end > size:
-        raise ConversionError(f"{file} is truncated: its header describes {8 + n + end} bytes, the file has {size}")
-    return header, 8 + n
-
-
-def read_safetensor(file: Path, entry: dict, start: int) -> Tensor:
-    """One tensor, by a plain read into a fresh tensor (no mmap)."""
-    if entry["dtype"] not in ST_DTYPES:
-        raise ConversionError(f"{file}: dtype {entry['dtype']} is not supported")
-    t = torch.empty(entry["shape"], dtype=ST_DTYPES[entry["dtype"]])
-    b, e = entry["data_offsets"]
-    if e - b != t.numel() * t.element_size():
-        raise ConversionError(f"{file}: a tensor's byte range does not match its shape")
-    with open(file, "rb") as f:
-        f.seek(start + b)
-        if t.numel() and f.readinto(_bytes_of(t)) != e - b:
-            raise ConversionError(f"{file} is truncated")
-    return t
 
 
 class SafetensorsWriter:
@@ -184,7 +108,7 @@ class SafetensorsWriter:
             raise RuntimeError(f"tensor {name}: {tuple(t.shape)} {t.dtype}, planned {shape} {dtype}")
         if i != self.current:
             self._open(i)
-        data = _bytes_of(t)
+        data = tensor_bytes(t)
         self.handle.write(data)
         self.manifest[name] = {"shape": list(shape), "dtype": _dtype_name(dtype),
                                "sha256": hashlib.sha256(data).hexdigest()}
@@ -200,6 +124,3 @@ class SafetensorsWriter:
                 "metadata": {"total_size": self.total},
                 "weight_map": {name: self.files[i] for name, (i, _) in self.where.items()}}, indent=1))
         write_manifest(self.dir, "hf", self.manifest)
-
-
-# -- torch.distributed.checkpoint, restricted ------------------------------------------------------

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from fastgrpo.conversion.files import ConversionError, SafetensorsWriter, atomic_dir, parse_size
+from fastgrpo.safetensors_dir import CheckpointError
+from fastgrpo.conversion.files import SafetensorsWriter, atomic_dir, parse_size
 from fastgrpo.conversion.sources import HFSource
 from fastgrpo.conversion.writers import MetaSource
 
@@ -55,7 +56,7 @@ def bench_memory(size_gb: float, output: Path, workdir: Path | None) -> dict:
         t = time.time()
         res = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
         if res.returncode:
-            raise ConversionError(f"bench {name} failed: {res.stderr[-2000:]}")
+            raise CheckpointError(f"bench {name} failed: {res.stderr[-2000:]}")
         peak = int(next(l for l in res.stdout.splitlines() if l.startswith("PEAK")).split()[1])
         runs[name] = {"peak_rss_bytes": peak, "seconds": round(time.time() - t, 1),
                       "peak_over_model": round(peak / model_bytes, 3), "peak_over_largest_tensor": round(peak / largest, 2)}

@@ -14,7 +14,7 @@ from torch import Tensor
 from fastgrpo.models.families import UnsupportedModel, check_family
 from fastgrpo.paths import DRAFT_CONFIG, checkpoint_policy, has_draft, hf_config, is_policy
 from fastgrpo.trainers.megatron.layout import Layout, LayoutError
-from fastgrpo.conversion.files import Checker, ConversionError, INDEX, ST_DTYPES, read_manifest, read_safetensor, read_safetensors_header
+from fastgrpo.safetensors_dir import Checker, CheckpointError, SafetensorsDir, read_manifest
 
 
 def load_config(path: Path):
@@ -24,22 +24,22 @@ def load_config(path: Path):
     path = Path(path)
     file = hf_config(path)
     if not file.is_file():
-        raise ConversionError(f"no Hugging Face config at {path} (config.json missing)")
+        raise CheckpointError(f"no Hugging Face config at {path} (config.json missing)")
     raw = json.loads(file.read_text())
     try:  # the one rule of which checkpoints fastgrpo runs (custom code and unknown families refused)
         check_family(raw, file)
     except UnsupportedModel as e:
-        raise ConversionError(str(e)) from e
+        raise CheckpointError(str(e)) from e
     return AutoConfig.for_model(**raw)
 
 
 def layout_of(config, tensor: int = 1, pipeline: int = 1, expert: int = 1, expert_tensor: int = 0) -> Layout:
     """The Megatron layout a conversion writes or reads at (`expert_tensor`: the experts' tensor-parallel
-    size, 0 meaning `tensor`), its refusal a ConversionError."""
+    size, 0 meaning `tensor`), its refusal a CheckpointError."""
     try:
         return Layout.of(config, tensor, pipeline, expert, expert_tensor=expert_tensor)
     except LayoutError as e:
-        raise ConversionError(str(e)) from e
+        raise CheckpointError(str(e)) from e
 
 
 def keys_map() -> dict[str, str]:
@@ -62,7 +62,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
             return getattr(torch, name)
-        raise ConversionError(f"the checkpoint's .metadata refers to {module}.{name}: not a torch_dist metadata "
+        raise CheckpointError(f"the checkpoint's .metadata refers to {module}.{name}: not a torch_dist metadata "
                               f"class, refused")
 
 
@@ -90,52 +90,20 @@ class HFSource:
     def __init__(self, path: Path):
         self.path = Path(path)
         if not self.path.is_dir():
-            raise ConversionError(f"{path} is not a directory")
+            raise CheckpointError(f"{path} is not a directory")
         self.config = load_config(self.path)
         self.layout = layout_of(self.config)
-        if (self.path / INDEX).is_file():
-            weight_map = json.loads((self.path / INDEX).read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-            missing = [f for f in files if not (self.path / f).is_file()]
-            if missing:
-                raise ConversionError(f"{self.path}: missing shard(s) {', '.join(missing)} listed in {INDEX}")
-        elif (self.path / "model.safetensors").is_file():
-            files = ["model.safetensors"]
-        else:
-            pickled = [p.name for p in self.path.glob("*.bin")] + [p.name for p in self.path.glob("*.pt*")]
-            raise ConversionError(f"{self.path} holds no safetensors weights" + (
-                f" (found {', '.join(pickled)}: pickled checkpoints are never read; convert them to safetensors "
-                f"where they were made)" if pickled else ""))
-        self.entries: dict[str, tuple[Path, dict, int]] = {}
-        for f in files:
-            header, start = read_safetensors_header(self.path / f)
-            for name, entry in header.items():
-                self.entries[name] = (self.path / f, entry, start)
-        self.check = Checker(self.path, read_manifest(self.path))
-        self.files = [self.path / f for f in files]
+        self.tensors = SafetensorsDir(self.path)
+        self.check, self.files = self.tensors.check, self.tensors.files
 
     def names(self) -> list[str]:
         return self.layout.megatron_names()
 
-    def _entry(self, hf_name: str) -> tuple[Path, dict, int]:
-        if hf_name not in self.entries:
-            raise ConversionError(f"{self.path}: tensor {hf_name} is missing from the checkpoint")
-        return self.entries[hf_name]
-
     def hf_meta(self, name: str) -> dict[str, Tensor]:
-        out = {}
-        for hf in self.layout.hf_sources(name):
-            _, entry, _ = self._entry(hf)
-            out[hf] = torch.empty(entry["shape"], dtype=ST_DTYPES[entry["dtype"]], device="meta")
-        return out
+        return {hf: self.tensors.meta(hf) for hf in self.layout.hf_sources(name)}
 
     def hf_group(self, name: str) -> dict[str, Tensor]:
-        out = {}
-        for hf in self.layout.hf_sources(name):
-            t = read_safetensor(*self._entry(hf))
-            self.check(hf, t)
-            out[hf] = t
-        return out
+        return {hf: self.tensors[hf] for hf in self.layout.hf_sources(name)}
 
     def non_weight_dir(self) -> Path:
         return self.path
@@ -153,11 +121,11 @@ class MegatronSource:
         self.root, self.dir = root, root / "megatron"
         info = self.dir / "fastgrpo.json"
         if not info.is_file():
-            raise ConversionError(f"{path} is not a Megatron checkpoint of this project ({info} missing)")
+            raise CheckpointError(f"{path} is not a Megatron checkpoint of this project ({info} missing)")
         self.info = json.loads(info.read_text())
         hf = next((d for d in (root / "hf", checkpoint_policy(root)) if is_policy(d)), None)
         if hf is None:
-            raise ConversionError(f"{root}: no Hugging Face config next to the Megatron checkpoint (hf/ or policy/)")
+            raise CheckpointError(f"{root}: no Hugging Face config next to the Megatron checkpoint (hf/ or policy/)")
         self.hf_dir = hf
         self.config = load_config(hf)
         saved = self.info["saved_at"]
@@ -168,16 +136,16 @@ class MegatronSource:
         identity = checkpoint_identity(self.config, self.layout)
         if self.info["model"] != identity:
             diff = {k: (v, identity.get(k)) for k, v in self.info["model"].items() if identity.get(k) != v}
-            raise ConversionError(f"{root}: the Megatron checkpoint is of another model than {hf}/config.json "
+            raise CheckpointError(f"{root}: the Megatron checkpoint is of another model than {hf}/config.json "
                                   f"(checkpoint, config): {diff}")
         if not (self.dir / ".metadata").is_file():
-            raise ConversionError(f"{self.dir}: .metadata missing (not a torch_dist checkpoint, or incomplete)")
+            raise CheckpointError(f"{self.dir}: .metadata missing (not a torch_dist checkpoint, or incomplete)")
         self.reader = dcp_reader(self.dir)
         self.metadata = self.reader.read_metadata()
         files = sorted({s.relative_path for s in self.metadata.storage_data.values()})
         missing = [f for f in files if not (self.dir / f).is_file()]
         if missing:
-            raise ConversionError(f"{self.dir}: missing shard file(s) {', '.join(missing)}")
+            raise CheckpointError(f"{self.dir}: missing shard file(s) {', '.join(missing)}")
         self.files = [self.dir / f for f in files]
         self.keys_map = keys_map()
         self.check = Checker(self.dir, read_manifest(self.dir))
@@ -190,7 +158,7 @@ class MegatronSource:
         key, index = self.layout.dist_key(name, self.keys_map)
         md = self.metadata.state_dict_metadata.get(key)
         if md is None or not hasattr(md, "chunks"):
-            raise ConversionError(f"{self.dir}: tensor {key} (of {name}) is missing from the checkpoint")
+            raise CheckpointError(f"{self.dir}: tensor {key} (of {name}) is missing from the checkpoint")
         return key, index, md
 
     def _stored_meta(self, name: str) -> Tensor:
@@ -219,7 +187,7 @@ class MegatronSource:
         sizes = (*[1] * len(index), *tuple(md.size)[len(index):])
         offsets = (*index, *[0] * (len(md.size) - len(index)))
         if tuple(md.size)[:len(index)] != self.layout.dist_stack(index):
-            raise ConversionError(f"{self.dir}: {key} is stacked as {tuple(md.size)[:len(index)]} (layers"
+            raise CheckpointError(f"{self.dir}: {key} is stacked as {tuple(md.size)[:len(index)]} (layers"
                                   f"{', experts' if len(index) > 1 else ''}), the config as "
                                   f"{self.layout.dist_stack(index)}")
         dest = torch.empty(sizes, dtype=md.properties.dtype)
@@ -238,10 +206,10 @@ class MegatronSource:
         try:
             load({key: dest}, storage_reader=self.reader, planner=Region(allow_partial_load=True), no_dist=True)
         except (Exception, CheckpointException) as e:  # torch.distributed.checkpoint wraps the reader's errors
-            raise ConversionError(f"{self.dir}: reading {key} failed (a missing or corrupt shard file?): "
+            raise CheckpointError(f"{self.dir}: reading {key} failed (a missing or corrupt shard file?): "
                                   f"{str(e).strip().splitlines()[-1]}") from e
         if covered[0] != dest.numel():
-            raise ConversionError(f"{self.dir}: the stored chunks of {key} do not cover {name}: missing shards")
+            raise CheckpointError(f"{self.dir}: the stored chunks of {key} do not cover {name}: missing shards")
         full = self.layout.from_dist(name, dest.reshape(tuple(md.size)[len(index):]))
         group = self._to_hf(name, full)
         for hf, t in group.items():
@@ -256,12 +224,12 @@ def open_checkpoint(path: Path) -> HFSource | MegatronSource:
     """A source of any kind, told apart by what the directory holds."""
     path = Path(path)
     if not path.exists():
-        raise ConversionError(f"{path} does not exist")
+        raise CheckpointError(f"{path} does not exist")
     if (path / "megatron" / "fastgrpo.json").is_file() or (path / "fastgrpo.json").is_file():
         return MegatronSource(path)
     if is_policy(path):
         return HFSource(path)
     if has_draft(path) or (path / DRAFT_CONFIG).is_file():
-        raise ConversionError(f"{path} is a draft head, not a policy checkpoint (use export-draft)")
-    raise ConversionError(f"{path} is neither a Hugging Face directory (config.json) nor a Megatron checkpoint "
+        raise CheckpointError(f"{path} is a draft head, not a policy checkpoint (use export-draft)")
+    raise CheckpointError(f"{path} is neither a Hugging Face directory (config.json) nor a Megatron checkpoint "
                           f"(megatron/fastgrpo.json)")

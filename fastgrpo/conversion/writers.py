@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from fastgrpo.trainers.megatron.layout import Layout
-from fastgrpo.conversion.files import ConversionError, DTYPES, HF_NON_WEIGHT, SafetensorsWriter, _dtype_name, atomic_dir, checksum, write_manifest
+from fastgrpo.safetensors_dir import CheckpointError, checksum
+from fastgrpo.conversion.files import DTYPES, HF_NON_WEIGHT, SafetensorsWriter, _dtype_name, atomic_dir, write_manifest
 from fastgrpo.conversion.sources import keys_map, layout_of
 
 
@@ -90,7 +91,7 @@ def write_megatron(source, out: Path, layout: Layout, dtype: torch.dtype | None 
         items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
     manifest: dict[str, dict] = {}
     current: dict = {"name": None, "full": None}
-    failed: list[ConversionError] = []
+    failed: list[CheckpointError] = []
 
     class Lazy(DefaultSavePlanner):
         """Hands the writer each piece when it asks for it: one full tensor is held at a time."""
@@ -102,7 +103,7 @@ def write_megatron(source, out: Path, layout: Layout, dtype: torch.dtype | None 
         def resolve_data(self, write_item):
             try:
                 return self._resolve(write_item)
-            except ConversionError as e:  # torch.distributed.checkpoint wraps what it catches: keep ours
+            except CheckpointError as e:  # torch.distributed.checkpoint wraps what it catches: keep ours
                 failed.append(e)
                 raise
 

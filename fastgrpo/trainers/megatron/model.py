@@ -39,6 +39,7 @@ from torch import Tensor
 from fastgrpo.models.rope import hf_inv_freq, rope_parameters
 from fastgrpo.trainers.megatron.layout import EXPERT, LAYER, ROUTER, Layout, LayoutError
 from fastgrpo.distributed import COLLECTIVE_TIMEOUT, init_world
+from fastgrpo.safetensors_dir import SafetensorsDir
 from fastgrpo.config import LAYER_SPECS
 
 
@@ -290,15 +291,12 @@ def load_hf_state(model, hf_state: Mapping[str, Tensor], layout: Layout) -> None
 
 
 def load_hf_checkpoint(model, policy_dir: Path, layout: Layout) -> None:
-    """Load this rank's slice of a Hugging Face checkpoint on disk (its safetensors, read by the
-    conversion's `HFSource`, manifest checksums checked where there is one), one Megatron tensor at a
-    time: only the tensors this rank holds a piece of are read, and no rank holds more than one full
-    tensor beyond its own shards: loading the whole model on every rank would cost each rank the full
-    fp32 model in host memory (122 GB for Qwen3-30B-A3B, eight times over on a node of eight)."""
-    from fastgrpo.conversion.sources import HFSource
-
-    source = HFSource(policy_dir)
-    _load_pieces(model, layout, lambda name: layout.megatron_tensor(name, source.hf_group(name)))
+    """Load this rank's slice of a Hugging Face checkpoint on disk (its safetensors, each read when a
+    Megatron tensor made of it is, manifest checksums checked where there is one), one Megatron tensor
+    at a time: only the tensors this rank holds a piece of are read, and no rank holds more than one
+    full tensor beyond its own shards: loading the whole model on every rank would cost each rank the
+    full fp32 model in host memory (122 GB for Qwen3-30B-A3B, eight times over on a node of eight)."""
+    load_hf_state(model, SafetensorsDir(policy_dir), layout)
 
 
 def _load_pieces(model, layout: Layout, full_tensor: Callable[[str], Tensor]) -> None:
