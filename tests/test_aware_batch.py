@@ -1,6 +1,6 @@
 """`aware` on batches whose rows' lengths are known (EOS ignored, as every fixed-concurrency bench): rows of a
 tree end unevenly and the batch with its slowest, so trees are ranked by the batch's remaining time
-(`batch_seconds`), not by their rate a step. Simulated on the step-cost truths of `test_aware_steps`."""
+(`batch_seconds`), not by their rate a step. Simulated on the step-cost truths of `fastgrpo.bench.simulate.truths`."""
 
 import random
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from fastgrpo.bench.simulate import SimRequest, Workload, eagle_profile, simulate
+from fastgrpo.bench.simulate.truths import cheap_speculation, dear_speculation, gpu_calibration, rollout_seconds
 from fastgrpo.speculation.batch_time import batch_seconds
 from fastgrpo.speculation.policy import AcceptanceModel, Aware, Off, Shapes, Static, candidate_configs
 from fastgrpo.speculation.spec import SpecConfig
-from tests.test_aware_steps import cheap_speculation, dear_speculation, gpu_calibration, rollout_seconds
 
 
 def tree_tokens(rng: random.Random, alpha: float, depth: int) -> int:

@@ -7,104 +7,14 @@ import random
 
 import pytest
 
-from fastgrpo.speculation.cost_model import CostModel
+from fastgrpo.bench.simulate.truths import (BETA, TRUTHS, accepted, aware_rate, best_fixed, cheap_speculation,
+                                            dear_speculation, eager_h100, gpu_calibration, rollout_seconds)
 from fastgrpo.speculation.policy import Aware, StepFit, candidate_configs, running_mean
 from fastgrpo.speculation.spec import SpecConfig
-
-GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-ALPHA = 0.7  # the true chance that a level is accepted by one drafted child
-
-
-def gpu_calibration() -> CostModel:
-    """What aware is given: forwards timed alone on a GPU, flat while memory-bound (2.5 ms to 512
-    tokens), then linear; a draft forward of 0.3 ms."""
-    return CostModel({t: 0.0025 * max(1.0, t / 512) for t in GRID}, {t: 0.0003 * max(1.0, t / 512) for t in GRID})
-
-
-def eager_h100(c: SpecConfig | None, B: int) -> float:
-    """Step seconds of an eager engine on an H100 (the research note's table: a plain step 26 ms at one
-    sequence, d4k4n12 2.2-2.5x, wide trees 3-4x): host work per step and per draft level, verify tokens
-    nearly free."""
-    plain = 0.026 + 0.00005 * B
-    return plain if c is None else plain + 0.008 + 0.006 * c.depth + 2e-5 * B * c.num_verify
-
-
-def graphed(c: SpecConfig | None, B: int) -> float:
-    """A graph-captured engine: steps cost 1.2x their forwards, plus 0.3 ms a draft level."""
-    cal = gpu_calibration()
-    if c is None:
-        return 1.2 * cal.target(B)
-    return 1.2 * (cal.target(B * c.num_verify) + c.depth * cal.draft(B * c.topk)) + 0.0003 * c.depth
-
-
-def dear_speculation(c: SpecConfig | None, B: int) -> float:
-    """A CPU-like truth where every tree loses: a step costs a plain step more per draft level (the chain of
-    one, 1.9 plain steps for 1.7 tokens a row), so plain decoding is the best fixed choice."""
-    plain = 0.010 * (1 + B / 256)
-    return plain if c is None else plain * (1 + 0.9 * c.depth + 0.05 * (c.num_verify - 1))
-
-
-def cheap_speculation(c: SpecConfig | None, B: int) -> float:
-    """A truth where trees pay: a quarter of a plain step per draft level, a twentieth per verified node."""
-    plain = 0.010 * (1 + B / 256)
-    return plain if c is None else plain * (1 + 0.25 * c.depth + 0.05 * (c.num_verify - 1))
-
-
-BETA = 0.7  # what a tree's width adds, as aware's prior assumes (the median of bench simulate's fits)
-
-
-def level_acceptance(c: SpecConfig, beta: float = BETA) -> float:
-    """The truth's chance that a tree of c accepts a level it reached: of ~w candidates a level (its
-    nodes over its levels, at most top-k), the target's token is missed with chance (1 - ALPHA) w^-beta
-    (the law `bench simulate` fits to measured acceptance)."""
-    width = max(1.0, min(c.topk, (c.num_verify - 1) / c.depth))
-    return 1 - (1 - ALPHA) * width**-beta
-
-
-def expected_emitted(c: SpecConfig | None, beta: float = BETA) -> float:
-    """Per sequence and step, by the truth's acceptance."""
-    if c is None:
-        return 1.0
-    level = level_acceptance(c, beta)
-    return 1 + sum(level**d for d in range(1, c.depth + 1))
-
-
-def accepted(c: SpecConfig, B: int, rng: random.Random, beta: float = BETA) -> list[int]:
-    level = level_acceptance(c, beta)
-    out = []
-    for _ in range(B):
-        a = 0
-        while a < c.depth and rng.random() < level:
-            a += 1
-        out.append(a)
-    return out
-
-
-def simulate(truth, B: int, steps: int, seed: int, beta: float = BETA) -> float:
-    """aware's realised tokens per second over `steps` steps at B running (3% noise on every step)."""
-    rng = random.Random(seed)
-    aware = Aware(gpu_calibration())
-    tokens = seconds = 0.0
-    for _ in range(steps):
-        c = aware.choose(B, 512)
-        t = truth(c, B) * math.exp(rng.gauss(0, 0.03))
-        acc = None if c is None else accepted(c, B, rng, beta)
-        emitted = B if acc is None else sum(a + 1 for a in acc)
-        aware.observe(c, B, emitted, t, acc)
-        tokens, seconds = tokens + emitted, seconds + t
-    return tokens / seconds
-
-
-def best_fixed(truth, B: int, beta: float = BETA) -> tuple[float, SpecConfig | None]:
-    rate, c = max(((B * expected_emitted(c, beta) / truth(c, B), c) for c in [None, *candidate_configs()]),
-                  key=lambda rc: rc[0])
-    return rate, c
-
 
 # the never-slower bar: aware reaches 0.97x the best fixed choice at every concurrency, on the mean of three
 # seeds (as the GPU check's three repetitions), no seed below 0.95x
 FLOOR, SEED_FLOOR = 0.97, 0.95
-TRUTHS = [eager_h100, graphed, cheap_speculation, dear_speculation]
 
 
 @pytest.mark.parametrize("beta", [BETA, 0.4], ids=["prior's-law", "flatter-law"])
@@ -116,7 +26,7 @@ def test_aware_nears_the_best_fixed_choice_at_every_concurrency(truth, beta):
     read 0.706 there and held the deepest trees where shallower ones paid."""
     for B in (1, 4, 16, 64, 256):
         rate, shape = best_fixed(truth, B, beta)
-        got = [simulate(truth, B, steps=3000, seed=seed, beta=beta) / rate for seed in (B, B + 1000, B + 2000)]
+        got = [aware_rate(truth, B, steps=3000, seed=seed, beta=beta) / rate for seed in (B, B + 1000, B + 2000)]
         print(f"\n{truth.__name__} B={B}: aware / best fixed ({shape and shape.name}) "
               + " ".join(f"{g:.3f}" for g in got))
         assert sum(got) / 3 >= FLOOR and min(got) >= SEED_FLOOR, (B, got, shape)
@@ -140,7 +50,7 @@ def test_without_the_step_fit_the_eager_costs_defeat_aware():
     StepFit.fit, StepFit.seconds_of = one_ratio, seconds_of
     try:
         rate, _ = best_fixed(eager_h100, 256)
-        got = simulate(eager_h100, 256, steps=3000, seed=256)
+        got = aware_rate(eager_h100, 256, steps=3000, seed=256)
     finally:
         StepFit.fit, StepFit.seconds_of = original, original_seconds
     assert got < 0.97 * rate
@@ -244,26 +154,6 @@ def test_a_cold_bucket_measures_trees_of_three_sizes_off_one_line_before_holding
     per_level = 0.25 - 0.0003 / (0.010 * (1 + B / 256))  # less a draft level's forward, in plain steps
     assert aware.fits[B].g == pytest.approx(per_level, rel=0.3)
     assert aware.choose(B, 512) == aware._held[B]
-
-
-def rollout_seconds(truth, lengths: list[int], policy, seed: int, known: bool = False) -> float:
-    """Seconds to finish a GRPO batch: every sequence runs until it has emitted its length; the running
-    count falls as they finish (the long tail); 3% noise on every step. `known`: the policy is told each
-    row's tokens left (`Aware.tokens_left`: lengths fixed, EOS ignored), else the lengths stand for EOS."""
-    rng = random.Random(seed)
-    left, seconds = list(lengths), 0.0
-    while running := [i for i, n in enumerate(left) if n > 0]:
-        B = len(running)
-        if known and hasattr(policy, "tokens_left"):
-            policy.tokens_left([left[i] for i in running])
-        c = policy.choose(B, 512)
-        t = truth(c, B) * math.exp(rng.gauss(0, 0.03))
-        acc = [0] * B if c is None else accepted(c, B, rng)
-        for i, a in zip(running, acc):
-            left[i] -= a + 1
-        policy.observe(c, B, sum(a + 1 for a in acc), t, None if c is None else acc)
-        seconds += t
-    return seconds
 
 
 @pytest.mark.parametrize("truth", TRUTHS, ids=lambda t: t.__name__)

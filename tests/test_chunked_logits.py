@@ -216,7 +216,7 @@ def _batch(vocab: int, rows: int = 4, seed: int = 0):
 
 @pytest.fixture(scope="module")
 def policies(tmp_path_factory) -> dict[str, Path]:
-    from tests.family_checkpoints import MOE_FAMILY, write_family_checkpoint
+    from fastgrpo.bench.family_checkpoints import MOE_FAMILY, write_family_checkpoint
 
     policies = {name: write_family_checkpoint(name, tmp_path_factory.mktemp(name)) for name in (MOE_FAMILY, "qwen2.5")}
     # Megatron's MoE: every layer sparse

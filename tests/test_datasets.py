@@ -20,7 +20,7 @@ from fastgrpo.models.tokenizer import BOXED_INSTRUCTION, load_text_format
 from fastgrpo.tasks.datasets import DatasetError, load_problems
 from fastgrpo.tasks.source import encode_problems, load_task_data
 from fastgrpo.tracking import default_tracking_uri
-from tests.family_checkpoints import write_family_checkpoint
+from fastgrpo.bench.family_checkpoints import write_family_checkpoint
 
 # rows as the public datasets hold them (abridged texts)
 GSM8K = [

@@ -297,7 +297,7 @@ def test_fastgrpo_train_runs_a_moe_at_tp2_x_ep2_under_torchrun(tmp_path, expert_
     engines' (the same weights, both sides' MoE forward, fp32: a misplaced record would move them), with
     the expert load and routing_mismatch (both fp32: next to none) logged every step and a checkpoint; with
     each expert's weights split over the TP ranks (expert TP 2) and whole on one rank (expert TP 1)."""
-    from tests.family_checkpoints import MOE_EXPERTS, MOE_FAMILY, MOE_TOP_K, write_family_checkpoint
+    from fastgrpo.bench.family_checkpoints import MOE_EXPERTS, MOE_FAMILY, MOE_TOP_K, write_family_checkpoint
     from tests.test_real_checkpoints import family_run
 
     path = write_family_checkpoint(MOE_FAMILY, tmp_path / "moe", mlp_only_layers=[])

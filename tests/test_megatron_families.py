@@ -1,6 +1,6 @@
 """The Megatron trainer and HF <-> Megatron conversion on each family fastgrpo serves: Llama 3.1
 (llama3 rope scaling, untied head), Qwen2.5 (QKV biases, tied head), Qwen3 (q/k norms, head_dim other
-than hidden / heads), as `tests/family_checkpoints.py` writes them (every norm weight and bias drawn
+than hidden / heads), as `fastgrpo/bench/family_checkpoints.py` writes them (every norm weight and bias drawn
 away from 1 / 0, so a part left out shows).
 
 - At TP2 x PP2 (a world of 4 on gloo) the trainer's per-token log-probabilities and entropy equal
@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from fastgrpo.local_world import run_world
-from tests.family_checkpoints import FAMILY_NAMES, write_family_checkpoint
+from fastgrpo.bench.family_checkpoints import FAMILY_NAMES, write_family_checkpoint
 
 pytest.importorskip("megatron.core")
 

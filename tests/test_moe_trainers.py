@@ -4,7 +4,7 @@ the router's load-balancing loss is added only when trainer.router_aux_loss is s
 sends SGLang names each expert as SGLang's Qwen3-MoE `load_weights` maps it (that check reads
 SGLang's source: tests/test_sglang_conformance.py).
 
-The policy is tests/family_checkpoints.py's tiny Qwen3-MoE (fp32: three layers, the first and last
+The policy is fastgrpo/bench/family_checkpoints.py's tiny Qwen3-MoE (fp32: three layers, the first and last
 sparse with 8 experts, top-2, the middle one dense), written as a Hugging Face directory holds it."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from fastgrpo.models.families import checkpoint_tensors
 from fastgrpo.models.policy import load_policy
 from fastgrpo.trainers.torch_trainer import TorchPolicyTrainer, expert_load, routed_tokens
 from fastgrpo.types import SamplingParams
-from tests.family_checkpoints import MOE_EXPERTS, MOE_FAMILY, MOE_TOP_K, write_family_checkpoint
+from fastgrpo.bench.family_checkpoints import MOE_EXPERTS, MOE_FAMILY, MOE_TOP_K, write_family_checkpoint
 
 SPARSE_LAYERS = (0, 2)
 

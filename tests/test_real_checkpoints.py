@@ -1,5 +1,5 @@
 """Real checkpoints: `fastgrpo train` runs Llama 3.1, Qwen2.5 and Qwen3 dense from their Hugging
-Face directories as a user has them (tests/family_checkpoints.py: the families' special tokens, chat
+Face directories as a user has them (fastgrpo/bench/family_checkpoints.py: the families' special tokens, chat
 templates and generation_config stop ids; Llama without a pad token, the Qwens without BOS), and refuses
 what it does not compute before any work."""
 
@@ -18,7 +18,7 @@ from fastgrpo.models.policy import load_policy
 from fastgrpo.models.tokenizer import BOXED_INSTRUCTION, load_text_format
 from fastgrpo.train import train
 from fastgrpo.types import Request, SamplingParams
-from tests.family_checkpoints import FAMILY_NAMES, write_family_checkpoint, write_task
+from fastgrpo.bench.family_checkpoints import FAMILY_NAMES, write_family_checkpoint, write_task
 
 PROBLEM = "Compute left to right: 7 * 2 - 3"
 

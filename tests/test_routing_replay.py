@@ -7,7 +7,7 @@ import torch
 
 from fastgrpo.models.routing import (Mismatch, bytes_per_token, record_routing, replay_routing, routers,
                                      stack_record)
-from tests.family_checkpoints import MOE_EXPERTS, MOE_TOP_K, family_config
+from fastgrpo.bench.family_checkpoints import MOE_EXPERTS, MOE_TOP_K, family_config
 
 
 def moe(seed: int = 0, dtype=torch.float32):
@@ -215,7 +215,7 @@ def test_replay_trains_on_the_engines_experts_and_brings_the_trainer_closer_to_t
     from fastgrpo.models.policy import load_policy
     from fastgrpo.trainers.torch_trainer import TorchPolicyTrainer
     from fastgrpo.types import SamplingParams
-    from tests.family_checkpoints import MOE_FAMILY, write_family_checkpoint
+    from fastgrpo.bench.family_checkpoints import MOE_FAMILY, write_family_checkpoint
 
     policy_dir = write_family_checkpoint(MOE_FAMILY, tmp_path / "moe", mlp_only_layers=[])
     batch = engine_batch(policy_dir)
@@ -242,7 +242,7 @@ def test_replay_on_a_dense_policy_is_refused_naming_the_key(tmp_path):
     from fastgrpo.models.policy import load_policy
     from fastgrpo.trainers.torch_trainer import TorchPolicyTrainer
     from fastgrpo.types import SamplingParams
-    from tests.family_checkpoints import write_family_checkpoint
+    from fastgrpo.bench.family_checkpoints import write_family_checkpoint
 
     dense = write_family_checkpoint("qwen3", tmp_path / "qwen3")
     with pytest.raises(ConfigError, match="trainer.routing_replay=rollout: the policy \\(qwen3\\) has no"):

@@ -47,7 +47,7 @@ def test_the_routing_sglang_records_is_the_embedded_engines(tmp_path):
     same, and returned none); after a push of other weights (the cache flushed) the record is the new
     weights' routing."""
     from fastgrpo.models.policy import load_policy
-    from tests.family_checkpoints import MOE_FAMILY, MOE_TOP_K, write_family_checkpoint
+    from fastgrpo.bench.family_checkpoints import MOE_FAMILY, MOE_TOP_K, write_family_checkpoint
 
     first = write_family_checkpoint(MOE_FAMILY, tmp_path / "moe", mlp_only_layers=[])
     second = write_family_checkpoint(MOE_FAMILY, tmp_path / "moe-2", seed=1, mlp_only_layers=[])
@@ -88,7 +88,7 @@ def test_routing_sglang_cannot_record_is_refused_naming_why(tmp_path, sglang):
     from fastgrpo.config import ConfigError
     from fastgrpo.engines.sglang.adapter import SGLangEngine
     from fastgrpo.models.policy import load_policy
-    from tests.family_checkpoints import MOE_FAMILY, write_family_checkpoint
+    from fastgrpo.bench.family_checkpoints import MOE_FAMILY, write_family_checkpoint
 
     replay = load_config(None, ["engine.backend=sglang", "trainer.routing_replay=rollout", "speculation.policy=off",
                                 "draft.online=off"])

@@ -1,15 +1,15 @@
-"""`aware` on batches whose rows all stop at one length (a bench's fixed-concurrency workload: EOS ignored,
-every row the same tokens), SIMULATED on `tests/test_aware_steps.py`'s step-cost truths. Speculation lets rows
-finish unevenly, and the last rows decode at fewer rows, where a step costs more a row (the tail), which plain
-decoding never has; a tree chosen for its rate a step at the batch's rows is not the best for the batch. Per
-truth, rows and length: the best tree a step at the full batch and its rate over plain decoding's; the best
-fixed choice over the whole batch (plain or a static tree, by its mean seconds over the seeds) and plain's
-time over it; `aware` (one object over a warm-up call and one call per seed, as `bench rollout` keeps it;
-told each row's tokens left before each step, as the engine tells it where EOS is ignored, or with `--unknown`
-told nothing: then it ranks trees by their goodput a step) against both, each a ratio of means over the same
-seeds, with the standard error of the per-seed ratios (a short batch's time varies by several percent from
-seed to seed, with the draws of acceptance): the batch's best over a step's best is what a step's rate costs
-as an objective; a step's best held fixed over aware, what aware's learning costs in the batch.
+"""`aware` on batches whose rows all stop at one length (a bench's fixed-concurrency workload: EOS ignored, every
+row the same tokens), SIMULATED on the step-cost truths of `fastgrpo/bench/simulate/truths.py`. Speculation lets
+rows finish unevenly, and the last rows decode at fewer rows, where a step costs more a row (the tail), which
+plain decoding never has; a tree chosen for its rate a step at the batch's rows is not the best for the batch.
+Per truth, rows and length: the best tree a step at the full batch and its rate over plain decoding's; the best
+fixed choice over the whole batch (plain or a static tree, by its mean seconds over the seeds) and plain's time
+over it; `aware` (one object over a warm-up call and one call per seed, as `bench rollout` keeps it; told each
+row's tokens left before each step, as the engine tells it where EOS is ignored, or with `--unknown` told
+nothing: then it ranks trees by their goodput a step) against both, each a ratio of means over the same seeds,
+with the standard error of the per-seed ratios (a short batch's time varies by several percent from seed to seed,
+with the draws of acceptance): the batch's best over a step's best is what a step's rate costs as an objective; a
+step's best held fixed over aware, what aware's learning costs in the batch.
 
     python tools/aware_fixed_length.py --rows 16,64 --tokens 48,128 --seeds 10 [--truths graphed,...] [--unknown]
 """
@@ -18,14 +18,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from test_aware_steps import TRUTHS, best_fixed, gpu_calibration, rollout_seconds  # noqa: E402
-
-from fastgrpo.speculation.policy import Aware, Off, Static, candidate_configs  # noqa: E402
+from fastgrpo.bench.simulate.truths import TRUTHS, best_fixed, gpu_calibration, rollout_seconds
+from fastgrpo.speculation.policy import Aware, Off, Static, candidate_configs
 
 
 def ratio(over: list[float], under: list[float]) -> tuple[float, float]:

@@ -1,5 +1,6 @@
-"""The GPU check's rollout stage, SIMULATED on `tests/test_aware_steps.py`'s step-cost truths: what its
-pass line (`aware` >= 0.97x the best fixed choice at every level) reads on a machine whose costs are known.
+"""The GPU check's rollout stage, SIMULATED on the step-cost truths of `fastgrpo/bench/simulate/truths.py`:
+what its pass line (`aware` >= 0.97x the best fixed choice at every level) reads on a machine whose costs are
+known.
 
 The check (fastgrpo/bench/gpu_check/rollout_sweep.py) keeps one `aware` through the whole stage: at each
 level of running sequences (1, 4, 16, 64, 256) a warm-up call and 3 timed calls of 64 tokens a row (EOS
@@ -26,16 +27,11 @@ import argparse
 import math
 import random
 import statistics
-import sys
 from collections import Counter
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from test_aware_steps import TRUTHS, gpu_calibration, rollout_seconds  # noqa: E402
-
-from fastgrpo.speculation.policy import Aware, Off, Static, candidate_configs  # noqa: E402
-from fastgrpo.speculation.spec import SpecConfig  # noqa: E402
+from fastgrpo.bench.simulate.truths import TRUTHS, gpu_calibration, rollout_seconds
+from fastgrpo.speculation.policy import Aware, Off, Static, candidate_configs
+from fastgrpo.speculation.spec import SpecConfig
 
 LINE = 0.97  # the check's pass line for aware over the best fixed choice
 

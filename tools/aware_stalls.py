@@ -1,9 +1,9 @@
-"""`aware` over short calls on a machine that stalls: SIMULATED steps of `tests/test_aware_steps.py`'s four
-step-cost truths, 3% noise on every step and a fraction of steps stalled (their time multiplied), a fresh
-`aware` for each of `--seeds` runs of `--steps` steps (a call of a bench's fixed-concurrency workload is
-50-130 steps, a shared CPU stalls single steps by 2-3x). Prints, per truth and running count, aware's
-throughput over the best fixed choice's (the stalls' mean cost charged to both): mean and least over the
-seeds, and aware's share of speculative steps (`--trace`: the least seed's steps by shape).
+"""`aware` over short calls on a machine that stalls: SIMULATED steps of the four step-cost truths of
+`fastgrpo/bench/simulate/truths.py`, 3% noise on every step and a fraction of steps stalled (their time
+multiplied), a fresh `aware` for each of `--seeds` runs of `--steps` steps (a call of a bench's fixed-concurrency
+workload is 50-130 steps, a shared CPU stalls single steps by 2-3x). Prints, per truth and running count, aware's
+throughput over the best fixed choice's (the stalls' mean cost charged to both): mean and least over the seeds,
+and aware's share of speculative steps (`--trace`: the least seed's steps by shape).
 
     python tools/aware_stalls.py --steps 200 --seeds 10 --stalls 0,0.03:2.5,0.1:2
 """
@@ -14,14 +14,9 @@ import argparse
 import itertools
 import math
 import random
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from test_aware_steps import TRUTHS, accepted, best_fixed, gpu_calibration  # noqa: E402
-
-from fastgrpo.speculation.policy import Aware  # noqa: E402
+from fastgrpo.bench.simulate.truths import TRUTHS, accepted, best_fixed, gpu_calibration
+from fastgrpo.speculation.policy import Aware
 
 
 def run(truth, running: int, steps: int, seed: int, chance: float, factor: float) -> tuple[float, float, str]:

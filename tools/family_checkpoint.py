@@ -1,5 +1,5 @@
 """A random-weight Hugging Face checkpoint of a served family at the bench policy's size: the family's
-config class, special tokens, chat template and generation_config stop ids (tests/family_checkpoints.py),
+config class, special tokens, chat template and generation_config stop ids (fastgrpo/bench/family_checkpoints.py),
 with a byte-level BPE vocabulary trained on the arithmetic task. It is the starting point of `fastgrpo sft`
 with `sft.init` for benchmarks in a real family's format (configs/tiny_cpu_qwen2.5.yaml, BENCHMARKS.md
 section 3c):
@@ -10,13 +10,10 @@ section 3c):
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests/ holds the families
-
-from fastgrpo.models.policy import SIZES  # noqa: E402
-from tests.family_checkpoints import FAMILY_NAMES, write_family_checkpoint  # noqa: E402
+from fastgrpo.bench.family_checkpoints import FAMILY_NAMES, write_family_checkpoint
+from fastgrpo.models.policy import SIZES
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """Each supported family computed as Hugging Face computes it, in every layer, measured on the tiny
-random-weight checkpoints of tests/family_checkpoints.py (fp32): the embedded engine's logits through
+random-weight checkpoints of fastgrpo/bench/family_checkpoints.py (fp32): the embedded engine's logits through
 its KV cache, the Megatron trainer's per-token log-probabilities at TP2 x PP2, and HF -> Megatron (TP2 x
 PP2) -> HF conversion. One JSON and one markdown table (BENCHMARKS.md section 11):
 
@@ -19,10 +19,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from fastgrpo.bench.family_checkpoints import FAMILY_NAMES, write_family_checkpoint
 
-from tests.family_checkpoints import FAMILY_NAMES, write_family_checkpoint  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def engine_vs_hf(path: Path) -> dict:
@@ -93,10 +92,10 @@ def megatron_vs_hf(dirs: dict[str, Path], work: Path) -> dict[str, float]:
 def round_trip(path: Path, work: Path) -> dict:
     from safetensors.torch import load_file
 
-    from tools import convert_checkpoint as cc
+    from fastgrpo.conversion.cli import main as convert
 
-    assert cc.main(["hf-to-megatron", "--hf", str(path), "--out", str(work / "mg"), "--tensor", "2", "--pipeline", "2"]) == 0
-    assert cc.main(["megatron-to-hf", "--megatron", str(work / "mg"), "--out", str(work / "back")]) == 0
+    assert convert(["hf-to-megatron", "--hf", str(path), "--out", str(work / "mg"), "--tensor", "2", "--pipeline", "2"]) == 0
+    assert convert(["megatron-to-hf", "--megatron", str(work / "mg"), "--out", str(work / "back")]) == 0
 
     def tensors(d: Path) -> dict:
         return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}

@@ -18,7 +18,8 @@ profiles and the draft's confidence), `workload` (GRPO batches and long tails), 
 engine's loop, step by step, and the policies it runs), `profile` (this machine's costs, measured on
 the engine), `validate` (the engine and the simulator on the same workloads), `gpu` (the simulated GPU
 cases), `shape` (`--model`: one config.json's shape on one simulated GPU, a MoE's experts priced, no
-CPU validation) and `command` (`bench simulate` itself, its plot and its table).
+CPU validation), `command` (`bench simulate` itself, its plot and its table) and, apart from the
+simulator, `truths` (step-cost truths `aware` is graded on by its tests and the tools/aware_* replays).
 """
 
 
