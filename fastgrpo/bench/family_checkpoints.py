@@ -113,6 +113,8 @@ def _corpus() -> list[str]:
 
 
 def family_tokenizer(family: str) -> PreTrainedTokenizerFast:
+    """The family's tokenizer: a byte-level BPE of 320 tokens trained on the arithmetic task's text, with the
+    family's special tokens, bos / eos / pad and chat template."""
     spec = TOKENS[family]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -130,6 +132,8 @@ def family_tokenizer(family: str) -> PreTrainedTokenizerFast:
 
 
 def family_config(family: str, vocab_size: int, bos_id: int | None, eos_id: int, pad_id: int | None) -> PretrainedConfig:
+    """The family's own transformers config class at a tiny size (hidden 64, 2 layers; the MoE 3), with the
+    family's structure: rope scaling, biases, q/k norms, head size, tied or untied head, experts."""
     sizes = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
                  bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, initializer_range=0.1)
@@ -148,7 +152,7 @@ def family_config(family: str, vocab_size: int, bos_id: int | None, eos_id: int,
                               moe_intermediate_size=32, num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K,
                               norm_topk_prob=True, mlp_only_layers=[1],
                               rope_parameters=dict(rope_type="default", rope_theta=1000000.0))
-    raise KeyError(f"no test checkpoint for family {family!r}; have {tuple(TOKENS)}")
+    raise KeyError(f"no tiny checkpoint for family {family!r}; have {tuple(TOKENS)}")
 
 
 def write_family_checkpoint(family: str, directory: str | Path, seed: int = 0, **changes) -> Path:
