@@ -117,7 +117,7 @@ class AwarePerSequence(Aware):
         gain: a single calibration factor misjudges depths)."""
         usual = self.costs.target(self._verified_tokens(config, running), rows=B)
         extra = self.costs.target_many(tokens, rows=B) - usual
-        seconds = np.maximum(self.predicted_seconds(config, running) + self._correction("off", running) * extra, 1e-9)
+        seconds = np.maximum(self.predicted_seconds(config, running) + self._correction(running) * extra, 1e-9)
         rate = (B + self.calibration * reach) / seconds
         best = int(rate.argmax())
         return len(rate) - 1 if rate[best] < rate[-1] * (1 + self.margin) else best

@@ -451,10 +451,10 @@ class Aware(Off):
         self.explore = explore  # probes of speculation rotate over the best `explore` shapes
         self.decay = correction_decay
         self.probe_every = probe_every
-        # a plain step's measured / calibrated time, per concurrency bucket (keyed ("off", bucket); a speculative
-        # step's is its bucket's step fit): the calibration's error differs between one sequence and sixty-four,
-        # so a factor learned at one must not move another
-        self.correction: dict[tuple[str, int], float] = {}
+        # a plain step's measured / calibrated time, per concurrency bucket (a speculative step's is its bucket's
+        # step fit): the calibration's error differs between one sequence and sixty-four, so a factor learned
+        # at one must not move another
+        self.correction: dict[int, float] = {}
         self._steps: Counter[tuple[str, int]] = Counter()  # (kind, bucket): steps measured (0: never)
         # steps in a bucket since each kind was last measured there: the kind not being chosen is
         # measured again (one probe step) after `probe_every` steps, so that a decision never rests for
@@ -545,14 +545,14 @@ class Aware(Off):
         values, rows = np.unique(np.ceil(counts / grain) * grain, return_counts=True)
         return values, rows.astype(np.float64)
 
-    def _correction(self, kind: str, running: int) -> float:
-        return self.correction.get((kind, self._bucket(running)), 1.0)
+    def _correction(self, running: int) -> float:
+        return self.correction.get(self._bucket(running), 1.0)
 
     def predicted_seconds(self, c: SpecConfig | None, running: int) -> float:
         if c is None:
-            return self._calibrated_seconds(None, running) * self._correction("off", running)
+            return self._calibrated_seconds(None, running) * self._correction(running)
         return self._fit(running).seconds(self._calibrated_seconds(c, running), c,
-                                          self._calibrated_seconds(None, running), self._correction("off", running))
+                                          self._calibrated_seconds(None, running), self._correction(running))
 
     def _fit(self, running: int) -> StepFit:
         return self._fit_of(self._bucket(running))
@@ -611,7 +611,7 @@ class Aware(Off):
         fixed rivals."""
         emitted = self._acceptance_moments()[0]
         forwards = self._calibrated_seconds_many(emitted, running)
-        plain, scale = self._calibrated_seconds(None, running), self._correction("off", running)
+        plain, scale = self._calibrated_seconds(None, running), self._correction(running)
         fit = self._fit(running)
         return running * emitted / fit.seconds_of(forwards, self.shapes.depth, self.shapes.nodes, plain, scale,
                                                   self.shapes.scatter(fit.residual))
@@ -667,7 +667,7 @@ class Aware(Off):
             b = self._bucket(n)
             b = b if self._steps["off", b] else self._bucket(running)
             fit = self._fitted(b if self._fit_of(b).shapes else self._bucket(running))
-            plain, scale = self._calibrated_seconds(None, n), self.correction.get(("off", b), 1.0)
+            plain, scale = self._calibrated_seconds(None, n), self.correction.get(b, 1.0)
             trees = fit.seconds_of(self._calibrated_seconds_many(emitted, n)[at], s.depth[at], s.nodes[at], plain,
                                    scale, s.scatter(fit.residual)[at])
             return np.concatenate([[plain * scale], trees])
@@ -694,7 +694,7 @@ class Aware(Off):
         """Bucket b's step fit, refit once a search cycle (at plain's correction there, the step's context)."""
         fit = self._fit_of(b)
         if b not in self._refit:
-            fit.fit(self.correction.get(("off", b), 1.0), self.context)
+            fit.fit(self.correction.get(b, 1.0), self.context)
             self._refit.add(b)
         return fit
 
@@ -895,11 +895,11 @@ class Aware(Off):
             # plain's first measurement in a bucket replaces the calibration; later ones are averaged
             # (`running_mean`: robust to stalls), a probe (rare, and the only fresh evidence on its kind) with
             # weight one half. moved: how far this step moved the running kind's evidence
-            current = self.correction.get(("off", b), 1.0)
+            current = self.correction.get(b, 1.0)
             updated = ratio if first else running_mean(current, self._steps["off", b] - 1, ratio,
                                                        0.5 if probe else 1 - self.decay)[0]
             moved = None if first else updated / current
-            self.correction[("off", b)] = updated
+            self.correction[b] = updated
         else:  # (clipped as the ratio is: beyond it the measurement is absurd, not the model wrong)
             pace = fit.pace(config)
             fresh, self._retaken = pace is None or config == self._retaken, None
@@ -912,7 +912,7 @@ class Aware(Off):
                 # plain decoding not yet measured here takes speculation's factor: a calibration is most
                 # likely off by a common scale (a busier or faster machine than during the sweep), and so
                 # the two stay comparable (a bucket's first step is plain when `aware` chooses it)
-                self.correction[("off", b)] = ratio
+                self.correction[b] = ratio
         if settled and moved is not None and not probe and self._steps[other, b]:
             # the machine's pace, read from the kind running, moves the evidence on what is not running:
             # a shared machine's speed drifts by tens of percent over seconds, and plain decoding measured
@@ -921,7 +921,7 @@ class Aware(Off):
             if config is None:
                 fit.follow(moved)
             else:
-                self.correction[("off", b)] *= moved
+                self.correction[b] *= moved
                 fit.follow(moved, config)
         if first and not self._steps[other, b]:
             self._forget_searches()  # (a first measurement replaces the calibration: searched again)

@@ -50,7 +50,7 @@ class PendingStates:
         positions = lengths[:B, None] - k + torch.arange(k)
         rows = torch.arange(B)[:, None].expand(B, k)
         self.put(rows.reshape(-1), positions.reshape(-1), hidden.reshape(B * k, -1), tokens.reshape(-1))
-        self._deferred.clear()
+        self.discard()
 
     def take(self, start: Tensor, width: int) -> tuple[Tensor, Tensor]:
         """States at positions start[b] .. start[b] + width - 1 of rows 0..B-1 (entries past a row's
