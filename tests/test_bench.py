@@ -249,3 +249,26 @@ def test_the_aware_trace_tool_splits_each_call_by_shape(tmp_path, tiny_policy, t
             assert name == "off" and v["tokens_a_row"] == 1.0 or name.startswith("d") and v["tokens_a_row"] >= 1.0
             assert v["rate"] == pytest.approx(v["tokens_a_row"] / v["ms"])
     assert json.loads((tmp_path / "trace.json").read_text()) == json.loads(json.dumps(rows))
+
+
+def test_the_rollout_modes_tool_accounts_for_aware_against_off(tmp_path, tiny_policy, tiny_draft):
+    """tools/rollout_modes.py at test size: every mode timed on every repetition, the static trees speculating
+    on every step and `off` on none; `net_split` against a hand-priced trace."""
+    from tools.rollout_modes import SPLIT, main, net_split
+
+    overrides = tiny_overrides(tmp_path, tiny_policy, **{"draft.path": tiny_draft, "rollout.prompts_per_step": 2,
+                                                         "speculation.cost_model_dir": tmp_path / "costs"})
+    out = main(["--config", "", "--reps", "2", "--threads", "1", *overrides])
+    assert set(out["modes"]) == {"off", "d2k2n4", "d4k4n12", "aware"}
+    assert out["modes"]["off"]["speculative"] == 0 and out["modes"]["off"]["accept_len"] == 1.0
+    assert out["modes"]["d2k2n4"]["speculative"] == out["modes"]["d4k4n12"]["speculative"] == 1.0
+    assert len(out["aware_accounting"]) == len(out["aware_net_split_s"]) == 2
+    # off's plain steps: 20 ms at 32 rows, 10 ms at 8; aware: a tree after plain at 30 rows (priced at 32's
+    # step), another after it, plain, then a tree after plain at 8 rows
+    off = [(32, "off", 32, 0.020), (32, "off", 32, 0.020), (8, "off", 8, 0.010)]
+    aware = [(30, "off", 30, 0.020), (30, "d2k2n4", 60, 0.060), (30, "d2k2n4", 90, 0.050), (8, "off", 8, 0.010),
+             (8, "d2k2n4", 24, 0.020)]
+    split = net_split(aware, off)
+    assert split[SPLIT[0]] == pytest.approx(0.060 - 2 * 0.020)  # 2 tokens a row: two plain steps
+    assert split[SPLIT[2]] == pytest.approx(0.050 - 3 * 0.020)  # 3 a row, cheaper than plain: negative
+    assert split[SPLIT[1]] == pytest.approx(0.020 - 3 * 0.010) and split[SPLIT[3]] == 0.0
