@@ -40,8 +40,8 @@ SPLIT = ("after plain, > 16 rows", "after plain, <= 16 rows", "after a tree, > 1
 
 def net_split(aware: list[tuple], off: list[tuple]) -> dict[str, float]:
     """Seconds aware's speculative steps took beyond the plain steps that would have emitted their tokens
-    (off's median step at the same running count, or the nearest one off ran), by `SPLIT`. Traces: (running,
-    config name, emitted, seconds) a step."""
+    (off's median step at the same running count, or the nearest one off ran), by `SPLIT`; a call's first
+    decode step counts as after plain. Traces: (running, config name, emitted, seconds) a step."""
     by_running: dict[int, list[float]] = {}
     for running, _, _, s in off:
         by_running.setdefault(running, []).append(s)
