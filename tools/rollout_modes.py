@@ -22,7 +22,7 @@ import argparse
 import json
 import statistics
 
-from fastgrpo.bench.guarantee import step_accounting
+from fastgrpo.bench.guarantee import plain_step_seconds, step_accounting
 from fastgrpo.bench.rollout import timed_generate
 from fastgrpo.config import load_config
 from fastgrpo.device import thread_count
@@ -42,16 +42,12 @@ def net_split(aware: list[tuple], off: list[tuple]) -> dict[str, float]:
     """Seconds aware's speculative steps took beyond the plain steps that would have emitted their tokens
     (off's median step at the same running count, or the nearest one off ran), by `SPLIT`; a call's first
     decode step counts as after plain. Traces: (running, config name, emitted, seconds) a step."""
-    by_running: dict[int, list[float]] = {}
-    for running, _, _, s in off:
-        by_running.setdefault(running, []).append(s)
-    plain = {b: statistics.median(v) for b, v in by_running.items()}
+    off_step = plain_step_seconds(off)
     out = dict.fromkeys(SPLIT, 0.0)
     previous = "off"
     for running, name, emitted, s in aware:
         if name != "off":
-            ref = plain[min(plain, key=lambda b: abs(b - running))]
-            out[SPLIT[2 * (previous != "off") + (running <= 16)]] += s - emitted / running * ref
+            out[SPLIT[2 * (previous != "off") + (running <= 16)]] += s - emitted / running * off_step(running)
         previous = name
     return out
 

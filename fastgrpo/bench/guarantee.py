@@ -42,6 +42,7 @@ import platform
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -144,6 +145,16 @@ def timed_block(engine, modes: dict, requests: list[Request], sampling: Sampling
     return out
 
 
+def plain_step_seconds(off: list[tuple]) -> Callable[[int], float]:
+    """Off's median plain step at a running count (engine traces: running, config, emitted, seconds), or at
+    the nearest count it ran: what the plain steps that would have emitted a speculative step's tokens cost."""
+    by_running: dict[int, list[float]] = {}
+    for running, _, _, s in off:
+        by_running.setdefault(running, []).append(s)
+    plain = {b: statistics.median(v) for b, v in by_running.items()}
+    return lambda running: plain[running] if running in plain else plain[min(plain, key=lambda b: abs(b - running))]
+
+
 def step_accounting(aware: list[tuple], off: list[tuple]) -> dict[str, float]:
     """Where aware's decode time went, against off's steps of the same block (engine traces: running,
     config, emitted, seconds): its plain steps over off's at the same running count (what deciding
@@ -155,15 +166,8 @@ def step_accounting(aware: list[tuple], off: list[tuple]) -> dict[str, float]:
     those, so they are counted apart (priced at off's steps of more rows, aware's plain steps read 0.73x
     off's in a block that had speculated on 90% of its steps, and the block's accounting contradicted
     its ratio)."""
-    by_running: dict[int, list[float]] = {}
-    for running, _, _, s in off:
-        by_running.setdefault(running, []).append(s)
-    plain = {b: statistics.median(v) for b, v in by_running.items()}
-    fewest = min(plain)
-
-    def off_step(running: int) -> float:
-        return plain[running] if running in plain else plain[min(plain, key=lambda b: abs(b - running))]
-
+    off_step = plain_step_seconds(off)
+    fewest = min(running for running, *_ in off)
     plain_s = plain_ref = spec_s = spec_ref = tail_s = 0.0
     for running, name, emitted, s in aware:
         if running < fewest:
